@@ -1,0 +1,32 @@
+# Two commands do all set-up on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3.11
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# Re-install only when the dependency files change (fast when already installed).
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha1sum | cut -c1-12)
+export JAX_PLATFORMS ?= cpu
+export TPU_ACCELERATOR_TYPE ?= v5litepod-1
+export TPU_WORKER_HOSTNAMES ?= localhost
+
+.PHONY: demo test test-slow install bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,aot]'
+	@rm -f $(VENV)/.installed-*
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/tpukernels demo
+
+test: $(STAMP)
+	$(PY) -m pytest -n 2 -q
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,1 @@
+"""Autotuner: tunable-space search, evaluators and the tuning database."""

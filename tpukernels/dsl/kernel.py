@@ -1,0 +1,402 @@
+"""The ``@tpu_kernel`` decorator and the kernel object it makes.
+
+A kernel is two Python functions:
+
+* the **body**: a Pallas kernel on refs, ``body(x_ref, y_ref, o_ref, *scratch_refs, **static)``;
+* the **launch function**, decorated with ``@tpu_kernel(body, ...)``: called with :class:`TensorSpec`
+  stand-ins for the tensor arguments (shape + dtype, no data), the static arguments and the chosen
+  config, it returns a :class:`Launch` (grid, BlockSpecs, out shapes, scratch, ...). Its annotated
+  signature *is* the torch op schema: ``torch.Tensor`` / ``Optional[torch.Tensor]`` parameters are tensor
+  inputs, ``int``/``float``/``bool``/``str`` parameters are static arguments (baked into the compiled
+  kernel), and keyword-only parameters named like a tunable receive the config value.
+
+Data flows one way: definition (this module) -> lowering (:mod:`tpukernels.lowering`) -> target
+(:mod:`tpukernels.targets`: cpu interpret, tpu via torch_tpu, compile-only chip) -> torch op
+(:mod:`tpukernels.torch_op`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import logging
+import threading
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import ArgumentError, ConfigError, KernelBodyError, KernelDefinitionError, TpuKernelError
+from .spec import Config, Launch, OutSpec, TensorSpec, Tunable, TunableSpace
+
+log = logging.getLogger("tpukernels.dispatch")
+
+DEFAULT_NAMESPACE = "tpukernels_user"
+
+#: Every kernel defined in this process, by ``"namespace::name"`` (what ``tpukernels list`` shows).
+REGISTRY: dict[str, "TpuKernel"] = {}
+
+#: Config resolvers consulted (in order) when a call gives no explicit config. Each is
+#: ``fn(kernel, specs, statics) -> (Config-like, source) | None``; the autotuner's database registers one.
+CONFIG_RESOLVERS: list[Callable] = []
+
+_STATIC_TYPES = (int, float, bool, str)
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+    """One parameter of a kernel's op signature."""
+
+    name: str
+    kind: str  # "tensor" | "opt_tensor" | "static"
+    annotation: Any
+    default: Any = inspect.Parameter.empty
+    keyword_only: bool = False
+
+
+def _classify(name: str, ann: Any) -> str:
+    import torch
+
+    if ann is torch.Tensor:
+        return "tensor"
+    origin, args = typing.get_origin(ann), typing.get_args(ann)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)) and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        if rest == [torch.Tensor]:
+            return "opt_tensor"
+        if len(rest) == 1 and rest[0] in _STATIC_TYPES:
+            return "static"
+    if ann in _STATIC_TYPES:
+        return "static"
+    raise KernelDefinitionError(
+        f"parameter {name!r}: annotation {ann!r} is not supported; use torch.Tensor, Optional[torch.Tensor], "
+        f"int, float, bool or str"
+    )
+
+
+def bucket(n: int) -> int:
+    """Row bucket for ``n`` rows: n rounded up to a multiple of ``max(8, 2**(bit_length(n-1) - 2))``.
+
+    Four buckets per power of two, so padding wastes at most 25% (e.g. 1025..1280 -> 1280).
+    """
+    if n <= 8:
+        return 8
+    step = max(8, 1 << max(0, (n - 1).bit_length() - 2))
+    return -(-n // step) * step
+
+
+class BackwardContext:
+    """What a backward function receives: the forward's arguments and outputs.
+
+    Attributes:
+        args: ``{name: value}`` of every op argument (tensors, None, static values).
+        outputs: tuple of the forward outputs (tensors).
+        needs_input_grad: ``{name: bool}`` for tensor arguments.
+    """
+
+    def __init__(self, args: dict, outputs: tuple, needs_input_grad: dict):
+        self.args = args
+        self.outputs = outputs
+        self.needs_input_grad = needs_input_grad
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.__dict__["args"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+@dataclasses.dataclass
+class Resolved:
+    """A call's resolved configuration and launch (what a lowering is built from)."""
+
+    specs: tuple  # TensorSpec | None per tensor param
+    statics: tuple  # (name, value) pairs
+    config: Config
+    source: str
+    launch: Launch
+
+
+class TpuKernel:
+    """A Pallas TPU kernel with its launch description, tunable space and torch op.
+
+    Call it with torch tensors (goes through ``torch.ops.<namespace>.<name>``, so autograd and
+    ``torch.compile`` see one op) or with jax arrays (runs the jax function directly).
+
+    Attributes:
+        name, namespace: the op is ``torch.ops.<namespace>.<name>``.
+        space: the :class:`TunableSpace` (introspectable by the autotuner).
+        params: the op signature as :class:`Param` objects.
+    """
+
+    def __init__(
+        self,
+        body: Callable,
+        launch_fn: Callable,
+        *,
+        name: str | None = None,
+        namespace: str = DEFAULT_NAMESPACE,
+        tunables: Mapping[str, Tunable] | None = None,
+        constraints: Sequence[Callable] = (),
+        heuristic: Callable | None = None,
+        rows: Sequence[str] = (),
+        out_shape: Callable | None = None,
+        reference: Callable | None = None,
+        register: bool = True,
+    ):
+        if not callable(body):
+            raise KernelDefinitionError(f"tpu_kernel: body must be a callable kernel on refs, got {body!r}")
+        self.body = body
+        self.launch_fn = launch_fn
+        self.name = name or launch_fn.__name__
+        self.namespace = namespace
+        self.qualname = f"{namespace}::{self.name}"
+        self.space = TunableSpace(tunables or {}, constraints)
+        self.heuristic = heuristic
+        self.out_shape_fn = out_shape
+        self.reference = reference
+        self.__doc__ = launch_fn.__doc__
+        self.__wrapped__ = launch_fn
+        self._backward: Callable | None = None
+        self._entries: dict = {}  # lowering cache (tpukernels.lowering.lower)
+        self._plans: dict = {}  # per-call plans of the torch targets
+        self._lock = threading.Lock()
+        self.params, self.return_annotation = self._parse_signature(launch_fn)
+        self.tensor_params = tuple(p for p in self.params if p.kind != "static")
+        self.rows = tuple(rows)
+        for r in self.rows:
+            if r not in {p.name for p in self.tensor_params}:
+                raise KernelDefinitionError(f"{self.qualname}: rows names {r!r}, which is not a tensor parameter")
+        body_sig = inspect.signature(body)
+        self._body_kw = {
+            n for n, p in body_sig.parameters.items() if p.kind in (p.KEYWORD_ONLY,) or p.kind == p.VAR_KEYWORD
+        }
+        self._body_var_kw = any(p.kind == p.VAR_KEYWORD for p in body_sig.parameters.values())
+        self.op = None
+        if register:
+            if self.qualname in REGISTRY:
+                raise KernelDefinitionError(
+                    f"tpu_kernel: {self.qualname} is already defined in this process; choose another name= or namespace="
+                )
+            from ..torch_op import register_op
+
+            self.op = register_op(self)
+            REGISTRY[self.qualname] = self
+
+    # ------------------------------------------------------------------ signature
+    def _parse_signature(self, fn: Callable):
+        sig = inspect.signature(fn)
+        try:
+            hints = typing.get_type_hints(fn)
+        except Exception as e:  # unresolved forward references
+            raise KernelDefinitionError(f"tpu_kernel {fn.__name__}: cannot resolve annotations: {e}") from e
+        params = []
+        tunable_names = set(self.space.names)
+        seen_tunables = set()
+        for pname, p in sig.parameters.items():
+            if pname in tunable_names:
+                if p.kind != p.KEYWORD_ONLY:
+                    raise KernelDefinitionError(
+                        f"tpu_kernel {fn.__name__}: tunable {pname!r} must be a keyword-only parameter (after *)"
+                    )
+                seen_tunables.add(pname)
+                continue
+            if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+                raise KernelDefinitionError(f"tpu_kernel {fn.__name__}: *args/**kwargs are not allowed ({pname})")
+            if pname == "config":
+                raise KernelDefinitionError(f"tpu_kernel {fn.__name__}: 'config' is reserved for the tuning config")
+            if pname not in hints:
+                raise KernelDefinitionError(
+                    f"tpu_kernel {fn.__name__}: parameter {pname!r} needs a type annotation (torch.Tensor, int, ...)"
+                )
+            kind = _classify(pname, hints[pname])
+            params.append(Param(pname, kind, hints[pname], p.default, p.kind == p.KEYWORD_ONLY))
+        missing = tunable_names - seen_tunables
+        if missing:
+            raise KernelDefinitionError(
+                f"tpu_kernel {fn.__name__}: tunables {sorted(missing)} must appear as keyword-only parameters"
+            )
+        ret = hints.get("return", inspect.Parameter.empty)
+        if ret is inspect.Parameter.empty:
+            raise KernelDefinitionError(
+                f"tpu_kernel {fn.__name__}: annotate the return type (torch.Tensor or tuple[torch.Tensor, ...])"
+            )
+        return tuple(params), ret
+
+    def bind(self, args: Sequence, kwargs: Mapping) -> list:
+        """Map a call's ``args``/``kwargs`` to the op's parameters in order (defaults applied).
+
+        Raises:
+            ArgumentError: wrong count, unknown or missing arguments.
+        """
+        values = []
+        args = list(args)
+        kwargs = dict(kwargs)
+        for p in self.params:
+            if args and not p.keyword_only:
+                values.append(args.pop(0))
+                if p.name in kwargs:
+                    raise ArgumentError(f"{self.qualname}: got multiple values for argument {p.name!r}")
+            elif p.name in kwargs:
+                values.append(kwargs.pop(p.name))
+            elif p.default is not inspect.Parameter.empty:
+                values.append(p.default)
+            else:
+                raise ArgumentError(f"{self.qualname}: missing required argument {p.name!r}")
+        if args:
+            raise ArgumentError(f"{self.qualname}: takes {len(self.params)} arguments but {len(self.params) + len(args)} were given")
+        if kwargs:
+            raise ArgumentError(f"{self.qualname}: unexpected keyword argument(s) {sorted(kwargs)}")
+        return values
+
+    # ------------------------------------------------------------------ config + launch
+    def resolve_config(self, specs: tuple, statics: tuple, config: Mapping | None) -> tuple[Config, str]:
+        """Pick the config: explicit -> registered resolvers (tuning DB) -> heuristic -> defaults.
+
+        Returns:
+            ``(config, source)`` with source one of ``"explicit"``, the resolver's label, ``"heuristic"``,
+            ``"default"``.
+
+        Raises:
+            ConfigError: an explicit config names unknown tunables or violates a constraint.
+        """
+        if config:
+            return self.space.complete(config), "explicit"
+        if not self.space.names:
+            return Config(), "default"
+        for resolver in CONFIG_RESOLVERS:
+            got = resolver(self, specs, statics)
+            if got is not None:
+                cfg, source = got
+                try:
+                    return self.space.complete(cfg), source
+                except ConfigError as e:  # stale DB entry: never fatal
+                    log.warning("%s: ignoring %s config %s: %s", self.qualname, source, cfg, e)
+        if self.heuristic is not None:
+            return self.space.complete(self.heuristic(*specs, **dict(statics))), "heuristic"
+        return self.space.default(), "default"
+
+    def make_launch(self, specs: tuple, statics: tuple, config: Config) -> Launch:
+        """Call the launch function; errors it raises become :class:`KernelBodyError` (typed ones pass)."""
+        try:
+            launch = self.launch_fn(*specs, **dict(statics), **dict(config))
+        except TpuKernelError:
+            raise
+        except Exception as e:
+            raise KernelBodyError(
+                f"{self.qualname}: launch function raised {type(e).__name__}: {e} "
+                f"(inputs {[None if s is None else (tuple(s.shape), np.dtype(s.dtype).name) for s in specs]}, config {config})"
+            ) from e
+        if not isinstance(launch, Launch):
+            raise KernelBodyError(f"{self.qualname}: launch function must return tpukernels.Launch, got {type(launch).__name__}")
+        return launch
+
+    def out_specs_for(self, specs: tuple, statics: tuple, config: Mapping | None = None) -> tuple:
+        """Output shapes/dtypes (used by the fake kernel; works with symbolic sizes)."""
+        cfg = self.space.complete(config) if config else self.space.default()
+        if self.out_shape_fn is not None:
+            out = self.out_shape_fn(*specs, **dict(statics))
+            return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        return self.make_launch(specs, statics, cfg).out_shapes
+
+    def body_for(self, statics: tuple, config: Config, launch: Launch) -> Callable:
+        """The body with its static keyword arguments bound, raising :class:`KernelBodyError` on errors."""
+        available = {**dict(statics), **dict(config), **dict(launch.body_kwargs)}
+        kw = available if self._body_var_kw else {k: v for k, v in available.items() if k in self._body_kw}
+        body, qualname = self.body, self.qualname
+
+        @functools.wraps(body)
+        def wrapped(*refs):
+            try:
+                return body(*refs, **kw)
+            except TpuKernelError:
+                raise
+            except Exception as e:
+                raise KernelBodyError(
+                    f"{qualname}: kernel body {getattr(body, '__name__', body)!r} raised {type(e).__name__}: {e}"
+                ) from e
+
+        return wrapped
+
+    # ------------------------------------------------------------------ entry points
+    def def_backward(self, fn: Callable) -> Callable:
+        """Attach a backward: ``fn(ctx: BackwardContext, *grad_outputs) -> {arg_name: grad}``.
+
+        The backward may call other tpukernels ops (or itself); the op becomes differentiable through
+        ``torch.library.register_autograd``. Returns ``fn`` so it can be used as a decorator.
+        """
+        self._backward = fn
+        if self.op is not None:
+            from ..torch_op import register_backward
+
+            register_backward(self)
+        return fn
+
+    def __call__(self, *args, config: Mapping | None = None, interpret: str | None = None, **kwargs):
+        """Run the kernel on torch tensors (via the torch op) or on jax arrays (directly).
+
+        Args:
+            config: tunable values for this call (partial is fine; the rest come from defaults).
+            interpret: ``"fast"`` or ``"tpu"`` for cpu runs of this call (see :mod:`tpukernels.dsl.modes`).
+        """
+        from ..targets import run_call
+
+        return run_call(self, args, kwargs, config=config, interpret=interpret)
+
+    def __repr__(self) -> str:
+        return f"<tpu_kernel {self.qualname} tunables={list(self.space.names)}>"
+
+
+def tpu_kernel(
+    body: Callable,
+    *,
+    name: str | None = None,
+    namespace: str = DEFAULT_NAMESPACE,
+    tunables: Mapping[str, Tunable] | None = None,
+    constraints: Sequence[Callable] = (),
+    heuristic: Callable | None = None,
+    rows: Sequence[str] = (),
+    out_shape: Callable | None = None,
+    reference: Callable | None = None,
+) -> Callable[[Callable], TpuKernel]:
+    """Decorate a launch function to make a :class:`TpuKernel` running ``body``.
+
+    Args:
+        body: the Pallas kernel on refs: ``body(*in_refs, *out_refs, *scratch_refs, **static)``. Keyword-only
+            parameters of the body receive static arguments and config values of the same name.
+        name: op name (default: the launch function's name); the op is ``torch.ops.<namespace>.<name>``.
+        namespace: torch library namespace (default ``"tpukernels_user"``; the shipped library uses
+            ``"tpukernels"``).
+        tunables: ``{name: Tunable(values, default)}``; each also a keyword-only launch parameter.
+        constraints: callables ``fn(config) -> bool | str`` restricting the tunable space.
+        heuristic: ``fn(*tensor_specs, **statics) -> dict`` shape-dependent default config.
+        rows: names of tensor parameters whose dim 0 is an independent row axis shared with every
+            output's dim 0. The row count is then padded (zeros) to :func:`bucket` sizes, so one compiled
+            kernel serves every row count of its bucket (``torch.compile(dynamic=True)`` and changing
+            batch sizes do not recompile); outputs are sliced back.
+        out_shape: optional ``fn(*tensor_specs, **statics) -> OutSpec | tuple`` for the fake kernel, when
+            the launch function does shape-dependent Python control flow.
+        reference: optional plain torch/jnp implementation (used by the autotuner's correctness check).
+
+    Raises:
+        KernelDefinitionError: unannotated parameters, tunables that are not keyword-only, a name
+            already defined in this process.
+    """
+
+    def deco(launch_fn: Callable) -> TpuKernel:
+        return TpuKernel(
+            body,
+            launch_fn,
+            name=name,
+            namespace=namespace,
+            tunables=tunables,
+            constraints=constraints,
+            heuristic=heuristic,
+            rows=rows,
+            out_shape=out_shape,
+            reference=reference,
+        )
+
+    return deco

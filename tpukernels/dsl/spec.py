@@ -1,0 +1,258 @@
+"""Data objects of the DSL: abstract tensors, tunables, configs and the launch description.
+
+A kernel's *launch function* receives :class:`TensorSpec` objects (shape + dtype, no data) and the chosen
+config, and returns a :class:`Launch`: everything ``pl.pallas_call`` needs besides the kernel body.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import ConfigError, KernelDefinitionError
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """An abstract tensor seen by a launch function.
+
+    Attributes:
+        shape: tuple of ints (SymInts while torch traces with dynamic shapes; launch functions should
+            only do arithmetic on them).
+        dtype: a numpy/jax dtype (``jnp.bfloat16``...), comparable with ``jnp`` dtypes.
+        name: the argument name in the kernel signature (for error messages).
+    """
+
+    shape: tuple
+    dtype: Any
+    name: str = ""
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod([int(s) for s in self.shape], dtype=np.int64))
+
+    @property
+    def itemsize(self) -> int:
+        return np.dtype(self.dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class OutSpec:
+    """Shape and dtype of one kernel output (what ``jax.ShapeDtypeStruct`` is to ``pallas_call``)."""
+
+    shape: tuple
+    dtype: Any
+
+
+def like(x: TensorSpec, dtype: Any = None, shape: Sequence | None = None) -> OutSpec:
+    """An output shaped like ``x`` (optionally with another ``dtype`` or ``shape``)."""
+    return OutSpec(tuple(x.shape if shape is None else shape), x.dtype if dtype is None else dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tunable:
+    """A tunable kernel parameter (e.g. a block size) with its candidate values.
+
+    Args:
+        values: candidate values the autotuner may search, in preference order.
+        default: value used when nothing else decides; must be one of ``values``.
+        doc: one line for ``tpukernels list`` and the docs.
+    """
+
+    values: tuple
+    default: Any = None
+    doc: str = ""
+
+    def __init__(self, values: Iterable, default: Any = None, doc: str = ""):
+        values = tuple(values)
+        if not values:
+            raise KernelDefinitionError("Tunable: values must not be empty")
+        if default is None:
+            default = values[0]
+        if default not in values:
+            raise KernelDefinitionError(f"Tunable: default {default!r} is not one of the values {values}")
+        object.__setattr__(self, "values", values)
+        object.__setattr__(self, "default", default)
+        object.__setattr__(self, "doc", doc)
+
+
+class Config(Mapping):
+    """An immutable, hashable assignment of values to a kernel's tunables.
+
+    Printable and JSON-serialisable (``Config.from_json(c.to_json()) == c``), so it can be pinned in
+    code, stored in a tuning database or passed on the command line.
+    """
+
+    __slots__ = ("_items",)
+
+    def __init__(self, mapping: Mapping | None = None, /, **kwargs: Any):
+        items = dict(mapping or {})
+        items.update(kwargs)
+        self._items = tuple(sorted(items.items()))
+
+    def __getitem__(self, key: str) -> Any:
+        for k, v in self._items:
+            if k == key:
+                return v
+        raise KeyError(key)
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return self[key]
+        except KeyError:
+            raise AttributeError(key) from None
+
+    def __iter__(self):
+        return (k for k, _ in self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __hash__(self) -> int:
+        return hash(self._items)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Config):
+            return self._items == other._items
+        if isinstance(other, Mapping):
+            return dict(self._items) == dict(other)
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return "Config(" + ", ".join(f"{k}={v!r}" for k, v in self._items) + ")"
+
+    def replace(self, **kwargs: Any) -> "Config":
+        return Config(dict(self._items), **kwargs)
+
+    def to_json(self) -> str:
+        return json.dumps(dict(self._items), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Config":
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ConfigError(f"config: expected a JSON object, got {text!r}")
+        return cls({k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+
+
+class TunableSpace:
+    """The tunables of one kernel and the constraints tying them together.
+
+    Args:
+        tunables: name -> :class:`Tunable`.
+        constraints: callables ``fn(config) -> bool | str``; ``False`` or a string (the reason) rejects a
+            config. They see only the config (shape-dependent rules belong in the launch function).
+    """
+
+    def __init__(self, tunables: Mapping[str, Tunable], constraints: Sequence[Callable] = ()):
+        for k, t in tunables.items():
+            if not isinstance(t, Tunable):
+                raise KernelDefinitionError(f"tunables[{k!r}] must be a tpukernels.Tunable, got {type(t).__name__}")
+        self.tunables = dict(tunables)
+        self.constraints = tuple(constraints)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.tunables)
+
+    def default(self) -> Config:
+        return Config({k: t.default for k, t in self.tunables.items()})
+
+    def violation(self, config: Config) -> str | None:
+        """The reason ``config`` is invalid, or None."""
+        unknown = set(config) - set(self.tunables)
+        if unknown:
+            return f"unknown tunable(s) {sorted(unknown)}; this kernel has {list(self.tunables)}"
+        missing = set(self.tunables) - set(config)
+        if missing:
+            return f"missing tunable(s) {sorted(missing)}"
+        for fn in self.constraints:
+            ok = fn(config)
+            if ok is False or isinstance(ok, str):
+                return ok if isinstance(ok, str) else f"violates constraint {getattr(fn, '__name__', fn)}"
+        return None
+
+    def complete(self, partial: Mapping | None) -> Config:
+        """Fill the tunables ``partial`` leaves out with their defaults and check the result.
+
+        Raises:
+            ConfigError: unknown tunable name or a violated constraint.
+        """
+        cfg = dict(self.default())
+        for k, v in (partial or {}).items():
+            if k not in self.tunables:
+                raise ConfigError(f"config: unknown tunable {k!r}; this kernel has {list(self.tunables)}")
+            cfg[k] = v
+        config = Config(cfg)
+        why = self.violation(config)
+        if why:
+            raise ConfigError(f"config {config}: {why}")
+        return config
+
+    def __iter__(self):
+        """Every config of the Cartesian product that satisfies the constraints."""
+        names = self.names
+        for values in itertools.product(*(self.tunables[n].values for n in names)):
+            cfg = Config(dict(zip(names, values)))
+            if self.violation(cfg) is None:
+                yield cfg
+
+    def size(self) -> int:
+        return int(np.prod([len(t.values) for t in self.tunables.values()], dtype=np.int64))
+
+    def __repr__(self) -> str:
+        return f"TunableSpace({ {k: t.values for k, t in self.tunables.items()} })"
+
+
+@dataclasses.dataclass
+class Launch:
+    """How to launch a Pallas kernel body: the arguments of ``pl.pallas_call`` minus the body.
+
+    Attributes:
+        grid: tuple of grid extents (a zero extent means the kernel does not run; outputs are zeros).
+        in_specs: one ``pl.BlockSpec`` per kernel input (tensor arguments, in signature order; scalar
+            prefetch operands first and excluded here, as in ``PrefetchScalarGridSpec``).
+        out_specs: one BlockSpec, or a sequence matching ``out_shape``.
+        out_shape: an :class:`OutSpec` / ``jax.ShapeDtypeStruct``, or a tuple of them.
+        scratch_shapes: ``pltpu.VMEM((..), dtype)`` / ``pltpu.SMEM`` / semaphores, as in Pallas.
+        num_scalar_prefetch: leading tensor arguments passed to SMEM and to every index_map.
+        dimension_semantics: per grid axis ``"parallel"`` / ``"arbitrary"``; defaults to all
+            ``"arbitrary"`` (Mosaic's own default).
+        vmem_limit_bytes: Mosaic scoped-VMEM limit for this kernel, bytes (None: chip default).
+        input_output_aliases: ``{input_index: output_index}`` as in ``pallas_call``.
+        cost_estimate: optional ``pl.CostEstimate`` (flops, transcendentals, bytes_accessed) for XLA.
+        body_kwargs: extra static keyword arguments for the body.
+    """
+
+    grid: tuple
+    in_specs: Sequence
+    out_specs: Any
+    out_shape: Any
+    scratch_shapes: Sequence = ()
+    num_scalar_prefetch: int = 0
+    dimension_semantics: Sequence[str] | None = None
+    vmem_limit_bytes: int | None = None
+    input_output_aliases: Mapping[int, int] = dataclasses.field(default_factory=dict)
+    cost_estimate: Any = None
+    body_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def out_shapes(self) -> tuple:
+        return tuple(self.out_shape) if isinstance(self.out_shape, (tuple, list)) else (self.out_shape,)
+
+    @property
+    def out_spec_list(self) -> tuple:
+        return tuple(self.out_specs) if isinstance(self.out_specs, (tuple, list)) else (self.out_specs,)
+
+    @property
+    def multiple_outputs(self) -> bool:
+        return isinstance(self.out_shape, (tuple, list))

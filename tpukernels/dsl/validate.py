@@ -1,0 +1,214 @@
+"""Checks run on a launch description before anything is lowered.
+
+* Block-shape rules of the Pallas TPU lowering (``jax/_src/pallas/mosaic/lowering.py``,
+  ``_check_block_mappings``): for rank >= 2 the last block dim is a multiple of 128 or the full array dim,
+  the second-to-last a multiple of 8 or the full dim; rank-1 blocks are the full dim, a multiple of
+  ``8 * 128``, or a power of two >= ``128 * (32 // bitwidth)``. Violations raise :class:`BlockShapeError`.
+* Packing (performance only): 16-bit dtypes pack 16 rows per (8, 128) vreg tile and 8-bit dtypes 32, so
+  a bf16 block of 8 rows wastes half of every load; this emits a :class:`PerformanceWarning`.
+* VMEM footprint: every VMEM-resident block is allocated ``buffer_count`` times (2 by default: Pallas
+  double-buffers the pipeline), padded to the (sublane x 128) tile of its dtype, plus the VMEM scratch
+  shapes. Compared with the chip's scoped limit (``vmem_limit_bytes`` or the chip default) and its
+  physical capacity; over either raises :class:`VmemError`. The estimate matches Mosaic exactly for
+  plain blocked kernels (see ``tests/test_validate.py::test_vmem_estimate_matches_compiler``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..chips import Chip, MiB
+from ..errors import BlockShapeError, PerformanceWarning, VmemError
+
+LANES = 128
+SUBLANES = 8
+
+
+def _is_static(v) -> bool:
+    return isinstance(v, (int, np.integer))
+
+
+def block_dims(block_shape: Sequence) -> tuple[int, ...]:
+    """Block shape with squeezed (``None`` / ``pl.Squeezed()``) dims as 1 and ``pl.Blocked(n)`` as n."""
+    out = []
+    for d in block_shape:
+        if d is None:
+            out.append(1)
+        elif _is_static(d):
+            out.append(int(d))
+        elif hasattr(d, "block_size"):
+            out.append(int(d.block_size))
+        else:  # pl.Squeezed()
+            out.append(1)
+    return tuple(out)
+
+
+def _memory_space_name(spec) -> str:
+    ms = getattr(spec, "memory_space", None)
+    return "" if ms is None else str(ms).lower()
+
+
+def is_vmem_block(spec) -> bool:
+    """True for specs whose blocks are pipelined through VMEM (the default memory space)."""
+    ms = _memory_space_name(spec)
+    return not any(s in ms for s in ("any", "hbm", "smem", "semaphore"))
+
+
+def sublane_tile(dtype) -> int:
+    """Rows of one native (sublane, 128) tile: 8 for 32-bit, 16 for 16-bit, 32 for 8-bit dtypes."""
+    bits = np.dtype(dtype).itemsize * 8
+    return SUBLANES * max(1, 32 // bits)
+
+
+def padded_bytes(shape: Sequence[int], dtype) -> int:
+    """Bytes of one VMEM buffer of ``shape``: minor dim padded to 128 lanes, second-minor to the tile."""
+    dims = list(shape) or [1]
+    dims[-1] = -(-dims[-1] // LANES) * LANES
+    if len(dims) >= 2:
+        t = sublane_tile(dtype)
+        dims[-2] = -(-dims[-2] // t) * t
+    return int(np.prod(dims, dtype=np.int64)) * np.dtype(dtype).itemsize
+
+
+def check_block(spec, array_shape: Sequence[int], dtype, where: str) -> None:
+    """Check one BlockSpec against its array; raise :class:`BlockShapeError` naming ``where``.
+
+    Args:
+        spec: a ``pl.BlockSpec``.
+        array_shape: full shape of the operand it tiles.
+        dtype: the operand's dtype.
+        where: e.g. ``"in_specs[1] (y)"`` for the message.
+    """
+    if not is_vmem_block(spec) or spec.block_shape is None:
+        return
+    bs = block_dims(spec.block_shape)
+    shp = tuple(int(s) for s in array_shape)
+    if len(bs) != len(shp):
+        raise BlockShapeError(
+            f"{where}: block shape {tuple(spec.block_shape)} has rank {len(bs)} but the array {shp} has rank {len(shp)}"
+        )
+    name = np.dtype(dtype).name
+    if len(bs) >= 2:
+        (b1, b0), (a1, a0) = bs[-2:], shp[-2:]
+        if not (b0 == a0 or b0 % LANES == 0) or not (b1 == a1 or b1 % SUBLANES == 0):
+            raise BlockShapeError(
+                f"{where}: block {bs[-2:]} violates the ({SUBLANES},{LANES}) rule for {name} array {shp}: "
+                f"the last block dim must be a multiple of {LANES} or equal {a0}, the second-to-last a multiple "
+                f"of {SUBLANES} or equal {a1}"
+            )
+        tile = sublane_tile(dtype)
+        if b1 != a1 and b1 % tile != 0:
+            warnings.warn(
+                f"{where}: {name} block rows {b1} are not a multiple of {tile}; {name} packs {tile} rows per "
+                f"(8,128) tile, so every load of this block is partly empty",
+                PerformanceWarning,
+                stacklevel=4,
+            )
+    else:
+        (b0,), (a0,) = bs, shp
+        min_tiling = LANES * max(1, 32 // (np.dtype(dtype).itemsize * 8))
+        if not (b0 == a0 or b0 % (SUBLANES * LANES) == 0 or (b0 >= min_tiling and b0 & (b0 - 1) == 0)):
+            raise BlockShapeError(
+                f"{where}: rank-1 block ({b0},) on {name} array {shp} must equal the array length, be a "
+                f"multiple of {SUBLANES * LANES}, or be a power of two >= {min_tiling}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class VmemEstimate:
+    """Estimated VMEM footprint of one kernel launch, in bytes.
+
+    Attributes:
+        blocks_bytes: pipelined in/out blocks, times their buffer count.
+        scratch_bytes: VMEM scratch shapes.
+        total_bytes: the sum.
+        detail: (label, bytes) per contributor, largest first.
+    """
+
+    blocks_bytes: int
+    scratch_bytes: int
+    detail: tuple
+
+    @property
+    def total_bytes(self) -> int:
+        return self.blocks_bytes + self.scratch_bytes
+
+    def __str__(self) -> str:
+        return f"{self.total_bytes / MiB:.2f} MiB"
+
+
+def estimate_vmem(specs_and_arrays, scratch_shapes: Sequence = ()) -> VmemEstimate:
+    """Estimate the VMEM footprint of a launch.
+
+    Args:
+        specs_and_arrays: iterable of ``(label, BlockSpec, array_shape, dtype)`` for inputs and outputs.
+        scratch_shapes: the launch's scratch shapes (``pltpu.VMEM`` entries count; SMEM/semaphores don't).
+    """
+    detail = []
+    blocks = 0
+    for label, spec, shape, dtype in specs_and_arrays:
+        if not is_vmem_block(spec):
+            continue
+        bshape = shape if spec.block_shape is None else block_dims(spec.block_shape)
+        nbuf = 2
+        pm = getattr(spec, "pipeline_mode", None)
+        if pm is not None and getattr(pm, "buffer_count", None):
+            nbuf = int(pm.buffer_count)
+        b = nbuf * padded_bytes([int(s) for s in bshape], dtype)
+        blocks += b
+        detail.append((f"{label} {tuple(int(s) for s in bshape)} x{nbuf}", b))
+    scratch = 0
+    for i, s in enumerate(scratch_shapes):
+        ms = str(getattr(s, "memory_space", "")).lower()
+        shape = getattr(s, "shape", None)
+        dtype = getattr(s, "dtype", None)
+        if shape is None or dtype is None or "smem" in ms or "sem" in ms:
+            continue
+        b = padded_bytes([int(d) for d in shape], dtype)
+        scratch += b
+        detail.append((f"scratch[{i}] {tuple(shape)}", b))
+    detail.sort(key=lambda t: -t[1])
+    return VmemEstimate(blocks, scratch, tuple(detail))
+
+
+def check_vmem(est: VmemEstimate, chip: Chip, vmem_limit_bytes: int | None, kernel: str) -> None:
+    """Raise :class:`VmemError` if ``est`` exceeds the chip's scoped limit or physical capacity."""
+    cap = chip.vmem_capacity_bytes
+    top = ", ".join(f"{label}: {b / MiB:.2f} MiB" for label, b in est.detail[:3])
+    if vmem_limit_bytes is not None and vmem_limit_bytes > cap:
+        raise VmemError(
+            f"{kernel}: vmem_limit_bytes {vmem_limit_bytes / MiB:.0f} MiB > {cap / MiB:.0f} MiB VMEM on {chip.name}"
+        )
+    if est.total_bytes > cap:
+        raise VmemError(
+            f"{kernel}: VMEM {est.total_bytes / MiB:.2f} MiB > {cap / MiB:.0f} MiB on {chip.name} "
+            f"(largest: {top}); use smaller blocks"
+        )
+    limit = vmem_limit_bytes if vmem_limit_bytes is not None else chip.default_scoped_vmem_bytes
+    if est.total_bytes > limit:
+        how = (
+            f"raise vmem_limit_bytes (at most {cap / MiB:.0f} MiB)"
+            if vmem_limit_bytes is None
+            else "raise vmem_limit_bytes or use smaller blocks"
+        )
+        raise VmemError(
+            f"{kernel}: VMEM {est.total_bytes / MiB:.2f} MiB > scoped limit {limit / MiB:.0f} MiB on {chip.name} "
+            f"(largest: {top}); {how}"
+        )
+
+
+def grid_is_empty(grid: Sequence) -> bool:
+    return any(_is_static(g) and int(g) == 0 for g in grid)
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division ``ceil(a / b)`` for ints (and SymInts)."""
+    return -(-a // b)
+
+
+__all__ = ["check_block", "estimate_vmem", "check_vmem", "VmemEstimate", "padded_bytes", "sublane_tile", "cdiv", "math"]

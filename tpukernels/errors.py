@@ -1,0 +1,60 @@
+"""Typed errors raised by tpukernels.
+
+Every error names the argument (or kernel / chip) at fault and the rule it broke, and is raised before
+any compilation where the information exists. All derive from :class:`TpuKernelError` (a ``ValueError``
+so that generic callers that catch bad-input ``ValueError`` keep working).
+"""
+
+from __future__ import annotations
+
+
+class TpuKernelError(ValueError):
+    """Base class of every tpukernels error."""
+
+
+class KernelDefinitionError(TpuKernelError):
+    """The ``@tpu_kernel`` definition itself is malformed (annotations, tunables, names)."""
+
+
+class ArgumentError(TpuKernelError):
+    """A call argument breaks a rule: rank, shape agreement, count, or a static value out of range."""
+
+
+class DTypeError(ArgumentError):
+    """A tensor argument has a dtype the kernel or the TPU cannot handle (e.g. float64, int64)."""
+
+
+class DeviceError(ArgumentError):
+    """Tensor arguments live on an unsupported device, or on different devices."""
+
+
+class ConfigError(TpuKernelError):
+    """A tuning config names an unknown tunable, or violates a declared constraint."""
+
+
+class BlockShapeError(TpuKernelError):
+    """A BlockSpec's block shape breaks the TPU (8, 128) tiling rule for its array."""
+
+
+class VmemError(TpuKernelError):
+    """The estimated (or compiler-reported) VMEM footprint exceeds the chip's capacity or scoped limit."""
+
+
+class ChipError(TpuKernelError):
+    """Unknown TPU chip name, or a feature the chip does not have."""
+
+
+class KernelBodyError(TpuKernelError):
+    """The user's kernel body (or launch function) raised while tpukernels traced it."""
+
+
+class LoweringError(TpuKernelError):
+    """Pallas / Mosaic rejected the kernel while lowering or compiling it."""
+
+
+class BackendUnavailableError(TpuKernelError, ImportError):
+    """An optional backend (libtpu for compile-only, torch_tpu for TPU tensors) is not installed."""
+
+
+class PerformanceWarning(UserWarning):
+    """A legal but slow choice, e.g. a bf16 block whose row count is not a multiple of 16."""

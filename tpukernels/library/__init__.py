@@ -1,0 +1,1 @@
+"""Tuned kernel library (attention, matmul, normalization)."""

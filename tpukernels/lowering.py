@@ -1,0 +1,257 @@
+"""Lowering: kernel + config + input signature -> a validated JAX function around ``pl.pallas_call``.
+
+``lower(kernel, specs, statics, config, mode)`` resolves the config, runs the launch function, checks the
+launch (block rules, VMEM against a chip) and builds the jitted function, once per cache key
+``(shapes, dtypes, static args, config, mode, chip)``; later calls with the same key reuse it.
+
+Modes: ``"fast"`` / ``"tpu"`` (cpu interpret modes, see :mod:`tpukernels.dsl.modes`) and ``"mosaic"``
+(real Mosaic lowering, for TPU devices, compile-only chips and ``jax.export``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from .chips import Chip, target_chip_from_env
+from .dsl.dtypes import check_jax_dtype
+from .dsl.kernel import Resolved, TpuKernel
+from .dsl.modes import interpret_value
+from .dsl.spec import Config, OutSpec, TensorSpec
+from .dsl.validate import VmemEstimate, check_block, check_vmem, estimate_vmem, grid_is_empty
+from .errors import ArgumentError, BlockShapeError, KernelBodyError, LoweringError, TpuKernelError
+
+log = logging.getLogger("tpukernels.dispatch")
+
+
+@dataclasses.dataclass
+class Lowered:
+    """One kernel specialised to a signature, config and mode.
+
+    Attributes:
+        fn: jitted JAX function ``fn(*arrays) -> tuple[jax.Array, ...]`` (arrays: the non-None tensor
+            arguments in signature order).
+        arg_structs: ``jax.ShapeDtypeStruct`` per array argument.
+        out_structs: ``jax.ShapeDtypeStruct`` per output.
+        vmem: the VMEM estimate of the launch.
+        empty_grid: True when the grid has a zero extent (outputs are zeros, nothing runs).
+    """
+
+    kernel: TpuKernel
+    resolved: Resolved
+    mode: str
+    fn: Any
+    arg_structs: tuple
+    out_structs: tuple
+    vmem: VmemEstimate
+    empty_grid: bool
+    _compiled: Any = None
+
+    @property
+    def config(self) -> Config:
+        return self.resolved.config
+
+    def compiled(self):
+        """The fn compiled for the default (cpu) backend, compiled once; errors become LoweringError."""
+        if self._compiled is None:
+            try:
+                self._compiled = self.fn.lower(*self.arg_structs).compile()
+            except TpuKernelError:
+                raise
+            except Exception as e:
+                raise LoweringError(f"{self.kernel.qualname}: Pallas could not lower the kernel: {e}") from e
+        return self._compiled
+
+
+def _struct(x) -> Any:
+    import jax
+
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return x
+    return jax.ShapeDtypeStruct(tuple(int(s) for s in x.shape), x.dtype)
+
+
+def validate(kernel: TpuKernel, resolved: Resolved, chip: Chip | None) -> VmemEstimate:
+    """Check a launch before lowering: spec counts, block rules, VMEM on ``chip`` (if given).
+
+    Raises:
+        KernelBodyError: in_specs / out_specs counts do not match the arguments / outputs.
+        BlockShapeError, VmemError: see :mod:`tpukernels.dsl.validate`.
+    """
+    launch = resolved.launch
+    present = [s for s in resolved.specs if s is not None]
+    n_pref = launch.num_scalar_prefetch
+    blocked = present[n_pref:]
+    in_specs = list(launch.in_specs)
+    if len(in_specs) != len(blocked):
+        raise KernelBodyError(
+            f"{kernel.qualname}: launch gave {len(in_specs)} in_specs for {len(blocked)} blocked tensor inputs "
+            f"({[s.name for s in blocked]})"
+        )
+    outs = launch.out_shapes
+    out_specs = launch.out_spec_list
+    if len(out_specs) != len(outs):
+        raise KernelBodyError(f"{kernel.qualname}: launch gave {len(out_specs)} out_specs for {len(outs)} outputs")
+    for o in outs:
+        check_jax_dtype(o.dtype, f"{kernel.qualname} output")
+    items = []
+    for spec, s in zip(in_specs, blocked):
+        where = f"{kernel.qualname} in_specs for {s.name!r}"
+        check_block(spec, s.shape, s.dtype, where)
+        items.append((s.name, spec, s.shape, s.dtype))
+    for i, (spec, o) in enumerate(zip(out_specs, outs)):
+        where = f"{kernel.qualname} out_specs[{i}]"
+        check_block(spec, o.shape, o.dtype, where)
+        items.append((f"out[{i}]", spec, o.shape, o.dtype))
+    if launch.dimension_semantics is not None and len(launch.dimension_semantics) != len(launch.grid):
+        raise KernelBodyError(
+            f"{kernel.qualname}: dimension_semantics {tuple(launch.dimension_semantics)} has "
+            f"{len(launch.dimension_semantics)} entries for a grid of rank {len(launch.grid)}"
+        )
+    est = estimate_vmem(items, launch.scratch_shapes)
+    if chip is not None:
+        check_vmem(est, chip, launch.vmem_limit_bytes, kernel.qualname)
+    return est
+
+
+def build_fn(kernel: TpuKernel, resolved: Resolved, mode: str):
+    """The JAX function for a resolved launch (not yet jitted)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    launch = resolved.launch
+    out_structs = tuple(jax.ShapeDtypeStruct(tuple(int(d) for d in o.shape), o.dtype) for o in launch.out_shapes)
+    if grid_is_empty(launch.grid):
+
+        def zeros(*arrays):
+            return tuple(jnp.zeros(o.shape, o.dtype) for o in out_structs)
+
+        return zeros, out_structs
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=launch.num_scalar_prefetch,
+        grid=tuple(int(g) for g in launch.grid),
+        in_specs=list(launch.in_specs),
+        out_specs=list(launch.out_spec_list) if launch.multiple_outputs else launch.out_spec_list[0],
+        scratch_shapes=list(launch.scratch_shapes),
+    )
+    params = pltpu.CompilerParams(
+        dimension_semantics=tuple(launch.dimension_semantics) if launch.dimension_semantics else None,
+        vmem_limit_bytes=launch.vmem_limit_bytes,
+    )
+    call = pl.pallas_call(
+        kernel.body_for(resolved.statics, resolved.config, launch),
+        grid_spec=grid_spec,
+        out_shape=list(out_structs) if launch.multiple_outputs else out_structs[0],
+        compiler_params=params,
+        input_output_aliases=dict(launch.input_output_aliases),
+        interpret=interpret_value(mode),
+        cost_estimate=launch.cost_estimate,
+        name=kernel.name,
+    )
+
+    def fn(*arrays):
+        out = call(*arrays)
+        return tuple(out) if launch.multiple_outputs else (out,)
+
+    return fn, out_structs
+
+
+def resolve(kernel: TpuKernel, specs: tuple, statics: tuple, config: Mapping | None) -> Resolved:
+    """Resolve the config and run the launch function for one signature."""
+    for s in specs:
+        if s is not None:
+            check_jax_dtype(s.dtype, f"{kernel.qualname} argument {s.name!r}")
+    cfg, source = kernel.resolve_config(specs, statics, config)
+    launch = kernel.make_launch(specs, statics, cfg)
+    log.debug("%s: config %s (%s) for %s", kernel.qualname, cfg, source, [None if s is None else s.shape for s in specs])
+    return Resolved(specs, statics, cfg, source, launch)
+
+
+def lower(
+    kernel: TpuKernel,
+    specs: Sequence[TensorSpec | None],
+    statics: Sequence[tuple[str, Any]] = (),
+    config: Mapping | None = None,
+    mode: str = "fast",
+    chip: Chip | None = None,
+) -> Lowered:
+    """Lower ``kernel`` for one signature; cached per (specs, statics, config, mode, chip).
+
+    Args:
+        specs: one :class:`TensorSpec` (or None for an absent optional tensor) per tensor parameter.
+        statics: ``(name, value)`` per static parameter, in signature order.
+        config: explicit (possibly partial) config, or None to let dispatch pick.
+        mode: ``"fast"``, ``"tpu"`` (cpu interpret) or ``"mosaic"``.
+        chip: check VMEM against this chip (default: ``TPUKERNELS_TARGET_CHIP`` for cpu modes).
+
+    Raises:
+        DTypeError, ConfigError, BlockShapeError, VmemError, KernelBodyError: before any lowering.
+    """
+    import jax
+
+    specs = tuple(specs)
+    statics = tuple(statics)
+    cfg_key = None if not config else Config(config)
+    if chip is None and mode != "mosaic":
+        chip = target_chip_from_env()
+    key = (
+        tuple(None if s is None else (tuple(int(d) for d in s.shape), np.dtype(s.dtype).name) for s in specs),
+        statics,
+        cfg_key,
+        mode,
+        None if chip is None else chip.name,
+    )
+    hit = kernel._entries.get(key)
+    if hit is not None:
+        return hit
+    resolved = resolve(kernel, specs, statics, config)
+    vmem = validate(kernel, resolved, chip)
+    fn, out_structs = build_fn(kernel, resolved, mode)
+    arg_structs = tuple(jax.ShapeDtypeStruct(tuple(int(d) for d in s.shape), s.dtype) for s in specs if s is not None)
+    low = Lowered(kernel, resolved, mode, jax.jit(fn), arg_structs, out_structs, vmem, grid_is_empty(resolved.launch.grid))
+    with kernel._lock:
+        kernel._entries[key] = low
+    return low
+
+
+def specs_from_values(kernel: TpuKernel, values: Sequence) -> tuple[tuple, tuple]:
+    """Split bound op arguments into (TensorSpec-or-None per tensor param, (name, value) statics).
+
+    Accepts torch tensors, jax arrays, ``jax.ShapeDtypeStruct`` and :class:`TensorSpec` for tensors.
+
+    Raises:
+        ArgumentError: a tensor parameter got a non-tensor, or a static parameter a tensor.
+    """
+    from .dsl.dtypes import to_jax_dtype
+
+    specs, statics = [], []
+    for p, v in zip(kernel.params, values):
+        if p.kind == "static":
+            if hasattr(v, "shape") and hasattr(v, "dtype"):
+                raise ArgumentError(f"{kernel.qualname}: argument {p.name!r} is static ({p.annotation}), got a tensor")
+            statics.append((p.name, v))
+            continue
+        if v is None:
+            if p.kind == "tensor":
+                raise ArgumentError(f"{kernel.qualname}: argument {p.name!r} is a required tensor, got None")
+            specs.append(None)
+            continue
+        if isinstance(v, TensorSpec):
+            specs.append(TensorSpec(tuple(v.shape), v.dtype, p.name))
+            continue
+        if not (hasattr(v, "shape") and hasattr(v, "dtype")):
+            raise ArgumentError(f"{kernel.qualname}: argument {p.name!r} must be a tensor, got {type(v).__name__}")
+        dt = v.dtype
+        if type(dt).__module__.startswith("torch"):
+            dt = to_jax_dtype(dt, f"{kernel.qualname} argument {p.name!r}")
+        specs.append(TensorSpec(tuple(v.shape), np.dtype(dt), p.name))
+    return tuple(specs), tuple(statics)
+
+
+__all__ = ["Lowered", "lower", "resolve", "validate", "build_fn", "specs_from_values", "OutSpec", "BlockShapeError"]

@@ -1,0 +1,139 @@
+"""Targets a lowered kernel runs on: ``cpu`` (Pallas interpret), ``tpu`` (torch_tpu) and compile-only chips.
+
+:func:`run_call` is what ``kernel(...)`` does: torch tensors go through the registered torch op (whose
+cpu / PrivateUse1 kernels call :func:`run_torch`), jax arrays run the jitted JAX function directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ..dsl.kernel import TpuKernel, bucket
+from ..dsl.modes import current_interpret_mode, interpret_mode
+from ..dsl.spec import TensorSpec
+from ..errors import ArgumentError, DeviceError
+from ..lowering import Lowered, lower, specs_from_values
+
+
+def _is_torch_tensor(v) -> bool:
+    return type(v).__module__.startswith("torch") and hasattr(v, "device") and hasattr(v, "dtype")
+
+
+def run_call(kernel: TpuKernel, args: Sequence, kwargs: Mapping, *, config=None, interpret=None):
+    """``kernel(*args, **kwargs)``: dispatch to the torch op or to the JAX path."""
+    values = kernel.bind(args, kwargs)
+    ctx = interpret_mode(interpret) if interpret else contextlib.nullcontext()
+    with ctx:
+        if any(_is_torch_tensor(v) for v in values):
+            cfg = None if not config else json.dumps(dict(config), sort_keys=True)
+            pos = [v for p, v in zip(kernel.params, values) if not p.keyword_only]
+            kw = {p.name: v for p, v in zip(kernel.params, values) if p.keyword_only}
+            return kernel.op(*pos, **kw, config=cfg)
+        return run_jax(kernel, values, config)
+
+
+def run_jax(kernel: TpuKernel, values: Sequence, config: Mapping | None):
+    """Run on jax arrays: Mosaic on TPU arrays, the current interpret mode otherwise."""
+    specs, statics = specs_from_values(kernel, values)
+    arrays = [v for v, s in zip(_tensor_values(kernel, values), specs) if s is not None]
+    on_tpu = any(getattr(d, "platform", "") == "tpu" for a in arrays for d in getattr(a, "devices", lambda: ())())
+    low = lower(kernel, specs, statics, config, mode="mosaic" if on_tpu else current_interpret_mode())
+    outs = low.fn(*arrays)
+    return outs if low.resolved.launch.multiple_outputs else outs[0]
+
+
+def _tensor_values(kernel: TpuKernel, values: Sequence) -> list:
+    return [v for p, v in zip(kernel.params, values) if p.kind != "static"]
+
+
+class Plan:
+    """A cached call plan for one (signature, config, mode): which args to pad, how to slice outputs."""
+
+    __slots__ = ("lowered", "tensor_idx", "pad_idx", "n_rows", "n_bucket", "runner", "single")
+
+    def __init__(self, lowered: Lowered, tensor_idx, pad_idx, n_rows, n_bucket, runner):
+        self.lowered = lowered
+        self.tensor_idx = tensor_idx
+        self.pad_idx = pad_idx
+        self.n_rows = n_rows
+        self.n_bucket = n_bucket
+        self.runner = runner
+        self.single = not lowered.resolved.launch.multiple_outputs
+
+
+def plan_for(kernel: TpuKernel, values: Sequence, config_json: str | None, mode: str, chip=None) -> Plan:
+    """Build the call plan for concrete torch ``values`` (bound op arguments)."""
+    import torch
+
+    config = None if not config_json else json.loads(config_json)
+    tensors = [(i, v) for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
+    devices = {t.device.type for _, t in tensors}
+    if len(devices) > 1:
+        raise DeviceError(f"{kernel.qualname}: tensor arguments are on different devices {sorted(devices)}")
+    specs, statics = specs_from_values(kernel, values)
+    pad_idx, n_rows, n_bucket = (), None, None
+    bucketed = bucket_specs(kernel, specs)
+    if bucketed != specs:
+        n_rows = next(int(s.shape[0]) for s in specs if s is not None and s.name in kernel.rows and s.shape)
+        n_bucket = bucket(n_rows)
+        names = [p.name for p in kernel.params]
+        pad_idx = tuple(names.index(s.name) for s in specs if s is not None and s.name in kernel.rows and s.shape)
+        specs = bucketed
+    low = lower(kernel, specs, statics, config, mode=mode, chip=chip)
+    if n_rows is not None:
+        for o in low.out_structs:
+            if not o.shape or o.shape[0] != n_bucket:
+                raise ArgumentError(
+                    f"{kernel.qualname}: rows= declares a row axis but output shape {o.shape} does not start with the "
+                    f"(bucketed) row count {n_bucket}"
+                )
+    tensor_idx = tuple(i for i, _ in tensors)
+    return Plan(low, tensor_idx, pad_idx, n_rows, n_bucket, None)
+
+
+def bucket_specs(kernel: TpuKernel, specs: tuple) -> tuple:
+    """Pad the row axis of the kernel's ``rows`` tensors to :func:`bucket` size (specs only).
+
+    Raises:
+        ArgumentError: the row tensors disagree on their dim-0 size.
+    """
+    if not kernel.rows:
+        return specs
+    rows = [s for s in specs if s is not None and s.name in kernel.rows and len(s.shape) > 0]
+    counts = {int(s.shape[0]) for s in rows}
+    if len(counts) > 1:
+        raise ArgumentError(f"{kernel.qualname}: row tensors {list(kernel.rows)} disagree on dim 0: {sorted(counts)}")
+    if not counts or (n := counts.pop()) == 0 or bucket(n) == n:
+        return specs
+    nb = bucket(n)
+    return tuple(s if s not in rows else TensorSpec((nb, *s.shape[1:]), s.dtype, s.name) for s in specs)
+
+
+def run_torch(kernel: TpuKernel, values: Sequence, config_json: str | None):
+    """The torch op's device kernel: route cpu tensors to interpret mode, tpu tensors to torch_tpu."""
+    import torch
+
+    dev = next((v.device for v in values if isinstance(v, torch.Tensor)), None)
+    if dev is None or dev.type == "cpu":
+        from .cpu import run_torch_cpu
+
+        return run_torch_cpu(kernel, values, config_json)
+    if dev.type in ("tpu", "privateuseone", "privateuse1"):
+        from .tpu import run_torch_tpu
+
+        return run_torch_tpu(kernel, values, config_json)
+    raise DeviceError(f"{kernel.qualname}: tensors on {dev.type!r} are not supported; use cpu (interpret) or tpu tensors")
+
+
+def signature_key(values: Sequence, config_json, mode) -> tuple:
+    """Hashable per-call key: shapes/dtypes of tensors, static values, config, mode."""
+    out: list[Any] = [mode, config_json]
+    for v in values:
+        if hasattr(v, "shape") and hasattr(v, "dtype"):
+            out.append((v.shape, v.dtype))
+        else:
+            out.append(v)
+    return tuple(out)

@@ -1,0 +1,313 @@
+"""compile-only target: lower and compile a kernel for a TPU generation you do not have.
+
+With the ``libtpu`` wheel installed (``pip install 'tpukernels[aot]'``), jax's
+``topologies.get_topology_desc(topology_name="v5e:1x1", platform="tpu")`` yields TPU devices that can be
+compiled for but not run on. :func:`compile_for` runs the real Mosaic and XLA:TPU compilers for one chip
+and reports VMEM overflows and layout errors exactly as a TPU host would, translated into tpukernels
+terms. Optionally it asks libtpu for its static cost model (``estimated_cycles``; a *model*, not a
+measurement) in a subprocess, because the flag that enables it is read once when libtpu loads.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import functools
+import glob
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+from ..chips import Chip, MiB, get_chip
+from ..dsl.kernel import TpuKernel
+from ..dsl.spec import TensorSpec
+from ..errors import BackendUnavailableError, BlockShapeError, KernelBodyError, TpuKernelError, VmemError
+from ..lowering import lower, specs_from_values
+
+AOT_HINT = "compile-only needs libtpu: pip install 'tpukernels[aot]' (libtpu 0.0.52 matches jax 0.10.2)"
+
+_DTYPES = {"bf16": "bfloat16", "f32": "float32", "fp32": "float32", "f16": "float16", "fp16": "float16",
+           "i32": "int32", "i8": "int8", "u8": "uint8", "bool": "bool"}
+
+
+@dataclasses.dataclass
+class CompileResult:
+    """What :func:`compile_for` found for one kernel on one chip.
+
+    Attributes:
+        kernel, chip: what was compiled, for which chip name.
+        ok: True when Mosaic and XLA:TPU both compiled it.
+        error_kind: None, or ``"vmem"``, ``"block_shape"``, ``"lowering"``, ``"compile"``, ``"body"``, ...
+        error: human-readable reason (translated: e.g. VMEM used vs capacity in MiB).
+        config: the tuning config compiled; config_source: where it came from.
+        vmem_estimate_bytes: tpukernels' VMEM footprint estimate (blocks x buffers + scratch), bytes.
+        vmem_limit_bytes: the scoped VMEM limit in force (kernel's or the chip default), bytes.
+        vmem_capacity_bytes: the chip's VMEM per TensorCore (jax tpu_info), bytes.
+        code_size_bytes: generated code size reported by XLA, bytes.
+        mosaic_mlir: the Mosaic MLIR module text (what torch_tpu hands to the TPU runtime, deserialized).
+        estimated_cycles: libtpu's static estimate for the kernel (opt-in; a model, not a measurement).
+        compile_seconds: wall-clock seconds spent lowering + compiling here.
+    """
+
+    kernel: str
+    chip: str
+    ok: bool
+    error_kind: str | None = None
+    error: str | None = None
+    config: dict | None = None
+    config_source: str | None = None
+    vmem_estimate_bytes: int | None = None
+    vmem_limit_bytes: int | None = None
+    vmem_capacity_bytes: int | None = None
+    code_size_bytes: int | None = None
+    mosaic_mlir: str | None = None
+    estimated_cycles: int | None = None
+    compile_seconds: float = 0.0
+    shapes: list = dataclasses.field(default_factory=list)
+
+    def to_dict(self, with_mlir: bool = False) -> dict:
+        d = dataclasses.asdict(self)
+        if not with_mlir:
+            d.pop("mosaic_mlir")
+        return d
+
+    def summary(self) -> str:
+        if not self.ok:
+            return f"{self.kernel} on {self.chip}: FAILED ({self.error_kind}) {self.error}"
+        return (
+            f"{self.kernel} on {self.chip}: ok, VMEM {self.vmem_estimate_bytes / MiB:.2f} MiB (est.) of "
+            f"{self.vmem_limit_bytes / MiB:.0f} MiB scoped, code {self.code_size_bytes} B"
+        )
+
+
+def require_libtpu() -> None:
+    """Raise :class:`BackendUnavailableError` with install instructions if libtpu is missing."""
+    if importlib.util.find_spec("libtpu") is None:
+        raise BackendUnavailableError(AOT_HINT)
+
+
+@functools.lru_cache(maxsize=None)
+def tpu_device(chip_name: str):
+    """A compile-only TPU device for ``chip_name`` (one chip's topology)."""
+    require_libtpu()
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-1")  # silences libtpu's host probing warnings
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    from jax.experimental import topologies
+
+    chip = get_chip(chip_name)
+    topo = topologies.get_topology_desc(topology_name=chip.topology, platform="tpu")
+    return topo.devices[0]
+
+
+def parse_shape(text: str) -> TensorSpec:
+    """``"1024x1024:bf16"`` -> TensorSpec; dims separated by x, dtype after a colon (default f32).
+
+    Raises:
+        ArgumentError: malformed text or unknown dtype.
+    """
+    from ..errors import ArgumentError
+
+    shape_s, _, dt = text.strip().partition(":")
+    dt = _DTYPES.get(dt or "f32", dt or "float32")
+    try:
+        shape = tuple(int(d) for d in shape_s.lower().split("x")) if shape_s not in ("", "scalar") else ()
+        dtype = np.dtype(getattr(__import__("jax.numpy", fromlist=["x"]), dt))
+    except (ValueError, AttributeError, TypeError) as e:
+        raise ArgumentError(f"shape {text!r}: expected e.g. 1024x1024:bf16 ({e})") from None
+    return TensorSpec(shape, dtype)
+
+
+def _as_spec(a):
+    if isinstance(a, str):
+        return parse_shape(a)
+    if isinstance(a, tuple) and len(a) == 2 and isinstance(a[0], tuple):
+        return TensorSpec(a[0], np.dtype(a[1]))
+    return a
+
+
+def mosaic_module_text(lowered) -> str | None:
+    """Deserialize the Mosaic module(s) inside a lowered function's ``tpu_custom_call`` ops to MLIR text."""
+    from jax._src.interpreters import mlir as jmlir
+    from jax._src.lib import tpu
+    from jax._src.lib.mlir import ir, passmanager
+
+    bodies = []
+
+    def walk(op):
+        op = op.operation if hasattr(op, "operation") else op
+        if op.name == "stablehlo.custom_call":
+            if ir.StringAttr(op.attributes["call_target_name"]).value == "tpu_custom_call":
+                bodies.append(ir.StringAttr(op.attributes["backend_config"]).value)
+        for r in op.regions:
+            for b in r.blocks:
+                for o in b.operations:
+                    walk(o)
+
+    walk(lowered.compiler_ir("stablehlo").operation)
+    texts = []
+    for cfg in bodies:
+        body = base64.b64decode(json.loads(cfg)["custom_call_config"]["body"])
+        ctx = jmlir.make_ir_context()
+        tpu.register_dialect(ctx)
+        with ctx, ir.Location.unknown():
+            ctx.allow_unregistered_dialects = True
+            m = ir.Module.parse(body)
+            passmanager.PassManager.parse("builtin.module(mosaic-serde{serialize=false})").run(m.operation)
+            texts.append(str(m))
+    return "\n".join(texts) if texts else None
+
+
+_VMEM_PATTERNS = [
+    re.compile(r"Allocation \(size=(\d+)\) would exceed memory \(size=(\d+)\)"),
+    re.compile(r"[Rr]an out of memory in memory space vmem.*?(?:[Uu]sed|requested)?\s*([\d.]+)([KMG])"),
+]
+
+
+def translate_error(e: BaseException, chip: Chip, limit: int) -> tuple[str, str]:
+    """Map a Mosaic / XLA:TPU error to ``(kind, message)`` in tpukernels terms."""
+    msg = str(e)
+    m = _VMEM_PATTERNS[0].search(msg)
+    if m:
+        need, cap = int(m.group(1)), int(m.group(2))
+        return "vmem", f"VMEM overflow: one allocation needs {need / MiB:.2f} MiB > {cap / MiB:.0f} MiB on {chip.name}"
+    if "ScopedVmemOom" in msg or "out of memory in memory space vmem" in msg:
+        return "vmem", (
+            f"VMEM overflow: the kernel needs more than its scoped limit {limit / MiB:.0f} MiB on {chip.name} "
+            f"(capacity {chip.vmem_capacity_bytes / MiB:.0f} MiB); raise vmem_limit_bytes or use smaller blocks"
+        )
+    if "divisible by 8 and 128" in msg or "rank 1 block" in msg:
+        return "block_shape", msg.splitlines()[0]
+    first = next((ln for ln in msg.splitlines() if ln.strip()), msg)
+    return "compile", f"{type(e).__name__}: {first[:500]}"
+
+
+def compile_for(
+    kernel: TpuKernel,
+    chip: "str | Chip",
+    *args: Any,
+    config: dict | None = None,
+    estimate_cycles: bool = False,
+    with_mlir: bool = True,
+    **kwargs: Any,
+) -> CompileResult:
+    """Lower and compile ``kernel`` for ``chip`` without a TPU.
+
+    Args:
+        kernel: a :class:`TpuKernel`.
+        chip: ``"v4"``, ``"v5e"``, ``"v5p"``, ``"v6e"`` or ``"tpu7x"`` (or a topology name like ``"v6e:1x1"``).
+        *args: example arguments: torch tensors, jax arrays, ``jax.ShapeDtypeStruct``, :class:`TensorSpec`,
+            ``((shape), dtype)`` tuples or strings like ``"8192x4096:bf16"``; static args as values.
+        config: explicit tuning config (partial ok); default: dispatch order (DB, heuristic, defaults).
+        estimate_cycles: also run libtpu's static cost model (slow: a subprocess and a second compile).
+        **kwargs: keyword arguments of the kernel (static parameters, keyword-only tensors).
+
+    Returns:
+        A :class:`CompileResult`; compile failures (VMEM, block rules, Mosaic errors) are reported in it.
+
+    Raises:
+        ChipError: unknown chip name.
+        BackendUnavailableError: libtpu is not installed (message says how to install the ``aot`` extra).
+        ArgumentError, DTypeError: bad arguments (wrong count, float64, ...).
+    """
+    import jax
+
+    chip = get_chip(chip)
+    require_libtpu()
+    from . import bucket_specs
+
+    values = kernel.bind([_as_spec(a) for a in args], {k: _as_spec(v) for k, v in kwargs.items()})
+    specs, statics = specs_from_values(kernel, values)
+    specs = bucket_specs(kernel, specs)
+    res = CompileResult(kernel.qualname, chip.name, ok=False, vmem_capacity_bytes=chip.vmem_capacity_bytes)
+    res.shapes = [None if s is None else f"{'x'.join(map(str, s.shape))}:{np.dtype(s.dtype).name}" for s in specs]
+    t0 = time.perf_counter()
+    try:
+        low = lower(kernel, specs, statics, config, mode="mosaic", chip=chip)
+    except (VmemError, BlockShapeError, KernelBodyError) as e:
+        res.error_kind = {VmemError: "vmem", BlockShapeError: "block_shape", KernelBodyError: "body"}[type(e)]
+        res.error = str(e)
+        res.compile_seconds = time.perf_counter() - t0
+        return res
+    res.config, res.config_source = dict(low.config), low.resolved.source
+    res.vmem_estimate_bytes = low.vmem.total_bytes
+    limit = low.resolved.launch.vmem_limit_bytes or chip.default_scoped_vmem_bytes
+    res.vmem_limit_bytes = limit
+    dev = tpu_device(chip.name)
+    sharding = jax.sharding.SingleDeviceSharding(dev)
+    structs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in low.arg_structs]
+    try:
+        with jax.default_device(dev):
+            lowered = low.fn.lower(*structs)
+            if with_mlir:
+                res.mosaic_mlir = mosaic_module_text(lowered)
+            compiled = lowered.compile()
+        res.code_size_bytes = int(compiled.memory_analysis().generated_code_size_in_bytes)
+        res.ok = True
+    except TpuKernelError as e:
+        res.error_kind, res.error = "body", str(e)
+    except Exception as e:  # Mosaic / XLA errors: reported, never raised (a sweep must go on)
+        res.error_kind, res.error = translate_error(e, chip, limit)
+    res.compile_seconds = time.perf_counter() - t0
+    if res.ok and estimate_cycles:
+        res.estimated_cycles = static_estimated_cycles(low, chip)
+    return res
+
+
+def static_estimated_cycles(low, chip: Chip, timeout_s: float = 600) -> int | None:
+    """libtpu's static ``estimated_cycles`` for a lowered kernel on ``chip`` (a model, not a measurement).
+
+    Exports the Mosaic-lowered function with ``jax.export`` and compiles it again in a subprocess started
+    with ``LIBTPU_INIT_ARGS=--xla_jf_dump_static_llo_profile_to=DIR``; sums ``estimated_cycles`` over the
+    dumped per-op profiles. Returns None if libtpu wrote no profile.
+    """
+    import jax
+
+    exported = jax.export.export(low.fn, platforms=["tpu"])(*low.arg_structs)
+    with tempfile.TemporaryDirectory(prefix="tpk_llo_") as d:
+        blob = os.path.join(d, "fn.bin")
+        with open(blob, "wb") as f:
+            f.write(exported.serialize())
+        env = dict(os.environ)
+        env["LIBTPU_INIT_ARGS"] = (env.get("LIBTPU_INIT_ARGS", "") + f" --xla_jf_dump_static_llo_profile_to={d}/llo").strip()
+        env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
+        env.setdefault("JAX_PLATFORMS", "cpu")
+        subprocess.run(
+            [sys.executable, "-m", "tpukernels.targets.compile_only", blob, chip.name],
+            env=env, check=True, timeout=timeout_s, capture_output=True,
+        )
+        return parse_llo_profiles(os.path.join(d, "llo"))
+
+
+def parse_llo_profiles(directory: str) -> int | None:
+    """Sum ``estimated_cycles`` over libtpu's ``*static_llo_profile.textproto`` files in ``directory``."""
+    total, found = 0, False
+    for path in glob.glob(os.path.join(directory, "*static_llo_profile*")):
+        with open(path) as f:
+            for m in re.finditer(r"estimated_cycles:\s*(\d+)", f.read()):
+                total += int(m.group(1))
+                found = True
+    return total if found else None
+
+
+def _compile_exported_main(blob_path: str, chip_name: str) -> None:
+    import jax
+
+    with open(blob_path, "rb") as f:
+        exp = jax.export.deserialize(bytearray(f.read()))
+    dev = tpu_device(chip_name)
+    sharding = jax.sharding.SingleDeviceSharding(dev)
+    structs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in exp.in_avals]
+    with jax.default_device(dev):
+        jax.jit(exp.call).lower(*structs).compile()
+
+
+if __name__ == "__main__":
+    _compile_exported_main(sys.argv[1], sys.argv[2])

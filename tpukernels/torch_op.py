@@ -1,0 +1,126 @@
+"""Register a :class:`TpuKernel` as ``torch.ops.<namespace>.<name>``.
+
+* The schema comes from the launch function's annotations (tensor and static parameters) plus a
+  trailing keyword-only ``str? config=None`` (a JSON tuning config; ``None`` lets dispatch choose).
+* Kernels: ``cpu`` (Pallas interpret mode) and ``PrivateUse1`` (TorchTPU's ``tpu`` device).
+* Fake kernel: output shapes from the launch function (or ``out_shape=``) evaluated on the fake
+  tensors' sizes, which may be SymInts, so ``torch.compile(dynamic=True)`` traces one graph for all sizes.
+  torch_tpu's ``jax_op`` needs concrete sizes; this does not.
+* Autograd: ``register_autograd`` when the kernel has a backward (:meth:`TpuKernel.def_backward`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from typing import Optional
+
+from .dsl.kernel import BackwardContext, TpuKernel
+from .errors import KernelDefinitionError
+
+_LIBS: dict = {}
+
+
+def _op_signature(kernel: TpuKernel) -> inspect.Signature:
+    params = []
+    for p in kernel.params:
+        kind = inspect.Parameter.KEYWORD_ONLY if p.keyword_only else inspect.Parameter.POSITIONAL_OR_KEYWORD
+        params.append(inspect.Parameter(p.name, kind, default=p.default, annotation=p.annotation))
+    params.append(inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Optional[str]))
+    return inspect.Signature(params, return_annotation=kernel.return_annotation)
+
+
+def _split(kernel: TpuKernel, args: tuple, kwargs: dict) -> tuple[list, str | None]:
+    """Op call arguments -> (values in kernel.params order, config json)."""
+    kwargs = dict(kwargs)
+    config = kwargs.pop("config", None)
+    values = kernel.bind(args, kwargs)
+    return values, config
+
+
+def register_op(kernel: TpuKernel):
+    """Create the custom op for ``kernel`` and register its cpu, PrivateUse1 and fake kernels."""
+    import torch
+
+    sig = _op_signature(kernel)
+
+    def impl(*args, **kwargs):
+        from .targets import run_torch
+
+        values, config = _split(kernel, args, kwargs)
+        return run_torch(kernel, values, config)
+
+    impl.__signature__ = sig
+    impl.__name__ = kernel.name
+    impl.__doc__ = kernel.__doc__
+    try:
+        op = torch.library.custom_op(kernel.qualname, impl, mutates_args=(), device_types="cpu")
+    except RuntimeError as e:
+        raise KernelDefinitionError(f"tpu_kernel: cannot register torch op {kernel.qualname}: {e}") from e
+    except ValueError as e:
+        raise KernelDefinitionError(f"tpu_kernel: schema for {kernel.qualname} is not supported by torch: {e}") from e
+
+    lib = _LIBS.get(kernel.namespace)
+    if lib is None:
+        lib = _LIBS[kernel.namespace] = torch.library.Library(kernel.namespace, "FRAGMENT")
+    lib.impl(kernel.name, impl, "PrivateUse1")
+
+    def fake(*args, **kwargs):
+        from .lowering import specs_from_values
+        from .dsl.dtypes import to_torch_dtype
+
+        values, config = _split(kernel, args, kwargs)
+        specs, statics = specs_from_values(kernel, values)
+        device = next(v.device for v in values if isinstance(v, torch.Tensor))
+        outs = kernel.out_specs_for(specs, statics, json.loads(config) if config else None)
+        res = [torch.empty(tuple(o.shape), dtype=to_torch_dtype(o.dtype), device=device) for o in outs]
+        return tuple(res) if _returns_tuple(kernel) else res[0]
+
+    fake.__signature__ = sig
+    op.register_fake(fake)
+    if kernel._backward is not None:
+        kernel.op = op
+        register_backward(kernel)
+    return op
+
+
+def _returns_tuple(kernel: TpuKernel) -> bool:
+    import typing
+
+    return typing.get_origin(kernel.return_annotation) in (tuple, typing.Tuple)
+
+
+def register_backward(kernel: TpuKernel) -> None:
+    """Wire :meth:`TpuKernel.def_backward` into ``torch.library.register_autograd``."""
+    import torch
+
+    names = [p.name for p in kernel.params]
+    tensor_names = {p.name for p in kernel.params if p.kind != "static"}
+
+    def setup_context(ctx, inputs, output):
+        values = list(inputs[: len(names)])
+        outs = output if isinstance(output, tuple) else (output,)
+        is_tensor = [isinstance(v, torch.Tensor) for v in values]
+        ctx.save_for_backward(*[v for v, t in zip(values, is_tensor) if t], *outs)
+        ctx.tpk_meta = (is_tensor, [None if t else v for v, t in zip(values, is_tensor)], len(outs))
+
+    def backward(ctx, *grads):
+        is_tensor, plain, n_out = ctx.tpk_meta
+        saved = ctx.saved_tensors
+        ins, outs = iter(saved[: len(saved) - n_out]), tuple(saved[len(saved) - n_out :])
+        args, needs = {}, {}
+        for i, n in enumerate(names):
+            if is_tensor[i]:
+                args[n] = next(ins)
+                needs[n] = bool(ctx.needs_input_grad[i])
+            else:
+                args[n] = plain[i]
+        res = kernel._backward(BackwardContext(args, outs, needs), *grads)
+        if not isinstance(res, dict):
+            raise KernelDefinitionError(f"{kernel.qualname}: backward must return {{arg_name: grad}}, got {type(res).__name__}")
+        unknown = set(res) - tensor_names
+        if unknown:
+            raise KernelDefinitionError(f"{kernel.qualname}: backward returned grads for non-tensor args {sorted(unknown)}")
+        return tuple(res.get(n) for n in names) + (None,)  # None for config
+
+    kernel.op.register_autograd(backward, setup_context=setup_context)
