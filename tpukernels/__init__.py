@@ -60,6 +60,8 @@ from .errors import (
 
 __version__ = "0.1.0"
 
+from . import autotune  # noqa: E402  (registers the tuning-DB config resolver)
+
 
 def compile_for(kernel, chip, *args, **kwargs):
     """Compile ``kernel`` for a TPU chip without a TPU; see :func:`tpukernels.targets.compile_only.compile_for`."""

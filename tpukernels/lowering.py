@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -21,9 +22,9 @@ from .chips import Chip, target_chip_from_env
 from .dsl.dtypes import check_jax_dtype
 from .dsl.kernel import Resolved, TpuKernel
 from .dsl.modes import interpret_value
-from .dsl.spec import Config, OutSpec, TensorSpec
+from .dsl.spec import Config, TensorSpec
 from .dsl.validate import VmemEstimate, check_block, check_vmem, estimate_vmem, grid_is_empty
-from .errors import ArgumentError, BlockShapeError, KernelBodyError, LoweringError, TpuKernelError
+from .errors import ArgumentError, KernelBodyError, LoweringError, TpuKernelError
 
 log = logging.getLogger("tpukernels.dispatch")
 
@@ -169,7 +170,11 @@ def resolve(kernel: TpuKernel, specs: tuple, statics: tuple, config: Mapping | N
             check_jax_dtype(s.dtype, f"{kernel.qualname} argument {s.name!r}")
     cfg, source = kernel.resolve_config(specs, statics, config)
     launch = kernel.make_launch(specs, statics, cfg)
-    log.debug("%s: config %s (%s) for %s", kernel.qualname, cfg, source, [None if s is None else s.shape for s in specs])
+    log.log(
+        logging.INFO if os.environ.get("TPUKERNELS_LOG_CONFIG") else logging.DEBUG,
+        "%s: config %s from %s for %s",
+        kernel.qualname, dict(cfg), source, [None if s is None else tuple(s.shape) for s in specs],
+    )
     return Resolved(specs, statics, cfg, source, launch)
 
 
@@ -254,4 +259,3 @@ def specs_from_values(kernel: TpuKernel, values: Sequence) -> tuple[tuple, tuple
     return tuple(specs), tuple(statics)
 
 
-__all__ = ["Lowered", "lower", "resolve", "validate", "build_fn", "specs_from_values", "OutSpec", "BlockShapeError"]

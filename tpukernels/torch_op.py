@@ -97,8 +97,11 @@ def register_backward(kernel: TpuKernel) -> None:
     names = [p.name for p in kernel.params]
     tensor_names = {p.name for p in kernel.params if p.kind != "static"}
 
-    def setup_context(ctx, inputs, output):
-        values = list(inputs[: len(names)])
+    positional = [p.name for p in kernel.params if not p.keyword_only]
+
+    def setup_context(ctx, inputs, output, keyword_only_inputs=None):
+        kw = {k: v for k, v in (keyword_only_inputs or {}).items() if k != "config"}
+        values = kernel.bind(tuple(inputs), kw)
         outs = output if isinstance(output, tuple) else (output,)
         is_tensor = [isinstance(v, torch.Tensor) for v in values]
         ctx.save_for_backward(*[v for v, t in zip(values, is_tensor) if t], *outs)
@@ -112,7 +115,7 @@ def register_backward(kernel: TpuKernel) -> None:
         for i, n in enumerate(names):
             if is_tensor[i]:
                 args[n] = next(ins)
-                needs[n] = bool(ctx.needs_input_grad[i])
+                needs[n] = bool(ctx.needs_input_grad[positional.index(n)]) if n in positional else False
             else:
                 args[n] = plain[i]
         res = kernel._backward(BackwardContext(args, outs, needs), *grads)
@@ -121,6 +124,7 @@ def register_backward(kernel: TpuKernel) -> None:
         unknown = set(res) - tensor_names
         if unknown:
             raise KernelDefinitionError(f"{kernel.qualname}: backward returned grads for non-tensor args {sorted(unknown)}")
-        return tuple(res.get(n) for n in names) + (None,)  # None for config
+        # keyword-only op arguments (config included) are not differentiable in torch.library
+        return tuple(res.get(n) for n in positional)
 
     kernel.op.register_autograd(backward, setup_context=setup_context)

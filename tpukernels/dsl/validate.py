@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import warnings
 from collections.abc import Sequence
 
@@ -210,5 +209,3 @@ def cdiv(a: int, b: int) -> int:
     """Ceiling division ``ceil(a / b)`` for ints (and SymInts)."""
     return -(-a // b)
 
-
-__all__ = ["check_block", "estimate_vmem", "check_vmem", "VmemEstimate", "padded_bytes", "sublane_tile", "cdiv", "math"]

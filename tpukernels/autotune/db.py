@@ -1,0 +1,258 @@
+"""Tuning database: per chip, per kernel JSON files, shipped with the package and overridden per user.
+
+Layout (like tokamax's ``data/autotuning/<device_kind>/<op>.json``)::
+
+    tpukernels/data/autotuning/<chip>/<namespace>.<name>.json      shipped with the package
+    $TPUKERNELS_CACHE_DIR/autotuning/<chip>/<namespace>.<name>.json  the user's (default ~/.cache/tpukernels)
+
+File format (``version`` 1)::
+
+    {"version": 1, "kernel": "tpukernels::rms_norm", "chip": "v6e",
+     "entries": [{"key": {...see entry_key...}, "config": {"block_rows": 256},
+                  "evidence": {"evaluator": "tpu-model", "time_us": 41.2, "date": "...",
+                               "versions": {"tpukernels": "...", "jax": "...", "libtpu": "..."}}}]}
+
+Key: kernel name + kernel source hash + chip (the file) + shape bucket + dtypes + static args. A lookup
+tries the user file then the shipped file: exact key first, then the nearest bucket (same dtypes, statics
+and ranks; smallest log-distance of shapes). Entries whose source hash differs from the kernel's current
+source are stale and skipped. A corrupted file gives a warning and is ignored. Writes take a file lock
+and replace the file atomically, so concurrent sweeps lose nothing and a killed sweep leaves a valid file.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import hashlib
+import inspect
+import json
+import logging
+import math
+import os
+import tempfile
+import warnings
+from collections.abc import Mapping
+from importlib import resources
+from typing import Any
+
+import numpy as np
+
+from ..dsl.kernel import TpuKernel, bucket
+
+log = logging.getLogger("tpukernels.autotune")
+VERSION = 1
+
+
+def user_cache_dir() -> str:
+    """``$TPUKERNELS_CACHE_DIR`` or ``~/.cache/tpukernels``."""
+    return os.environ.get("TPUKERNELS_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tpukernels")
+
+
+def file_name(kernel_qualname: str) -> str:
+    return kernel_qualname.replace("::", ".") + ".json"
+
+
+def user_db_path(kernel_qualname: str, chip: str) -> str:
+    return os.path.join(user_cache_dir(), "autotuning", chip, file_name(kernel_qualname))
+
+
+def shipped_db_path(kernel_qualname: str, chip: str) -> str:
+    return str(resources.files("tpukernels") / "data" / "autotuning" / chip / file_name(kernel_qualname))
+
+
+@functools.lru_cache(maxsize=None)
+def _source_hash(kernel: TpuKernel) -> str:
+    parts = []
+    for fn in (kernel.body, kernel.launch_fn):
+        try:
+            parts.append(inspect.getsource(fn))
+        except (OSError, TypeError):
+            parts.append(getattr(fn, "__qualname__", repr(fn)))
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def source_hash(kernel: TpuKernel) -> str:
+    """Hash of the kernel body and launch function source (a changed kernel invalidates its entries)."""
+    return _source_hash(kernel)
+
+
+def entry_key(kernel: TpuKernel, specs, statics) -> dict:
+    """The lookup key of one call signature (JSON-able)."""
+    shapes, dtypes = [], []
+    for s in specs:
+        if s is None:
+            shapes.append(None)
+            dtypes.append(None)
+        else:
+            shapes.append([bucket(int(d)) if int(d) > 0 else 0 for d in s.shape])
+            dtypes.append(np.dtype(s.dtype).name)
+    return {
+        "source_hash": source_hash(kernel),
+        "shapes": shapes,
+        "dtypes": dtypes,
+        "statics": {k: v for k, v in statics},
+    }
+
+
+def load(path: str) -> list[dict]:
+    """Entries of one DB file; [] if missing; a warning (never an exception) if corrupted."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        if not isinstance(data, dict) or data.get("version") != VERSION or not isinstance(data.get("entries"), list):
+            raise ValueError("not a version-1 tpukernels tuning file")
+        return [e for e in data["entries"] if isinstance(e, dict) and "key" in e and "config" in e]
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError) as e:
+        warnings.warn(f"tpukernels: ignoring corrupted tuning file {path}: {e}", RuntimeWarning, stacklevel=2)
+        return []
+
+
+@functools.lru_cache(maxsize=256)
+def _load_cached(path: str, mtime: float) -> tuple:
+    return tuple(load(path))
+
+
+def _entries(path: str) -> tuple:
+    try:
+        mtime = os.stat(path).st_mtime
+    except OSError:
+        return ()
+    return _load_cached(path, mtime)
+
+
+def _distance(a: list, b: list) -> float:
+    d = 0.0
+    for sa, sb in zip(a, b):
+        if (sa is None) != (sb is None):
+            return math.inf
+        if sa is None:
+            continue
+        if len(sa) != len(sb):
+            return math.inf
+        d += sum(abs(math.log2(max(x, 1)) - math.log2(max(y, 1))) for x, y in zip(sa, sb))
+    return d
+
+
+def find(entries, key: dict) -> tuple[dict | None, str]:
+    """Best entry for ``key``: (entry, "exact" | "nearest") or (None, "miss")."""
+    candidates = [
+        e for e in entries
+        if e["key"].get("source_hash") == key["source_hash"]
+        and e["key"].get("dtypes") == key["dtypes"]
+        and e["key"].get("statics") == key["statics"]
+    ]
+    for e in candidates:
+        if e["key"].get("shapes") == key["shapes"]:
+            return e, "exact"
+    best = min(candidates, key=lambda e: _distance(e["key"].get("shapes", []), key["shapes"]), default=None)
+    if best is not None and _distance(best["key"]["shapes"], key["shapes"]) < math.inf:
+        return best, "nearest"
+    return None, "miss"
+
+
+def lookup(kernel: TpuKernel, chip: str, specs, statics) -> tuple[dict, str] | None:
+    """Config for a call from the user DB, then the shipped DB; ``(config, source)`` or None.
+
+    ``source`` is e.g. ``"user-db"`` / ``"shipped-db"``, with ``":nearest"`` for a nearest-bucket hit.
+    """
+    key = entry_key(kernel, specs, statics)
+    for label, path in (("user-db", user_db_path(kernel.qualname, chip)), ("shipped-db", shipped_db_path(kernel.qualname, chip))):
+        entry, how = find(_entries(path), key)
+        if entry is not None:
+            return dict(entry["config"]), label if how == "exact" else f"{label}:nearest"
+    return None
+
+
+def versions() -> dict:
+    from importlib import metadata
+
+    out = {}
+    for pkg in ("tpukernels", "jax", "jaxlib", "libtpu", "torch"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def record(
+    kernel: TpuKernel,
+    chip: str,
+    specs,
+    statics,
+    config: Mapping,
+    evidence: Mapping[str, Any],
+    path: str | None = None,
+) -> str:
+    """Store ``config`` for a signature in the user DB (or ``path``); returns the file path.
+
+    The file is locked (``filelock``) and rewritten through a temporary file + ``os.replace``, so two
+    concurrent writers keep both entries and a crash leaves the old or the new file, never a torn one.
+    An existing corrupted file is moved aside to ``<file>.corrupt`` (never silently overwritten).
+    """
+    from filelock import FileLock
+
+    path = path or user_db_path(kernel.qualname, chip)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    key = entry_key(kernel, specs, statics)
+    ev = dict(evidence)
+    ev.setdefault("date", datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    ev.setdefault("versions", versions())
+    with FileLock(path + ".lock", timeout=60):
+        entries = []
+        if os.path.exists(path):
+            try:
+                with open(path) as f:
+                    data = json.load(f)
+                entries = list(data["entries"])
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                os.replace(path, path + ".corrupt")
+                warnings.warn(f"tpukernels: moved corrupted tuning file to {path}.corrupt ({e})", RuntimeWarning, stacklevel=2)
+        entries = [e for e in entries if e.get("key") != key]
+        entries.append({"key": key, "config": dict(config), "evidence": ev})
+        data = {"version": VERSION, "kernel": kernel.qualname, "chip": chip, "entries": entries}
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-", suffix=".json")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f, indent=1, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+    return path
+
+
+def dispatch_chip() -> str | None:
+    """The chip whose tuning data applies to calls here: the live TPU, else ``TPUKERNELS_TARGET_CHIP``."""
+    from ..chips import target_chip_from_env
+
+    chip = target_chip_from_env()
+    if chip is not None:
+        return chip.name
+    if os.environ.get("JAX_PLATFORMS", "").strip() == "cpu":
+        return None
+    try:
+        import jax
+
+        from ..chips import get_chip
+
+        return get_chip(jax.devices()[0].device_kind).name
+    except Exception:  # no TPU backend, or not a known chip: no tuning data applies
+        return None
+
+
+def resolver(kernel: TpuKernel, specs, statics):
+    """The config resolver registered with :data:`tpukernels.dsl.kernel.CONFIG_RESOLVERS`."""
+    chip = dispatch_chip()
+    if chip is None:
+        return None
+    got = lookup(kernel, chip, specs, statics)
+    if got is None:
+        return None
+    cfg, source = got
+    return cfg, f"{source}:{chip}"
