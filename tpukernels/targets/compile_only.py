@@ -262,15 +262,27 @@ def compile_for(
 
 
 def static_estimated_cycles(low, chip: Chip, timeout_s: float = 600) -> int | None:
-    """libtpu's static ``estimated_cycles`` for a lowered kernel on ``chip`` (a model, not a measurement).
+    """libtpu's static ``estimated_cycles`` for a lowered kernel on ``chip`` (a model, not a measurement)."""
+    return estimate_cycles_of(low.fn, chip, low.arg_structs, timeout_s)
 
-    Exports the Mosaic-lowered function with ``jax.export`` and compiles it again in a subprocess started
-    with ``LIBTPU_INIT_ARGS=--xla_jf_dump_static_llo_profile_to=DIR``; sums ``estimated_cycles`` over the
-    dumped per-op profiles. Returns None if libtpu wrote no profile.
+
+def estimate_cycles_of(fn, chip: "str | Chip", structs, timeout_s: float = 600) -> int | None:
+    """libtpu's static ``estimated_cycles`` of any jitted JAX function (a kernel or XLA's own ops).
+
+    Exports ``fn`` for the TPU platform with ``jax.export`` and compiles it again in a subprocess started
+    with ``LIBTPU_INIT_ARGS=--xla_jf_dump_static_llo_profile_to=DIR`` (libtpu reads the flag once, when it
+    loads); sums ``estimated_cycles`` over the dumped per-op profiles. Deterministic for a given
+    libtpu; slow on big grids. Returns None if libtpu wrote no profile.
+
+    Args:
+        fn: a jitted function; structs: ``jax.ShapeDtypeStruct`` per argument (no sharding needed).
     """
     import jax
 
-    exported = jax.export.export(low.fn, platforms=["tpu"])(*low.arg_structs)
+    chip = get_chip(chip)
+    require_libtpu()
+    plain = [jax.ShapeDtypeStruct(tuple(a.shape), a.dtype) for a in structs]
+    exported = jax.export.export(fn, platforms=["tpu"])(*plain)
     with tempfile.TemporaryDirectory(prefix="tpk_llo_") as d:
         blob = os.path.join(d, "fn.bin")
         with open(blob, "wb") as f:
@@ -278,11 +290,16 @@ def static_estimated_cycles(low, chip: Chip, timeout_s: float = 600) -> int | No
         env = dict(os.environ)
         env["LIBTPU_INIT_ARGS"] = (env.get("LIBTPU_INIT_ARGS", "") + f" --xla_jf_dump_static_llo_profile_to={d}/llo").strip()
         env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
-        env.setdefault("JAX_PLATFORMS", "cpu")
-        subprocess.run(
+        env["JAX_PLATFORMS"] = "cpu"
+        proc = subprocess.run(
             [sys.executable, "-m", "tpukernels.targets.compile_only", blob, chip.name],
-            env=env, check=True, timeout=timeout_s, capture_output=True,
+            env=env, timeout=timeout_s, capture_output=True, text=True,
         )
+        if proc.returncode != 0:
+            from ..errors import LoweringError
+
+            tail = (proc.stderr or "").strip().splitlines()[-3:]
+            raise LoweringError(f"static estimate on {chip.name} failed: {' | '.join(tail)}")
         return parse_llo_profiles(os.path.join(d, "llo"))
 
 
