@@ -99,6 +99,8 @@ def validate(kernel: TpuKernel, resolved: Resolved, chip: Chip | None) -> VmemEs
         raise KernelBodyError(f"{kernel.qualname}: launch gave {len(out_specs)} out_specs for {len(outs)} outputs")
     for o in outs:
         check_jax_dtype(o.dtype, f"{kernel.qualname} output")
+    if grid_is_empty(launch.grid):  # nothing runs (outputs are zeros): blocks of empty arrays are moot
+        return estimate_vmem([], ())
     items = []
     for spec, s in zip(in_specs, blocked):
         where = f"{kernel.qualname} in_specs for {s.name!r}"
