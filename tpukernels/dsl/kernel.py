@@ -83,7 +83,7 @@ def bucket(n: int) -> int:
     """
     if n <= 8:
         return 8
-    step = max(8, 1 << max(0, (n - 1).bit_length() - 2))
+    step = max(8, 1 << max(0, (n - 1).bit_length() - 3))
     return -(-n // step) * step
 
 

@@ -1,0 +1,80 @@
+"""Tuning database: lookup order, nearest bucket, corruption, concurrent writers."""
+
+import json
+import multiprocessing as mp
+import os
+
+import pytest
+import torch
+
+import tpukernels as tk
+from tpukernels.autotune import db
+from kernels_for_tests import scale
+from tpukernels.lowering import specs_from_values
+
+
+def _specs(n, cols=128):
+    return specs_from_values(scale, [torch.zeros(n, cols), 2.0])
+
+
+def test_dispatch_order_explicit_user_db_nearest_default(tmp_cache, monkeypatch):
+    monkeypatch.setenv("TPUKERNELS_TARGET_CHIP", "v6e")
+    specs, statics = _specs(1024)
+    assert scale.resolve_config(specs, statics, None) == (tk.Config(block_rows=16), "default")
+    db.record(scale, "v6e", specs, statics, {"block_rows": 256}, {"evaluator": "test"})
+    assert scale.resolve_config(specs, statics, None) == (tk.Config(block_rows=256), "user-db:v6e")
+    # 2000 rows: another bucket, same dtypes/statics -> nearest entry
+    s2, _ = _specs(2000)
+    cfg, source = scale.resolve_config(s2, statics, None)
+    assert cfg == {"block_rows": 256} and source == "user-db:nearest:v6e"
+    # different static value: a miss -> default
+    s3, st3 = specs_from_values(scale, [torch.zeros(1024, 128), 3.0])
+    assert scale.resolve_config(s3, st3, None)[1] == "default"
+    # explicit beats everything
+    assert scale.resolve_config(specs, statics, {"block_rows": 8}) == (tk.Config(block_rows=8), "explicit")
+    # another chip has no data
+    monkeypatch.setenv("TPUKERNELS_TARGET_CHIP", "v5e")
+    assert scale.resolve_config(specs, statics, None)[1] == "default"
+
+
+def test_corrupted_file_warns_and_is_ignored(tmp_cache, monkeypatch):
+    monkeypatch.setenv("TPUKERNELS_TARGET_CHIP", "v6e")
+    path = db.user_db_path(scale.qualname, "v6e")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write('{"version": 1, "entries": [')
+    specs, statics = _specs(64)
+    with pytest.warns(RuntimeWarning, match="corrupted tuning file"):
+        assert scale.resolve_config(specs, statics, None)[1] == "default"
+    # a write moves the corrupted file aside instead of destroying it
+    with pytest.warns(RuntimeWarning, match="moved corrupted"):
+        db.record(scale, "v6e", specs, statics, {"block_rows": 32}, {"evaluator": "test"})
+    assert os.path.exists(path + ".corrupt")
+    assert json.load(open(path))["entries"][0]["config"] == {"block_rows": 32}
+
+
+def test_stale_source_hash_is_skipped(tmp_cache, monkeypatch):
+    monkeypatch.setenv("TPUKERNELS_TARGET_CHIP", "v6e")
+    specs, statics = _specs(64)
+    path = db.record(scale, "v6e", specs, statics, {"block_rows": 32}, {"evaluator": "test"})
+    data = json.load(open(path))
+    data["entries"][0]["key"]["source_hash"] = "0" * 16
+    json.dump(data, open(path, "w"))
+    assert scale.resolve_config(specs, statics, None)[1] == "default"
+
+
+def _writer(args):
+    cache, i = args
+    os.environ["TPUKERNELS_CACHE_DIR"] = cache
+    from kernels_for_tests import scale as k
+    from tpukernels.autotune import db as d
+
+    specs, statics = specs_from_values(k, [torch.zeros(8 * (i + 1), 128), float(i)])
+    d.record(k, "v5e", specs, statics, {"block_rows": 8}, {"evaluator": "test", "i": i})
+
+
+def test_concurrent_writers_lose_nothing(tmp_cache):
+    with mp.get_context("spawn").Pool(4) as pool:
+        pool.map(_writer, [(str(tmp_cache), i) for i in range(12)])
+    data = json.load(open(db.user_db_path(scale.qualname, "v5e")))
+    assert sorted(e["evidence"]["i"] for e in data["entries"]) == list(range(12))

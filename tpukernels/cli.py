@@ -1,0 +1,193 @@
+"""The ``tpukernels`` command line.
+
+    tpukernels list [--json] [--import MODULE_OR_FILE]
+    tpukernels compile KERNEL --shape 8192x4096:bf16 [--shape ...] [--static eps=1e-6]
+                       [--chips v5e,v6e,tpu7x] [--config block_rows=256] [--estimate] [--json] [--mlir FILE]
+    tpukernels demo [--json]
+
+Kernels are found by ``namespace::name`` or by a unique ``name``; the shipped library is always loaded,
+``--import`` loads user kernels from a module name or a ``.py`` file first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import importlib.util
+import json
+import os
+import sys
+
+from .errors import ArgumentError, TpuKernelError
+
+
+def _quiet_libtpu_env() -> None:
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-1")
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+
+
+def _import(spec: str) -> None:
+    if spec.endswith(".py") or os.path.sep in spec:
+        path = os.path.abspath(spec)
+        sys.path.insert(0, os.path.dirname(path))
+        name = os.path.splitext(os.path.basename(path))[0]
+        loaded = sys.modules.get(name)
+        if loaded is not None and os.path.abspath(getattr(loaded, "__file__", "") or "") == path:
+            return  # already imported (its kernels are registered)
+        mod_spec = importlib.util.spec_from_file_location(name, path)
+        if mod_spec is None or mod_spec.loader is None:
+            raise ArgumentError(f"--import: cannot load {spec!r}")
+        module = importlib.util.module_from_spec(mod_spec)
+        sys.modules[name] = module
+        mod_spec.loader.exec_module(module)
+    else:
+        importlib.import_module(spec)
+
+
+def load_kernels(imports=()) -> dict:
+    """Import the shipped library and ``imports``; return the kernel registry."""
+    from .dsl.kernel import REGISTRY
+
+    importlib.import_module("tpukernels.library")
+    for spec in imports or ():
+        _import(spec)
+    return REGISTRY
+
+
+def find_kernel(name: str, imports=()):
+    """The kernel called ``name`` (``ns::name`` or a unique short name).
+
+    Raises:
+        ArgumentError: unknown or ambiguous name (the message lists the known kernels).
+    """
+    reg = load_kernels(imports)
+    if name in reg:
+        return reg[name]
+    matches = [k for q, k in reg.items() if q.split("::")[1] == name]
+    if len(matches) == 1:
+        return matches[0]
+    known = ", ".join(sorted(reg)) or "none"
+    why = "is ambiguous" if matches else "is not a registered kernel"
+    raise ArgumentError(f"kernel {name!r} {why}; known kernels: {known} (use --import to load yours)")
+
+
+def _parse_kv(items) -> dict:
+    out = {}
+    for item in items or ():
+        for part in item.split(","):
+            if not part.strip():
+                continue
+            k, sep, v = part.partition("=")
+            if not sep:
+                raise ArgumentError(f"expected key=value, got {part!r}")
+            try:
+                out[k.strip()] = ast.literal_eval(v.strip())
+            except (ValueError, SyntaxError):
+                out[k.strip()] = v.strip()
+    return out
+
+
+def table(rows: list[list], header: list[str]) -> str:
+    """Plain fixed-width text table."""
+    cols = [header] + [[("" if c is None else str(c)) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cols) for i in range(len(header))]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    lines = [fmt.format(*header), fmt.format(*["-" * w for w in widths])]
+    lines += [fmt.format(*r) for r in cols[1:]]
+    return "\n".join(lines)
+
+
+def cmd_list(args) -> int:
+    reg = load_kernels(args.imports)
+    rows = []
+    for q, k in sorted(reg.items()):
+        params = ", ".join(f"{p.name}:{getattr(p.annotation, '__name__', str(p.annotation))}" for p in k.params)
+        tun = ", ".join(f"{n}={t.values}" for n, t in k.space.tunables.items())
+        rows.append({"kernel": q, "signature": params, "tunables": tun, "backward": k._backward is not None})
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        print(table([[r["kernel"], r["signature"], r["tunables"], "yes" if r["backward"] else "no"] for r in rows],
+                    ["kernel", "signature", "tunables", "backward"]))
+    return 0
+
+
+def cmd_compile(args) -> int:
+    from .chips import parse_chips
+    from .targets.compile_only import compile_for
+
+    _quiet_libtpu_env()
+    kernel = find_kernel(args.kernel, args.imports)
+    statics = _parse_kv(args.static)
+    config = _parse_kv(args.config) or None
+    results = []
+    for chip in parse_chips(args.chips):
+        r = compile_for(kernel, chip, *args.shape, config=config, estimate_cycles=args.estimate, **statics)
+        results.append(r)
+        if args.mlir and r.mosaic_mlir:
+            with open(f"{args.mlir}.{chip.name}.mlir", "w") as f:
+                f.write(r.mosaic_mlir)
+    if args.json:
+        print(json.dumps([r.to_dict() for r in results], indent=1))
+    else:
+        rows = []
+        for r in results:
+            mib = (lambda b: "" if b is None else f"{b / 2**20:.2f}")
+            rows.append([r.chip, "ok" if r.ok else f"FAIL ({r.error_kind})", mib(r.vmem_estimate_bytes),
+                         mib(r.vmem_limit_bytes), mib(r.vmem_capacity_bytes), r.code_size_bytes,
+                         r.estimated_cycles if args.estimate else "-", json.dumps(r.config), f"{r.compile_seconds:.2f}"])
+        print(f"{kernel.qualname} {' '.join(args.shape)}")
+        print(table(rows, ["chip", "status", "VMEM est MiB", "scoped MiB", "capacity MiB", "code B",
+                           "est. cycles (model)", "config", "compile s"]))
+        for r in results:
+            if not r.ok:
+                print(f"  {r.chip}: {r.error}")
+    return 0 if all(r.ok for r in results) else 1
+
+
+def cmd_demo(args) -> int:
+    from .demo import run_demo
+
+    return run_demo(as_json=args.json)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tpukernels", description="Pallas TPU kernels as torch ops: list, compile-check, demo.")
+    p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE_OR_FILE",
+                   help="import user kernels from a module or .py file (repeatable)")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("list", help="list registered kernels")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_list)
+
+    s = sub.add_parser("compile", help="compile-only check of a kernel for TPU chips (needs libtpu)")
+    s.add_argument("kernel", help="kernel name: namespace::name or a unique name")
+    s.add_argument("--shape", action="append", default=[], required=True,
+                   help="one per tensor argument, in order: e.g. 8192x4096:bf16 (dtypes bf16 f32 f16 i32 i8)")
+    s.add_argument("--static", action="append", help="static arguments: eps=1e-6,offset=1.0")
+    s.add_argument("--config", action="append", help="tuning config: block_rows=256")
+    s.add_argument("--chips", default="v5e,v6e,tpu7x", help="comma list of v4,v5e,v5p,v6e,tpu7x or 'all'")
+    s.add_argument("--estimate", action="store_true", help="add libtpu's static estimated_cycles (slow; a model)")
+    s.add_argument("--mlir", metavar="PREFIX", help="write the Mosaic MLIR per chip to PREFIX.<chip>.mlir")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_compile)
+
+    s = sub.add_parser("demo", help="run the end-to-end demo")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except TpuKernelError as e:
+        print(f"tpukernels: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
