@@ -44,10 +44,14 @@ def register_op(kernel: TpuKernel):
 
     sig = _op_signature(kernel)
 
-    def impl(*args, **kwargs):
-        from .targets import run_torch
+    from .targets import run_torch
 
-        values, config = _split(kernel, args, kwargs)
+    kw_only = [p.name for p in kernel.params if p.keyword_only]
+
+    def impl(*args, config=None, **kwargs):
+        # The dispatcher passes positional schema args positionally (defaults applied) and keyword-only
+        # ones by name, so no re-binding is needed on this hot path.
+        values = list(args) + [kwargs[n] for n in kw_only] if kw_only else args
         return run_torch(kernel, values, config)
 
     impl.__signature__ = sig

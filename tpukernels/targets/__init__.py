@@ -52,7 +52,7 @@ def _tensor_values(kernel: TpuKernel, values: Sequence) -> list:
 class Plan:
     """A cached call plan for one (signature, config, mode): which args to pad, how to slice outputs."""
 
-    __slots__ = ("lowered", "tensor_idx", "pad_idx", "n_rows", "n_bucket", "runner", "single")
+    __slots__ = ("lowered", "tensor_idx", "pad_idx", "n_rows", "n_bucket", "runner", "single", "row_outs")
 
     def __init__(self, lowered: Lowered, tensor_idx, pad_idx, n_rows, n_bucket, runner):
         self.lowered = lowered
@@ -62,6 +62,8 @@ class Plan:
         self.n_bucket = n_bucket
         self.runner = runner
         self.single = not lowered.resolved.launch.multiple_outputs
+        # per output: does it carry the (bucketed) row axis? (OutSpec(rows=False): a reduction over rows)
+        self.row_outs = tuple(getattr(o, "rows", True) for o in lowered.resolved.launch.out_shapes)
 
 
 def plan_for(kernel: TpuKernel, values: Sequence, config_json: str | None, mode: str, chip=None) -> Plan:
@@ -84,7 +86,9 @@ def plan_for(kernel: TpuKernel, values: Sequence, config_json: str | None, mode:
         specs = bucketed
     low = lower(kernel, specs, statics, config, mode=mode, chip=chip)
     if n_rows is not None:
-        for o in low.out_structs:
+        for o, spec in zip(low.out_structs, low.resolved.launch.out_shapes):
+            if not getattr(spec, "rows", True):
+                continue
             if not o.shape or o.shape[0] != n_bucket:
                 raise ArgumentError(
                     f"{kernel.qualname}: rows= declares a row axis but output shape {o.shape} does not start with the "
@@ -117,7 +121,7 @@ def run_torch(kernel: TpuKernel, values: Sequence, config_json: str | None):
     import torch
 
     dev = next((v.device for v in values if isinstance(v, torch.Tensor)), None)
-    if dev is None or dev.type == "cpu":
+    if dev is None or dev.type == "cpu":  # cpu first: it is the hot path here
         from .cpu import run_torch_cpu
 
         return run_torch_cpu(kernel, values, config_json)
@@ -130,10 +134,4 @@ def run_torch(kernel: TpuKernel, values: Sequence, config_json: str | None):
 
 def signature_key(values: Sequence, config_json, mode) -> tuple:
     """Hashable per-call key: shapes/dtypes of tensors, static values, config, mode."""
-    out: list[Any] = [mode, config_json]
-    for v in values:
-        if hasattr(v, "shape") and hasattr(v, "dtype"):
-            out.append((v.shape, v.dtype))
-        else:
-            out.append(v)
-    return tuple(out)
+    return (mode, config_json, *[(v.shape, v.dtype) if hasattr(v, "dtype") else v for v in values])

@@ -80,5 +80,5 @@ def run_torch_tpu(kernel: TpuKernel, values: Sequence, config_json: str | None):
     out = plan.runner(*tensors)
     res = list(out) if isinstance(out, (list, tuple)) else [out]
     if plan.n_rows is not None:
-        res = [r[: plan.n_rows].clone() for r in res]
+        res = [r[: plan.n_rows].clone() if rows else r for r, rows in zip(res, plan.row_outs)]
     return res[0] if plan.single else tuple(res)
