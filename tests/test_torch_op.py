@@ -86,6 +86,12 @@ def test_opcheck_examples():
     torch.library.opcheck(torch.ops.examples.matmul, (torch.randn(16, 256), torch.randn(256, 128)))
 
 
+def test_default_static_arguments_reach_the_kernel():
+    x = torch.randn(16, 128)
+    torch.testing.assert_close(scale(x), 2.0 * x)  # alpha defaults to 2.0
+    torch.testing.assert_close(torch.ops.tktest.scale(x), 2.0 * x)
+
+
 def test_backward_matches_float64_autograd():
     x = torch.randn(37, 128, dtype=torch.float32, requires_grad=True)
     g = torch.randn(37, 128)

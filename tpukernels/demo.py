@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 
-EXAMPLES = ("vector_add.py", "softmax.py", "matmul.py")
+EXAMPLES = ("vector_add.py", "softmax.py", "matmul.py", "helion_kernels.py")
 
 
 def _examples_dir() -> str | None:

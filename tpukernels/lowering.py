@@ -40,6 +40,9 @@ class Lowered:
         out_structs: ``jax.ShapeDtypeStruct`` per output.
         vmem: the VMEM estimate of the launch.
         empty_grid: True when the grid has a zero extent (outputs are zeros, nothing runs).
+        multiple_outputs: the kernel returns a tuple.
+        out_rows: per output, whether it carries the row axis (see ``OutSpec.rows``).
+        input_output_aliases: ``{input_index: output_index}`` passed to ``pallas_call``.
     """
 
     kernel: TpuKernel
@@ -50,6 +53,9 @@ class Lowered:
     out_structs: tuple
     vmem: VmemEstimate
     empty_grid: bool
+    multiple_outputs: bool = False
+    out_rows: tuple = ()
+    input_output_aliases: dict = dataclasses.field(default_factory=dict)
     _compiled: Any = None
 
     @property
@@ -64,6 +70,9 @@ class Lowered:
             except TpuKernelError:
                 raise
             except Exception as e:
+                translate = getattr(self.kernel, "lowering_error", None)  # front-ends with their own wording
+                if translate is not None:
+                    raise translate(e, self.resolved.specs, self.config) from e
                 raise LoweringError(f"{self.kernel.qualname}: Pallas could not lower the kernel: {e}") from e
         return self._compiled
 
@@ -217,11 +226,23 @@ def lower(
     hit = kernel._entries.get(key)
     if hit is not None:
         return hit
+    build = getattr(kernel, "build_lowered", None)
+    if build is not None:  # another front-end (e.g. Helion) lowers itself
+        low = build(specs, statics, config, mode, chip)
+        with kernel._lock:
+            kernel._entries[key] = low
+        return low
     resolved = resolve(kernel, specs, statics, config)
     vmem = validate(kernel, resolved, chip)
     fn, out_structs = build_fn(kernel, resolved, mode)
     arg_structs = tuple(jax.ShapeDtypeStruct(tuple(int(d) for d in s.shape), s.dtype) for s in specs if s is not None)
-    low = Lowered(kernel, resolved, mode, jax.jit(fn), arg_structs, out_structs, vmem, grid_is_empty(resolved.launch.grid))
+    launch = resolved.launch
+    low = Lowered(
+        kernel, resolved, mode, jax.jit(fn), arg_structs, out_structs, vmem, grid_is_empty(launch.grid),
+        multiple_outputs=launch.multiple_outputs,
+        out_rows=tuple(getattr(o, "rows", True) for o in launch.out_shapes),
+        input_output_aliases=dict(launch.input_output_aliases),
+    )
     with kernel._lock:
         kernel._entries[key] = low
     return low

@@ -47,12 +47,17 @@ def register_op(kernel: TpuKernel):
     from .targets import run_torch
 
     kw_only = [p.name for p in kernel.params if p.keyword_only]
+    positional = [p for p in kernel.params if not p.keyword_only]
+    kw_defaults = {p.name: p.default for p in kernel.params if p.keyword_only}
 
     def impl(*args, config=None, **kwargs):
-        # The dispatcher passes positional schema args positionally (defaults applied) and keyword-only
-        # ones by name, so no re-binding is needed on this hot path.
-        values = list(args) + [kwargs[n] for n in kw_only] if kw_only else args
-        return run_torch(kernel, values, config)
+        # Hot path: the dispatcher passes positional schema args positionally and keyword-only ones by
+        # name, but may drop trailing arguments that equal their defaults; restore those.
+        if len(args) < len(positional):
+            args = tuple(args) + tuple(p.default for p in positional[len(args):])
+        if kw_only:
+            return run_torch(kernel, list(args) + [kwargs.get(n, kw_defaults[n]) for n in kw_only], config)
+        return run_torch(kernel, args, config)
 
     impl.__signature__ = sig
     impl.__name__ = kernel.name

@@ -131,6 +131,9 @@ class TpuKernel:
         params: the op signature as :class:`Param` objects.
     """
 
+    #: Pallas front-end: tunables are keyword-only launch parameters (Helion: config keys, not parameters).
+    tunables_are_params = True
+
     def __init__(
         self,
         body: Callable,
@@ -214,7 +217,7 @@ class TpuKernel:
             kind = _classify(pname, hints[pname])
             params.append(Param(pname, kind, hints[pname], p.default, p.kind == p.KEYWORD_ONLY))
         missing = tunable_names - seen_tunables
-        if missing:
+        if missing and self.tunables_are_params:
             raise KernelDefinitionError(
                 f"tpu_kernel {fn.__name__}: tunables {sorted(missing)} must appear as keyword-only parameters"
             )
@@ -350,8 +353,9 @@ class TpuKernel:
 
 
 def tpu_kernel(
-    body: Callable,
+    body: Callable | None = None,
     *,
+    backend: str = "pallas",
     name: str | None = None,
     namespace: str = DEFAULT_NAMESPACE,
     tunables: Mapping[str, Tunable] | None = None,
@@ -360,30 +364,52 @@ def tpu_kernel(
     rows: Sequence[str] = (),
     out_shape: Callable | None = None,
     reference: Callable | None = None,
+    config: Mapping | None = None,
 ) -> Callable[[Callable], TpuKernel]:
-    """Decorate a launch function to make a :class:`TpuKernel` running ``body``.
+    """Decorate a launch function (Pallas) or a tile program (Helion) to make a :class:`TpuKernel`.
 
     Args:
-        body: the Pallas kernel on refs: ``body(*in_refs, *out_refs, *scratch_refs, **static)``. Keyword-only
-            parameters of the body receive static arguments and config values of the same name.
-        name: op name (default: the launch function's name); the op is ``torch.ops.<namespace>.<name>``.
+        body: Pallas front-end: the kernel on refs, ``body(*in_refs, *out_refs, *scratch_refs, **static)``;
+            keyword-only parameters of the body receive static arguments and config values of the same
+            name. Must be None for ``backend="helion"`` (the decorated function is the program).
+        backend: ``"pallas"`` (a body plus a launch function returning :class:`Launch`) or ``"helion"``
+            (a Helion tile program; see :mod:`tpukernels.frontends.helion`).
+        name: op name (default: the decorated function's name); the op is ``torch.ops.<namespace>.<name>``.
         namespace: torch library namespace (default ``"tpukernels_user"``; the shipped library uses
             ``"tpukernels"``).
-        tunables: ``{name: Tunable(values, default)}``; each also a keyword-only launch parameter.
+        tunables: ``{name: Tunable(values, default)}``. Pallas: each is also a keyword-only launch
+            parameter. Helion: names are Helion config keys (``block_sizes``, ...).
         constraints: callables ``fn(config) -> bool | str`` restricting the tunable space.
         heuristic: ``fn(*tensor_specs, **statics) -> dict`` shape-dependent default config.
         rows: names of tensor parameters whose dim 0 is an independent row axis shared with every
             output's dim 0. The row count is then padded (zeros) to :func:`bucket` sizes, so one compiled
             kernel serves every row count of its bucket (``torch.compile(dynamic=True)`` and changing
-            batch sizes do not recompile); outputs are sliced back.
+            batch sizes do not recompile); outputs are sliced back, except those declared
+            ``OutSpec(..., rows=False)`` (reductions over rows, which the zero rows must not change).
         out_shape: optional ``fn(*tensor_specs, **statics) -> OutSpec | tuple`` for the fake kernel, when
             the launch function does shape-dependent Python control flow.
         reference: optional plain torch/jnp implementation (used by the autotuner's correctness check).
+        config: Helion only: a pinned Helion config (``{"block_sizes": [64]}``).
 
     Raises:
         KernelDefinitionError: unannotated parameters, tunables that are not keyword-only, a name
-            already defined in this process.
+            already defined in this process, a missing body (Pallas) or an unknown backend.
     """
+    if backend == "helion":
+        if body is not None:
+            raise KernelDefinitionError("tpu_kernel(backend='helion'): decorate the Helion program itself; pass no body")
+        from ..frontends.helion import helion_kernel
+
+        return helion_kernel(
+            name=name, namespace=namespace, tunables=tunables, config=config, constraints=constraints,
+            heuristic=heuristic, rows=rows, out_shape=out_shape, reference=reference,
+        )
+    if backend != "pallas":
+        raise KernelDefinitionError(f"tpu_kernel: backend must be 'pallas' or 'helion', got {backend!r}")
+    if body is None:
+        raise KernelDefinitionError("tpu_kernel: the Pallas front-end needs the kernel body: @tpu_kernel(body, ...)")
+    if config is not None:
+        raise KernelDefinitionError("tpu_kernel: config= pins Helion configs; Pallas kernels pin defaults with Tunable(default=)")
 
     def deco(launch_fn: Callable) -> TpuKernel:
         return TpuKernel(

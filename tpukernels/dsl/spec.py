@@ -47,10 +47,18 @@ class TensorSpec:
 
 @dataclasses.dataclass(frozen=True)
 class OutSpec:
-    """Shape and dtype of one kernel output (what ``jax.ShapeDtypeStruct`` is to ``pallas_call``)."""
+    """Shape and dtype of one kernel output (what ``jax.ShapeDtypeStruct`` is to ``pallas_call``).
+
+    Attributes:
+        rows: only for kernels declaring ``rows=``: ``False`` marks an output without the row axis, e.g. a
+            weight gradient reduced over all rows. Row bucketing then neither checks nor slices it; the
+            padded rows are zeros and must contribute nothing to it, and its shape must not depend on the
+            row count.
+    """
 
     shape: tuple
     dtype: Any
+    rows: bool = True
 
 
 def like(x: TensorSpec, dtype: Any = None, shape: Sequence | None = None) -> OutSpec:
@@ -97,7 +105,8 @@ class Config(Mapping):
     def __init__(self, mapping: Mapping | None = None, /, **kwargs: Any):
         items = dict(mapping or {})
         items.update(kwargs)
-        self._items = tuple(sorted(items.items()))
+        # list-valued knobs (Helion's block_sizes, values read back from JSON) are stored as tuples
+        self._items = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in items.items()))
 
     def __getitem__(self, key: str) -> Any:
         for k, v in self._items:

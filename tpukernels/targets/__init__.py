@@ -42,7 +42,7 @@ def run_jax(kernel: TpuKernel, values: Sequence, config: Mapping | None):
     on_tpu = any(getattr(d, "platform", "") == "tpu" for a in arrays for d in getattr(a, "devices", lambda: ())())
     low = lower(kernel, specs, statics, config, mode="mosaic" if on_tpu else current_interpret_mode())
     outs = low.fn(*arrays)
-    return outs if low.resolved.launch.multiple_outputs else outs[0]
+    return outs if low.multiple_outputs else outs[0]
 
 
 def _tensor_values(kernel: TpuKernel, values: Sequence) -> list:
@@ -61,9 +61,9 @@ class Plan:
         self.n_rows = n_rows
         self.n_bucket = n_bucket
         self.runner = runner
-        self.single = not lowered.resolved.launch.multiple_outputs
+        self.single = not lowered.multiple_outputs
         # per output: does it carry the (bucketed) row axis? (OutSpec(rows=False): a reduction over rows)
-        self.row_outs = tuple(getattr(o, "rows", True) for o in lowered.resolved.launch.out_shapes)
+        self.row_outs = lowered.out_rows
 
 
 def plan_for(kernel: TpuKernel, values: Sequence, config_json: str | None, mode: str, chip=None) -> Plan:
@@ -86,8 +86,8 @@ def plan_for(kernel: TpuKernel, values: Sequence, config_json: str | None, mode:
         specs = bucketed
     low = lower(kernel, specs, statics, config, mode=mode, chip=chip)
     if n_rows is not None:
-        for o, spec in zip(low.out_structs, low.resolved.launch.out_shapes):
-            if not getattr(spec, "rows", True):
+        for o, has_rows in zip(low.out_structs, low.out_rows):
+            if not has_rows:
                 continue
             if not o.shape or o.shape[0] != n_bucket:
                 raise ArgumentError(

@@ -82,8 +82,9 @@ class CompileResult:
     def summary(self) -> str:
         if not self.ok:
             return f"{self.kernel} on {self.chip}: FAILED ({self.error_kind}) {self.error}"
+        vmem = "n/a" if self.vmem_estimate_bytes is None else f"{self.vmem_estimate_bytes / MiB:.2f} MiB"
         return (
-            f"{self.kernel} on {self.chip}: ok, VMEM {self.vmem_estimate_bytes / MiB:.2f} MiB (est.) of "
+            f"{self.kernel} on {self.chip}: ok, VMEM {vmem} (est.) of "
             f"{self.vmem_limit_bytes / MiB:.0f} MiB scoped, code {self.code_size_bytes} B"
         )
 
@@ -223,7 +224,8 @@ def compile_for(
     require_libtpu()
     from . import bucket_specs
 
-    values = kernel.bind([_as_spec(a) for a in args], {k: _as_spec(v) for k, v in kwargs.items()})
+    tensor_names = {p.name for p in kernel.tensor_params}  # str values of static params stay strings
+    values = kernel.bind([_as_spec(a) for a in args], {k: _as_spec(v) if k in tensor_names else v for k, v in kwargs.items()})
     specs, statics = specs_from_values(kernel, values)
     specs = bucket_specs(kernel, specs)
     res = CompileResult(kernel.qualname, chip.name, ok=False, vmem_capacity_bytes=chip.vmem_capacity_bytes)
@@ -237,8 +239,10 @@ def compile_for(
         res.compile_seconds = time.perf_counter() - t0
         return res
     res.config, res.config_source = dict(low.config), low.resolved.source
-    res.vmem_estimate_bytes = low.vmem.total_bytes
-    limit = low.resolved.launch.vmem_limit_bytes or chip.default_scoped_vmem_bytes
+    # Helion kernels build their own BlockSpecs: no tpukernels estimate (the compiler still checks VMEM)
+    res.vmem_estimate_bytes = low.vmem.total_bytes if low.resolved.launch is not None else None
+    launch = low.resolved.launch
+    limit = (launch.vmem_limit_bytes if launch is not None else None) or chip.default_scoped_vmem_bytes
     res.vmem_limit_bytes = limit
     dev = tpu_device(chip.name)
     sharding = jax.sharding.SingleDeviceSharding(dev)

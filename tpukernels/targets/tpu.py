@@ -57,7 +57,7 @@ def make_callable(plan: Plan):
         name=low.kernel.name,
         jit_fn=low.fn,
         trace_key=f"tpukernels/{low.kernel.qualname}/{shapes}/{low.config.to_json()}",
-        input_output_aliases=dict(low.resolved.launch.input_output_aliases),
+        input_output_aliases=dict(low.input_output_aliases),
     )
 
 

@@ -1,0 +1,1 @@
+"""Kernel front-ends other than Pallas-style bodies (Helion tile programs)."""
