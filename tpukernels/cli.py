@@ -149,7 +149,7 @@ def cmd_compile(args) -> int:
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
-    return run_demo(as_json=args.json)
+    return run_demo(as_json=args.json, estimate=not args.no_estimate)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -174,9 +174,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_compile)
 
-    s = sub.add_parser("demo", help="run the end-to-end demo")
+    s = sub.add_parser("demo", help="run the end-to-end demo (embeddings, generation, per-chip table)")
     s.add_argument("--json", action="store_true")
+    s.add_argument("--no-estimate", action="store_true", help="skip libtpu static estimates in the chip table")
     s.set_defaults(func=cmd_demo)
+
+    from .autotune.cli import add_parser as _add_autotune
+
+    _add_autotune(sub)
     return p
 
 

@@ -1,0 +1,285 @@
+"""Hugging Face transformers integration: ``attn_implementation="tpukernels"`` and module patching.
+
+* :func:`register` adds ``"tpukernels"`` to transformers' ``AttentionInterface`` (our flash attention)
+  and to ``AttentionMaskInterface`` (transformers' own SDPA-style mask builder, so the attention function
+  receives the model's real mask: ``None`` when plain causal / full attention suffices, else a boolean
+  ``[B, 1, Sq, Skv]`` mask).
+* :func:`attention_forward` maps HF's arguments onto :func:`tpukernels.library.attention.flash_attention`:
+  ``scaling`` -> ``sm_scale``, ``softcap`` -> ``softcap``, GQA natively (no ``repeat_kv``), and the mask
+  onto causal / sliding window / key-padding segment ids. The mask is **verified**, not guessed: the
+  candidate (causal?, window, padding) is rebuilt densely and compared with the model's mask; a mask
+  that is none of these (e.g. prefix-LM, chunked or custom 4-D masks), float masks with non-(0/-inf)
+  biases, and training-time dropout fall back to a float32 eager attention with a one-time warning —
+  never silently wrong.
+* :func:`apply_tpukernels` swaps RMSNorm / LayerNorm modules (with each family's casting: Llama-style
+  ``weight * x_normed.to(dtype)``, Gemma-style ``(x_normed * (1 + w)).to(dtype)``) and, opt-in, ``nn.Linear``
+  layers; per-family helpers in the style of Liger-Kernel's ``apply_liger_kernel_to_*`` wrap it.
+
+Works on cpu tensors (interpret mode) here; on a TPU host with torch_tpu the same code runs on ``tpu``
+tensors.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Optional
+
+import torch
+
+NAME = "tpukernels"
+_warned: set = set()
+
+
+def _warn_once(key: str, msg: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(f"tpukernels attention: {msg}; using a float32 eager fallback for these calls", RuntimeWarning, stacklevel=3)
+
+
+# ------------------------------------------------------------------------------------------ mask mapping
+def _dense(b: int, sq: int, skv: int, causal: bool, alignment: str, left: Optional[int], kv_valid, device):
+    i = torch.arange(sq, device=device)[:, None]
+    j = torch.arange(skv, device=device)[None, :]
+    off = skv - sq if alignment == "bottom_right" else 0
+    vis = torch.ones(sq, skv, dtype=torch.bool, device=device)
+    if causal:
+        vis &= j <= i + off
+    if left is not None:
+        vis &= j >= i + off - left
+    vis = vis[None].expand(b, sq, skv)
+    if kv_valid is not None:
+        vis = vis & kv_valid[:, None, :]
+    return vis
+
+
+def mask_to_spec(mask: Optional[torch.Tensor], sq: int, skv: int, *, is_causal: bool, sliding_window: Optional[int]):
+    """Express an HF attention mask as flash-attention arguments, or return None if it cannot be.
+
+    Args:
+        mask: None, or ``[B, 1 | H, Sq, Skv]`` boolean (True = attend) or additive float (0 / large negative).
+        is_causal: the module's ``is_causal`` (used when ``mask`` is None, as SDPA does).
+        sliding_window: the layer's window in HF's convention (a query sees keys ``j > i - sliding_window``).
+
+    Returns:
+        ``dict(causal, causal_alignment, window_left, kv_valid)`` (``kv_valid``: ``[B, Skv]`` bool or None),
+        or None when the mask is not causal x window x key-padding.
+    """
+    if mask is None:
+        # SDPA semantics: causal (top-left) for multi-token queries, no mask otherwise
+        return dict(causal=bool(is_causal and sq > 1), causal_alignment="top_left", window_left=None, kv_valid=None)
+    if mask.dtype != torch.bool:
+        if not mask.dtype.is_floating_point:
+            return None
+        neg = mask <= torch.finfo(mask.dtype).min / 2
+        if not bool(((mask == 0) | neg).all()):
+            return None  # a real additive bias (ALiBi, relative positions): not expressible
+        mask = ~neg
+    if mask.dim() != 4:
+        return None
+    if mask.shape[1] != 1:
+        if not bool((mask == mask[:, :1]).all()):
+            return None  # per-head masks
+        mask = mask[:, :1]
+    m = mask[:, 0].expand(mask.shape[0], sq, skv)
+    b = m.shape[0]
+    kv_valid = m.any(dim=1)
+    kvv = None if bool(kv_valid.all()) else kv_valid
+    windows = [None]
+    if sliding_window:
+        windows = [sliding_window - 1, sliding_window, None]
+    order = (True, False) if is_causal else (False, True)
+    for causal in order:
+        for alignment in (("bottom_right", "top_left") if causal else ("top_left",)):
+            for left in windows:
+                if left is not None and not causal:
+                    continue
+                if torch.equal(_dense(b, sq, skv, causal, alignment, left, kvv, m.device), m):
+                    return dict(causal=causal, causal_alignment=alignment, window_left=left, kv_valid=kvv)
+    return None
+
+
+def _eager(query, key, value, mask, scaling, softcap, dropout, training):
+    group = query.shape[1] // key.shape[1]
+    k = key.repeat_interleave(group, dim=1).float()
+    v = value.repeat_interleave(group, dim=1).float()
+    s = query.float() @ k.transpose(-1, -2) * scaling
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.float()
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    p = torch.nn.functional.dropout(p, p=dropout, training=training)
+    return (p @ v).to(query.dtype)
+
+
+# ------------------------------------------------------------------------------------------ attention
+def attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    is_causal: Optional[bool] = None,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    **kwargs,
+):
+    """transformers attention function (``AttentionInterface`` signature).
+
+    Args:
+        query: ``[B, Hq, Sq, D]``; key, value: ``[B, Hkv, Skv, D]`` (GQA: Hq a multiple of Hkv).
+        attention_mask: None or ``[B, 1, Sq, Skv]`` (bool or additive float), from transformers' SDPA mask.
+        scaling: softmax scale (default ``1/sqrt(D)``). softcap: logit soft-cap. sliding_window: HF window.
+
+    Returns:
+        ``(attn_output [B, Sq, Hq, D], None)`` (attention weights are never materialized).
+    """
+    sq, skv = query.shape[2], key.shape[2]
+    scaling = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+    causal_default = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    sliding_window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
+    training = bool(getattr(module, "training", False))
+    spec = None
+    if training and dropout > 0:
+        _warn_once("dropout", f"attention dropout {dropout} in training mode is not supported by the kernel")
+    else:
+        spec = mask_to_spec(attention_mask, sq, skv, is_causal=causal_default, sliding_window=sliding_window)
+        if spec is None:
+            _warn_once("mask", "this attention mask is not causal / sliding-window / key-padding")
+    if spec is None:
+        if attention_mask is None and causal_default and sq > 1:
+            attention_mask = _dense(query.shape[0], sq, skv, True, "top_left", None, None, query.device)[:, None]
+        out = _eager(query, key, value, attention_mask, scaling, softcap, dropout, training)
+        return out.transpose(1, 2).contiguous(), None
+    from ..library.attention import flash_attention
+
+    seg = {}
+    if spec["kv_valid"] is not None:
+        seg = dict(
+            q_segment_ids=torch.ones(query.shape[0], sq, dtype=torch.int32, device=query.device),
+            kv_segment_ids=spec["kv_valid"].to(torch.int32),
+        )
+    out = flash_attention(
+        query, key, value,
+        causal=spec["causal"], causal_alignment=spec["causal_alignment"], sm_scale=scaling,
+        window=(spec["window_left"], None), softcap=softcap, **seg,
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    """Register ``attn_implementation="tpukernels"`` with transformers (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(NAME, attention_forward)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+
+
+# ------------------------------------------------------------------------------------------ modules
+def _rms_casting(module: torch.nn.Module) -> tuple[str, float]:
+    """(casting, offset) for an HF RMSNorm class: Gemma-style ``(1 + w)`` in f32, else Llama-style."""
+    name = type(module).__name__
+    if name.startswith("Gemma") or name.startswith("Gemma2") or name.startswith("Gemma3"):
+        return "gemma", 1.0
+    return "llama", 0.0
+
+
+def _is_rms_norm(module: torch.nn.Module) -> bool:
+    name = type(module).__name__
+    return name.endswith("RMSNorm") and hasattr(module, "weight") and module.weight is not None and module.weight.dim() == 1
+
+
+class TPULinear(torch.nn.Module):
+    """``nn.Linear`` on the tpukernels matmul (weight ``[out, in]`` used as ``W.t()`` without a copy)."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from ..library.matmul import matmul
+
+        return matmul(x, self.weight.t(), bias=self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def apply_tpukernels(
+    model: torch.nn.Module,
+    *,
+    attention: bool = True,
+    rms_norm: bool = True,
+    layer_norm: bool = True,
+    linear: bool = False,
+) -> dict:
+    """Patch a transformers model in place to run on tpukernels ops.
+
+    Args:
+        attention: set ``attn_implementation="tpukernels"`` (models using the standard attention interface).
+        rms_norm: replace ``*RMSNorm`` modules (Llama/Qwen/Mistral casting, Gemma ``1 + w`` casting).
+        layer_norm: replace ``nn.LayerNorm`` (BERT-family encoders).
+        linear: replace ``nn.Linear`` with the tpukernels matmul (opt-in: slow in cpu interpret mode).
+
+    Returns:
+        ``{"attention": bool, "rms_norm": n, "layer_norm": n, "linear": n}`` — what was patched. Parameters
+        are shared with the original modules, so state dicts and weight tying are unchanged.
+    """
+    from ..library.norms import TPULayerNorm, TPURMSNorm
+
+    counts = {"attention": False, "rms_norm": 0, "layer_norm": 0, "linear": 0}
+    if attention:
+        register()
+        if hasattr(model, "set_attn_implementation"):
+            model.set_attn_implementation(NAME)
+        else:
+            model.config._attn_implementation = NAME
+        counts["attention"] = True
+    for parent in list(model.modules()):
+        for child_name, child in list(parent.named_children()):
+            new = None
+            if rms_norm and _is_rms_norm(child):
+                casting, offset = _rms_casting(child)
+                eps = getattr(child, "variance_epsilon", getattr(child, "eps", 1e-6))
+                new = TPURMSNorm(child.weight.shape[0], eps=eps, offset=offset, casting=casting)
+                new.weight = child.weight
+                counts["rms_norm"] += 1
+            elif layer_norm and isinstance(child, torch.nn.LayerNorm) and len(child.normalized_shape) == 1:
+                new = TPULayerNorm(child.normalized_shape[0], eps=child.eps, elementwise_affine=child.weight is not None)
+                if child.weight is not None:
+                    new.weight = child.weight
+                    new.bias = child.bias
+                counts["layer_norm"] += 1
+            elif linear and type(child) is torch.nn.Linear:
+                new = TPULinear(child)
+                counts["linear"] += 1
+            if new is not None:
+                setattr(parent, child_name, new)
+    return counts
+
+
+def apply_tpukernels_to_llama(model, **kw) -> dict:
+    """Llama / Llama-2/3: attention + RMSNorm (Llama casting). Also fits Mistral, Qwen2, Qwen3."""
+    return apply_tpukernels(model, **kw)
+
+
+apply_tpukernels_to_mistral = apply_tpukernels_to_llama
+apply_tpukernels_to_qwen2 = apply_tpukernels_to_llama
+apply_tpukernels_to_qwen3 = apply_tpukernels_to_llama
+
+
+def apply_tpukernels_to_gemma(model, **kw) -> dict:
+    """Gemma: attention (soft-cap, sliding window when configured) + RMSNorm with ``(1 + w)`` in f32."""
+    return apply_tpukernels(model, **kw)
+
+
+def apply_tpukernels_to_bert(model, **kw) -> dict:
+    """BERT-family encoders: bidirectional attention with padding masks + LayerNorm."""
+    kw.setdefault("rms_norm", False)
+    return apply_tpukernels(model, **kw)
