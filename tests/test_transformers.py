@@ -144,3 +144,19 @@ def test_linear_patching_is_opt_in_and_shares_parameters():
     assert counts["linear"] > 0
     assert isinstance(model.model.layers[0].mlp.up_proj, tki.TPULinear)
     assert model.model.layers[0].mlp.up_proj.weight is w
+
+
+def test_decode_steps_reuse_one_kernel_per_kv_bucket():
+    from tpukernels.library.attention import fa_forward
+
+    torch.manual_seed(0)
+    module = torch.nn.Module()
+    module.is_causal = True
+    before = len(fa_forward._entries)
+    for skv in range(17, 25):  # 8 decode steps, all in bucket 24
+        q, k, v = torch.randn(1, 4, 1, 16), torch.randn(1, 2, skv, 16), torch.randn(1, 2, skv, 16)
+        out, _ = tki.attention_forward(module, q, k, v, None, scaling=0.25)
+        kk, vv = k.repeat_interleave(2, 1).double(), v.repeat_interleave(2, 1).double()
+        want = (torch.softmax(q.double() @ kk.transpose(-1, -2) * 0.25, -1) @ vv).transpose(1, 2)
+        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    assert len(fa_forward._entries) - before == 1

@@ -6,7 +6,8 @@
   ``[B, 1, Sq, Skv]`` mask).
 * :func:`attention_forward` maps HF's arguments onto :func:`tpukernels.library.attention.flash_attention`:
   ``scaling`` -> ``sm_scale``, ``softcap`` -> ``softcap``, GQA natively (no ``repeat_kv``), and the mask
-  onto causal / sliding window / key-padding segment ids. The mask is **verified**, not guessed: the
+  onto causal / sliding window / key-padding segment ids; decode steps pad K/V to a bucket (invalid keys
+  masked) so a growing KV cache does not recompile per length. The mask is **verified**, not guessed: the
   candidate (causal?, window, padding) is rebuilt densely and compared with the model's mask; a mask
   that is none of these (e.g. prefix-LM, chunked or custom 4-D masks), float masks with non-(0/-inf)
   biases, and training-time dropout fall back to a float32 eager attention with a one-time warning —
@@ -156,6 +157,8 @@ def attention_forward(
         return out.transpose(1, 2).contiguous(), None
     from ..library.attention import flash_attention
 
+    if sq == 1 and spec["window_left"] is None and (not spec["causal"] or spec["causal_alignment"] == "bottom_right"):
+        key, value, spec = _bucket_decode_keys(key, value, spec)
     seg = {}
     if spec["kv_valid"] is not None:
         seg = dict(
@@ -168,6 +171,22 @@ def attention_forward(
         window=(spec["window_left"], None), softcap=softcap, **seg,
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _bucket_decode_keys(key, value, spec):
+    """Decode step (one query that sees every valid key): pad K/V to the row bucket of Skv and mark the
+    padding invalid, so a growing KV cache reuses one compiled kernel per bucket instead of one per length."""
+    from ..dsl.kernel import bucket
+
+    b, _, skv, _ = key.shape
+    if skv == 0:
+        return key, value, spec
+    pad = bucket(skv) - skv  # segment ids even when pad == 0: one signature for the whole bucket
+    valid = spec["kv_valid"] if spec["kv_valid"] is not None else torch.ones(b, skv, dtype=torch.bool, device=key.device)
+    key = torch.nn.functional.pad(key, (0, 0, 0, pad))
+    value = torch.nn.functional.pad(value, (0, 0, 0, pad))
+    valid = torch.nn.functional.pad(valid, (0, pad), value=False)
+    return key, value, dict(spec, causal=False, causal_alignment="top_left", kv_valid=valid)
 
 
 def register() -> None:
