@@ -78,3 +78,14 @@ def test_concurrent_writers_lose_nothing(tmp_cache):
         pool.map(_writer, [(str(tmp_cache), i) for i in range(12)])
     data = json.load(open(db.user_db_path(scale.qualname, "v5e")))
     assert sorted(e["evidence"]["i"] for e in data["entries"]) == list(range(12))
+
+
+@pytest.mark.aot
+def test_compile_for_uses_the_target_chips_tuning_data(tmp_cache, monkeypatch):
+    monkeypatch.delenv("TPUKERNELS_TARGET_CHIP", raising=False)
+    specs, statics = _specs(2048, 256)
+    db.record(scale, "tpu7x", specs, statics, {"block_rows": 256}, {"evaluator": "test"})
+    r7 = tk.compile_for(scale, "tpu7x", "2048x256:f32", alpha=2.0)
+    r5 = tk.compile_for(scale, "v5e", "2048x256:f32", alpha=2.0)
+    assert r7.ok and r7.config == {"block_rows": 256} and r7.config_source == "user-db:tpu7x"
+    assert r5.ok and r5.config_source == "default"

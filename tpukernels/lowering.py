@@ -141,8 +141,10 @@ def build_fn(kernel: TpuKernel, resolved: Resolved, mode: str):
     out_structs = tuple(jax.ShapeDtypeStruct(tuple(int(d) for d in o.shape), o.dtype) for o in launch.out_shapes)
     if grid_is_empty(launch.grid):
 
+        fills = tuple(getattr(o, "fill", 0) for o in launch.out_shapes)  # OutSpec.fill, else 0
+
         def zeros(*arrays):
-            return tuple(jnp.zeros(o.shape, o.dtype) for o in out_structs)
+            return tuple(jnp.full(o.shape, f, o.dtype) for o, f in zip(out_structs, fills))
 
         return zeros, out_structs
     grid_spec = pltpu.PrefetchScalarGridSpec(
@@ -174,12 +176,12 @@ def build_fn(kernel: TpuKernel, resolved: Resolved, mode: str):
     return fn, out_structs
 
 
-def resolve(kernel: TpuKernel, specs: tuple, statics: tuple, config: Mapping | None) -> Resolved:
-    """Resolve the config and run the launch function for one signature."""
+def resolve(kernel: TpuKernel, specs: tuple, statics: tuple, config: Mapping | None, chip: Chip | None = None) -> Resolved:
+    """Resolve the config (tuning data of ``chip`` if given) and run the launch function for one signature."""
     for s in specs:
         if s is not None:
             check_jax_dtype(s.dtype, f"{kernel.qualname} argument {s.name!r}")
-    cfg, source = kernel.resolve_config(specs, statics, config)
+    cfg, source = kernel.resolve_config(specs, statics, config, chip)
     launch = kernel.make_launch(specs, statics, cfg)
     log.log(
         logging.INFO if os.environ.get("TPUKERNELS_LOG_CONFIG") else logging.DEBUG,
@@ -232,7 +234,7 @@ def lower(
         with kernel._lock:
             kernel._entries[key] = low
         return low
-    resolved = resolve(kernel, specs, statics, config)
+    resolved = resolve(kernel, specs, statics, config, chip if mode == "mosaic" else None)
     vmem = validate(kernel, resolved, chip)
     fn, out_structs = build_fn(kernel, resolved, mode)
     arg_structs = tuple(jax.ShapeDtypeStruct(tuple(int(d) for d in s.shape), s.dtype) for s in specs if s is not None)

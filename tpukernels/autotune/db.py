@@ -246,9 +246,12 @@ def dispatch_chip() -> str | None:
         return None
 
 
-def resolver(kernel: TpuKernel, specs, statics):
-    """The config resolver registered with :data:`tpukernels.dsl.kernel.CONFIG_RESOLVERS`."""
-    chip = dispatch_chip()
+def resolver(kernel: TpuKernel, specs, statics, chip=None):
+    """The config resolver registered with :data:`tpukernels.dsl.kernel.CONFIG_RESOLVERS`.
+
+    Uses the tuning data of ``chip`` (a compile target) when given, else of :func:`dispatch_chip`.
+    """
+    chip = chip.name if chip is not None else dispatch_chip()
     if chip is None:
         return None
     got = lookup(kernel, chip, specs, statics)

@@ -39,7 +39,8 @@ DEFAULT_NAMESPACE = "tpukernels_user"
 REGISTRY: dict[str, "TpuKernel"] = {}
 
 #: Config resolvers consulted (in order) when a call gives no explicit config. Each is
-#: ``fn(kernel, specs, statics) -> (Config-like, source) | None``; the autotuner's database registers one.
+#: ``fn(kernel, specs, statics, chip) -> (Config-like, source) | None`` (``chip``: the compile target, or
+#: None for "where this process runs"); the autotuner's database registers one.
 CONFIG_RESOLVERS: list[Callable] = []
 
 _STATIC_TYPES = (int, float, bool, str)
@@ -255,8 +256,11 @@ class TpuKernel:
         return values
 
     # ------------------------------------------------------------------ config + launch
-    def resolve_config(self, specs: tuple, statics: tuple, config: Mapping | None) -> tuple[Config, str]:
+    def resolve_config(self, specs: tuple, statics: tuple, config: Mapping | None, chip=None) -> tuple[Config, str]:
         """Pick the config: explicit -> registered resolvers (tuning DB) -> heuristic -> defaults.
+
+        ``chip`` (a :class:`tpukernels.chips.Chip`) selects whose tuning data applies (compile-only
+        targets); None means the chip this process runs on (see ``tpukernels.autotune.db.dispatch_chip``).
 
         Returns:
             ``(config, source)`` with source one of ``"explicit"``, the resolver's label, ``"heuristic"``,
@@ -270,7 +274,7 @@ class TpuKernel:
         if not self.space.names:
             return Config(), "default"
         for resolver in CONFIG_RESOLVERS:
-            got = resolver(self, specs, statics)
+            got = resolver(self, specs, statics, chip)
             if got is not None:
                 cfg, source = got
                 try:

@@ -62,8 +62,8 @@ class HelionKernel(TpuKernel):
     def body_for(self, statics, config, launch):  # pragma: no cover - not used for Helion
         raise TpuKernelError(f"{self.qualname}: Helion kernels have no Pallas body")
 
-    def resolve_config(self, specs, statics, config):
-        cfg, source = super().resolve_config(specs, statics, config)
+    def resolve_config(self, specs, statics, config, chip=None):
+        cfg, source = super().resolve_config(specs, statics, config, chip)
         if source == "default" and self._pinned:
             return Config({**self._pinned, **dict(cfg)}), "pinned"
         return cfg, source
@@ -141,7 +141,7 @@ class HelionKernel(TpuKernel):
         for s in specs:
             if s is not None:
                 check_jax_dtype(s.dtype, f"{self.qualname} argument {s.name!r}")
-        cfg, source = self.resolve_config(specs, statics, config)
+        cfg, source = self.resolve_config(specs, statics, config, chip)
         fn = self._jax_callable(specs, statics, cfg, mode)
         arg_structs = tuple(jax.ShapeDtypeStruct(tuple(int(d) for d in s.shape), s.dtype) for s in specs if s is not None)
         try:
