@@ -1,0 +1,179 @@
+"""``tpukernels autotune``: sweep a kernel's tunable space (or every library kernel) and store the winners.
+
+    tpukernels [--import FILE] autotune KERNEL --chip v6e --shape 8192x4096:bf16 [--shape ...] [--static k=v]
+               [--strategy exhaustive|random|coordinate] [--budget N] [--seconds S] [--workers 2]
+               [--evaluator tpu-model|measure] [--json] [--report DIR] [--write-db [user|shipped|PATH]]
+    tpukernels autotune --library --chip v5e [--budget N] ...
+
+``tpu-model`` (default) needs no TPU: it compiles for ``--chip`` with libtpu and reports a *model* time.
+``measure`` times the kernel on the device its tensors live on (cpu interpret mode here: that tests the
+machinery, not TPU performance, and is never written to the tuning DB).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from ..errors import ArgumentError
+
+
+def add_parser(subparsers) -> None:
+    """Register the ``autotune`` subcommand on the ``tpukernels`` parser's subparsers."""
+    s = subparsers.add_parser(
+        "autotune", help="search a kernel's tunable space (tpu-model: compile-only for a chip; measure: live device)",
+        description="Search a kernel's tunable space for one call signature (or every library kernel at its "
+                    "standard shapes) and optionally store the best config in the tuning DB.",
+    )
+    s.add_argument("kernel", nargs="?", help="kernel name: namespace::name or a unique name (omit with --library)")
+    s.add_argument("--library", action="store_true", help="tune every library kernel at its STANDARD_CASES shapes")
+    s.add_argument("--chip", help="TPU generation for tpu-model: v4, v5e, v5p, v6e, tpu7x")
+    s.add_argument("--shape", action="append", default=[],
+                   help="one per tensor argument, in order: e.g. 8192x4096:bf16")
+    s.add_argument("--static", action="append", help="static arguments: eps=1e-6,offset=1.0")
+    s.add_argument("--values", action="append", metavar="NAME=V1,V2",
+                   help="search these values of one tunable instead of the declared ones (repeatable)")
+    s.add_argument("--strategy", default="coordinate", choices=["exhaustive", "random", "coordinate"])
+    s.add_argument("--budget", type=int, default=None,
+                   help="max candidates evaluated per kernel (pruned ones are free)")
+    s.add_argument("--seconds", type=float, default=None, help="wall-clock budget per kernel, seconds")
+    s.add_argument("--workers", type=int, default=1, help="parallel compile processes (tpu-model only)")
+    s.add_argument("--evaluator", default="tpu-model", choices=["tpu-model", "measure"])
+    s.add_argument("--device", default="cpu", choices=["cpu", "tpu"], help="measure: where the tensors live")
+    s.add_argument("--repeats", type=int, default=10, help="measure: timed runs per candidate (median)")
+    s.add_argument("--no-cycles", action="store_true",
+                   help="tpu-model: skip libtpu's static estimate (roofline + overhead only)")
+    s.add_argument("--estimate-steps", type=int, default=None,
+                   help="tpu-model: estimate bigger grids on a reduced grid of this many steps, scaled (default 16)")
+    s.add_argument("--step-overhead-us", type=float, default=None,
+                   help="tpu-model: per-grid-step overhead (default 0.35)")
+    s.add_argument("--timeout", type=float, default=600.0,
+                   help="per-candidate timeout, seconds (worker processes only)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--json", action="store_true", help="print the sweeps as JSON (a list, one per kernel)")
+    s.add_argument("--report", metavar="DIR", help="write DIR/report.md, DIR/sweeps.json and a PNG plot per sweep")
+    s.add_argument("--write-db", nargs="?", const="user", metavar="user|shipped|PATH",
+                   help="store the best configs: the user DB (default), 'shipped' (package data) or a file")
+    s.add_argument("--force-db", action="store_true", help="let a model result replace a measured DB entry")
+    s.add_argument("--no-progress", action="store_true", help="no progress bar")
+    s.set_defaults(func=cmd_autotune)
+
+
+def _parse_values(items) -> dict | None:
+    import ast
+
+    out = {}
+    for item in items or ():
+        name, sep, vals = item.partition("=")
+        if not sep or not vals.strip():
+            raise ArgumentError(f"--values: expected NAME=V1,V2,..., got {item!r}")
+        parsed = []
+        for v in vals.split(","):
+            try:
+                parsed.append(ast.literal_eval(v.strip()))
+            except (ValueError, SyntaxError):
+                parsed.append(v.strip())
+        out[name.strip()] = parsed
+    return out or None
+
+
+def _cases(args) -> list:
+    from ..cli import _parse_kv, find_kernel, load_kernels
+
+    if args.library:
+        if args.kernel or args.shape:
+            raise ArgumentError("--library tunes the library's standard cases: give no KERNEL and no --shape")
+        load_kernels(args.imports)
+        from .. import library
+
+        cases = list(library.standard_cases())
+        if not cases:
+            raise ArgumentError("--library: no library module defines STANDARD_CASES yet")
+        return cases
+    if not args.kernel:
+        raise ArgumentError("autotune: name a KERNEL (or use --library)")
+    kernel = find_kernel(args.kernel, args.imports)
+    if not args.shape:
+        raise ArgumentError("autotune: give one --shape per tensor argument, e.g. --shape 8192x4096:bf16")
+    return [(kernel, tuple(args.shape), _parse_kv(args.static))]
+
+
+class _Progress:
+    """A rich progress bar on stderr (one task per sweep)."""
+
+    def __init__(self, enabled: bool):
+        self.bar = None
+        if enabled:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                TimeElapsedColumn(), console=Console(stderr=True), transient=False)
+
+    def __enter__(self):
+        if self.bar is not None:
+            self.bar.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.stop()
+
+    def callback(self, title: str, total: int | None, unit: str):
+        if self.bar is None:
+            return None
+        task = self.bar.add_task(title, total=total)
+
+        def cb(done, _total, trial, best):
+            best_s = "" if best is None else f" best {best.time_us:,.1f} {unit}"
+            failed = "" if trial.ok else f" (last: {trial.status})"
+            self.bar.update(task, completed=done, description=f"{title}{best_s}{failed}")
+
+        return cb
+
+
+def cmd_autotune(args) -> int:
+    from ..cli import _quiet_libtpu_env, table
+    from ..targets.compile_only import require_libtpu
+    from .report import failure_lines, label_note, summary_rows, write_report
+    from .tuner import make_evaluator, tune
+
+    _quiet_libtpu_env()
+    if args.evaluator == "tpu-model":
+        if not args.chip:
+            raise ArgumentError("autotune: --chip is required for the tpu-model evaluator (v4, v5e, v5p, v6e, tpu7x)")
+        require_libtpu()
+        options = {"cycles": not args.no_cycles, "step_overhead_us": args.step_overhead_us,
+                   "estimate_steps": args.estimate_steps}
+    else:
+        options = {"device": args.device, "repeats": args.repeats, "seed": args.seed}
+    cases = _cases(args)
+    results = []
+    with _Progress(not args.no_progress) as prog:
+        for kernel, case_args, case_kwargs in cases:
+            ev = make_evaluator(args.evaluator, args.chip, **options)
+            unit = "us (model)" if ev.label == "model" else "us"
+            cb = prog.callback(f"{kernel.name} on {ev.chip_name() or args.device}", args.budget, unit)
+            results.append(tune(
+                kernel, *case_args, evaluator=ev, strategy=args.strategy, budget=args.budget, seconds=args.seconds,
+                workers=args.workers, seed=args.seed, write_db=args.write_db, force_db=args.force_db,
+                candidate_timeout_s=args.timeout, imports=args.imports, progress=cb,
+                values=_parse_values(args.values), **dict(case_kwargs),
+            ))
+    if args.report:
+        paths = write_report(results, args.report)
+        print(f"report: {', '.join(paths)}", file=sys.stderr)
+    if args.json:
+        print(json.dumps([r.to_dict() for r in results], indent=1, default=str))
+    else:
+        rows, header = summary_rows(results)
+        print(table(rows, header))
+        for r in results:
+            print(f"{r.kernel}: {label_note(r)}.")
+            lines = failure_lines(r)
+            if lines:
+                print(f"{r.kernel}: failed candidates:")
+                print("\n".join(lines))
+            if r.db_note:
+                print(f"{r.kernel}: {r.db_note}")
+    return 0 if all(r.best is not None for r in results) else 1

@@ -1,0 +1,323 @@
+"""The sweep: search a kernel's tunable space for one problem under a budget, optionally store the winner.
+
+    from tpukernels.autotune import tune
+    res = tune(matmul, "4096x4096:bf16", "4096x4096:bf16", chip="v5e", strategy="coordinate", budget=16,
+               workers=2, write_db="user")
+    print(res.best.config, res.best.time_us, res.label)      # the time is a *model* for tpu-model sweeps
+
+A sweep never stops because of one candidate: compile errors, VMEM overflows, wrong results, exceptions,
+worker crashes and per-candidate timeouts are recorded on that candidate's :class:`Trial` and the search
+goes on. It stops when the strategy has nothing left, ``budget`` candidates were evaluated, or ``seconds``
+elapsed (candidates still running then are abandoned and recorded as ``cancelled``).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import dataclasses
+import time
+from collections.abc import Callable
+
+from ..dsl.kernel import TpuKernel
+from ..dsl.spec import Config
+from ..errors import ArgumentError
+from . import db
+from .evaluators import Evaluator, KernelRef, MeasureEvaluator, TpuModelEvaluator, Trial, run_job
+from .executors import Executor, InlineExecutor, ProcessExecutor
+from .space import Problem, Space
+from .strategies import Strategy, make_strategy
+
+
+@dataclasses.dataclass
+class SweepResult:
+    """Everything a sweep found (times are a model or a measurement: see :attr:`label`)."""
+
+    kernel: str
+    chip: str | None
+    problem: str
+    evaluator: str
+    label: str
+    strategy: str
+    budget: dict
+    space_size: int
+    trials: list
+    pruned: list
+    elapsed_s: float
+    stopped: str
+    db_path: str | None = None
+    db_note: str | None = None
+
+    @property
+    def ok_trials(self) -> list[Trial]:
+        return [t for t in self.trials if t.ok]
+
+    @property
+    def best(self) -> Trial | None:
+        return min(self.ok_trials, key=lambda t: t.time_us, default=None)
+
+    @property
+    def default(self) -> Trial | None:
+        """The trial of the kernel's default config (every strategy evaluates it first), if it ran."""
+        return next((t for t in self.trials if t.details.get("is_default")), None)
+
+    @property
+    def speedup(self) -> float | None:
+        b, d = self.best, self.default
+        return d.time_us / b.time_us if b and d and d.ok and b.time_us else None
+
+    @property
+    def failures(self) -> collections.Counter:
+        """Failed candidates by reason kind (compile errors, mismatches, timeouts, crashes...)."""
+        return collections.Counter(t.error_kind or t.status for t in self.trials if not t.ok)
+
+    @property
+    def pruned_kinds(self) -> collections.Counter:
+        return collections.Counter(p.kind for p in self.pruned)
+
+    def to_dict(self) -> dict:
+        best, default = self.best, self.default
+        return {
+            "kernel": self.kernel, "chip": self.chip, "problem": self.problem, "evaluator": self.evaluator,
+            "label": self.label, "strategy": self.strategy, "budget": self.budget, "space_size": self.space_size,
+            "elapsed_s": round(self.elapsed_s, 3), "stopped": self.stopped,
+            "best": None if best is None else best.to_dict(), "default": None if default is None else default.to_dict(),
+            "speedup_vs_default": self.speedup, "evaluated": len(self.trials), "ok": len(self.ok_trials),
+            "failures": dict(self.failures), "pruned": dict(self.pruned_kinds),
+            "trials": [t.to_dict() for t in self.trials], "pruned_configs": [p.to_dict() for p in self.pruned],
+            "db_path": self.db_path, "db_note": self.db_note,
+        }
+
+
+def make_evaluator(evaluator: "str | Evaluator", chip: str | None = None, **options) -> Evaluator:
+    """``"tpu-model"`` (needs ``chip``) or ``"measure"``, or an :class:`Evaluator` instance as is."""
+    if isinstance(evaluator, Evaluator):
+        return evaluator
+    if evaluator == "tpu-model":
+        if chip is None:
+            raise ArgumentError("the tpu-model evaluator needs a chip (--chip v5e, v6e, tpu7x, ...)")
+        return TpuModelEvaluator(chip=chip, **options)
+    if evaluator == "measure":
+        return MeasureEvaluator(**options)
+    raise ArgumentError(f"evaluator {evaluator!r}: choose tpu-model or measure")
+
+
+def _make_executor(workers: int, evaluator: Evaluator, kernel: TpuKernel, imports) -> Executor:
+    if workers <= 1 or not evaluator.parallel:
+        return InlineExecutor()
+    ref = KernelRef.of(kernel)
+    return ProcessExecutor(workers, imports=[*(imports or ()), *([ref.source] if ref.source else [])])
+
+
+def tune(
+    kernel: TpuKernel,
+    *args,
+    chip: str | None = None,
+    evaluator: "str | Evaluator" = "tpu-model",
+    strategy: "str | Callable" = "coordinate",
+    budget: int | None = None,
+    seconds: float | None = None,
+    workers: int = 1,
+    executor: Executor | None = None,
+    seed: int = 0,
+    write_db: str | None = None,
+    force_db: bool = False,
+    candidate_timeout_s: float = 600.0,
+    imports=(),
+    progress: Callable | None = None,
+    values: dict | None = None,
+    **kwargs,
+) -> SweepResult:
+    """Search ``kernel``'s tunable space for the call signature ``*args, **kwargs``.
+
+    Args:
+        *args, **kwargs: tensors, :class:`TensorSpec` or ``"8192x4096:bf16"`` strings, and static values.
+        chip: the TPU generation (required for ``tpu-model``; ``measure`` uses the live device).
+        evaluator: ``"tpu-model"``, ``"measure"`` or an :class:`Evaluator`.
+        strategy: ``"exhaustive"``, ``"random"``, ``"coordinate"``, or a factory ``fn(space, seed)`` returning
+            a :class:`~tpukernels.autotune.strategies.Strategy` (a Strategy subclass works).
+        budget: at most this many candidates evaluated (pruned ones are free). None: no limit.
+        seconds: stop after this many seconds of wall-clock (in-flight candidates are abandoned).
+        workers: parallel worker processes (``tpu-model`` only; ``measure`` runs serially: concurrent
+            timings would interfere).
+        executor: run jobs there instead (overrides ``workers``).
+        write_db: ``"user"`` (the user cache), ``"shipped"`` (package data, for maintainers), a file path,
+            or None. The best config is stored under the kernel's source hash, chip, shape bucket, dtypes
+            and static args.
+        force_db: replace a stored *measured* entry with a *model* one (refused otherwise).
+        candidate_timeout_s: a candidate running longer is recorded as ``timeout`` (its worker is killed;
+            process executors only).
+        imports: extra modules / ``.py`` files worker processes import (the kernel's own module is added).
+        progress: ``fn(done, total, trial, best)`` after each finished candidate.
+        values: ``{tunable: [values]}`` to search instead of the declared ones (the default is always kept).
+
+    Raises:
+        ArgumentError: unknown evaluator or strategy, no chip for tpu-model, bad arguments.
+    """
+    t_start = time.monotonic()
+    ev = make_evaluator(evaluator, chip)
+    problem = Problem.from_args(kernel, *args, **kwargs)
+    chip_name = ev.chip_name()
+    space = Space(problem, ev.check_chip(), values)
+    if isinstance(strategy, Strategy):
+        strat = strategy
+    elif callable(strategy):  # a Strategy subclass or any factory fn(space, seed)
+        strat = strategy(space, seed)
+    else:
+        strat = make_strategy(strategy, space, seed)
+    strat_name = strat.name
+    ex = executor or _make_executor(workers, ev, kernel, imports)
+    own_executor = executor is None
+    ref = kernel if isinstance(ex, InlineExecutor) else KernelRef.of(kernel)
+    payload = problem.payload()
+    default = space.default()
+    deadline = None if seconds is None else t_start + float(seconds)
+    max_evals = None if budget is None else int(budget)
+    trials: list[Trial] = []
+    in_flight: dict = {}  # future -> (config, started)
+    suspects: list[Config] = []  # in flight when a worker crashed: re-run one at a time to find the culprit
+    stopped = "space exhausted"
+    exhausted = False
+
+    def finish(config: Config, trial: Trial) -> None:
+        trial.index = len(trials)
+        if config == default:
+            trial.details["is_default"] = True
+        notes = space.notes.get(config)
+        if notes:
+            trial.details["notes"] = notes
+        trials.append(trial)
+        strat.tell(config, trial.time_us if trial.ok else None)
+        if progress is not None:
+            best = min((t for t in trials if t.ok), key=lambda t: t.time_us, default=None)
+            progress(len(trials), max_evals, trial, best)
+
+    def submit(config: Config) -> None:
+        fut = ex.submit(run_job, ref, payload, dict(config), ev)
+        in_flight[fut] = (config, time.monotonic())
+
+    try:
+        while True:
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                stopped = "time budget"
+                break
+            slots = 1 if suspects else ex.slots
+            while len(in_flight) < slots:
+                if suspects:  # already counted against the budget when first submitted
+                    submit(suspects.pop(0))
+                    continue
+                if exhausted or (max_evals is not None and len(trials) + len(in_flight) >= max_evals):
+                    break
+                try:
+                    cfg = strat.ask()
+                except StopIteration:
+                    exhausted = True
+                    break
+                if cfg is None:  # the strategy waits for results
+                    break
+                submit(cfg)
+            if not in_flight:
+                if max_evals is not None and len(trials) >= max_evals:
+                    stopped = "evaluation budget"
+                break
+            wait_s = 1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))
+            alone = len(in_flight) == 1
+            done, _ = cf.wait(list(in_flight), timeout=wait_s, return_when=cf.FIRST_COMPLETED)
+            crashed = []
+            for fut in done:
+                config, _ = in_flight.pop(fut)
+                try:
+                    trial = fut.result()
+                except cf.process.BrokenProcessPool:
+                    crashed.append(config)
+                    continue
+                except Exception as e:  # the job machinery itself raised (run_job catches evaluator errors)
+                    trial = Trial(dict(config), "failed", error_kind="error", error=f"{type(e).__name__}: {e}")
+                finish(config, trial)
+            if crashed:  # a worker died: every job in flight is lost with the pool
+                lost = crashed + [c for c, _ in in_flight.values()]
+                in_flight.clear()
+                ex.restart()
+                if alone:
+                    finish(lost[0], Trial(dict(lost[0]), "crashed", error_kind="crashed",
+                                          error="the worker process died while evaluating this config"))
+                else:  # can't tell which one did it: re-run them one at a time
+                    suspects.extend(c for c in lost if c not in suspects)
+                continue
+            now = time.monotonic()
+            late = [(f, c) for f, (c, s) in in_flight.items() if now - s > candidate_timeout_s]
+            if late and not isinstance(ex, InlineExecutor):
+                for fut, config in late:
+                    in_flight.pop(fut)
+                    finish(config, Trial(dict(config), "timeout", error_kind="timeout",
+                                         error=f"no result after {candidate_timeout_s:g} s (worker killed)"))
+                requeue = [c for c, _ in in_flight.values()]
+                in_flight.clear()
+                ex.restart()
+                for c in requeue:
+                    submit(c)
+        for fut, (config, _) in list(in_flight.items()):
+            finish(config, Trial(dict(config), "cancelled", error_kind="cancelled",
+                                 error="the time budget ran out while it was being evaluated"))
+        if in_flight:
+            ex.restart()
+            in_flight.clear()
+    finally:
+        if own_executor:
+            ex.restart() if in_flight else ex.shutdown()
+
+    result = SweepResult(
+        kernel=kernel.qualname, chip=chip_name, problem=problem.describe(), evaluator=ev.name, label=ev.label,
+        strategy=strat_name, budget={"evaluations": max_evals, "seconds": seconds}, space_size=space.size(),
+        trials=trials, pruned=space.pruned, elapsed_s=time.monotonic() - t_start, stopped=stopped,
+    )
+    if write_db and result.best is not None:
+        result.db_path, result.db_note = store(result, problem, write_db, force=force_db)
+        if result.db_path:
+            forget_dispatch_choices(kernel)
+    return result
+
+
+def forget_dispatch_choices(kernel: TpuKernel) -> None:
+    """Drop this process's cached lowerings and call plans that dispatch chose (no explicit config).
+
+    Calls cache the config dispatch picked per signature; after a DB write the next call must look again.
+    """
+    with kernel._lock:
+        for k in [k for k in kernel._entries if k[2] is None]:  # lowering key: (specs, statics, config, mode, chip)
+            del kernel._entries[k]
+        for k in [k for k in kernel._plans if k[1] is None]:  # plan key: (mode, config_json, *values)
+            del kernel._plans[k]
+
+
+def store(result: SweepResult, problem: Problem, where: str, force: bool = False) -> tuple[str | None, str]:
+    """Write the sweep's best config to the tuning DB (``"user"``, ``"shipped"`` or a path).
+
+    Returns ``(path or None, note)``. Refuses (path None) when the evaluator produced no TPU chip data
+    (cpu interpret measurements) or when a measured entry would be replaced by a model one without ``force``.
+    """
+    if result.chip is None:
+        return None, "not stored: these timings are not of a TPU chip (cpu interpret mode)"
+    kernel = problem.kernel
+    specs, statics = problem.lowered_specs, problem.statics
+    path = {"user": db.user_db_path(kernel.qualname, result.chip),
+            "shipped": db.shipped_db_path(kernel.qualname, result.chip)}.get(where, where)
+    key = db.entry_key(kernel, specs, statics)
+    old, how = db.find(db.load(path), key)
+    if old is not None and how == "exact" and not force:
+        if old.get("evidence", {}).get("evaluator") == "measure" and result.evaluator != "measure":
+            return None, (f"not stored: {path} has a measured entry for this key; a model does not replace it "
+                          "(force to override)")
+    best, default = result.best, result.default
+    evidence = {
+        "evaluator": result.evaluator, "label": result.label, "time_us": round(best.time_us, 3),
+        "default_time_us": None if default is None or not default.ok else round(default.time_us, 3),
+        "strategy": result.strategy, "evaluated": len(result.trials), "failed": sum(result.failures.values()),
+        "pruned": len(result.pruned), "problem": result.problem,
+    }
+    for k in ("bound", "pct_of_roofline", "step_overhead_us", "cycles_note"):
+        if k in best.details:
+            evidence[k] = best.details[k]
+    written = db.record(kernel, result.chip, specs, statics, Config(best.config), evidence, path=path)
+    return written, f"stored in {written}"
