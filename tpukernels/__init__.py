@@ -72,11 +72,10 @@ def compile_for(kernel, chip, *args, **kwargs):
 
 def lower(kernel, *args, config=None, mode="mosaic", **kwargs):
     """The :class:`tpukernels.lowering.Lowered` for example args (``.fn`` is the jitted JAX function)."""
-    from .lowering import lower as _lower, specs_from_values
-    from .targets.compile_only import _as_spec
+    from .lowering import lower as _lower
+    from .targets.compile_only import example_specs
 
-    values = kernel.bind([_as_spec(a) for a in args], kwargs)
-    specs, statics = specs_from_values(kernel, values)
+    specs, statics = example_specs(kernel, args, kwargs)
     return _lower(kernel, specs, statics, config, mode=mode)
 
 

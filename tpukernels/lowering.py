@@ -27,6 +27,11 @@ from .dsl.validate import VmemEstimate, check_block, check_vmem, estimate_vmem, 
 from .errors import ArgumentError, KernelBodyError, LoweringError, TpuKernelError
 
 log = logging.getLogger("tpukernels.dispatch")
+if os.environ.get("TPUKERNELS_LOG_CONFIG") and not log.handlers:  # visible without any logging setup
+    _handler = logging.StreamHandler()
+    _handler.setFormatter(logging.Formatter("tpukernels: %(message)s"))
+    log.addHandler(_handler)
+    log.setLevel(logging.INFO)
 
 
 @dataclasses.dataclass

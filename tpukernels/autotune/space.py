@@ -48,13 +48,9 @@ class Problem:
     @classmethod
     def from_args(cls, kernel: TpuKernel, *args, **kwargs) -> "Problem":
         """Like :func:`tpukernels.compile_for`'s arguments: tensors, specs or ``"8192x4096:bf16"`` strings."""
-        from ..lowering import specs_from_values
-        from ..targets.compile_only import _as_spec
+        from ..targets.compile_only import example_specs
 
-        values = kernel.bind(list(args), dict(kwargs))  # strings become specs for tensor parameters only
-        values = [_as_spec(v) if p.kind != "static" else v for p, v in zip(kernel.params, values)]
-        specs, statics = specs_from_values(kernel, values)
-        return cls(kernel, specs, statics)
+        return cls(kernel, *example_specs(kernel, args, kwargs))
 
     @property
     def lowered_specs(self) -> tuple:

@@ -134,6 +134,14 @@ def _as_spec(a):
     return a
 
 
+def example_specs(kernel: TpuKernel, args, kwargs) -> tuple[tuple, tuple]:
+    """Bind example arguments; tensor parameters accept shape strings (``"8x128:bf16"``) and
+    ``(shape, dtype)`` tuples, static parameters keep their values (strings stay strings)."""
+    values = kernel.bind(list(args), dict(kwargs))
+    values = [v if p.kind == "static" else _as_spec(v) for p, v in zip(kernel.params, values)]
+    return specs_from_values(kernel, values)
+
+
 def mosaic_module_text(lowered) -> str | None:
     """Deserialize the Mosaic module(s) inside a lowered function's ``tpu_custom_call`` ops to MLIR text."""
     from jax._src.interpreters import mlir as jmlir
@@ -224,9 +232,7 @@ def compile_for(
     require_libtpu()
     from . import bucket_specs
 
-    tensor_names = {p.name for p in kernel.tensor_params}  # str values of static params stay strings
-    values = kernel.bind([_as_spec(a) for a in args], {k: _as_spec(v) if k in tensor_names else v for k, v in kwargs.items()})
-    specs, statics = specs_from_values(kernel, values)
+    specs, statics = example_specs(kernel, args, kwargs)
     specs = bucket_specs(kernel, specs)
     res = CompileResult(kernel.qualname, chip.name, ok=False, vmem_capacity_bytes=chip.vmem_capacity_bytes)
     res.shapes = [None if s is None else f"{'x'.join(map(str, s.shape))}:{np.dtype(s.dtype).name}" for s in specs]
