@@ -54,11 +54,14 @@ class OutSpec:
             weight gradient reduced over all rows. Row bucketing then neither checks nor slices it; the
             padded rows are zeros and must contribute nothing to it, and its shape must not depend on the
             row count.
+        fill: the output's value when the launch grid is empty (nothing runs); default 0. E.g. ``-inf``
+            for a log-sum-exp over an empty key axis.
     """
 
     shape: tuple
     dtype: Any
     rows: bool = True
+    fill: float = 0
 
 
 def like(x: TensorSpec, dtype: Any = None, shape: Sequence | None = None) -> OutSpec:

@@ -8,6 +8,9 @@ defaults are tuned for, used by ``tpukernels demo``, ``tpukernels autotune --lib
 import sys as _sys
 
 # Library modules (one import line each):
+from .norms import TPULayerNorm, TPURMSNorm, fused_add_rms_norm, layer_norm, rms_norm  # noqa: E402,F401
+from .attention import attention_reference, flash_attention  # noqa: E402,F401
+from .matmul import matmul, matmul_nn, matmul_nt, matmul_tn  # noqa: E402,F401  (the function shadows the submodule name; import the module by path)
 
 
 def standard_cases():

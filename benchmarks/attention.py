@@ -1,0 +1,318 @@
+"""Flash attention: libtpu static estimates (a model, not a measurement) vs XLA and JAX's Pallas kernel.
+
+For each chip and sequence length, at ``B=1, Hq=32, Hkv=8, D=128``, causal, bf16 (the shape of the
+compile-only tests), compiles without a TPU and asks libtpu for its static ``estimated_cycles``, turned
+into a model time with :func:`tpukernels.perf.model_time` (max of cycles / clock and the HBM and MXU
+rooflines). Compared:
+
+* ``tpukernels``: :data:`tpukernels.library.attention.fa_forward` at its dispatch config (tuning DB, else
+  heuristic) and, with ``--sweep``, at every config of a small sweep;
+* ``xla``: ``softmax(Q K^T + mask) V`` in ``jax.numpy`` (K/V heads repeated for GQA), compiled by XLA;
+* ``jax-pallas``: ``jax.experimental.pallas.ops.tpu.flash_attention`` at its default blocks (128) and at
+  the best blocks of a sweep. It has no GQA, so it gets K/V repeated to 32 heads (what a user would pass).
+
+``--backward`` adds the backward (our dQ + dK/dV kernels + the ``rowsum(dO * O)`` XLA op vs JAX's
+backward kernels at the same blocks). Sweeps run at a quarter of the heads (B=1, Hq=8, Hkv=2; the
+estimate is linear in the head count, ``--check-scaling`` verifies it) to save time; the table rows are
+full-size estimates. ``--write-defaults`` records the best swept config per (chip, length) in the shipped
+tuning DB (``tpukernels/data/autotuning/<chip>/tpukernels.flash_attention*.json``).
+
+Run (several minutes per chip and length; S=8192 estimates take up to minutes each)::
+
+    B=benchmarks/attention.py
+    .venv/bin/python $B --chips v5e,v6e,tpu7x --seqs 4096,8192 --backward --sweep both   # trials -> results
+    .venv/bin/python $B --chips v5e,v6e,tpu7x --seqs 4096,8192 --backward --write-defaults
+    .venv/bin/python $B --chips v5e,v6e,tpu7x --seqs 4096,8192 --backward --table        # the comparison
+
+Trials are appended to ``--results`` (JSON lines, ``benchmarks/attention_sweep.jsonl``), so defaults can be
+re-recorded after a kernel edit (the DB keys on the kernel's source hash) without re-estimating.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-1")
+os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from tpukernels.autotune import db  # noqa: E402
+from tpukernels.autotune.estimator import client  # noqa: E402
+from tpukernels.library.attention import fa_backward_dkv, fa_backward_dq, fa_forward  # noqa: E402
+from tpukernels.lowering import lower  # noqa: E402
+from tpukernels.perf import model_time  # noqa: E402
+from tpukernels.chips import get_chip  # noqa: E402
+from tpukernels.dsl.spec import TensorSpec  # noqa: E402
+
+B, HQ, HKV, D = 1, 32, 8, 128
+DT = jnp.bfloat16
+STATICS = dict(causal=True, causal_alignment="top_left", sm_scale=None, window_left=None, window_right=None,
+               softcap=None)
+STATIC_T = tuple(STATICS.items())
+
+#: Sweep spaces (pruned by earlier, wider sweeps at S=2048/4096/8192 on v6e: 512-query forward blocks and
+#: 256-key DMA blocks never won, and neither did JAX's block_k=256).
+OURS_FWD_SWEEP = [dict(block_q=bq, block_kv=bkv, block_kv_compute=c, block_h=1)
+                  for bq, bkv, c in ((1024, 1024, 512), (1024, 2048, 512), (2048, 1024, 512), (2048, 2048, 512),
+                                     (2048, 2048, 256), (1024, 1024, 256))]
+OURS_BWD_SWEEP = [dict(block_q=bq, block_kv=bkv, block_kv_compute=c, block_h=1)
+                  for bq, bkv, c in ((1024, 1024, 256), (1024, 1024, 512), (512, 1024, 256), (1024, 512, 256),
+                                     (2048, 1024, 256))]
+JAX_FWD_SWEEP = [(512, 512, 512), (1024, 1024, 512), (2048, 1024, 512), (1024, 2048, 512), (2048, 2048, 512)]
+JAX_BWD_SWEEP = [(512, 512, 512), (1024, 1024, 512)]  # (2048, 2048, 512): VMEM OOM on v5e, slower on v6e
+#: Sweeps run at 1/SWEEP_DIV of the heads (group size kept); estimates are linear in the head count.
+SWEEP_DIV = 8
+
+
+def _estimate(fn, structs, chip: str, timeout_s: float = 1800) -> int:
+    plain = [jax.ShapeDtypeStruct(tuple(s.shape), s.dtype) for s in structs]
+    blob = jax.export.export(fn, platforms=["tpu"])(*plain).serialize()
+    cyc = client().estimate(bytes(blob), get_chip(chip).name, timeout_s)
+    if cyc is None:
+        raise RuntimeError("libtpu wrote no static profile")
+    return int(cyc)
+
+
+def _io_bytes(S: int, hq: int, hkv: int, backward: bool) -> int:
+    it = 2
+    fwd = (2 * hq * S * D + 2 * hkv * S * D) * it + hq * S * 4  # q, o, k, v, lse
+    if not backward:
+        return B * fwd
+    return B * ((3 * hq * S * D + 4 * hkv * S * D) * it + 2 * hq * S * 4 + 2 * hq * S * D * it)  # + dq, dk, dv, di
+
+
+def _flops(S: int, hq: int, backward: bool) -> int:
+    mm = 4 * B * hq * S * S * D // 2  # causal: half of QK^T and PV
+    return int(mm * (2.5 if backward else 1))
+
+
+def _specs(S, hq, hkv, backward):
+    q = TensorSpec((B, hq, S, D), np.dtype(DT))
+    kv = TensorSpec((B, hkv, S, D), np.dtype(DT))
+    if not backward:
+        return (q, kv, kv, None, None)
+    rows = TensorSpec((B, hq, 1, S), np.dtype("float32"))
+    return (q, kv, kv, q, rows, rows, None, None)
+
+
+def ours(chip: str, S: int, config: dict | None, *, hq=HQ, hkv=HKV, backward=False) -> dict:
+    """Cycles of our forward (or dQ + dK/dV) kernels at ``config`` (None: dispatch config)."""
+    kernels = (fa_backward_dq, fa_backward_dkv) if backward else (fa_forward,)
+    total, used = 0, []
+    for kernel in kernels:
+        specs = _specs(S, hq, hkv, backward)
+        low = lower(kernel, [s if s is None else TensorSpec(s.shape, s.dtype, p.name)
+                             for s, p in zip(specs, kernel.tensor_params)], STATIC_T, config, mode="mosaic",
+                    chip=get_chip(chip))
+        total += _estimate(low.fn, low.arg_structs, chip)
+        used.append(dict(low.config))
+    if backward:  # Di = rowsum(dO * O): one XLA fusion
+        o = jax.ShapeDtypeStruct((B, hq, S, D), DT)
+        total += _estimate(jax.jit(lambda a, b: jnp.sum(a.astype(jnp.float32) * b.astype(jnp.float32), -1)), [o, o], chip)
+    return {"cycles": total, "config": used[0] if len(used) == 1 else used}
+
+
+def _mask(S):
+    i = jnp.arange(S)[:, None]
+    return jnp.arange(S)[None, :] <= i
+
+
+def xla(chip: str, S: int, *, backward=False, hq=HQ, hkv=HKV) -> int:
+    g = hq // hkv
+
+    def fwd(q, k, v):
+        k = jnp.repeat(k, g, axis=1)
+        v = jnp.repeat(v, g, axis=1)
+        s = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32) * D ** -0.5
+        s = jnp.where(_mask(S), s, -jnp.inf)
+        p = jax.nn.softmax(s, axis=-1)
+        return jnp.einsum("bhqk,bhkd->bhqd", p.astype(DT), v, preferred_element_type=jnp.float32).astype(DT)
+
+    q = jax.ShapeDtypeStruct((B, hq, S, D), DT)
+    kv = jax.ShapeDtypeStruct((B, hkv, S, D), DT)
+    if not backward:
+        return _estimate(jax.jit(fwd), [q, kv, kv], chip)
+
+    def fwd_bwd(q, k, v, do):
+        out, vjp = jax.vjp(fwd, q, k, v)
+        return vjp(do)
+
+    return _estimate(jax.jit(fwd_bwd), [q, kv, kv, q], chip)
+
+
+def jax_pallas(chip: str, S: int, blocks: tuple | None, *, hq=HQ, backward=False) -> int:
+    from jax.experimental.pallas.ops.tpu import flash_attention as jfa
+
+    bs = None
+    if blocks is not None:
+        bq, bkm, bk = blocks
+        bs = jfa.BlockSizes(block_q=bq, block_k_major=bkm, block_k=bk, block_b=1, block_q_major_dkv=bq,
+                            block_k_major_dkv=bkm, block_k_dkv=bk, block_q_dkv=bq, block_k_major_dq=bkm,
+                            block_k_dq=bk, block_q_dq=bq)
+    x = jax.ShapeDtypeStruct((B, hq, S, D), DT)
+
+    def fwd(q, k, v):
+        return jfa.flash_attention(q, k, v, causal=True, sm_scale=D ** -0.5, block_sizes=bs)
+
+    if not backward:
+        return _estimate(jax.jit(fwd), [x, x, x], chip)
+
+    def bwd(q, k, v, do):  # the residuals (o, l, m) come from a forward inside the vjp; subtract it
+        return jax.vjp(fwd, q, k, v)[1](do)
+
+    return _estimate(jax.jit(bwd), [x, x, x, x], chip) - _estimate(jax.jit(fwd), [x, x, x], chip)
+
+
+def us(chip, cycles, S, backward=False, hq=HQ, hkv=HKV):
+    return model_time(chip, cycles, _io_bytes(S, hq, hkv, backward), _flops(S, hq, backward)).time_us
+
+
+def sweep(chip: str, S: int, backward: bool, log, results: str, what: str = "both") -> None:
+    """Estimate every config of the sweep spaces at 1/SWEEP_DIV of the heads (scaled back); one JSON line
+    per trial is appended to ``results``."""
+    hq, hkv = HQ // SWEEP_DIV, HKV // SWEEP_DIV
+    pas = "bwd" if backward else "fwd"
+    trials = []
+    if what in ("both", "ours"):
+        trials += [("tpukernels", cfg) for cfg in (OURS_BWD_SWEEP if backward else OURS_FWD_SWEEP)]
+    if what in ("both", "jax"):
+        trials += [("jax-pallas", b) for b in (JAX_BWD_SWEEP if backward else JAX_FWD_SWEEP) if max(b) <= S]
+    for impl, cfg in trials:
+        t0 = time.time()
+        row = {"chip": chip, "S": S, "pass": pas, "impl": impl, "config": cfg, "heads_div": SWEEP_DIV}
+        if impl == "tpukernels":
+            row["source"] = _source(backward)
+        try:
+            if impl == "tpukernels":
+                cyc = ours(chip, S, cfg, hq=hq, hkv=hkv, backward=backward)["cycles"] * SWEEP_DIV
+            else:
+                cyc = jax_pallas(chip, S, cfg, hq=hq, backward=backward) * SWEEP_DIV
+            row["time_us"] = round(us(chip, cyc, S, backward), 1)
+        except Exception as e:  # VMEM / compile failure of a candidate: recorded, skipped
+            row["error"] = str(e)[:200]
+        row["seconds"] = round(time.time() - t0, 1)
+        log(f"  {json.dumps(row)}")
+        with open(results, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def _source(backward: bool) -> str:
+    """Source hash of the kernels a trial measured (trials of older kernel code are ignored)."""
+    kernels = (fa_backward_dq, fa_backward_dkv) if backward else (fa_forward,)
+    return "+".join(db.source_hash(k) for k in kernels)
+
+
+def best_from(results: str, chip: str, S: int, pas: str, impl: str):
+    """(config, time_us) of the fastest trial in a results file (ours: of the current kernel source), or
+    (None, inf)."""
+    best = (None, float("inf"))
+    if not os.path.exists(results):
+        return best
+    with open(results) as f:
+        for line in f:
+            r = json.loads(line)
+            if impl == "tpukernels" and r.get("source") != _source(pas == "bwd"):
+                continue
+            if (r["chip"], r["S"], r["pass"], r["impl"]) == (chip, S, pas, impl) and r.get("time_us", 1e30) < best[1]:
+                cfg = r["config"]
+                best = (tuple(cfg) if isinstance(cfg, list) else cfg, r["time_us"])
+    return best
+
+
+def write_default(chip: str, S: int, cfg: dict, time_us: float, backward: bool) -> list[str]:
+    paths = []
+    kernels = (fa_backward_dq, fa_backward_dkv) if backward else (fa_forward,)
+    for kernel in kernels:
+        specs = [s if s is None else TensorSpec(s.shape, s.dtype, p.name)
+                 for s, p in zip(_specs(S, HQ, HKV, backward), kernel.tensor_params)]
+        evidence = {"evaluator": "tpu-model", "time_us": round(time_us, 1),
+                    "note": "libtpu static estimate (model), benchmarks/attention.py --sweep"}
+        paths.append(db.record(kernel, chip, specs, STATIC_T, cfg, evidence,
+                               path=db.shipped_db_path(kernel.qualname, chip)))
+    return paths
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--chips", default="v6e")
+    ap.add_argument("--seqs", default="4096,8192")
+    ap.add_argument("--sweep", choices=["none", "both", "ours", "jax"], default="none",
+                    help="estimate the sweep spaces (1/8 of the heads) and append trials to --results")
+    ap.add_argument("--results", default="benchmarks/attention_sweep.jsonl", help="JSON lines of sweep trials")
+    ap.add_argument("--backward", action="store_true", help="also the backward pass")
+    ap.add_argument("--write-defaults", action="store_true",
+                    help="record the best tpukernels config per (chip, S, pass) of --results in the shipped DB")
+    ap.add_argument("--table", action="store_true", help="the comparison table (ours at its dispatch config, JAX "
+                    "at default blocks and at the best blocks of --results, XLA)")
+    ap.add_argument("--full-heads", action="store_true", help="table estimates at all 32 heads (slow) instead of "
+                    "1/8 of the heads scaled by 8")
+    ap.add_argument("--no-xla", action="store_true", help="skip the XLA reference")
+    ap.add_argument("--check-scaling", action="store_true", help="verify: estimate(32 heads) ~= 8 x estimate(4)")
+    args = ap.parse_args(argv)
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    rows = []
+    for chip in args.chips.split(","):
+        for S in (int(s) for s in args.seqs.split(",")):
+            for backward in ((False, True) if args.backward else (False,)):
+                pas = "bwd" if backward else "fwd"
+                log(f"== {chip} S={S} {pas}")
+                if args.check_scaling:
+                    small = ours(chip, S, None, hq=HQ // SWEEP_DIV, hkv=HKV // SWEEP_DIV, backward=backward)["cycles"]
+                    full = ours(chip, S, None, backward=backward)["cycles"]
+                    log(f"  scaling: full / ({SWEEP_DIV} x reduced) = {full / (SWEEP_DIV * small):.4f}")
+                if args.sweep != "none":
+                    sweep(chip, S, backward, log, args.results, args.sweep)
+                if args.write_defaults:
+                    cfg, t = best_from(args.results, chip, S, pas, "tpukernels")
+                    if cfg is not None:
+                        for path in write_default(chip, S, cfg, t, backward):
+                            log(f"  wrote {cfg} ({t} us) to {path}")
+                if not args.table:
+                    continue
+                div = 1 if args.full_heads else SWEEP_DIV
+                hq, hkv = HQ // div, HKV // div
+                r = {"chip": chip, "S": S, "pass": pas, "heads_div": div}
+                o = ours(chip, S, None, hq=hq, hkv=hkv, backward=backward)
+                r["ours_config"] = o["config"]
+                r["ours_us"] = round(us(chip, o["cycles"] * div, S, backward), 1)
+                r["jax_default_us"] = round(us(chip, jax_pallas(chip, S, None, hq=hq, backward=backward) * div, S, backward), 1)
+                jb, _ = best_from(args.results, chip, S, pas, "jax-pallas")
+                if jb is not None:
+                    r["jax_best_blocks"] = jb
+                    r["jax_best_us"] = round(us(chip, jax_pallas(chip, S, jb, hq=hq, backward=backward) * div, S, backward), 1)
+                if not args.no_xla:
+                    xc = xla(chip, S, backward=backward, hq=hq, hkv=hkv)
+                    if backward:  # xla() estimates forward + backward; report the backward part
+                        xc -= xla(chip, S, hq=hq, hkv=hkv)
+                    r["xla_us"] = round(us(chip, xc * div, S, backward), 1)
+                rows.append(r)
+                log(f"  {json.dumps(r)}")
+                with open(args.results.replace(".jsonl", "_table.jsonl"), "a") as f:
+                    f.write(json.dumps(r) + "\n")
+    if not rows:
+        return 0
+    print(f"\nModel estimates (libtpu static estimate -> tpukernels.perf.model_time), µs; B={B} Hq={HQ} Hkv={HKV} "
+          f"D={D} causal bf16; JAX's kernel gets K/V repeated to {HQ} heads (no GQA); estimated at 1/heads_div "
+          f"of the heads and scaled (linear: --check-scaling)")
+    print(f"{'chip':6} {'S':>5} {'pass':4} {'tpukernels':>11} {'jax best':>9} {'jax 128':>9} {'xla':>9} "
+          f"{'ours/jax':>8}  ours config / jax blocks")
+    for r in rows:
+        jb = r.get("jax_best_us")
+        ratio = f"{r['ours_us'] / jb:8.3f}" if jb else f"{'':8}"
+        print(f"{r['chip']:6} {r['S']:5d} {r['pass']:4} {r['ours_us']:11.1f} {jb or float('nan'):9.1f} "
+              f"{r['jax_default_us']:9.1f} {r.get('xla_us', float('nan')):9.1f} {ratio}  "
+              f"{r['ours_config']} / {r.get('jax_best_blocks')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
