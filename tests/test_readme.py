@@ -1,4 +1,5 @@
-"""The README's code blocks run as written (in a fresh process: they register ops)."""
+"""The README's first three python blocks (the 20-line kernel, its backward, the Helion kernel) run as
+written, in a fresh process (they register ops)."""
 
 import os
 import re
