@@ -51,7 +51,7 @@ def test_v5e_sweep_prunes_survives_a_compile_failure_writes_db_and_dispatches(tm
 
 def test_tpu7x_cli_sweep_with_two_workers_within_budget(tmp_cache, monkeypatch, capsys):
     t0 = time.monotonic()
-    rc = main(["--import", os.path.join(EXAMPLES, "matmul.py"), "autotune", "matmul", "--chip", "tpu7x",
+    rc = main(["--import", os.path.join(EXAMPLES, "matmul.py"), "autotune", "examples::matmul", "--chip", "tpu7x",
                "--shape", "1024x1024:bf16", "--shape", "1024x1024:bf16", "--strategy", "coordinate",
                "--budget", "4", "--seconds", "200", "--workers", "2", "--write-db", "--json", "--no-progress"])
     assert rc == 0 and time.monotonic() - t0 < 200

@@ -39,7 +39,7 @@ def test_compile_table_and_json(capsys):
 
 @pytest.mark.aot
 def test_compile_failure_exits_nonzero_with_reason(capsys):
-    args = ["--import", os.path.join(EX, "matmul.py"), "compile", "matmul", "--shape", "1024x4096:bf16",
+    args = ["--import", os.path.join(EX, "matmul.py"), "compile", "examples::matmul", "--shape", "1024x4096:bf16",
             "--shape", "4096x2048:bf16", "--chips", "v5e", "--config", "bm=1024,bn=1024,bk=1024"]
     assert main(args) == 1
     assert "VMEM overflow" in capsys.readouterr().out
@@ -48,6 +48,6 @@ def test_compile_failure_exits_nonzero_with_reason(capsys):
 def test_unknown_kernel_and_chip_are_clean_errors(capsys):
     assert main(["compile", "nope", "--shape", "8x128:f32"]) == 2
     assert "is not a registered kernel" in capsys.readouterr().err
-    assert main(["--import", os.path.join(EX, "softmax.py"), "compile", "softmax", "--shape", "8x128:f32",
+    assert main(["--import", os.path.join(EX, "softmax.py"), "compile", "examples::softmax", "--shape", "8x128:f32",
                  "--chips", "v99"]) == 2
     assert "unknown TPU chip 'v99'" in capsys.readouterr().err
