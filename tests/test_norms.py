@@ -125,11 +125,10 @@ def test_fused_add_rms_norm_is_add_then_rms_norm(rows, h, dtype, casting):
     assert torch.equal(x, x0) and torch.equal(r, r0)  # functional: inputs untouched
 
 
-@pytest.mark.parametrize("h", [1, 1000, 5120, 7168])
-@pytest.mark.parametrize("rows", [1, 3, 1100])
-def test_any_hidden_size_and_row_count(h, rows):
-    if h * rows > 2_000_000:
-        rows = 257  # keep the interpret run small; still several blocks for large H
+# each H with a different row regime: 1 row, an odd count, several blocks (bf16 heuristic: 1024 rows at
+# H=1000 -> 1100 rows pad to 1280 = 2 blocks; 128 rows at H=7168 -> 257 rows pad to 320 = 3 blocks)
+@pytest.mark.parametrize("rows, h", [(1, 5120), (3, 1), (1100, 1000), (257, 7168)])
+def test_any_hidden_size_and_row_count(rows, h):
     x, w = rand(rows, h, dtype=BF16, seed=rows), rand(h, dtype=BF16, seed=h)
     check(N.rms_norm(x, w), N.rms_norm_reference(x, w), FWD_TOL[BF16], what=f"rms {rows}x{h}")
     check(N.layer_norm(x, w, w), N.layer_norm_reference(x, w, w), FWD_TOL[BF16], what=f"ln {rows}x{h}")
@@ -249,7 +248,7 @@ def test_round_to_f16_matches_torch_half():
     special = torch.tensor([0.0, -0.0, 65504, 65519.99, 65520, 1e6, -1e6, float("inf"), -float("inf"),
                             2.0**-14, 2.0**-14 * (1 - 2**-12), 2.0**-25, 2.0**-25 * 1.0001, 1e-30])
     v = torch.cat([v, ties, -ties, sub_ties, -sub_ties, special])
-    got = torch.from_numpy(np.asarray(N.round_to_f16(jnp.asarray(v.numpy()))))
+    got = torch.from_numpy(np.array(N.round_to_f16(jnp.asarray(v.numpy()))))
     want = v.half().float()
     assert torch.equal(got, want) or bool(((got == want) | (got.isnan() & want.isnan())).all())
     assert torch.equal(torch.signbit(got), torch.signbit(want))
