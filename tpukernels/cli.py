@@ -22,11 +22,6 @@ import sys
 from .errors import ArgumentError, TpuKernelError
 
 
-def _quiet_libtpu_env() -> None:
-    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-1")
-    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-
-
 def _import(spec: str) -> None:
     if spec.endswith(".py") or os.path.sep in spec:
         path = os.path.abspath(spec)
@@ -115,9 +110,9 @@ def cmd_list(args) -> int:
 
 def cmd_compile(args) -> int:
     from .chips import parse_chips
-    from .targets.compile_only import compile_for
+    from .targets.compile_only import compile_for, compile_only_env
 
-    _quiet_libtpu_env()
+    compile_only_env()
     kernel = find_kernel(args.kernel, args.imports)
     statics = _parse_kv(args.static)
     config = _parse_kv(args.config) or None

@@ -137,8 +137,7 @@ def chip_table_part(say, estimate: bool = True) -> dict:
     say(f"  {len(sigs)} kernel signatures x {len(CHIPS)} chips (static estimates run in subprocesses)")
     for kernel, specs, statics in sigs:
         tensors = [s for s in specs if s is not None]
-        args = [s for p, s in zip([p for p in kernel.params if p.kind != "static"], specs)]
-        kwargs = dict(statics)
+        args, kwargs = list(specs), dict(statics)
         for chip in CHIPS:
             r = compile_for(kernel, chip, *args, estimate_cycles=estimate, with_mlir=False, **kwargs)
             ok &= r.ok
@@ -171,9 +170,9 @@ def run_demo(as_json: bool = False, estimate: bool = True) -> int:
     """Run the three demo parts; returns the exit code (0 when every check passed)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-1")
-    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from .targets.compile_only import compile_only_env
+
+    compile_only_env()
     say = _Progress(as_json)
     report = {}
     say("[1/3] sentence embeddings: all-MiniLM-L6-v2, stock vs tpukernels (cpu, interpret mode)")

@@ -83,7 +83,7 @@ def register_op(kernel: TpuKernel):
         device = next(v.device for v in values if isinstance(v, torch.Tensor))
         outs = kernel.out_specs_for(specs, statics, json.loads(config) if config else None)
         res = [torch.empty(tuple(o.shape), dtype=to_torch_dtype(o.dtype), device=device) for o in outs]
-        return tuple(res) if _returns_tuple(kernel) else res[0]
+        return tuple(res) if kernel.returns_tuple else res[0]
 
     fake.__signature__ = sig
     op.register_fake(fake)
@@ -91,12 +91,6 @@ def register_op(kernel: TpuKernel):
         kernel.op = op
         register_backward(kernel)
     return op
-
-
-def _returns_tuple(kernel: TpuKernel) -> bool:
-    import typing
-
-    return typing.get_origin(kernel.return_annotation) in (tuple, typing.Tuple)
 
 
 def register_backward(kernel: TpuKernel) -> None:

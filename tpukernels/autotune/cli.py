@@ -133,12 +133,12 @@ class _Progress:
 
 
 def cmd_autotune(args) -> int:
-    from ..cli import _quiet_libtpu_env, table
-    from ..targets.compile_only import require_libtpu
+    from ..cli import table
+    from ..targets.compile_only import compile_only_env, require_libtpu
     from .report import failure_lines, label_note, summary_rows, write_report
     from .tuner import make_evaluator, tune
 
-    _quiet_libtpu_env()
+    compile_only_env()
     if args.evaluator == "tpu-model":
         if not args.chip:
             raise ArgumentError("autotune: --chip is required for the tpu-model evaluator (v4, v5e, v5p, v6e, tpu7x)")

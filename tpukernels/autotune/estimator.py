@@ -41,12 +41,11 @@ class CycleEstimator:
 
     def _start(self) -> None:
         self._dir = tempfile.mkdtemp(prefix="tpk_estimate_")
-        env = dict(os.environ)
+        from ..targets.compile_only import compile_only_env
+
+        env = compile_only_env(dict(os.environ))
         env["LIBTPU_INIT_ARGS"] = (env.get("LIBTPU_INIT_ARGS", "") + f" {FLAG}={self._dir}/llo").strip()
-        env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
         env["JAX_PLATFORMS"] = "cpu"
-        env.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-1")
-        env.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
         self._log = open(os.path.join(self._dir, "server.log"), "w")
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "tpukernels.autotune.estimator"],

@@ -14,6 +14,8 @@ and exceptions come back as a failed Trial with a reason.
 
 from __future__ import annotations
 
+import abc
+
 import dataclasses
 import importlib
 import importlib.util
@@ -67,7 +69,7 @@ class Trial:
         return dataclasses.asdict(self)
 
 
-class Evaluator:
+class Evaluator(abc.ABC):
     """Base class. Subclasses set :attr:`name`, :attr:`label` and implement :meth:`evaluate`."""
 
     name = "evaluator"
@@ -85,6 +87,7 @@ class Evaluator:
         name = self.chip_name()
         return None if name is None else get_chip(name)
 
+    @abc.abstractmethod
     def evaluate(self, problem: Problem, config: Config) -> Trial:
         raise NotImplementedError
 

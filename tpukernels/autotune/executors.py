@@ -13,6 +13,8 @@ together with the libtpu estimate server it started.
 
 from __future__ import annotations
 
+import abc
+
 import concurrent.futures as cf
 import multiprocessing as mp
 import os
@@ -21,12 +23,13 @@ import sys
 from collections.abc import Callable, Sequence
 
 
-class Executor:
+class Executor(abc.ABC):
     """Runs jobs; returns ``concurrent.futures.Future``-like objects."""
 
     #: how many jobs may be in flight at once
     slots: int = 1
 
+    @abc.abstractmethod
     def submit(self, fn: Callable, *args) -> cf.Future:
         raise NotImplementedError
 
@@ -59,11 +62,7 @@ class InlineExecutor(Executor):
         return fut
 
 
-_WORKER_ENV = {
-    "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
-    "TPU_ACCELERATOR_TYPE": "v5litepod-1",
-    "TPU_WORKER_HOSTNAMES": "localhost",
-}
+from ..targets.compile_only import COMPILE_ONLY_ENV as _WORKER_ENV  # noqa: E402
 
 
 def _worker_init(imports: Sequence[str], env: dict) -> None:

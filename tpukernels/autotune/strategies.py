@@ -17,6 +17,8 @@ no compile and no budget.
 
 from __future__ import annotations
 
+import abc
+
 import random
 from collections.abc import Iterator
 
@@ -24,7 +26,7 @@ from ..dsl.spec import Config
 from .space import Space
 
 
-class Strategy:
+class Strategy(abc.ABC):
     """Base class: :meth:`ask` returns a config, None (nothing to propose until results arrive) or raises
     :class:`StopIteration` when the space is exhausted."""
 
@@ -39,6 +41,7 @@ class Strategy:
         """Not proposed yet and passes the static checks."""
         return config not in self.proposed and self.space.check(config) is None
 
+    @abc.abstractmethod
     def ask(self) -> Config | None:
         raise NotImplementedError
 
@@ -51,6 +54,7 @@ class _IterStrategy(Strategy):
         super().__init__(space, seed)
         self._it = self._order()
 
+    @abc.abstractmethod
     def _order(self) -> Iterator[Config]:
         raise NotImplementedError
 

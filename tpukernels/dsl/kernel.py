@@ -229,6 +229,11 @@ class TpuKernel:
             )
         return tuple(params), ret
 
+    @property
+    def returns_tuple(self) -> bool:
+        """The op returns ``tuple[Tensor, ...]`` (from the return annotation)."""
+        return typing.get_origin(self.return_annotation) in (tuple, typing.Tuple)
+
     def bind(self, args: Sequence, kwargs: Mapping) -> list:
         """Map a call's ``args``/``kwargs`` to the op's parameters in order (defaults applied).
 

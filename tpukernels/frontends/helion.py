@@ -27,7 +27,6 @@ Differences from the Pallas front-end (documented, not hidden):
 
 from __future__ import annotations
 
-import typing
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -150,7 +149,7 @@ class HelionKernel(TpuKernel):
             raise
         except Exception as e:
             raise KernelBodyError(f"{self.qualname}: Helion program raised {type(e).__name__}: {e}") from e
-        multiple = typing.get_origin(self.return_annotation) in (tuple, typing.Tuple)
+        multiple = self.returns_tuple
         resolved = Resolved(tuple(specs), tuple(statics), cfg, source, None)
         return Lowered(
             self, resolved, mode, jax.jit(fn), arg_structs, out_structs, VmemEstimate(0, 0, ()), False,

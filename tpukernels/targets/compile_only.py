@@ -95,12 +95,29 @@ def require_libtpu() -> None:
         raise BackendUnavailableError(AOT_HINT)
 
 
+#: Environment for compile-only libtpu use: without a TPU host, libtpu probes the host and warns unless told
+#: an accelerator type and worker hostnames; several processes (sweep workers, estimate subprocesses) may
+#: load libtpu at once.
+COMPILE_ONLY_ENV = {
+    "TPU_ACCELERATOR_TYPE": "v5litepod-1",
+    "TPU_WORKER_HOSTNAMES": "localhost",
+    "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+}
+
+
+def compile_only_env(env=None) -> dict:
+    """Apply :data:`COMPILE_ONLY_ENV` as defaults to ``env`` (default: ``os.environ``); returns it."""
+    env = os.environ if env is None else env
+    for k, v in COMPILE_ONLY_ENV.items():
+        env.setdefault(k, v)
+    return env
+
+
 @functools.lru_cache(maxsize=None)
 def tpu_device(chip_name: str):
     """A compile-only TPU device for ``chip_name`` (one chip's topology)."""
     require_libtpu()
-    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-1")  # silences libtpu's host probing warnings
-    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    compile_only_env()
     from jax.experimental import topologies
 
     chip = get_chip(chip_name)
@@ -297,9 +314,8 @@ def estimate_cycles_of(fn, chip: "str | Chip", structs, timeout_s: float = 600) 
         blob = os.path.join(d, "fn.bin")
         with open(blob, "wb") as f:
             f.write(exported.serialize())
-        env = dict(os.environ)
+        env = compile_only_env(dict(os.environ))
         env["LIBTPU_INIT_ARGS"] = (env.get("LIBTPU_INIT_ARGS", "") + f" --xla_jf_dump_static_llo_profile_to={d}/llo").strip()
-        env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
         env["JAX_PLATFORMS"] = "cpu"
         proc = subprocess.run(
             [sys.executable, "-m", "tpukernels.targets.compile_only", blob, chip.name],
