@@ -25,6 +25,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -n 2 -q
 
+# Every library kernel vs XLA and public Pallas kernels (libtpu model) + host costs -> BENCHMARKS.md
+bench: $(STAMP)
+	ALLOW_MULTIPLE_LIBTPU_LOAD=1 $(VENV)/bin/tpukernels bench --chips v5e,v6e,tpu7x
+
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
 

@@ -53,6 +53,7 @@ import numpy as np  # noqa: E402
 
 from tpukernels.autotune import db  # noqa: E402
 from tpukernels.autotune.estimator import client  # noqa: E402
+from tpukernels.bench.attention import attention_flops, attention_io_bytes, xla_floor_us  # noqa: E402  (shared with `tpukernels bench`)
 from tpukernels.library.attention import fa_backward_dkv, fa_backward_dq, fa_forward  # noqa: E402
 from tpukernels.lowering import lower  # noqa: E402
 from tpukernels.perf import model_time  # noqa: E402
@@ -86,19 +87,6 @@ def _estimate(fn, structs, chip: str, timeout_s: float = 1800) -> int:
     if cyc is None:
         raise RuntimeError("libtpu wrote no static profile")
     return int(cyc)
-
-
-def _io_bytes(S: int, hq: int, hkv: int, backward: bool) -> int:
-    it = 2
-    fwd = (2 * hq * S * D + 2 * hkv * S * D) * it + hq * S * 4  # q, o, k, v, lse
-    if not backward:
-        return B * fwd
-    return B * ((3 * hq * S * D + 4 * hkv * S * D) * it + 2 * hq * S * 4 + 2 * hq * S * D * it)  # + dq, dk, dv, di
-
-
-def _flops(S: int, hq: int, backward: bool) -> int:
-    mm = 4 * B * hq * S * S * D // 2  # causal: half of QK^T and PV
-    return int(mm * (2.5 if backward else 1))
 
 
 def _specs(S, hq, hkv, backward):
@@ -162,18 +150,6 @@ def xla(chip: str, S: int, *, backward=False, hq=HQ, hkv=HKV) -> int:
     return _estimate(jax.jit(fwd_bwd), [q, kv, kv, q], chip)
 
 
-def xla_floor_us(chip: str, S: int, backward: bool = False) -> float:
-    """A lower bound on XLA's attention time (model, µs), for lengths where libtpu 0.0.52's static profiler
-    aborts on XLA's attention program (key length >= 4096, ``llo_execution_graph.cc``): XLA materialises the
-    probabilities, so it moves at least one bf16 write + read of the S x S scores per head (4 bytes per
-    score; the backward at least twice that), on top of Q, K, V, O, and it computes every score (no causal
-    skipping). ``benchmarks/attention.py --xla-check`` compares the bound with the real estimate at S=2048."""
-    scores = B * HQ * S * S
-    byts = _io_bytes(S, HQ, HKV, backward) + scores * 4 * (2 if backward else 1)
-    flops = 4 * B * HQ * S * S * D * (2.5 if backward else 1)
-    return model_time(chip, None, int(byts), int(flops)).time_us
-
-
 def jax_pallas(chip: str, S: int, blocks: tuple | None, *, hq=HQ, backward=False) -> int:
     from jax.experimental.pallas.ops.tpu import flash_attention as jfa
 
@@ -198,7 +174,7 @@ def jax_pallas(chip: str, S: int, blocks: tuple | None, *, hq=HQ, backward=False
 
 
 def us(chip, cycles, S, backward=False, hq=HQ, hkv=HKV):
-    return model_time(chip, cycles, _io_bytes(S, hq, hkv, backward), _flops(S, hq, backward)).time_us
+    return model_time(chip, cycles, attention_io_bytes(S, hq, hkv, backward), attention_flops(S, hq, backward)).time_us
 
 
 def sweep(chip: str, S: int, backward: bool, log, results: str, what: str = "both") -> None:

@@ -40,7 +40,6 @@ os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-1")
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-import numpy as np  # noqa: E402
 
 import tpukernels as tk  # noqa: E402
 from tpukernels import perf  # noqa: E402

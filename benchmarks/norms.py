@@ -34,10 +34,9 @@ os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 from tpukernels.autotune import db  # noqa: E402
+from tpukernels.bench.norms import norm_cases, xla_fns  # noqa: E402
 from tpukernels.library import norms as N  # noqa: E402
 from tpukernels.lowering import specs_from_values  # noqa: E402
 from tpukernels.perf import model_time  # noqa: E402
@@ -49,60 +48,17 @@ from tpukernels.targets.compile_only import _as_spec, compile_for, estimate_cycl
 for _k in (N.rms_norm_fwd, N.rms_norm_bwd, N.fused_add_rms_norm_fwd, N.layer_norm_fwd, N.layer_norm_bwd):
     db.source_hash(_k)
 
-F32 = jnp.float32
 SWEEP = (32, 64, 128, 256, 512, 1024)
 EPS_RMS, EPS_LN = N.DEFAULT_RMS_EPS, N.DEFAULT_LAYER_NORM_EPS
 
 
-# ------------------------------------------------------------------ XLA's version of each kernel (same outputs)
-def _xla_rms_fwd_llama(x, w):
-    xf = x.astype(F32)
-    rstd = jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + EPS_RMS)
-    return ((xf * rstd).astype(x.dtype).astype(F32) * w.astype(F32)).astype(x.dtype), rstd
-
-
-def _xla_fused_fwd(x, r, w):
-    h = (x.astype(F32) + r.astype(F32)).astype(x.dtype)
-    y, rstd = _xla_rms_fwd_llama(h, w)
-    return y, h, rstd
-
-
-def _xla_rms_bwd(dy, x, rstd, w):
-    dyf = dy.astype(F32)
-    n = x.astype(F32) * rstd
-    g = dyf * w.astype(F32)
-    dx = rstd * (g - n * jnp.mean(g * n, -1, keepdims=True))
-    return dx.astype(x.dtype), jnp.sum(dyf * n, 0, keepdims=True)
-
-
-def _xla_ln_fwd(x, w, b):
-    xf = x.astype(F32)
-    mean = jnp.mean(xf, -1, keepdims=True)
-    d = xf - mean
-    rstd = jax.lax.rsqrt(jnp.mean(d * d, -1, keepdims=True) + EPS_LN)
-    return (d * rstd * w.astype(F32) + b.astype(F32)).astype(x.dtype), mean, rstd
-
-
-def _xla_ln_bwd(dy, x, mean, rstd, w):
-    dyf = dy.astype(F32)
-    xhat = (x.astype(F32) - mean) * rstd
-    g = dyf * w.astype(F32)
-    dx = rstd * (g - jnp.mean(g, -1, keepdims=True) - xhat * jnp.mean(g * xhat, -1, keepdims=True))
-    return dx.astype(x.dtype), jnp.sum(dyf * xhat, 0, keepdims=True), jnp.sum(dyf, 0, keepdims=True)
+# XLA's version of each kernel (same outputs) and the cases: shared with `tpukernels bench`
+_XLA = xla_fns(EPS_RMS, EPS_LN)
 
 
 def cases(n: int, h: int, dt: str):
     """(label, kernel, tensor args, statics, xla fn, outputs) at one shape; args as compile_for strings."""
-    X, V, S = f"{n}x{h}:{dt}", f"1x{h}:{dt}", f"{n}x1:f32"
-    rms = {"eps": EPS_RMS, "offset": 0.0, "casting": "llama", "round_f16": False}
-    dW = f"1x{h}:f32"
-    return [
-        ("rms_norm fwd", N.rms_norm_fwd, (X, V), rms, _xla_rms_fwd_llama, (X, S)),
-        ("rms_norm bwd", N.rms_norm_bwd, (X, X, S, V, None), {"offset": 0.0}, _xla_rms_bwd, (X, dW)),
-        ("fused_add_rms_norm fwd", N.fused_add_rms_norm_fwd, (X, X, V), rms, _xla_fused_fwd, (X, X, S)),
-        ("layer_norm fwd", N.layer_norm_fwd, (X, V, V), {"eps": EPS_LN}, _xla_ln_fwd, (X, S, S)),
-        ("layer_norm bwd", N.layer_norm_bwd, (X, X, S, S, V), {}, _xla_ln_bwd, (X, dW, dW)),
-    ]
+    return [(op, kernel, args, statics, _XLA[op], outs) for op, kernel, args, statics, outs in norm_cases(n, h, dt)]
 
 
 def _bytes(specs) -> int:

@@ -177,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .autotune.cli import add_parser as _add_autotune
 
     _add_autotune(sub)
+    from .bench.cli import add_parser as _add_bench
+
+    _add_bench(sub)
     return p
 
 

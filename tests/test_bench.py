@@ -1,0 +1,237 @@
+"""`tpukernels bench`: estimate cache, rows and ratios, credibility flags, version refusal, report, CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tpukernels.bench import core, report
+from tpukernels.bench.core import Case, EstimateError, Estimator, Impl, VersionMismatch
+from tpukernels.perf import clock_hz, hbm_bandwidth, peak_flops
+
+
+class FakeClient:
+    """Stands in for the libtpu estimate server: answers from a table, counts calls."""
+
+    def __init__(self, answers):
+        self.answers, self.calls = answers, 0
+
+    def estimate(self, blob, chip, timeout_s):
+        self.calls += 1
+        a = self.answers(blob, chip)
+        if isinstance(a, Exception):
+            raise a
+        return a
+
+
+def _est(tmp_path, answers, name="est.json"):
+    est = Estimator(str(tmp_path / name))
+    fake = FakeClient(answers)
+    est._client = lambda: fake
+    return est, fake
+
+
+def _prog(n=128):
+    import jax
+    import jax.numpy as jnp
+
+    return jax.jit(lambda x: x * 2), [jax.ShapeDtypeStruct((8, n), jnp.float32)]
+
+
+def test_estimate_cache_keyed_by_program(tmp_path):
+    est, fake = _est(tmp_path, lambda blob, chip: 1000 if chip == "v5e" else 2000)
+    fn, st = _prog()
+    assert est.cycles(fn, st, "v5e") == 1000
+    assert est.cycles(fn, st, "v5e") == 1000 and fake.calls == 1  # cached in memory
+    assert est.cycles(fn, st, "v6e") == 2000 and fake.calls == 2  # another chip is another key
+    fn2, st2 = _prog(256)
+    est.cycles(fn2, st2, "v5e")
+    assert fake.calls == 3  # another program is another key
+    # a new process (new Estimator) reads the file
+    est2, fake2 = _est(tmp_path, lambda blob, chip: 7)
+    assert est2.cycles(fn, st, "v5e") == 1000 and fake2.calls == 0
+    data = json.load(open(tmp_path / "est.json"))
+    assert len(data) == 3 and all(k.startswith(f"{est.libtpu}|") for k in data)
+
+
+def test_libtpu_abort_is_cached_but_a_killed_server_is_not(tmp_path):
+    fn, st = _prog()
+    abort = RuntimeError("estimate server exited: platforms/xla/llo_execution_graph.cc:146 | check failed")
+    est, fake = _est(tmp_path, lambda b, c: abort)
+    for _ in range(2):
+        with pytest.raises(EstimateError, match="llo_execution_graph"):
+            est.cycles(fn, st, "v5e")
+    assert fake.calls == 1
+    killed = RuntimeError("estimate server exited: ")
+    est, fake = _est(tmp_path, lambda b, c: killed, name="other.json")
+    for _ in range(2):
+        with pytest.raises(EstimateError, match="not cached"):
+            est.cycles(fn, st, "v5e")
+    assert fake.calls == 2
+    assert not os.path.exists(tmp_path / "other.json")
+
+
+def test_corrupt_cache_is_kept_aside(tmp_path):
+    p = tmp_path / "est.json"
+    p.write_text("{not json")
+    est, fake = _est(tmp_path, lambda b, c: 5)
+    assert (tmp_path / "est.json.corrupt").read_text() == "{not json"
+    fn, st = _prog()
+    assert est.cycles(fn, st, "v5e") == 5
+    assert json.load(open(p))
+
+
+def _impl(name, kind, cycles, **kw):
+    def f(est, chip):
+        if isinstance(cycles, Exception):
+            raise cycles
+        return cycles, None
+    return Impl(name, kind, f, **kw)
+
+
+def test_run_case_model_times_ratios_and_flags():
+    chip, flops, hbm = "v6e", 10**12, 10**6
+    mxu_us = flops / peak_flops(chip) * 1e6
+    c = lambda us: int(us * 1e-6 * clock_hz(chip))  # noqa: E731
+    case = Case("f", "op", "shape", chip, hbm_bytes=hbm, flops=flops, impls=[
+        _impl("tpukernels", "ours", c(2 * mxu_us)),
+        _impl("xla", "xla", c(3 * mxu_us)),
+        _impl("fast public", "public", c(1.5 * mxu_us)),
+        _impl("impossible", "public", c(0.5 * mxu_us)),
+        _impl("crashes", "xla", EstimateError("profiler aborted"), floor_us=lambda chip: 4 * mxu_us),
+        _impl("crashes, no floor", "public", EstimateError("profiler aborted")),
+    ])
+    rows = {r["impl"]: r for r in core.run_case(case, est=None)}
+    ours = rows["tpukernels"]
+    assert ours["model_us"] == pytest.approx(2 * mxu_us, rel=1e-3) and ours["credible"]
+    assert ours["pct_roofline"] == pytest.approx(50, rel=1e-3) and ours["ours_speedup"] is None
+    assert rows["xla"]["ours_speedup"] == pytest.approx(1.5, rel=1e-3)
+    assert rows["fast public"]["ours_speedup"] == pytest.approx(0.75, rel=1e-3)
+    imp = rows["impossible"]  # below the MXU roofline: clamped by the max(), and flagged
+    assert imp["credible"] is False and "below the MXU roofline" in imp["flags"][0]
+    assert imp["model_us"] == pytest.approx(mxu_us, rel=1e-3)
+    fl = rows["crashes"]
+    assert fl["figure"] == "floor" and fl["model_us"] == pytest.approx(4 * mxu_us) and "aborted" in fl["error"]
+    assert rows["crashes, no floor"]["model_us"] is None and rows["crashes, no floor"]["ours_speedup"] is None
+    # memory-bound: below the HBM roofline is expected (the max() takes the bytes), not a flag
+    hbm_case = Case("f", "op", "s", chip, hbm_bytes=10**9, flops=0, impls=[_impl("tpukernels", "ours", 10)])
+    (r,) = core.run_case(hbm_case, est=None)
+    assert r["credible"] and r["bound"] == "hbm"
+    assert r["model_us"] == pytest.approx(1e9 / hbm_bandwidth(chip) * 1e6)
+
+
+def test_probe_flags_a_cost_model_that_misses_work():
+    chip = "v6e"
+    probe_flops = 10**12
+    mxu_us = probe_flops / peak_flops(chip) * 1e6
+    cyc = lambda us: int(us * 1e-6 * clock_hz(chip))  # noqa: E731
+    good = _impl("tpukernels", "ours", cyc(100), probe=lambda e, c: (cyc(1.2 * mxu_us), probe_flops))
+    blind = _impl("blind", "public", cyc(50), probe=lambda e, c: (cyc(0.5 * mxu_us), probe_flops))
+    rows = {r["impl"]: r for r in core.run_case(Case("f", "op", "s", chip, 0, 0, [good, blind]), est=None)}
+    assert rows["tpukernels"]["credible"] is True and not rows["tpukernels"]["flags"]
+    assert rows["blind"]["credible"] is False and "misses work" in rows["blind"]["flags"][0]
+
+
+def test_versions_are_never_mixed(tmp_path):
+    v = core.versions()
+    assert {"jax", "jaxlib", "libtpu", "torch", "tpukernels"} <= set(v)
+    core.save_result(str(tmp_path / "norms.json"), "norms", "model", [])
+    core.save_result(str(tmp_path / "matmul.json"), "matmul", "model", [])
+    assert set(core.load_results(str(tmp_path), ["norms", "matmul", "attention"])) == {"norms", "matmul"}
+    data = json.load(open(tmp_path / "matmul.json"))
+    data["versions"]["libtpu"] = "0.0.1"
+    json.dump(data, open(tmp_path / "matmul.json", "w"))
+    with pytest.raises(VersionMismatch, match=r"libtpu 0\.0\.1"):
+        core.load_results(str(tmp_path), ["norms", "matmul"])
+
+
+def _row(op, chip, impl, kind, us, ours_us, figure="estimate", credible=True, reason=None):
+    return {"family": "f", "op": op, "shape": "s", "chip": chip, "impl": impl, "kind": kind, "config": "c",
+            "note": "", "flags": [] if credible else ["below"], "error": None, "cycles": 1, "model_us": us,
+            "cycles_us": us, "figure": figure, "credible": credible, "roofline_us": 10.0, "bound": "cycles",
+            "pct_roofline": 1000.0 / us, "ours_speedup": None if kind == "ours" else us / ours_us, "reason": reason}
+
+
+def _synthetic(tmp_path):
+    rows = [
+        _row("a", "v5e", "tpukernels", "ours", 100, 100), _row("a", "v5e", "xla", "xla", 120, 100),
+        _row("b", "v6e", "tpukernels", "ours", 100, 100, reason="known cause"), _row("b", "v6e", "xla", "xla", 90, 100),
+        _row("c", "v6e", "tpukernels", "ours", 100, 100), _row("c", "v6e", "pub", "public", 50, 100, credible=False),
+        _row("d", "v6e", "tpukernels", "ours", 100, 100), _row("d", "v6e", "xla", "xla", 80, 100, figure="floor"),
+    ]
+    core.save_result(str(tmp_path / "results" / "matmul.json"), "matmul", "model estimate", rows,
+                     {"chips": ["v5e", "v6e"], "doc": "Doc :data:`x`."})
+    host = [{"what": "dispatch", "kernel": "k", "shapes": [[2, 3]], "torch_op_us": 30.0, "jax_compiled_us": 10.0,
+             "overhead_us": 20.0},
+            {"what": "compile", "kernel": "k", "call": "", "import_s": 1.0, "first_call_cold_s": 2.0,
+             "first_call_warm_s": 1.5, "second_call_s": 0.001},
+            {"what": "recompiles", "kernel": "k", "varying": "rows", "lengths": [1, 2], "dynamo_frames": 1,
+             "kernel_lowerings": 2, "seconds": 0.1}]
+    core.save_result(str(tmp_path / "results" / "host.json"), "host", "wall-clock", host)
+    return rows
+
+
+def test_slower_list_excludes_ties_floors_and_non_credible(tmp_path):
+    rows = _synthetic(tmp_path)
+    s = report.slower(rows)
+    assert [(x["op"], x["vs"]) for x in s] == [("b", "xla")]
+    assert "known cause" in report.diagnosis(s[0])
+    assert [(x["op"], x["vs"]) for x in report.above_floor(rows)] == [("d", "xla")]
+
+
+def test_render_report_and_readme_summary(tmp_path):
+    _synthetic(tmp_path)
+    results = core.load_results(str(tmp_path / "results"), ["matmul", "host"])
+    out = tmp_path / "BENCHMARKS.md"
+    text = report.render(results, str(out), "tpukernels bench --chips v5e,v6e")
+    assert out.read_text() == text
+    assert "| b | s | v6e | xla | 0.900 | known cause." in text
+    assert "50.0 (0.50×) †" in text and "≥ 80.0 (floor)" in text and "Doc `x`." in text
+    assert "| k | 2x3 | 30.0 | 10.0 | 20.0 |" in text
+    png = tmp_path / "benchmarks" / "results" / "matmul.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{report.README_BEGIN}\nold\n{report.README_END}\nrest\n")
+    summary = report.summary(results, "tpukernels bench")
+    assert report.update_readme(str(readme), summary)
+    new = readme.read_text()
+    assert new.startswith("intro\n") and new.endswith("rest\n") and "old" not in new
+    assert "vs xla 0.90–1.20× (1/2 cases at least as fast)" in new
+    assert not report.update_readme(str(tmp_path / "nope.md"), summary)
+
+
+def test_cli_report_only_and_refusals(tmp_path, capsys):
+    from tpukernels.cli import main
+
+    _synthetic(tmp_path)
+    res, out = str(tmp_path / "results"), str(tmp_path / "B.md")
+    assert main(["bench", "--report-only", "--results-dir", res, "--out", out, "--readme", "",
+                 "--json", str(tmp_path / "all.json")]) == 0
+    assert "## matmul (model)" in open(out).read()
+    assert set(json.load(open(tmp_path / "all.json"))["families"]) == {"matmul", "host"}
+    assert main(["bench", "--family", "nope", "--results-dir", res]) == 2
+    assert "--family: nope" in capsys.readouterr().err
+    data = json.load(open(tmp_path / "results" / "host.json"))
+    data["versions"]["jax"] = "0.0.0"
+    json.dump(data, open(tmp_path / "results" / "host.json", "w"))
+    # a run of another family refuses before estimating anything: the kept host.json would not mix
+    assert main(["bench", "--family", "norms", "--results-dir", res, "--out", out]) == 2
+    assert "jax 0.0.0" in capsys.readouterr().err
+
+
+@pytest.mark.aot
+def test_real_matmul_case_on_v5e(tmp_path):
+    """One real libtpu estimate per implementation (1024^3 matmul on v5e, ~5 s)."""
+    pytest.importorskip("libtpu")
+    from tpukernels.bench import matmul as bm
+
+    (case,) = [c for c in bm.cases(["v5e"]) if c.shape == "1024x1024x1024"]
+    rows = {r["impl"]: r for r in core.run_case(case, Estimator(str(tmp_path / "e.json")))}
+    assert set(rows) == {"tpukernels", "xla", "jax matmul"}
+    for r in rows.values():
+        assert r["figure"] == "estimate" and r["cycles"] > 0 and r["credible"], r
+        assert r["model_us"] >= r["roofline_us"] > 0
+    assert rows["xla"]["ours_speedup"] == pytest.approx(rows["xla"]["model_us"] / rows["tpukernels"]["model_us"])
+    assert "bm=" in rows["tpukernels"]["config"]

@@ -1,0 +1,77 @@
+"""``tpukernels bench``: run benchmark families, save their results, regenerate BENCHMARKS.md."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def add_parser(subparsers) -> None:
+    """Register the ``bench`` subcommand on the ``tpukernels`` parser's subparsers."""
+    from . import DEFAULT_CHIPS, FAMILIES
+
+    s = subparsers.add_parser(
+        "bench", help="benchmark library kernels vs XLA and public Pallas kernels (model) + host costs (measured)",
+        description="Estimate every library kernel at its standard shapes on compile-only TPU chips next to XLA "
+                    "and the best public Pallas TPU kernel (libtpu static estimate + roofline: a model), measure "
+                    "host-side costs on this CPU, and regenerate BENCHMARKS.md with tables and PNG plots. Each "
+                    "family's figures are saved to RESULTS_DIR/<family>.json, so long runs can be split by family; "
+                    "figures made with different jax/jaxlib/libtpu/torch/tpukernels versions are never mixed.")
+    s.add_argument("--chips", default=",".join(DEFAULT_CHIPS), help="comma list of v4,v5e,v5p,v6e,tpu7x")
+    s.add_argument("--family", default="all", help=f"comma list of {','.join(FAMILIES)} or 'all'")
+    s.add_argument("--results-dir", default=os.path.join("benchmarks", "results"),
+                   help="where <family>.json results are kept (default: benchmarks/results)")
+    s.add_argument("--out", default="BENCHMARKS.md", help="the markdown report to (re)write")
+    s.add_argument("--readme", default="README.md",
+                   help="update the summary between the bench-summary markers of this file, if it has them")
+    s.add_argument("--json", metavar="FILE", help="also write all families' results as one JSON file")
+    s.add_argument("--report-only", action="store_true", help="regenerate the report from saved results; run nothing")
+    s.add_argument("--jobs", type=int, default=1,
+                   help="estimates in parallel (each holds a libtpu; an 8192^3 matmul needs ~14 GB)")
+    s.add_argument("--no-cache", action="store_true", help="ignore and do not write the estimate cache")
+    s.add_argument("--timeout", type=float, default=1800, help="per-estimate limit, seconds")
+    s.set_defaults(func=cmd_bench)
+
+
+def _families(text: str) -> list[str]:
+    from ..errors import ArgumentError
+    from . import FAMILIES
+
+    names = list(FAMILIES) if text == "all" else [f.strip() for f in text.split(",") if f.strip()]
+    bad = [f for f in names if f not in FAMILIES]
+    if bad:
+        raise ArgumentError(f"--family: {', '.join(bad)} not among {', '.join(FAMILIES)} (or 'all')")
+    return names
+
+
+def cmd_bench(args) -> int:
+    from ..chips import get_chip
+    from . import FAMILIES, run_family
+    from .core import check_versions, load_results, versions
+    from .report import combined_json, render, summary, update_readme
+
+    fams = _families(args.family)
+    chips = [get_chip(c).name for c in args.chips.split(",") if c.strip()]
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    if not args.report_only:
+        # refuse before hours of estimates if the kept families would not mix with the new ones
+        kept = load_results(args.results_dir, [f for f in FAMILIES if f not in fams])
+        check_versions({**{f"{f}.json": r["versions"] for f, r in kept.items()}, "this run": versions()})
+        for fam in fams:
+            run_family(fam, chips, args.results_dir, jobs=args.jobs, timeout_s=args.timeout,
+                       cache_path="" if args.no_cache else None, log=log)
+    results = load_results(args.results_dir, FAMILIES)
+    if not results:
+        from ..errors import ArgumentError
+
+        raise ArgumentError(f"--results-dir {args.results_dir}: no results to report (run without --report-only)")
+    used = list(dict.fromkeys(c for r in results.values() for c in r.get("chips", []))) or chips
+    render(results, args.out, "tpukernels bench --chips " + ",".join(used))
+    text = summary(results, "tpukernels bench --chips " + ",".join(chips))
+    if args.readme and update_readme(args.readme, text):
+        log(f"updated the benchmark summary in {args.readme}")
+    if args.json:
+        combined_json(results, args.json)
+    log(f"wrote {args.out} ({', '.join(results)})")
+    print(text)
+    return 0

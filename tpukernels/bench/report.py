@@ -1,0 +1,282 @@
+"""``BENCHMARKS.md`` (markdown tables + one PNG per model family) and the combined JSON from result files."""
+
+from __future__ import annotations
+
+import json
+import re
+import os
+
+from .core import check_versions
+
+#: a model time ratio inside this band is a tie (the estimates are deterministic, but not that exact)
+TIE = 0.005
+README_BEGIN, README_END = "<!-- bench-summary:begin -->", "<!-- bench-summary:end -->"
+
+
+def _us(x) -> str:
+    return "n/a" if x is None else f"{x:,.1f}"
+
+
+def _cell(row: dict | None) -> str:
+    """A time cell: estimate, floor (a lower bound), not-credible estimate, or n/a."""
+    if row is None:
+        return "-"
+    if row["model_us"] is None:
+        return "n/a ‡"
+    if row["figure"] == "floor":
+        return f"≥ {_us(row['model_us'])} (floor)"
+    mark = " †" if row["credible"] is False else ""
+    ratio = "" if row.get("ours_speedup") is None else f" ({row['ours_speedup']:.2f}×)"
+    return f"{_us(row['model_us'])}{ratio}{mark}"
+
+
+def _cases(rows: list[dict]) -> list[tuple[tuple, dict]]:
+    """``[((op, shape, chip), {impl: row})]`` in first-seen order."""
+    out: dict = {}
+    for r in rows:
+        out.setdefault((r["op"], r["shape"], r["chip"]), {})[r["impl"]] = r
+    return list(out.items())
+
+
+def _impls(rows: list[dict]) -> list[str]:
+    seen = []
+    for r in rows:
+        if r["impl"] not in seen:
+            seen.append(r["impl"])
+    return sorted(seen, key=lambda i: i != "tpukernels")
+
+
+def slower(rows: list[dict]) -> list[dict]:
+    """Cases where another implementation's credible estimate beats tpukernels' by more than ``TIE``."""
+    out = []
+    for (op, shape, chip), by in _cases(rows):
+        ours = by.get("tpukernels")
+        if not ours or ours["model_us"] is None:
+            continue
+        for name, r in by.items():
+            if r is ours or r["figure"] != "estimate" or r["credible"] is False or r["ours_speedup"] is None:
+                continue
+            if r["ours_speedup"] < 1 - TIE:
+                out.append({"op": op, "shape": shape, "chip": chip, "vs": name, "ratio": r["ours_speedup"],
+                            "ours": ours, "other": r})
+    return out
+
+
+def above_floor(rows: list[dict]) -> list[dict]:
+    """Cases where tpukernels' estimate is above a floor (a lower bound) of another implementation."""
+    out = []
+    for (op, shape, chip), by in _cases(rows):
+        ours = by.get("tpukernels")
+        for name, r in by.items():
+            if ours and ours["model_us"] and r["figure"] == "floor" and r["model_us"] < ours["model_us"]:
+                out.append({"op": op, "shape": shape, "chip": chip, "vs": name, "ratio": r["model_us"] / ours["model_us"],
+                            "ours": ours, "other": r})
+    return out
+
+
+def diagnosis(item: dict) -> str:
+    o, t = item["ours"], item["other"]
+    auto = (f"model: tpukernels {_us(o['model_us'])} µs ({o['bound']}-bound, {o['pct_roofline']:.0f}% of roofline) vs "
+            f"{item['vs']} {_us(t['model_us'])} µs ({t['bound']}-bound, {t['pct_roofline']:.0f}%)")
+    return f"{o.get('reason') or 'cause not analysed yet'}. ({auto})"
+
+
+def _table(rows: list[dict]) -> list[str]:
+    impls = _impls(rows)
+    head = ["op", "shape", "chip", "tpukernels µs", "% roofline"] + [f"{i} µs (×)" for i in impls[1:]] + \
+        ["tpukernels config"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (op, shape, chip), by in _cases(rows):
+        ours = by.get("tpukernels")
+        pct = "-" if not ours or ours.get("pct_roofline") is None else f"{ours['pct_roofline']:.0f}%"
+        cells = [op, shape, chip, _cell(ours), pct] + [_cell(by.get(i)) for i in impls[1:]] + \
+            [f"`{ours['config']}`" if ours else "-"]
+        out.append("| " + " | ".join(cells) + " |")
+    return out
+
+
+def plot(family: str, rows: list[dict], path: str) -> str | None:
+    """Bar chart of (other time / tpukernels time) per case, credible estimates and floors; None if empty."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = _cases(rows)
+    others = [i for i in _impls(rows) if i != "tpukernels"]
+    labels = [f"{op}\n{shape}\n{chip}" for (op, shape, chip), _ in cases]
+    if not cases or not others:
+        return None
+    fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(cases)), 5))
+    width = 0.8 / len(others)
+    for j, name in enumerate(others):
+        xs, ys, hatch = [], [], []
+        for i, (_, by) in enumerate(cases):
+            r, ours = by.get(name), by.get("tpukernels")
+            if not r or not ours or not ours["model_us"] or not r["model_us"] or r["credible"] is False:
+                continue
+            xs.append(i + (j - (len(others) - 1) / 2) * width)
+            ys.append(r["model_us"] / ours["model_us"])
+            hatch.append(r["figure"] == "floor")
+        bars = ax.bar(xs, ys, width, label=name)
+        for b, h in zip(bars, hatch):
+            if h:
+                b.set_hatch("//")
+                b.set_alpha(0.6)
+    ax.axhline(1.0, color="k", lw=1)
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(cases)))
+    ax.set_xticklabels(labels, fontsize=6)
+    ax.set_ylabel("their model time / tpukernels' (> 1: tpukernels faster)")
+    ax.set_title(f"{family}: model estimates (libtpu static estimate + roofline); hatched = floor (lower bound)",
+                 fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _host_section(res: dict) -> list[str]:
+    rows = res["rows"]
+    out = ["## Host-side costs (measured)", "", f"_{res['kind']}; {res['versions'].get('host')}; "
+           f"made {res['created']}._", ""]
+    d = [r for r in rows if r["what"] == "dispatch"]
+    if d:
+        out += ["Dispatch overhead per call (best of 7 means):", "",
+                "| kernel | shapes | torch op µs | compiled JAX µs | overhead µs |", "|---|---|---|---|---|"]
+        out += [f"| {r['kernel']} | {' , '.join('x'.join(map(str, s)) for s in r['shapes'])} | "
+                f"{r['torch_op_us']:.1f} | {r['jax_compiled_us']:.1f} | {r['overhead_us']:.1f} |" for r in d]
+        out.append("")
+    c = [r for r in rows if r["what"] == "compile"]
+    if c:
+        out += ["First-call latency in a fresh process, seconds (cold: empty JAX persistent cache; warm: "
+                "the cache the cold run wrote; tracing still happens warm):", "",
+                "| kernel | import | first call, cold | first call, warm | second call |", "|---|---|---|---|---|"]
+        out += [f"| {r['kernel']} | {r['import_s']:.2f} | {r['first_call_cold_s']:.2f} | {r['first_call_warm_s']:.2f} | "
+                f"{r['second_call_s']:.4f} |" for r in c]
+        out.append("")
+    rc = [r for r in rows if r["what"] == "recompiles"]
+    if rc:
+        out += [f"`torch.compile(dynamic=True)` over lengths {rc[0]['lengths']}:", "",
+                "| kernel | varying | dynamo frames | tpukernels lowerings |", "|---|---|---|---|"]
+        out += [f"| {r['kernel']} | {r['varying']} | {r['dynamo_frames']} | {r['kernel_lowerings']} |" for r in rc]
+        out.append("")
+    return out
+
+
+def render(results: dict[str, dict], out_path: str, command: str) -> str:
+    """Write ``out_path`` (markdown) and ``<dir>/benchmarks/results/<family>.png``; returns the markdown.
+
+    Raises:
+        VersionMismatch: the result files were made with different versions.
+    """
+    common = check_versions({f"{f}.json": r["versions"] for f, r in results.items()})
+    base = os.path.dirname(os.path.abspath(out_path))
+    lines = ["# tpukernels benchmarks", "",
+             f"Generated by `{command}`; do not edit by hand (re-run the command). Versions: "
+             + ", ".join(f"{k} {v}" for k, v in common.items()) + ".", "",
+             "## What the figures are", "",
+             "* **Model estimates** (norms, matmul, attention): libtpu's static `estimated_cycles` of the program "
+             "compiled for a compile-only TPU target (no TPU was used), combined with the chip's rooflines: "
+             "`max(cycles / clock, bytes / HBM bandwidth, FLOPs / MXU peak)` (`tpukernels.perf.model_time`; chip "
+             "figures from jax's `tpu_info`, clock calibrated in `benchmarks/calibrate_clock.py`). Every "
+             "implementation of a case gets the same bytes and FLOPs (what the op must move and compute), so "
+             "they differ only in their cycle estimate. A model, not a measurement: libtpu's estimate does not "
+             "model HBM contention, and it can miss work (see †).",
+             "* `(N×)` = that implementation's model time / tpukernels': above 1, tpukernels is faster.",
+             "* `% roofline` = roofline time / tpukernels' model time.",
+             "* `≥ x (floor)`: libtpu could not estimate the program (its static profiler aborts); x is a lower "
+             "bound on that implementation's time, not an estimate.",
+             "* `†`: not credible: the estimate falls below the MXU roofline of work the kernel must do "
+             "(checked on a variant without the causal mask); excluded from comparisons and plots.",
+             "* `n/a ‡`: no figure (error in the JSON).",
+             "* **Measurements** (host): wall clock on the CPU named in that section.", ""]
+    model = {f: r for f, r in results.items() if f != "host"}
+    if model:
+        lines += ["## Where tpukernels is slower", ""]
+        items = [(f, s) for f, r in model.items() for s in slower(r["rows"])]
+        if items:
+            lines += ["| family | op | shape | chip | slower than | their time / ours | reason |", "|---|---|---|---|---|---|---|"]
+            lines += [f"| {f} | {s['op']} | {s['shape']} | {s['chip']} | {s['vs']} | {s['ratio']:.3f} | {diagnosis(s)} |"
+                      for f, s in items]
+        else:
+            lines.append("No credible estimate of another implementation beats tpukernels.")
+        floors = [(f, s) for f, r in model.items() for s in above_floor(r["rows"])]
+        if floors:
+            lines += ["", "Above another implementation's **floor** (a lower bound, so not evidence that it is faster):", "",
+                      "| family | op | shape | chip | floor of | floor / ours | note |", "|---|---|---|---|---|---|---|"]
+            lines += [f"| {f} | {s['op']} | {s['shape']} | {s['chip']} | {s['vs']} | {s['ratio']:.3f} | {diagnosis(s)} |"
+                      for f, s in floors]
+        lines.append("")
+    for fam, res in model.items():
+        lines += [f"## {fam} (model)", "", f"_{res['kind']}. Made {res['created']} in {res.get('seconds', '?')} s "
+                  f"(estimate cache: {res.get('cache', {}).get('hits', '?')} hits, "
+                  f"{res.get('cache', {}).get('misses', '?')} new)._", ""]
+        doc = res.get("doc", "").strip()
+        if doc:
+            lines += [re.sub(r":\w+:`", "`", doc), ""]
+        lines += _table(res["rows"]) + [""]
+        png = plot(fam, res["rows"], os.path.join(base, "benchmarks", "results", f"{fam}.png"))
+        if png:
+            lines += [f"![{fam}]({os.path.relpath(png, base)})", ""]
+        flagged = [r for r in res["rows"] if r["flags"] or r["error"]]
+        if flagged:
+            lines += ["Flags and errors:", ""]
+            lines += [f"* {r['op']} {r['shape']} {r['chip']} {r['impl']}: "
+                      + "; ".join(r["flags"] + ([r["error"]] if r["error"] else [])) for r in flagged]
+            lines.append("")
+    if "host" in results:
+        lines += _host_section(results["host"])
+    text = "\n".join(lines) + "\n"
+    with open(out_path, "w") as f:
+        f.write(text)
+    return text
+
+
+def summary(results: dict[str, dict], command: str) -> str:
+    """A few markdown lines for the README: per family, how tpukernels compares (model / measured)."""
+    out = [f"Produced by `{command}` (full tables, plots and caveats: [BENCHMARKS.md](BENCHMARKS.md)). "
+           "Device figures are libtpu static-estimate **models** for compile-only chips, not TPU measurements.", ""]
+    for fam, res in results.items():
+        if fam == "host":
+            d = [r for r in res["rows"] if r["what"] == "dispatch"]
+            if d:
+                out.append(f"* host (measured on this CPU): torch-op dispatch overhead "
+                           f"{min(r['overhead_us'] for r in d):.0f}–{max(r['overhead_us'] for r in d):.0f} µs per call "
+                           "over the compiled JAX executable.")
+            continue
+        by_impl: dict = {}
+        for (_, _, _), by in _cases(res["rows"]):
+            for name, r in by.items():
+                if name != "tpukernels" and r["ours_speedup"] is not None and r["credible"] is not False:
+                    by_impl.setdefault((name, r["figure"]), []).append(r["ours_speedup"])
+        parts = []
+        for (name, figure), v in by_impl.items():
+            kind = "vs its floor" if figure == "floor" else "vs"
+            parts.append(f"{kind} {name} {min(v):.2f}–{max(v):.2f}× ({sum(x >= 1 - TIE for x in v)}/{len(v)} cases "
+                         "at least as fast)")
+        out.append(f"* {fam} (model): " + "; ".join(parts) + ".")
+    return "\n".join(out)
+
+
+def update_readme(path: str, text: str) -> bool:
+    """Replace the text between the bench-summary markers of ``path``; False if the markers are missing."""
+    if not os.path.exists(path):
+        return False
+    with open(path) as f:
+        src = f.read()
+    if README_BEGIN not in src or README_END not in src:
+        return False
+    head, rest = src.split(README_BEGIN, 1)
+    _, tail = rest.split(README_END, 1)
+    with open(path, "w") as f:
+        f.write(head + README_BEGIN + "\n" + text + "\n" + README_END + tail)
+    return True
+
+
+def combined_json(results: dict[str, dict], path: str) -> None:
+    common = check_versions({f"{f}.json": r["versions"] for f, r in results.items()})
+    with open(path, "w") as f:
+        json.dump({"versions": common, "families": results}, f, indent=1)
