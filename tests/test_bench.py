@@ -69,8 +69,12 @@ def test_libtpu_abort_is_cached_but_a_killed_server_is_not(tmp_path):
     for _ in range(2):
         with pytest.raises(EstimateError, match="not cached"):
             est.cycles(fn, st, "v5e")
-    assert fake.calls == 2
+    assert fake.calls == 4  # each call retried once in a fresh server, then not cached
     assert not os.path.exists(tmp_path / "other.json")
+    # a server killed once (out of memory) is retried, and the second answer is cached
+    answers = iter([killed, 42])
+    est, fake = _est(tmp_path, lambda b, c: next(answers), name="retry.json")
+    assert est.cycles(fn, st, "v5e") == 42 and est.cycles(fn, st, "v5e") == 42 and fake.calls == 2
 
 
 def test_corrupt_cache_is_kept_aside(tmp_path):

@@ -169,6 +169,22 @@ class Estimator:
             atexit.register(c.close)
         return c
 
+    def _recycle(self, max_rss_bytes: int = 2 << 30) -> None:
+        """Close this thread's server once it holds more than ``max_rss_bytes`` (libtpu keeps the memory
+        of a big estimate: an 8192^3 matmul leaves ~14 GB, and a second one in the same process runs the
+        2-core, 24 GB machine out of memory)."""
+        c = getattr(self._local, "client", None)
+        proc = getattr(c, "_proc", None)
+        if proc is None:
+            return
+        try:
+            with open(f"/proc/{proc.pid}/status") as f:
+                rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+        except (OSError, StopIteration, ValueError):
+            return
+        if rss > max_rss_bytes:
+            c.close()
+
     def cycles(self, fn, structs, chip: str) -> int:
         """libtpu's ``estimated_cycles`` of ``fn`` (jitted) at ``structs`` on ``chip`` (cached).
 
@@ -193,18 +209,26 @@ class Estimator:
             return int(hit["cycles"])
         self.misses += 1
         t0 = time.perf_counter()
-        try:
-            cyc = self._client().estimate(bytes(blob), chip, self.timeout_s)
-            entry = {"cycles": cyc} if cyc is not None else {"error": "libtpu wrote no static profile"}
-        except RuntimeError as e:
-            from ..autotune.estimator import EstimateTimeout
+        for attempt in (1, 2):
+            try:
+                cyc = self._client().estimate(bytes(blob), chip, self.timeout_s)
+                entry = {"cycles": cyc} if cyc is not None else {"error": "libtpu wrote no static profile"}
+                break
+            except RuntimeError as e:
+                from ..autotune.estimator import EstimateTimeout
 
-            msg = str(e)
-            # a server that died without a libtpu check failure (".cc:" in its last lines) was killed from
-            # outside (out of memory): not a property of the program, so not cached
-            if isinstance(e, EstimateTimeout) or (msg.startswith("estimate server exited") and ".cc:" not in msg):
-                raise EstimateError(f"{msg or 'estimate server exited'} (not cached; out of host memory?)") from e
-            entry = {"error": msg[:300]}
+                msg = str(e)
+                # a server that died without a libtpu check failure (".cc:" in its last lines) was killed
+                # from outside (out of memory): not a property of the program, so not cached; retried once
+                # in a fresh server (the client restarts it)
+                if isinstance(e, EstimateTimeout) or (msg.startswith("estimate server exited") and ".cc:" not in msg):
+                    if attempt == 1 and not isinstance(e, EstimateTimeout):
+                        continue
+                    raise EstimateError(f"{msg or 'estimate server exited'} (not cached; out of host memory?)") from e
+                entry = {"error": msg[:300]}
+                break
+            finally:
+                self._recycle()
         entry["seconds"] = round(time.perf_counter() - t0, 1)
         with self._lock:
             self._cache[key] = entry

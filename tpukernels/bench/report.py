@@ -118,13 +118,19 @@ def plot(family: str, rows: list[dict], path: str) -> str | None:
             xs.append(i + (j - (len(others) - 1) / 2) * width)
             ys.append(r["model_us"] / ours["model_us"])
             hatch.append(r["figure"] == "floor")
-        bars = ax.bar(xs, ys, width, label=name)
+        bars = ax.bar(xs, ys, width, label=name if ys else f"{name} (no credible estimate: not shown)")
         for b, h in zip(bars, hatch):
             if h:
                 b.set_hatch("//")
                 b.set_alpha(0.6)
     ax.axhline(1.0, color="k", lw=1)
     ax.set_yscale("log")
+    heights = [b.get_height() for b in ax.patches] or [1.0]
+    lo, hi = min(min(heights), 1.0) * 0.9, max(max(heights), 1.0) * 1.1
+    ticks = [t for t in (0.5, 0.75, 0.9, 1, 1.1, 1.25, 1.5, 2, 3, 5, 10, 20, 50) if lo <= t <= hi]
+    ax.set_ylim(lo, hi)
+    ax.set_yticks(ticks, [f"{t:g}×" for t in ticks])
+    ax.minorticks_off()
     ax.set_xticks(range(len(cases)))
     ax.set_xticklabels(labels, fontsize=6)
     ax.set_ylabel("their model time / tpukernels' (> 1: tpukernels faster)")
