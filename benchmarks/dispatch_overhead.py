@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
@@ -28,21 +27,13 @@ import jax  # noqa: E402
 import torch  # noqa: E402
 
 import tpukernels as tk  # noqa: E402
+from tpukernels.bench.host import best_mean_us  # noqa: E402
 from tpukernels.lowering import specs_from_values  # noqa: E402
 
 
 def bench(fn, n=3000, repeats=7) -> float:
-    """Best (min) over ``repeats`` of the mean µs per call over ``n`` calls, after a warm-up (min: least
-    disturbed by other processes on a shared machine)."""
-    for _ in range(200):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        samples.append((time.perf_counter() - t0) / n * 1e6)
-    return min(samples)
+    """Best (min) over ``repeats`` of the mean µs per call over ``n`` calls (``tpukernels bench``'s timer)."""
+    return best_mean_us(fn, n, repeats)
 
 
 def main():

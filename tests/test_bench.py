@@ -167,7 +167,7 @@ def _synthetic(tmp_path):
     ]
     core.save_result(str(tmp_path / "results" / "matmul.json"), "matmul", "model estimate", rows,
                      {"chips": ["v5e", "v6e"], "doc": "Doc :data:`x`."})
-    host = [{"what": "dispatch", "kernel": "k", "shapes": [[2, 3]], "torch_op_us": 30.0, "jax_compiled_us": 10.0,
+    host = [{"what": "dispatch", "kernel": "k", "shapes": [[2, 3]], "torch_op_us": 30.0, "jax_jit_us": 10.0, "jax_compiled_us": 8.0,
              "overhead_us": 20.0},
             {"what": "compile", "kernel": "k", "call": "", "import_s": 1.0, "first_call_cold_s": 2.0,
              "first_call_warm_s": 1.5, "second_call_s": 0.001},
@@ -193,7 +193,7 @@ def test_render_report_and_readme_summary(tmp_path):
     assert out.read_text() == text
     assert "| b | s | v6e | xla | 0.900 | known cause." in text
     assert "50.0 (0.50×) †" in text and "≥ 80.0 (floor)" in text and "Doc `x`." in text
-    assert "| k | 2x3 | 30.0 | 10.0 | 20.0 |" in text
+    assert "| k | 2x3 | 30.0 | 10.0 | 8.0 | 20.0 |" in text
     png = tmp_path / "benchmarks" / "results" / "matmul.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     readme = tmp_path / "README.md"
@@ -239,3 +239,13 @@ def test_real_matmul_case_on_v5e(tmp_path):
         assert r["model_us"] >= r["roofline_us"] > 0
     assert rows["xla"]["ours_speedup"] == pytest.approx(rows["xla"]["model_us"] / rows["tpukernels"]["model_us"])
     assert "bm=" in rows["tpukernels"]["config"]
+
+
+def test_host_recompiles_counts_frames_and_lowerings():
+    from tpukernels.bench import host
+
+    rows = {r["kernel"]: r for r in host.recompiles()}
+    assert all(r["dynamo_frames"] == 1 for r in rows.values())  # one graph for all 8 lengths
+    n = len(rows["rms_norm"]["lengths"])
+    assert 1 <= rows["rms_norm"]["kernel_lowerings"] < n  # row bucketing shares lowerings
+    assert 1 <= rows["flash_attention"]["kernel_lowerings"] <= n
