@@ -249,3 +249,32 @@ def test_host_recompiles_counts_frames_and_lowerings():
     n = len(rows["rms_norm"]["lengths"])
     assert 1 <= rows["rms_norm"]["kernel_lowerings"] < n  # row bucketing shares lowerings
     assert 1 <= rows["flash_attention"]["kernel_lowerings"] <= n
+
+
+_KERNEL_SRC = '''
+import jax, jax.numpy as jnp
+from jax.experimental import pallas as pl
+def body(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * SCALE
+fn = jax.jit(lambda x: pl.pallas_call(body, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(2,),
+    in_specs=[pl.BlockSpec((8, 128), lambda i: (i, 0))], out_specs=pl.BlockSpec((8, 128), lambda i: (i, 0)))(x))
+'''
+
+
+def _exported(src: str, filename: str):
+    import jax
+    import jax.numpy as jnp
+
+    ns: dict = {}
+    exec(compile(src, filename, "exec"), ns)
+    return jax.export.export(ns["fn"], platforms=["tpu"])(jax.ShapeDtypeStruct((16, 128), jnp.float32))
+
+
+def test_program_key_ignores_source_locations_only():
+    a = _exported(_KERNEL_SRC.replace("SCALE", "2"), "a.py")
+    moved = _exported("\n\n\n" + _KERNEL_SRC.replace("SCALE", "2"), "b.py")
+    other = _exported(_KERNEL_SRC.replace("SCALE", "3"), "a.py")
+    assert bytes(a.serialize()) != bytes(moved.serialize())  # locations are in the bytes...
+    assert core.program_key(a) == core.program_key(moved)  # ...but not in the key
+    assert core.program_key(a).startswith("t")  # canonicalised (not the byte-hash fallback)
+    assert core.program_key(a) != core.program_key(other)

@@ -10,8 +10,9 @@ bytes the op must move: inputs read once, outputs written once) and the same ``f
 needs, e.g. half of the score matrix for causal attention), so they differ only in their cycle estimate.
 
 Estimates are cached in ``$TPUKERNELS_CACHE_DIR/bench/estimates.json`` keyed by the libtpu version, the
-chip and the SHA-256 of the exported program (``jax.export`` serialization): the same program is never
-estimated twice, and any change of kernel source, config, shape or jax lowering is a new key. libtpu
+chip and a hash of the exported program without its source locations (:func:`program_key`): the same
+program is never estimated twice, and any change of kernel code, config, shape or jax lowering is a new
+key (moving code around is not). libtpu
 aborts its static profiler on some programs (XLA's attention at long sequences); such deterministic
 failures are cached too, timeouts are not.
 
@@ -21,12 +22,14 @@ with different jax / jaxlib / libtpu / torch / tpukernels versions raises :class
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import datetime
 import hashlib
 import json
 import os
 import platform
+import re
 import threading
 import time
 from typing import Any, Callable
@@ -107,6 +110,43 @@ def default_cache_path() -> str:
     from ..autotune.db import user_cache_dir
 
     return os.path.join(user_cache_dir(), "bench", "estimates.json")
+
+
+_MOSAIC_BODY = re.compile(r'(\\22body\\22: \\22)([A-Za-z0-9+/=]+)(\\22)')
+_LOC_DEF = re.compile(r"^#loc\d*\s*=.*$", re.M)
+_LOC_USE = re.compile(r"\s*loc\((?:[^()]|\([^()]*\))*\)")
+
+
+def _mosaic_digest(match) -> str:
+    """SHA-256 of a Mosaic kernel body (base64 bytecode in ``tpu_custom_call``'s backend_config), printed
+    without debug locations."""
+    from jax._src.interpreters import mlir as jmlir
+    from jax._src.lib import tpu
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.passmanager import PassManager
+
+    with jmlir.make_ir_context() as ctx:
+        tpu.register_dialect(ctx)
+        ctx.allow_unregistered_dialects = True  # the serialized form's versioned op names
+        module = ir.Module.parse(base64.b64decode(match.group(2)))
+        PassManager.parse("builtin.module(mosaic-serde{serialize=false})").run(module.operation)
+        asm = module.operation.get_asm(enable_debug_info=False)
+    return match.group(1) + hashlib.sha256(asm.encode()).hexdigest() + match.group(3)
+
+
+def program_key(exported) -> str:
+    """A content hash of an exported program that ignores source locations.
+
+    ``jax.export`` embeds file:line locations in the StableHLO and inside each Mosaic kernel body, so an
+    edit that only moves code would change a hash of the serialized bytes. The key hashes the module text
+    with locations removed and each Mosaic body re-printed without debug info. Falls back to the hash of
+    the serialized bytes (only ever a cache miss) if the text cannot be canonicalised."""
+    try:
+        text = _MOSAIC_BODY.sub(_mosaic_digest, exported.mlir_module())
+        text = _LOC_USE.sub("", _LOC_DEF.sub("", text))
+        return "t" + hashlib.sha256(text.encode()).hexdigest()
+    except Exception:  # noqa: BLE001  (a new jax printing format: a cache miss, never a wrong hit)
+        return "b" + hashlib.sha256(bytes(exported.serialize())).hexdigest()
 
 
 class Estimator:
@@ -198,8 +238,9 @@ class Estimator:
 
         chip = get_chip(chip).name
         plain = [jax.ShapeDtypeStruct(tuple(s.shape), s.dtype) for s in structs]
-        blob = jax.export.export(fn, platforms=["tpu"])(*plain).serialize()
-        key = f"{self.libtpu}|{chip}|{hashlib.sha256(bytes(blob)).hexdigest()}"
+        exported = jax.export.export(fn, platforms=["tpu"])(*plain)
+        blob = exported.serialize()
+        key = f"{self.libtpu}|{chip}|{program_key(exported)}"
         with self._lock:
             hit = self._cache.get(key)
         if hit is not None:
