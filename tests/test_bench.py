@@ -64,6 +64,12 @@ def test_libtpu_abort_is_cached_but_a_killed_server_is_not(tmp_path):
         with pytest.raises(EstimateError, match="llo_execution_graph"):
             est.cycles(fn, st, "v5e")
     assert fake.calls == 1
+    abort6 = RuntimeError("estimate server exited:  | === Source Location Tra | RAW: Raising signal 6 with default")
+    est, fake = _est(tmp_path, lambda b, c: abort6, name="abort6.json")
+    for _ in range(2):
+        with pytest.raises(EstimateError, match="signal 6"):
+            est.cycles(fn, st, "v5e")
+    assert fake.calls == 1
     killed = RuntimeError("estimate server exited: ")
     est, fake = _est(tmp_path, lambda b, c: killed, name="other.json")
     for _ in range(2):

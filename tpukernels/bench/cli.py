@@ -66,7 +66,7 @@ def cmd_bench(args) -> int:
 
         raise ArgumentError(f"--results-dir {args.results_dir}: no results to report (run without --report-only)")
     used = list(dict.fromkeys(c for r in results.values() for c in r.get("chips", []))) or chips
-    render(results, args.out, "tpukernels bench --chips " + ",".join(used))
+    render(results, args.out, "tpukernels bench --chips " + ",".join(used), figures_dir=args.results_dir)
     text = summary(results, "tpukernels bench --chips " + ",".join(chips))
     if args.readme and update_readme(args.readme, text):
         log(f"updated the benchmark summary in {args.readme}")

@@ -259,10 +259,11 @@ class Estimator:
                 from ..autotune.estimator import EstimateTimeout
 
                 msg = str(e)
-                # a server that died without a libtpu check failure (".cc:" in its last lines) was killed
-                # from outside (out of memory): not a property of the program, so not cached; retried once
-                # in a fresh server (the client restarts it)
-                if isinstance(e, EstimateTimeout) or (msg.startswith("estimate server exited") and ".cc:" not in msg):
+                # a server that died without a libtpu check failure or abort (".cc:" or "signal 6" in its
+                # last lines) was killed from outside (out of memory): not a property of the program, so
+                # not cached; retried once in a fresh server (the client restarts it)
+                aborted = ".cc:" in msg or "signal 6" in msg
+                if isinstance(e, EstimateTimeout) or (msg.startswith("estimate server exited") and not aborted):
                     if attempt == 1 and not isinstance(e, EstimateTimeout):
                         continue
                     raise EstimateError(f"{msg or 'estimate server exited'} (not cached; out of host memory?)") from e

@@ -174,8 +174,9 @@ def _host_section(res: dict) -> list[str]:
     return out
 
 
-def render(results: dict[str, dict], out_path: str, command: str) -> str:
-    """Write ``out_path`` (markdown) and ``<dir>/benchmarks/results/<family>.png``; returns the markdown.
+def render(results: dict[str, dict], out_path: str, command: str, figures_dir: str | None = None) -> str:
+    """Write ``out_path`` (markdown) and ``<figures_dir>/<family>.png`` (default: ``benchmarks/results``
+    beside ``out_path``); returns the markdown.
 
     Raises:
         VersionMismatch: the result files were made with different versions.
@@ -211,6 +212,10 @@ def render(results: dict[str, dict], out_path: str, command: str) -> str:
                       for f, s in items]
         else:
             lines.append("No credible estimate of another implementation beats tpukernels.")
+        missing = [(f, r_) for f, r in model.items() for r_ in r["rows"] if r_["kind"] == "ours" and r_["model_us"] is None]
+        if missing:
+            lines += ["", "No tpukernels figure (so no comparison) for:", ""]
+            lines += [f"* {f}: {r_['op']} {r_['shape']} {r_['chip']}: {r_['error']}" for f, r_ in missing]
         floors = [(f, s) for f, r in model.items() for s in above_floor(r["rows"])]
         if floors:
             lines += ["", "Above another implementation's **floor** (a lower bound, so not evidence that it is faster):", "",
@@ -226,7 +231,8 @@ def render(results: dict[str, dict], out_path: str, command: str) -> str:
         if doc:
             lines += [re.sub(r":\w+:`", "`", doc), ""]
         lines += _table(res["rows"]) + [""]
-        png = plot(fam, res["rows"], os.path.join(base, "benchmarks", "results", f"{fam}.png"))
+        png = plot(fam, res["rows"], os.path.join(figures_dir or os.path.join(base, "benchmarks", "results"),
+                                                  f"{fam}.png"))
         if png:
             lines += [f"![{fam}]({os.path.relpath(png, base)})", ""]
         flagged = [r for r in res["rows"] if r["flags"] or r["error"]]
