@@ -12,7 +12,8 @@ Shapes: :data:`tpukernels.library.attention.STANDARD_CASES`: ``B=1, Hq=32, Hkv=8
 * ``jax flash_attention``: ``jax.experimental.pallas.ops.tpu.flash_attention`` at blocks
   ``block_q=1024, block_k_major=1024, block_k=512`` (the best of a sweep on v5e/v6e,
   ``benchmarks/attention.py --sweep jax``; its default 128 blocks are 10-17x slower). It has no GQA: it
-  gets K/V repeated to 32 heads, as a user would pass them.
+  gets K/V already repeated to 32 heads (the repeat, and its reduction in the backward, are not counted:
+  in its favour; with the repeat inside the program libtpu's profiler aborts on its S=8192 backward).
 * ``jax splash_attention``: ``jax.experimental.pallas.ops.tpu.splash_attention`` (GQA through its MQA
   kernel, vmapped over the 8 KV heads; fused backward), blocks ``block_q=block_kv=1024,
   block_kv_compute=512``, causal mask.
@@ -23,9 +24,9 @@ JAX's kernels are ``estimate(vjp) - estimate(forward)``.
 
 Credibility probe: each kernel is also estimated **without** the causal mask, where its work is known
 exactly (``4 * Hq * S^2 * D`` FLOPs forward). libtpu 0.0.52 estimates splash attention below that
-variant's MXU roofline (and equal with and without the mask): its cost model misses most of splash's
-work (its grid walks blocks through scalar-prefetched mask tables), so splash's figures are flagged as
-not credible and not used in comparisons.
+variant's MXU roofline (v6e, S=4096: the same cycles with and without the mask): its cost model misses
+most of splash's work (likely because splash's grid steps are driven by scalar-prefetched mask tables),
+so splash's figures are flagged as not credible and not used in comparisons.
 """
 
 from __future__ import annotations
@@ -103,8 +104,7 @@ def _programs(S: int, hq: int, hkv: int):
                         block_k_dq=bk, block_q_dq=bq)
 
     def flash(causal):
-        def fwd(q, k, v):
-            k, v = (jnp.repeat(t, g, axis=1) for t in (k, v))  # no GQA: K/V repeated, as a user would
+        def fwd(q, k, v):  # k, v: [B, Hq, S, D] (no GQA: K/V come already repeated to the query heads)
             return jfa.flash_attention(q, k, v, causal=causal, sm_scale=D ** -0.5, block_sizes=bs)
         return fwd
 
@@ -132,7 +132,7 @@ def _programs(S: int, hq: int, hkv: int):
     return {
         "xla_fwd": [(J(probs), [q, kv]), (J(pv), [p_, kv])],
         "xla_fwd_bwd": [(J(xla_fwd_bwd), [q, kv, kv, q])],
-        "flash": {c: ((J(flash(c)), [q, kv, kv]), (J(vjp_of(flash(c))), [q, kv, kv, q])) for c in (True, False)},
+        "flash": {c: ((J(flash(c)), [q, q, q]), (J(vjp_of(flash(c))), [q, q, q, q])) for c in (True, False)},
         "splash": {c: ((J(splash(c)), [q, kv, kv]), (J(vjp_of(splash(c))), [q, kv, kv, q])) for c in (True, False)},
         "di": (J(di), [q, q]),
     }
@@ -193,7 +193,7 @@ def _cases_at(S: int, chips) -> list[Case]:
                 Impl("xla", "xla", xla_cycles, config="XLA fusion",
                      floor_us=lambda chip, S=S, backward=backward: xla_floor_us(chip, S, backward)),
                 Impl("jax flash_attention", "public", jax_cycles("flash", True), probe=jax_probe("flash"),
-                     config="block_q={},block_k_major={},block_k={} (K/V repeated to {} heads)".format(
+                     config="block_q={},block_k_major={},block_k={} (K/V given repeated to {} heads)".format(
                          *(min(b, S) for b in JAX_BLOCKS), HQ)),
                 Impl("jax splash_attention", "public", jax_cycles("splash", True), probe=jax_probe("splash"),
                      config="block_q={},block_kv={},block_kv_compute={} (MQA kernel per KV head{})".format(

@@ -74,6 +74,15 @@ def above_floor(rows: list[dict]) -> list[dict]:
     return out
 
 
+def _short(error: str) -> str:
+    """An estimate error cut to its cause: the libtpu source location of an abort, else the first 160 chars."""
+    import re as _re
+
+    m = _re.search(r"([\w/]+\.cc:\d+)", error)
+    head = error.split(":", 1)[0]
+    return f"{head}: libtpu aborted ({m.group(1).rsplit('/', 1)[-1]})" if m else error[:160]
+
+
 def diagnosis(item: dict) -> str:
     o, t = item["ours"], item["other"]
     auto = (f"model: tpukernels {_us(o['model_us'])} µs ({o['bound']}-bound, {o['pct_roofline']:.0f}% of roofline) vs "
@@ -104,10 +113,10 @@ def plot(family: str, rows: list[dict], path: str) -> str | None:
 
     cases = _cases(rows)
     others = [i for i in _impls(rows) if i != "tpukernels"]
-    labels = [f"{op}\n{shape}\n{chip}" for (op, shape, chip), _ in cases]
+    labels = [f"{op} | {shape} | {chip}" for (op, shape, chip), _ in cases]
     if not cases or not others:
         return None
-    fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(cases)), 5))
+    fig, ax = plt.subplots(figsize=(max(8.0, min(18.0, 0.45 * len(cases))), 7))
     width = 0.8 / len(others)
     for j, name in enumerate(others):
         xs, ys, hatch = [], [], []
@@ -132,7 +141,7 @@ def plot(family: str, rows: list[dict], path: str) -> str | None:
     ax.set_yticks(ticks, [f"{t:g}×" for t in ticks])
     ax.minorticks_off()
     ax.set_xticks(range(len(cases)))
-    ax.set_xticklabels(labels, fontsize=6)
+    ax.set_xticklabels(labels, fontsize=7, rotation=90)
     ax.set_ylabel("their model time / tpukernels' (> 1: tpukernels faster)")
     ax.set_title(f"{family}: model estimates (libtpu static estimate + roofline); hatched = floor (lower bound)",
                  fontsize=9)
@@ -215,7 +224,8 @@ def render(results: dict[str, dict], out_path: str, command: str, figures_dir: s
         missing = [(f, r_) for f, r in model.items() for r_ in r["rows"] if r_["kind"] == "ours" and r_["model_us"] is None]
         if missing:
             lines += ["", "No tpukernels figure (so no comparison) for:", ""]
-            lines += [f"* {f}: {r_['op']} {r_['shape']} {r_['chip']}: {r_['error']}" for f, r_ in missing]
+            lines += [f"* {f}: {r_['op']} {r_['shape']} {r_['chip']}: {_short(r_['error'])}"
+                      + (f". {r_['reason']}" if r_.get("reason") else "") for f, r_ in missing]
         floors = [(f, s) for f, r in model.items() for s in above_floor(r["rows"])]
         if floors:
             lines += ["", "Above another implementation's **floor** (a lower bound, so not evidence that it is faster):", "",
@@ -239,7 +249,7 @@ def render(results: dict[str, dict], out_path: str, command: str, figures_dir: s
         if flagged:
             lines += ["Flags and errors:", ""]
             lines += [f"* {r['op']} {r['shape']} {r['chip']} {r['impl']}: "
-                      + "; ".join(r["flags"] + ([r["error"]] if r["error"] else [])) for r in flagged]
+                      + "; ".join(r["flags"] + ([_short(r["error"])] if r["error"] else [])) for r in flagged]
             lines.append("")
     if "host" in results:
         lines += _host_section(results["host"])
