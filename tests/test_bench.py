@@ -146,7 +146,8 @@ def test_probe_flags_a_cost_model_that_misses_work():
 
 def test_versions_are_never_mixed(tmp_path):
     v = core.versions()
-    assert {"jax", "jaxlib", "libtpu", "torch", "tpukernels"} <= set(v)
+    assert {"jax", "jaxlib", "libtpu", "torch", "tpukernels", "tpukernels_source"} <= set(v)
+    assert len(v["tpukernels_source"]) == 12 and v["tpukernels_source"] == core.source_digest()
     core.save_result(str(tmp_path / "norms.json"), "norms", "model", [])
     core.save_result(str(tmp_path / "matmul.json"), "matmul", "model", [])
     assert set(core.load_results(str(tmp_path), ["norms", "matmul", "attention"])) == {"norms", "matmul"}

@@ -37,8 +37,9 @@ from typing import Any, Callable
 from ..errors import TpuKernelError
 from ..perf import model_time
 
-#: versions that must agree between result files merged into one report
-VERSION_KEYS = ("tpukernels", "jax", "jaxlib", "libtpu", "torch")
+#: versions that must agree between result files merged into one report (``tpukernels_source``: a digest of
+#: the package's code and shipped tuning data, since the package version does not change with every edit)
+VERSION_KEYS = ("tpukernels", "tpukernels_source", "jax", "jaxlib", "libtpu", "torch")
 
 #: a cycle estimate this far below the MXU roofline cannot be right (the roofline is a lower bound)
 CREDIBLE_FRACTION = 0.95
@@ -58,13 +59,32 @@ def versions() -> dict:
 
     out = {}
     for pkg in VERSION_KEYS:
+        if pkg == "tpukernels_source":
+            out[pkg] = source_digest()
+            continue
         try:
             out[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
             out[pkg] = None
     out["python"] = platform.python_version()
+    out["libtpu_init_args"] = os.environ.get("LIBTPU_INIT_ARGS", "")
     out["host"] = _cpu_name()
     return out
+
+
+def source_digest() -> str:
+    """SHA-256 (12 hex digits) of every ``.py`` and ``.json`` file of the installed ``tpukernels`` package."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    h = hashlib.sha256()
+    for d, dirs, files in sorted(os.walk(root)):
+        dirs[:] = sorted(x for x in dirs if x != "__pycache__")
+        for name in sorted(files):
+            if name.endswith((".py", ".json")):
+                path = os.path.join(d, name)
+                h.update(os.path.relpath(path, root).encode())
+                with open(path, "rb") as f:
+                    h.update(f.read())
+    return h.hexdigest()[:12]
 
 
 def _cpu_name() -> str:
@@ -240,7 +260,8 @@ class Estimator:
         plain = [jax.ShapeDtypeStruct(tuple(s.shape), s.dtype) for s in structs]
         exported = jax.export.export(fn, platforms=["tpu"])(*plain)
         blob = exported.serialize()
-        key = f"{self.libtpu}|{chip}|{program_key(exported)}"
+        flags = os.environ.get("LIBTPU_INIT_ARGS", "").strip()  # compiler flags change the estimate
+        key = f"{self.libtpu}|{chip}|{program_key(exported)}" + (f"|{flags}" if flags else "")
         with self._lock:
             hit = self._cache.get(key)
         if hit is not None:
@@ -365,7 +386,8 @@ def run_case(case: Case, est: Estimator, log: Callable[[str], None] = lambda m: 
                 mt = model_time(case.chip, None, case.hbm_bytes, case.flops, case.dtype)
                 row.update(figure="floor", model_us=floor)
         if mt is not None:
-            row.update(cycles_us=mt.cycles_us, roofline_us=mt.roofline_us, bound=mt.bound)
+            row.update(cycles_us=mt.cycles_us, roofline_us=mt.roofline_us,
+                       bound=mt.bound if row["figure"] == "estimate" else "floor")
             if row["figure"] == "estimate":
                 row["model_us"] = mt.time_us
                 # below the HBM roofline is expected (libtpu does not model HBM fully: the max() handles
@@ -386,7 +408,7 @@ def run_case(case: Case, est: Estimator, log: Callable[[str], None] = lambda m: 
                         f"without the mask libtpu estimates {pm.cycles_us:.1f} µs, below that variant's MXU "
                         f"roofline {pm.compute_us:.1f} µs: the cost model misses work in this kernel")
             except (EstimateError, EstimateTimeout, TpuKernelError) as e:
-                row["flags"].append(f"probe failed: {str(e).splitlines()[0][:160]}")
+                row["flags"].append(f"credibility probe failed (estimate unchecked): {str(e).splitlines()[0][:160]}")
         row["seconds"] = round(time.perf_counter() - t0, 1)
         log(f"  {case.chip:6} {case.op:24} {case.shape:18} {impl.name:24} "
             + (f"{row['model_us']:10.1f} µs ({row['figure']})" if row["model_us"] is not None else f"{row['error']}")
@@ -444,8 +466,8 @@ def kernel_program(kernel, chip: str, args, kwargs, config=None):
 
 
 def ours_impl(parts, *, scale: int = 1, extra: Callable | None = None, note: str = "", probe=None) -> Impl:
-    """The tpukernels implementation: the sum of the estimates of ``parts`` times ``scale``, plus
-    ``extra(estimator, chip)`` cycles (e.g. an XLA op the wrapper runs).
+    """The tpukernels implementation: (the sum of the estimates of ``parts`` plus ``extra(estimator, chip)``
+    cycles, e.g. an XLA op the wrapper runs) times ``scale``.
 
     ``parts``: ``[(kernel, args, kwargs)]`` or ``[(kernel, args, kwargs, full_args)]``: with ``full_args``
     the config is the one a call at ``full_args`` gets (tuning DB / heuristic), and the estimate is of
@@ -457,9 +479,11 @@ def ours_impl(parts, *, scale: int = 1, extra: Callable | None = None, note: str
             _, _, cfg, source = kernel_program(kernel, chip, full[0] if full else args, kwargs)
             fn, structs, _, _ = kernel_program(kernel, chip, args, kwargs, cfg)
             total += est.cycles(fn, structs, chip)
-            cfgs.append(dict(cfg, source=source))
+            cfgs.append((kernel.qualname.split("::")[-1], dict(cfg, source=source)))
         total += extra(est, chip) if extra else 0
-        return total * scale, cfgs[0] if len(cfgs) == 1 else cfgs
+        if len(cfgs) == 1:
+            return total * scale, cfgs[0][1]
+        return total * scale, "; ".join(f"{name}: {_fmt_config(c)}" for name, c in cfgs)
 
     return Impl("tpukernels", "ours", cycles, note=note, probe=probe)
 

@@ -105,16 +105,18 @@ def compile_latency() -> list[dict]:
         with tempfile.TemporaryDirectory(prefix="tpk_jaxcache_") as cache:
             env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=cache,
                        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-            times = []
-            for _ in ("cold", "warm"):
+            times, entries = [], 0
+            for run in ("cold", "warm"):
                 proc = subprocess.run([sys.executable, "-c", _CHILD.format(expr=expr)], env=env, capture_output=True,
                                       text=True, timeout=900)
                 if proc.returncode != 0:
                     raise RuntimeError(f"{name}: {proc.stderr[-2000:]}")
                 times.append([float(t) for t in proc.stdout.split()[-3:]])
+                if run == "cold":  # what the warm run can reuse
+                    entries = sum(len(files) for _, _, files in os.walk(cache))
         (imp, cold, again), (_, warm, _) = times
         rows.append({"kernel": name, "call": expr, "import_s": imp, "first_call_cold_s": cold,
-                     "first_call_warm_s": warm, "second_call_s": again})
+                     "first_call_warm_s": warm, "cache_entries": entries, "second_call_s": again})
     return rows
 
 

@@ -159,7 +159,10 @@ def _host_section(res: dict) -> list[str]:
            f"made {res['created']}._", ""]
     d = [r for r in rows if r["what"] == "dispatch"]
     if d:
-        out += ["Dispatch overhead per call (best of 7 means):", "",
+        out += ["Dispatch overhead per call (best of 7 means). *torch op*: the kernel's `TpuKernel` call (binding, "
+                "torch dispatcher, cached plan, DLPack in and out; the public wrappers in `tpukernels.library` add "
+                "their argument checks on top); *jitted JAX*: the same lowered function called on JAX arrays; "
+                "*compiled JAX*: its compiled executable (the floor; jit's C++ fast path can be as fast):", "",
                 "| kernel | shapes | torch op µs | jitted JAX µs | compiled JAX µs | overhead vs jit µs |",
                 "|---|---|---|---|---|---|"]
         out += [f"| {r['kernel']} | {', '.join('x'.join(map(str, s)) for s in r['shapes'])} | "
@@ -168,15 +171,20 @@ def _host_section(res: dict) -> list[str]:
         out.append("")
     c = [r for r in rows if r["what"] == "compile"]
     if c:
-        out += ["First-call latency in a fresh process, seconds (cold: empty JAX persistent cache; warm: "
-                "the cache the cold run wrote; tracing still happens warm):", "",
-                "| kernel | import | first call, cold | first call, warm | second call |", "|---|---|---|---|---|"]
+        out += ["First-call latency in a fresh process, seconds, for the cpu target (tracing + the XLA:CPU compile "
+                "of the interpret-mode kernel, not a TPU compile). Cold: empty JAX persistent cache; warm: a new "
+                "process with the cache the cold run wrote (entries counted); tracing still happens warm:", "",
+                "| kernel | import | first call, cold | first call, warm | cache entries | second call |",
+                "|---|---|---|---|---|---|"]
         out += [f"| {r['kernel']} | {r['import_s']:.2f} | {r['first_call_cold_s']:.2f} | {r['first_call_warm_s']:.2f} | "
-                f"{r['second_call_s']:.4f} |" for r in c]
+                f"{r.get('cache_entries', '?')} | {r['second_call_s']:.4f} |" for r in c]
         out.append("")
     rc = [r for r in rows if r["what"] == "recompiles"]
     if rc:
-        out += [f"`torch.compile(dynamic=True)` over lengths {rc[0]['lengths']}:", "",
+        out += [f"`torch.compile(dynamic=True)` over {len(rc[0]['lengths'])} lengths {rc[0]['lengths']}: dynamo "
+                "frames (1 = one graph for all lengths, no recompiles) and tpukernels lowerings (one per distinct "
+                "kernel signature: `rms_norm` buckets rows, 4 buckets per power of two; `flash_attention` "
+                "specialises on the sequence lengths, so one per length):", "",
                 "| kernel | varying | dynamo frames | tpukernels lowerings |", "|---|---|---|---|"]
         out += [f"| {r['kernel']} | {r['varying']} | {r['dynamo_frames']} | {r['kernel_lowerings']} |" for r in rc]
         out.append("")
@@ -204,7 +212,8 @@ def render(results: dict[str, dict], out_path: str, command: str, figures_dir: s
              "they differ only in their cycle estimate. A model, not a measurement: libtpu's estimate does not "
              "model HBM contention, and it can miss work (see †).",
              "* `(N×)` = that implementation's model time / tpukernels': above 1, tpukernels is faster.",
-             "* `% roofline` = roofline time / tpukernels' model time.",
+             "* `% roofline` = roofline time / tpukernels' model time. Chip figures are per TensorCore (jax's "
+             "`tpu_info`); every kernel here runs on one core.",
              "* `≥ x (floor)`: libtpu could not estimate the program (its static profiler aborts); x is a lower "
              "bound on that implementation's time, not an estimate.",
              "* `†`: not credible: the estimate falls below the MXU roofline of work the kernel must do "
@@ -226,6 +235,13 @@ def render(results: dict[str, dict], out_path: str, command: str, figures_dir: s
             lines += ["", "No tpukernels figure (so no comparison) for:", ""]
             lines += [f"* {f}: {r_['op']} {r_['shape']} {r_['chip']}: {_short(r_['error'])}"
                       + (f". {r_['reason']}" if r_.get("reason") else "") for f, r_ in missing]
+        alone = [(f, op, shape, chip) for f, r in model.items() for (op, shape, chip), by in _cases(r["rows"])
+                 if by.get("tpukernels", {}).get("model_us") is not None
+                 and not any(x["figure"] == "estimate" and x["credible"] is not False and x is not by["tpukernels"]
+                             for x in by.values())]
+        if alone:
+            lines += ["", "No credible estimate of another implementation to compare with (only floors, n/a or †):", ""]
+            lines += [f"* {f}: {op} {shape} {chip}" for f, op, shape, chip in alone]
         floors = [(f, s) for f, r in model.items() for s in above_floor(r["rows"])]
         if floors:
             lines += ["", "Above another implementation's **floor** (a lower bound, so not evidence that it is faster):", "",
