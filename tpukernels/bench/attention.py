@@ -5,10 +5,11 @@ Shapes: :data:`tpukernels.library.attention.STANDARD_CASES`: ``B=1, Hq=32, Hkv=8
 
 * ``tpukernels``: ``fa_forward`` (forward), ``fa_backward_dq`` + ``fa_backward_dkv`` + the
   ``rowsum(dO * O)`` XLA op the wrapper runs (backward), at the config a call gets on the chip.
-* ``xla``: ``softmax(Q K^T * scale + causal mask) V`` in ``jax.numpy`` (query heads grouped for GQA).
-  libtpu 0.0.52's static profiler aborts on XLA's attention programs at these lengths
-  (``llo_execution_graph.cc``); the figure is then a **floor** (:func:`xla_floor_us`): a lower bound on
-  XLA's time, not an estimate.
+* ``xla``: ``softmax(Q K^T * scale + causal mask) V`` in ``jax.numpy`` (query heads grouped for GQA),
+  estimated as two programs (the masked softmax writing P in bf16, then ``P V``; the single program aborts
+  libtpu's profiler; XLA materialises P in HBM at these lengths either way). libtpu 0.0.52's profiler also
+  aborts on these programs at S >= 4096 (``llo_execution_graph.cc``); the figure is then a **floor**
+  (:func:`xla_floor_us`): a lower bound on XLA's time, not an estimate.
 * ``jax flash_attention``: ``jax.experimental.pallas.ops.tpu.flash_attention`` at blocks
   ``block_q=1024, block_k_major=1024, block_k=512`` (the best of a sweep on v5e/v6e,
   ``benchmarks/attention.py --sweep jax``; its default 128 blocks are 10-17x slower). It has no GQA: it
@@ -18,9 +19,15 @@ Shapes: :data:`tpukernels.library.attention.STANDARD_CASES`: ``B=1, Hq=32, Hkv=8
   kernel, vmapped over the 8 KV heads; fused backward), blocks ``block_q=block_kv=1024,
   block_kv_compute=512``, causal mask.
 
+tokamax (0.0.12, the newest release that installs beside jax 0.10.2) is not a separate column: its TPU
+attention wraps this same splash kernel (``tokamax/_src/ops/attention/pallas_mosaic_tpu.py``) and registers
+only when the default JAX backend is a TPU.
+
 Every implementation is estimated at 1/8 of the heads (Hq=4, Hkv=1, same group size) and scaled by 8:
 the estimate is linear in the head count (``benchmarks/attention.py --check-scaling``). Backward figures of
-JAX's kernels are ``estimate(vjp) - estimate(forward)``.
+JAX's kernels are ``estimate(vjp) - estimate(forward)``; the vjp's forward also saves its residuals
+(``l``, ``m`` / logsumexp), which this charges to JAX's backward (against it, by little: 2 x Hq x S f32
+values beside the S^2 work).
 
 Credibility probe: each kernel is also estimated **without** the causal mask, where its work is known
 exactly (``4 * Hq * S^2 * D`` FLOPs forward). libtpu 0.0.52 estimates splash attention below that
@@ -43,9 +50,9 @@ SPLASH_BLOCKS = (1024, 1024, 512)  # block_q, block_kv, block_kv_compute
 REASONS = {
     ("v5e", "bwd"): "libtpu 0.0.52's static profiler aborts (signal 6) on the dK/dV kernel for v5e, so there is no "
     "figure; the kernel itself compiles for v5e (tests/test_attention.py compile-only tests)",
-    ("tpu7x", "bwd"): "XLA's own figure is unavailable (libtpu's profiler aborts on it); the floor is a lower "
-    "bound XLA cannot reach (it assumes XLA at the MXU roofline while also moving the S x S probabilities), "
-    "so being above it does not show XLA is faster",
+    ("tpu7x", "bwd"): "XLA's own figure is unavailable (libtpu's profiler aborts on it); the floor is the larger "
+    "of XLA's MXU time for every score (no causal skipping) and its HBM time including one write and read of the "
+    "S x S probabilities, a bound no real schedule reaches, so being 2.5% above it does not show XLA is faster",
 }
 
 
