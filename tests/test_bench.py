@@ -56,30 +56,32 @@ def test_estimate_cache_keyed_by_program(tmp_path):
     assert len(data) == 3 and all(k.startswith(f"{est.libtpu}|") for k in data)
 
 
-def test_libtpu_abort_is_cached_but_a_killed_server_is_not(tmp_path):
+_KILLED = RuntimeError("estimate server exited: ")
+
+
+@pytest.mark.parametrize("error, match, calls", [
+    # libtpu check failure / abort: deterministic, cached (one call for two estimates)
+    (RuntimeError("estimate server exited: platforms/xla/llo_execution_graph.cc:146 | check failed"),
+     "llo_execution_graph", 1),
+    (RuntimeError("estimate server exited:  | === Source Location Tra | RAW: Raising signal 6 with default"),
+     "signal 6", 1),
+    # killed from outside (out of memory): retried once in a fresh server, never cached
+    (_KILLED, "not cached", 4),
+])
+def test_libtpu_abort_is_cached_but_a_killed_server_is_not(tmp_path, error, match, calls):
     fn, st = _prog()
-    abort = RuntimeError("estimate server exited: platforms/xla/llo_execution_graph.cc:146 | check failed")
-    est, fake = _est(tmp_path, lambda b, c: abort)
+    est, fake = _est(tmp_path, lambda b, c: error)
     for _ in range(2):
-        with pytest.raises(EstimateError, match="llo_execution_graph"):
+        with pytest.raises(EstimateError, match=match):
             est.cycles(fn, st, "v5e")
-    assert fake.calls == 1
-    abort6 = RuntimeError("estimate server exited:  | === Source Location Tra | RAW: Raising signal 6 with default")
-    est, fake = _est(tmp_path, lambda b, c: abort6, name="abort6.json")
-    for _ in range(2):
-        with pytest.raises(EstimateError, match="signal 6"):
-            est.cycles(fn, st, "v5e")
-    assert fake.calls == 1
-    killed = RuntimeError("estimate server exited: ")
-    est, fake = _est(tmp_path, lambda b, c: killed, name="other.json")
-    for _ in range(2):
-        with pytest.raises(EstimateError, match="not cached"):
-            est.cycles(fn, st, "v5e")
-    assert fake.calls == 4  # each call retried once in a fresh server, then not cached
-    assert not os.path.exists(tmp_path / "other.json")
-    # a server killed once (out of memory) is retried, and the second answer is cached
-    answers = iter([killed, 42])
-    est, fake = _est(tmp_path, lambda b, c: next(answers), name="retry.json")
+    assert fake.calls == calls
+    assert os.path.exists(tmp_path / "est.json") == (calls == 1)
+
+
+def test_a_killed_server_is_retried_and_the_answer_cached(tmp_path):
+    fn, st = _prog()
+    answers = iter([_KILLED, 42])
+    est, fake = _est(tmp_path, lambda b, c: next(answers))
     assert est.cycles(fn, st, "v5e") == 42 and est.cycles(fn, st, "v5e") == 42 and fake.calls == 2
 
 

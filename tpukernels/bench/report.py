@@ -297,7 +297,13 @@ def summary(results: dict[str, dict], command: str) -> str:
             kind = "vs its floor" if figure == "floor" else "vs"
             parts.append(f"{kind} {name} {min(v):.2f}–{max(v):.2f}× ({sum(x >= 1 - TIE for x in v)}/{len(v)} cases "
                          "at least as fast)")
-        out.append(f"* {fam} (model): " + "; ".join(parts) + ".")
+        lonely = sum(1 for _, by in _cases(res["rows"]) if by.get("tpukernels", {}).get("model_us") is not None
+                     and not any(x["figure"] == "estimate" and x["credible"] is not False and x is not by["tpukernels"]
+                                 for x in by.values()))
+        missing = sum(1 for r in res["rows"] if r["kind"] == "ours" and r["model_us"] is None)
+        gaps = ([f"{lonely} cases with no credible estimate of another implementation"] if lonely else []) + \
+            ([f"{missing} cases with no tpukernels figure"] if missing else [])
+        out.append(f"* {fam} (model): " + "; ".join(parts) + (f" ({'; '.join(gaps)})" if gaps else "") + ".")
     return "\n".join(out)
 
 
