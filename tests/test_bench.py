@@ -162,7 +162,7 @@ def test_versions_are_never_mixed(tmp_path):
 
 def _row(op, chip, impl, kind, us, ours_us, figure="estimate", credible=True, reason=None):
     return {"family": "f", "op": op, "shape": "s", "chip": chip, "impl": impl, "kind": kind, "config": "c",
-            "note": "", "flags": [] if credible else ["below"], "error": None, "cycles": 1, "model_us": us,
+            "flags": [] if credible else ["below"], "error": None, "cycles": 1, "model_us": us,
             "cycles_us": us, "figure": figure, "credible": credible, "roofline_us": 10.0, "bound": "cycles",
             "pct_roofline": 1000.0 / us, "ours_speedup": None if kind == "ours" else us / ours_us, "reason": reason}
 

@@ -31,6 +31,14 @@ def family_module(name: str):
     return importlib.import_module(f"{__name__}.{name}")
 
 
+def attach_reasons(name: str, rows: list[dict]) -> list[dict]:
+    """Set each tpukernels row's ``reason`` from the family module's current ``reason()`` (in place)."""
+    mod = family_module(name)
+    for r in rows:
+        r["reason"] = mod.reason(r) if r["kind"] == "ours" else None
+    return rows
+
+
 def model_kind() -> str:
     from ..autotune.db import versions
 
@@ -57,9 +65,7 @@ def run_family(name: str, chips, results_dir: str, *, jobs: int = 1, cache_path:
     log(f"== {name}: {len(cases)} cases x {len(cases[0].impls) if cases else 0} implementations on {', '.join(chips)}")
     with cf.ThreadPoolExecutor(max(1, jobs)) as ex:
         per_case = list(ex.map(lambda c: run_case(c, est, log), cases))
-    rows = [r for rs in per_case for r in rs]
-    for r in rows:
-        r["reason"] = mod.reason(r) if r["kind"] == "ours" else None
+    rows = attach_reasons(name, [r for rs in per_case for r in rs])
     extra = {"chips": list(chips), "seconds": round(time.perf_counter() - t0),
              "cache": {"hits": est.hits, "misses": est.misses}, "doc": (mod.__doc__ or "").strip()}
     return save_result(path, name, model_kind(), rows, extra)

@@ -46,7 +46,7 @@ def _families(text: str) -> list[str]:
 
 def cmd_bench(args) -> int:
     from ..chips import get_chip
-    from . import FAMILIES, family_module, run_family
+    from . import FAMILIES, attach_reasons, run_family
     from .core import check_versions, load_results, versions
     from .report import combined_json, render, summary, update_readme
 
@@ -67,9 +67,7 @@ def cmd_bench(args) -> int:
         raise ArgumentError(f"--results-dir {args.results_dir}: no results to report (run without --report-only)")
     for fam, res in results.items():  # reasons come from the current code (a --report-only after an edit)
         if fam != "host":
-            mod = family_module(fam)
-            for r in res["rows"]:
-                r["reason"] = mod.reason(r) if r["kind"] == "ours" else None
+            attach_reasons(fam, res["rows"])
     used = list(dict.fromkeys(c for r in results.values() for c in r.get("chips", []))) or chips
     command = "tpukernels bench --chips " + ",".join(used)
     render(results, args.out, command, figures_dir=args.results_dir)

@@ -259,7 +259,6 @@ class Estimator:
         chip = get_chip(chip).name
         plain = [jax.ShapeDtypeStruct(tuple(s.shape), s.dtype) for s in structs]
         exported = jax.export.export(fn, platforms=["tpu"])(*plain)
-        blob = exported.serialize()
         flags = os.environ.get("LIBTPU_INIT_ARGS", "").strip()  # compiler flags change the estimate
         key = f"{self.libtpu}|{chip}|{program_key(exported)}" + (f"|{flags}" if flags else "")
         with self._lock:
@@ -270,6 +269,7 @@ class Estimator:
                 raise EstimateError(hit["error"])
             return int(hit["cycles"])
         self.misses += 1
+        blob = exported.serialize()
         t0 = time.perf_counter()
         for attempt in (1, 2):
             try:
@@ -318,7 +318,6 @@ class Impl:
         probe: ``fn(estimator, chip) -> (cycles, flops)`` of a variant whose work is known exactly (e.g.
             attention without the causal mask); an estimate below that variant's MXU roofline shows that
             libtpu's cost model misses work in this kernel, and the row is flagged.
-        note: shown in the report beside the figure.
     """
 
     name: str
@@ -327,7 +326,6 @@ class Impl:
     config: Any = None
     floor_us: Callable[[str], float] | None = None
     probe: Callable[[Estimator, str], tuple[int, int]] | None = None
-    note: str = ""
 
 
 @dataclasses.dataclass
@@ -369,7 +367,7 @@ def run_case(case: Case, est: Estimator, log: Callable[[str], None] = lambda m: 
     for impl in case.impls:
         t0 = time.perf_counter()
         row = {"family": case.family, "op": case.op, "shape": case.shape, "chip": case.chip, "impl": impl.name,
-               "kind": impl.kind, "config": _fmt_config(impl.config), "note": impl.note, "flags": [],
+               "kind": impl.kind, "config": _fmt_config(impl.config), "flags": [],
                "error": None, "cycles": None, "model_us": None, "cycles_us": None, "figure": None,
                "credible": None, "hbm_bytes": case.hbm_bytes, "flops": case.flops}
         mt = None
@@ -465,7 +463,7 @@ def kernel_program(kernel, chip: str, args, kwargs, config=None):
     return low.fn, list(low.arg_structs), dict(low.config), low.resolved.source
 
 
-def ours_impl(parts, *, scale: int = 1, extra: Callable | None = None, note: str = "", probe=None) -> Impl:
+def ours_impl(parts, *, scale: int = 1, extra: Callable | None = None, probe=None) -> Impl:
     """The tpukernels implementation: (the sum of the estimates of ``parts`` plus ``extra(estimator, chip)``
     cycles, e.g. an XLA op the wrapper runs) times ``scale``.
 
@@ -476,8 +474,9 @@ def ours_impl(parts, *, scale: int = 1, extra: Callable | None = None, note: str
     def cycles(est: Estimator, chip: str):
         total, cfgs = 0, []
         for kernel, args, kwargs, *full in parts:
-            _, _, cfg, source = kernel_program(kernel, chip, full[0] if full else args, kwargs)
-            fn, structs, _, _ = kernel_program(kernel, chip, args, kwargs, cfg)
+            fn, structs, cfg, source = kernel_program(kernel, chip, full[0] if full else args, kwargs)
+            if full:  # the reduced problem at the full problem's config
+                fn, structs, _, _ = kernel_program(kernel, chip, args, kwargs, cfg)
             total += est.cycles(fn, structs, chip)
             cfgs.append((kernel.qualname.split("::")[-1], dict(cfg, source=source)))
         total += extra(est, chip) if extra else 0
@@ -485,10 +484,10 @@ def ours_impl(parts, *, scale: int = 1, extra: Callable | None = None, note: str
             return total * scale, cfgs[0][1]
         return total * scale, "; ".join(f"{name}: {_fmt_config(c)}" for name, c in cfgs)
 
-    return Impl("tpukernels", "ours", cycles, note=note, probe=probe)
+    return Impl("tpukernels", "ours", cycles, probe=probe)
 
 
-def xla_impl(fn, structs, *, name: str = "xla", scale: int = 1, floor_us=None, note: str = "") -> Impl:
+def xla_impl(fn, structs, *, name: str = "xla", scale: int = 1, floor_us=None) -> Impl:
     """XLA's own compilation of ``fn`` (jnp code, fused by XLA) at ``structs``."""
     return Impl(name, "xla", lambda est, chip: (est.cycles(fn, structs, chip) * scale, None),
-                config="XLA fusion", floor_us=floor_us, note=note)
+                config="XLA fusion", floor_us=floor_us)

@@ -76,11 +76,16 @@ def above_floor(rows: list[dict]) -> list[dict]:
 
 def _short(error: str) -> str:
     """An estimate error cut to its cause: the libtpu source location of an abort, else the first 160 chars."""
-    import re as _re
-
-    m = _re.search(r"([\w/]+\.cc:\d+)", error)
+    m = re.search(r"([\w/]+\.cc:\d+)", error)
     head = error.split(":", 1)[0]
     return f"{head}: libtpu aborted ({m.group(1).rsplit('/', 1)[-1]})" if m else error[:160]
+
+
+def uncompared(rows: list[dict]) -> list[tuple]:
+    """``(op, shape, chip)`` of cases with a tpukernels figure but no credible estimate of another implementation."""
+    return [case for case, by in _cases(rows) if by.get("tpukernels", {}).get("model_us") is not None
+            and not any(x["figure"] == "estimate" and x["credible"] is not False and x is not by["tpukernels"]
+                        for x in by.values())]
 
 
 def diagnosis(item: dict) -> str:
@@ -235,10 +240,7 @@ def render(results: dict[str, dict], out_path: str, command: str, figures_dir: s
             lines += ["", "No tpukernels figure (so no comparison) for:", ""]
             lines += [f"* {f}: {r_['op']} {r_['shape']} {r_['chip']}: {_short(r_['error'])}"
                       + (f". {r_['reason']}" if r_.get("reason") else "") for f, r_ in missing]
-        alone = [(f, op, shape, chip) for f, r in model.items() for (op, shape, chip), by in _cases(r["rows"])
-                 if by.get("tpukernels", {}).get("model_us") is not None
-                 and not any(x["figure"] == "estimate" and x["credible"] is not False and x is not by["tpukernels"]
-                             for x in by.values())]
+        alone = [(f, op, shape, chip) for f, r in model.items() for op, shape, chip in uncompared(r["rows"])]
         if alone:
             lines += ["", "No credible estimate of another implementation to compare with (only floors, n/a or †):", ""]
             lines += [f"* {f}: {op} {shape} {chip}" for f, op, shape, chip in alone]
@@ -297,9 +299,7 @@ def summary(results: dict[str, dict], command: str) -> str:
             kind = "vs its floor" if figure == "floor" else "vs"
             parts.append(f"{kind} {name} {min(v):.2f}–{max(v):.2f}× ({sum(x >= 1 - TIE for x in v)}/{len(v)} cases "
                          "at least as fast)")
-        lonely = sum(1 for _, by in _cases(res["rows"]) if by.get("tpukernels", {}).get("model_us") is not None
-                     and not any(x["figure"] == "estimate" and x["credible"] is not False and x is not by["tpukernels"]
-                                 for x in by.values()))
+        lonely = len(uncompared(res["rows"]))
         missing = sum(1 for r in res["rows"] if r["kind"] == "ours" and r["model_us"] is None)
         gaps = ([f"{lonely} cases with no credible estimate of another implementation"] if lonely else []) + \
             ([f"{missing} cases with no tpukernels figure"] if missing else [])
