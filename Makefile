@@ -17,12 +17,18 @@ $(STAMP): pyproject.toml constraints.txt
 	@rm -f $(VENV)/.installed-*
 	@touch $(STAMP)
 
+# torch-tpu's wheel (TPU hosts only): tests load its pure-Python pallas.py with the native modules stubbed.
+TORCH_TPU_WHEEL := $(VENV)/torch_tpu_wheel/.torch-tpu-0.2.0
+$(TORCH_TPU_WHEEL): $(STAMP)
+	$(PY) -m pip download -q --no-deps torch-tpu==0.2.0 -d $(VENV)/torch_tpu_wheel
+	@touch $@
+
 install: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/tpukernels demo
 
-test: $(STAMP)
+test: $(STAMP) $(TORCH_TPU_WHEEL)
 	$(PY) -m pytest -n 2 -q
 
 # Every library kernel vs XLA and public Pallas kernels (libtpu model) + host costs -> BENCHMARKS.md

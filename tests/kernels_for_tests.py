@@ -130,3 +130,16 @@ def copy_rows(x: torch.Tensor, *, br: int) -> torch.Tensor:
     """Row-block copy used to exercise the block-rule and VMEM checks."""
     spec = pl.BlockSpec((br, x.shape[1]), lambda i: (i, 0))
     return tk.Launch(grid=(tk.cdiv(x.shape[0], br),), in_specs=[spec], out_specs=spec, out_shape=tk.like(x))
+
+
+# --- an in-place style kernel: output 0 aliases input 0 (input_output_aliases) ------------------------
+def _accum_body(acc_ref, x_ref, o_ref):
+    o_ref[...] = acc_ref[...] + x_ref[...]
+
+
+@tk.tpu_kernel(_accum_body, namespace="tktest")
+def accumulate(acc: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """acc + x, written into acc's buffer on TPU (``input_output_aliases={0: 0}``); functional as an op."""
+    spec = pl.BlockSpec(tuple(acc.shape), lambda: (0,) * acc.ndim)
+    return tk.Launch(grid=(), in_specs=[spec, spec], out_specs=spec, out_shape=tk.like(acc),
+                     input_output_aliases={0: 0})

@@ -1,35 +1,48 @@
-"""Contract test of the tpu target against a fake of the torch_tpu entry point it uses.
+"""The tpu target against torch_tpu: a fake that follows the real ``JaxCallable``, and the real one.
 
-No TPU exists here. The fake ``torch_tpu._internal.pallas.pallas.JaxCallable`` records what tpukernels
-hands it and returns tensors shaped by ``jax.eval_shape`` of the function (what the real one returns).
+No TPU exists here. ``FakeJaxCallable`` has the real class's constructor, its deprecation path, tuple
+returns and donation (donated inputs are poisoned with NaN, as a donated device buffer is no longer the
+caller's). ``real_torch_tpu`` loads torch-tpu 0.2.0's ``pallas.py`` from the wheel unmodified, with only
+its native modules stubbed (see tests/real_torch_tpu.py); ``make test`` downloads the wheel.
 """
 
 import sys
 import types
+import warnings
 
 import jax
 import pytest
 import torch
 
+import real_torch_tpu
 import tpukernels as tk
-from kernels_for_tests import add_mul, load_example, scale
+from kernels_for_tests import accumulate, add_mul, load_example, scale
 
 
 class FakeJaxCallable:
+    """Follows torch_tpu 0.2.0 ``JaxCallable``: same keywords, warning, donation and return structure."""
+
     instances: list = []
 
-    def __init__(self, *, name, jit_fn, trace_key, input_output_aliases=None, mesh=None, input_partition_specs=None):
+    def __init__(self, name, jit_fn, trace_key, mesh=None, input_partition_specs=None, output_partition_specs=None,
+                 static_argnums=(), donate_argnums=None, input_output_aliases=None, static_argnames=()):
         self.name, self.jit_fn, self.trace_key = name, jit_fn, trace_key
-        self.input_output_aliases = input_output_aliases
+        if input_output_aliases is not None:
+            warnings.warn("input_output_aliases is deprecated and will be removed soon. Please use donate_argnums "
+                          "instead.", DeprecationWarning, stacklevel=2)
+            donate_argnums = list(input_output_aliases)
+        self.donate_argnums = list(donate_argnums or [])
         self.calls = []
         FakeJaxCallable.instances.append(self)
 
     def __call__(self, *tensors):
         self.calls.append(tensors)
         structs = [jax.ShapeDtypeStruct(tuple(t.shape), _jax_dtype(t.dtype)) for t in tensors]
-        outs = jax.eval_shape(self.jit_fn, *structs)
+        outs, tree = jax.tree_util.tree_flatten(jax.eval_shape(self.jit_fn, *structs))
         res = [torch.full(o.shape, 7.0, dtype=_torch_dtype(o.dtype)) for o in outs]
-        return res if len(res) > 1 else res[0]
+        for i in self.donate_argnums:
+            tensors[i].fill_(float("nan"))  # a donated buffer now holds the output / garbage
+        return tree.unflatten(res)
 
 
 def _jax_dtype(d):
@@ -44,6 +57,11 @@ def _torch_dtype(d):
     return to_torch_dtype(d)
 
 
+def _clear_plans(*kernels):
+    for k in kernels:
+        k._plans.clear()
+
+
 @pytest.fixture
 def fake_torch_tpu(monkeypatch):
     FakeJaxCallable.instances = []
@@ -52,18 +70,33 @@ def fake_torch_tpu(monkeypatch):
     for name in ("torch_tpu", "torch_tpu._internal", "torch_tpu._internal.pallas"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, "torch_tpu._internal.pallas.pallas", pallas)
-    return FakeJaxCallable
+    yield FakeJaxCallable
+    _clear_plans(scale, add_mul, accumulate)
+
+
+@pytest.fixture
+def real_torch_tpu_pallas(monkeypatch):
+    """torch-tpu's own pallas.py; the registry stub checks tensor counts against the exported module."""
+    try:
+        pallas, registry = real_torch_tpu.install(monkeypatch)
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    yield pallas, registry
+    _clear_plans(scale, add_mul, accumulate)
 
 
 def test_tpu_target_hands_a_mosaic_jit_fn_to_jaxcallable(fake_torch_tpu):
     from tpukernels.targets.tpu import run_torch_tpu
 
     softmax = load_example("softmax").softmax
+    softmax._plans.clear()
     x = torch.randn(64, 256).t()  # non-contiguous: the adapter must pass a contiguous tensor
-    out = run_torch_tpu(softmax, [x], None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no deprecated torch_tpu path
+        out = run_torch_tpu(softmax, [x], None)
     (inst,) = fake_torch_tpu.instances
     assert inst.name == "softmax" and inst.trace_key.startswith("tpukernels/examples::softmax/")
-    assert inst.input_output_aliases == {}
+    assert inst.donate_argnums == []
     (passed,) = inst.calls[0]
     assert passed.is_contiguous() and passed.shape == (256, 64)
     assert out.shape == (256, 64) and out.dtype == torch.float32
@@ -93,6 +126,22 @@ def test_tpu_target_multiple_outputs_and_optional_inputs(fake_torch_tpu):
     assert len(fake_torch_tpu.instances[0].calls[0]) == 2  # the absent optional tensor is not passed
 
 
+def test_aliased_input_is_copied_then_donated_never_the_callers(fake_torch_tpu):
+    from tpukernels.targets.tpu import run_torch_tpu
+
+    acc, x = torch.randn(8, 128), torch.randn(8, 128)
+    before = acc.clone()
+    run_torch_tpu(accumulate, [acc, x], None)
+    (inst,) = fake_torch_tpu.instances
+    assert inst.donate_argnums == [0]
+    assert inst.calls[0][0].data_ptr() != acc.data_ptr()
+    assert torch.equal(acc, before)  # the op schema says mutates_args=(): the caller's tensor is untouched
+    # cpu agrees: functional, input unchanged
+    out = accumulate(acc, x)
+    torch.testing.assert_close(out, before + x)
+    assert torch.equal(acc, before)
+
+
 def test_missing_torch_tpu_gives_install_hint(monkeypatch):
     from tpukernels.targets.tpu import run_torch_tpu
 
@@ -100,3 +149,80 @@ def test_missing_torch_tpu_gives_install_hint(monkeypatch):
     scale._plans.clear()
     with pytest.raises(tk.BackendUnavailableError, match="torch_tpu"):
         run_torch_tpu(scale, [torch.randn(8, 128), 2.0], None)
+
+
+# --- the real torch_tpu pallas.py --------------------------------------------------------------------
+def test_real_jaxcallable_runs_without_deprecation_and_with_mosaic(real_torch_tpu_pallas):
+    from tpukernels.targets.tpu import run_torch_tpu
+
+    _, registry = real_torch_tpu_pallas
+    registry.runner = lambda name, inputs, outs: [torch.full(o.shape, 3.0, dtype=o.dtype) for o in outs]
+    x = torch.randn(1030, 128)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = run_torch_tpu(scale, [x, 2.0], None)
+        s, p = run_torch_tpu(add_mul, [x[:8].contiguous(), x[:8].contiguous(), None], None)
+    assert out.shape == (1030, 128) and torch.all(out == 3.0)
+    assert s.shape == p.shape == (8, 128) and torch.all(s == 3.0) and torch.all(p == 3.0)
+    assert registry.calls[0]["inputs"][0].shape == (1280, 128) and registry.calls[0]["donate_argnums"] == []
+    (mod,) = [m for (n, _), m in registry.kernels.items() if n == "scale"]
+    from jax._src.interpreters import mlir as jmlir
+    from jax._src.lib import _jax
+
+    with jmlir.make_ir_context():
+        text = jmlir.module_to_string(_jax.mlir.deserialize_portable_artifact(mod))
+    assert "tpu_custom_call" in text
+
+
+def test_real_jaxcallable_empty_grid_keeps_every_parameter(real_torch_tpu_pallas):
+    """matmul with K = 0: nothing runs, yet the exported module must take both tensors."""
+    from tpukernels.targets.tpu import run_torch_tpu
+
+    _, registry = real_torch_tpu_pallas
+    registry.runner = lambda name, inputs, outs: [torch.zeros(o.shape, dtype=o.dtype) for o in outs]
+    mm = load_example("matmul").matmul
+    mm._plans.clear()
+    out = run_torch_tpu(mm, [torch.randn(128, 0), torch.randn(0, 128)], None)
+    assert out.shape == (128, 128) and len(registry.calls[0]["inputs"]) == 2
+
+
+def test_real_jaxcallable_donation_leaves_the_callers_tensor(real_torch_tpu_pallas):
+    from tpukernels.targets.tpu import run_torch_tpu
+
+    _, registry = real_torch_tpu_pallas
+
+    def run(name, inputs, outs):  # a donating runtime: the donated input buffer becomes the output
+        res = inputs[0] + inputs[1]
+        inputs[0].fill_(float("nan"))
+        return [res]
+
+    registry.runner = run
+    acc, x = torch.randn(8, 128), torch.randn(8, 128)
+    before = acc.clone()
+    out = run_torch_tpu(accumulate, [acc, x], None)
+    assert registry.calls[0]["donate_argnums"] == [0]
+    assert torch.equal(acc, before)
+    torch.testing.assert_close(out, before + x)
+
+
+@pytest.mark.parametrize("name", ["softmax", "rms_scale"])
+def test_real_jaxcallable_helion_kernels_without_a_jax_tpu(real_torch_tpu_pallas, name):
+    """jax sees only cpu devices here (as in a TorchTPU process); Helion must still lower for the TPU."""
+    from tpukernels.targets.tpu import run_torch_tpu
+
+    assert jax.devices()[0].platform == "cpu"
+    hk = getattr(load_example("helion_kernels"), name)
+    hk._plans.clear()
+    args = [torch.randn(128, 256)] + ([torch.randn(256), 1e-6] if name == "rms_scale" else [])
+    out = run_torch_tpu(hk, args, None)
+    assert out.shape == (128, 256)
+    hk._plans.clear()
+
+
+def test_live_chip_is_read_like_torch_tpu(real_torch_tpu_pallas, monkeypatch):
+    from tpukernels.targets.tpu import live_chip
+
+    assert live_chip().name == "v6e"  # the stubbed device backend says "TPU v6 lite"
+    monkeypatch.setattr(sys.modules["torch_tpu._internal.device._device_ops_backend"],
+                        "_get_local_device_attributes", lambda: {"device_kind": "TPU7x"})
+    assert live_chip().name == "tpu7x"

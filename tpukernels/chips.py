@@ -56,6 +56,16 @@ class Chip:
         return int(self.info.generation)
 
     @property
+    def device_kind(self) -> str:
+        """A jax ``device_kind`` string of this chip (what ``pltpu.get_tpu_info`` recognizes)."""
+        from jax._src.pallas.mosaic import tpu_info
+
+        for kind, name in _DEVICE_KINDS.items():
+            if name == self.name and getattr(tpu_info.chip_version_from_device_kind(kind), "name", None) == self.chip_version:
+                return kind
+        raise ChipError(f"chip {self.name}: jax {__import__('jax').__version__} knows no device_kind for {self.chip_version}")
+
+    @property
     def has_float64(self) -> bool:
         """No TPU generation has float64 arithmetic in Mosaic kernels."""
         return False
@@ -87,6 +97,7 @@ _DEVICE_KINDS = {
     "TPU v6 lite": "v6e",
     "TPU v6e": "v6e",
     "TPU7x": "tpu7x",
+    "TPU v7": "tpu7x",  # torch_tpu's PCI-scan name (torch_tpu._internal.utils.hardware.TpuVersion)
 }
 
 

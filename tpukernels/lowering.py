@@ -10,6 +10,7 @@ Modes: ``"fast"`` / ``"tpu"`` (cpu interpret modes, see :mod:`tpukernels.dsl.mod
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import logging
 import os
@@ -152,33 +153,55 @@ def build_fn(kernel: TpuKernel, resolved: Resolved, mode: str):
             return tuple(jnp.full(o.shape, f, o.dtype) for o, f in zip(out_structs, fills))
 
         return zeros, out_structs
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=launch.num_scalar_prefetch,
-        grid=tuple(int(g) for g in launch.grid),
-        in_specs=list(launch.in_specs),
-        out_specs=list(launch.out_spec_list) if launch.multiple_outputs else launch.out_spec_list[0],
-        scratch_shapes=list(launch.scratch_shapes),
-    )
     params = pltpu.CompilerParams(
         dimension_semantics=tuple(launch.dimension_semantics) if launch.dimension_semantics else None,
         vmem_limit_bytes=launch.vmem_limit_bytes,
     )
-    call = pl.pallas_call(
-        kernel.body_for(resolved.statics, resolved.config, launch),
-        grid_spec=grid_spec,
-        out_shape=list(out_structs) if launch.multiple_outputs else out_structs[0],
-        compiler_params=params,
-        input_output_aliases=dict(launch.input_output_aliases),
-        interpret=interpret_value(mode),
-        cost_estimate=launch.cost_estimate,
-        name=kernel.name,
-    )
+
+    def make_call(num_scalar_prefetch: int):
+        grid_spec = pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=num_scalar_prefetch,
+            grid=tuple(int(g) for g in launch.grid),
+            in_specs=list(launch.in_specs),
+            out_specs=list(launch.out_spec_list) if launch.multiple_outputs else launch.out_spec_list[0],
+            scratch_shapes=list(launch.scratch_shapes),
+        )
+        return pl.pallas_call(
+            kernel.body_for(resolved.statics, resolved.config, launch),
+            grid_spec=grid_spec,
+            out_shape=list(out_structs) if launch.multiple_outputs else out_structs[0],
+            compiler_params=params,
+            input_output_aliases=dict(launch.input_output_aliases),
+            interpret=interpret_value(mode),
+            cost_estimate=launch.cost_estimate,
+            name=kernel.name,
+        )
+
+    n_pref = launch.num_scalar_prefetch
+    call = make_call(n_pref) if launch.prefetch is None else None
 
     def fn(*arrays):
-        out = call(*arrays)
+        if launch.prefetch is None:
+            out = call(*arrays)
+        else:  # scalar-prefetch operands derived on device (Launch.prefetch), same jitted function
+            scalars = tuple(launch.prefetch(*arrays[:n_pref]))
+            out = make_call(len(scalars))(*scalars, *arrays[n_pref:])
         return tuple(out) if launch.multiple_outputs else (out,)
 
     return fn, out_structs
+
+
+_LAUNCH_CHIP: "contextvars.ContextVar[Chip | None]" = contextvars.ContextVar("tpukernels_launch_chip", default=None)
+
+
+def launch_chip() -> Chip | None:
+    """The chip a launch function is being run for: the compile-only / Mosaic target, or (cpu interpret)
+    ``TPUKERNELS_TARGET_CHIP``; None when unknown (e.g. a cpu run with no target chip set).
+
+    Launch functions call this to make chip-dependent choices or raise a typed error for a feature the
+    chip lacks (e.g. an MXU dtype pair); it is set only while :func:`lower` runs the launch function.
+    """
+    return _LAUNCH_CHIP.get()
 
 
 def resolve(kernel: TpuKernel, specs: tuple, statics: tuple, config: Mapping | None, chip: Chip | None = None) -> Resolved:
@@ -239,13 +262,18 @@ def lower(
         with kernel._lock:
             kernel._entries[key] = low
         return low
-    resolved = resolve(kernel, specs, statics, config, chip if mode == "mosaic" else None)
+    token = _LAUNCH_CHIP.set(chip)
+    try:
+        resolved = resolve(kernel, specs, statics, config, chip if mode == "mosaic" else None)
+    finally:
+        _LAUNCH_CHIP.reset(token)
     vmem = validate(kernel, resolved, chip)
     fn, out_structs = build_fn(kernel, resolved, mode)
     arg_structs = tuple(jax.ShapeDtypeStruct(tuple(int(d) for d in s.shape), s.dtype) for s in specs if s is not None)
     launch = resolved.launch
     low = Lowered(
-        kernel, resolved, mode, jax.jit(fn), arg_structs, out_structs, vmem, grid_is_empty(launch.grid),
+        # keep_unused: every tensor stays a parameter (torch_tpu passes them all, even to an empty grid)
+        kernel, resolved, mode, jax.jit(fn, keep_unused=True), arg_structs, out_structs, vmem, grid_is_empty(launch.grid),
         multiple_outputs=launch.multiple_outputs,
         out_rows=tuple(getattr(o, "rows", True) for o in launch.out_shapes),
         input_output_aliases=dict(launch.input_output_aliases),

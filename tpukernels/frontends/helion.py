@@ -27,6 +27,7 @@ Differences from the Pallas front-end (documented, not hidden):
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -83,8 +84,12 @@ class HelionKernel(TpuKernel):
             self._helion_kernels[key] = hk
         return hk
 
-    def _jax_callable(self, specs, statics, config: Config, mode: str):
+    def _jax_callable(self, specs, statics, config: Config, mode: str, chip=None):
         hk = self.helion_kernel(config, interpret=mode != "mosaic")
+        # Helion's Pallas backend asks jax for the TPU generation while tracing (``pltpu.get_tpu_info``). A
+        # TorchTPU host's JAX sees no TPU (torch_tpu owns it) and compile-only targets are not the default
+        # device, so name the target chip through an abstract mesh, which jax consults first.
+        device_ctx = _target_device_ctx(chip) if mode == "mosaic" else contextlib.nullcontext
         names = [p.name for p in self.params]
         kinds = [p.kind for p in self.params]
         static_vals = dict(statics)
@@ -104,7 +109,8 @@ class HelionKernel(TpuKernel):
                     with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
                         out = hk.jax_fn(*args)
                 else:
-                    out = hk.jax_fn(*args)
+                    with device_ctx():
+                        out = hk.jax_fn(*args)
             except TpuKernelError:
                 raise
             except Exception as e:
@@ -141,7 +147,7 @@ class HelionKernel(TpuKernel):
             if s is not None:
                 check_jax_dtype(s.dtype, f"{self.qualname} argument {s.name!r}")
         cfg, source = self.resolve_config(specs, statics, config, chip)
-        fn = self._jax_callable(specs, statics, cfg, mode)
+        fn = self._jax_callable(specs, statics, cfg, mode, chip)
         arg_structs = tuple(jax.ShapeDtypeStruct(tuple(int(d) for d in s.shape), s.dtype) for s in specs if s is not None)
         try:
             out_structs = tuple(jax.eval_shape(fn, *arg_structs))
@@ -152,7 +158,7 @@ class HelionKernel(TpuKernel):
         multiple = self.returns_tuple
         resolved = Resolved(tuple(specs), tuple(statics), cfg, source, None)
         return Lowered(
-            self, resolved, mode, jax.jit(fn), arg_structs, out_structs, VmemEstimate(0, 0, ()), False,
+            self, resolved, mode, jax.jit(fn, keep_unused=True), arg_structs, out_structs, VmemEstimate(0, 0, ()), False,
             multiple_outputs=multiple, out_rows=tuple(True for _ in out_structs),
         )
 
@@ -183,6 +189,18 @@ class HelionKernel(TpuKernel):
         with unset_fake_temporarily():  # Helion traces with real (non-fake) torch tensor wrappers
             low = lower(self, tuple(hinted), statics, config, "fast")
         return tuple(OutSpec(tuple(by_hint.get(d, d) for d in o.shape), np.dtype(o.dtype)) for o in low.out_structs)
+
+
+def _target_device_ctx(chip):
+    """A context naming ``chip`` as the TPU jax traces for (an abstract mesh of one device), or a no-op."""
+    if chip is None:
+        return contextlib.nullcontext
+    import jax
+
+    kind = chip.device_kind
+    mesh = jax.sharding.AbstractMesh(
+        (1,), ("_tpukernels",), abstract_device=jax.sharding.AbstractDevice(device_kind=kind, num_cores=1, platform="tpu"))
+    return lambda: jax.sharding.use_abstract_mesh(mesh)
 
 
 def _expand(specs, kinds):
