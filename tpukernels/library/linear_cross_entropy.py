@@ -1,0 +1,585 @@
+"""Fused linear + cross-entropy (the LM head and its loss) without materialising the ``[N, V]`` logits.
+
+Public op::
+
+    torch.ops.tpukernels.linear_cross_entropy(h, W, labels, ignore_index=-100, reduction="mean", softcap=None)
+    tpukernels.library.linear_cross_entropy(...)                        # same, functional (differentiable)
+
+Shapes: ``h [N, H]`` (hidden states, one row per token), ``W [V, H]`` (the ``nn.Linear`` weight of the LM
+head, ``logits = h @ W^T``), ``labels [N]`` int64 or int32 in ``[0, V)`` or equal to ``ignore_index``.
+``h`` and ``W`` share one dtype: bfloat16, float16 or float32. Result: float32, ``[]`` for ``"mean"`` /
+``"sum"``, ``[N]`` for ``"none"`` (0 at ignored rows). No unit (nats).
+
+What it computes (all in float32, from the stored operands)::
+
+    s[i, v]  = h[i] . W[v]                               (MXU, f32 accumulation)
+    z[i, v]  = softcap * tanh(s[i, v] / softcap)          (only with softcap, Gemma-2 style)
+    lse[i]   = log sum_v exp(z[i, v])                      (natural log)
+    loss[i]  = lse[i] - z[i, labels[i]]   if labels[i] != ignore_index   else 0
+    "mean": sum_i loss[i] / #{i : labels[i] != ignore_index}   (NaN when every row is ignored, as torch)
+    "sum":  sum_i loss[i]
+
+i.e. ``torch.nn.functional.cross_entropy(softcap(h.float() @ W.float().T), labels, ignore_index=...,
+reduction=...)``. Gradients, with ``p = softmax(z)``, ``g[i]`` the incoming gradient of ``loss[i]``
+(zero at ignored rows; ``1/n_valid`` times the upstream scalar for "mean")::
+
+    dz = g[:, None] * (p - onehot(labels))      ds = dz * (1 - (z / softcap)^2)   (softcap only)
+    dh = ds @ W            dW = ds^T @ h
+
+Algorithm. Three Pallas TPU kernel ops, all with the full hidden size ``H`` in one block (so ``H`` needs no
+tail handling and the ``h`` block stays in VMEM while the vocabulary streams past it):
+
+=======================================================  ===================  =================================
+op                                                        grid (inner last)   does
+=======================================================  ===================  =================================
+``tpukernels::linear_cross_entropy_fwd(h, w, labels)``   ``(N/bn, V/bv)``     online logsumexp over V blocks (f32 running
+                                                                               max / sum / target logit in VMEM
+                                                                               scratch) -> ``loss [N,1]``, ``lse [N,1]``
+``tpukernels::linear_cross_entropy_bwd_dh(...)``         ``(N/bn, V/bv)``     recompute ``s`` per block, ``dh += ds @ W_blk``
+``tpukernels::linear_cross_entropy_bwd_dw(...)``         ``(V/bv, N/bn)``     recompute ``s`` per block, ``dW += ds^T @ h_blk``
+=======================================================  ===================  =================================
+
+The largest intermediate is one ``(bn, bv)`` f32 tile in VMEM: activation memory is ``O(N)`` (``lse``, the
+per-row loss) instead of the ``O(N V)`` logits (2 GiB of bf16 logits + 4 GiB of f32 log-probs at Llama-3-8B
+``N = 8192, V = 128256`` in the unfused ``F.cross_entropy(h @ W.T)``). The price is recomputation: the
+backward recomputes the logits twice (once per gradient kernel), 5 ``N V H`` matmuls in all instead of 3.
+Liger-Kernel's ``fused_linear_cross_entropy`` (``src/liger_kernel/ops/fused_linear_cross_entropy.py``)
+instead chunks over tokens and materialises ``[chunk, V]``; this file follows the vocabulary-chunked
+online-softmax scheme of FlashAttention-2 (Dao, arXiv:2307.08691) applied to the LM head (as in Wijmans
+et al., "Cut Your Losses in Large-Vocabulary Language Models", arXiv:2411.09009).
+
+Tails. A partial last V block reads undefined ``W`` rows (NaN in ``interpret="tpu"``): the forward sets
+those logit columns to ``-inf`` with ``jnp.where`` before the logsumexp, ``bwd_dh`` zeroes them (``ds``
+and the ``W`` rows, both with ``jnp.where``) before contracting over V; ``bwd_dw``'s rows past V are
+dropped. A partial last N block: forward / ``bwd_dh`` rows past N are dropped on write; ``bwd_dw`` (which
+reduces over N) zeroes ``ds`` and ``h`` there. ``H`` is whole, so never a tail.
+
+float16: Mosaic (libtpu 0.0.52) rejects float16 kernel operands on v5e/v6e/tpu7x, so the public op widens
+float16 ``h``/``W`` to float32 (exact) and rounds the gradients back. float32 operands contract with
+``precision=HIGHEST``; bfloat16 ``ds`` is rounded to bfloat16 before the gradient matmuls (as flash
+attention's backward does with ``dP``).
+
+Tunables: ``bn`` (rows per block) and ``bv`` (vocabulary per block), per kernel; clamped to the problem (a
+dim no larger than the block is taken whole). Defaults: :func:`heuristic` (the largest blocks whose VMEM
+estimate fits 40 MiB), then per-chip tuning data in ``tpukernels/data/autotuning/<chip>/`` chosen by the
+autotuner's tpu-model evaluator (libtpu static estimates: a model, not measurements) at the Llama-3-8B LM
+head (``H = 4096, V = 128256, N = 8192``, :data:`STANDARD_CASES`).
+
+Validation (typed errors before any kernel runs): ranks and shapes, dtypes (float64 / integer operands,
+mixed ``h``/``W`` dtypes, non-integer labels), devices (``h``, ``W``, ``labels`` on one device), reduction,
+softcap (positive, finite), and the label range (``0 <= label < V`` or ``== ignore_index``), the last
+checked on cpu tensors outside tracing (on device tensors it would force a host sync; under
+``torch.compile`` values are unknown) — an out-of-range label there gives ``loss = lse`` for that row.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+import torch
+
+from .. import dsl as _dsl
+from ..dsl.validate import padded_bytes
+from ..errors import ArgumentError, DeviceError, DTypeError
+
+NAMESPACE = "tpukernels"
+REDUCTIONS = ("mean", "sum", "none")
+KERNEL_DTYPES = ("bfloat16", "float32")
+PUBLIC_DTYPES = ("bfloat16", "float16", "float32")
+LABEL_DTYPES = (torch.int64, torch.int32)
+MiB = 1 << 20
+#: VMEM the heuristic aims for (every chip's capacity is >= 64 MiB; launches raise the scoped limit).
+VMEM_TARGET = 40 * MiB
+
+TUNABLES = {
+    "bn": _dsl.Tunable([512, 128, 256, 1024, 2048], default=512, doc="token rows per block (N)"),
+    "bv": _dsl.Tunable([512, 128, 256, 1024, 2048], default=512, doc="vocabulary entries per block (V)"),
+}
+
+
+def _dt(x) -> str:
+    if isinstance(x, torch.dtype):
+        return str(x).replace("torch.", "")
+    return np.dtype(x.dtype).name
+
+
+def _clamp(dim: int, block: int) -> int:
+    return dim if 0 < dim <= block else block
+
+
+# ----------------------------------------------------------------------------------------------- kernel bodies
+def _logits(h, w, precision):
+    """``h [bn, H] . w [bv, H]^T`` in f32 (contract the stored layouts; no transpose)."""
+    import jax
+    import jax.numpy as jnp
+
+    return jax.lax.dot_general(h, w, (((1,), (1,)), ((), ())), precision=precision,
+                               preferred_element_type=jnp.float32)
+
+
+def _capped(s, softcap):
+    """``(z, t)``: soft-capped logits and ``t = tanh(s / softcap)`` (None without softcap)."""
+    import jax.numpy as jnp
+
+    if softcap is None:
+        return s, None
+    t = jnp.tanh(s / softcap)
+    return softcap * t, t
+
+
+def _fwd_body(h_ref, w_ref, y_ref, loss_ref, lse_ref, m_sc, l_sc, t_sc, *, n_v, v_size, bv, softcap,
+              ignore_index, precision):
+    """One (bn rows, bv vocab) step of the online logsumexp; the running max ``m``, sum ``l`` and target
+    logit ``t`` live in (bn, 1) f32 scratch across the V axis (grid axis 1, innermost)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+
+    j = pl.program_id(1)
+
+    @pl.when(j == 0)
+    def _init():
+        m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, jnp.float32)
+        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+        t_sc[...] = jnp.zeros(t_sc.shape, jnp.float32)
+
+    z, _ = _capped(_logits(h_ref[...], w_ref[...], precision), softcap)
+    col = j * bv + jax.lax.broadcasted_iota(jnp.int32, z.shape, 1)
+    if v_size % bv:  # V tail: undefined W rows -> -inf logits (jnp.where: the padding may be NaN)
+        z = jnp.where(col < v_size, z, -jnp.inf)
+    y = y_ref[...]  # (bn, 1) int32
+    t_sc[...] += jnp.sum(jnp.where(col == y, z, 0.0), axis=1, keepdims=True)
+    m_old = m_sc[...]
+    m_new = jnp.maximum(m_old, jnp.max(z, axis=1, keepdims=True))
+    l_sc[...] = l_sc[...] * jnp.exp(m_old - m_new) + jnp.sum(jnp.exp(z - m_new), axis=1, keepdims=True)
+    m_sc[...] = m_new
+
+    @pl.when(j == n_v - 1)
+    def _end():
+        lse = m_sc[...] + jnp.log(l_sc[...])
+        loss_ref[...] = jnp.where(y != ignore_index, lse - t_sc[...], 0.0)
+        lse_ref[...] = lse
+
+
+def _dz(h, w, y, lse, g, j, *, bv, v_size, softcap, ignore_index, precision):
+    """``ds [bn, bv]`` f32 of one block (recomputed logits; module docstring), 0 at ignored rows."""
+    import jax
+    import jax.numpy as jnp
+
+    z, t = _capped(_logits(h, w, precision), softcap)
+    col = j * bv + jax.lax.broadcasted_iota(jnp.int32, z.shape, 1)
+    p = jnp.exp(z - lse)
+    gz = jnp.where(y != ignore_index, g, 0.0)  # (bn, 1)
+    ds = gz * (p - jnp.where(col == y, 1.0, 0.0))
+    if t is not None:
+        ds = ds * (1.0 - t * t)
+    if v_size % bv:
+        ds = jnp.where(col < v_size, ds, 0.0)
+    return ds
+
+
+def _dh_body(h_ref, w_ref, y_ref, lse_ref, g_ref, dh_ref, acc_ref, *, n_v, v_size, bv, softcap, ignore_index,
+             precision):
+    """``dh[i] = sum_j ds[i, j] @ W[j]``; grid ``(N/bn, V/bv)``, V innermost, f32 accumulator (bn, H)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+
+    j = pl.program_id(1)
+    w = w_ref[...]
+    ds = _dz(h_ref[...], w, y_ref[...], lse_ref[...], g_ref[...], j, bv=bv, v_size=v_size, softcap=softcap,
+             ignore_index=ignore_index, precision=precision)
+    if v_size % bv:  # undefined W rows: ds is 0 there, but 0 * NaN is NaN
+        w = _dsl.mask_tail(w, 0, j * bv, v_size)
+    d = jax.lax.dot_general(ds.astype(w.dtype), w, (((1,), (0,)), ((), ())), precision=precision,
+                            preferred_element_type=jnp.float32)
+    if n_v == 1:
+        dh_ref[...] = d.astype(dh_ref.dtype)
+        return
+
+    @pl.when(j == 0)
+    def _first():
+        acc_ref[...] = d
+
+    @pl.when(jnp.logical_and(j > 0, j < n_v - 1))
+    def _mid():
+        acc_ref[...] += d
+
+    @pl.when(j == n_v - 1)
+    def _last():
+        dh_ref[...] = (acc_ref[...] + d).astype(dh_ref.dtype)
+
+
+def _dw_body(h_ref, w_ref, y_ref, lse_ref, g_ref, dw_ref, acc_ref, *, n_n, n_size, bn, v_size, bv, softcap,
+             ignore_index, precision):
+    """``dW[j] = sum_i ds[i, j]^T @ h[i]``; grid ``(V/bv, N/bn)``, N innermost, f32 accumulator (bv, H)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+
+    j, i = pl.program_id(0), pl.program_id(1)
+    h = h_ref[...]
+    ds = _dz(h, w_ref[...], y_ref[...], lse_ref[...], g_ref[...], j, bv=bv, v_size=v_size, softcap=softcap,
+             ignore_index=ignore_index, precision=precision)
+    if n_size % bn:  # N tail: this kernel reduces over rows, so undefined rows must be zeros in ds and h
+        ds = _dsl.mask_tail(ds, 0, i * bn, n_size)
+        h = _dsl.mask_tail(h, 0, i * bn, n_size)
+    d = jax.lax.dot_general(ds.astype(h.dtype), h, (((0,), (0,)), ((), ())), precision=precision,
+                            preferred_element_type=jnp.float32)
+    if n_n == 1:
+        dw_ref[...] = d.astype(dw_ref.dtype)
+        return
+
+    @pl.when(i == 0)
+    def _first():
+        acc_ref[...] = d
+
+    @pl.when(jnp.logical_and(i > 0, i < n_n - 1))
+    def _mid():
+        acc_ref[...] += d
+
+    @pl.when(i == n_n - 1)
+    def _last():
+        dw_ref[...] = (acc_ref[...] + d).astype(dw_ref.dtype)
+
+
+# ----------------------------------------------------------------------------------------------- checks + launch
+def _check_kernel_args(h, w, labels, lse=None, g=None, *, where: str):
+    """Shapes/dtypes of a kernel call. Returns ``(N, V, H)``.
+
+    Raises:
+        ArgumentError: ranks, ``H`` mismatch, per-row tensors not ``[N, 1]``, ``V == 0``, ``H == 0``.
+        DTypeError: ``h``/``w`` not one of bfloat16/float32 or different; labels not int32; lse/g not float32.
+    """
+    for x, n in ((h, "h"), (w, "w")):
+        if len(x.shape) != 2:
+            raise ArgumentError(f"{where}: {n} must be 2-D, got shape {tuple(x.shape)}")
+    N, H = h.shape
+    V = w.shape[0]
+    if w.shape[1] != H:
+        raise ArgumentError(f"{where}: w {tuple(w.shape)} must be [V, H] with H = h.shape[1] = {H}")
+    if V == 0 or H == 0:
+        raise ArgumentError(f"{where}: V and H must be positive, got V = {V}, H = {H}")
+    if _dt(h) != _dt(w):
+        raise DTypeError(f"{where}: h is {_dt(h)} but w is {_dt(w)}; use one dtype")
+    if _dt(h) not in KERNEL_DTYPES:
+        raise DTypeError(f"{where}: h dtype {_dt(h)} is not supported by the kernel; use {KERNEL_DTYPES} "
+                         f"(tpukernels::linear_cross_entropy widens float16)")
+    for x, n, dt in ((labels, "labels", "int32"), (lse, "lse", "float32"), (g, "g", "float32")):
+        if x is None:
+            continue
+        if tuple(x.shape) != (N, 1):
+            raise ArgumentError(f"{where}: {n} must have shape [N, 1] = ({N}, 1), got {tuple(x.shape)}")
+        if _dt(x) != dt:
+            raise DTypeError(f"{where}: {n} must be {dt}, got {_dt(x)}")
+    return int(N), int(V), int(H)
+
+
+def vmem_bytes(kind: str, bn: int, bv: int, H: int, dtype, out_dtype=None) -> int:
+    """tpukernels' VMEM estimate of one launch (double-buffered blocks, scratch, ~4 f32 (bn, bv) temporaries)."""
+    rows = 4 * padded_bytes((bn, 1), "float32")  # labels / lse / g / loss columns (lane-padded)
+    tiles = 4 * bn * bv * 4
+    if kind == "fwd":
+        return 2 * (padded_bytes((bn, H), dtype) + padded_bytes((bv, H), dtype)) + 2 * rows + tiles
+    out = padded_bytes((bn if kind == "dh" else bv, H), out_dtype or dtype)
+    acc = padded_bytes((bn if kind == "dh" else bv, H), "float32")
+    return 2 * (padded_bytes((bn, H), dtype) + padded_bytes((bv, H), dtype) + out) + 2 * rows + acc + tiles
+
+
+def _limit(need: int) -> int | None:
+    """Scoped VMEM to request: above the smallest default (16 MiB) ask for need * 1.25 + 4 MiB, <= 64 MiB."""
+    if need + 4 * MiB <= 16 * MiB:
+        return None
+    return min(64 * MiB, max(32 * MiB, -(-(need * 5 // 4 + 4 * MiB) // MiB) * MiB))
+
+
+def _cost(N, V, H, itemsize, matmuls: int, passes_w: int, passes_h: int):
+    import jax.experimental.pallas as pl
+
+    return pl.CostEstimate(flops=2 * matmuls * N * V * H, transcendentals=N * V,
+                           bytes_accessed=int(itemsize * (passes_w * V * H + passes_h * N * H)))
+
+
+def _statics(h, softcap):
+    from jax import lax
+
+    return dict(softcap=None if softcap is None else float(softcap),
+                precision=lax.Precision.HIGHEST if _dt(h) == "float32" else None)
+
+
+def _heuristic(kind: str):
+    def heur(h, w, labels, *rest, **statics):
+        N, V, H = _check_kernel_args(h, w, labels, where=f"tpukernels::linear_cross_entropy_{kind}")
+        for bn, bv in ((1024, 1024), (1024, 512), (512, 512), (512, 256), (256, 256), (256, 128), (128, 128)):
+            if vmem_bytes(kind, _clamp(N, bn), _clamp(V, bv), H, h.dtype) <= VMEM_TARGET:
+                return dict(bn=bn, bv=bv)
+        return dict(bn=128, bv=128)
+
+    return heur
+
+
+def _row_specs(bn, index, n):
+    from jax.experimental import pallas as pl
+
+    return [pl.BlockSpec((bn, 1), index) for _ in range(n)]
+
+
+def _fwd_out(h, w, labels, ignore_index=-100, softcap=None):
+    N, V, H = _check_kernel_args(h, w, labels, where="tpukernels::linear_cross_entropy_fwd")
+    return (_dsl.OutSpec((N, 1), np.float32), _dsl.OutSpec((N, 1), np.float32))
+
+
+def _dh_out(h, w, labels, lse, g, ignore_index=-100, softcap=None):
+    _check_kernel_args(h, w, labels, lse, g, where="tpukernels::linear_cross_entropy_bwd_dh")
+    return _dsl.OutSpec(tuple(h.shape), h.dtype)
+
+
+def _dw_out(h, w, labels, lse, g, ignore_index=-100, softcap=None):
+    _check_kernel_args(h, w, labels, lse, g, where="tpukernels::linear_cross_entropy_bwd_dw")
+    return _dsl.OutSpec(tuple(w.shape), w.dtype, rows=False)
+
+
+@_dsl.tpu_kernel(_fwd_body, name="linear_cross_entropy_fwd", namespace=NAMESPACE, tunables=TUNABLES,
+                 heuristic=_heuristic("fwd"), rows=("h", "labels"), out_shape=_fwd_out)
+def linear_cross_entropy_fwd(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
+                             softcap: Optional[float] = None, *, bn: int, bv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row loss and logsumexp: ``h [N, H]``, ``w [V, H]`` (bf16 | f32, one dtype), ``labels [N, 1]`` int32
+    -> ``(loss [N, 1] f32 (0 at ignore_index rows), lse [N, 1] f32)``; the logits stay in VMEM.
+
+    Raises:
+        ArgumentError / DTypeError: see :func:`_check_kernel_args`.
+    """
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    N, V, H = _check_kernel_args(h, w, labels, where="tpukernels::linear_cross_entropy_fwd")
+    bn_, bv_ = _clamp(N, bn), _clamp(V, bv)
+    gi, gj = _dsl.cdiv(N, bn_), _dsl.cdiv(V, bv_)
+    row = lambda i, j: (i, 0)  # noqa: E731
+    out = _dsl.OutSpec((N, 1), np.float32)
+    return _dsl.Launch(
+        grid=(gi, gj),
+        in_specs=[pl.BlockSpec((bn_, H), row), pl.BlockSpec((bv_, H), lambda i, j: (j, 0)), *_row_specs(bn_, row, 1)],
+        out_specs=tuple(_row_specs(bn_, row, 2)),
+        out_shape=(out, out),
+        scratch_shapes=[pltpu.VMEM((bn_, 1), np.float32) for _ in range(3)],
+        dimension_semantics=("parallel", "arbitrary"),
+        vmem_limit_bytes=_limit(vmem_bytes("fwd", bn_, bv_, H, h.dtype)),
+        cost_estimate=_cost(N, V, H, np.dtype(h.dtype).itemsize, 1, gi, 1),
+        body_kwargs=dict(n_v=int(gj), v_size=V, bv=int(bv_), ignore_index=int(ignore_index), **_statics(h, softcap)),
+    )
+
+
+@_dsl.tpu_kernel(_dh_body, name="linear_cross_entropy_bwd_dh", namespace=NAMESPACE, tunables=TUNABLES,
+                 heuristic=_heuristic("dh"), rows=("h", "labels", "lse", "g"), out_shape=_dh_out)
+def linear_cross_entropy_bwd_dh(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
+                                g: torch.Tensor, ignore_index: int = -100, softcap: Optional[float] = None, *,
+                                bn: int, bv: int) -> torch.Tensor:
+    """``dh = ds @ w`` ``[N, H]`` (h's dtype) from ``lse [N, 1]`` f32 and the per-row loss gradient ``g [N, 1]`` f32."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    N, V, H = _check_kernel_args(h, w, labels, lse, g, where="tpukernels::linear_cross_entropy_bwd_dh")
+    bn_, bv_ = _clamp(N, bn), _clamp(V, bv)
+    gi, gj = _dsl.cdiv(N, bn_), _dsl.cdiv(V, bv_)
+    row = lambda i, j: (i, 0)  # noqa: E731
+    return _dsl.Launch(
+        grid=(gi, gj),
+        in_specs=[pl.BlockSpec((bn_, H), row), pl.BlockSpec((bv_, H), lambda i, j: (j, 0)), *_row_specs(bn_, row, 3)],
+        out_specs=pl.BlockSpec((bn_, H), row),
+        out_shape=_dsl.OutSpec((N, H), h.dtype),
+        scratch_shapes=[pltpu.VMEM((bn_, H) if gj > 1 else (8, 128), np.float32)],
+        dimension_semantics=("parallel", "arbitrary"),
+        vmem_limit_bytes=_limit(vmem_bytes("dh", bn_, bv_, H, h.dtype)),
+        cost_estimate=_cost(N, V, H, np.dtype(h.dtype).itemsize, 2, gi, 2),
+        body_kwargs=dict(n_v=int(gj), v_size=V, bv=int(bv_), ignore_index=int(ignore_index), **_statics(h, softcap)),
+    )
+
+
+@_dsl.tpu_kernel(_dw_body, name="linear_cross_entropy_bwd_dw", namespace=NAMESPACE, tunables=TUNABLES,
+                 heuristic=_heuristic("dw"), rows=("h", "labels", "lse", "g"), out_shape=_dw_out)
+def linear_cross_entropy_bwd_dw(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
+                                g: torch.Tensor, ignore_index: int = -100, softcap: Optional[float] = None, *,
+                                bn: int, bv: int) -> torch.Tensor:
+    """``dW = ds^T @ h`` ``[V, H]`` (w's dtype), summed over all rows in f32 inside the kernel."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    N, V, H = _check_kernel_args(h, w, labels, lse, g, where="tpukernels::linear_cross_entropy_bwd_dw")
+    bn_, bv_ = _clamp(N, bn), _clamp(V, bv)
+    gi, gj = _dsl.cdiv(N, bn_), _dsl.cdiv(V, bv_)
+    row = lambda j, i: (i, 0)  # noqa: E731
+    return _dsl.Launch(
+        grid=(gj, gi),
+        in_specs=[pl.BlockSpec((bn_, H), row), pl.BlockSpec((bv_, H), lambda j, i: (j, 0)), *_row_specs(bn_, row, 3)],
+        out_specs=pl.BlockSpec((bv_, H), lambda j, i: (j, 0)),
+        out_shape=_dsl.OutSpec((V, H), w.dtype, rows=False),
+        scratch_shapes=[pltpu.VMEM((bv_, H) if gi > 1 else (8, 128), np.float32)],
+        dimension_semantics=("parallel", "arbitrary"),
+        vmem_limit_bytes=_limit(vmem_bytes("dw", bn_, bv_, H, h.dtype)),
+        cost_estimate=_cost(N, V, H, np.dtype(h.dtype).itemsize, 2, 2, gj),
+        body_kwargs=dict(n_n=int(gi), n_size=N, bn=int(bn_), v_size=V, bv=int(bv_), ignore_index=int(ignore_index),
+                         **_statics(h, softcap)),
+    )
+
+
+KERNELS = {"fwd": linear_cross_entropy_fwd, "bwd_dh": linear_cross_entropy_bwd_dh,
+           "bwd_dw": linear_cross_entropy_bwd_dw}
+
+
+@linear_cross_entropy_fwd.def_backward
+def _fwd_backward(ctx, g_loss, g_lse=None):
+    """Gradients of the per-row loss (the lse output carries no gradient: it is internal)."""
+    h, w, labels = ctx.args["h"], ctx.args["w"], ctx.args["labels"]
+    lse = ctx.outputs[1]
+    if g_loss is None:
+        return {}
+    g = g_loss.float().contiguous()
+    ii, cap = ctx.args["ignore_index"], ctx.args["softcap"]
+    grads = {}
+    if ctx.needs_input_grad.get("h"):
+        grads["h"] = torch.ops.tpukernels.linear_cross_entropy_bwd_dh(h, w, labels, lse, g, ii, cap)
+    if ctx.needs_input_grad.get("w"):
+        grads["w"] = torch.ops.tpukernels.linear_cross_entropy_bwd_dw(h, w, labels, lse, g, ii, cap)
+    return grads
+
+
+# ----------------------------------------------------------------------------------------------- public op
+def _is_tracing(*xs) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if torch.compiler.is_compiling() or any(isinstance(x, FakeTensor) or x.device.type == "meta" for x in xs):
+        return True
+    try:
+        return torch._C._functorch.is_functorch_wrapped_tensor(xs[0])
+    except Exception:
+        return False
+
+
+def check_args(h, W, labels, ignore_index, reduction, softcap) -> None:
+    """Validate the public op's arguments (module docstring) before any kernel runs.
+
+    Raises:
+        ArgumentError: not tensors, ranks, shapes, V == 0 or H == 0, reduction, softcap, labels out of range.
+        DTypeError: float64 / integer / mixed operand dtypes, labels not int64/int32.
+        DeviceError: h, W and labels on different devices.
+    """
+    where = "tpukernels::linear_cross_entropy"
+    for x, n in ((h, "h"), (W, "W"), (labels, "labels")):
+        if not isinstance(x, torch.Tensor):
+            raise ArgumentError(f"{where}: {n} must be a torch.Tensor, got {type(x).__name__}")
+    if h.dim() != 2:
+        raise ArgumentError(f"{where}: h must be 2-D [N, H] (flatten batch and sequence), got shape {tuple(h.shape)}")
+    if W.dim() != 2:
+        raise ArgumentError(f"{where}: W must be 2-D [V, H] (an nn.Linear weight), got shape {tuple(W.shape)}")
+    if W.shape[1] != h.shape[1]:
+        raise ArgumentError(f"{where}: W {tuple(W.shape)} must be [V, H] with H = h.shape[1] = {h.shape[1]}")
+    if W.shape[0] == 0 or h.shape[1] == 0:
+        raise ArgumentError(f"{where}: V and H must be positive, got W shape {tuple(W.shape)}")
+    if labels.dim() != 1 or labels.shape[0] != h.shape[0]:
+        raise ArgumentError(f"{where}: labels must be 1-D [N] with N = h.shape[0] = {h.shape[0]}, "
+                            f"got shape {tuple(labels.shape)}")
+    for x, n in ((h, "h"), (W, "W")):
+        if _dt(x.dtype) not in PUBLIC_DTYPES:
+            raise DTypeError(f"{where}: {n} dtype {_dt(x.dtype)} is not supported; use {PUBLIC_DTYPES}"
+                             + (" (TPUs have no float64; cast with .float())" if x.dtype == torch.float64 else ""))
+    if h.dtype != W.dtype:
+        raise DTypeError(f"{where}: h is {_dt(h.dtype)} but W is {_dt(W.dtype)}; use one dtype")
+    if labels.dtype not in LABEL_DTYPES:
+        raise DTypeError(f"{where}: labels must be int64 or int32 class indices, got {_dt(labels.dtype)}")
+    if not (h.device == W.device == labels.device):
+        raise DeviceError(f"{where}: h ({h.device}), W ({W.device}) and labels ({labels.device}) must be on one device")
+    if reduction not in REDUCTIONS:
+        raise ArgumentError(f"{where}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise ArgumentError(f"{where}: ignore_index must be an int, got {ignore_index!r}")
+    if not -(2**31) <= ignore_index < 2**31:
+        raise ArgumentError(f"{where}: ignore_index {ignore_index} does not fit int32")
+    if softcap is not None and not (isinstance(softcap, (int, float)) and not isinstance(softcap, bool)
+                                    and math.isfinite(softcap) and softcap > 0):
+        raise ArgumentError(f"{where}: softcap must be None or a positive finite number, got {softcap!r}")
+    V = W.shape[0]
+    if labels.device.type == "cpu" and labels.numel() and not _is_tracing(labels):
+        bad = ((labels < 0) | (labels >= V)) & (labels != ignore_index)
+        if bool(bad.any()):
+            k = int(bad.nonzero()[0, 0])
+            raise ArgumentError(f"{where}: labels[{k}] = {int(labels[k])} is outside [0, V = {V}) and is not "
+                                f"ignore_index ({ignore_index})")
+
+
+def _lce_impl(h, W, labels, ignore_index=-100, reduction="mean", softcap=None):
+    """The public op (CompositeImplicitAutograd: autograd and torch.compile see the kernel ops)."""
+    check_args(h, W, labels, ignore_index, reduction, softcap)
+    valid = labels != ignore_index
+    if h.shape[0] == 0:
+        loss = (h.float() @ W.float().t()).sum(1)  # empty, but connected to h and W for autograd
+    else:
+        hk, wk = (h.float(), W.float()) if h.dtype == torch.float16 else (h, W)
+        y = labels.to(torch.int32).reshape(-1, 1)
+        loss = torch.ops.tpukernels.linear_cross_entropy_fwd(hk.contiguous(), wk.contiguous(), y, ignore_index,
+                                                             softcap)[0].reshape(-1)
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / valid.sum()
+
+
+_LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
+_LIB.define("linear_cross_entropy(Tensor h, Tensor W, Tensor labels, int ignore_index=-100, str reduction='mean', "
+            "float? softcap=None) -> Tensor")
+_LIB.impl("linear_cross_entropy", _lce_impl, "CompositeImplicitAutograd")
+
+
+def linear_cross_entropy(h: torch.Tensor, W: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
+                         reduction: str = "mean", softcap: float | None = None) -> torch.Tensor:
+    """Cross-entropy of ``softcap(h @ W^T)`` against ``labels`` without the ``[N, V]`` logits (differentiable).
+
+    ``torch.ops.tpukernels.linear_cross_entropy``; formulas, algorithm and sources in the module docstring.
+
+    Args:
+        h: ``[N, H]`` hidden states, bfloat16 / float16 / float32 (cpu: Pallas interpret; tpu: TorchTPU).
+        W: ``[V, H]`` LM-head weight (``nn.Linear(H, V).weight``), same dtype as ``h``.
+        labels: ``[N]`` int64 or int32 class indices in ``[0, V)``, or ``ignore_index``.
+        ignore_index: label value whose rows contribute no loss and no gradient (default -100, as torch).
+        reduction: ``"mean"`` (over non-ignored rows), ``"sum"`` or ``"none"``.
+        softcap: optional logit soft-cap ``c``: logits become ``c * tanh(logits / c)`` (Gemma-2).
+
+    Returns:
+        float32 loss in nats: ``[]`` ("mean", "sum") or ``[N]`` ("none").
+
+    Raises:
+        ArgumentError, DTypeError, DeviceError: see :func:`check_args` (raised before any kernel runs).
+    """
+    return torch.ops.tpukernels.linear_cross_entropy(h, W, labels, ignore_index, reduction,
+                                                     None if softcap is None else float(softcap))
+
+
+def reference(h, W, labels, ignore_index=-100, reduction="mean", softcap=None) -> torch.Tensor:
+    """float64 reference computed from the given (low-precision) inputs, **not** rounded (materialises logits)."""
+    z = h.double() @ W.double().t()
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    return torch.nn.functional.cross_entropy(z, labels.long(), ignore_index=ignore_index, reduction=reduction)
+
+
+def unfused(h, W, labels, ignore_index=-100, reduction="mean", softcap=None) -> torch.Tensor:
+    """The unfused torch/HF formulation (logits in h's dtype, loss in float32), for comparisons."""
+    z = (h @ W.t()).float()
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    return torch.nn.functional.cross_entropy(z, labels.long(), ignore_index=ignore_index, reduction=reduction)
+
+
+#: the Llama-3-8B LM head (H 4096, V 128256) at 8192 tokens: what the shipped defaults are tuned for
+_LLAMA3 = ("8192x4096:bf16", "128256x4096:bf16", "8192x1:i32")
+STANDARD_CASES = [
+    (linear_cross_entropy_fwd, _LLAMA3, {"ignore_index": -100, "softcap": None}),
+    (linear_cross_entropy_bwd_dh, (*_LLAMA3, "8192x1:f32", "8192x1:f32"), {"ignore_index": -100, "softcap": None}),
+    (linear_cross_entropy_bwd_dw, (*_LLAMA3, "8192x1:f32", "8192x1:f32"), {"ignore_index": -100, "softcap": None}),
+]
+
+__all__ = ["linear_cross_entropy", "reference", "unfused", "check_args", "linear_cross_entropy_fwd",
+           "linear_cross_entropy_bwd_dh", "linear_cross_entropy_bwd_dw", "KERNELS", "STANDARD_CASES"]
