@@ -344,12 +344,28 @@ def test_opcheck():
     ks = segments(1, 72, 2, 1).int().unsqueeze(1)
     statics = dict(causal=True, causal_alignment="bottom_right", sm_scale=None, window_left=30, window_right=None,
                    softcap=4.0)
-    torch.library.opcheck(torch.ops.tpukernels.flash_attention, (q, k, v, qs, ks), statics)
-    out, lse = torch.ops.tpukernels.flash_attention(q, k, v, qs, ks, **statics)
+    torch.library.opcheck(torch.ops.tpukernels.flash_attention_fwd, (q, k, v, qs, ks), statics)
+    out, lse = torch.ops.tpukernels.flash_attention_fwd(q, k, v, qs, ks, **statics)
     do, di = torch.randn_like(out), torch.randn_like(lse)
     args = tuple(x.detach() for x in (q, k, v, do, lse, di)) + (qs, ks)
     torch.library.opcheck(torch.ops.tpukernels.flash_attention_bwd_dq, args, statics)
     torch.library.opcheck(torch.ops.tpukernels.flash_attention_bwd_dkv, args, statics)
+
+
+def test_public_op_means_the_public_function():
+    """torch.ops.tpukernels.flash_attention returns what flash_attention returns (out only), with autograd."""
+    q, k, v = make(1, 4, 2, 40, 56, 64, torch.float32, seed=3)
+    qs, ks = segments(1, 40, 2, 5), segments(1, 56, 2, 6)
+    kw = dict(causal=True, causal_alignment="bottom_right", softcap=5.0, q_segment_ids=qs, kv_segment_ids=ks)
+    want = flash_attention(q, k, v, window=(20, None), **kw)
+    got = torch.ops.tpukernels.flash_attention(q, k, v, window_left=20, window_right=None, **kw)
+    assert isinstance(got, torch.Tensor) and torch.equal(got, want)
+    g = torch.autograd.grad(got.sum(), (q, k, v))
+    g_ref = torch.autograd.grad(flash_attention(q, k, v, window=(20, None), **kw).sum(), (q, k, v))
+    for a, b in zip(g, g_ref):
+        assert torch.equal(a, b)
+    ref, _ = reference(q, k, v, causal=True, alignment="bottom_right", window=(20, None), softcap=5.0, qs=qs, ks=ks)
+    torch.testing.assert_close(got.double(), ref, atol=5e-5, rtol=5e-5)
 
 
 def test_torch_compile_fullgraph_forward_and_backward():

@@ -1,8 +1,11 @@
 """Flash attention (forward + backward) for TPU: causal / sliding-window / segment masks, GQA, soft-cap.
 
-Public API: :func:`flash_attention` (torch tensors, torch SDPA layout). Its ops:
+Public API: :func:`flash_attention` (torch tensors, torch SDPA layout) and the op of the same meaning,
+``torch.ops.tpukernels.flash_attention(q, k, v, *, causal, causal_alignment, sm_scale, window_left,
+window_right, softcap, q_segment_ids, kv_segment_ids) -> out`` (CompositeImplicitAutograd: autograd and
+``torch.compile`` see the kernel ops). The kernel-level ops, named as such:
 
-* ``torch.ops.tpukernels.flash_attention`` (kernel :data:`fa_forward`) -> ``(out, lse)``;
+* ``torch.ops.tpukernels.flash_attention_fwd`` (kernel :data:`fa_forward`) -> ``(out, lse)``;
 * ``torch.ops.tpukernels.flash_attention_bwd_dq`` / ``flash_attention_bwd_dkv`` (backward kernels, wired
   into autograd with :meth:`TpuKernel.def_backward`).
 
@@ -727,7 +730,7 @@ def _vmem_estimate(p: _Plan, n_q_side: int, n_kv_side: int, acc_rows: int, work:
     return q_side + kv_side + acc + tmp
 
 
-@tpu_kernel(_fwd_body, name="flash_attention", namespace=NAMESPACE, tunables=_tunables(_DOC_H),
+@tpu_kernel(_fwd_body, name="flash_attention_fwd", namespace=NAMESPACE, tunables=_tunables(_DOC_H),
             constraints=[_compute_divides], heuristic=_heuristic, out_shape=_fwd_out_shape)
 def fa_forward(
     q: torch.Tensor,
@@ -747,7 +750,7 @@ def fa_forward(
     block_kv_compute: int,
     block_h: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flash attention forward: ``torch.ops.tpukernels.flash_attention`` -> ``(out, lse)``.
+    """Flash attention forward kernel: ``torch.ops.tpukernels.flash_attention_fwd`` -> ``(out, lse)``.
 
     Args:
         q: ``[B, Hq, Sq, D]``; k: ``[B, Hkv, Skv, D]``; v: ``[B, Hkv, Skv, Dv]``; bf16 or f32, one dtype.
@@ -1345,6 +1348,20 @@ STANDARD_CASES = [
               f"1x32x1x{S}:f32", f"1x32x1x{S}:f32"), dict(_CAUSAL))
     for kernel in (fa_backward_dq, fa_backward_dkv) for S in (4096, 8192)
 ]
+
+def _flash_attention_op(q, k, v, *, causal=False, causal_alignment="top_left", sm_scale=None, window_left=None,
+                        window_right=None, softcap=None, q_segment_ids=None, kv_segment_ids=None):
+    return flash_attention(q, k, v, causal=causal, causal_alignment=causal_alignment, sm_scale=sm_scale,
+                           window=(window_left, window_right), softcap=softcap, q_segment_ids=q_segment_ids,
+                           kv_segment_ids=kv_segment_ids)
+
+
+# The public op means the public function (out only); the kernel op returning (out, lse) is flash_attention_fwd.
+_LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
+_LIB.define("flash_attention(Tensor q, Tensor k, Tensor v, *, bool causal=False, str causal_alignment=\"top_left\", "
+            "float? sm_scale=None, int? window_left=None, int? window_right=None, float? softcap=None, "
+            "Tensor? q_segment_ids=None, Tensor? kv_segment_ids=None) -> Tensor")
+_LIB.impl("flash_attention", _flash_attention_op, "CompositeImplicitAutograd")
 
 __all__ = ["flash_attention", "attention_reference", "fa_forward", "fa_backward_dq", "fa_backward_dkv",
            "STANDARD_CASES", "DECODE_FOLD_MAX_SQ"]
