@@ -6,7 +6,7 @@ explicit config -> user DB -> shipped DB -> nearest bucket -> heuristic -> defau
 * :func:`tune` searches a kernel's tunable space for one call signature (:mod:`.tuner`), with a
   strategy (:mod:`.strategies`), an evaluator (:mod:`.evaluators`: ``tpu-model`` = compile-only libtpu +
   :mod:`.model`, a model; ``measure`` = wall-clock on the tensors' device) and an executor
-  (:mod:`.executors`: in-process or a pool of processes), and can store the winner (:mod:`.db`).
+  (:mod:`.executors`: in-process, a pool of processes, or Ray tasks), and can store the winner (:mod:`.db`).
 * ``tpukernels autotune`` is the command line (:mod:`.cli`).
 """
 

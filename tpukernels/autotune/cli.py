@@ -27,7 +27,7 @@ def add_parser(subparsers) -> None:
     )
     s.add_argument("kernel", nargs="?", help="kernel name: namespace::name or a unique name (omit with --library)")
     s.add_argument("--library", action="store_true", help="tune every library kernel at its STANDARD_CASES shapes")
-    s.add_argument("--chip", help="TPU generation for tpu-model: v4, v5e, v5p, v6e, tpu7x")
+    s.add_argument("--chip", help="TPU generation for tpu-model: v4, v5e, v5p, v6e, tpu7x (comma list: one sweep each)")
     s.add_argument("--shape", action="append", default=[],
                    help="one per tensor argument, in order: e.g. 8192x4096:bf16")
     s.add_argument("--static", action="append", help="static arguments: eps=1e-6,offset=1.0")
@@ -37,7 +37,13 @@ def add_parser(subparsers) -> None:
     s.add_argument("--budget", type=int, default=None,
                    help="max candidates evaluated per kernel (pruned ones are free)")
     s.add_argument("--seconds", type=float, default=None, help="wall-clock budget per kernel, seconds")
-    s.add_argument("--workers", type=int, default=1, help="parallel compile processes (tpu-model only)")
+    s.add_argument("--workers", type=int, default=1,
+                   help="parallel compile processes (tpu-model only); with --executor ray: CPUs of the local cluster")
+    s.add_argument("--executor", choices=["inline", "process", "ray"], default=None,
+                   help="where candidates run: this process, --workers processes (the default when --workers > 1), "
+                        "or Ray tasks (needs tpukernels[ray]; sweeps of several kernels/chips share the cluster)")
+    s.add_argument("--address", default=None,
+                   help="--executor ray: a running cluster ('auto', 'ray://host:10001'); default: start a local one")
     s.add_argument("--evaluator", default="tpu-model", choices=["tpu-model", "measure"])
     s.add_argument("--device", default="cpu", choices=["cpu", "tpu"], help="measure: where the tensors live")
     s.add_argument("--repeats", type=int, default=10, help="measure: timed runs per candidate (median)")
@@ -147,19 +153,51 @@ def cmd_autotune(args) -> int:
                    "estimate_steps": args.estimate_steps}
     else:
         options = {"device": args.device, "repeats": args.repeats, "seed": args.seed}
-    cases = _cases(args)
-    results = []
-    with _Progress(not args.no_progress) as prog:
-        for kernel, case_args, case_kwargs in cases:
-            ev = make_evaluator(args.evaluator, args.chip, **options)
-            unit = "us (model)" if ev.label == "model" else "us"
-            cb = prog.callback(f"{kernel.name} on {ev.chip_name() or args.device}", args.budget, unit)
-            results.append(tune(
+    if args.address and args.executor != "ray":
+        raise ArgumentError("--address names a Ray cluster: use it with --executor ray")
+    if args.executor == "ray" and args.evaluator == "measure":
+        raise ArgumentError("--executor ray runs candidates concurrently; the measure evaluator times them one "
+                            "at a time (concurrent timings interfere): use --executor inline")
+    chips = [c.strip() for c in args.chip.split(",") if c.strip()] if args.chip else [None]
+    sweeps = [(case, chip) for case in _cases(args) for chip in chips]  # kernels x shapes x chips
+    values = _parse_values(args.values)
+    ray_ex = None
+    if args.executor == "ray":
+        from .evaluators import KernelRef
+        from .executors import RayExecutor
+
+        mods = [*args.imports, *(s for s in (KernelRef.of(k).source for (k, _, _), _ in sweeps) if s)]
+        ray_ex = RayExecutor(args.workers if args.workers > 1 else None, imports=mods, address=args.address)
+
+    def one(sweep, prog, shared: bool):
+        (kernel, case_args, case_kwargs), chip = sweep
+        executor = ray_ex.share() if shared else None  # this sweep's share of the cluster, while it runs
+        ev = make_evaluator(args.evaluator, chip, **options)
+        unit = "us (model)" if ev.label == "model" else "us"
+        cb = prog.callback(f"{kernel.name} on {ev.chip_name() or args.device}", args.budget, unit)
+        try:
+            return tune(
                 kernel, *case_args, evaluator=ev, strategy=args.strategy, budget=args.budget, seconds=args.seconds,
-                workers=args.workers, seed=args.seed, write_db=args.write_db, force_db=args.force_db,
-                candidate_timeout_s=args.timeout, imports=args.imports, progress=cb,
-                values=_parse_values(args.values), **dict(case_kwargs),
-            ))
+                workers=args.workers, executor=executor or args.executor, seed=args.seed, write_db=args.write_db,
+                force_db=args.force_db, candidate_timeout_s=args.timeout, imports=args.imports, progress=cb,
+                values=values, **dict(case_kwargs),
+            )
+        finally:
+            if executor is not None:
+                executor.shutdown()
+
+    with _Progress(not args.no_progress) as prog:
+        if ray_ex is None:
+            results = [one(s, prog, False) for s in sweeps]
+        else:  # up to one sweep per CPU at once: candidates of all kernels x shapes x chips share the cluster
+            import concurrent.futures as cf
+
+            try:
+                ray_ex.start()
+                with cf.ThreadPoolExecutor(max_workers=min(len(sweeps), ray_ex.capacity)) as pool:
+                    results = list(pool.map(lambda s: one(s, prog, True), sweeps))
+            finally:
+                ray_ex.shutdown()
     if args.report:
         paths = write_report(results, args.report)
         print(f"report: {', '.join(paths)}", file=sys.stderr)

@@ -1,7 +1,8 @@
-"""Where candidate evaluations run: in this process, or in a pool of worker processes.
+"""Where candidate evaluations run: in this process, in a pool of worker processes, or as Ray tasks.
 
-A sweep only needs :class:`Executor`'s four methods, so another engine (e.g. Ray: ``submit`` ->
-``remote_fn.remote(...)`` and ``ObjectRef.future()``) can run the same sweep by implementing them. Jobs are
+A sweep only needs :class:`Executor`'s methods, so another engine can run the same sweep by implementing
+them: :class:`RayExecutor` does (``submit`` -> ``remote_fn.remote(...)`` and ``ObjectRef.future()``;
+``cancel`` -> ``ray.cancel(force=True)``). Jobs are
 ``run_job(kernel_ref, problem_payload, config, evaluator)``: plain picklable data, and the kernel is
 found in the worker by importing the module (or ``.py`` file) that defines it.
 
@@ -20,6 +21,8 @@ import multiprocessing as mp
 import os
 import signal
 import sys
+import threading
+import time
 from collections.abc import Callable, Sequence
 
 
@@ -32,6 +35,21 @@ class Executor(abc.ABC):
     @abc.abstractmethod
     def submit(self, fn: Callable, *args) -> cf.Future:
         raise NotImplementedError
+
+    def worker_died(self, exc: BaseException) -> bool:
+        """True when ``exc`` (from a job's future) means the worker of *that job alone* died (e.g. a Ray
+        task's worker crashed); the job is then recorded as crashed and the others go on."""
+        return False
+
+    def running_since(self, fut: cf.Future, submitted: float) -> float | None:
+        """When (``time.monotonic()``) the job began to run, or None if it is still queued; a candidate's
+        timeout counts from then. Default: its submission time ``submitted``."""
+        return submitted
+
+    def cancel(self, fut: cf.Future) -> bool:
+        """Stop one job (a hung candidate) without touching the others; False when this executor can't
+        (the sweep then calls :meth:`restart` and re-submits the others)."""
+        return False
 
     def restart(self) -> None:
         """Abandon every running job (their futures are never resolved) and get ready for new ones."""
@@ -146,3 +164,239 @@ class ProcessExecutor(Executor):
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
+
+
+# ---------------------------------------------------------------------------------------------- ray
+_RAY_IMPORTED: set = set()
+_RAY_IMPORT_ERRORS: dict = {}
+
+
+class _StartBoard:
+    """A Ray actor the tasks tell when they start, so a candidate's timeout counts from then (not from
+    its submission: a queued task, or one waiting for a fresh worker to import jax, is not hung)."""
+
+    def __init__(self):
+        self.started: list = []
+
+    def mark(self, job: int) -> None:
+        self.started.append(job)
+
+    def take(self) -> list:
+        out, self.started = self.started, []
+        return out
+
+
+def _ray_task(board, job: int, imports: Sequence[str], env: dict, blob: bytes):
+    """One job in a Ray worker: import the kernels' modules (once per worker process), then run it.
+
+    The job travels pickled *inside* the task (``blob``), so it is unpickled only after ``imports`` ran:
+    evaluators and kernels defined in a user's ``.py`` file resolve like in a :class:`ProcessExecutor`.
+    """
+    import pickle
+
+    board.mark.remote(job)
+    for k, v in env.items():
+        os.environ.setdefault(k, v)
+    todo = [s for s in imports if s not in _RAY_IMPORTED]
+    if todo:
+        from ..cli import _import
+
+        for spec in todo:
+            _RAY_IMPORTED.add(spec)
+            try:
+                _import(spec)
+            except Exception as e:  # the job then fails with "kernel ... not found"; say why
+                _RAY_IMPORT_ERRORS[spec] = f"importing {spec!r} on this Ray worker failed: {type(e).__name__}: {e}"
+    fn, args = pickle.loads(blob)
+    out = fn(*args)
+    if _RAY_IMPORT_ERRORS and getattr(out, "status", "ok") != "ok" and getattr(out, "error", None):
+        out.error += "; " + "; ".join(_RAY_IMPORT_ERRORS.values())
+    return out
+
+
+class RayExecutor(Executor):
+    """Every job is one Ray task (``num_cpus=1``, no retries): on a local cluster or a user's.
+
+    Without ``address`` this starts a local cluster of ``workers`` CPUs (``ray.init(num_cpus=workers,
+    include_dashboard=False)``) and stops it on :meth:`shutdown`; with ``address`` (``"auto"``, or
+    ``"ray://host:10001"``) it connects to a running cluster and leaves it running. If this process is
+    already connected (``ray.is_initialized()``) that connection is used as is.
+
+    A task that dies (segfault, ``os._exit``, out of memory) fails with a Ray error that
+    :meth:`worker_died` recognises, and :meth:`cancel` kills just the worker of one hung task
+    (``ray.cancel(force=True)``): one bad candidate never costs the others their work, unlike a process pool.
+    Kernel modules given in ``imports`` (names or ``.py`` paths) must be importable on every node (on a
+    local cluster they are). A candidate's timeout counts from its submission, so :attr:`slots` (jobs in
+    flight) defaults to the cluster's CPUs, and :meth:`share` splits them between concurrent sweeps.
+
+    Args:
+        workers: CPUs of the local cluster (default: ``os.cpu_count()``); with ``address``, jobs in flight
+            (default: the cluster's CPUs).
+        imports: modules / ``.py`` files defining the kernels (and evaluators) to tune.
+        env: environment defaults for the workers (``COMPILE_ONLY_ENV`` and this process's ``JAX_PLATFORMS``).
+        address: a running cluster to connect to, or None for a local one.
+        object_store_mb: object store size of a local cluster (jobs and trials are small).
+
+    Raises:
+        ImportError: ray is not installed (``pip install 'tpukernels[ray]'``).
+    """
+
+    def __init__(self, workers: int | None = None, imports: Sequence[str] = (), env: dict | None = None,
+                 address: str | None = None, object_store_mb: int = 128):
+        try:
+            import ray  # noqa: F401
+        except ImportError as e:
+            raise ImportError("the ray executor needs ray: pip install 'tpukernels[ray]'") from e
+        self.workers = None if workers is None else max(1, int(workers))
+        self.address = address
+        self.object_store_mb = object_store_mb
+        self.imports = list(dict.fromkeys(imports))
+        self.env = {**_WORKER_ENV, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"), **(env or {})}
+        self._remote = None
+        self._owns = False
+        self._refs: dict = {}  # future -> ObjectRef, for cancel()
+        self.capacity = self.workers or os.cpu_count() or 1
+        self._sharers = 0
+        self._lock = threading.Lock()
+        self._board = None
+        self._next_job = 0
+        self._jobs: dict = {}  # future -> job id
+        self._started: dict = {}  # job id -> time.monotonic() this process first heard it started
+        self._polled = 0.0
+
+    @property
+    def slots(self) -> int:  # type: ignore[override]
+        return max(1, self.capacity // max(1, self._sharers))
+
+    def start(self) -> None:
+        """Start (or connect to) the cluster now; :attr:`capacity` is then the jobs in flight at once."""
+        self._ensure()
+
+    def _ensure(self):
+        import ray
+
+        if self._remote is None:
+            if not ray.is_initialized():
+                # log_to_driver=False: workers' output (libtpu logs) would land on this process's stdout
+                kw = dict(include_dashboard=False, logging_level="WARNING", log_to_driver=False,
+                          runtime_env={"env_vars": self.env})
+                if self.address is None:
+                    ray.init(num_cpus=self.capacity, object_store_memory=self.object_store_mb * 2**20, **kw)
+                    self._owns = True
+                else:
+                    ray.init(address=self.address, **kw)
+            if self.workers is None:
+                self.capacity = max(1, int(ray.cluster_resources().get("CPU", 1)))
+            self._remote = ray.remote(_ray_task).options(num_cpus=1, max_retries=0, retry_exceptions=False)
+            self._board = ray.remote(_StartBoard).options(num_cpus=0).remote()
+        return self._remote
+
+    def submit(self, fn: Callable, *args) -> cf.Future:
+        import pickle
+
+        remote = self._ensure()
+        with self._lock:
+            self._next_job += 1
+            job = self._next_job
+        ref = remote.remote(self._board, job, self.imports, self.env, pickle.dumps((fn, args)))
+        fut = ref.future()
+        self._refs[fut] = ref
+        self._jobs[fut] = job
+        fut.add_done_callback(self._forget)
+        return fut
+
+    def _forget(self, fut) -> None:
+        self._refs.pop(fut, None)
+        self._started.pop(self._jobs.pop(fut, None), None)
+
+    def running_since(self, fut: cf.Future, submitted: float) -> float | None:
+        import ray
+
+        now = time.monotonic()
+        if now - self._polled > 0.25:  # one actor call per sweep-loop turn at most, not one per job
+            self._polled = now
+            try:
+                for job in ray.get(self._board.take.remote(), timeout=10):
+                    self._started.setdefault(job, now)
+            except Exception:  # the board is unreachable: fall back to submission times
+                return submitted
+        return self._started.get(self._jobs.get(fut))
+
+    def worker_died(self, exc: BaseException) -> bool:
+        from ray import exceptions as rex
+
+        died = tuple(getattr(rex, n) for n in ("WorkerCrashedError", "NodeDiedError", "OutOfMemoryError",
+                                                "LocalRayletDiedError") if hasattr(rex, n))
+        return isinstance(exc, died)
+
+    def cancel(self, fut: cf.Future) -> bool:
+        import ray
+
+        ref = self._refs.pop(fut, None)
+        if ref is not None:
+            try:
+                ray.cancel(ref, force=True)
+            except Exception:  # already finished
+                pass
+        return True
+
+    def share(self) -> "_SharedRay":
+        """A handle for one of several concurrent sweeps (same cluster; the slots are split between the open
+        handles; closing one with ``shutdown()`` leaves the cluster up)."""
+        return _SharedRay(self)
+
+    def restart(self) -> None:
+        for fut in list(self._refs):
+            self.cancel(fut)
+
+    def shutdown(self) -> None:
+        self.restart()
+        if self._owns:
+            import ray
+
+            ray.shutdown()
+            self._owns = False
+        self._remote = self._board = None
+
+
+class _SharedRay(Executor):
+    """One concurrent sweep's handle on a :class:`RayExecutor` (its slots: the cluster's / active sweeps)."""
+
+    def __init__(self, parent: RayExecutor):
+        self.parent = parent
+        self._mine: set = set()
+        with parent._lock:
+            parent._sharers += 1
+        self._open = True
+
+    @property
+    def slots(self) -> int:  # type: ignore[override]
+        return self.parent.slots
+
+    def submit(self, fn: Callable, *args) -> cf.Future:
+        fut = self.parent.submit(fn, *args)
+        self._mine.add(fut)
+        fut.add_done_callback(self._mine.discard)
+        return fut
+
+    def worker_died(self, exc: BaseException) -> bool:
+        return self.parent.worker_died(exc)
+
+    def running_since(self, fut: cf.Future, submitted: float) -> float | None:
+        with self.parent._lock:
+            return self.parent.running_since(fut, submitted)
+
+    def cancel(self, fut: cf.Future) -> bool:
+        self._mine.discard(fut)
+        return self.parent.cancel(fut)
+
+    def restart(self) -> None:
+        for fut in list(self._mine):
+            self.cancel(fut)
+
+    def shutdown(self) -> None:  # the cluster stays up for the other sweeps
+        self.restart()
+        if self._open:
+            with self.parent._lock:
+                self.parent._sharers -= 1
+            self._open = False

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import concurrent.futures.process  # noqa: F401 - cf.process.BrokenProcessPool below
 import dataclasses
 import time
 from collections.abc import Callable
@@ -102,11 +103,21 @@ def make_evaluator(evaluator: "str | Evaluator", chip: str | None = None, **opti
     raise ArgumentError(f"evaluator {evaluator!r}: choose tpu-model or measure")
 
 
-def _make_executor(workers: int, evaluator: Evaluator, kernel: TpuKernel, imports) -> Executor:
-    if workers <= 1 or not evaluator.parallel:
-        return InlineExecutor()
+def _make_executor(workers: int, evaluator: Evaluator, kernel: TpuKernel, imports, kind: str | None = None
+                   ) -> Executor:
+    """``kind``: ``"inline"``, ``"process"``, ``"ray"`` (a local Ray cluster of ``workers`` CPUs), or None:
+    process workers when ``workers > 1`` and the evaluator runs in parallel, else inline."""
     ref = KernelRef.of(kernel)
-    return ProcessExecutor(workers, imports=[*(imports or ()), *([ref.source] if ref.source else [])])
+    mods = [*(imports or ()), *([ref.source] if ref.source else [])]
+    if kind == "ray":
+        from .executors import RayExecutor
+
+        return RayExecutor(workers if workers > 1 else None, imports=mods)
+    if kind not in (None, "inline", "process"):
+        raise ArgumentError(f"executor {kind!r}: choose inline, process or ray")
+    if kind == "inline" or not evaluator.parallel or (kind is None and workers <= 1):
+        return InlineExecutor()
+    return ProcessExecutor(workers, imports=mods)
 
 
 def tune(
@@ -118,7 +129,7 @@ def tune(
     budget: int | None = None,
     seconds: float | None = None,
     workers: int = 1,
-    executor: Executor | None = None,
+    executor: "Executor | str | None" = None,
     seed: int = 0,
     write_db: str | None = None,
     force_db: bool = False,
@@ -140,7 +151,8 @@ def tune(
         seconds: stop after this many seconds of wall-clock (in-flight candidates are abandoned).
         workers: parallel worker processes (``tpu-model`` only; ``measure`` runs serially: concurrent
             timings would interfere).
-        executor: run jobs there instead (overrides ``workers``).
+        executor: an :class:`Executor` to run jobs on (it is not shut down; overrides ``workers``), or
+            ``"inline"`` / ``"process"`` / ``"ray"`` (a local Ray cluster of ``workers`` CPUs, or all of them).
         write_db: ``"user"`` (the user cache), ``"shipped"`` (package data, for maintainers), a file path,
             or None. The best config is stored under the kernel's source hash, chip, shape bucket, dtypes
             and static args.
@@ -166,8 +178,8 @@ def tune(
     else:
         strat = make_strategy(strategy, space, seed)
     strat_name = strat.name
-    ex = executor or _make_executor(workers, ev, kernel, imports)
-    own_executor = executor is None
+    own_executor = not isinstance(executor, Executor)
+    ex = executor if not own_executor else _make_executor(workers, ev, kernel, imports, executor)
     ref = kernel if isinstance(ex, InlineExecutor) else KernelRef.of(kernel)
     payload = problem.payload()
     default = space.default()
@@ -233,7 +245,11 @@ def tune(
                     crashed.append(config)
                     continue
                 except Exception as e:  # the job machinery itself raised (run_job catches evaluator errors)
-                    trial = Trial(dict(config), "failed", error_kind="error", error=f"{type(e).__name__}: {e}")
+                    if ex.worker_died(e):  # e.g. a Ray task's worker: only this job was lost
+                        trial = Trial(dict(config), "crashed", error_kind="crashed",
+                                      error=f"the worker died while evaluating this config ({type(e).__name__})")
+                    else:
+                        trial = Trial(dict(config), "failed", error_kind="error", error=f"{type(e).__name__}: {e}")
                 finish(config, trial)
             if crashed:  # a worker died: every job in flight is lost with the pool
                 lost = crashed + [c for c, _ in in_flight.values()]
@@ -246,12 +262,17 @@ def tune(
                     suspects.extend(c for c in lost if c not in suspects)
                 continue
             now = time.monotonic()
-            late = [(f, c) for f, (c, s) in in_flight.items() if now - s > candidate_timeout_s]
+            running = {f: ex.running_since(f, s) for f, (c, s) in in_flight.items()}  # None: still queued
+            late = [(f, c) for f, (c, s) in in_flight.items()
+                    if running[f] is not None and now - running[f] > candidate_timeout_s]
             if late and not isinstance(ex, InlineExecutor):
+                alone_killed = [ex.cancel(fut) for fut, _ in late]  # per-job kill where the executor can
                 for fut, config in late:
                     in_flight.pop(fut)
                     finish(config, Trial(dict(config), "timeout", error_kind="timeout",
                                          error=f"no result after {candidate_timeout_s:g} s (worker killed)"))
+                if all(alone_killed):
+                    continue
                 requeue = [c for c, _ in in_flight.values()]
                 in_flight.clear()
                 ex.restart()
@@ -261,11 +282,15 @@ def tune(
             finish(config, Trial(dict(config), "cancelled", error_kind="cancelled",
                                  error="the time budget ran out while it was being evaluated"))
         if in_flight:
-            ex.restart()
+            if not all([ex.cancel(fut) for fut in in_flight]):
+                ex.restart()
             in_flight.clear()
     finally:
         if own_executor:
             ex.restart() if in_flight else ex.shutdown()
+        elif in_flight:  # a shared executor (e.g. one Ray cluster for many sweeps): stop only this sweep's jobs
+            for fut in in_flight:
+                ex.cancel(fut)
 
     result = SweepResult(
         kernel=kernel.qualname, chip=chip_name, problem=problem.describe(), evaluator=ev.name, label=ev.label,

@@ -1,0 +1,103 @@
+"""Autotune sweeps on a real local Ray cluster: same winner as the process pool on the same candidates, a
+crashing and a hanging candidate fail only their own task, several sweeps share one cluster, the CLI."""
+
+import json
+import os
+import time
+
+import pytest
+
+from kernels_for_tests import EXAMPLES
+from test_autotune_helpers import SyntheticEvaluator, key, tiles
+from tpukernels.autotune.executors import ProcessExecutor, RayExecutor
+from tpukernels.autotune.tuner import tune
+from tpukernels.cli import main
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+HELPERS = os.path.join(HERE, "test_autotune_helpers.py")
+OPT = {"a": 32, "b": 512, "c": 4}
+SMALL = {"a": [8, 32], "b": [256, 512], "c": [2, 4]}  # with the defaults (16, 256, 1): 3 x 2 x 3 configs
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    import ray
+
+    ex = RayExecutor(2, imports=[HELPERS])
+    ex.start()
+    assert ray.is_initialized() and ray.cluster_resources()["CPU"] == 2
+    yield ex
+    ex.shutdown()
+    assert not ray.is_initialized()
+
+
+def _table(r):
+    return {key(**t.config): (t.status, t.time_us) for t in r.trials}
+
+
+def test_ray_sweep_finds_the_process_pools_winner(cluster):
+    ev = SyntheticEvaluator(optimum=OPT)
+    t0 = time.monotonic()
+    on_ray = tune(tiles, "256x128:f32", evaluator=ev, strategy="exhaustive", values=SMALL, executor=cluster)
+    assert time.monotonic() - t0 < 60
+    with ProcessExecutor(2, imports=[HELPERS]) as pool:
+        in_procs = tune(tiles, "256x128:f32", evaluator=ev, strategy="exhaustive", values=SMALL, executor=pool)
+    assert on_ray.best.config == in_procs.best.config == OPT
+    assert _table(on_ray) == _table(in_procs) and len(on_ray.trials) == 18
+    pids = {t.details["pid"] for t in on_ray.trials}
+    assert os.getpid() not in pids and not pids & {t.details["pid"] for t in in_procs.trials}
+
+
+def test_a_crash_and_a_hang_fail_only_their_task(cluster):
+    crash, hang = key(a=16, b=256, c=2), key(a=8, b=256, c=1)
+    ev = SyntheticEvaluator(optimum=OPT, crash=(crash,), hang=(hang,), hang_s=120, sleep_s=0.2)
+    t0 = time.monotonic()
+    r = tune(tiles, "256x128:f32", evaluator=ev, strategy="exhaustive", values={"a": [8], "b": [256], "c": [2, 3]},
+             executor=cluster, candidate_timeout_s=6)
+    assert time.monotonic() - t0 < 60
+    by = {key(**t.config): t for t in r.trials}
+    assert by[crash].status == "crashed" and "WorkerCrashedError" in by[crash].error
+    assert by[hang].status == "timeout"
+    assert r.failures == {"crashed": 1, "timeout": 1} and len(r.ok_trials) == 4
+    # the pool was not restarted: candidates in flight beside the crash and the hang still finished
+    assert not any(t.status in ("cancelled",) for t in r.trials)
+
+
+def test_concurrent_sweeps_share_the_cluster(cluster):
+    import concurrent.futures as cf
+
+    optima = [OPT, {"a": 8, "b": 2048, "c": 1}, {"a": 128, "b": 128, "c": 5}]
+
+    def sweep(opt):
+        with cluster.share() as handle:
+            assert 1 <= handle.slots <= 2
+            return tune(tiles, "256x128:f32", evaluator=SyntheticEvaluator(optimum=opt), strategy="coordinate",
+                        executor=handle)
+
+    with cf.ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(sweep, optima))
+    assert [r.best.config for r in results] == optima
+    assert cluster.slots == 2  # every handle closed
+
+
+@pytest.mark.aot
+def test_cli_library_style_sweep_over_two_chips_on_ray(tmp_cache, capsys):
+    t0 = time.monotonic()
+    rc = main(["--import", os.path.join(EXAMPLES, "matmul.py"), "autotune", "examples::matmul",
+               "--chip", "v5e,tpu7x", "--shape", "512x512:bf16", "--shape", "512x512:bf16", "--no-cycles",
+               "--budget", "3", "--seconds", "150", "--executor", "ray", "--workers", "2", "--write-db", "--json",
+               "--no-progress"])
+    assert rc == 0 and time.monotonic() - t0 < 150
+    res = json.loads(capsys.readouterr().out)
+    assert [r["chip"] for r in res] == ["v5e", "tpu7x"]
+    assert all(r["evaluated"] == 3 and r["ok"] >= 1 and r["label"] == "model" for r in res)
+    assert all(r["db_path"].endswith(f"{r['chip']}/examples.matmul.json") for r in res)
+    assert all(t["details"]["pid"] != os.getpid() for r in res for t in r["trials"])
+
+
+def test_cli_refuses_ray_with_measure_and_address_without_ray(capsys):
+    base = ["--import", HELPERS, "autotune", "tktest_autotune::tiles", "--shape", "64x128:f32", "--no-progress"]
+    assert main([*base, "--evaluator", "measure", "--executor", "ray"]) == 2
+    assert "measure evaluator times them one at a time" in capsys.readouterr().err
+    assert main([*base, "--chip", "v5e", "--address", "auto"]) == 2
+    assert "--address names a Ray cluster" in capsys.readouterr().err
