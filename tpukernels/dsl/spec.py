@@ -237,6 +237,11 @@ class Launch:
         out_shape: an :class:`OutSpec` / ``jax.ShapeDtypeStruct``, or a tuple of them.
         scratch_shapes: ``pltpu.VMEM((..), dtype)`` / ``pltpu.SMEM`` / semaphores, as in Pallas.
         num_scalar_prefetch: leading tensor arguments passed to SMEM and to every index_map.
+        prefetch: optional jax function of those ``num_scalar_prefetch`` leading arguments returning the
+            scalar-prefetch operands ``pallas_call`` actually receives (a tuple of int32 arrays, any count),
+            traced into the same jitted function, e.g. tile metadata derived on device from group sizes.
+            The body and every index_map then see its outputs instead. ``input_output_aliases`` count
+            ``pallas_call`` operands (the prefetch outputs first).
         dimension_semantics: per grid axis ``"parallel"`` / ``"arbitrary"``; defaults to all
             ``"arbitrary"`` (Mosaic's own default).
         vmem_limit_bytes: Mosaic scoped-VMEM limit for this kernel, bytes (None: chip default).
@@ -251,6 +256,7 @@ class Launch:
     out_shape: Any
     scratch_shapes: Sequence = ()
     num_scalar_prefetch: int = 0
+    prefetch: Any = None
     dimension_semantics: Sequence[str] | None = None
     vmem_limit_bytes: int | None = None
     input_output_aliases: Mapping[int, int] = dataclasses.field(default_factory=dict)
