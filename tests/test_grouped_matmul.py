@@ -1,0 +1,328 @@
+"""Tests of the grouped matmul (tpukernels.library.grouped_matmul, issue 15).
+
+Accuracy criterion: against a float64 product of the *same* low-precision inputs, the kernel's RMS error must
+stay within 1.2x of an ideal kernel's (float32 accumulation per group, one rounding to the output dtype) plus
+one float32 unit (2^-24) times the RMS of ``|lhs| @ |rhs|`` (a reordered f32 sum; see tests/test_matmul.py);
+16-bit outputs also on the elementwise maximum. Rows no local group owns must be exactly zero.
+
+Shapes are fixed per test and hypothesis varies only the group sizes (data, not shapes), so one compiled
+kernel serves all examples; every shape has M, K and N tails for 128-blocks (K % bk != 0 explicitly).
+Gradients: float32, against float64 autograd of the reference, 2e-5 of the largest reference gradient.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tpukernels as tk
+import tpukernels.library  # noqa: F401
+from tpukernels.errors import ArgumentError, DeviceError, DTypeError
+
+gm = importlib.import_module("tpukernels.library.grouped_matmul")
+OPS = torch.ops.tpukernels
+U32 = 2.0**-24
+SMALL = dict(bm=128, bk=128, bn=128)
+MODES = ["fast", "tpu"]
+
+
+def rms(x):
+    return x.double().pow(2).mean().sqrt().item() if x.numel() else 0.0
+
+
+def ideal(lhs, rhs, sizes, transpose_rhs=False, group_offset=0, out_dtype=None):
+    """f32 accumulation per group, one rounding (what an ideal kernel returns)."""
+    w = rhs.float().transpose(1, 2) if transpose_rhs else rhs.float()
+    out = torch.zeros(lhs.shape[0], w.shape[2])
+    for g, (s, e) in enumerate(gm._ref_bounds_np(sizes.numpy(), [group_offset], lhs.shape[0], rhs.shape[0])):
+        out[s:e] = lhs[s:e].float() @ w[g]
+    return out.to(out_dtype or lhs.dtype)
+
+
+def assert_within_bound(out, lhs, rhs, sizes, transpose_rhs=False, group_offset=0, out_dtype=None, factor=1.2):
+    odt = out_dtype or lhs.dtype
+    ref = gm.reference(lhs, rhs, sizes, transpose_rhs=transpose_rhs, group_offset=group_offset)
+    assert out.dtype == odt and out.shape == ref.shape
+    idl = ideal(lhs, rhs, sizes, transpose_rhs, group_offset, odt)
+    absref = gm.reference(lhs.abs(), rhs.abs(), sizes, transpose_rhs=transpose_rhs, group_offset=group_offset)
+    slack = U32 * rms(absref)
+    ek, ei = rms(out.double() - ref), rms(idl.double() - ref)
+    assert ek <= factor * ei + slack, f"RMS error {ek:.3e} > {factor} x {ei:.3e} (+{slack:.1e})"
+    if odt != torch.float32 and out.numel():
+        mk, mi = (out.double() - ref).abs().max().item(), (idl.double() - ref).abs().max().item()
+        assert mk <= factor * mi + slack, f"max error {mk:.3e} > {factor} x {mi:.3e} (+{slack:.1e})"
+    owned = torch.zeros(lhs.shape[0], dtype=torch.bool)
+    for s, e in gm._ref_bounds_np(sizes.numpy(), [group_offset], lhs.shape[0], rhs.shape[0]):
+        owned[s:e] = True
+    assert (out[~owned] == 0).all(), "rows no local group owns must be zero"
+
+
+def randn(*shape, dtype=torch.float32, gen=None):
+    return torch.randn(*shape, generator=gen).to(dtype)
+
+
+@st.composite
+def group_sizes(draw, M, G):
+    """Group sizes summing to <= M: zeros, one huge group, random splits, boundaries anywhere."""
+    kind = draw(st.sampled_from(["random", "huge", "zeros", "full", "tiny"]))
+    if kind == "huge":
+        sizes = [0] * G
+        sizes[draw(st.integers(0, G - 1))] = draw(st.integers(M - 3, M))
+    elif kind == "zeros":
+        sizes = [0] * G
+    elif kind == "tiny":
+        sizes = draw(st.lists(st.integers(0, 3), min_size=G, max_size=G))
+    else:
+        cuts = sorted(draw(st.lists(st.integers(0, M), min_size=G, max_size=G)))
+        if kind == "full":
+            cuts[-1] = M
+        sizes = list(np.diff([0] + cuts))
+    return torch.tensor(sizes, dtype=torch.int32)
+
+
+# ----------------------------------------------------------------------------------------------- forward accuracy
+@pytest.mark.parametrize("mode, transpose_rhs, dtype", [
+    ("fast", False, torch.bfloat16), ("fast", True, torch.bfloat16), ("fast", True, torch.float32),
+    ("tpu", True, torch.bfloat16), ("tpu", False, torch.float32),
+], ids=["fast-nn-bf16", "fast-nt-bf16", "fast-nt-f32", "tpu-nt-bf16", "tpu-nn-f32"])
+@settings(max_examples=6)
+@given(data=st.data())
+def test_group_sizes_within_bound(mode, transpose_rhs, dtype, data):
+    M, K, N, G = 300, 200, 140, 5  # K % 128 = 72: the K tail is masked on the last K step
+    sizes = data.draw(group_sizes(M, G))
+    g = torch.Generator().manual_seed(int(sizes.sum()) + G)
+    lhs = randn(M, K, dtype=dtype, gen=g)
+    rhs = randn(G, N, K, dtype=dtype, gen=g) if transpose_rhs else randn(G, K, N, dtype=dtype, gen=g)
+    with tk.interpret_mode(mode):
+        out = gm.grouped_matmul(lhs, rhs, sizes, transpose_rhs=transpose_rhs, config=SMALL)
+    assert_within_bound(out, lhs, rhs, sizes, transpose_rhs)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_default_config_odd_shapes_and_out_dtype(mode):
+    """Default (heuristic/clamped) blocks on a shape that fits one block per dim, f32 output of bf16 inputs."""
+    g = torch.Generator().manual_seed(7)
+    lhs, rhs = randn(77, 1030, dtype=torch.bfloat16, gen=g), randn(3, 1030, 90, dtype=torch.bfloat16, gen=g)
+    sizes = torch.tensor([30, 0, 40], dtype=torch.int32)  # 7 tail rows
+    with tk.interpret_mode(mode):
+        out = gm.grouped_matmul(lhs, rhs, sizes, out_dtype=torch.float32)
+    assert_within_bound(out, lhs, rhs, sizes, out_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_group_offset_shard(mode):
+    """rhs holds groups [2, 4) of 6: rows of groups 0, 1, 4, 5 are zero (megablox group_offset)."""
+    g = torch.Generator().manual_seed(8)
+    M, K, N = 300, 200, 260
+    lhs, rhs = randn(M, K, gen=g), randn(2, K, N, gen=g)
+    sizes = torch.tensor([40, 70, 0, 100, 50, 20], dtype=torch.int32)
+    with tk.interpret_mode(mode):
+        out = gm.grouped_matmul(lhs, rhs, sizes, group_offset=2, config=SMALL)
+        out_t = gm.grouped_matmul(lhs, rhs, sizes, group_offset=torch.tensor(2, dtype=torch.int32), config=SMALL)
+    assert_within_bound(out, lhs, rhs, sizes, group_offset=2)
+    assert torch.equal(out, out_t)
+    assert out[:110].abs().sum() == 0 and out[210:].abs().sum() == 0 and out[110:210].abs().sum() > 0
+
+
+def test_matches_ragged_dot_and_megablox():
+    """Same result as jax.lax.ragged_dot (and megablox gmm on the rows it defines) on the same inputs."""
+    import jax
+    import jax.numpy as jnp
+    jgmm = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+
+    g = torch.Generator().manual_seed(9)
+    lhs, rhs = randn(256, 256, gen=g), randn(4, 256, 256, gen=g)
+    sizes = torch.tensor([100, 0, 56, 60], dtype=torch.int32)  # 40 tail rows
+    ours = gm.grouped_matmul(lhs, rhs, sizes, config=SMALL).numpy()
+    rd = np.asarray(jax.lax.ragged_dot(jnp.asarray(lhs.numpy()), jnp.asarray(rhs.numpy()), jnp.asarray(sizes.numpy()),
+                                       precision=jax.lax.Precision.HIGHEST))
+    mb = np.asarray(jgmm.gmm(jnp.asarray(lhs.numpy()), jnp.asarray(rhs.numpy()), jnp.asarray(sizes.numpy()),
+                             tiling=(128, 128, 128), interpret=True))
+    np.testing.assert_allclose(ours, rd, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(ours[:216], mb[:216], rtol=1e-5, atol=1e-4)  # megablox leaves tail rows undefined
+    assert (ours[216:] == 0).all()
+
+
+def test_empty_problems_are_zeros():
+    lhs, rhs = torch.randn(0, 64), torch.randn(2, 64, 32)
+    assert gm.grouped_matmul(lhs, rhs, torch.zeros(2, dtype=torch.int32)).shape == (0, 32)
+    out = gm.grouped_matmul(torch.randn(5, 0), torch.randn(2, 0, 32), torch.tensor([2, 3], dtype=torch.int32))
+    assert out.shape == (5, 32) and (out == 0).all()
+
+
+def test_deterministic_and_inputs_unchanged():
+    g = torch.Generator().manual_seed(10)
+    lhs, rhs = randn(300, 200, dtype=torch.bfloat16, gen=g), randn(3, 200, 260, dtype=torch.bfloat16, gen=g)
+    sizes = torch.tensor([100, 100, 90], dtype=torch.int32)
+    copies = [t.clone() for t in (lhs, rhs, sizes)]
+    outs = [gm.grouped_matmul(lhs, rhs, sizes, config=SMALL) for _ in range(2)]
+    assert torch.equal(outs[0], outs[1])
+    assert all(torch.equal(a, b) for a, b in zip(copies, (lhs, rhs, sizes)))
+
+
+# ----------------------------------------------------------------------------------------------- backward
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["nn", "nt"])
+def test_gradients_match_float64_autograd(mode, transpose_rhs):
+    g = torch.Generator().manual_seed(11 + transpose_rhs)
+    M, K, N, G = 300, 200, 260, 4
+    sizes = torch.tensor([90, 0, 150, 40], dtype=torch.int32)  # an empty group, 20 tail rows
+    lhs = randn(M, K, gen=g).requires_grad_()
+    rhs = (randn(G, N, K, gen=g) if transpose_rhs else randn(G, K, N, gen=g)).requires_grad_()
+    dO = randn(M, N, gen=g)
+    with tk.interpret_mode(mode):
+        out = gm.grouped_matmul(lhs, rhs, sizes, transpose_rhs=transpose_rhs, config=SMALL)
+        dl, dr = torch.autograd.grad(out, (lhs, rhs), dO)
+    l64, r64 = lhs.detach().double().requires_grad_(), rhs.detach().double().requires_grad_()
+    rl, rr = torch.autograd.grad(gm.reference(l64, r64, sizes, transpose_rhs=transpose_rhs), (l64, r64), dO.double())
+    for got, want in ((dl, rl), (dr, rr)):
+        assert got.shape == want.shape and got.dtype == torch.float32
+        assert (got.double() - want).abs().max() <= 2e-5 * want.abs().max()
+    assert (dr[1] == 0).all() and (dl[280:] == 0).all()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@settings(max_examples=6)
+@given(data=st.data())
+def test_tgmm_kernel_group_sizes(mode, data):
+    M, K, N, G = 300, 200, 140, 4
+    sizes = data.draw(group_sizes(M, G))
+    g = torch.Generator().manual_seed(int(sizes.sum()))
+    x, y = randn(M, K, dtype=torch.bfloat16, gen=g), randn(M, N, dtype=torch.bfloat16, gen=g)
+    with tk.interpret_mode(mode):
+        out = OPS.grouped_matmul_tgmm(sizes, torch.zeros(1, dtype=torch.int32), x, y, G, "float32",
+                                      config=json.dumps(SMALL))
+    ref = gm.reference_tgmm(x, y, sizes, G)
+    scale = gm.reference_tgmm(x.abs(), y.abs(), sizes, G)
+    # f32 output: only accumulation-order error, <= ~M * 2^-24 relative to |x|^T |y|
+    assert ((out.double() - ref).abs() <= 4e-6 * scale + 1e-30).all()
+    empty = sizes == 0
+    assert (out[empty] == 0).all()
+
+
+def test_bf16_gradients_are_rounded_once():
+    """bf16: d_rhs within 1.2x of an f32-accumulated, once-rounded per-group lhs^T @ dO."""
+    g = torch.Generator().manual_seed(12)
+    lhs = randn(300, 200, dtype=torch.bfloat16, gen=g).requires_grad_()
+    rhs = randn(3, 200, 260, dtype=torch.bfloat16, gen=g).requires_grad_()
+    sizes = torch.tensor([120, 130, 10], dtype=torch.int32)
+    dO = randn(300, 260, dtype=torch.bfloat16, gen=g)
+    out = gm.grouped_matmul(lhs, rhs, sizes, config=SMALL)
+    (dr,) = torch.autograd.grad(out, (rhs,), dO)
+    ref = gm.reference_tgmm(lhs.detach(), dO, sizes, 3)
+    idl = torch.stack([lhs.detach()[s:e].float().T @ dO[s:e].float() for s, e in ((0, 120), (120, 250), (250, 260))])
+    assert rms(dr.double() - ref) <= 1.2 * rms(idl.bfloat16().double() - ref) + U32 * rms(ref)
+
+
+# ----------------------------------------------------------------------------------------------- errors
+@pytest.mark.parametrize("make, exc, match", [
+    (lambda: (torch.randn(4, 8, 2), torch.randn(2, 8, 3), torch.tensor([2, 2], dtype=torch.int32)), ArgumentError,
+     "lhs must be 2-D"),
+    (lambda: (torch.randn(4, 8), torch.randn(8, 3), torch.tensor([2, 2], dtype=torch.int32)), ArgumentError,
+     "rhs must be 3-D"),
+    (lambda: (torch.randn(4, 8), torch.randn(2, 7, 3), torch.tensor([2, 2], dtype=torch.int32)), ArgumentError,
+     "contraction dims differ"),
+    (lambda: (torch.randn(4, 8), torch.randn(2, 8, 3).bfloat16(), torch.tensor([2, 2], dtype=torch.int32)),
+     DTypeError, "lhs is float32 but rhs is bfloat16"),
+    (lambda: (torch.randn(4, 8).double(), torch.randn(2, 8, 3).double(), torch.tensor([2, 2], dtype=torch.int32)),
+     DTypeError, "float64 is not supported"),
+    (lambda: (torch.randn(4, 8), torch.randn(2, 8, 3), torch.tensor([2, 2])), DTypeError, "group_sizes must be int32"),
+    (lambda: (torch.randn(4, 8), torch.randn(2, 8, 3), torch.tensor([4], dtype=torch.int32)), ArgumentError,
+     "group_sizes has 1 groups but rhs has 2"),
+    (lambda: (torch.randn(4, 8), torch.randn(2, 8, 3), torch.tensor([1, 1, 2], dtype=torch.int32)), ArgumentError,
+     "pass group_offset"),
+    (lambda: (torch.randn(4, 8), torch.randn(2, 8, 3), torch.tensor([3, -1], dtype=torch.int32)), ArgumentError,
+     r"group_sizes\[1\] = -1 is negative"),
+    (lambda: (torch.randn(4, 8), torch.randn(2, 8, 3), torch.tensor([3, 2], dtype=torch.int32)), ArgumentError,
+     r"sum\(group_sizes\) = 5 exceeds lhs rows M = 4"),
+])
+def test_bad_inputs_raise_typed_errors(make, exc, match):
+    lhs, rhs, sizes = make()
+    with pytest.raises(exc, match=match):
+        gm.grouped_matmul(lhs, rhs, sizes)
+
+
+def test_bad_group_offset_and_out_dtype():
+    lhs, rhs, sizes = torch.randn(4, 8), torch.randn(2, 8, 3), torch.tensor([1, 1, 2], dtype=torch.int32)
+    with pytest.raises(ArgumentError, match=r"group_offset 2 must be in \[0, len\(group_sizes\) - rhs.shape\[0\]\]"):
+        gm.grouped_matmul(lhs, rhs, sizes, group_offset=2)
+    with pytest.raises(DTypeError, match="group_offset must be int32"):
+        gm.grouped_matmul(lhs, rhs, sizes, group_offset=torch.tensor(0))
+    with pytest.raises(DTypeError, match="out_dtype"):
+        gm.grouped_matmul(lhs, rhs, sizes, group_offset=1, out_dtype=torch.int8)
+
+
+def test_mixed_devices_raise():
+    lhs, rhs = torch.randn(4, 8), torch.randn(2, 8, 3)
+    sizes = torch.tensor([2, 2], dtype=torch.int32, device="meta")
+    with pytest.raises(DeviceError, match="one device"):
+        gm.grouped_matmul(lhs, rhs, sizes)
+
+
+def test_unchecked_values_are_clamped_on_device():
+    """The kernel op itself (no host value checks): negative sizes count as 0, ends cap at M."""
+    lhs, rhs = torch.randn(300, 200), torch.randn(2, 200, 130)
+    bad = torch.tensor([-5, 400], dtype=torch.int32)  # clamped: [0, 300)
+    out = OPS.grouped_matmul_fwd(bad, torch.zeros(1, dtype=torch.int32), lhs, rhs, False, None, config=json.dumps(SMALL))
+    want = gm.reference(lhs, rhs, torch.tensor([0, 300], dtype=torch.int32))
+    assert (out.double() - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+def test_op_schema_and_opcheck():
+    lhs, rhs = torch.randn(40, 16), torch.randn(2, 16, 24)
+    sizes = torch.tensor([10, 20], dtype=torch.int32)
+    go = torch.zeros(1, dtype=torch.int32)
+    torch.library.opcheck(OPS.grouped_matmul_fwd.default, (sizes, go, lhs, rhs, False, None),
+                          test_utils=("test_schema", "test_faketensor"))
+    assert torch.equal(OPS.grouped_matmul(lhs, rhs, sizes), gm.grouped_matmul(lhs, rhs, sizes))
+
+
+# ----------------------------------------------------------------------------------------------- compile-only
+@pytest.mark.aot
+@pytest.mark.parametrize("chip", ["v5e", "v6e", "tpu7x"])
+@pytest.mark.parametrize("case", range(len(gm.STANDARD_CASES)))
+def test_compile_only_standard_cases(chip, case):
+    """Mosaic + XLA:TPU compile the config dispatch picks (shipped default) for each chip at Mixtral shapes."""
+    kernel, args, kwargs = gm.STANDARD_CASES[case]
+    res = tk.compile_for(kernel, chip, *args, **kwargs, with_mlir=False)
+    assert res.ok, res.summary()
+    assert res.vmem_estimate_bytes <= (res.vmem_limit_bytes or 0)
+
+
+# ----------------------------------------------------------------------------------------------- DSL: Launch.prefetch
+def _rev_body(order_ref, x_ref, o_ref):
+    o_ref[...] = x_ref[...]
+
+
+@tk.tpu_kernel(_rev_body, name="prefetch_reverse_rows", namespace="tpukernels_test")
+def prefetch_reverse_rows(n: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Row blocks of ``x`` in the order ``prefetch`` derives on device from the int32 scalar ``n``."""
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+
+    nb = x.shape[0] // 8
+    return tk.Launch(
+        grid=(nb,),
+        in_specs=[pl.BlockSpec((8, x.shape[1]), lambda i, order: (order[i], 0))],
+        out_specs=pl.BlockSpec((8, x.shape[1]), lambda i, order: (i, 0)),
+        out_shape=tk.OutSpec(tuple(x.shape), x.dtype),
+        num_scalar_prefetch=1,
+        prefetch=lambda n: ((n[0] - 1 - jnp.arange(nb, dtype=jnp.int32)) % nb,),
+    )
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_launch_prefetch_derives_scalar_operands(mode):
+    """tk.Launch.prefetch: scalar-prefetch operands computed from kernel inputs inside the jitted function."""
+    x = torch.arange(32 * 128, dtype=torch.float32).reshape(32, 128)
+    with tk.interpret_mode(mode):
+        out = prefetch_reverse_rows(torch.tensor([4], dtype=torch.int32), x)
+        shifted = prefetch_reverse_rows(torch.tensor([2], dtype=torch.int32), x)
+    assert torch.equal(out, x.reshape(4, 8, 128).flip(0).reshape(32, 128))
+    assert torch.equal(shifted, x.reshape(4, 8, 128)[[1, 0, 3, 2]].reshape(32, 128))

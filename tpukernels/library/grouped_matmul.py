@@ -1,0 +1,665 @@
+"""Grouped matmul over ragged row groups (MoE expert layers): ``out[rows of g] = lhs[rows of g] @ rhs[g]``.
+
+Public op::
+
+    torch.ops.tpukernels.grouped_matmul(lhs, rhs, group_sizes, transpose_rhs=False, group_offset=None,
+                                        out_dtype=None) -> Tensor
+    tpukernels.library.grouped_matmul(lhs, rhs, group_sizes, *, transpose_rhs=False, group_offset=None,
+                                      out_dtype=None, config=None)            # same, functional
+
+Semantics are those of ``jax.lax.ragged_dot`` and JAX's megablox ``gmm``
+(``jax/experimental/pallas/ops/tpu/megablox/gmm.py``), so either can be swapped for this one:
+
+* ``lhs [M, K]``, ``rhs [G, K, N]`` (``transpose_rhs=True``: ``[G, N, K]``, the layout of ``nn.Linear``
+  weights and of HF's fused expert weights), ``group_sizes int32 [G_total]``; result ``[M, N]``.
+* Rows are grouped contiguously in group order: group ``g`` owns rows ``[sum(sizes[:g]), sum(sizes[:g+1]))``
+  and multiplies them by ``rhs[g - group_offset]``. Groups may be empty; their boundaries need not align
+  with any tile. Rows no local group owns (``sum(group_sizes) < M``, or rows of groups outside the shard)
+  are **zero**.
+* ``group_offset`` (megablox): ``rhs`` holds only the groups ``[group_offset, group_offset + G)`` of the
+  ``G_total = len(group_sizes)`` groups (an expert-parallel shard); rows of the other groups are zero.
+  Default 0 (then ``G`` must equal ``G_total``).
+* dtypes: ``lhs`` and ``rhs`` bfloat16 or float32 (one dtype); products accumulate in float32 (an f32 VMEM
+  scratch); the result is rounded once to ``out_dtype`` (default: the operand dtype, as ``ragged_dot``;
+  megablox defaults to float32). float32 operands use ``precision=HIGHEST``.
+
+Backward (autograd, ``dO`` the incoming gradient cast to the operand dtype)::
+
+    d_lhs = grouped_matmul(dO, rhs, transpose_rhs=not transpose_rhs)          (grouped_matmul_fwd)
+    d_rhs[g] = lhs[rows of g]^T @ dO[rows of g]   [G, K, N]                    (grouped_matmul_tgmm)
+             (transpose_rhs: dO[rows of g]^T @ lhs[rows of g], [G, N, K])
+
+Empty groups get a zero ``d_rhs[g]``. ``group_sizes`` / ``group_offset`` get no gradient; second
+derivatives are not implemented.
+
+Kernels (both Pallas TPU kernels with scalar prefetch and data-dependent index maps):
+
+* ``tpukernels::grouped_matmul_fwd``: grid ``(N/bn, T, K/bk)`` with ``T = ceil(M/bm) + G - 1`` work items,
+  a static bound. Work item ``i`` is one visit of one ``bm``-row output tile by one group (a tile shared by
+  two groups is visited twice, consecutively, each storing only its rows with a select; rows of no group get
+  one visit that stores zeros). Items past the real count repeat the last block indices, so they move no
+  data and the body skips them. The visit list (``_fwd_schedule``) is computed on device from
+  ``group_sizes`` inside the same jitted function (``tk.Launch.prefetch``) and lives in SMEM.
+* ``tpukernels::grouped_matmul_tgmm``: grid ``(K/bk, N/bn, T)`` with the work items innermost, so one
+  ``(g, K-block, N-block)`` output block accumulates over the tiles of group ``g``; every local group is
+  visited at least once (empty ones store zeros).
+
+Tails. K tails are masked on both operands with ``jnp.where`` (``tk.mask_tail``) on the last K step (NaN
+padding survives a 0/1 multiply; issue 15 cites a public report of wrong results exactly here). N tails
+only reach output columns Pallas drops; M tails and rows of neighbouring groups are excluded by the row
+select (forward) or masked on both operands (tgmm).
+
+What is checked where (before any kernel runs, typed errors from :mod:`tpukernels.errors`): ranks, shapes,
+dtypes, ``group_sizes`` dtype (int32) and length, ``group_offset`` range, devices, always. The *values* of
+``group_sizes`` (no negative size, ``sum <= M``) and of a tensor ``group_offset`` are checked on the host
+only when they are cpu tensors outside ``torch.compile`` tracing (device tensors would need a sync; fake
+tensors have no values). Unchecked values are clamped on device (negative sizes count as 0, group ends
+are capped at ``M``, the offset at ``[0, G_total - G]``), so bad values give a defined result, never an
+out-of-bounds access.
+
+Tunables ``bm, bk, bn`` (row tile, contraction block, output columns; clamped to the problem like
+``tpukernels.library.matmul``). Smaller ``bm`` wastes less on tiles shared by two groups (each visit
+computes the whole tile); larger ``bm`` re-reads ``rhs`` less. Defaults: :func:`heuristic`, then per-chip
+shipped tuning data ``tpukernels/data/autotuning/<chip>/tpukernels.grouped_matmul_*.json`` chosen with the
+libtpu static estimate (``tpukernels autotune --library``; a model, not a measurement). The model's grid is
+static (``T`` items), so it cannot see how skewed the groups are.
+
+Sources: megablox ``gmm`` / ``tgmm`` (metadata via scalar prefetch, masked stores of shared tiles); the
+JAX Pallas TPU matmul guide (f32 scratch accumulator); ``jax.lax.ragged_dot`` for the API.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+from .. import dsl as _dsl
+from ..dsl.validate import padded_bytes
+from ..errors import ArgumentError, DeviceError, DTypeError
+
+KERNEL_DTYPES = ("bfloat16", "float32")
+MiB = 1 << 20
+DEFAULT_SCOPED_VMEM = 16 * MiB  # Mosaic's smallest default scoped VMEM limit (v5e)
+
+TUNABLES = {
+    "bm": _dsl.Tunable([512, 128, 256, 1024, 2048], default=512, doc="rows per output tile (M)"),
+    "bk": _dsl.Tunable([1024, 256, 512, 2048, 4096], default=1024, doc="contraction block (K)"),
+    "bn": _dsl.Tunable([1024, 256, 512, 2048, 4096], default=1024, doc="output columns per block (N)"),
+}
+TUNABLES_TGMM = {
+    "bm": _dsl.Tunable([512, 128, 256, 1024, 2048], default=512, doc="rows per step (the reduction, M)"),
+    "bk": _dsl.Tunable([512, 256, 1024, 2048], default=512, doc="rows of the [bk, bn] d_rhs block (K)"),
+    "bn": _dsl.Tunable([1024, 256, 512, 2048], default=1024, doc="columns of the d_rhs block (N)"),
+}
+
+# fields of the flat int32 work-item table in SMEM: table[f * T + i]
+F_TILE, F_SRC_TILE, F_GROUP, F_LO, F_HI, F_FLAGS = range(6)
+N_FIELDS = 6
+COMPUTE, STORE, FIRST, LAST = 1, 2, 4, 8  # flag bits
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+def _dtype_name(dt) -> str:
+    if isinstance(dt, torch.dtype):
+        return str(dt).replace("torch.", "")
+    return np.dtype(dt).name
+
+
+def _clamp(dim: int, block: int) -> int:
+    return dim if 0 < dim <= block else block
+
+
+def canonical_out_dtype(out_dtype, where="grouped_matmul") -> str | None:
+    """``None`` / torch dtype / name -> ``"bfloat16" | "float32"`` (or None). Raises DTypeError otherwise."""
+    if out_dtype is None:
+        return None
+    name = out_dtype if isinstance(out_dtype, str) else _dtype_name(out_dtype)
+    name = {"bf16": "bfloat16", "f32": "float32", "fp32": "float32", "float": "float32"}.get(name, name)
+    if name not in KERNEL_DTYPES:
+        raise DTypeError(f"{where}: out_dtype {out_dtype!r} is not supported; use one of {KERNEL_DTYPES}")
+    return name
+
+
+def _bits(flags, bit):
+    return (flags & bit) != 0
+
+
+def _group_bounds(sizes, offset, M: int, G: int):
+    """(start, end) rows of the G local groups, clamped on device (module docstring), int32 [G] each."""
+    import jax.numpy as jnp
+
+    sizes = jnp.maximum(sizes.astype(jnp.int32), 0)
+    ends = jnp.minimum(jnp.cumsum(sizes), M).astype(jnp.int32)
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    off = jnp.clip(offset.reshape(-1)[0], 0, sizes.shape[0] - G)
+    idx = off + jnp.arange(G, dtype=jnp.int32)
+    return starts[idx], ends[idx]
+
+
+def _forward_fill(values, valid):
+    """``values[last j <= i with valid[j]]`` per i (0 where none yet)."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    T = values.shape[0]
+    src = lax.cummax(jnp.where(valid, jnp.arange(T, dtype=jnp.int32), -1), axis=0)
+    return jnp.where(src >= 0, values[jnp.maximum(src, 0)], 0)
+
+
+def _fwd_schedule(sizes, offset, *, M: int, G: int, bm: int, T: int):
+    """The forward's work items as a flat int32 table (fields ``F_*``), ordered by output tile.
+
+    Tile ``j`` is visited once per local nonempty group intersecting it (in group order), or once with no
+    group (stores zeros) when none does: ``sum_j max(1, n_j) <= tiles + G - 1`` items since consecutive
+    groups share at most one tile. Items past the count repeat the last tile with no flags.
+    """
+    import jax.numpy as jnp
+
+    tiles = -(-M // bm)
+    s, e = _group_bounds(sizes, offset, M, G)
+    ne = e > s
+    j = jnp.arange(tiles, dtype=jnp.int32)[:, None]
+    inter = ne[None, :] & (s[None, :] < (j + 1) * bm) & (e[None, :] > j * bm)  # [tiles, G]
+    n = inter.sum(1).astype(jnp.int32)
+    v = jnp.maximum(n, 1)
+    V = jnp.cumsum(v)
+    i = jnp.arange(T, dtype=jnp.int32)
+    real = i < V[-1]
+    tile = jnp.minimum(jnp.searchsorted(V, i, side="right"), tiles - 1).astype(jnp.int32)
+    l = i - (V[tile] - v[tile])
+    rank = jnp.cumsum(inter.astype(jnp.int32), axis=1)[tile]  # [T, G]
+    g = jnp.minimum((rank <= l[:, None]).sum(1), G - 1).astype(jnp.int32)
+    compute = real & (n[tile] > 0)
+    lo, hi = jnp.where(compute, s[g], 0), jnp.where(compute, e[g], 0)
+    flags = (compute * COMPUTE) | (real * STORE) | ((real & (l == 0)) * FIRST)
+    src_tile = _forward_fill(tile, compute)
+    group = _forward_fill(g, compute)
+    return (jnp.stack([tile, src_tile, group, lo, hi, flags.astype(jnp.int32)]).reshape(-1),)
+
+
+def _tgmm_schedule(sizes, offset, *, M: int, G: int, bm: int, T: int):
+    """tgmm work items, ordered by group: the tiles of each local group (one empty visit for an empty one)."""
+    import jax.numpy as jnp
+
+    s, e = _group_bounds(sizes, offset, M, G)
+    ne = e > s
+    t0 = s // bm
+    c = jnp.where(ne, (e - 1) // bm - t0 + 1, 0)
+    w = jnp.maximum(c, 1)
+    W = jnp.cumsum(w)
+    i = jnp.arange(T, dtype=jnp.int32)
+    real = i < W[-1]
+    g = jnp.minimum(jnp.searchsorted(W, i, side="right"), G - 1).astype(jnp.int32)
+    l = i - (W[g] - w[g])
+    compute = real & ne[g]
+    tile = jnp.where(compute, t0[g] + l, 0).astype(jnp.int32)
+    lo, hi = jnp.where(compute, s[g], 0), jnp.where(compute, e[g], 0)
+    flags = ((compute * COMPUTE) | (real * STORE) | ((real & (l == 0)) * FIRST)
+             | ((real & (l == w[g] - 1)) * LAST))
+    src_tile = _forward_fill(tile, compute)
+    return (jnp.stack([tile, src_tile, g, lo, hi, flags.astype(jnp.int32)]).reshape(-1),)
+
+
+# ----------------------------------------------------------------------------------------------- kernel bodies
+def _gmm_body(tab, lhs_ref, rhs_ref, out_ref, acc_ref, *, T, bm, n_k, blk_k, k_size, transpose_rhs, precision):
+    """Work item ``i`` (grid axis 1), K step ``k`` (axis 2): ``acc (+)= lhs_blk @ rhs_blk``; on the last K
+    step ``out = select(rows of the group, acc, previous visit's out | 0)``."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+
+    i, k = pl.program_id(1), pl.program_id(2)
+    flags = tab[F_FLAGS * T + i]
+    compute = _bits(flags, COMPUTE)
+    tail = k_size % blk_k != 0
+    dims = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
+
+    def dot(masked: bool):
+        a, b = lhs_ref[...], rhs_ref[...]
+        if masked:  # K tail: both operands, NaN-safe jnp.where
+            a = _dsl.mask_tail(a, 1, k * blk_k, k_size)
+            b = _dsl.mask_tail(b, 1 if transpose_rhs else 0, k * blk_k, k_size)
+        return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+
+    def store(z):
+        tile = tab[F_TILE * T + i]
+        rows = tile * bm + jax.lax.broadcasted_iota(jnp.int32, out_ref.shape, 0)
+        mask = (rows >= tab[F_LO * T + i]) & (rows < tab[F_HI * T + i])
+        prev = jnp.where(_bits(flags, FIRST), 0.0, out_ref[...].astype(jnp.float32))
+        out_ref[...] = jnp.where(mask, z, prev).astype(out_ref.dtype)
+
+    last = k == n_k - 1
+    finish = _bits(flags, STORE) & last
+    # a visit without rows (a tile no group owns): the select keeps the previous visit's rows or zeros
+    pl.when(finish & jnp.logical_not(compute))(lambda: store(jnp.zeros(out_ref.shape, jnp.float32)))
+    if n_k == 1:
+        pl.when(finish & compute)(lambda: store(dot(tail)))
+        return
+
+    @pl.when(compute & (k == 0))
+    def _():
+        acc_ref[...] = dot(False)
+
+    @pl.when(compute & (k > 0) & jnp.logical_not(last))
+    def _():
+        acc_ref[...] += dot(False)
+
+    pl.when(finish & compute)(lambda: store(acc_ref[...] + dot(tail)))
+
+
+def _tgmm_body(tab, x_ref, y_ref, out_ref, acc_ref, *, T, bm, precision):
+    """Work item ``i`` (grid axis 2) of group ``g``: ``acc (+)= x_blk[rows of g]^T @ y_blk[rows of g]``;
+    on the group's last item ``out[g] = acc``."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+
+    i = pl.program_id(2)
+    flags = tab[F_FLAGS * T + i]
+
+    @pl.when(_bits(flags, FIRST))
+    def _():
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    @pl.when(_bits(flags, COMPUTE))
+    def _():
+        tile = tab[F_TILE * T + i]
+        lo, hi = tab[F_LO * T + i], tab[F_HI * T + i]
+        rows = tile * bm + jax.lax.broadcasted_iota(jnp.int32, (x_ref.shape[0], 1), 0)
+        valid = (rows >= lo) & (rows < hi)
+        x = jnp.where(valid, x_ref[...], jnp.zeros((), x_ref.dtype))
+        y = jnp.where(valid, y_ref[...], jnp.zeros((), y_ref.dtype))
+        acc_ref[...] += jax.lax.dot_general(x, y, (((0,), (0,)), ((), ())), precision=precision,
+                                            preferred_element_type=jnp.float32)
+
+    @pl.when(_bits(flags, LAST))
+    def _():
+        out_ref[...] = acc_ref[...].astype(out_ref.dtype)
+
+
+# ----------------------------------------------------------------------------------------------- checks
+def _check_meta(group_sizes, group_offset, G: int, where: str):
+    if len(group_sizes.shape) != 1:
+        raise ArgumentError(f"{where}: group_sizes must be 1-D [G_total], got shape {tuple(group_sizes.shape)}")
+    if _dtype_name(group_sizes.dtype) != "int32":
+        raise DTypeError(f"{where}: group_sizes must be int32 (as jax.lax.ragged_dot / megablox gmm), got "
+                         f"{_dtype_name(group_sizes.dtype)}; cast with .to(torch.int32)")
+    Gt = group_sizes.shape[0]
+    if Gt < G:
+        raise ArgumentError(f"{where}: group_sizes has {Gt} groups but rhs has {G}; len(group_sizes) must be "
+                            f">= rhs.shape[0] (== unless group_offset selects a shard)")
+    if tuple(group_offset.shape) not in ((), (1,)):
+        raise ArgumentError(f"{where}: group_offset must be a scalar (shape () or (1,)), got {tuple(group_offset.shape)}")
+    if _dtype_name(group_offset.dtype) != "int32":
+        raise DTypeError(f"{where}: group_offset must be int32, got {_dtype_name(group_offset.dtype)}")
+
+
+def fwd_dims(group_sizes, group_offset, lhs, rhs, transpose_rhs, where="tpukernels::grouped_matmul_fwd"):
+    """``(M, K, N, G)`` of a forward call after checking ranks, shapes and dtypes (shape arithmetic only).
+
+    Raises:
+        ArgumentError: ranks, K mismatch, group_sizes length, group_offset shape.
+        DTypeError: operand dtypes differ or are not bfloat16/float32; group metadata not int32.
+    """
+    if len(lhs.shape) != 2:
+        raise ArgumentError(f"{where}: lhs must be 2-D [M, K], got shape {tuple(lhs.shape)}")
+    if len(rhs.shape) != 3:
+        raise ArgumentError(f"{where}: rhs must be 3-D [G, {'N, K' if transpose_rhs else 'K, N'}], got shape "
+                            f"{tuple(rhs.shape)}")
+    M, K = lhs.shape
+    G, d1, d2 = rhs.shape
+    Kr, N = (d2, d1) if transpose_rhs else (d1, d2)
+    if K != Kr:
+        raise ArgumentError(f"{where}: contraction dims differ: lhs {tuple(lhs.shape)} has K = {K}, rhs "
+                            f"{tuple(rhs.shape)} (transpose_rhs={transpose_rhs}) has K = {Kr}")
+    dl, dr = _dtype_name(lhs.dtype), _dtype_name(rhs.dtype)
+    if dl != dr:
+        raise DTypeError(f"{where}: lhs is {dl} but rhs is {dr}; use one dtype")
+    if dl not in KERNEL_DTYPES:
+        raise DTypeError(f"{where}: dtype {dl} is not supported; use one of {KERNEL_DTYPES}")
+    _check_meta(group_sizes, group_offset, G, where)
+    return M, K, N, G
+
+
+def tgmm_dims(group_sizes, group_offset, x, y, num_groups, where="tpukernels::grouped_matmul_tgmm"):
+    """``(M, K, N, G)`` of a tgmm call (``x [M, K]``, ``y [M, N]``) after the same checks as :func:`fwd_dims`."""
+    for t, n in ((x, "x"), (y, "y")):
+        if len(t.shape) != 2:
+            raise ArgumentError(f"{where}: {n} must be 2-D [M, cols], got shape {tuple(t.shape)}")
+    if x.shape[0] != y.shape[0]:
+        raise ArgumentError(f"{where}: x {tuple(x.shape)} and y {tuple(y.shape)} must have the same rows")
+    dx, dy = _dtype_name(x.dtype), _dtype_name(y.dtype)
+    if dx != dy or dx not in KERNEL_DTYPES:
+        raise DTypeError(f"{where}: x and y must share one dtype of {KERNEL_DTYPES}, got {dx} and {dy}")
+    if num_groups < 0:
+        raise ArgumentError(f"{where}: num_groups must be >= 0, got {num_groups}")
+    _check_meta(group_sizes, group_offset, num_groups, where)
+    return x.shape[0], x.shape[1], y.shape[1], num_groups
+
+
+def _out_dtype(out_dtype, x):
+    import jax.numpy as jnp
+
+    return np.dtype(getattr(jnp, canonical_out_dtype(out_dtype) or _dtype_name(x.dtype)))
+
+
+def _vmem_limit(need: int):
+    """Scoped-VMEM request: none under the smallest default, else need * 1.25 + 4 MiB (Mosaic's internal
+    scratch), at least 32 MiB, at most 64 MiB (tpu7x's VMEM); same rule as tpukernels.library.matmul."""
+    if need + 4 * MiB <= DEFAULT_SCOPED_VMEM:
+        return None
+    return min(64 * MiB, max(32 * MiB, -(-(need * 5 // 4 + 4 * MiB) // MiB) * MiB))
+
+
+def num_items(M: int, G: int, bm: int) -> int:
+    """Static work-item bound ``ceil(M / bm) + G - 1`` of both kernels (0 when there is nothing to do)."""
+    tiles = -(-M // bm) if M > 0 else 0
+    return 0 if tiles == 0 or G == 0 else tiles + G - 1
+
+
+# ----------------------------------------------------------------------------------------------- launches
+@_dsl.tpu_kernel(
+    _gmm_body, name="grouped_matmul_fwd", namespace="tpukernels", tunables=TUNABLES,
+    heuristic=lambda *specs, **st: heuristic(*specs, **st),
+    out_shape=lambda gs, go, lhs, rhs, transpose_rhs=False, out_dtype=None: _dsl.OutSpec(
+        (fwd_dims(gs, go, lhs, rhs, transpose_rhs)[0], fwd_dims(gs, go, lhs, rhs, transpose_rhs)[2]),
+        _out_dtype(out_dtype, lhs)),
+    reference=lambda *a, **k: reference_fwd_jnp(*a, **k),
+)
+def grouped_matmul_fwd(group_sizes: torch.Tensor, group_offset: torch.Tensor, lhs: torch.Tensor, rhs: torch.Tensor,
+                       transpose_rhs: bool = False, out_dtype: Optional[str] = None,
+                       *, bm: int, bk: int, bn: int) -> torch.Tensor:
+    """Grouped matmul kernel: ``lhs [M, K]``, ``rhs [G, K, N]`` (``transpose_rhs``: ``[G, N, K]``),
+    ``group_sizes int32 [G_total]``, ``group_offset int32 [1]`` -> ``[M, N]`` (module docstring)."""
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    M, K, N, G = fwd_dims(group_sizes, group_offset, lhs, rhs, transpose_rhs)
+    odt = _out_dtype(out_dtype, lhs)
+    bm_, bk_, bn_ = _clamp(M, bm), _clamp(K, bk), _clamp(N, bn)
+    T = num_items(M, G, bm_)
+    gn, gk = _dsl.cdiv(N, bn_), _dsl.cdiv(K, bk_)
+
+    def k_eff(t, k, i):  # items that do not compute stay on the previous item's last K block (no DMA)
+        return jnp.where(_bits(t[F_FLAGS * T + i], COMPUTE), k, gk - 1)
+
+    lhs_spec = pl.BlockSpec((bm_, bk_), lambda n, i, k, t: (t[F_SRC_TILE * T + i], k_eff(t, k, i)))
+    if transpose_rhs:
+        rhs_spec = pl.BlockSpec((None, bn_, bk_), lambda n, i, k, t: (t[F_GROUP * T + i], n, k_eff(t, k, i)))
+    else:
+        rhs_spec = pl.BlockSpec((None, bk_, bn_), lambda n, i, k, t: (t[F_GROUP * T + i], k_eff(t, k, i), n))
+    out_spec = pl.BlockSpec((bm_, bn_), lambda n, i, k, t: (t[F_TILE * T + i], n))
+    isz, osz = np.dtype(lhs.dtype).itemsize, np.dtype(odt).itemsize
+    rhs_blk = (bn_, bk_) if transpose_rhs else (bk_, bn_)
+    acc_shape = (bm_, bn_) if gk > 1 else (8, 128)
+    need = (2 * (padded_bytes((bm_, bk_), lhs.dtype) + padded_bytes(rhs_blk, lhs.dtype) + padded_bytes((bm_, bn_), odt))
+            + padded_bytes(acc_shape, jnp.float32))
+    # upper bound: lhs once per N block, rhs [K, N] once per work item, out once
+    cost = pl.CostEstimate(flops=2 * M * K * N, transcendentals=0,
+                           bytes_accessed=int(gn * M * K * isz + T * K * N * isz + M * N * osz))
+    return _dsl.Launch(
+        grid=(gn, T, gk),
+        in_specs=[lhs_spec, rhs_spec],
+        out_specs=out_spec,
+        out_shape=_dsl.OutSpec((M, N), odt),
+        scratch_shapes=[pltpu.VMEM(acc_shape, jnp.float32)],
+        num_scalar_prefetch=2,
+        prefetch=lambda gs, go: _fwd_schedule(gs, go, M=int(M), G=int(G), bm=int(bm_), T=int(T)),
+        dimension_semantics=("parallel", "arbitrary", "arbitrary"),
+        vmem_limit_bytes=_vmem_limit(need),
+        cost_estimate=cost,
+        body_kwargs=dict(T=int(T), bm=int(bm_), n_k=int(gk), blk_k=int(bk_), k_size=int(K),
+                         transpose_rhs=bool(transpose_rhs),
+                         precision=lax.Precision.HIGHEST if _dtype_name(lhs.dtype) == "float32" else None),
+    )
+
+
+@_dsl.tpu_kernel(
+    _tgmm_body, name="grouped_matmul_tgmm", namespace="tpukernels", tunables=TUNABLES_TGMM,
+    heuristic=lambda *specs, **st: heuristic_tgmm(*specs, **st),
+    out_shape=lambda gs, go, x, y, num_groups, out_dtype=None: _dsl.OutSpec(
+        (num_groups, x.shape[1], y.shape[1]), _out_dtype(out_dtype, x)),
+    reference=lambda *a, **k: reference_tgmm_jnp(*a, **k),
+)
+def grouped_matmul_tgmm(group_sizes: torch.Tensor, group_offset: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
+                        num_groups: int, out_dtype: Optional[str] = None,
+                        *, bm: int, bk: int, bn: int) -> torch.Tensor:
+    """Transposed grouped matmul (weight gradient): ``x [M, K]``, ``y [M, N]`` -> ``[num_groups, K, N]`` with
+    ``out[g] = x[rows of g]^T @ y[rows of g]`` (zero for an empty group)."""
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    M, K, N, G = tgmm_dims(group_sizes, group_offset, x, y, num_groups)
+    odt = _out_dtype(out_dtype, x)
+    bm_, bk_, bn_ = _clamp(M, bm), _clamp(K, bk), _clamp(N, bn)
+    T = num_items(M, G, bm_)
+    gk, gn = _dsl.cdiv(K, bk_), _dsl.cdiv(N, bn_)
+    x_spec = pl.BlockSpec((bm_, bk_), lambda kk, n, i, t: (t[F_SRC_TILE * T + i], kk))
+    y_spec = pl.BlockSpec((bm_, bn_), lambda kk, n, i, t: (t[F_SRC_TILE * T + i], n))
+    out_spec = pl.BlockSpec((None, bk_, bn_), lambda kk, n, i, t: (t[F_GROUP * T + i], kk, n))
+    isz, osz = np.dtype(x.dtype).itemsize, np.dtype(odt).itemsize
+    need = (2 * (padded_bytes((bm_, bk_), x.dtype) + padded_bytes((bm_, bn_), x.dtype) + padded_bytes((bk_, bn_), odt))
+            + padded_bytes((bk_, bn_), jnp.float32))
+    cost = pl.CostEstimate(flops=2 * M * K * N, transcendentals=0,
+                           bytes_accessed=int(gn * M * K * isz + gk * M * N * isz + G * K * N * osz))
+    return _dsl.Launch(
+        grid=(gk, gn, T),
+        in_specs=[x_spec, y_spec],
+        out_specs=out_spec,
+        out_shape=_dsl.OutSpec((G, K, N), odt),
+        scratch_shapes=[pltpu.VMEM((bk_, bn_), jnp.float32)],
+        num_scalar_prefetch=2,
+        prefetch=lambda gs, go: _tgmm_schedule(gs, go, M=int(M), G=int(G), bm=int(bm_), T=int(T)),
+        dimension_semantics=("parallel", "parallel", "arbitrary"),
+        vmem_limit_bytes=_vmem_limit(need),
+        cost_estimate=cost,
+        body_kwargs=dict(T=int(T), bm=int(bm_),
+                         precision=lax.Precision.HIGHEST if _dtype_name(x.dtype) == "float32" else None),
+    )
+
+
+def heuristic(group_sizes, group_offset, lhs, rhs, transpose_rhs=False, out_dtype=None) -> dict:
+    """Forward defaults before clamping: bf16 ``bm=512, bk=1024, bn=1024`` (~10 MiB of VMEM, the dense
+    matmul's blocks); float32 ``512, 512, 512``. Shipped per-chip tuning data takes precedence."""
+    if _dtype_name(lhs.dtype) == "float32":
+        return dict(bm=512, bk=512, bn=512)
+    return dict(bm=512, bk=1024, bn=1024)
+
+
+def heuristic_tgmm(group_sizes, group_offset, x, y, num_groups=0, out_dtype=None) -> dict:
+    """tgmm defaults: ``bm=512, bk=512, bn=1024`` (bf16; f32 ``512, 512, 512``)."""
+    if _dtype_name(x.dtype) == "float32":
+        return dict(bm=512, bk=512, bn=512)
+    return dict(bm=512, bk=512, bn=1024)
+
+
+# ----------------------------------------------------------------------------------------------- references
+def _ref_bounds_np(group_sizes, group_offset, M, G):
+    sizes = np.maximum(np.asarray(group_sizes, dtype=np.int64), 0)
+    ends = np.minimum(np.cumsum(sizes), M)
+    starts = np.concatenate([[0], ends[:-1]])
+    off = int(np.clip(int(np.asarray(group_offset).reshape(-1)[0]), 0, len(sizes) - G))
+    return [(int(starts[off + g]), int(ends[off + g])) for g in range(G)]
+
+
+def reference(lhs, rhs, group_sizes, *, transpose_rhs=False, group_offset=None) -> torch.Tensor:
+    """float64 reference of :func:`grouped_matmul` from the given (low-precision) inputs, **not** rounded."""
+    M, G = lhs.shape[0], rhs.shape[0]
+    w = rhs.double().transpose(1, 2) if transpose_rhs else rhs.double()
+    out = torch.zeros(M, w.shape[2], dtype=torch.float64)
+    off = 0 if group_offset is None else int(group_offset)
+    for g, (s, e) in enumerate(_ref_bounds_np(group_sizes.cpu().numpy(), [off], M, G)):
+        out[s:e] = lhs[s:e].double() @ w[g]
+    return out
+
+
+def reference_tgmm(x, y, group_sizes, num_groups, group_offset=None) -> torch.Tensor:
+    """float64 reference of the tgmm kernel: ``[G, K, N]``."""
+    off = 0 if group_offset is None else int(group_offset)
+    out = torch.zeros(num_groups, x.shape[1], y.shape[1], dtype=torch.float64)
+    for g, (s, e) in enumerate(_ref_bounds_np(group_sizes.cpu().numpy(), [off], x.shape[0], num_groups)):
+        out[g] = x[s:e].double().T @ y[s:e].double()
+    return out
+
+
+def reference_fwd_jnp(group_sizes, group_offset, lhs, rhs, transpose_rhs=False, out_dtype=None):
+    """jax reference of the forward kernel (``jax.lax.ragged_dot`` on the shard; autotuner check)."""
+    import jax
+    import jax.numpy as jnp
+
+    M, G = lhs.shape[0], rhs.shape[0]
+    s, e = _group_bounds(group_sizes, group_offset, M, G)
+    w = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
+    rows = jnp.arange(M)[:, None]
+    member = (rows >= s[None, :]) & (rows < e[None, :])  # [M, G]
+    z = jnp.einsum("mk,gkn,mg->mn", lhs.astype(jnp.float32), w.astype(jnp.float32), member.astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST)
+    return z.astype(_out_dtype(out_dtype, lhs))
+
+
+def reference_tgmm_jnp(group_sizes, group_offset, x, y, num_groups, out_dtype=None):
+    import jax
+    import jax.numpy as jnp
+
+    s, e = _group_bounds(group_sizes, group_offset, x.shape[0], num_groups)
+    rows = jnp.arange(x.shape[0])[:, None]
+    member = ((rows >= s[None, :]) & (rows < e[None, :])).astype(jnp.float32)
+    z = jnp.einsum("mk,mn,mg->gkn", x.astype(jnp.float32), y.astype(jnp.float32), member,
+                   precision=jax.lax.Precision.HIGHEST)
+    return z.astype(_out_dtype(out_dtype, x))
+
+
+# ----------------------------------------------------------------------------------------------- backward
+@grouped_matmul_fwd.def_backward
+def _fwd_backward(ctx, g):
+    gs, go, lhs, rhs = ctx.args["group_sizes"], ctx.args["group_offset"], ctx.args["lhs"], ctx.args["rhs"]
+    tr = ctx.args["transpose_rhs"]
+    dO = g.to(lhs.dtype)
+    grads = {}
+    if ctx.needs_input_grad.get("lhs"):
+        grads["lhs"] = torch.ops.tpukernels.grouped_matmul_fwd(gs, go, dO, rhs, not tr, _dtype_name(lhs.dtype))
+    if ctx.needs_input_grad.get("rhs"):
+        x, y = (dO, lhs) if tr else (lhs, dO)
+        grads["rhs"] = torch.ops.tpukernels.grouped_matmul_tgmm(gs, go, x, y, rhs.shape[0], _dtype_name(rhs.dtype))
+    return grads
+
+
+# ----------------------------------------------------------------------------------------------- public op
+def _is_tracing(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t) or torch.compiler.is_compiling()
+
+
+def _check_public(lhs, rhs, group_sizes, transpose_rhs, group_offset, out_dtype):
+    where = "tpukernels::grouped_matmul"
+    for t, n in ((lhs, "lhs"), (rhs, "rhs"), (group_sizes, "group_sizes")):
+        if not isinstance(t, torch.Tensor):
+            raise ArgumentError(f"{where}: {n} must be a torch.Tensor, got {type(t).__name__}")
+    go = group_offset if group_offset is not None else torch.zeros((), dtype=torch.int32)
+    M, K, N, G = fwd_dims(group_sizes, go, lhs, rhs, transpose_rhs, where)
+    devs = {t.device for t in (lhs, rhs, group_sizes) + ((group_offset,) if group_offset is not None else ())}
+    if len(devs) > 1:
+        raise DeviceError(f"{where}: lhs, rhs, group_sizes (and group_offset) must be on one device, got "
+                          f"{sorted(str(d) for d in devs)}")
+    Gt = group_sizes.shape[0]
+    if group_offset is None and Gt != G:
+        raise ArgumentError(f"{where}: rhs has {G} groups but group_sizes has {Gt}; pass group_offset for a shard")
+    canonical_out_dtype(out_dtype, where)
+    # value checks: only where the values are on the host and concrete (module docstring)
+    if group_sizes.device.type == "cpu" and not _is_tracing(group_sizes):
+        sizes = group_sizes.numpy()
+        if (sizes < 0).any():
+            g = int(np.argmax(sizes < 0))
+            raise ArgumentError(f"{where}: group_sizes[{g}] = {int(sizes[g])} is negative")
+        total = int(sizes.astype(np.int64).sum())
+        if total > M:
+            raise ArgumentError(f"{where}: sum(group_sizes) = {total} exceeds lhs rows M = {M}")
+    if go.device.type == "cpu" and not _is_tracing(go):
+        off = int(go.reshape(-1)[0])
+        if not 0 <= off <= Gt - G:
+            raise ArgumentError(f"{where}: group_offset {off} must be in [0, len(group_sizes) - rhs.shape[0]] = "
+                                f"[0, {Gt - G}]")
+    return go.reshape(1)
+
+
+def _grouped_matmul_impl(lhs, rhs, group_sizes, transpose_rhs=False, group_offset=None, out_dtype=None, config=None):
+    go = _check_public(lhs, rhs, group_sizes, transpose_rhs, group_offset, out_dtype)
+    return torch.ops.tpukernels.grouped_matmul_fwd(group_sizes, go, lhs, rhs, transpose_rhs,
+                                                   canonical_out_dtype(out_dtype), config=config)
+
+
+_LIB = torch.library.Library("tpukernels", "FRAGMENT")
+_LIB.define("grouped_matmul(Tensor lhs, Tensor rhs, Tensor group_sizes, bool transpose_rhs=False, "
+            "Tensor? group_offset=None, str? out_dtype=None, str? config=None) -> Tensor")
+_LIB.impl("grouped_matmul", _grouped_matmul_impl, "CompositeImplicitAutograd")
+
+
+def grouped_matmul(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, *, transpose_rhs: bool = False,
+                   group_offset=None, out_dtype=None, config=None) -> torch.Tensor:
+    """Grouped (ragged) matmul: ``out[rows of g] = lhs[rows of g] @ rhs[g - group_offset]``; differentiable.
+
+    ``torch.ops.tpukernels.grouped_matmul`` (semantics of ``jax.lax.ragged_dot`` / megablox ``gmm``).
+
+    Args:
+        lhs: ``[M, K]`` bfloat16 or float32 (cpu: Pallas interpret; tpu: TorchTPU).
+        rhs: ``[G, K, N]``, or ``[G, N, K]`` with ``transpose_rhs=True``; same dtype as ``lhs``.
+        group_sizes: int32 ``[G_total]``: rows per group, contiguous in group order; ``sum <= M`` (the rest
+            of the rows are zero in the result). Zeros allowed.
+        transpose_rhs: ``rhs`` is stored ``[G, N, K]`` (contracted on its last dim, no copy).
+        group_offset: int or int32 scalar tensor: ``rhs`` holds groups ``[group_offset, group_offset + G)``
+            of ``G_total`` (a shard); rows of other groups are zero. Default 0 (``G == G_total``).
+        out_dtype: result dtype (torch dtype or name, bfloat16 / float32); default ``lhs.dtype``.
+        config: tuning config of the forward kernel (``{"bm": 256, ...}``); default: tuned/heuristic.
+
+    Returns:
+        ``[M, N]`` in ``out_dtype`` (products accumulated in float32, rounded once).
+
+    Raises:
+        ArgumentError: ranks, K mismatch, ``len(group_sizes)`` vs ``G``, ``group_offset`` shape or range,
+            negative sizes or ``sum(group_sizes) > M`` (value checks on host cpu tensors only; see the
+            module docstring for what is clamped on device instead).
+        DTypeError: operands of different or unsupported dtypes (float16, float64, ints), ``group_sizes``
+            / ``group_offset`` not int32, bad ``out_dtype``.
+        DeviceError: tensors on different devices.
+    """
+    import json
+
+    if group_offset is not None and not isinstance(group_offset, torch.Tensor):
+        group_offset = torch.tensor(int(group_offset), dtype=torch.int32, device=lhs.device)
+    cfg = None if not config else json.dumps(dict(config), sort_keys=True)
+    return torch.ops.tpukernels.grouped_matmul(lhs, rhs, group_sizes, transpose_rhs, group_offset,
+                                               canonical_out_dtype(out_dtype), cfg)
+
+
+def skewed_group_sizes(tokens: int, top_k: int, num_experts: int, skew: float = 1.2, seed: int = 0) -> list[int]:
+    """Realistic skewed MoE group sizes: ``tokens * top_k`` rows split over ``num_experts`` by a Zipf-like
+    load (expert ``e`` gets weight ``1 / (e + 1) ** skew``, shuffled), summing exactly to ``tokens * top_k``."""
+    rng = np.random.default_rng(seed)
+    w = 1.0 / (np.arange(num_experts) + 1.0) ** skew
+    rng.shuffle(w)
+    rows = tokens * top_k
+    sizes = np.floor(w / w.sum() * rows).astype(np.int64)
+    sizes[np.argmax(w)] += rows - sizes.sum()
+    return [int(s) for s in sizes]
+
+
+#: Mixtral-8x7B expert shapes (hidden 4096, ffn 14336, 8 experts), 8192 tokens top-2 = 16384 rows:
+#: gate/up projection (x @ W1^T, weights [E, ffn, hidden]) and down projection (h @ W2^T).
+MIXTRAL = dict(tokens=8192, top_k=2, experts=8, hidden=4096, ffn=14336)
+_R = MIXTRAL["tokens"] * MIXTRAL["top_k"]
+STANDARD_CASES = [
+    (grouped_matmul_fwd, ("8:i32", "1:i32", f"{_R}x4096:bf16", "8x14336x4096:bf16"), {"transpose_rhs": True}),
+    (grouped_matmul_fwd, ("8:i32", "1:i32", f"{_R}x14336:bf16", "8x4096x14336:bf16"), {"transpose_rhs": True}),
+    (grouped_matmul_fwd, ("8:i32", "1:i32", f"{_R}x4096:bf16", "8x4096x14336:bf16"), {}),
+    (grouped_matmul_tgmm, ("8:i32", "1:i32", f"{_R}x4096:bf16", f"{_R}x14336:bf16"), {"num_groups": 8}),
+]
+
+__all__ = ["grouped_matmul", "grouped_matmul_fwd", "grouped_matmul_tgmm", "reference", "reference_tgmm",
+           "heuristic", "heuristic_tgmm", "skewed_group_sizes", "STANDARD_CASES", "MIXTRAL"]
