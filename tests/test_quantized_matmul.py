@@ -1,0 +1,373 @@
+"""Tests of the quantized matmul (tpukernels.library.quantized_matmul, issue 15).
+
+Accuracy criterion (every numeric test): elementwise against a float64 product of the **dequantized**
+operands (``W = w_q * w_scale``, and for w8a8 ``x' = x_q * x_scale`` with the quantized activations the
+kernel used), ``|y - ref| <= bound`` with ``bound = qmm.error_bound(...)``:
+
+* w8a8 int8: ``(u + 4 u32) |ref|``: the int32 sum is exact, the int32->f32 conversion and the two f32 scale
+  products add 3 u32 relative, and the final rounding to the output dtype at most ``u`` (half an ulp:
+  2^-8 bf16, 2^-24 f32) relative;
+* w8a16 and fp8: ``u |ref| + (K + 2) u32 (|x'| @ |W|^T)``: f32 products of int8 / fp8 / bf16 values are
+  exact, any f32 summation order of K terms errs by at most ``(K - 1) u32 sum|x'||W|`` (Higham, 2nd ed.,
+  eq. 3.5), one more u32 for the scale product, then the final rounding.
+
+``test_bound_is_sharp`` shows the bound catches a real mistake: dequantizing the weights to bf16 before
+the dot (rounding ``w_q * w_scale``, as a naive implementation does) violates it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import tpukernels as tk
+import tpukernels.library  # noqa: F401  (registers the ops)
+from tpukernels.autotune import db
+from tpukernels.errors import ArgumentError, ChipError, DeviceError, DTypeError
+
+qmm = importlib.import_module("tpukernels.library.quantized_matmul")
+OPS = torch.ops.tpukernels
+SMALL = dict(bm=128, bk=128, bn=128)  # several grid steps and tails in every dim for sizes > 128
+#: (x_quant, weight dtype) of every mode; the chip check is off on cpu without TPUKERNELS_TARGET_CHIP
+MODES = [(None, "int8"), ("int8", "int8"), (None, "float8_e4m3fn"), (None, "float8_e5m2"),
+         ("fp8", "float8_e4m3fn"), ("fp8", "float8_e5m2")]
+CHIPS = ("v5e", "v6e", "tpu7x")
+
+
+@pytest.fixture(autouse=True)
+def _no_target_chip(monkeypatch):
+    monkeypatch.delenv("TPUKERNELS_TARGET_CHIP", raising=False)
+
+
+def _mode_id(m):
+    return f"{m[0] or 'w8a16'}-{m[1]}"
+
+
+def run_and_check(x, w, x_quant, wdtype, out_dtype=None, config=SMALL):
+    """quantized_matmul on ``x`` with ``w`` quantized to ``wdtype``; asserts the bound; returns max err/bound."""
+    w_q, w_s = qmm.quantize_weight(w, wdtype)
+    y = qmm.quantized_matmul(x, w_q, w_s, x_quant=x_quant, out_dtype=out_dtype, config=config)
+    odt = out_dtype or x.dtype
+    assert y.dtype == odt and y.shape == (*x.shape[:-1], w.shape[0])
+    if x_quant is None:
+        xv, xs = x, None
+    else:
+        xv, xs = qmm.quantize_per_token(x, wdtype)  # the kernel the op ran (deterministic)
+    ref = qmm.reference(xv, w_q, w_s, xs)
+    bound = qmm.error_bound(xv, w_q, w_s, xs, odt)
+    err = (y.double() - ref).abs()
+    assert torch.isfinite(y).all()
+    bad = err > bound
+    assert not bad.any(), (f"{int(bad.sum())} elements over the bound; worst err/bound "
+                           f"{(err / bound.clamp_min(1e-300)).max().item():.3f}")
+    return (err / bound.clamp_min(1e-300)).max().item()
+
+
+def data(M, K, N, dtype=torch.bfloat16, seed=0, lead=()):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, M, K, generator=g).to(dtype)
+    w = torch.randn(N, K, generator=g) * torch.rand(N, 1, generator=g) * 3  # per-channel magnitudes differ
+    return x, w
+
+
+# ----------------------------------------------------------------------------------------------- accuracy
+@pytest.mark.parametrize("mode", MODES, ids=_mode_id)
+def test_modes_within_bound_both_interpreters(mode, interpret):
+    """Tails in M, N and K (200 x 300 -> 260 with 128 blocks); "tpu" interpret poisons padding with NaN."""
+    x, w = data(200, 300, 260)
+    run_and_check(x, w, *mode)
+
+
+@pytest.mark.parametrize("mode", [(None, "int8"), ("int8", "int8"), ("fp8", "float8_e4m3fn")], ids=_mode_id)
+def test_float32_in_and_out(mode):
+    x, w = data(70, 260, 140, dtype=torch.float32, seed=1)
+    run_and_check(x, w, *mode, out_dtype=torch.float32)
+    run_and_check(x.bfloat16(), w, *mode, out_dtype=torch.float32)
+
+
+@given(M=st.integers(1, 300), K=st.integers(1, 400), N=st.integers(1, 300), mode=st.sampled_from(MODES),
+       blocks=st.sampled_from([SMALL, None]), seed=st.integers(0, 2**16))
+def test_property_shapes(M, K, N, mode, blocks, seed):
+    x, w = data(M, K, N, seed=seed)
+    run_and_check(x, w, *mode, config=blocks)
+
+
+def test_leading_dims_and_default_config():
+    x, w = data(5, 96, 40, lead=(2, 3), seed=2)
+    run_and_check(x, w, None, "int8", config=None)
+    run_and_check(x, w, "int8", "int8", config=None)
+
+
+def test_bound_is_sharp():
+    """The same product with the weights dequantized to bf16 first (one rounding of w_q*w_scale) fails."""
+    x, w = data(64, 512, 256, seed=3)
+    w_q, w_s = qmm.quantize_weight(w, "int8")
+    naive = (x.float() @ (w_q.float() * w_s[:, None]).bfloat16().float().T).bfloat16()
+    bound = qmm.error_bound(x, w_q, w_s, None, torch.bfloat16)
+    assert ((naive.double() - qmm.reference(x, w_q, w_s)).abs() > bound).any()
+
+
+def test_int8_accumulation_is_exact():
+    """Worst-case magnitudes (all +-127, K = 4096): int32 accumulation, so the f32 result is the exact sum."""
+    K = 4096
+    xq = torch.full((16, K), 127, dtype=torch.int8)
+    wq = torch.full((128, K), 127, dtype=torch.int8)
+    wq[1::2] = -127
+    one = torch.ones(1, 128)
+    y = qmm.quantized_matmul_kernel(xq, wq, one, torch.ones(16, 1), "float32", config=dict(bk=256))
+    exact = torch.tensor([127 * 127 * K, -127 * 127 * K] * 64, dtype=torch.float64)
+    assert torch.equal(y[0].double(), exact)  # 66 M is exactly representable in f32 (a multiple of 2^2)
+
+
+def test_empty_and_k_zero():
+    w_q, w_s = qmm.quantize_weight(torch.randn(7, 5), "int8")
+    assert qmm.quantized_matmul(torch.randn(0, 5).bfloat16(), w_q, w_s).shape == (0, 7)
+    y = qmm.quantized_matmul(torch.randn(3, 0).bfloat16(), torch.zeros(7, 0, dtype=torch.int8), w_s, x_quant="int8")
+    assert y.shape == (3, 7) and not y.any()
+
+
+# ----------------------------------------------------------------------------------------------- quantization
+@pytest.mark.parametrize("dtype", qmm.WEIGHT_DTYPES)
+def test_quantize_per_token_matches_reference(dtype, interpret):
+    x, _ = data(100, 333, 1, seed=4)
+    x[3] = 0  # a zero row: scale 0, q 0
+    q, s = qmm.quantize_per_token(x, dtype)
+    rq, rs = qmm.quantize_reference(x, dtype)
+    assert q.dtype == getattr(torch, dtype) and s.dtype == torch.float32 and s.shape == (100,)
+    assert torch.equal(s, rs) and s[3] == 0 and not q[3].float().any()
+    # q: equal except where x / s lies within 1e-6 relative of a rounding boundary (the interpreter's f32
+    # division is not always correctly rounded); there one grid step apart at most
+    diff = q.double() - rq.double()
+    if dtype == "int8":
+        v = x.double() / torch.where(rs == 0, 1, rs).double()[:, None]
+        near = ((v - v.floor() - 0.5).abs() < 1e-6 * v.abs().clamp_min(1))
+        assert diff.abs().max() <= 1 and not diff[~near].any()
+    else:  # fp8: one fp8 step (relative 2^-3 / 2^-2) at most, at a few ties
+        assert (diff.abs() <= rq.double().abs() * 2**-2 + 1e-30).all() and (diff != 0).float().mean() < 1e-2
+
+
+@pytest.mark.parametrize("dtype", qmm.WEIGHT_DTYPES)
+def test_quantize_weight_error(dtype):
+    w = torch.randn(33, 70) * torch.logspace(-3, 2, 33)[:, None]
+    w[5] = 0
+    q, s = qmm.quantize_weight(w, dtype)
+    assert q.shape == w.shape and s.shape == (33,) and s[5] == 0
+    err = (qmm.dequantize(q, s) - w.double()).abs()
+    if dtype == "int8":
+        assert (err <= s.double()[:, None] * 0.5 * (1 + 1e-6)).all()
+        assert q.min() >= -127
+    else:  # relative half-step of the fp8 grid (3 / 2 mantissa bits), subnormals absolute
+        rel = 2.0**-4 if dtype == "float8_e4m3fn" else 2.0**-3
+        tiny = s.double()[:, None] * float(torch.finfo(getattr(torch, dtype)).smallest_normal)
+        assert (err <= rel * w.double().abs() * (1 + 1e-6) + tiny).all()
+    assert (qmm.dequantize(q, s).abs().amax(1) - w.double().abs().amax(1)).abs().max() <= 1e-6 * w.abs().max()
+
+
+# ----------------------------------------------------------------------------------------------- autograd
+def test_backward_dx_w8a16(interpret):
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 70, 300, generator=g).requires_grad_()
+    w_q, w_s = qmm.quantize_weight(torch.randn(260, 300, generator=g), "int8")
+    y = qmm.quantized_matmul(x, w_q, w_s, config=SMALL)
+    go = torch.randn(*y.shape, generator=g)
+    (dx,) = torch.autograd.grad(y, x, go)
+    x64 = x.detach().double().requires_grad_()
+    (ref,) = torch.autograd.grad(qmm.reference(x64, w_q, w_s), x64, go.double())
+    # f32 accumulation over N = 260 terms and one f32 rounding of g * w_scale: ~ (N + 2) u32 relative
+    bound = (260 + 2) * qmm.U32 * (go.double().abs().reshape(-1, 260) @ qmm.dequantize(w_q, w_s).abs()).reshape(ref.shape)
+    assert dx.dtype == torch.float32 and ((dx.double() - ref).abs() <= bound).all()
+
+
+def test_backward_bf16_and_frozen_weights():
+    x = torch.randn(40, 256).bfloat16().requires_grad_()
+    w = torch.randn(128, 256)
+    w_q, w_s = qmm.quantize_weight(w, "float8_e4m3fn")
+    qmm.quantized_matmul(x, w_q, w_s).float().square().sum().backward()
+    x2 = x.detach().double().requires_grad_()
+    qmm.reference(x2, w_q, w_s).square().sum().backward()
+    # bf16: g (= 2y, rounded to bf16) and g * w_scale each round once (2^-8 relative), so ~2^-7
+    assert x.grad.dtype == torch.bfloat16
+    assert (x.grad.double() - x2.grad).pow(2).mean().sqrt() <= 2**-7 * x2.grad.pow(2).mean().sqrt()
+
+
+def test_w8a8_refuses_gradients():
+    w_q, w_s = qmm.quantize_weight(torch.randn(8, 16), "int8")
+    with pytest.raises(ArgumentError, match="no gradient"):
+        qmm.quantized_matmul(torch.randn(4, 16, requires_grad=True), w_q, w_s, x_quant="int8")
+    with torch.no_grad():
+        qmm.quantized_matmul(torch.randn(4, 16, requires_grad=True), w_q, w_s, x_quant="int8")
+
+
+def test_opcheck():
+    w_q, w_s = qmm.quantize_weight(torch.randn(40, 130), "int8")
+    x = torch.randn(3, 20, 130, requires_grad=True)
+    torch.library.opcheck(OPS.quantized_matmul, (x, w_q, w_s, None, None))
+    torch.library.opcheck(OPS.quantized_matmul, (x.detach().bfloat16(), w_q, w_s, "int8", "float32"))
+    torch.library.opcheck(OPS.quantized_matmul_kernel, (x.detach()[0], w_q, w_s.reshape(1, -1), None, None))
+    torch.library.opcheck(OPS.quantize_per_token_kernel, (x.detach()[0].bfloat16(), "float8_e5m2"))
+
+
+# ----------------------------------------------------------------------------------------------- errors
+def _wq(N=8, K=16, dtype="int8"):
+    return qmm.quantize_weight(torch.randn(N, K), dtype)
+
+
+@pytest.mark.parametrize("make, err, match", [
+    (lambda: (torch.randn(4, 15), *_wq()), ArgumentError, r"x.shape\[-1\] must equal K = 16"),
+    (lambda: (torch.randn(4, 16), _wq()[0], torch.ones(7)), ArgumentError, r"w_scale must have shape \(N,\) = \(8,\)"),
+    (lambda: (torch.randn(4, 16), _wq()[0], torch.ones(8).double()), DTypeError, "w_scale must be float32"),
+    (lambda: (torch.randn(4, 16), torch.randn(8, 16).bfloat16(), torch.ones(8)), DTypeError, "w_q dtype bfloat16"),
+    (lambda: (torch.randn(4, 16).half(), *_wq()), DTypeError, "x dtype float16"),
+    (lambda: (torch.randn(4, 16).double(), *_wq()), DTypeError, "x dtype float64"),
+    (lambda: (torch.randn(4, 16), _wq()[0][0], _wq()[1]), ArgumentError, "w_q must be 2-D"),
+    (lambda: (torch.randn(4, 16), *_wq(), "int4"), ArgumentError, "x_quant 'int4' is not one of"),
+    (lambda: (torch.randn(4, 16), *_wq(dtype="float8_e5m2"), "int8"), DTypeError, "x_quant='int8' needs int8 w_q"),
+    (lambda: (torch.randn(4, 16), *_wq(), "fp8"), DTypeError, "x_quant='fp8' needs float8 w_q"),
+    (lambda: (torch.randn(4, 16), *_wq(), None, "float16"), DTypeError, "out_dtype 'float16'"),
+    (lambda: (torch.randn(4, 16), _wq()[0], _wq()[1].to("meta")), DeviceError, "one device"),
+    (lambda: (torch.randn(1, qmm.INT32_MAX_K + 1), torch.zeros(1, qmm.INT32_MAX_K + 1, dtype=torch.int8),
+              torch.ones(1), "int8"), ArgumentError, "may overflow int32"),
+])
+def test_bad_input_typed_errors(make, err, match):
+    args = make()
+    kw = {}
+    if len(args) > 3:
+        kw["x_quant"] = args[3]
+    if len(args) > 4:
+        kw["out_dtype"] = args[4]
+    with pytest.raises(err, match=match):
+        qmm.quantized_matmul(*args[:3], **kw)
+
+
+def test_kernel_op_typed_errors():
+    w_q, w_s = _wq()
+    with pytest.raises(ArgumentError, match=r"w_scale must have shape \(1, 8\)"):
+        OPS.quantized_matmul_kernel(torch.randn(4, 16), w_q, torch.ones(1, 7))
+    with pytest.raises(DTypeError, match="x must have w_q's dtype int8"):
+        OPS.quantized_matmul_kernel(torch.randn(4, 16), w_q, w_s.reshape(1, 8), torch.ones(4, 1))
+    with pytest.raises(DTypeError, match="dtype 'int4'"):
+        OPS.quantize_per_token_kernel(torch.randn(4, 16), "int4")
+
+
+# ----------------------------------------------------------------------------------------------- chip support
+def test_supported_modes_come_from_tpu_info():
+    from tpukernels.chips import get_chip
+
+    for name in CHIPS:
+        info = get_chip(name).info
+        modes = qmm.supported_modes(name)
+        assert (("int8", "int8") in modes) == info.is_matmul_supported(np.int8, np.int8)
+        for f8 in ("float8_e4m3fn", "float8_e5m2"):
+            f8d = qmm._jnp(f8)
+            assert (("fp8", f8) in modes) == info.is_matmul_supported(f8d, f8d)
+        assert (None, "int8") in modes
+    # what jax 0.10.2's tables say (the docstring's summary; fails if jax changes them)
+    assert ("int8", "int8") not in qmm.supported_modes("tpu7x") and ("int8", "int8") in qmm.supported_modes("v6e")
+    assert (None, "float8_e4m3fn") not in qmm.supported_modes("v5e")
+
+
+@pytest.mark.parametrize("chip, mode, alt", [("tpu7x", ("int8", "int8"), "x_quant='fp8'"),
+                                             ("v5e", (None, "float8_e4m3fn"), "float8_e5m2"),
+                                             ("v6e", ("fp8", "float8_e4m3fn"), "w8a8 int8")])
+def test_unsupported_pair_names_chip_and_alternatives(monkeypatch, chip, mode, alt):
+    monkeypatch.setenv("TPUKERNELS_TARGET_CHIP", chip)
+    w_q, w_s = _wq(dtype=mode[1])
+    with pytest.raises(ChipError, match=rf"not supported on {chip}.*supported on {chip}: .*{alt}"):
+        qmm.quantized_matmul(torch.randn(4, 16).bfloat16(), w_q, w_s, x_quant=mode[0])
+
+
+def test_supported_pair_runs_with_target_chip(monkeypatch):
+    monkeypatch.setenv("TPUKERNELS_TARGET_CHIP", "tpu7x")
+    x, w = data(40, 256, 130, seed=9)
+    run_and_check(x, w, "fp8", "float8_e4m3fn", config=None)  # tpu7x: fp8 supported
+    run_and_check(x, w, None, "int8", config=None)  # w8a16 runs on every chip
+
+
+# ----------------------------------------------------------------------------------------------- module
+def test_quant_linear_module():
+    lin = torch.nn.Linear(96, 48)
+    x = torch.randn(3, 7, 96)
+    for dtype, xq in (("int8", None), ("int8", "int8"), ("fp8", None)):
+        m = qmm.TPUQuantLinear.from_linear(lin, dtype, xq)
+        assert dict(m.named_parameters()) == {}  # frozen: buffers only
+        with torch.no_grad():
+            y = m(x)
+        exp = lin(x).detach()
+        # int8 weights: half-step error per weight, ~sqrt(K) growth: a few % of the RMS output here
+        assert (y - exp).pow(2).mean().sqrt() <= 0.03 * exp.pow(2).mean().sqrt()
+        assert y.shape == exp.shape and y.dtype == exp.dtype
+
+
+# ----------------------------------------------------------------------------------------------- shipped defaults + aot
+def _spec(text, name):
+    from tpukernels.targets.compile_only import parse_shape
+
+    s = parse_shape(text)
+    return tk.TensorSpec(s.shape, s.dtype, name)
+
+
+def _case_specs(args):
+    names = ("x", "w_q", "w_scale", "x_scale")
+    specs = [_spec(a, n) for a, n in zip(args, names)]
+    return tuple(specs + [None] * (4 - len(specs)))
+
+
+def _runs_on(chip, args):
+    w8a8 = len(args) == 4
+    wd = qmm._name(_spec(args[1], "w").dtype)
+    return (("int8" if wd == "int8" else "fp8") if w8a8 else None, wd) in qmm.supported_modes(chip)
+
+
+def test_shipped_defaults_are_current():
+    """Each chip has a shipped entry for each standard case it supports, for the current kernel source."""
+    kernel = qmm.quantized_matmul_kernel
+    for chip in CHIPS:
+        path = db.shipped_db_path(kernel.qualname, chip)
+        assert os.path.exists(path), path
+        for _, args, _ in qmm.STANDARD_CASES:
+            if not _runs_on(chip, args):
+                continue
+            key = db.entry_key(kernel, _case_specs(args), (("out_dtype", None),))
+            entry, how = db.find(db.load(path), key)
+            assert how == "exact", f"{chip} {args}: no entry for the current source (rerun benchmarks/quantized_matmul.py)"
+            assert entry["evidence"]["evaluator"] == "libtpu-static-estimate"
+
+
+AOT_CASES = [args for _, args, _ in qmm.STANDARD_CASES] + [
+    ("8192x4096:float8_e4m3fn", "14336x4096:float8_e4m3fn", "1x14336:f32", "8192x1:f32"),
+    ("8192x4096:bf16", "14336x4096:float8_e5m2", "1x14336:f32"),
+]
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("chip", CHIPS)
+@pytest.mark.parametrize("args", AOT_CASES, ids=lambda a: "@".join(s.split(":")[1] for s in a[:2]) + "-" + a[0])
+def test_compile_only(chip, args):
+    """Mosaic + XLA:TPU compile the shipped config (or heuristic) where the chip supports the pair, and the
+    launch refuses it with ChipError where it does not."""
+    kernel = qmm.quantized_matmul_kernel
+    if not _runs_on(chip, args):
+        with pytest.raises(ChipError, match=chip):
+            tk.compile_for(kernel, chip, *args, with_mlir=False)
+        return
+    got = db.lookup(kernel, chip, _case_specs(args), (("out_dtype", None),))
+    res = tk.compile_for(kernel, chip, *args, config=got[0] if got else None, with_mlir=False)
+    assert res.ok, res.summary()
+    assert res.vmem_estimate_bytes <= (res.vmem_limit_bytes or 0)
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("chip", CHIPS)
+def test_compile_only_quantize_and_dx(chip):
+    for dt in qmm.WEIGHT_DTYPES:
+        res = tk.compile_for(qmm.quantize_per_token_kernel, chip, "8192x14336:bf16", dt, with_mlir=False)
+        assert res.ok, res.summary()
+    res = tk.compile_for(qmm.quantized_matmul_bwd_dx, chip, "8192x14336:bf16", "14336x4096:int8", "1x14336:f32",
+                         with_mlir=False)
+    assert res.ok, res.summary()

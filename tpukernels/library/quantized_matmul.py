@@ -1,0 +1,787 @@
+"""Quantized matmul: ``y = (x @ dequant(w_q)^T)`` with int8 / fp8 weights, per-output-channel scales.
+
+Public op::
+
+    torch.ops.tpukernels.quantized_matmul(x, w_q, w_scale, x_quant=None, out_dtype=None) -> Tensor
+    tpukernels.library.quantized_matmul(x, w_q, w_scale, *, x_quant=None, out_dtype=None, config=None)
+
+Shapes: ``x [..., K]`` (leading dims flattened to ``M`` tokens), ``w_q [N, K]`` (an ``nn.Linear`` weight
+layout), ``w_scale [N]`` float32; result ``[..., N]``. The dequantized weight is
+``W[n, k] = w_q[n, k] * w_scale[n]`` (symmetric, per output channel, no zero point). Modes:
+
+=============  ===================  =====================================================================
+mode           ``x`` / ``w_q``        what runs
+=============  ===================  =====================================================================
+w8a16          bf16|f32 / int8|fp8  ``w_q`` tile converted to ``x.dtype`` in VMEM (exact: int8 and fp8
+                                    values are representable in bf16), ``x . w^T`` accumulated in f32,
+                                    then ``* w_scale[n]``. On chips whose MXU takes ``bf16 x fp8``
+                                    natively (jax ``tpu_info.is_matmul_supported``) the fp8 tile is fed as is.
+w8a8 int8      bf16|f32 / int8      ``x`` quantized per token (``quantize_per_token_kernel``), int8 x int8
+                                    accumulated exactly in int32 on the MXU, then ``* x_scale[m] * w_scale[n]``
+                                    in f32.
+w8a8 fp8       bf16|f32 / fp8       same with ``x`` quantized to ``w_q``'s fp8 dtype, f32 accumulation.
+=============  ===================  =====================================================================
+
+Quantization (``quantize_weight`` and the per-token activation kernel; symmetric absmax, all f32):
+``s = max_k |v[k]| * f32(1 / qmax)``, ``q = clip(round_half_even(v / s), -qmax, qmax)`` for int8 (``qmax = 127``,
+so -128 is never produced and the grid is symmetric), ``q = fp8(clip(v / s, -qmax, qmax))`` (round to
+nearest even) for fp8 with ``qmax`` the dtype's largest finite value (448 for e4m3fn, 57344 for e5m2).
+A zero row gets ``s = 0`` and ``q = 0``. In cpu interpret mode the kernel's ``(q, s)`` equal
+:func:`quantize_reference` bit for bit; on a TPU, f32 division is not guaranteed correctly rounded, so a
+``q`` may differ by one grid step where ``v / s`` is within an ulp of a rounding boundary (the error
+bounds below are stated for the quantized values the kernel used, so they hold either way). Source: the absmax (symmetric) scheme of LLM.int8()
+(Dettmers et al., arXiv:2208.07339, section 3.1, per-row "vector-wise" scaling) and SmoothQuant's per-token
+activation / per-channel weight granularity (Xiao et al., arXiv:2211.10438, section 3).
+
+Error (what the tests check, ``u`` = unit roundoff of the output dtype, 2^-8 bf16 / 2^-24 f32, and
+``u32 = 2^-24``): against a float64 product of the **dequantized** operands,
+
+* w8a8 int8: the int32 sum is exact (``|acc| <= 127^2 K < 2^31`` for ``K <= 133143``, checked), so the only
+  errors are the int32->f32 conversion and two f32 scale products (3 ``u32`` relative) and the final
+  rounding: ``|y - ref| <= (u + 4 u32) |ref|`` elementwise;
+* w8a16 / fp8: products are exact in f32, the f32 sum of K terms errs by at most ``(K - 1) u32 sum|x||W|``
+  (any summation order; Higham, "Accuracy and Stability of Numerical Algorithms", 2nd ed., eq. 3.5), plus
+  the scale product and the final rounding: ``|y - ref| <= u |ref| + (K + 2) u32 (|x| @ |W|^T)``.
+
+Chip support comes from jax's ``pltpu.get_tpu_info_for_chip(...).is_matmul_supported(lhs, rhs)`` (see
+:func:`supported_modes`), never a table here: w8a8 int8 needs ``(int8, int8)``; w8a8 fp8 needs
+``(fp8, fp8)``; fp8 weights need the chip to take that fp8 dtype on the MXU at all (``(fp8, fp8)`` or
+``(bf16, fp8)``). With libtpu 0.0.52 / jax 0.10.2 that gives: v5e, v6e: int8 both modes, float8_e5m2 both
+modes, no float8_e4m3fn; tpu7x: no int8 MXU (w8a16 with int8 weights still works: it runs on the bf16
+MXU), float8_e4m3fn and float8_e5m2 in both modes (``bf16 x fp8`` natively). The chip checked is the
+target of the call: the live TPU, the compile-only target (``tk.compile_for``), or on cpu
+``TPUKERNELS_TARGET_CHIP``; a cpu interpret run with no target chip checks nothing (the interpreter has
+every dtype) — set ``TPUKERNELS_TARGET_CHIP`` to get the error a TPU would give. An unsupported pair
+raises :class:`~tpukernels.errors.ChipError` naming the chip and the modes it supports.
+
+Kernels (torch ops, ``[rows, cols]`` operands):
+
+* ``tpukernels::quantized_matmul_kernel(x [M,K], w_q [N,K], w_scale [1,N], x_scale [M,1]?, out_dtype)``:
+  grid ``(M/bm, N/bn, K/bk)``, K innermost (``arbitrary``), f32 or int32 VMEM accumulator, scales in the
+  epilogue. K tails are masked on both operands (``tk.mask_tail``, NaN-safe) on the last K step only.
+* ``tpukernels::quantize_per_token_kernel(x [M,K], dtype) -> (x_q [M,K], x_scale [M,1])``: row blocks
+  of the whole K (absmax needs the full row).
+* ``tpukernels::quantized_matmul_bwd_dx(g [M,N], w_q [N,K], w_scale [1,N]) -> [M,K]``: ``d_x = (g * w_scale)
+  @ w_q`` (the scale is applied to the ``g`` tile in f32 and rounded once to ``g.dtype``).
+
+Autograd: ``d_x`` for w8a16 (weights frozen: ``w_q`` and ``w_scale`` get no gradient). w8a8 has no
+gradient (rounding has derivative zero almost everywhere); calling it with ``x.requires_grad`` under
+grad mode raises ArgumentError rather than silently returning zeros.
+
+Tunables ``bm, bk, bn`` (clamped to the problem as in :mod:`tpukernels.library.matmul`); defaults:
+:func:`heuristic`, then per-chip shipped data ``tpukernels/data/autotuning/<chip>/
+tpukernels.quantized_matmul_kernel.json`` chosen by libtpu's static estimate (a model, not a measurement;
+``benchmarks/quantized_matmul.py --write-defaults``).
+
+Sources: JAX Pallas TPU matmul guide (blocked matmul, f32 scratch accumulator) and JAX's
+``jax/experimental/pallas/ops/tpu/matmul.py``; tpu-inference's quantized matmul (int8 weights with
+per-channel scales applied after the dot) for the layout of the epilogue.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+import torch
+
+from .. import dsl as _dsl
+from ..dsl.validate import padded_bytes
+from ..errors import ArgumentError, ChipError, DeviceError, DTypeError
+
+MiB = 1 << 20
+DEFAULT_SCOPED_VMEM = 16 * MiB  # Mosaic's smallest default scoped VMEM limit (v5e)
+WEIGHT_DTYPES = ("int8", "float8_e4m3fn", "float8_e5m2")
+X_DTYPES = ("bfloat16", "float32")
+OUT_DTYPES = ("bfloat16", "float32")
+X_QUANT = (None, "int8", "fp8")
+#: largest K whose int8 x int8 sum cannot overflow int32: 127 * 127 * K < 2^31
+INT32_MAX_K = (2**31 - 1) // (127 * 127)
+U32 = 2.0**-24
+
+TUNABLES = {
+    "bm": _dsl.Tunable([512, 128, 256, 1024, 2048], default=512, doc="rows of the output block (tokens)"),
+    "bk": _dsl.Tunable([1024, 256, 512, 2048, 4096], default=1024, doc="contraction block (K)"),
+    "bn": _dsl.Tunable([1024, 256, 512, 2048, 4096], default=1024, doc="columns of the output block (N)"),
+}
+TUNABLES_Q = {
+    "bm": _dsl.Tunable([256, 32, 64, 128, 512, 1024], default=256, doc="rows per block (the block holds whole rows)"),
+}
+
+
+# ----------------------------------------------------------------------------------------------- dtypes, chips
+def _name(dt) -> str:
+    if isinstance(dt, torch.dtype):
+        return str(dt).replace("torch.", "")
+    return np.dtype(dt).name
+
+
+def _jnp(name: str):
+    import jax.numpy as jnp
+
+    return np.dtype(getattr(jnp, name))
+
+
+def qmax(dtype) -> float:
+    """Largest magnitude of the symmetric grid of ``dtype``: 127 for int8, the largest finite fp8 value."""
+    name = _name(dtype)
+    if name == "int8":
+        return 127.0
+    if name in ("float8_e4m3fn", "float8_e5m2"):
+        return float(torch.finfo(getattr(torch, name)).max)
+    raise DTypeError(f"quantize: dtype {name} is not one of {WEIGHT_DTYPES}")
+
+
+def _mxu_ok(chip, lhs: str, rhs: str) -> bool:
+    """jax's ``TpuInfo.is_matmul_supported`` for one core of ``chip`` (natively, no casting)."""
+    return bool(chip.info.is_matmul_supported(_jnp(lhs), _jnp(rhs)))
+
+
+def supported_modes(chip) -> list[tuple[Optional[str], str]]:
+    """``(x_quant, w dtype)`` pairs :func:`quantized_matmul` runs on ``chip`` (bf16 activations).
+
+    Derived from jax's ``TpuInfo.is_matmul_supported`` (module docstring): w8a16 with int8 weights runs
+    wherever the MXU takes bf16; fp8 weights need the chip's MXU to take that fp8 dtype (with itself or
+    with bf16); w8a8 needs the quantized pair itself.
+    """
+    from ..chips import get_chip
+
+    chip = get_chip(chip)
+    out: list[tuple[Optional[str], str]] = []
+    if _mxu_ok(chip, "bfloat16", "bfloat16"):
+        out.append((None, "int8"))
+    if _mxu_ok(chip, "int8", "int8"):
+        out.append(("int8", "int8"))
+    for f8 in ("float8_e4m3fn", "float8_e5m2"):
+        native, has = _mxu_ok(chip, "bfloat16", f8), _mxu_ok(chip, f8, f8)
+        if native or has:
+            out.append((None, f8))
+        if has:
+            out.append(("fp8", f8))
+    return out
+
+
+def _describe(modes) -> str:
+    return ", ".join(f"{'w8a16' if xq is None else 'w8a8'} {w} (x_quant={xq!r})" for xq, w in modes)
+
+
+def _target_chip():
+    """The chip this call is for: the launch target, else the dispatch chip (live TPU / env), else None."""
+    from ..lowering import launch_chip
+
+    chip = launch_chip()
+    if chip is not None:
+        return chip
+    from ..autotune.db import dispatch_chip
+    from ..chips import get_chip
+
+    name = dispatch_chip()
+    return get_chip(name) if name else None
+
+
+def check_chip(x_quant: Optional[str], w_dtype: str, chip=None, where: str = "quantized_matmul") -> None:
+    """Raise :class:`ChipError` if ``chip`` (default: the call's target, None: unchecked) lacks the mode."""
+    chip = _target_chip() if chip is None else chip
+    if chip is None:
+        return
+    modes = supported_modes(chip)
+    if (x_quant, w_dtype) not in modes:
+        pair = {None: f"{w_dtype} at all (neither (bfloat16, {w_dtype}) nor ({w_dtype}, {w_dtype}))"
+                if w_dtype != "int8" else "(bfloat16, bfloat16)",
+                "int8": "(int8, int8)", "fp8": f"({w_dtype}, {w_dtype})"}[x_quant]
+        raise ChipError(
+            f"{where}: x_quant={x_quant!r} with {w_dtype} weights is not supported on {chip.name}: jax's "
+            f"tpu_info.is_matmul_supported says its MXU does not take {pair} natively; supported on "
+            f"{chip.name}: {_describe(modes)}"
+        )
+
+
+def _native_fp8(x_dtype: str, w_dtype: str) -> bool:
+    """Feed a w8a16 fp8 tile to the MXU as is (the target chip takes the pair natively)?"""
+    chip = _target_chip()
+    return chip is not None and w_dtype.startswith("float8") and _mxu_ok(chip, x_dtype, w_dtype)
+
+
+# ----------------------------------------------------------------------------------------------- reference
+def quantize_reference(v: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric absmax quantization of each row of ``v [R, C]`` (f32 formula of the module docstring).
+
+    Returns ``(q [R, C] dtype, scale [R] float32)`` with ``v ~= q * scale[:, None]``.
+    """
+    name = _name(dtype)
+    qm = qmax(name)
+    v32 = v.float()
+    inv = torch.tensor(1.0 / qm, dtype=torch.float32)  # f32(1/qmax): the kernel multiplies by the same
+    scale = v32.abs().amax(dim=-1) * inv if v32.shape[-1] else torch.zeros(v32.shape[:-1])
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+    q = v32 / safe.unsqueeze(-1)
+    if name == "int8":
+        q = torch.round(q).clamp(-qm, qm).to(torch.int8)
+    else:
+        q = q.clamp(-qm, qm).to(getattr(torch, name))
+    return q, scale
+
+
+def quantize_weight(w: torch.Tensor, dtype="int8") -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize an ``nn.Linear`` weight ``w [N, K]`` per output channel (symmetric absmax, torch on any device).
+
+    Args:
+        w: ``[N, K]`` floating weight (any float dtype; computed in float32).
+        dtype: ``"int8"``, ``"float8_e4m3fn"`` / ``"float8_e5m2"`` (or the torch dtype; ``"fp8"`` means e4m3fn).
+
+    Returns:
+        ``(w_q [N, K] dtype, w_scale [N] float32)``, ``w ~= w_q * w_scale[:, None]``; max error per element
+        ``w_scale / 2`` for int8 (half a grid step), 2^-4 relative (e4m3fn) / 2^-3 (e5m2) for fp8.
+
+    Raises:
+        ArgumentError: ``w`` not 2-D. DTypeError: ``w`` not floating, unknown ``dtype``.
+    """
+    name = dtype if isinstance(dtype, str) else _name(dtype)
+    name = {"fp8": "float8_e4m3fn"}.get(name, name)
+    if name not in WEIGHT_DTYPES:
+        raise DTypeError(f"quantize_weight: dtype {dtype!r} is not one of {WEIGHT_DTYPES} (or 'fp8')")
+    if not isinstance(w, torch.Tensor) or w.dim() != 2:
+        raise ArgumentError(f"quantize_weight: w must be a 2-D [N, K] tensor, got "
+                            f"{tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__}")
+    if not w.dtype.is_floating_point:
+        raise DTypeError(f"quantize_weight: w must be floating point, got {_name(w.dtype)}")
+    with torch.no_grad():
+        return quantize_reference(w.detach(), name)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``q * scale[:, None]`` in float64 (exact: every int8/fp8 value times an f32 fits in float64)."""
+    return q.double() * scale.double().unsqueeze(-1)
+
+
+def reference(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, x_scale=None) -> torch.Tensor:
+    """float64 ``x' @ W^T`` of the dequantized operands, **not** rounded: ``W = w_q * w_scale[:, None]``;
+    ``x' = x`` (w8a16) or, with ``x_scale [...]``, ``x' = x * x_scale[..., None]`` (w8a8: pass the quantized
+    activations, e.g. from :func:`quantize_per_token` or :func:`quantize_reference`)."""
+    K = x.shape[-1]
+    xd = x.reshape(-1, K).double()
+    if x_scale is not None:
+        xd = xd * x_scale.reshape(-1, 1).double()
+    y = xd @ dequantize(w_q, w_scale).T
+    return y.reshape(*x.shape[:-1], w_q.shape[0])
+
+
+def error_bound(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, x_scale=None, out_dtype=None):
+    """Elementwise bound on ``|y - reference(x, w_q, w_scale, x_scale)|`` (module docstring), float64."""
+    odt = out_dtype or (torch.bfloat16 if x_scale is not None else x.dtype)
+    u = 2.0**-8 if odt == torch.bfloat16 else U32
+    ref = reference(x, w_q, w_scale, x_scale)
+    if x_scale is not None and x.dtype == torch.int8:
+        return (u + 4 * U32) * ref.abs()
+    xd = x.reshape(-1, x.shape[-1]).double().abs()
+    if x_scale is not None:
+        xd = xd * x_scale.reshape(-1, 1).double().abs()
+    mag = (xd @ dequantize(w_q, w_scale).abs().T).reshape(ref.shape)
+    return u * ref.abs() + (x.shape[-1] + 2) * U32 * mag
+
+
+# ----------------------------------------------------------------------------------------------- kernel bodies
+def _qmm_body(x_ref, w_ref, ws_ref, *refs, layout, k_size, blk_k, n_k, has_xs, acc_int, dequant_to, precision):
+    """One output block, one K step (``layout="nt"``: forward ``x . w_q^T``; ``"nn"``: ``d_x = (g*s) . w_q``).
+
+    ``refs`` = ``[xs_ref,] o_ref, acc_ref``. First K step stores the partial product, middle steps add,
+    the last applies the scales and writes the output (a single K step skips the accumulator).
+    """
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+
+    if has_xs:
+        xs_ref, o_ref, acc_ref = refs
+    else:
+        xs_ref, (o_ref, acc_ref) = None, refs
+    k = pl.program_id(2)
+    dims = (((1,), (1,)), ((), ())) if layout == "nt" else (((1,), (0,)), ((), ()))
+    w_kax = 1 if layout == "nt" else 0
+    acc_t = jnp.int32 if acc_int else jnp.float32
+
+    def contribution(masked: bool):
+        x = x_ref[...]
+        w = w_ref[...]
+        if layout == "nn":  # the contraction runs over N: scale g's columns by w_scale (f32, one rounding)
+            x = (x.astype(jnp.float32) * ws_ref[...]).astype(x_ref.dtype)
+        if masked:  # K tail: both operands (NaN-safe jnp.where)
+            x = _dsl.mask_tail(x, 1, k * blk_k, k_size)
+            w = _dsl.mask_tail(w, w_kax, k * blk_k, k_size)
+        if dequant_to is not None:  # int8 / fp8 -> bf16 / f32 is exact
+            w = w.astype(dequant_to)
+        return jax.lax.dot_general(x, w, dims, precision=precision, preferred_element_type=acc_t)
+
+    def epilogue(acc):
+        z = acc.astype(jnp.float32)
+        if layout == "nt":
+            z = z * ws_ref[...]
+        if xs_ref is not None:
+            z = z * xs_ref[...]
+        o_ref[...] = z.astype(o_ref.dtype)
+
+    tail = k_size % blk_k != 0
+
+    def step(fn, last: bool):
+        fn(contribution(tail and last))
+
+    if n_k == 1:
+        step(epilogue, True)
+        return
+
+    def store(d):
+        acc_ref[...] = d
+
+    def add(d):
+        acc_ref[...] += d
+
+    def finish(d):
+        epilogue(acc_ref[...] + d)
+
+    pl.when(k == 0)(lambda: step(store, False))
+    pl.when(jnp.logical_and(k > 0, k < n_k - 1))(lambda: step(add, False))
+    pl.when(k == n_k - 1)(lambda: step(finish, True))
+
+
+def _quantize_body(x_ref, q_ref, s_ref, *, qm, is_int):
+    """Rows of ``x`` -> symmetric absmax quantization (module docstring), f32 arithmetic."""
+    import jax.numpy as jnp
+
+    x = x_ref[...].astype(jnp.float32)
+    scale = jnp.max(jnp.abs(x), axis=1, keepdims=True) * np.float32(1.0 / qm)
+    safe = jnp.where(scale == 0, 1.0, scale)
+    q = x / safe
+    if is_int:
+        q = jnp.clip(jnp.round(q), -qm, qm).astype(jnp.int32)
+    else:
+        q = jnp.clip(q, -qm, qm)
+    q_ref[...] = q.astype(q_ref.dtype)
+    s_ref[...] = scale
+
+
+# ----------------------------------------------------------------------------------------------- launch
+def _clamp(dim: int, block: int) -> int:
+    return dim if 0 < dim <= block else block
+
+
+def problem(layout, x, w, ws, xs=None, where="tpukernels::quantized_matmul_kernel"):
+    """``(M, N, K)`` of a kernel call after checking ranks, agreement and dtypes (``N`` = output columns).
+
+    Raises:
+        ArgumentError: ranks, contraction dims, scale shapes, int32 overflow risk (K too large).
+        DTypeError: dtypes outside the supported pairs.
+    """
+    for t, n in ((x, "x"), (w, "w_q"), (ws, "w_scale")):
+        if len(t.shape) != 2:
+            raise ArgumentError(f"{where}: {n} must be 2-D, got shape {tuple(t.shape)}")
+    dx, dw = _name(x.dtype), _name(w.dtype)
+    if dw not in WEIGHT_DTYPES:
+        raise DTypeError(f"{where}: w_q dtype {dw} is not one of {WEIGHT_DTYPES}")
+    if _name(ws.dtype) != "float32":
+        raise DTypeError(f"{where}: w_scale must be float32, got {_name(ws.dtype)}")
+    Nw, Kw = w.shape
+    if layout == "nt":
+        M, K = x.shape
+        N = Nw
+        if K != Kw:
+            raise ArgumentError(f"{where}: x {tuple(x.shape)} and w_q {tuple(w.shape)}: K = {K} vs {Kw}")
+    else:  # g [M, Nw] . w_q [Nw, Kw] -> [M, Kw]
+        M, K = x.shape
+        N = Kw
+        if K != Nw:
+            raise ArgumentError(f"{where}: g {tuple(x.shape)} and w_q {tuple(w.shape)}: N = {K} vs {Nw}")
+    if tuple(ws.shape) != (1, Nw):
+        raise ArgumentError(f"{where}: w_scale must have shape (1, {Nw}) here, got {tuple(ws.shape)}")
+    if xs is not None:
+        if tuple(xs.shape) != (M, 1) or _name(xs.dtype) != "float32":
+            raise ArgumentError(f"{where}: x_scale must be float32 (M, 1) = ({M}, 1), got {tuple(xs.shape)} "
+                                f"{_name(xs.dtype)}")
+        if dx != dw:
+            raise DTypeError(f"{where}: with x_scale (w8a8) x must have w_q's dtype {dw}, got {dx}")
+        if dx == "int8" and K > INT32_MAX_K:
+            raise ArgumentError(f"{where}: K = {K} > {INT32_MAX_K}: an int8 x int8 sum may overflow int32")
+    elif dx not in X_DTYPES:
+        raise DTypeError(f"{where}: x dtype {dx} is not one of {X_DTYPES} (w8a16; pass x_scale for w8a8)")
+    return M, N, K
+
+
+def _out_dtype(out_dtype, x, where):
+    name = out_dtype or (_name(x.dtype) if _name(x.dtype) in OUT_DTYPES else "bfloat16")
+    if name not in OUT_DTYPES:
+        raise DTypeError(f"{where}: out_dtype {name!r} is not one of {OUT_DTYPES}")
+    return _jnp(name)
+
+
+def vmem_bytes(bm, bk, bn, x_dtype, w_dtype, out_dtype, has_xs, acc_shape, dequant_to=None) -> int:
+    """Double-buffered blocks + accumulator + the dequantized weight tile (Mosaic's temporary), bytes."""
+    total = 2 * (padded_bytes((bm, bk), x_dtype) + padded_bytes((bn, bk), w_dtype) + padded_bytes((bm, bn), out_dtype)
+                 + padded_bytes((1, bn), "float32"))
+    if has_xs:
+        total += 2 * padded_bytes((bm, 1), "float32")
+    if dequant_to is not None:
+        total += padded_bytes((bn, bk), dequant_to)
+    return total + padded_bytes(acc_shape, "float32")
+
+
+def make_launch(layout, x, w, ws, xs, out_dtype, bm, bk, bn) -> "_dsl.Launch":
+    """The :class:`tpukernels.Launch` of a forward (``"nt"``) or ``d_x`` (``"nn"``) kernel call."""
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    where = "tpukernels::" + ("quantized_matmul_kernel" if layout == "nt" else "quantized_matmul_bwd_dx")
+    M, N, K = problem(layout, x, w, ws, xs, where)
+    odt = _out_dtype(out_dtype, x, where)
+    dx, dw = _name(x.dtype), _name(w.dtype)
+    if layout == "nt":
+        check_chip("int8" if xs is not None and dw == "int8" else ("fp8" if xs is not None else None), dw,
+                   where=where)
+    acc_int = xs is not None and dw == "int8"
+    dequant_to = None
+    if xs is None and not _native_fp8(dx, dw):
+        dequant_to = _jnp(dx)
+    bm_, bn_, bk_ = _clamp(M, bm), _clamp(N, bn), _clamp(K, bk)
+    gi, gj, gk = _dsl.cdiv(M, bm_), _dsl.cdiv(N, bn_), _dsl.cdiv(K, bk_)
+    x_spec = pl.BlockSpec((bm_, bk_), lambda i, j, k: (i, k))
+    if layout == "nt":
+        w_spec = pl.BlockSpec((bn_, bk_), lambda i, j, k: (j, k))
+        s_spec = pl.BlockSpec((1, bn_), lambda i, j, k: (0, j))
+    else:
+        w_spec = pl.BlockSpec((bk_, bn_), lambda i, j, k: (k, j))
+        s_spec = pl.BlockSpec((1, bk_), lambda i, j, k: (0, k))
+    in_specs = [x_spec, w_spec, s_spec]
+    if xs is not None:
+        in_specs.append(pl.BlockSpec((bm_, 1), lambda i, j, k: (i, 0)))
+    acc_shape = (8, 128) if gk == 1 else (bm_, bn_)
+    need = vmem_bytes(bm_, bk_, bn_, x.dtype, w.dtype, odt, xs is not None, acc_shape, dequant_to)
+    limit = None
+    if need + 4 * MiB > DEFAULT_SCOPED_VMEM:
+        limit = min(64 * MiB, max(32 * MiB, -(-(need * 5 // 4 + 4 * MiB) // MiB) * MiB))
+    xi, wi = np.dtype(x.dtype).itemsize, np.dtype(w.dtype).itemsize
+    reads_x, reads_w = (gj if gk > 1 else 1), (gi if (gk > 1 or gj > 1) else 1)
+    cost = pl.CostEstimate(
+        flops=2 * M * N * K, transcendentals=0,
+        bytes_accessed=int(reads_x * M * K * xi + reads_w * N * K * wi + M * N * np.dtype(odt).itemsize),
+    )
+    f32 = dequant_to is not None and np.dtype(dequant_to) == np.dtype("float32")
+    return _dsl.Launch(
+        grid=(gi, gj, gk),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((bm_, bn_), lambda i, j, k: (i, j)),
+        out_shape=_dsl.OutSpec((M, N), odt),
+        scratch_shapes=[pltpu.VMEM(acc_shape, jnp.int32 if acc_int else jnp.float32)],
+        dimension_semantics=("parallel", "parallel", "arbitrary"),
+        vmem_limit_bytes=limit,
+        cost_estimate=cost,
+        body_kwargs=dict(layout=layout, k_size=int(K), blk_k=int(bk_), n_k=int(gk), has_xs=xs is not None,
+                         acc_int=acc_int, dequant_to=dequant_to,
+                         precision=lax.Precision.HIGHEST if f32 else None),
+    )
+
+
+def heuristic(x, w, ws, xs=None, out_dtype=None, *, layout="nt") -> dict:
+    """Default blocks before clamping: ``512 / 1024 / 1024`` (the bf16 matmul's blocks: ~10 MiB of VMEM
+    with the dequantized tile); w8a8 ``bk=2048`` (1-byte operands: the same bytes per step); decode-size
+    M (<= 128, weight-bandwidth bound) ``bk=2048, bn=2048`` for fewer, larger weight DMAs."""
+    M = x.shape[0]
+    if M <= 128:
+        return dict(bm=512, bk=2048, bn=2048 if xs is not None else 1024)
+    if xs is not None:
+        return dict(bm=512, bk=2048, bn=1024)
+    if _name(x.dtype) == "float32":
+        return dict(bm=512, bk=512, bn=512)
+    return dict(bm=512, bk=1024, bn=1024)
+
+
+def _ref_kernel(x, w, ws, xs=None, out_dtype=None):
+    """jnp version of the forward kernel (autotuner correctness check)."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    z = jnp.matmul(x.astype(jnp.float32), w.astype(jnp.float32).T, precision=lax.Precision.HIGHEST)
+    z = z * ws
+    if xs is not None:
+        z = z * xs
+    return z.astype(_out_dtype(out_dtype, x, "quantized_matmul_kernel"))
+
+
+def _q_out(x, dtype: str = "int8"):
+    M, K = x.shape
+    return (_dsl.OutSpec((M, K), _jnp(dtype)), _dsl.OutSpec((M, 1), _jnp("float32")))
+
+
+def _kernel_shape(x, w_q, w_scale, x_scale=None, out_dtype=None):
+    where = "tpukernels::quantized_matmul_kernel"
+    M, N, K = problem("nt", x, w_q, w_scale, x_scale, where)
+    return _dsl.OutSpec((M, N), _out_dtype(out_dtype, x, where))
+
+
+@_dsl.tpu_kernel(_qmm_body, name="quantized_matmul_kernel", namespace="tpukernels", tunables=TUNABLES,
+                 heuristic=heuristic, out_shape=_kernel_shape, reference=_ref_kernel)
+def quantized_matmul_kernel(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                            x_scale: Optional[torch.Tensor] = None, out_dtype: Optional[str] = None,
+                            *, bm: int, bk: int, bn: int) -> torch.Tensor:
+    """``(x . w_q^T) * w_scale [* x_scale]`` with ``x [M, K]``, ``w_q [N, K]``, ``w_scale [1, N]`` f32,
+    ``x_scale [M, 1]`` f32 (w8a8: ``x`` has ``w_q``'s dtype) -> ``[M, N]`` in ``out_dtype``.
+
+    Raises:
+        ArgumentError: ranks, K mismatch, scale shapes, K > 133143 for int8 x int8.
+        DTypeError: unsupported dtypes. ChipError: the target chip lacks the MXU pair.
+    """
+    return make_launch("nt", x, w_q, w_scale, x_scale, out_dtype, bm, bk, bn)
+
+
+def _dx_shape(g, w_q, w_scale, out_dtype=None):
+    M, N, K = problem("nn", g, w_q, w_scale, None, "tpukernels::quantized_matmul_bwd_dx")
+    return _dsl.OutSpec((M, N), _out_dtype(out_dtype, g, "tpukernels::quantized_matmul_bwd_dx"))
+
+
+def _dx_heuristic(g, w_q, w_scale, out_dtype=None):
+    return dict(bm=512, bk=1024, bn=1024) if _name(g.dtype) != "float32" else dict(bm=512, bk=512, bn=512)
+
+
+@_dsl.tpu_kernel(_qmm_body, name="quantized_matmul_bwd_dx", namespace="tpukernels", tunables=TUNABLES,
+                 heuristic=_dx_heuristic, out_shape=_dx_shape)
+def quantized_matmul_bwd_dx(g: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                            out_dtype: Optional[str] = None, *, bm: int, bk: int, bn: int) -> torch.Tensor:
+    """``d_x = (g * w_scale) . w_q`` with ``g [M, N]`` bf16/f32, ``w_q [N, K]``, ``w_scale [1, N]`` -> ``[M, K]``."""
+    return make_launch("nn", g, w_q, w_scale, None, out_dtype, bm, bk, bn)
+
+
+def _q_heuristic(x, dtype="int8"):
+    K = max(1, x.shape[1])
+    rows = (4 * MiB) // (K * 4)  # the f32 copy of a block within ~4 MiB
+    bm = max(32, min(512, 1 << max(0, rows.bit_length() - 1)))
+    return dict(bm=bm)
+
+
+def _q_shape(x, dtype="int8"):
+    return _q_out(x, dtype)
+
+
+@_dsl.tpu_kernel(_quantize_body, name="quantize_per_token_kernel", namespace="tpukernels", tunables=TUNABLES_Q,
+                 heuristic=_q_heuristic, out_shape=_q_shape)
+def quantize_per_token_kernel(x: torch.Tensor, dtype: str = "int8", *, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row symmetric absmax quantization of ``x [M, K]`` (bf16/f32) to ``dtype`` (int8 / fp8):
+    ``(x_q [M, K], x_scale [M, 1] float32)`` (module docstring). Blocks hold whole rows."""
+    from jax.experimental import pallas as pl
+
+    where = "tpukernels::quantize_per_token_kernel"
+    if len(x.shape) != 2:
+        raise ArgumentError(f"{where}: x must be 2-D [M, K], got {tuple(x.shape)}")
+    if _name(x.dtype) not in X_DTYPES:
+        raise DTypeError(f"{where}: x dtype {_name(x.dtype)} is not one of {X_DTYPES}")
+    if dtype not in WEIGHT_DTYPES:
+        raise DTypeError(f"{where}: dtype {dtype!r} is not one of {WEIGHT_DTYPES}")
+    M, K = x.shape
+    bm_ = _clamp(M, bm)
+    need = 2 * (padded_bytes((bm_, K), x.dtype) + padded_bytes((bm_, K), _jnp(dtype))
+                + padded_bytes((bm_, 1), "float32")) + 3 * padded_bytes((bm_, K), "float32")
+    limit = None
+    if need + 4 * MiB > DEFAULT_SCOPED_VMEM:
+        limit = min(64 * MiB, max(32 * MiB, -(-(need * 5 // 4 + 4 * MiB) // MiB) * MiB))
+    return _dsl.Launch(
+        grid=(_dsl.cdiv(M, bm_),),
+        in_specs=[pl.BlockSpec((bm_, K), lambda i: (i, 0))],
+        out_specs=[pl.BlockSpec((bm_, K), lambda i: (i, 0)), pl.BlockSpec((bm_, 1), lambda i: (i, 0))],
+        out_shape=_q_out(x, dtype),
+        dimension_semantics=("parallel",),
+        vmem_limit_bytes=limit,
+        cost_estimate=pl.CostEstimate(flops=4 * M * K, transcendentals=0,
+                                      bytes_accessed=int(M * K * (np.dtype(x.dtype).itemsize + 1) + 4 * M)),
+        body_kwargs=dict(qm=qmax(dtype), is_int=dtype == "int8"),
+    )
+
+
+# ----------------------------------------------------------------------------------------------- backward
+def _backward(ctx, g):
+    x, w_q, ws, xs = ctx.args["x"], ctx.args["w_q"], ctx.args["w_scale"], ctx.args["x_scale"]
+    grads = {}
+    if ctx.needs_input_grad.get("x"):
+        if xs is not None:
+            raise ArgumentError("tpukernels::quantized_matmul_kernel: no gradient for w8a8 (quantized x)")
+        grads["x"] = torch.ops.tpukernels.quantized_matmul_bwd_dx.default(g.to(x.dtype), w_q, ws, _name(x.dtype))
+    return grads
+
+
+quantized_matmul_kernel.def_backward(_backward)
+
+
+# ----------------------------------------------------------------------------------------------- public op
+def _canon_x_quant(x_quant):
+    if x_quant not in X_QUANT:
+        raise ArgumentError(f"quantized_matmul: x_quant {x_quant!r} is not one of {X_QUANT}")
+    return x_quant
+
+
+def _check_public(x, w_q, w_scale, x_quant, out_dtype):
+    where = "tpukernels::quantized_matmul"
+    for t, n in ((x, "x"), (w_q, "w_q"), (w_scale, "w_scale")):
+        if not isinstance(t, torch.Tensor):
+            raise ArgumentError(f"{where}: {n} must be a torch.Tensor, got {type(t).__name__}")
+    devs = {t.device for t in (x, w_q, w_scale)}
+    if len(devs) > 1:
+        raise DeviceError(f"{where}: x, w_q and w_scale must be on one device, got "
+                          f"{x.device}, {w_q.device}, {w_scale.device}")
+    _canon_x_quant(x_quant)
+    if x.dim() < 1:
+        raise ArgumentError(f"{where}: x must have rank >= 1 ([..., K]), got a scalar")
+    if w_q.dim() != 2:
+        raise ArgumentError(f"{where}: w_q must be 2-D [N, K], got shape {tuple(w_q.shape)}")
+    dw = _name(w_q.dtype)
+    if dw not in WEIGHT_DTYPES:
+        raise DTypeError(f"{where}: w_q dtype {dw} is not one of {WEIGHT_DTYPES} (quantize with quantize_weight)")
+    if _name(x.dtype) not in X_DTYPES:
+        raise DTypeError(f"{where}: x dtype {_name(x.dtype)} is not one of {X_DTYPES}")
+    N, K = w_q.shape
+    if x.shape[-1] != K:
+        raise ArgumentError(f"{where}: x {tuple(x.shape)} and w_q {tuple(w_q.shape)}: x.shape[-1] must equal K = {K}")
+    if tuple(w_scale.shape) != (N,):
+        raise ArgumentError(f"{where}: w_scale must have shape (N,) = ({N},), got {tuple(w_scale.shape)}")
+    if w_scale.dtype != torch.float32:
+        raise DTypeError(f"{where}: w_scale must be float32, got {_name(w_scale.dtype)}")
+    if x_quant == "int8" and dw != "int8":
+        raise DTypeError(f"{where}: x_quant='int8' needs int8 w_q, got {dw} (use x_quant='fp8')")
+    if x_quant == "fp8" and not dw.startswith("float8"):
+        raise DTypeError(f"{where}: x_quant='fp8' needs float8 w_q, got {dw} (use x_quant='int8')")
+    if x_quant == "int8" and K > INT32_MAX_K:
+        raise ArgumentError(f"{where}: K = {K} > {INT32_MAX_K}: an int8 x int8 sum may overflow int32")
+    if x_quant is not None and x.requires_grad and torch.is_grad_enabled():
+        raise ArgumentError(f"{where}: x_quant={x_quant!r} has no gradient (rounding); use x_quant=None "
+                            f"(w8a16) to differentiate with respect to x, or torch.no_grad()")
+    odt = out_dtype or _name(x.dtype)
+    if odt not in OUT_DTYPES:
+        raise DTypeError(f"{where}: out_dtype {odt!r} is not one of {OUT_DTYPES}")
+    check_chip(x_quant, dw, where=where)
+    return odt
+
+
+def _impl(x, w_q, w_scale, x_quant=None, out_dtype=None, config=None):
+    odt = _check_public(x, w_q, w_scale, x_quant, out_dtype)
+    N, K = w_q.shape
+    lead = x.shape[:-1]
+    if K == 0 or N == 0 or math.prod(lead) == 0:
+        return torch.zeros(*lead, N, dtype=getattr(torch, odt), device=x.device)
+    x2 = x.reshape(-1, K)
+    ws = w_scale.reshape(1, N)
+    kw = {} if config is None else dict(config=config)
+    if x_quant is None:
+        y = quantized_matmul_kernel(x2, w_q, ws, None, odt, **kw)
+    else:
+        xq, xs = quantize_per_token_kernel(x2, _name(w_q.dtype))
+        y = quantized_matmul_kernel(xq, w_q, ws, xs, odt, **kw)
+    return y.reshape(*lead, N)
+
+
+_LIB = torch.library.Library("tpukernels", "FRAGMENT")
+_LIB.define("quantized_matmul(Tensor x, Tensor w_q, Tensor w_scale, str? x_quant=None, str? out_dtype=None) -> Tensor")
+_LIB.impl("quantized_matmul", lambda x, w_q, w_scale, x_quant=None, out_dtype=None:
+          _impl(x, w_q, w_scale, x_quant, out_dtype), "CompositeImplicitAutograd")
+
+
+def _canon_out(out_dtype):
+    if out_dtype is None:
+        return None
+    name = out_dtype if isinstance(out_dtype, str) else _name(out_dtype)
+    name = {"bf16": "bfloat16", "f32": "float32", "fp32": "float32"}.get(name, name)
+    if name not in OUT_DTYPES:
+        raise DTypeError(f"quantized_matmul: out_dtype {out_dtype!r} is not one of {OUT_DTYPES}")
+    return name
+
+
+def quantized_matmul(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, *, x_quant: Optional[str] = None,
+                     out_dtype=None, config: Optional[dict] = None) -> torch.Tensor:
+    """``x @ (w_q * w_scale[:, None])^T`` with quantized weights; ``torch.ops.tpukernels.quantized_matmul``.
+
+    Args:
+        x: ``[..., K]`` bfloat16 or float32 activations (leading dims are tokens).
+        w_q: ``[N, K]`` int8, float8_e4m3fn or float8_e5m2 weight (see :func:`quantize_weight`).
+        w_scale: ``[N]`` float32 per-output-channel scales (unitless: ``W = w_q * w_scale``).
+        x_quant: None (w8a16: weights dequantized in-kernel), ``"int8"`` (w8a8, int32 accumulation) or
+            ``"fp8"`` (w8a8 in ``w_q``'s fp8 dtype): activations quantized per token with absmax.
+        out_dtype: ``"bfloat16"`` / ``"float32"`` (or torch dtype); default ``x.dtype``.
+        config: explicit ``{"bm", "bk", "bn"}`` for the matmul kernel (default: shipped per-chip data,
+            then :func:`heuristic`).
+
+    Returns:
+        ``[..., N]`` in ``out_dtype``; error bound in the module docstring. Differentiable in ``x`` for
+        ``x_quant=None``.
+
+    Raises:
+        ArgumentError: shapes (``x.shape[-1] != K``, ``w_scale`` not ``[N]``), unknown ``x_quant``,
+            K > 133143 for int8 w8a8, w8a8 with ``x.requires_grad``.
+        DTypeError: ``w_q`` not int8/fp8, ``w_scale`` not float32, ``x`` not bf16/f32, x_quant vs w_q dtype.
+        DeviceError: operands on different devices.
+        ChipError: the target chip's MXU lacks the pair (message lists what it supports).
+    """
+    odt = _canon_out(out_dtype)
+    if config is None:
+        return torch.ops.tpukernels.quantized_matmul(x, w_q, w_scale, x_quant, odt)
+    return _impl(x, w_q, w_scale, x_quant, odt, config)
+
+
+def quantize_per_token(x: torch.Tensor, dtype="int8") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x_q [..., K], x_scale [...] float32)``: the kernel that :func:`quantized_matmul` uses for w8a8."""
+    name = _name(dtype) if not isinstance(dtype, str) else dtype
+    K = x.shape[-1]
+    q, s = quantize_per_token_kernel(x.reshape(-1, K), name)
+    return q.reshape(x.shape), s.reshape(x.shape[:-1])
+
+
+# ----------------------------------------------------------------------------------------------- module
+class TPUQuantLinear(torch.nn.Module):
+    """``nn.Linear`` with a quantized, frozen weight: ``y = quantized_matmul(x, w_q, w_scale) + bias``.
+
+    Buffers: ``w_q [out, in]`` (int8 / fp8), ``w_scale [out]`` float32, optional ``bias [out]`` (kept in the
+    linear's dtype, added after the matmul in the output dtype). ``x_quant`` as in :func:`quantized_matmul`.
+    Differentiable in the input for ``x_quant=None`` (weights are buffers, never trained).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, dtype="int8", x_quant=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.qdtype = {"fp8": "float8_e4m3fn"}.get(dtype, dtype)
+        self.x_quant = _canon_x_quant(x_quant)
+        self.register_buffer("w_q", torch.zeros(out_features, in_features, dtype=getattr(torch, self.qdtype)))
+        self.register_buffer("w_scale", torch.zeros(out_features, dtype=torch.float32))
+        self.register_buffer("bias", torch.zeros(out_features) if bias else None)
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, dtype="int8", x_quant=None) -> "TPUQuantLinear":
+        """Quantize ``linear.weight`` per output channel (:func:`quantize_weight`); the linear is not modified."""
+        m = cls(linear.in_features, linear.out_features, linear.bias is not None, dtype, x_quant)
+        q, s = quantize_weight(linear.weight, m.qdtype)
+        m.w_q.copy_(q)
+        m.w_scale.copy_(s)
+        if linear.bias is not None:
+            m.bias = linear.bias.detach().clone()
+        return m.to(linear.weight.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cast = x.dtype not in (torch.bfloat16, torch.float32)
+        y = quantized_matmul(x.float() if cast else x, self.w_q, self.w_scale, x_quant=self.x_quant)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.to(x.dtype) if cast else y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"dtype={self.qdtype}, x_quant={self.x_quant}")
+
+
+#: the shapes the shipped defaults are tuned for (Llama-3-8B MLP: prefill 8192 tokens, decode 16 / 64)
+STANDARD_CASES = [
+    (quantized_matmul_kernel, ("8192x4096:bf16", "14336x4096:i8", "1x14336:f32"), {}),
+    (quantized_matmul_kernel, ("8192x14336:bf16", "4096x14336:i8", "1x4096:f32"), {}),
+    (quantized_matmul_kernel, ("8192x4096:i8", "14336x4096:i8", "1x14336:f32", "8192x1:f32"), {}),
+    (quantized_matmul_kernel, ("8192x14336:i8", "4096x14336:i8", "1x4096:f32", "8192x1:f32"), {}),
+    (quantized_matmul_kernel, ("16x4096:bf16", "14336x4096:i8", "1x14336:f32"), {}),
+    (quantized_matmul_kernel, ("64x4096:bf16", "14336x4096:i8", "1x14336:f32"), {}),
+    (quantized_matmul_kernel, ("64x14336:bf16", "4096x14336:i8", "1x4096:f32"), {}),
+]
+
+__all__ = ["quantized_matmul", "quantize_weight", "quantize_per_token", "TPUQuantLinear", "reference",
+           "quantize_reference", "error_bound", "supported_modes", "check_chip", "quantized_matmul_kernel",
+           "quantize_per_token_kernel", "quantized_matmul_bwd_dx", "heuristic", "STANDARD_CASES"]
