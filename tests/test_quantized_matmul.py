@@ -371,3 +371,50 @@ def test_compile_only_quantize_and_dx(chip):
     res = tk.compile_for(qmm.quantized_matmul_bwd_dx, chip, "8192x14336:bf16", "14336x4096:int8", "1x14336:f32",
                          with_mlir=False)
     assert res.ok, res.summary()
+
+
+# ----------------------------------------------------------------------------------------------- HF transformers
+def _tiny_llama():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=96, max_position_embeddings=64)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def _fake_quant_(model, dtype):
+    """Stock modules with each quantized Linear's weight replaced by its dequantized value (float32 exact)."""
+    with torch.no_grad():
+        for name, mod in model.named_modules():
+            if type(mod) is torch.nn.Linear and not name.endswith("lm_head"):
+                q, s = qmm.quantize_weight(mod.weight, dtype)
+                mod.weight.copy_((q.float() * s[:, None]))
+
+
+def test_apply_tpukernels_quantize_llama():
+    """w8a16 int8 Llama: (1) equal to the stock model run with the same dequantized weights up to f32
+    rounding (2e-4, the tolerance of the other HF tests: f32 accumulation in a different order through two
+    layers); (2) within 5% of the logits' RMS of the unquantized model (int8 per-channel weights: each
+    weight off by at most half a step, 1/254 of its row's max, ~0.1-0.3% per matmul here). lm_head stays float."""
+    import tpukernels.integrations.transformers as tki
+
+    stock, fake, model = _tiny_llama(), _tiny_llama(), _tiny_llama()
+    _fake_quant_(fake, "int8")
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, want_fq = stock(input_ids=ids).logits.double(), fake(input_ids=ids).logits.double()
+    counts = tki.apply_tpukernels(model, attention=False, rms_norm=False, quantize="int8")
+    assert counts["quantized"] == 2 * 7  # q, k, v, o, gate, up, down per layer; not lm_head
+    assert isinstance(model.model.layers[0].mlp.up_proj, qmm.TPUQuantLinear)
+    assert type(model.lm_head) is torch.nn.Linear
+    with torch.no_grad():
+        got = model(input_ids=ids).logits.double()
+    torch.testing.assert_close(got, want_fq, rtol=2e-4, atol=2e-4)
+    rms = want.pow(2).mean().sqrt()
+    assert (got - want).pow(2).mean().sqrt() <= 0.05 * rms
+    # w8a8: activations quantized too (per token, 1/254 of each row's max): looser, 10% of the RMS
+    model8 = _tiny_llama()
+    tki.apply_tpukernels(model8, attention=False, rms_norm=False, quantize="int8", x_quant="int8")
+    with torch.no_grad():
+        got8 = model8(input_ids=ids).logits.double()
+    assert (got8 - want).pow(2).mean().sqrt() <= 0.10 * rms

@@ -38,9 +38,17 @@ def hbm_bandwidth(chip: "str | Chip") -> float:
 
 
 def peak_flops(chip: "str | Chip", dtype: str = "bfloat16") -> float:
-    """Peak MXU FLOP/s per TensorCore for bf16 (f32 matmuls run as multi-pass bf16: /3 is assumed)."""
+    """Peak MXU FLOP/s per TensorCore for bf16 (f32 matmuls run as multi-pass bf16: /3 is assumed).
+
+    ``"int8"`` / ``"float8*"``: jax tpu_info's ``int8_ops_per_second`` / ``fp8_ops_per_second`` where it
+    gives one, else the bf16 peak (tpu_info says "Not Available": the MXU has no faster path for it).
+    """
     info = get_chip(chip).info
     peak = float(info.bf16_ops_per_second)
+    if dtype == "int8":
+        return float(info.int8_ops_per_second or peak)
+    if str(dtype).startswith("float8"):
+        return float(info.fp8_ops_per_second or peak)
     return peak / 3 if dtype in ("float32", "f32") else peak
 
 

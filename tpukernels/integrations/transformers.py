@@ -237,6 +237,9 @@ def apply_tpukernels(
     rms_norm: bool = True,
     layer_norm: bool = True,
     linear: bool = False,
+    quantize: Optional[str] = None,
+    x_quant: Optional[str] = None,
+    quantize_skip: tuple = ("lm_head",),
 ) -> dict:
     """Patch a transformers model in place to run on tpukernels ops.
 
@@ -245,14 +248,21 @@ def apply_tpukernels(
         rms_norm: replace ``*RMSNorm`` modules (Llama/Qwen/Mistral casting, Gemma ``1 + w`` casting).
         layer_norm: replace ``nn.LayerNorm`` (BERT-family encoders).
         linear: replace ``nn.Linear`` with the tpukernels matmul (opt-in: slow in cpu interpret mode).
+        quantize: ``"int8"`` / ``"float8_e4m3fn"`` / ``"float8_e5m2"`` (``"fp8"`` = e4m3fn): replace each
+            ``nn.Linear`` with a :class:`tpukernels.library.quantized_matmul.TPUQuantLinear` holding its
+            weight quantized per output channel (a new buffer: the float weight is dropped from the module,
+            so the state dict changes to ``w_q`` / ``w_scale``); takes precedence over ``linear``.
+        x_quant: with ``quantize``: None (w8a16) or ``"int8"`` / ``"fp8"`` (w8a8, per-token activations).
+        quantize_skip: child names never quantized (default: the LM head, kept in full precision as is usual).
 
     Returns:
-        ``{"attention": bool, "rms_norm": n, "layer_norm": n, "linear": n}`` — what was patched. Parameters
-        are shared with the original modules, so state dicts and weight tying are unchanged.
+        ``{"attention": bool, "rms_norm": n, "layer_norm": n, "linear": n, "quantized": n}`` — what was
+        patched. Parameters of norms and ``linear=True`` layers are shared with the original modules, so
+        their state dicts and weight tying are unchanged.
     """
     from ..library.norms import TPULayerNorm, TPURMSNorm
 
-    counts = {"attention": False, "rms_norm": 0, "layer_norm": 0, "linear": 0}
+    counts = {"attention": False, "rms_norm": 0, "layer_norm": 0, "linear": 0, "quantized": 0}
     if attention:
         register()
         if hasattr(model, "set_attn_implementation"):
@@ -275,6 +285,11 @@ def apply_tpukernels(
                     new.weight = child.weight
                     new.bias = child.bias
                 counts["layer_norm"] += 1
+            elif quantize and type(child) is torch.nn.Linear and child_name not in quantize_skip:
+                from ..library.quantized_matmul import TPUQuantLinear
+
+                new = TPUQuantLinear.from_linear(child, quantize, x_quant)
+                counts["quantized"] += 1
             elif linear and type(child) is torch.nn.Linear:
                 new = TPULinear(child)
                 counts["linear"] += 1

@@ -1,0 +1,124 @@
+"""Quantized matmul family: tpukernels' quantized_matmul vs XLA's quantized dot and vs our bf16 matmul.
+
+Shapes: the Llama-3-8B MLP (:data:`tpukernels.library.quantized_matmul.STANDARD_CASES`): prefill 8192
+tokens through the up-projection ``4096 -> 14336`` and the down-projection ``14336 -> 4096``, and decode
+batches of 16 / 64 tokens. Modes per chip: w8a16 (int8 weights, bf16 activations) everywhere, and for the
+prefill shapes the chip's w8a8 mode — int8 where jax's ``tpu_info.is_matmul_supported(int8, int8)`` (v5e,
+v6e), else float8_e4m3fn (tpu7x, which has no int8 MXU).
+
+* ``tpukernels``: ``quantized_matmul_kernel`` at the config a call gets on the chip; w8a8 adds the
+  per-token ``quantize_per_token_kernel`` pass (both estimates summed).
+* ``xla int8 dot`` (``xla fp8 dot``): the same op in jnp, compiled and fused by XLA: w8a16
+  ``dot_general(x, w_q.astype(bf16), preferred_element_type=f32) * w_scale``; w8a8 the absmax
+  quantization in jnp, ``lax.dot_general(x_q, w_q, preferred_element_type=int32)`` (f32 for fp8) and the two
+  scales.
+* ``tpukernels bf16 matmul``: ``matmul_nt`` on bf16 ``x`` and a bf16 ``W`` (the unquantized layer). Its
+  figure is ``max(its estimate, its own HBM roofline)`` with 2-byte weights, since the case's ``hbm_bytes``
+  (what the quantized op must move: 1-byte weights) would undercount it.
+
+Peak FLOP/s for the roofline: jax's ``tpu_info`` ``int8_ops_per_second`` / ``fp8_ops_per_second`` for w8a8
+cases (:func:`tpukernels.perf.peak_flops`; v5e int8 3.94e14 = 2x bf16, v6e int8 1.84e15 = 2x bf16, tpu7x
+fp8 2.3e15 per core = 2x bf16), the bf16 peak for w8a16 (which runs on the bf16 MXU). The int8 / bf16 speed-up
+the hardware allows is therefore 2x on every chip for the MXU-bound prefill shapes; w8a16's gain is in the
+HBM-bound decode shapes (half the weight bytes).
+
+Bytes: ``x`` once (2 B), ``w_q`` once (1 B), scales, output once (2 B); FLOPs ``2*M*N*K``.
+"""
+
+from __future__ import annotations
+
+from .core import Case, Impl, ours_impl, xla_impl
+
+FAMILY = "quantized_matmul"
+
+#: why tpukernels is slower where it is (filled from the estimates; see the module docstring)
+REASONS: dict = {}
+
+
+def _mk(text):
+    return tuple(int(d) for d in text.split(":")[0].split("x"))
+
+
+def cases(chips) -> list[Case]:
+    import sys
+
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    import tpukernels.library  # noqa: F401
+
+    from ..perf import clock_hz, hbm_bandwidth
+
+    qmm = sys.modules["tpukernels.library.quantized_matmul"]
+    mm = sys.modules["tpukernels.library.matmul"]
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    shapes = []  # (M, K, N, prefill?)
+    for _, args, _ in qmm.STANDARD_CASES:
+        (M, K), (N, _) = _mk(args[0]), _mk(args[1])
+        if (M, K, N) not in [s[:3] for s in shapes]:
+            shapes.append((M, K, N, M >= 1024))
+
+    def xla_w8a16(x, w, s):
+        return (lax.dot_general(x, w.astype(bf16), (((1,), (1,)), ((), ())), preferred_element_type=f32) * s).astype(bf16)
+
+    def xla_w8a8(qdt):
+        qm = qmm.qmax(qdt)
+
+        def fn(x, w, s):
+            x32 = x.astype(f32)
+            xs = jnp.max(jnp.abs(x32), axis=1, keepdims=True) * jnp.float32(1.0 / qm)
+            q = x32 / jnp.where(xs == 0, 1.0, xs)
+            if qdt == "int8":
+                xq, acc = jnp.clip(jnp.round(q), -qm, qm).astype(jnp.int8), jnp.int32
+            else:
+                xq, acc = jnp.clip(q, -qm, qm).astype(getattr(jnp, qdt)), f32
+            z = lax.dot_general(xq, w, (((1,), (1,)), ((), ())), preferred_element_type=acc)
+            return (z.astype(f32) * s * xs).astype(bf16)
+
+        return jax.jit(fn)
+
+    def bf16_impl(M, K, N):
+        part = ours_impl([(mm.matmul_nt, (f"1x{M}x{K}:bf16", f"1x{N}x{K}:bf16"), {})])
+
+        def cycles(est, chip):
+            cyc, cfg = part.cycles(est, chip)
+            own_bytes = (M * K + N * K + M * N) * 2
+            floor = own_bytes / hbm_bandwidth(chip) * clock_hz(chip)
+            return max(int(cyc), int(floor)), cfg
+
+        return Impl("tpukernels bf16 matmul", "public", cycles)
+
+    out = []
+    for M, K, N, prefill in shapes:
+        x_s, ws_s = f"{M}x{K}:bf16", f"1x{N}:f32"
+        sx = jax.ShapeDtypeStruct((M, K), bf16)
+        sws = jax.ShapeDtypeStruct((1, N), f32)
+        for chip in chips:
+            modes = qmm.supported_modes(chip)
+            wanted = [(None, "int8")]
+            if prefill:
+                wanted.append(("int8", "int8") if ("int8", "int8") in modes else ("fp8", "float8_e4m3fn"))
+            for xq, wdt in wanted:
+                if (xq, wdt) not in modes:
+                    continue
+                w_s = f"{N}x{K}:{wdt}"
+                sw = jax.ShapeDtypeStruct((N, K), getattr(jnp, wdt))
+                if xq is None:
+                    parts = [(qmm.quantized_matmul_kernel, (x_s, w_s, ws_s), {})]
+                    xla = xla_impl(jax.jit(xla_w8a16), [sx, sw, sws], name="xla int8 dot")
+                    op, dtype = f"w8a16 {wdt}", "bfloat16"
+                else:
+                    parts = [(qmm.quantize_per_token_kernel, (x_s, wdt), {}),
+                             (qmm.quantized_matmul_kernel, (f"{M}x{K}:{wdt}", w_s, ws_s, f"{M}x1:f32"), {})]
+                    xla = xla_impl(xla_w8a8(wdt), [sx, sw, sws], name=f"xla {'int8' if wdt == 'int8' else 'fp8'} dot")
+                    op, dtype = f"w8a8 {wdt}", wdt
+                out.append(Case(
+                    FAMILY, op, f"{M}x{K} @ ({N}x{K}).T", chip,
+                    hbm_bytes=M * K * 2 + N * K + M * N * 2 + 4 * (N + M), flops=2 * M * N * K, dtype=dtype,
+                    impls=[ours_impl(parts), xla, bf16_impl(M, K, N)]))
+    return out
+
+
+def reason(row: dict) -> str | None:
+    return REASONS.get((row["chip"], row["op"], row["shape"]))
