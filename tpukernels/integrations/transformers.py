@@ -256,13 +256,15 @@ def apply_tpukernels(
         quantize_skip: child names never quantized (default: the LM head, kept in full precision as is usual).
 
     Returns:
-        ``{"attention": bool, "rms_norm": n, "layer_norm": n, "linear": n, "quantized": n}`` — what was
-        patched. Parameters of norms and ``linear=True`` layers are shared with the original modules, so
+        ``{"attention": bool, "rms_norm": n, "layer_norm": n, "linear": n}`` (plus ``"quantized": n`` with
+        ``quantize``) — what was patched. Parameters of norms and ``linear=True`` layers are shared with the original modules, so
         their state dicts and weight tying are unchanged.
     """
     from ..library.norms import TPULayerNorm, TPURMSNorm
 
-    counts = {"attention": False, "rms_norm": 0, "layer_norm": 0, "linear": 0, "quantized": 0}
+    counts = {"attention": False, "rms_norm": 0, "layer_norm": 0, "linear": 0}
+    if quantize:
+        counts["quantized"] = 0
     if attention:
         register()
         if hasattr(model, "set_attn_implementation"):
