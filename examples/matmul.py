@@ -47,6 +47,7 @@ def _fit(block: int, dim: int, align: int) -> int:
         "bk": tk.Tunable([512, 128, 256, 1024], default=512),
         "bn": tk.Tunable([512, 128, 256, 1024], default=512),
     },
+    shapes={"a": "M K", "b": "K N"},  # checked before the launch function: a K mismatch is an ArgumentError
 )
 def matmul(a: torch.Tensor, b: torch.Tensor, *, bm: int, bk: int, bn: int) -> torch.Tensor:
     """``a @ b`` with f32 accumulation. a: [M, K], b: [K, N], same dtype. Returns [M, N] in a's dtype."""

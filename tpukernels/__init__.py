@@ -8,7 +8,8 @@ Quick start::
     def add_body(x_ref, y_ref, o_ref):
         o_ref[...] = x_ref[...] + y_ref[...]
 
-    @tk.tpu_kernel(add_body, tunables={"block_rows": tk.Tunable([256, 512, 64], default=256)})
+    @tk.tpu_kernel(add_body, tunables={"block_rows": tk.Tunable([256, 512, 64], default=256)},
+                   shapes={"x": "R C", "y": "R C"})     # y of another shape: ArgumentError, not a stray read
     def add(x: torch.Tensor, y: torch.Tensor, *, block_rows: int) -> torch.Tensor:
         spec = pl.BlockSpec((block_rows, x.shape[1]), lambda i: (i, 0))
         return tk.Launch(grid=(tk.cdiv(x.shape[0], block_rows),), in_specs=[spec, spec],

@@ -209,6 +209,7 @@ def resolve(kernel: TpuKernel, specs: tuple, statics: tuple, config: Mapping | N
     for s in specs:
         if s is not None:
             check_jax_dtype(s.dtype, f"{kernel.qualname} argument {s.name!r}")
+    kernel.check_shapes(specs)
     cfg, source = kernel.resolve_config(specs, statics, config, chip)
     launch = kernel.make_launch(specs, statics, cfg)
     log.log(
@@ -292,13 +293,14 @@ def specs_from_values(kernel: TpuKernel, values: Sequence) -> tuple[tuple, tuple
         ArgumentError: a tensor parameter got a non-tensor, or a static parameter a tensor.
     """
     from .dsl.dtypes import to_jax_dtype
+    from .dsl.kernel import check_static
 
     specs, statics = [], []
     for p, v in zip(kernel.params, values):
         if p.kind == "static":
             if hasattr(v, "shape") and hasattr(v, "dtype"):
                 raise ArgumentError(f"{kernel.qualname}: argument {p.name!r} is static ({p.annotation}), got a tensor")
-            statics.append((p.name, v))
+            statics.append((p.name, check_static(kernel.qualname, p, v)))
             continue
         if v is None:
             if p.kind == "tensor":

@@ -78,10 +78,15 @@ def register_op(kernel: TpuKernel):
         from .lowering import specs_from_values
         from .dsl.dtypes import to_torch_dtype
 
+        from .dsl.spec import parse_config_json
+        from .targets import check_devices
+
         values, config = _split(kernel, args, kwargs)
+        tensors = [(i, v) for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
+        check_devices(kernel, tensors)  # cpu + meta dispatches here: never hand back an empty() result
         specs, statics = specs_from_values(kernel, values)
-        device = next(v.device for v in values if isinstance(v, torch.Tensor))
-        outs = kernel.out_specs_for(specs, statics, json.loads(config) if config else None)
+        device = tensors[0][1].device
+        outs = kernel.out_specs_for(specs, statics, parse_config_json(config, f"{kernel.qualname}: config") if config else None)
         res = [torch.empty(tuple(o.shape), dtype=to_torch_dtype(o.dtype), device=device) for o in outs]
         return tuple(res) if kernel.returns_tuple else res[0]
 
@@ -90,6 +95,9 @@ def register_op(kernel: TpuKernel):
     if kernel._backward is not None:
         kernel.op = op
         register_backward(kernel)
+    from .distributed.sharding import on_op_registered
+
+    on_op_registered(kernel, op)  # DTensor sharding rule (now, or when torch.distributed.tensor loads)
     return op
 
 

@@ -55,6 +55,8 @@ class Param:
     annotation: Any
     default: Any = inspect.Parameter.empty
     keyword_only: bool = False
+    static_type: Any = None  # static params: int / float / bool / str
+    optional: bool = False  # static params: Optional[...] (None allowed)
 
 
 def _classify(name: str, ann: Any) -> str:
@@ -75,6 +77,76 @@ def _classify(name: str, ann: Any) -> str:
         f"parameter {name!r}: annotation {ann!r} is not supported; use torch.Tensor, Optional[torch.Tensor], "
         f"int, float, bool or str"
     )
+
+
+def _split_name(name: str, namespace: str) -> tuple[str, str]:
+    """``name`` or ``"ns::name"`` (+ ``namespace``) -> (name, namespace), both valid torch identifiers.
+
+    Raises:
+        KernelDefinitionError: more than one ``::``, a namespace that contradicts ``namespace=``, or a
+            name that is not an identifier.
+    """
+    if "::" in name:
+        parts = name.split("::")
+        if len(parts) != 2:
+            raise KernelDefinitionError(f"tpu_kernel: name {name!r} must be 'op' or 'namespace::op'")
+        ns, name = parts
+        if namespace not in (DEFAULT_NAMESPACE, ns):
+            raise KernelDefinitionError(
+                f"tpu_kernel: name {ns + '::' + name!r} contradicts namespace={namespace!r}; give one of them")
+        namespace = ns
+    for what, v in (("name", name), ("namespace", namespace)):
+        if not v.isidentifier():
+            raise KernelDefinitionError(
+                f"tpu_kernel: {what} {v!r} is not a valid op identifier (letters, digits, _; e.g. name='my_add' "
+                f"or name='my_ns::my_add')")
+    return name, namespace
+
+
+def _parse_shapes(qualname: str, shapes: Mapping[str, str], tensor_names: set) -> dict:
+    """``{"x": "M K", "w": "K N"}`` -> ``{"x": ("M", "K"), "w": ("K", "N")}`` (ints stay ints)."""
+    out = {}
+    for arg, text in shapes.items():
+        if arg not in tensor_names:
+            raise KernelDefinitionError(f"{qualname}: shapes= names {arg!r}, which is not a tensor parameter")
+        if not isinstance(text, str):
+            raise KernelDefinitionError(f"{qualname}: shapes[{arg!r}] must be a string of dim names like 'M K', got {text!r}")
+        dims = tuple(int(d) if d.isdigit() else d for d in text.split())
+        for d in dims:
+            if isinstance(d, str) and not d.isidentifier():
+                raise KernelDefinitionError(f"{qualname}: shapes[{arg!r}] = {text!r}: dim {d!r} is not a name or an int")
+        out[arg] = dims
+    return out
+
+
+def check_static(qualname: str, p: "Param", v: Any) -> Any:
+    """Check a static argument against its annotation; returns the value (ints widened for float params).
+
+    Raises:
+        ArgumentError: naming the kernel, the argument, the expected type and the value given (e.g. the
+            string ``"false"`` for a ``bool``, which Python would treat as true).
+    """
+    typ, optional = p.static_type, p.optional
+    if v is None:
+        if optional or p.default is None:
+            return v
+        raise ArgumentError(f"{qualname}: static argument {p.name!r} must be {typ.__name__}, got None")
+    is_bool = isinstance(v, (bool, np.bool_))
+    if typ is bool:
+        if is_bool:
+            return bool(v)
+    elif typ is int:
+        if isinstance(v, (int, np.integer)) and not is_bool:
+            return int(v)
+    elif typ is float:
+        if isinstance(v, (int, float, np.integer, np.floating)) and not is_bool:
+            return float(v)
+    elif typ is str:
+        if isinstance(v, str):
+            return v
+    else:
+        return v
+    raise ArgumentError(f"{qualname}: static argument {p.name!r} must be {typ.__name__}, got {v!r} ({type(v).__name__})")
 
 
 def bucket(n: int) -> int:
@@ -146,15 +218,18 @@ class TpuKernel:
         constraints: Sequence[Callable] = (),
         heuristic: Callable | None = None,
         rows: Sequence[str] = (),
+        shapes: Mapping[str, str] | None = None,
         out_shape: Callable | None = None,
         reference: Callable | None = None,
         register: bool = True,
+        sharding: Sequence | Callable | None = None,
     ):
         if not callable(body):
             raise KernelDefinitionError(f"tpu_kernel: body must be a callable kernel on refs, got {body!r}")
         self.body = body
         self.launch_fn = launch_fn
-        self.name = name or launch_fn.__name__
+        name, namespace = _split_name(name or launch_fn.__name__, namespace)
+        self.name = name
         self.namespace = namespace
         self.qualname = f"{namespace}::{self.name}"
         self.space = TunableSpace(tunables or {}, constraints)
@@ -170,9 +245,11 @@ class TpuKernel:
         self.params, self.return_annotation = self._parse_signature(launch_fn)
         self.tensor_params = tuple(p for p in self.params if p.kind != "static")
         self.rows = tuple(rows)
+        self.sharding = sharding  # DTensor rule (tpukernels.distributed.sharding); None: derived from rows
         for r in self.rows:
             if r not in {p.name for p in self.tensor_params}:
                 raise KernelDefinitionError(f"{self.qualname}: rows names {r!r}, which is not a tensor parameter")
+        self.shapes = _parse_shapes(self.qualname, shapes or {}, {p.name for p in self.tensor_params})
         body_sig = inspect.signature(body)
         self._body_kw = {
             n for n, p in body_sig.parameters.items() if p.kind in (p.KEYWORD_ONLY,) or p.kind == p.VAR_KEYWORD
@@ -216,7 +293,11 @@ class TpuKernel:
                     f"tpu_kernel {fn.__name__}: parameter {pname!r} needs a type annotation (torch.Tensor, int, ...)"
                 )
             kind = _classify(pname, hints[pname])
-            params.append(Param(pname, kind, hints[pname], p.default, p.kind == p.KEYWORD_ONLY))
+            ann = hints[pname]
+            args = typing.get_args(ann)
+            optional = kind == "static" and type(None) in args
+            static_type = (next(a for a in args if a is not type(None)) if optional else ann) if kind == "static" else None
+            params.append(Param(pname, kind, ann, p.default, p.kind == p.KEYWORD_ONLY, static_type, optional))
         missing = tunable_names - seen_tunables
         if missing and self.tunables_are_params:
             raise KernelDefinitionError(
@@ -243,6 +324,7 @@ class TpuKernel:
         values = []
         args = list(args)
         kwargs = dict(kwargs)
+        missing = []
         for p in self.params:
             if args and not p.keyword_only:
                 values.append(args.pop(0))
@@ -253,11 +335,53 @@ class TpuKernel:
             elif p.default is not inspect.Parameter.empty:
                 values.append(p.default)
             else:
-                raise ArgumentError(f"{self.qualname}: missing required argument {p.name!r}")
+                missing.append(p.name)
+                values.append(None)
+        if missing:
+            raise ArgumentError(f"{self.qualname}: missing required argument(s) {', '.join(map(repr, missing))}")
         if args:
             raise ArgumentError(f"{self.qualname}: takes {len(self.params)} arguments but {len(self.params) + len(args)} were given")
         if kwargs:
             raise ArgumentError(f"{self.qualname}: unexpected keyword argument(s) {sorted(kwargs)}")
+        return values
+
+    def check_shapes(self, specs: Sequence) -> None:
+        """Check the tensor shapes against ``shapes=`` (once per signature, before the launch function).
+
+        Raises:
+            ArgumentError: a rank differs from the declaration, a named dim disagrees between arguments, or
+                a fixed dim differs; the message names both arguments and the dim.
+        """
+        if not self.shapes:
+            return
+        seen: dict = {}
+        by_name = {s.name: s for s in specs if s is not None}
+        for arg, dims in self.shapes.items():
+            s = by_name.get(arg)
+            if s is None:
+                continue  # an absent optional tensor
+            shape = tuple(s.shape)
+            decl = " ".join(map(str, dims))
+            if len(shape) != len(dims):
+                raise ArgumentError(f"{self.qualname}: {arg} has shape {shape}, but shapes= declares {arg}: '{decl}' "
+                                    f"(rank {len(dims)})")
+            for d, n in zip(dims, shape):
+                if isinstance(d, int):
+                    if int(n) != d:
+                        raise ArgumentError(f"{self.qualname}: {arg} has shape {shape}, but shapes= declares '{decl}' "
+                                            f"(a dim of {d})")
+                elif d in seen and seen[d][1] != int(n):
+                    other, size = seen[d]
+                    raise ArgumentError(f"{self.qualname}: {arg} has shape {shape}, but shapes= declares {arg}: '{decl}' "
+                                        f"and {d}={size} from {other}")
+                else:
+                    seen.setdefault(d, (arg, int(n)))
+
+    def check_statics(self, values: list) -> list:
+        """Type-check (in place) the static values of bound ``values``; see :func:`check_static`."""
+        for i, p in enumerate(self.params):
+            if p.kind == "static":
+                values[i] = check_static(self.qualname, p, values[i])
         return values
 
     # ------------------------------------------------------------------ config + launch
@@ -275,7 +399,12 @@ class TpuKernel:
             ConfigError: an explicit config names unknown tunables or violates a constraint.
         """
         if config:
-            return self.space.complete(config), "explicit"
+            if not isinstance(config, Mapping):
+                raise ConfigError(f"{self.qualname}: config must be a dict such as {{'block_rows': 256}}, got {config!r}")
+            try:
+                return self.space.complete(config), "explicit"
+            except ConfigError as e:
+                raise ConfigError(f"{self.qualname}: {e}") from None
         if not self.space.names:
             return Config(), "default"
         for resolver in CONFIG_RESOLVERS:
@@ -371,9 +500,11 @@ def tpu_kernel(
     constraints: Sequence[Callable] = (),
     heuristic: Callable | None = None,
     rows: Sequence[str] = (),
+    shapes: Mapping[str, str] | None = None,
     out_shape: Callable | None = None,
     reference: Callable | None = None,
     config: Mapping | None = None,
+    sharding: Sequence | Callable | None = None,
 ) -> Callable[[Callable], TpuKernel]:
     """Decorate a launch function (Pallas) or a tile program (Helion) to make a :class:`TpuKernel`.
 
@@ -395,10 +526,17 @@ def tpu_kernel(
             kernel serves every row count of its bucket (``torch.compile(dynamic=True)`` and changing
             batch sizes do not recompile); outputs are sliced back, except those declared
             ``OutSpec(..., rows=False)`` (reductions over rows, which the zero rows must not change).
+        shapes: ``{arg: "dim names"}`` declaring how the tensor shapes agree, e.g. ``{"a": "M K", "b": "K N",
+            "bias": "N"}`` (names are shared between arguments, ints are fixed sizes). Checked once per input
+            signature, before the launch function runs: a mismatch is an :class:`ArgumentError` naming both
+            arguments, never an out-of-bounds read.
         out_shape: optional ``fn(*tensor_specs, **statics) -> OutSpec | tuple`` for the fake kernel, when
             the launch function does shape-dependent Python control flow.
         reference: optional plain torch/jnp implementation (used by the autotuner's correctness check).
         config: Helion only: a pinned Helion config (``{"block_sizes": [64]}``).
+        sharding: Pallas: how DTensor inputs run on their shards, a list of
+            :class:`tpukernels.distributed.Split` or ``fn(**args) -> [Split]``
+            (see :mod:`tpukernels.distributed.sharding`); default: derived from ``rows=``, else replicate.
 
     Raises:
         KernelDefinitionError: unannotated parameters, tunables that are not keyword-only, a name
@@ -411,7 +549,7 @@ def tpu_kernel(
 
         return helion_kernel(
             name=name, namespace=namespace, tunables=tunables, config=config, constraints=constraints,
-            heuristic=heuristic, rows=rows, out_shape=out_shape, reference=reference,
+            heuristic=heuristic, rows=rows, shapes=shapes, out_shape=out_shape, reference=reference,
         )
     if backend != "pallas":
         raise KernelDefinitionError(f"tpu_kernel: backend must be 'pallas' or 'helion', got {backend!r}")
@@ -430,8 +568,10 @@ def tpu_kernel(
             constraints=constraints,
             heuristic=heuristic,
             rows=rows,
+            shapes=shapes,
             out_shape=out_shape,
             reference=reference,
+            sharding=sharding,
         )
 
     return deco

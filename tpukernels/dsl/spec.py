@@ -150,10 +150,42 @@ class Config(Mapping):
 
     @classmethod
     def from_json(cls, text: str) -> "Config":
+        """Parse a JSON object (``'{"block_rows": 256}'``).
+
+        Raises:
+            ConfigError: not JSON, or not a JSON object.
+        """
+        return cls({k: tuple(v) if isinstance(v, list) else v for k, v in parse_config_json(text).items()})
+
+
+def parse_config_json(text: str, where: str = "config") -> dict:
+    """``config=`` as the torch ops take it: a JSON object string -> dict.
+
+    Raises:
+        ConfigError: ``text`` is not JSON or not an object (the message shows the expected form).
+    """
+    try:
         data = json.loads(text)
-        if not isinstance(data, dict):
-            raise ConfigError(f"config: expected a JSON object, got {text!r}")
-        return cls({k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: expected a JSON object such as '{{\"block_rows\": 256}}', got {text!r} ({e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a JSON object such as '{{\"block_rows\": 256}}', got {text!r}")
+    return data
+
+
+def _kind(v: Any) -> str:
+    """The value class a tunable value belongs to: bool, int, float, str, tuple or other."""
+    if isinstance(v, (bool, np.bool_)):
+        return "bool"
+    if isinstance(v, (int, np.integer)):
+        return "int"
+    if isinstance(v, (float, np.floating)):
+        return "float"
+    if isinstance(v, str):
+        return "str"
+    if isinstance(v, (tuple, list)):
+        return "tuple"
+    return type(v).__name__
 
 
 class TunableSpace:
@@ -203,12 +235,40 @@ class TunableSpace:
         for k, v in (partial or {}).items():
             if k not in self.tunables:
                 raise ConfigError(f"config: unknown tunable {k!r}; this kernel has {list(self.tunables)}")
-            cfg[k] = v
+            cfg[k] = self.check_value(k, v)
         config = Config(cfg)
         why = self.violation(config)
         if why:
             raise ConfigError(f"config {config}: {why}")
         return config
+
+    def check_value(self, name: str, value: Any) -> Any:
+        """Check one config value against its tunable's declared values; returns it (lists become tuples).
+
+        The value must be of the declared values' kind (``128``, not ``"128"``, ``128.0`` or ``True``), and a
+        numeric tunable whose declared values are all positive takes only positive values (a zero or
+        negative block would make an empty grid, hence a silent all-zero result). Values outside the
+        declared list are allowed (the list is what the autotuner searches, not a whitelist).
+
+        Raises:
+            ConfigError: naming the tunable, the value and the rule.
+        """
+        t = self.tunables[name]
+        kinds = {_kind(x) for x in t.values}
+        kind = _kind(value)
+        if isinstance(value, list):
+            value = tuple(value)
+        if kind not in kinds:
+            want = " or ".join(sorted(kinds))
+            raise ConfigError(f"config: {name}={value!r} is a {kind}; {name} takes {want} values such as {t.values[:4]}")
+        if kind in ("int", "float") and all(x > 0 for x in t.values) and not value > 0:
+            raise ConfigError(f"config: {name}={value!r} must be positive (declared values {t.values[:4]}...)")
+        if kind == "tuple" and all(_kind(x) == "tuple" for x in t.values):
+            flat = [y for x in t.values for y in x]
+            if flat and all(isinstance(y, (int, np.integer)) and not isinstance(y, bool) and y > 0 for y in flat):
+                if not all(isinstance(y, (int, np.integer)) and not isinstance(y, bool) and y > 0 for y in value):
+                    raise ConfigError(f"config: {name}={value!r} must hold positive ints, like {t.values[0]}")
+        return value
 
     def __iter__(self):
         """Every config of the Cartesian product that satisfies the constraints."""

@@ -146,6 +146,7 @@ class HelionKernel(TpuKernel):
         for s in specs:
             if s is not None:
                 check_jax_dtype(s.dtype, f"{self.qualname} argument {s.name!r}")
+        self.check_shapes(specs)
         cfg, source = self.resolve_config(specs, statics, config, chip)
         fn = self._jax_callable(specs, statics, cfg, mode, chip)
         arg_structs = tuple(jax.ShapeDtypeStruct(tuple(int(d) for d in s.shape), s.dtype) for s in specs if s is not None)
@@ -219,6 +220,7 @@ def helion_kernel(
     constraints=(),
     heuristic: Callable | None = None,
     rows=(),
+    shapes=None,
     out_shape: Callable | None = None,
     reference: Callable | None = None,
 ):
@@ -233,7 +235,7 @@ def helion_kernel(
         return HelionKernel(
             f, pinned={k: tuple(v) if isinstance(v, list) else v for k, v in (config or {}).items()},
             name=name, namespace=namespace, tunables=tunables, constraints=constraints, heuristic=heuristic,
-            rows=rows, out_shape=out_shape, reference=reference,
+            rows=rows, shapes=shapes, out_shape=out_shape, reference=reference,
         )
 
     return deco(fn) if fn is not None else deco

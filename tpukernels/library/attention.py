@@ -1273,6 +1273,12 @@ def flash_attention(
     """
     if not isinstance(window, (tuple, list)) or len(window) != 2:
         raise ArgumentError(f"flash_attention: window must be a (left, right) pair, got {window!r}")
+    for name, val in (("sm_scale", sm_scale), ("softcap", softcap)):
+        if val is not None and (isinstance(val, bool) or not isinstance(val, (int, float))):
+            raise ArgumentError(f"flash_attention: {name} must be a float or None, got {val!r}")
+    for name, val in (("window[0]", window[0]), ("window[1]", window[1])):
+        if val is not None and (isinstance(val, bool) or not isinstance(val, int)):
+            raise ArgumentError(f"flash_attention: {name} must be an int >= 0 or None, got {val!r}")
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise ArgumentError(f"flash_attention: {name} must be a torch.Tensor, got {type(x).__name__}")

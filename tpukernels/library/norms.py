@@ -711,6 +711,7 @@ def rms_norm(
             casting, offset != 0 without weight. DTypeError: dtype not bf16/f16/f32. DeviceError: weight on
             another device.
     """
+    _check_float("tpukernels.rms_norm", "eps", eps, 0.0), _check_float("tpukernels.rms_norm", "offset", offset)
     return torch.ops.tpukernels.rms_norm(x, weight, eps, offset, casting)
 
 
@@ -733,6 +734,8 @@ def fused_add_rms_norm(
     Raises:
         As :func:`rms_norm`; also ArgumentError / DTypeError when residual's shape / dtype differ from x's.
     """
+    op = "tpukernels.fused_add_rms_norm"
+    _check_float(op, "eps", eps, 0.0), _check_float(op, "offset", offset)  # typed errors before torch's schema check
     return torch.ops.tpukernels.fused_add_rms_norm(x, residual, weight, eps, offset, casting)
 
 
@@ -753,6 +756,7 @@ def layer_norm(
     Raises:
         ArgumentError, DTypeError, DeviceError: as :func:`rms_norm`.
     """
+    _check_float("tpukernels.layer_norm", "eps", eps, 0.0)
     return torch.ops.tpukernels.layer_norm(x, weight, bias, eps)
 
 

@@ -13,8 +13,8 @@ from typing import Any
 
 from ..dsl.kernel import TpuKernel, bucket
 from ..dsl.modes import current_interpret_mode, interpret_mode
-from ..dsl.spec import TensorSpec
-from ..errors import ArgumentError, DeviceError
+from ..dsl.spec import TensorSpec, parse_config_json
+from ..errors import ArgumentError, ConfigError, DeviceError
 from ..lowering import Lowered, lower, specs_from_values
 
 
@@ -24,15 +24,31 @@ def _is_torch_tensor(v) -> bool:
 
 def run_call(kernel: TpuKernel, args: Sequence, kwargs: Mapping, *, config=None, interpret=None):
     """``kernel(*args, **kwargs)``: dispatch to the torch op or to the JAX path."""
-    values = kernel.bind(args, kwargs)
+    values = kernel.check_statics(kernel.bind(args, kwargs))
+    if isinstance(config, str):
+        config = parse_config_json(config, f"{kernel.qualname}: config")
     ctx = interpret_mode(interpret) if interpret else contextlib.nullcontext()
     with ctx:
         if any(_is_torch_tensor(v) for v in values):
-            cfg = None if not config else json.dumps(dict(config), sort_keys=True)
+            cfg = None if not config else config_to_json(kernel, config)
             pos = [v for p, v in zip(kernel.params, values) if not p.keyword_only]
             kw = {p.name: v for p, v in zip(kernel.params, values) if p.keyword_only}
             return kernel.op(*pos, **kw, config=cfg)
         return run_jax(kernel, values, config)
+
+
+def config_to_json(kernel: TpuKernel, config: Mapping) -> str:
+    """A config mapping as the ops' ``config=`` JSON string.
+
+    Raises:
+        ConfigError: the config is not a mapping of JSON values.
+    """
+    if not isinstance(config, Mapping):
+        raise ConfigError(f"{kernel.qualname}: config must be a dict such as {{'block_rows': 256}}, got {config!r}")
+    try:
+        return json.dumps(dict(config), sort_keys=True)
+    except TypeError as e:
+        raise ConfigError(f"{kernel.qualname}: config {dict(config)!r} is not JSON-serializable ({e})") from None
 
 
 def run_jax(kernel: TpuKernel, values: Sequence, config: Mapping | None):
@@ -70,11 +86,9 @@ def plan_for(kernel: TpuKernel, values: Sequence, config_json: str | None, mode:
     """Build the call plan for concrete torch ``values`` (bound op arguments)."""
     import torch
 
-    config = None if not config_json else json.loads(config_json)
+    config = None if not config_json else parse_config_json(config_json, f"{kernel.qualname}: config")
     tensors = [(i, v) for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
-    devices = {t.device.type for _, t in tensors}
-    if len(devices) > 1:
-        raise DeviceError(f"{kernel.qualname}: tensor arguments are on different devices {sorted(devices)}")
+    check_devices(kernel, tensors)
     specs, statics = specs_from_values(kernel, values)
     pad_idx, n_rows, n_bucket = (), None, None
     bucketed = bucket_specs(kernel, specs)
@@ -96,6 +110,20 @@ def plan_for(kernel: TpuKernel, values: Sequence, config_json: str | None, mode:
                 )
     tensor_idx = tuple(i for i, _ in tensors)
     return Plan(low, tensor_idx, pad_idx, n_rows, n_bucket, None)
+
+
+def check_devices(kernel: TpuKernel, tensors) -> None:
+    """All tensor arguments on one device (type and index).
+
+    Raises:
+        DeviceError: naming each argument's device, e.g. a cpu tensor beside a ``meta`` one (torch would
+            dispatch that call to the fake kernel and hand back uninitialized memory).
+    """
+    devs = {(t.device.type, t.device.index) for _, t in tensors}
+    if len(devs) > 1:
+        names = [p.name for p in kernel.params]
+        where = ", ".join(f"{names[i]} on {t.device}" for i, t in tensors)
+        raise DeviceError(f"{kernel.qualname}: tensor arguments must share one device, got {where}")
 
 
 def bucket_specs(kernel: TpuKernel, specs: tuple) -> tuple:
