@@ -129,6 +129,10 @@ def register_backward(kernel: TpuKernel) -> None:
                 needs[n] = bool(ctx.needs_input_grad[positional.index(n)]) if n in positional else False
             else:
                 args[n] = plain[i]
+        # DTensor outputs: autograd materializes the gradient of an unused output as a plain zeros tensor,
+        # which cannot meet the DTensor gradients; give it the output's placement.
+        grads = tuple(torch.zeros_like(o) if type(g) is torch.Tensor and type(o) is not torch.Tensor
+                      and isinstance(o, torch.Tensor) and not bool(g.any()) else g for g, o in zip(grads, outs))
         res = kernel._backward(BackwardContext(args, outs, needs), *grads)
         if not isinstance(res, dict):
             raise KernelDefinitionError(f"{kernel.qualname}: backward must return {{arg_name: grad}}, got {type(res).__name__}")

@@ -1,0 +1,114 @@
+"""What each rank of tests/test_distributed.py runs (a real gloo process group on loopback, cpu DeviceMesh).
+
+Every check computes the op twice in the rank: on DTensors (sharded as named) and on the plain full tensors
+(the single-process result); rank 0 writes the differences, placements and forward collective counts as JSON
+for the test process to assert on. No tests here: pytest collects nothing from this module.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import operator
+import os
+import time
+import traceback
+
+import torch
+
+
+def _err(got, want) -> float:
+    got, want = got.detach().double(), want.detach().double()
+    if got.shape != want.shape:
+        return float("inf")
+    return float((got - want).abs().max() / max(1.0, float(want.abs().max())))
+
+
+def _full(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _compare(name, fn, inputs: dict, placements: dict, mesh):
+    """fn(**tensors) -> output (or tuple); inputs: full tensors (float ones get gradients)."""
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    g = torch.Generator().manual_seed(7)
+    plain = {k: v.detach().clone().requires_grad_(v.is_floating_point()) for k, v in inputs.items()}
+    dist_in = {k: distribute_tensor(v.detach().clone(), mesh, placements[k]).requires_grad_(v.is_floating_point())
+               for k, v in inputs.items()}
+    want = fn(**plain)
+    want = want if isinstance(want, tuple) else (want,)
+    cotangents = [torch.randn(w.shape, generator=g, dtype=torch.float32).to(w.dtype) for w in want]
+    sum(((w * c).sum() for w, c in zip(want, cotangents)), torch.zeros(())).backward()
+    with CommDebugMode() as comm:
+        got = fn(**dist_in)
+    got = got if isinstance(got, tuple) else (got,)
+    fwd_comms = int(comm.get_total_counts())
+    terms = [(o * distribute_tensor(c, mesh, o.placements)).sum() for o, c in zip(got, cotangents)]
+    functools.reduce(operator.add, terms).backward()
+    return {
+        "name": name,
+        "out_placements": [str(o.placements) for o in got],
+        "out_err": max(_err(_full(o), w) for o, w in zip(got, want)),
+        "grad_err": {k: _err(_full(dist_in[k].grad), plain[k].grad) for k in inputs if plain[k].grad is not None},
+        "fwd_collectives": fwd_comms,
+    }
+
+
+def dtensor_checks(mesh) -> list[dict]:
+    from torch.distributed.tensor import Replicate, Shard
+
+    import tpukernels.library as L
+
+    g = torch.Generator().manual_seed(0)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g)
+
+    R, S0, S1 = [Replicate()], [Shard(0)], [Shard(1)]
+    out = []
+    x, w, b = r(4, 8, 256), r(256), r(256)
+    out.append(_compare("rms_norm rows", lambda x, w: L.rms_norm(x, w), {"x": x, "w": w}, {"x": S0, "w": R}, mesh))
+    out.append(_compare("layer_norm rows", lambda x, w, b: L.layer_norm(x, w, b), {"x": x, "w": w, "b": b},
+                        {"x": S0, "w": R, "b": R}, mesh))
+    res = r(4, 8, 256)
+    out.append(_compare("fused_add_rms_norm rows", lambda x, res, w: L.fused_add_rms_norm(x, res, w),
+                        {"x": x, "res": res, "w": w}, {"x": S0, "res": S0, "w": R}, mesh))
+    q, k, v = r(2, 4, 128, 64), r(2, 2, 128, 64), r(2, 2, 128, 64)
+    fa = lambda q, k, v: L.flash_attention(q, k, v, causal=True)  # noqa: E731
+    out.append(_compare("flash_attention batch", fa, {"q": q, "k": k, "v": v}, {"q": S0, "k": S0, "v": S0}, mesh))
+    out.append(_compare("flash_attention heads", fa, {"q": q, "k": k, "v": v}, {"q": S1, "k": S1, "v": S1}, mesh))
+    a, wt, bias = r(64, 128), r(128, 256), r(256)
+    mm = lambda a, wt, bias: L.matmul(a, wt, bias=bias)  # noqa: E731
+    out.append(_compare("matmul rows (M)", mm, {"a": a, "wt": wt, "bias": bias}, {"a": S0, "wt": R, "bias": R}, mesh))
+    out.append(_compare("matmul column-parallel (N)", mm, {"a": a, "wt": wt, "bias": bias},
+                        {"a": R, "wt": S1, "bias": S0}, mesh))
+    return out
+
+
+def worker(rank: int, world: int, port: int, outdir: str, checks: list[str]) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    results: dict = {"rank": rank, "seconds": {}}
+    t0 = time.monotonic()
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+        mesh = init_device_mesh("cpu", (world,))
+        for name in checks:
+            t = time.monotonic()
+            results[name] = globals()[name](mesh)
+            results["seconds"][name] = round(time.monotonic() - t, 1)
+    except BaseException:
+        results["error"] = traceback.format_exc()
+    finally:
+        results["seconds"]["total"] = round(time.monotonic() - t0, 1)
+        with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+        if dist.is_initialized():
+            dist.destroy_process_group()

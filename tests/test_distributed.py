@@ -1,0 +1,103 @@
+"""DTensor sharding rules on a real 2-process gloo group (cpu DeviceMesh, loopback): sharded outputs and
+gradients equal the single-process ones, with no collectives in the forward (nothing was gathered).
+
+The group is spawned once per module (spawning dominates the time) by ``torch.multiprocessing``; every rank
+runs the checks of tests/distributed_workers.py and writes its results, the test process asserts on them.
+Bounded: the group is killed after ``TIMEOUT_S``.
+"""
+
+import json
+import os
+import socket
+import time
+
+import pytest
+import torch
+
+import tpukernels as tk
+from tpukernels.distributed import PARTIAL, Split, TensorMeta, splits_for
+
+TIMEOUT_S = 240
+CHECKS = ["dtensor_checks"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def group_results(tmp_path_factory):
+    import torch.multiprocessing as tmp
+
+    from distributed_workers import worker
+
+    out = tmp_path_factory.mktemp("gloo")
+    ctx = tmp.start_processes(worker, args=(2, _free_port(), str(out), CHECKS), nprocs=2, join=False,
+                              start_method="spawn")
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        while not ctx.join(timeout=5):
+            if time.monotonic() > deadline:
+                pytest.fail(f"the 2-process gloo group did not finish within {TIMEOUT_S} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    for r in ranks:
+        assert "error" not in r, f"rank {r['rank']} failed:\n{r['error']}"
+    return ranks
+
+
+@pytest.mark.parametrize("i", range(7))
+def test_dtensor_op_matches_single_process_without_gathering(group_results, i):
+    for rank in group_results:
+        c = rank["dtensor_checks"][i]
+        assert c["out_err"] < 1e-5, c
+        assert c["grad_err"] and max(c["grad_err"].values()) < 1e-5, c
+        assert c["fwd_collectives"] == 0, c  # the kernels ran on the local shards
+        assert all("Shard" in p for p in c["out_placements"]), c
+
+
+# ------------------------------------------------------------------------------------------ rules (no group)
+def _meta(*shape, dtype=torch.float32):
+    return TensorMeta(shape, dtype)
+
+
+def test_rules_from_rows_and_from_the_library_table():
+    import tpukernels.library  # noqa: F401
+    from tpukernels.dsl.kernel import REGISTRY
+
+    bwd = REGISTRY["tpukernels::rms_norm_bwd"]
+    (s,) = splits_for(bwd, {"dy": _meta(16, 256), "x": _meta(16, 256), "rstd": _meta(16, 1),
+                            "weight": _meta(1, 256), "dres": None, "offset": 0.0})
+    assert dict(s.inputs) == {"dy": 0, "x": 0, "rstd": 0} and tuple(s.outputs) == (0, PARTIAL)  # dweight: a sum
+    fa = REGISTRY["tpukernels::flash_attention_fwd"]
+    batch, heads = splits_for(fa, {"q": _meta(2, 4, 128, 64), "k": _meta(2, 2, 128, 64), "v": _meta(2, 2, 128, 64),
+                                   "q_segment_ids": _meta(2, 1, 128), "kv_segment_ids": _meta(2, 1, 128)})
+    assert batch.inputs["q_segment_ids"] == 0 and "q_segment_ids" not in heads.inputs
+    mm = REGISTRY["tpukernels::matmul_nt"]
+    args = {"a": _meta(1, 64, 128), "bt": _meta(1, 256, 128), "bias": _meta(1, 256), "activation": None,
+            "out_dtype": None, "reduce_batch": False}
+    got = {tuple(sorted(s.inputs.items())): tuple(s.outputs) for s in splits_for(mm, args)}
+    assert got == {(("a", 1),): (1,), (("bias", 1), ("bt", 1)): (2,)}  # M, N (no batch > 1, no K with a bias)
+    no_bias = splits_for(mm, {**args, "bias": None})
+    assert Split({"a": 2, "bt": 2}, (PARTIAL,)) in no_bias  # K-parallel: partial sums, f32 output only
+    assert Split({"a": 2, "bt": 2}, (PARTIAL,)) not in splits_for(mm, {**args, "bias": None, "out_dtype": "bfloat16"})
+
+
+def test_user_kernel_declares_its_sharding():
+    from jax.experimental import pallas as pl
+
+    def body(x_ref, o_ref):
+        o_ref[...] = x_ref[...] * 2
+
+    @tk.tpu_kernel(body, namespace="tktest_dist", sharding=[Split({"x": 1}, (1,))])
+    def double_cols(x: torch.Tensor) -> torch.Tensor:
+        spec = pl.BlockSpec(x.shape, lambda: (0, 0))
+        return tk.Launch(grid=(), in_specs=[spec], out_specs=spec, out_shape=tk.like(x))
+
+    assert splits_for(double_cols, {"x": _meta(8, 128)}) == [Split({"x": 1}, (1,))]

@@ -1,0 +1,278 @@
+"""DTensor sharding rules for tpukernels' torch ops: DTensor inputs run the kernel on their local shards.
+
+Every kernel-level op (``torch.ops.tpukernels.*``: the library's forward and backward kernels, and user
+kernels) gets a rule through ``torch.distributed.tensor.experimental.register_sharding``. A rule is a list of
+:class:`Split` s, each one acceptable way to run the op on shards; DTensor picks the one that moves the least
+data for the inputs' placements and redistributes only what that split needs. A replicate-everything split
+is always appended (the fallback: inputs are gathered, every rank computes the whole result).
+
+* norms (every kernel declaring ``rows=``): the row inputs sharded on dim 0, the other tensors (weights)
+  replicated; outputs with the row axis sharded on dim 0, outputs reduced over rows
+  (``OutSpec(..., rows=False)``: weight gradients) are per-shard partial sums (``Partial("sum")``).
+* flash attention fwd / bwd: over batch (every tensor on dim 0, segment ids too) or over heads (q, k, v,
+  do, lse, di on dim 1; segment ids replicated). GQA needs ``Hkv`` divisible by the mesh size, else
+  DTensor drops that split (uneven shards are never chosen) and falls back to batch or replicate.
+* matmul nn / nt / tn (``[batch, rows, cols]`` operands): over M (the lhs rows), over N (column-parallel
+  weights; a bias ``[1, N]`` sharded with them), over the batch; over K (row-parallel weights: a partial
+  sum) only without bias and activation and for a float32 output, so the result is still rounded once.
+* user kernels: ``@tpu_kernel(..., sharding=[Split(...), ...])`` or ``sharding=fn`` (called with the op's
+  arguments by name, tensors as ``.shape``/``.dtype`` metadata, returning Splits); else derived from
+  ``rows=``; else replicate only.
+
+When: ``torch.distributed.tensor`` costs ~1 s to import, so ``import tpukernels`` does not load it. A kernel's
+rule is registered when its op is created if DTensor is already loaded, else the moment
+``torch.distributed.tensor`` is imported (a one-shot import hook installed by :func:`on_op_registered`), so
+the rules are in place before any DTensor can reach an op. :func:`register_all` does it explicitly.
+
+Op names live in one table, :data:`LIBRARY_RULES` (kernel name -> rule).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.abc
+import importlib.util
+import sys
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+#: an output placement: a per-shard partial sum (the ranks' results add up to the full result)
+PARTIAL = "partial"
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """One way to run a kernel on shards.
+
+    Args:
+        inputs: ``{tensor parameter name: the dim it is sharded on}``; tensors not named are replicated.
+        outputs: per op output: the dim it comes out sharded on, ``None`` (replicated: every shard computes
+            all of it) or :data:`PARTIAL` (each shard's output is a partial sum).
+    """
+
+    inputs: Mapping[str, int]
+    outputs: Sequence[int | str | None]
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorMeta:
+    """What a rule sees of a tensor argument: its global shape and dtype."""
+
+    shape: tuple
+    dtype: Any
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+# ---------------------------------------------------------------------------------------------- library rules
+def _present(args: Mapping, names: Sequence[str]) -> list[str]:
+    return [n for n in names if isinstance(args.get(n), TensorMeta)]
+
+
+def _attention(n_out: int):
+    def rule(args: Mapping) -> list[Split]:
+        tensors = _present(args, ("q", "k", "v", "do", "lse", "di", "q_segment_ids", "kv_segment_ids"))
+        heads = [n for n in tensors if not n.endswith("segment_ids")]
+        return [Split({n: 0 for n in tensors}, (0,) * n_out), Split({n: 1 for n in heads}, (1,) * n_out)]
+
+    return rule
+
+
+def _is_f32(dtype) -> bool:
+    return "float32" in str(dtype)
+
+
+def _matmul(layout: str):
+    """Kernel operands are 3-D ``[batch, rows, cols]``: nn ``a [B, M, K] @ b [B, K, N]``, nt ``a @ bt [B, N, K]``,
+    tn ``at [B, K, M] @ b``; out ``[B or 1, M, N]``; bias ``[1, N]``."""
+    x, y = {"nn": ("a", "b"), "nt": ("a", "bt"), "tn": ("at", "b")}[layout]
+    x_m, x_k = (2, 1) if layout == "tn" else (1, 2)
+    y_n, y_k = (1, 2) if layout == "nt" else (2, 1)
+
+    def rule(args: Mapping) -> list[Split]:
+        a, b, bias = args.get(x), args.get(y), args.get("bias")
+        if not isinstance(a, TensorMeta) or not isinstance(b, TensorMeta):
+            return []
+        has_bias = isinstance(bias, TensorMeta)
+        out_f32 = _is_f32(args.get("out_dtype") or a.dtype)
+        splits = [Split({x: x_m}, (1,)),  # over M: lhs rows
+                  Split({y: y_n, **({"bias": 1} if has_bias else {})}, (2,))]  # over N: column-parallel weight
+        if not args.get("reduce_batch"):
+            batch = {n: 0 for n, t in ((x, a), (y, b)) if t.shape[0] != 1}
+            if batch:
+                splits.append(Split(batch, (0,)))
+        elif out_f32 and not has_bias and args.get("activation") is None:  # batch summed inside: partial sums
+            splits.append(Split({n: 0 for n, t in ((x, a), (y, b)) if t.shape[0] != 1}, (PARTIAL,)))
+        if out_f32 and not has_bias and args.get("activation") is None:  # over K: row-parallel weight
+            splits.append(Split({x: x_k, y: y_k}, (PARTIAL,)))
+        return splits
+
+    return rule
+
+
+#: Kernel op name (in the ``tpukernels`` namespace) -> rule ``fn(args by name) -> [Split]``. Norms need no
+#: entry: their ``rows=`` declaration derives the rule. The one place op names appear.
+LIBRARY_RULES: dict[str, Callable[[Mapping], list[Split]]] = {
+    "flash_attention_fwd": _attention(2),
+    "flash_attention_bwd_dq": _attention(1),
+    "flash_attention_bwd_dkv": _attention(2),
+    "matmul_nn": _matmul("nn"),
+    "matmul_nt": _matmul("nt"),
+    "matmul_tn": _matmul("tn"),
+}
+
+
+# ---------------------------------------------------------------------------------------------- derivation
+def _rows_rule(kernel) -> Callable[[Mapping], list[Split]]:
+    def rule(args: Mapping) -> list[Split]:
+        import torch
+
+        from ..lowering import specs_from_values
+
+        values = []
+        for p in kernel.params:
+            v = args.get(p.name, p.default)
+            values.append(torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, TensorMeta) else v)
+        specs, statics = specs_from_values(kernel, values)
+        outs = kernel.out_specs_for(specs, statics, None)
+        rows = _present(args, kernel.rows)
+        return [Split({n: 0 for n in rows}, tuple(0 if getattr(o, "rows", True) else PARTIAL for o in outs))]
+
+    return rule
+
+
+def rule_for(kernel) -> Callable[[Mapping], list[Split]] | None:
+    """The kernel's rule: its ``sharding=``, the library table, or derived from ``rows=`` (None: replicate only)."""
+    declared = getattr(kernel, "sharding", None)
+    if declared is not None:
+        if callable(declared):
+            return lambda args: list(declared(**args))
+        splits = list(declared)
+        return lambda args: splits
+    if kernel.namespace == "tpukernels" and kernel.name in LIBRARY_RULES:
+        return LIBRARY_RULES[kernel.name]
+    if kernel.rows:
+        return _rows_rule(kernel)
+    return None
+
+
+def splits_for(kernel, args: Mapping) -> list[Split]:
+    """The splits ``kernel`` accepts for one call (``args`` by name; tensors as :class:`TensorMeta`)."""
+    rule = rule_for(kernel)
+    return [] if rule is None else list(rule(args))
+
+
+# ---------------------------------------------------------------------------------------------- registration
+def _placement(code):
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    if code is None:
+        return Replicate()
+    if code == PARTIAL:
+        return Partial("sum")
+    return Shard(int(code))
+
+
+def register(kernel, op=None) -> None:
+    """Register ``kernel``'s rule for its op (``op``: default ``kernel.op``) with DTensor."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    from torch.distributed.tensor.experimental import register_sharding
+
+    from ..errors import KernelDefinitionError
+
+    op = kernel.op if op is None else op
+    op = getattr(op, "_opoverload", None) or getattr(op, "default", op)  # torch.library.CustomOpDef -> OpOverload
+    n_out = len(op._schema.returns)
+    positional = [p.name for p in kernel.params if not p.keyword_only]
+
+    def strategies(*args, **kwargs):
+        named = dict(zip(positional, args))
+        named.update((k, v) for k, v in kwargs.items() if k != "config")
+        view = {n: TensorMeta(tuple(v.shape), v.tensor_meta.dtype) if isinstance(v, DTensorSpec) else v
+                for n, v in named.items()}
+        out = []
+        for s in [*splits_for(kernel, view), Split({}, (None,) * n_out)]:
+            if len(s.outputs) != n_out:
+                raise KernelDefinitionError(f"{kernel.qualname}: a sharding Split has {len(s.outputs)} outputs, "
+                                            f"the op returns {n_out}")
+            unknown = set(s.inputs) - {p.name for p in kernel.params if p.kind != "static"}
+            if unknown:
+                raise KernelDefinitionError(f"{kernel.qualname}: sharding Split names {sorted(unknown)}, which "
+                                            f"are not tensor parameters")
+            ins, ok = [], True
+            for n, v in zip(positional, args):
+                if not isinstance(v, DTensorSpec):
+                    ins.append(None)
+                    continue
+                d = s.inputs.get(n)
+                if d is not None and not 0 <= d < v.ndim:
+                    ok = False  # e.g. a 1-D tensor where the split shards dim 1
+                ins.append(_placement(d))
+            ins += [_placement(None) for k, v in kwargs.items() if isinstance(v, DTensorSpec)]
+            if ok:
+                out.append(([_placement(o) for o in s.outputs], ins))
+        return out
+
+    register_sharding(op)(strategies)
+
+
+_PENDING: list = []
+_LOCK = threading.Lock()
+_HOOK = None
+_DT = "torch.distributed.tensor"
+
+
+def _dtensor_loaded() -> bool:
+    mod = sys.modules.get(_DT)
+    return mod is not None and getattr(getattr(mod, "__spec__", None), "_initializing", False) is False
+
+
+def _flush() -> None:
+    with _LOCK:
+        todo = list(_PENDING)
+        _PENDING.clear()
+    for k, op in todo:
+        register(k, op)
+
+
+class _WhenDTensorLoads(importlib.abc.MetaPathFinder):
+    """Registers the pending rules right after ``torch.distributed.tensor`` finishes importing (then leaves)."""
+
+    def find_spec(self, name, path, target=None):
+        if name != _DT:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            _flush()
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def on_op_registered(kernel, op) -> None:
+    """Called when a kernel's torch op is created: register its rule now if DTensor is loaded, else when it is."""
+    global _HOOK
+    if _dtensor_loaded():
+        register(kernel, op)
+        return
+    with _LOCK:
+        _PENDING.append((kernel, op))
+        if _HOOK is None or _HOOK not in sys.meta_path:
+            _HOOK = _WhenDTensorLoads()
+            sys.meta_path.insert(0, _HOOK)
+
+
+def register_all() -> None:
+    """Register every pending rule now (loads ``torch.distributed.tensor``)."""
+    import torch.distributed.tensor  # noqa: F401  (the import hook, if still installed, flushes)
+
+    _flush()
