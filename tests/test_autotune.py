@@ -292,3 +292,37 @@ def test_cli_values_restrict_the_search(capsys):
                  "--values", "br=32", "--strategy", "exhaustive", "--repeats", "1", "--no-progress", "--json"]) == 0
     (res,) = json.loads(capsys.readouterr().out)
     assert sorted(t["config"]["br"] for t in res["trials"]) == [8, 32] and res["failures"] == {}
+
+
+def test_read_only_cache_dir_reports_instead_of_raising(tmp_cache):
+    os.makedirs(tmp_cache / "autotuning" / "v6e", exist_ok=True)
+    os.chmod(tmp_cache / "autotuning" / "v6e", 0o555)
+    try:
+        if os.access(tmp_cache / "autotuning" / "v6e", os.W_OK):
+            pytest.skip("running as a user who can write to read-only folders (root)")
+        r = tune(scale, "64x128:f32", 2.0, evaluator=SyntheticEvaluator(), strategy="exhaustive", write_db="user")
+    finally:
+        os.chmod(tmp_cache / "autotuning" / "v6e", 0o755)
+    assert r.best is not None and r.db_path is None and "cannot write" in r.db_note
+
+
+def test_read_only_db_file_reports_instead_of_raising(tmp_cache, monkeypatch):
+    """Also as root: a write that fails with an OSError leaves the results and says why."""
+    def refuse(*a, **k):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(db, "record", refuse)
+    r = tune(scale, "64x128:f32", 2.0, evaluator=SyntheticEvaluator(), strategy="exhaustive", write_db="user")
+    assert r.best is not None and r.db_path is None and "cannot write" in r.db_note and "Permission denied" in r.db_note
+
+
+def test_stored_note_says_when_cpu_calls_use_the_entry(tmp_cache):
+    r = tune(scale, "64x128:f32", 2.0, evaluator=SyntheticEvaluator(), strategy="exhaustive", write_db="user")
+    assert r.db_path and "TPUKERNELS_TARGET_CHIP=v6e" in r.db_note
+
+
+def test_cli_text_output_says_why_each_config_was_pruned(capsys):
+    assert main(["autotune", "tktest::copy_rows", "--shape", "64x128:f32", "--evaluator", "measure",
+                 "--strategy", "exhaustive", "--repeats", "1", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "pruned before compiling" in out and "br=12" in out and "(8,128)" in out.replace(", ", ",")

@@ -47,7 +47,7 @@ def test_corrupted_file_warns_and_is_ignored(tmp_cache, monkeypatch):
     with pytest.warns(RuntimeWarning, match="corrupted tuning file"):
         assert scale.resolve_config(specs, statics, None)[1] == "default"
     # a write moves the corrupted file aside instead of destroying it
-    with pytest.warns(RuntimeWarning, match="moved corrupted"):
+    with pytest.warns(RuntimeWarning, match="kept the unreadable tuning file"):
         db.record(scale, "v6e", specs, statics, {"block_rows": 32}, {"evaluator": "test"})
     assert os.path.exists(path + ".corrupt")
     assert json.load(open(path))["entries"][0]["config"] == {"block_rows": 32}
@@ -89,3 +89,71 @@ def test_compile_for_uses_the_target_chips_tuning_data(tmp_cache, monkeypatch):
     r5 = tk.compile_for(scale, "v5e", "2048x256:f32", alpha=2.0)
     assert r7.ok and r7.config == {"block_rows": 256} and r7.config_source == "user-db:tpu7x"
     assert r5.ok and r5.config_source == "default"
+
+
+def _write_raw(path, data):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(data if isinstance(data, str) else json.dumps(data))
+
+
+def test_entries_of_the_wrong_schema_are_warnings_not_crashes(tmp_cache, monkeypatch):
+    monkeypatch.setenv("TPUKERNELS_TARGET_CHIP", "v6e")
+    specs, statics = _specs(64)
+    good = db.entry_key(scale, specs, statics)
+    path = db.user_db_path(scale.qualname, "v6e")
+    _write_raw(path, {"version": 1, "entries": ["oops", {"key": "str", "config": {}}, {"key": {}, "config": 3},
+                                                 {"key": {**good, "shapes": "x"}, "config": {"block_rows": 8}},
+                                                 {"key": good, "config": {"block_rows": 32}}]})
+    with pytest.warns(RuntimeWarning, match="malformed entry"):
+        assert scale.resolve_config(specs, statics, None) == (tk.Config(block_rows=32), "user-db:v6e")
+    x = torch.randn(64, 128)
+    torch.testing.assert_close(scale(x, 2.0), 2 * x)  # the call uses the good entry (warned once per file)
+
+
+@pytest.mark.parametrize("bad", ["128", 0, -8, 12])
+def test_a_bad_value_in_a_matching_entry_falls_back(tmp_cache, monkeypatch, bad):
+    """A DB value of the wrong type, zero/negative, or one the launch rejects: a warning and the default."""
+    monkeypatch.setenv("TPUKERNELS_TARGET_CHIP", "v6e")
+    specs, statics = _specs(64)
+    path = db.user_db_path(scale.qualname, "v6e")
+    _write_raw(path, {"version": 1, "entries": [{"key": db.entry_key(scale, specs, statics),
+                                                 "config": {"block_rows": bad}}]})
+    scale._entries.clear(), scale._plans.clear()
+    x = torch.randn(64, 128)
+    with pytest.warns(RuntimeWarning, match="ignoring"):
+        out = scale(x, 2.0)
+    torch.testing.assert_close(out, 2 * x)
+    scale._entries.clear(), scale._plans.clear()
+
+
+def test_a_second_corruption_never_overwrites_the_first_copy(tmp_cache):
+    specs, statics = _specs(64)
+    path = db.user_db_path(scale.qualname, "v6e")
+    for text in ("first broken file", "second broken file"):
+        _write_raw(path, text)
+        with pytest.warns(RuntimeWarning, match="kept the unreadable"):
+            db.record(scale, "v6e", specs, statics, {"block_rows": 32}, {"evaluator": "test"})
+    assert open(path + ".corrupt").read() == "first broken file"
+    assert open(path + ".corrupt.1").read() == "second broken file"
+
+
+def test_orphan_temporary_files_are_cleaned_and_modes_kept(tmp_cache):
+    specs, statics = _specs(64)
+    path = db.user_db_path(scale.qualname, "v6e")
+    folder = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    orphan = os.path.join(folder, f".tmp-{os.path.basename(path)}-killed.json")
+    other = os.path.join(folder, ".tmp-another.json-x.json")  # another kernel's writer may own this one
+    for f in (orphan, other):
+        _write_raw(f, "{")
+    old = os.umask(0o022)
+    try:
+        db.record(scale, "v6e", specs, statics, {"block_rows": 32}, {"evaluator": "test"})
+    finally:
+        os.umask(old)
+    assert not os.path.exists(orphan) and os.path.exists(other)
+    assert os.stat(path).st_mode & 0o777 == 0o644  # not mkstemp's 0600
+    os.chmod(path, 0o664)
+    db.record(scale, "v6e", specs, statics, {"block_rows": 16}, {"evaluator": "test"})
+    assert os.stat(path).st_mode & 0o777 == 0o664  # an existing file keeps its mode

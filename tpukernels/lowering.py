@@ -14,6 +14,7 @@ import contextvars
 import dataclasses
 import logging
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -21,7 +22,7 @@ import numpy as np
 
 from .chips import Chip, target_chip_from_env
 from .dsl.dtypes import check_jax_dtype
-from .dsl.kernel import Resolved, TpuKernel
+from .dsl.kernel import CONFIG_RESOLVERS, Resolved, TpuKernel
 from .dsl.modes import interpret_value
 from .dsl.spec import Config, TensorSpec
 from .dsl.validate import VmemEstimate, check_block, check_vmem, estimate_vmem, grid_is_empty
@@ -204,13 +205,18 @@ def launch_chip() -> Chip | None:
     return _LAUNCH_CHIP.get()
 
 
-def resolve(kernel: TpuKernel, specs: tuple, statics: tuple, config: Mapping | None, chip: Chip | None = None) -> Resolved:
+#: config sources that are not tuning-database entries (a DB entry that fails is a warning, these raise)
+_NOT_DB = ("explicit", "heuristic", "default", "pinned")
+
+
+def resolve(kernel: TpuKernel, specs: tuple, statics: tuple, config: Mapping | None, chip: Chip | None = None,
+            resolvers: bool = True) -> Resolved:
     """Resolve the config (tuning data of ``chip`` if given) and run the launch function for one signature."""
     for s in specs:
         if s is not None:
             check_jax_dtype(s.dtype, f"{kernel.qualname} argument {s.name!r}")
     kernel.check_shapes(specs)
-    cfg, source = kernel.resolve_config(specs, statics, config, chip)
+    cfg, source = kernel.resolve_config(specs, statics, config, chip, resolvers)
     launch = kernel.make_launch(specs, statics, cfg)
     log.log(
         logging.INFO if os.environ.get("TPUKERNELS_LOG_CONFIG") else logging.DEBUG,
@@ -265,10 +271,9 @@ def lower(
         return low
     token = _LAUNCH_CHIP.set(chip)
     try:
-        resolved = resolve(kernel, specs, statics, config, chip if mode == "mosaic" else None)
+        resolved, vmem = _resolve_and_validate(kernel, specs, statics, config, chip, mode)
     finally:
         _LAUNCH_CHIP.reset(token)
-    vmem = validate(kernel, resolved, chip)
     fn, out_structs = build_fn(kernel, resolved, mode)
     arg_structs = tuple(jax.ShapeDtypeStruct(tuple(int(d) for d in s.shape), s.dtype) for s in specs if s is not None)
     launch = resolved.launch
@@ -282,6 +287,23 @@ def lower(
     with kernel._lock:
         kernel._entries[key] = low
     return low
+
+
+def _resolve_and_validate(kernel, specs, statics, config, chip, mode):
+    """resolve + validate; a tuning-DB config the launch or the checks reject is skipped with a warning."""
+    db_chip = chip if mode == "mosaic" else None
+    try:
+        resolved = resolve(kernel, specs, statics, config, db_chip)
+        return resolved, validate(kernel, resolved, chip)
+    except TpuKernelError as e:
+        if config or not CONFIG_RESOLVERS:
+            raise
+        # Only a DB-sourced config gets a second chance; re-resolve without the DB to find out.
+        fallback = resolve(kernel, specs, statics, None, db_chip, resolvers=False)
+        shapes = [None if s is None else tuple(s.shape) for s in specs]
+        warnings.warn(f"tpukernels: {kernel.qualname}: ignoring the tuning-DB config for {shapes} ({e}); "
+                      f"using the {fallback.source} config {dict(fallback.config)}", RuntimeWarning, stacklevel=3)
+        return fallback, validate(kernel, fallback, chip)
 
 
 def specs_from_values(kernel: TpuKernel, values: Sequence) -> tuple[tuple, tuple]:

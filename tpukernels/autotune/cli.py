@@ -141,7 +141,7 @@ class _Progress:
 def cmd_autotune(args) -> int:
     from ..cli import table
     from ..targets.compile_only import compile_only_env, require_libtpu
-    from .report import failure_lines, label_note, summary_rows, write_report
+    from .report import failure_lines, label_note, pruned_lines, summary_rows, write_report
     from .tuner import make_evaluator, tune
 
     compile_only_env()
@@ -211,6 +211,10 @@ def cmd_autotune(args) -> int:
             lines = failure_lines(r)
             if lines:
                 print(f"{r.kernel}: failed candidates:")
+                print("\n".join(lines))
+            lines = pruned_lines(r)
+            if lines:
+                print(f"{r.kernel}: pruned before compiling ({len(r.pruned)}):")
                 print("\n".join(lines))
             if r.db_note:
                 print(f"{r.kernel}: {r.db_note}")

@@ -94,19 +94,51 @@ def entry_key(kernel: TpuKernel, specs, statics) -> dict:
     }
 
 
+def entry_problem(e: Any) -> str | None:
+    """Why ``e`` is not a well-formed entry (key with source_hash/shapes/dtypes/statics, config), or None."""
+    if not isinstance(e, dict):
+        return f"an entry is a {type(e).__name__}, not an object"
+    key, cfg = e.get("key"), e.get("config")
+    if not isinstance(key, dict):
+        return f"entry key {key!r} is not an object"
+    if not isinstance(cfg, dict):
+        return f"entry config {cfg!r} is not an object"
+    if not isinstance(key.get("source_hash"), str):
+        return "entry key has no source_hash string"
+    for field in ("shapes", "dtypes"):
+        if not isinstance(key.get(field), list):
+            return f"entry key {field} is not a list"
+    if any(s is not None and not (isinstance(s, list) and all(isinstance(d, int) for d in s)) for s in key["shapes"]):
+        return f"entry key shapes {key['shapes']!r} are not lists of ints"
+    if not isinstance(key.get("statics", {}), dict):
+        return "entry key statics is not an object"
+    return None
+
+
 def load(path: str) -> list[dict]:
-    """Entries of one DB file; [] if missing; a warning (never an exception) if corrupted."""
+    """Well-formed entries of one DB file; [] if missing.
+
+    Never raises for bad content: a file that is not a version-1 tuning file, or entries of the wrong
+    schema, give one ``RuntimeWarning`` each and are skipped (the file itself is left as it is).
+    """
     try:
         with open(path) as f:
             data = json.load(f)
         if not isinstance(data, dict) or data.get("version") != VERSION or not isinstance(data.get("entries"), list):
             raise ValueError("not a version-1 tpukernels tuning file")
-        return [e for e in data["entries"] if isinstance(e, dict) and "key" in e and "config" in e]
     except FileNotFoundError:
         return []
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, UnicodeDecodeError) as e:
         warnings.warn(f"tpukernels: ignoring corrupted tuning file {path}: {e}", RuntimeWarning, stacklevel=2)
         return []
+    good = []
+    for e in data["entries"]:
+        why = entry_problem(e)
+        if why is None:
+            good.append(e)
+        else:
+            warnings.warn(f"tpukernels: skipping a malformed entry of {path}: {why}", RuntimeWarning, stacklevel=2)
+    return good
 
 
 @functools.lru_cache(maxsize=256)
@@ -195,36 +227,70 @@ def record(
     from filelock import FileLock
 
     path = path or user_db_path(kernel.qualname, chip)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    folder = os.path.dirname(path) or "."
+    os.makedirs(folder, exist_ok=True)
     key = entry_key(kernel, specs, statics)
     ev = dict(evidence)
     ev.setdefault("date", datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     ev.setdefault("versions", versions())
+    tmp_prefix = f".tmp-{os.path.basename(path)}-"
     with FileLock(path + ".lock", timeout=60):
-        entries = []
+        _remove_orphans(folder, tmp_prefix)  # left by a writer killed mid-write (we hold the file's lock)
+        entries, mode = [], None
         if os.path.exists(path):
+            mode = os.stat(path).st_mode & 0o777
             try:
                 with open(path) as f:
                     data = json.load(f)
-                entries = list(data["entries"])
-            except (OSError, ValueError, KeyError, TypeError) as e:
-                os.replace(path, path + ".corrupt")
-                warnings.warn(f"tpukernels: moved corrupted tuning file to {path}.corrupt ({e})", RuntimeWarning, stacklevel=2)
+                if not isinstance(data, dict) or not isinstance(data.get("entries"), list):
+                    raise ValueError("not a version-1 tpukernels tuning file")
+                entries = [e for e in data["entries"] if entry_problem(e) is None]
+                if len(entries) != len(data["entries"]):
+                    raise ValueError(f"{len(data['entries']) - len(entries)} malformed entries")
+            except (OSError, ValueError, UnicodeDecodeError) as e:
+                aside = _set_aside(path)
+                warnings.warn(f"tpukernels: kept the unreadable tuning file as {aside} ({e}); its well-formed "
+                              f"entries ({len(entries)}) are carried over", RuntimeWarning, stacklevel=2)
         entries = [e for e in entries if e.get("key") != key]
         entries.append({"key": key, "config": dict(config), "evidence": ev})
         data = {"version": VERSION, "kernel": kernel.qualname, "chip": chip, "entries": entries}
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-", suffix=".json")
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=tmp_prefix, suffix=".json")
         try:
             with os.fdopen(fd, "w") as f:
                 json.dump(data, f, indent=1, sort_keys=True)
                 f.flush()
                 os.fsync(f.fileno())
+            os.chmod(tmp, mode if mode is not None else 0o666 & ~_umask())  # mkstemp makes 0600
             os.replace(tmp, path)
         except BaseException:
             if os.path.exists(tmp):
                 os.unlink(tmp)
             raise
     return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _set_aside(path: str) -> str:
+    """Move ``path`` to the first free ``<path>.corrupt[.N]`` (an earlier copy is never overwritten)."""
+    aside, n = path + ".corrupt", 1
+    while os.path.exists(aside):
+        aside, n = f"{path}.corrupt.{n}", n + 1
+    os.replace(path, aside)
+    return aside
+
+
+def _remove_orphans(folder: str, prefix: str) -> None:
+    for name in os.listdir(folder):
+        if name.startswith(prefix) and name.endswith(".json"):
+            try:
+                os.unlink(os.path.join(folder, name))
+            except OSError:
+                pass
 
 
 def dispatch_chip() -> str | None:

@@ -56,6 +56,18 @@ def failure_lines(result: SweepResult, limit: int = 5) -> list[str]:
     return out[:limit] + ([f"  ... {len(out) - limit} more"] if len(out) > limit else [])
 
 
+def pruned_lines(result: SweepResult, show: int = 4) -> list[str]:
+    """Why each pruned config was pruned: one line per distinct reason, with how many configs and examples."""
+    groups: dict = {}
+    for p in result.pruned:
+        groups.setdefault((p.kind, p.reason), []).append(fmt_config(dict(p.config)))
+    out = []
+    for (kind, reason), cfgs in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+        more = f" and {len(cfgs) - show} more" if len(cfgs) > show else ""
+        out.append(f"  {len(cfgs)} x {kind}: {reason[:300]} ({'; '.join(cfgs[:show])}{more})")
+    return out
+
+
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_")
 

@@ -344,5 +344,13 @@ def store(result: SweepResult, problem: Problem, where: str, force: bool = False
     for k in ("bound", "pct_of_roofline", "step_overhead_us", "cycles_note"):
         if k in best.details:
             evidence[k] = best.details[k]
-    written = db.record(kernel, result.chip, specs, statics, Config(best.config), evidence, path=path)
-    return written, f"stored in {written}"
+    try:
+        written = db.record(kernel, result.chip, specs, statics, Config(best.config), evidence, path=path)
+    except OSError as e:  # a read-only cache dir must not hide the sweep's results
+        return None, (f"not stored: cannot write {path} ({e.strerror or e}); set TPUKERNELS_CACHE_DIR to a "
+                      f"writable folder or pass --write-db PATH")
+    note = f"stored in {written}"
+    if where == "user":
+        note += (f"; TPU hosts ({result.chip}) use it automatically, cpu (interpret) calls only with "
+                 f"TPUKERNELS_TARGET_CHIP={result.chip}")
+    return written, note

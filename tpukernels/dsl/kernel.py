@@ -385,7 +385,8 @@ class TpuKernel:
         return values
 
     # ------------------------------------------------------------------ config + launch
-    def resolve_config(self, specs: tuple, statics: tuple, config: Mapping | None, chip=None) -> tuple[Config, str]:
+    def resolve_config(self, specs: tuple, statics: tuple, config: Mapping | None, chip=None,
+                       resolvers: bool = True) -> tuple[Config, str]:
         """Pick the config: explicit -> registered resolvers (tuning DB) -> heuristic -> defaults.
 
         ``chip`` (a :class:`tpukernels.chips.Chip`) selects whose tuning data applies (compile-only
@@ -407,14 +408,17 @@ class TpuKernel:
                 raise ConfigError(f"{self.qualname}: {e}") from None
         if not self.space.names:
             return Config(), "default"
-        for resolver in CONFIG_RESOLVERS:
+        for resolver in CONFIG_RESOLVERS if resolvers else ():
             got = resolver(self, specs, statics, chip)
             if got is not None:
                 cfg, source = got
                 try:
                     return self.space.complete(cfg), source
-                except ConfigError as e:  # stale DB entry: never fatal
-                    log.warning("%s: ignoring %s config %s: %s", self.qualname, source, cfg, e)
+                except ConfigError as e:  # stale or hand-edited DB entry: never fatal
+                    import warnings
+
+                    warnings.warn(f"tpukernels: {self.qualname}: ignoring the {source} config {cfg}: {e}",
+                                  RuntimeWarning, stacklevel=3)
         if self.heuristic is not None:
             return self.space.complete(self.heuristic(*specs, **dict(statics))), "heuristic"
         return self.space.default(), "default"

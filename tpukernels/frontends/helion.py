@@ -62,8 +62,8 @@ class HelionKernel(TpuKernel):
     def body_for(self, statics, config, launch):  # pragma: no cover - not used for Helion
         raise TpuKernelError(f"{self.qualname}: Helion kernels have no Pallas body")
 
-    def resolve_config(self, specs, statics, config, chip=None):
-        cfg, source = super().resolve_config(specs, statics, config, chip)
+    def resolve_config(self, specs, statics, config, chip=None, resolvers=True):
+        cfg, source = super().resolve_config(specs, statics, config, chip, resolvers)
         if source == "default" and self._pinned:
             return Config({**self._pinned, **dict(cfg)}), "pinned"
         return cfg, source
