@@ -90,6 +90,45 @@ def dtensor_checks(mesh) -> list[dict]:
     return out
 
 
+def fsdp2_llama(mesh, steps: int = 3) -> dict:
+    """A tiny Llama (from a config) under FSDP2 ``fully_shard``, stock vs ``apply_tpukernels``: per-step losses
+    (each rank its own batch; the loss is averaged over the ranks)."""
+    import torch.distributed as dist
+    import transformers
+    from torch.distributed.fsdp import fully_shard
+
+    from tpukernels.integrations.transformers import apply_tpukernels
+
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=96, max_position_embeddings=64)
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(100 + dist.get_rank()))
+    out = {}
+    for patched in (False, True):
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(cfg)
+        model.set_attn_implementation("eager")
+        counts = apply_tpukernels(model) if patched else None
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for _ in range(steps):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)
+            losses.append(float(mean) / dist.get_world_size())
+        w = model.model.norm.weight
+        out["tpukernels" if patched else "stock"] = {
+            "losses": losses, "counts": counts, "param_placements": str(getattr(w, "placements", None)),
+            "norm_module": type(model.model.norm).__name__,
+        }
+    return out
+
+
 def worker(rank: int, world: int, port: int, outdir: str, checks: list[str]) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh

@@ -18,7 +18,7 @@ import tpukernels as tk
 from tpukernels.distributed import PARTIAL, Split, TensorMeta, splits_for
 
 TIMEOUT_S = 240
-CHECKS = ["dtensor_checks"]
+CHECKS = ["dtensor_checks", "fsdp2_llama"]
 
 
 def _free_port() -> int:
@@ -62,6 +62,16 @@ def test_dtensor_op_matches_single_process_without_gathering(group_results, i):
         assert all("Shard" in p for p in c["out_placements"]), c
 
 
+def test_fsdp2_llama_with_tpukernels_trains_to_the_stock_loss(group_results):
+    for rank in group_results:
+        stock, ours = rank["fsdp2_llama"]["stock"], rank["fsdp2_llama"]["tpukernels"]
+        assert ours["counts"]["attention"] and ours["counts"]["rms_norm"] == 5 and ours["norm_module"] == "TPURMSNorm"
+        assert stock["param_placements"] == ours["param_placements"] == "(Shard(dim=0),)"  # FSDP2-sharded
+        torch.testing.assert_close(ours["losses"], stock["losses"], rtol=1e-4, atol=1e-5)
+        assert ours["losses"][-1] < ours["losses"][0] - 0.05  # it trained
+    assert group_results[0]["fsdp2_llama"] == group_results[1]["fsdp2_llama"]  # the mean loss is one number
+
+
 # ------------------------------------------------------------------------------------------ rules (no group)
 def _meta(*shape, dtype=torch.float32):
     return TensorMeta(shape, dtype)
@@ -101,3 +111,21 @@ def test_user_kernel_declares_its_sharding():
         return tk.Launch(grid=(), in_specs=[spec], out_specs=spec, out_shape=tk.like(x))
 
     assert splits_for(double_cols, {"x": _meta(8, 128)}) == [Split({"x": 1}, (1,))]
+
+
+def test_rules_register_when_dtensor_loads_after_tpukernels():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch, tpukernels.library\n"
+        "assert 'torch.distributed.tensor' not in sys.modules, 'import tpukernels loaded DTensor'\n"
+        "from torch.distributed.tensor import DTensor\n"
+        "funcs = DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs\n"
+        "ops = torch.ops.tpukernels\n"
+        "missing = [n for n in ('rms_norm_fwd', 'rms_norm_bwd', 'layer_norm_bwd', 'flash_attention_fwd',\n"
+        "           'flash_attention_bwd_dkv', 'matmul_nn', 'matmul_tn') if getattr(ops, n).default not in funcs]\n"
+        "assert not missing, missing\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
