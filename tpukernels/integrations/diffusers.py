@@ -1,0 +1,162 @@
+"""Diffusers integration: tpukernels flash attention as a Diffusers attention backend.
+
+    from tpukernels.integrations.diffusers import register
+    register()                                   # adds AttentionBackendName.TPUKERNELS = "tpukernels"
+    transformer.set_attention_backend("tpukernels")
+    # or:  with diffusers.models.attention_dispatch.attention_backend("tpukernels"): ...
+
+How it plugs in. Diffusers' dispatcher (``diffusers/models/attention_dispatch.py``, 0.42) routes every
+``dispatch_attention_fn`` call to the function registered for the active ``AttentionBackendName`` in
+``_AttentionBackendRegistry`` (filled by the ``@_AttentionBackendRegistry.register(member, constraints=...)``
+decorator, the one way backends are added in that file). ``set_attention_backend`` accepts only values of
+that ``str`` Enum, which is closed: Diffusers documents no way for a third party to add a member. Two ways
+in, both here:
+
+* :func:`register` (default ``member="tpukernels"``) **adds a member** ``TPUKERNELS = "tpukernels"`` to the
+  Enum (the member maps CPython's ``Enum`` keeps: ``_member_map_``, ``_value2member_map_``,
+  ``_member_names_``, which is what ``AttentionBackendName("tpukernels")``, ``__members__`` and iteration
+  read), then registers the backend for it with the decorator above. Nothing Diffusers ships is replaced.
+* ``register(member="<existing value>")`` **overrides a member**: the same decorator re-registers an
+  existing value (e.g. ``"_native_xla"``) with the tpukernels function; :func:`unregister` restores the
+  original. No Enum internals touched, but that backend is gone while overridden.
+
+The backend receives Diffusers' ``[B, S, H, D]`` tensors and calls
+:func:`tpukernels.library.attention.flash_attention` in SDPA layout (GQA natively when ``Hq`` is a multiple of
+``Hkv``). Masks are mapped with the transformers integration's verified mapping
+(:func:`tpukernels.integrations.transformers.mask_to_spec`): ``None`` (full or ``is_causal``), boolean or
+additive (0 / -inf) masks of shape ``[B, Skv]``, ``[B, 1, 1, Skv]`` or ``[B, 1|H, Sq, Skv]`` that are key
+padding (-> segment ids), causal or both. Anything else (a real additive bias, per-head masks, dropout > 0,
+context parallelism, ``return_lse``) runs Diffusers' native SDPA backend with a one-time warning — never
+silently wrong. A query row whose keys are all masked gives 0 (SDPA: NaN).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+NAME = "tpukernels"
+_warned: set = set()
+_overridden: dict = {}  # member -> (function, constraints, arg names) it had before register()
+
+
+def _warn_once(key: str, msg: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(f"tpukernels diffusers backend: {msg}; using diffusers' native SDPA backend for these calls",
+                      RuntimeWarning, stacklevel=3)
+
+
+def _native(**kw):
+    from diffusers.models import attention_dispatch as ad
+
+    return ad._native_attention(**kw)
+
+
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    return_lse: bool = False,
+    _parallel_config=None,
+) -> torch.Tensor:
+    """Diffusers backend function (the native backend's signature).
+
+    Args:
+        query: ``[B, Sq, Hq, D]``; key: ``[B, Skv, Hkv, D]``; value: ``[B, Skv, Hkv, Dv]`` (one float dtype).
+        attn_mask: None, ``[B, Skv]``, or a 4-D ``[B, 1|H, Sq|1, Skv]`` boolean (True = attend) or additive mask.
+        is_causal: top-left causal mask (torch SDPA semantics). scale: softmax scale (default ``1/sqrt(D)``).
+
+    Returns:
+        ``[B, Sq, Hq, Dv]`` in the query's dtype.
+    """
+    from .transformers import mask_to_spec
+
+    kw = dict(query=query, key=key, value=value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+              scale=scale, enable_gqa=enable_gqa, return_lse=return_lse, _parallel_config=_parallel_config)
+    if return_lse or _parallel_config is not None or dropout_p > 0:
+        _warn_once("args", "return_lse / context parallelism / dropout are not supported")
+        return _native(**kw)
+    B, sq, hq, _ = query.shape
+    skv, hkv = key.shape[1], key.shape[2]
+    if hkv == 0 or hq % hkv:
+        return _native(**kw)  # SDPA raises the error the user expects
+    mask = attn_mask
+    if mask is not None and mask.dim() == 2 and tuple(mask.shape) == (B, skv):
+        mask = mask[:, None, None, :]
+    if mask is not None and mask.dim() == 4 and mask.shape[2] == 1 and sq != 1:
+        mask = mask.expand(mask.shape[0], mask.shape[1], sq, skv)
+    if mask is not None and mask.dim() == 4 and mask.shape[0] != B:
+        mask = mask.expand(B, *mask.shape[1:])
+    spec = None
+    if mask is None or mask.dim() == 4:
+        spec = mask_to_spec(mask, sq, skv, is_causal=is_causal, sliding_window=None)
+        if spec is not None and mask is not None and is_causal:
+            spec = None  # SDPA raises for mask + is_causal; let it
+    if spec is None:
+        _warn_once("mask", f"attention mask of shape {tuple(attn_mask.shape)} is not key-padding / causal")
+        return _native(**kw)
+    from ..library.attention import flash_attention
+
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))
+    seg = {}
+    if spec["kv_valid"] is not None:
+        seg = dict(q_segment_ids=torch.ones(B, sq, dtype=torch.int32, device=query.device),
+                   kv_segment_ids=spec["kv_valid"].to(torch.int32))
+    out = flash_attention(q, k, v, causal=spec["causal"], causal_alignment=spec["causal_alignment"], sm_scale=scale,
+                          window=(spec["window_left"], None), **seg)
+    return out.transpose(1, 2)
+
+
+def _add_member(enum_cls, name: str, value: str):
+    """Add ``name = value`` to a closed ``str`` Enum (see module docstring); returns the member."""
+    member = str.__new__(enum_cls, value)
+    member._name_, member._value_ = name, value
+    member.__objclass__ = enum_cls
+    member.__init__(value)
+    if hasattr(enum_cls, "_sort_order_"):
+        member._sort_order_ = len(enum_cls._member_names_)
+    type.__setattr__(enum_cls, name, member)
+    enum_cls._member_map_[name] = member
+    enum_cls._value2member_map_[value] = member
+    enum_cls._member_names_.append(name)
+    return member
+
+
+def register(member: str = NAME):
+    """Register the tpukernels backend with Diffusers (idempotent); returns its ``AttentionBackendName``.
+
+    Args:
+        member: ``"tpukernels"`` (default) adds a new Enum member; the value of an existing member (e.g.
+            ``"_native_xla"``) overrides that backend instead (undo with :func:`unregister`).
+    """
+    from diffusers.models import attention_dispatch as ad
+
+    enum_cls, registry = ad.AttentionBackendName, ad._AttentionBackendRegistry
+    if member in enum_cls._value2member_map_:
+        backend = enum_cls(member)
+        if registry._backends.get(backend) is attention:
+            return backend
+        if backend in registry._backends and member != NAME:
+            _overridden[backend] = (registry._backends[backend], registry._constraints[backend],
+                                    registry._supported_arg_names[backend])
+    else:
+        backend = _add_member(enum_cls, member.upper(), member)
+    registry.register(backend, constraints=[ad._check_device, ad._check_shape])(attention)
+    return backend
+
+
+def unregister(member: str) -> None:
+    """Restore the backend an override replaced (no-op for members that were not overridden)."""
+    from diffusers.models import attention_dispatch as ad
+
+    backend = ad.AttentionBackendName(member)
+    if backend in _overridden:
+        reg = ad._AttentionBackendRegistry
+        reg._backends[backend], reg._constraints[backend], reg._supported_arg_names[backend] = _overridden.pop(backend)
