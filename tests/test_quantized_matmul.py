@@ -255,6 +255,24 @@ def test_kernel_op_typed_errors():
         OPS.quantize_per_token_kernel(torch.randn(4, 16), "int4")
 
 
+def test_8bit_blocks_pack_32_rows():
+    """int8 / fp8 tiles are (32, 128): VMEM estimates pad 8-bit blocks to 32 rows, and a partial 8-bit
+    block of 16 rows warns (legal but half-empty loads)."""
+    import warnings
+
+    from jax.experimental import pallas as pl
+
+    from tpukernels.dsl.validate import check_block, padded_bytes, sublane_tile
+    from tpukernels.errors import PerformanceWarning
+
+    for dt in ("int8", "float8_e4m3fn", "float8_e5m2"):
+        assert sublane_tile(qmm._jnp(dt)) == 32 and padded_bytes((16, 128), qmm._jnp(dt)) == 32 * 128
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            check_block(pl.BlockSpec((16, 128), lambda i: (i, 0)), (64, 128), qmm._jnp(dt), "w_q")
+        assert any(issubclass(r.category, PerformanceWarning) and "32" in str(r.message) for r in rec)
+
+
 # ----------------------------------------------------------------------------------------------- chip support
 def test_supported_modes_come_from_tpu_info():
     from tpukernels.chips import get_chip
@@ -418,3 +436,28 @@ def test_apply_tpukernels_quantize_llama():
     with torch.no_grad():
         got8 = model8(input_ids=ids).logits.double()
     assert (got8 - want).pow(2).mean().sqrt() <= 0.10 * rms
+
+
+# ----------------------------------------------------------------------------------------------- bench + model
+def test_bench_cases_and_peaks():
+    """The bench family builds a case per (shape, mode the chip has); w8a8 rooflines use tpu_info's peaks."""
+    from tpukernels import perf
+    from tpukernels.autotune.model import compute_dtype
+    from tpukernels.bench import quantized_matmul as bq
+    from tpukernels.chips import get_chip
+
+    cs = bq.cases(["v5e", "tpu7x"])
+    ops = {(c.chip, c.op) for c in cs}
+    assert ("v5e", "w8a8 int8") in ops and ("tpu7x", "w8a8 float8_e4m3fn") in ops
+    assert ("tpu7x", "w8a8 int8") not in ops
+    assert all([i.name for i in c.impls][:1] == ["tpukernels"] and len(c.impls) == 3 for c in cs)
+    for chip in CHIPS:
+        info = get_chip(chip).info
+        assert perf.peak_flops(chip, "int8") == (info.int8_ops_per_second or info.bf16_ops_per_second)
+    assert perf.peak_flops("v5e", "int8") == 2 * perf.peak_flops("v5e")
+    # the tuner's model: per-channel f32 scales do not make it an f32 matmul
+    spec = lambda s, d: tk.TensorSpec(s, qmm._jnp(d))  # noqa: E731
+    assert compute_dtype([spec((64, 512), "bfloat16"), spec((256, 512), "int8"), spec((1, 256), "float32")]) == "bfloat16"
+    assert compute_dtype([spec((64, 512), "int8"), spec((256, 512), "int8"), spec((1, 256), "float32"),
+                          spec((64, 1), "float32")]) == "int8"
+    assert compute_dtype([spec((64, 64), "bfloat16"), spec((1, 64), "float32")]) == "float32"  # unchanged rule

@@ -201,9 +201,24 @@ def body_flops(fn, arg_structs: Sequence) -> int | None:
 
 
 def compute_dtype(specs: Sequence) -> str:
-    """The dtype that sets the MXU peak: float32 if any floating input is f32, else bfloat16."""
-    names = [np.dtype(s.dtype).name for s in specs if s is not None]
-    return "float32" if "float32" in names else "bfloat16"
+    """The dtype that sets the MXU peak: float32 if any floating input is f32, else bfloat16.
+
+    With an int8 / float8 input (quantized matmuls) only the two largest inputs count as MXU operands
+    (per-channel f32 scales do not make it an f32 matmul): int8 / float8 when both are (the int8 / fp8
+    peak of :func:`tpukernels.perf.peak_flops`), float32 if either is, else bfloat16."""
+    present = [s for s in specs if s is not None]
+    names = [np.dtype(s.dtype).name for s in present]
+    if not any(n == "int8" or n.startswith("float8") for n in names):
+        return "float32" if "float32" in names else "bfloat16"
+    two = sorted(present, key=lambda s: -int(np.prod(s.shape, dtype=np.int64)))[:2]
+    ops = [np.dtype(s.dtype).name for s in two]
+    if "float32" in ops:
+        return "float32"
+    if all(n == "int8" for n in ops):
+        return "int8"
+    if all(n.startswith("float8") for n in ops):
+        return ops[0]
+    return "bfloat16"
 
 
 @dataclasses.dataclass
