@@ -33,7 +33,8 @@ test: $(STAMP) $(TORCH_TPU_WHEEL)
 
 # Every library kernel vs XLA and public Pallas kernels (libtpu model) + host costs -> BENCHMARKS.md
 bench: $(STAMP)
-	ALLOW_MULTIPLE_LIBTPU_LOAD=1 $(VENV)/bin/tpukernels bench --chips v5e,v6e,tpu7x
+	ALLOW_MULTIPLE_LIBTPU_LOAD=1 $(VENV)/bin/tpukernels bench --chips v5e,v6e,tpu7x \
+		--results-dir benchmarks/results --out BENCHMARKS.md --readme README.md
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow

@@ -51,3 +51,62 @@ def test_unknown_kernel_and_chip_are_clean_errors(capsys):
     assert main(["--import", os.path.join(EX, "softmax.py"), "compile", "examples::softmax", "--shape", "8x128:f32",
                  "--chips", "v99"]) == 2
     assert "unknown TPU chip 'v99'" in capsys.readouterr().err
+
+
+@pytest.mark.aot
+def test_compile_a_public_name_compiles_the_kernels_it_calls(capsys):
+    assert main(["compile", "tpukernels::matmul", "--shape", "512x256:bf16", "--shape", "256x384:bf16", "--chips", "v5e",
+                 "--json"]) == 0
+    (r,) = json.loads(capsys.readouterr().out)
+    assert r["kernel"] == "tpukernels::matmul_nn" and r["ok"] and r["chip"] == "v5e"
+
+
+@pytest.mark.aot
+def test_compile_for_accepts_public_functions_and_torch_ops():
+    import torch
+
+    import tpukernels as tk
+    import tpukernels.library as L
+
+    r = tk.compile_for(L.flash_attention, "v6e", "1x4x256x128:bf16", "1x2x256x128:bf16", "1x2x256x128:bf16",
+                       causal=True, with_mlir=False)
+    assert r.kernel == "tpukernels::flash_attention_fwd" and r.ok
+    r = tk.compile_for(torch.ops.tpukernels.rms_norm, "v5e", "2x100x1024:bf16", "1024:bf16", with_mlir=False)
+    assert r.kernel == "tpukernels::rms_norm_fwd" and r.ok and r.shapes[0] == "224x1024:bfloat16"  # 200 rows, bucketed
+    with pytest.raises(tk.ArgumentError, match="called no tpukernels kernel"):
+        tk.compile_for(lambda x: x + 1, "v5e", "8x128:f32")
+
+
+@pytest.mark.aot
+def test_cli_statics_are_typed_by_annotation(capsys):
+    base = ["compile", "rms_norm_fwd", "--shape", "1024x4096:bf16", "--shape", "1x4096:bf16", "--chips", "v6e"]
+    assert main(base + ["--static", "eps=1e-6,offset=0.0,casting=llama,round_f16=false", "--json"]) == 0
+    (r,) = json.loads(capsys.readouterr().out)
+    assert r["ok"] and r["vmem_estimate_bytes"] < 16 << 20  # round_f16=false really is False (no f32 widening)
+    assert main(base + ["--static", "round_f16=maybe"]) == 2
+    assert "takes bool" in capsys.readouterr().err
+    assert main(base + ["--static", "epsilon=1"]) == 2
+    assert "statics are weight" not in capsys.readouterr().err  # lists statics, not tensors
+
+
+def test_cli_missing_statics_are_listed_at_once(capsys):
+    assert main(["compile", "rms_norm_fwd", "--shape", "1024x4096:bf16", "--chips", "v6e"]) == 2
+    err = capsys.readouterr().err
+    assert "'eps', 'offset', 'casting', 'round_f16'" in err
+
+
+def test_cli_import_errors_are_one_line(tmp_path, capsys):
+    bad = tmp_path / "badkernels.py"
+    bad.write_text("x = 1\nimport nonexistent_module_for_tpukernels_test\n")
+    assert main(["--import", str(bad), "list"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "ModuleNotFoundError" in err and "badkernels.py:2" in err
+
+
+def test_bench_writes_nothing_in_the_current_directory_by_default(tmp_path, tmp_cache, monkeypatch, capsys):
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    assert main(["bench", "--report-only"]) == 2  # nothing to report yet
+    assert "no results" in capsys.readouterr().err
+    assert list(work.iterdir()) == [] and (tmp_cache / "bench" / "results").is_dir()

@@ -21,7 +21,11 @@ Quick start::
 
 from __future__ import annotations
 
-from .chips import CHIPS, Chip, get_chip
+from ._env import install_lazy_library_ops, quiet_libtpu_defaults
+
+quiet_libtpu_defaults()  # before jax/libtpu start: no "could not determine TPU accelerator type" on cpu hosts
+
+from .chips import CHIPS, Chip, get_chip  # noqa: E402
 from .dsl import (
     REGISTRY,
     BackwardContext,
@@ -62,6 +66,8 @@ from .errors import (
 __version__ = "0.1.0"
 
 from . import autotune  # noqa: E402  (registers the tuning-DB config resolver)
+
+install_lazy_library_ops()  # torch.ops.tpukernels.* load the library on first use
 
 
 def compile_for(kernel, chip, *args, **kwargs):

@@ -41,17 +41,36 @@ def _import(spec: str) -> None:
 
 
 def load_kernels(imports=()) -> dict:
-    """Import the shipped library and ``imports``; return the kernel registry."""
+    """Import the shipped library and ``imports``; return the kernel registry.
+
+    Raises:
+        ArgumentError: an ``--import`` failed (one line: the module and the error it raised).
+    """
     from .dsl.kernel import REGISTRY
 
     importlib.import_module("tpukernels.library")
     for spec in imports or ():
-        _import(spec)
+        try:
+            _import(spec)
+        except TpuKernelError as e:
+            raise ArgumentError(f"--import {spec}: {e}") from None
+        except (Exception, SystemExit) as e:  # the user's module: report it in one line, not a traceback
+            where = ""
+            tb = e.__traceback__
+            while tb is not None:
+                if os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(os.path.abspath(os.path.dirname(spec) or ".")):
+                    where = f" ({os.path.basename(tb.tb_frame.f_code.co_filename)}:{tb.tb_lineno})"
+                tb = tb.tb_next
+            raise ArgumentError(f"--import {spec}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                                f"{where}") from None
     return REGISTRY
 
 
-def find_kernel(name: str, imports=()):
+def find_kernel(name: str, imports=(), public: bool = False):
     """The kernel called ``name`` (``ns::name`` or a unique short name).
+
+    With ``public``, a public library function (``matmul``, ``flash_attention``, ``tpukernels::rms_norm``)
+    is returned when no kernel has that name (``compile_for`` compiles the kernels it calls).
 
     Raises:
         ArgumentError: unknown or ambiguous name (the message lists the known kernels).
@@ -60,14 +79,64 @@ def find_kernel(name: str, imports=()):
     if name in reg:
         return reg[name]
     matches = [k for q, k in reg.items() if q.split("::")[1] == name]
-    if len(matches) == 1:
+    fn = None
+    if public:
+        import tpukernels.library as lib
+
+        short = name.split("::", 1)[1] if name.startswith("tpukernels::") else name
+        fn = getattr(lib, short, None)
+        if not callable(fn) or isinstance(fn, type) or short.startswith("_") or "::" in name.replace("tpukernels::", ""):
+            fn = None
+    if fn is not None and not matches:
+        return fn
+    if len(matches) == 1 and fn is None:
         return matches[0]
+    if fn is not None:
+        matches.append(fn)
     known = ", ".join(sorted(reg)) or "none"
-    why = "is ambiguous" if matches else "is not a registered kernel"
+    why = "is ambiguous (e.g. tpukernels::NAME for the library function)" if matches else "is not a registered kernel"
     raise ArgumentError(f"kernel {name!r} {why}; known kernels: {known} (use --import to load yours)")
 
 
-def _parse_kv(items) -> dict:
+_TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
+
+
+def _literal(v: str):
+    try:
+        return ast.literal_eval(v)
+    except (ValueError, SyntaxError):
+        return {"true": True, "false": False, "none": None, "null": None}.get(v.lower(), v)
+
+
+def _typed(kernel, name: str, text: str):
+    """``text`` as the kernel's static parameter ``name`` wants it (by its annotation)."""
+    p = next((p for p in kernel.params if p.name == name and p.kind == "static"), None)
+    if p is None:
+        statics = [q.name for q in kernel.params if q.kind == "static"]
+        raise ArgumentError(f"--static {name}: {kernel.qualname} has no static argument {name!r}; its statics are "
+                            f"{', '.join(statics) or 'none'}")
+    t = p.static_type
+    if text.lower() in ("none", "null") and (p.optional or p.default is None):
+        return None
+    try:
+        if t is bool:
+            low = text.lower()
+            if low not in _TRUE | _FALSE:
+                raise ValueError(f"expected true/false, got {text!r}")
+            return low in _TRUE
+        if t is int:
+            return int(text)
+        if t is float:
+            return float(text)
+    except ValueError as e:
+        raise ArgumentError(f"--static {name}={text}: {kernel.qualname} takes {t.__name__} ({e})") from None
+    return text
+
+
+def _parse_kv(items, kernel=None) -> dict:
+    """``key=value[,key=value]`` items -> dict; with a kernel, statics are typed by its annotations."""
+    from .dsl.kernel import TpuKernel
+
     out = {}
     for item in items or ():
         for part in item.split(","):
@@ -76,10 +145,8 @@ def _parse_kv(items) -> dict:
             k, sep, v = part.partition("=")
             if not sep:
                 raise ArgumentError(f"expected key=value, got {part!r}")
-            try:
-                out[k.strip()] = ast.literal_eval(v.strip())
-            except (ValueError, SyntaxError):
-                out[k.strip()] = v.strip()
+            k, v = k.strip(), v.strip()
+            out[k] = _typed(kernel, k, v) if isinstance(kernel, TpuKernel) else _literal(v)
     return out
 
 
@@ -113,13 +180,13 @@ def cmd_compile(args) -> int:
     from .targets.compile_only import compile_for, compile_only_env
 
     compile_only_env()
-    kernel = find_kernel(args.kernel, args.imports)
-    statics = _parse_kv(args.static)
+    kernel = find_kernel(args.kernel, args.imports, public=True)
+    statics = _parse_kv(args.static, kernel)
     config = _parse_kv(args.config) or None
     results = []
     for chip in parse_chips(args.chips):
         r = compile_for(kernel, chip, *args.shape, config=config, estimate_cycles=args.estimate, **statics)
-        results.append(r)
+        results.extend(r if isinstance(r, list) else [r])
         if args.mlir and r.mosaic_mlir:
             with open(f"{args.mlir}.{chip.name}.mlir", "w") as f:
                 f.write(r.mosaic_mlir)
@@ -132,7 +199,8 @@ def cmd_compile(args) -> int:
             rows.append([r.chip, "ok" if r.ok else f"FAIL ({r.error_kind})", mib(r.vmem_estimate_bytes),
                          mib(r.vmem_limit_bytes), mib(r.vmem_capacity_bytes), r.code_size_bytes,
                          r.estimated_cycles if args.estimate else "-", json.dumps(r.config), f"{r.compile_seconds:.2f}"])
-        print(f"{kernel.qualname} {' '.join(args.shape)}")
+        names = list(dict.fromkeys(r.kernel for r in results))
+        print(f"{', '.join(names)} {' '.join(args.shape)}")
         print(table(rows, ["chip", "status", "VMEM est MiB", "scoped MiB", "capacity MiB", "code B",
                            "est. cycles (model)", "config", "compile s"]))
         for r in results:

@@ -11,14 +11,18 @@
 
 from __future__ import annotations
 
+import contextvars
 import inspect
-import json
 from typing import Optional
 
 from .dsl.kernel import BackwardContext, TpuKernel
 from .errors import KernelDefinitionError
 
 _LIBS: dict = {}
+
+#: While set (a list), the fake kernel records each kernel call ``(kernel, values, config_json)`` it serves:
+#: how :func:`tpukernels.compile_for` finds the kernels behind a public function or composite op.
+KERNEL_CALLS: "contextvars.ContextVar[list | None]" = contextvars.ContextVar("tpukernels_kernel_calls", default=None)
 
 
 def _op_signature(kernel: TpuKernel) -> inspect.Signature:
@@ -85,6 +89,9 @@ def register_op(kernel: TpuKernel):
         tensors = [(i, v) for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
         check_devices(kernel, tensors)  # cpu + meta dispatches here: never hand back an empty() result
         specs, statics = specs_from_values(kernel, values)
+        calls = KERNEL_CALLS.get()
+        if calls is not None:
+            calls.append((kernel, values, config))
         device = tensors[0][1].device
         outs = kernel.out_specs_for(specs, statics, parse_config_json(config, f"{kernel.qualname}: config") if config else None)
         res = [torch.empty(tuple(o.shape), dtype=to_torch_dtype(o.dtype), device=device) for o in outs]

@@ -19,11 +19,13 @@ def add_parser(subparsers) -> None:
                     "figures made with different jax/jaxlib/libtpu/torch/tpukernels versions are never mixed.")
     s.add_argument("--chips", default=",".join(DEFAULT_CHIPS), help="comma list of v4,v5e,v5p,v6e,tpu7x")
     s.add_argument("--family", default="all", help=f"comma list of {','.join(FAMILIES)} or 'all'")
-    s.add_argument("--results-dir", default=os.path.join("benchmarks", "results"),
-                   help="where <family>.json results are kept (default: benchmarks/results)")
-    s.add_argument("--out", default="BENCHMARKS.md", help="the markdown report to (re)write")
-    s.add_argument("--readme", default="README.md",
-                   help="update the summary between the bench-summary markers of this file, if it has them")
+    s.add_argument("--results-dir", default=None,
+                   help="where <family>.json results and plots are kept (default: $TPUKERNELS_CACHE_DIR/bench/"
+                        "results, never the current directory unless asked; `make bench`: benchmarks/results)")
+    s.add_argument("--out", default=None,
+                   help="the markdown report to (re)write (default: BENCHMARKS.md in the results dir)")
+    s.add_argument("--readme", default=None,
+                   help="update the summary between the bench-summary markers of this file (default: none)")
     s.add_argument("--json", metavar="FILE", help="also write all families' results as one JSON file")
     s.add_argument("--report-only", action="store_true", help="regenerate the report from saved results; run nothing")
     s.add_argument("--jobs", type=int, default=1,
@@ -45,7 +47,14 @@ def _families(text: str) -> list[str]:
 
 
 def cmd_bench(args) -> int:
+    from ..autotune.db import user_cache_dir
     from ..chips import get_chip
+
+    if args.results_dir is None:
+        args.results_dir = os.path.join(user_cache_dir(), "bench", "results")
+    if args.out is None:
+        args.out = os.path.join(args.results_dir, "BENCHMARKS.md")
+    os.makedirs(args.results_dir, exist_ok=True)
     from . import FAMILIES, attach_reasons, run_family
     from .core import check_versions, load_results, versions
     from .report import combined_json, render, summary, update_readme

@@ -664,6 +664,14 @@ def _check_float(op: str, name: str, v, minimum: float | None = None) -> float:
     return float(v)
 
 
+def _check_number(op: str, **values) -> None:
+    """Type check of float arguments before the op's schema check (which raises an untyped RuntimeError);
+    plain isinstance tests, so torch.compile traces it without a graph break. Ranges: in the op impl."""
+    for name, v in values.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ArgumentError(f"{op}: {name} must be a finite float, got {v!r}")
+
+
 def _check_rms_args(op, x, weight, eps, offset, casting):
     h = _check_x(op, x)
     _check_param(op, "weight", weight, x, h)
@@ -711,7 +719,7 @@ def rms_norm(
             casting, offset != 0 without weight. DTypeError: dtype not bf16/f16/f32. DeviceError: weight on
             another device.
     """
-    _check_float("tpukernels.rms_norm", "eps", eps, 0.0), _check_float("tpukernels.rms_norm", "offset", offset)
+    _check_number("tpukernels.rms_norm", eps=eps, offset=offset)
     return torch.ops.tpukernels.rms_norm(x, weight, eps, offset, casting)
 
 
@@ -735,7 +743,7 @@ def fused_add_rms_norm(
         As :func:`rms_norm`; also ArgumentError / DTypeError when residual's shape / dtype differ from x's.
     """
     op = "tpukernels.fused_add_rms_norm"
-    _check_float(op, "eps", eps, 0.0), _check_float(op, "offset", offset)  # typed errors before torch's schema check
+    _check_number(op, eps=eps, offset=offset)
     return torch.ops.tpukernels.fused_add_rms_norm(x, residual, weight, eps, offset, casting)
 
 
@@ -756,7 +764,7 @@ def layer_norm(
     Raises:
         ArgumentError, DTypeError, DeviceError: as :func:`rms_norm`.
     """
-    _check_float("tpukernels.layer_norm", "eps", eps, 0.0)
+    _check_number("tpukernels.layer_norm", eps=eps)
     return torch.ops.tpukernels.layer_norm(x, weight, bias, eps)
 
 

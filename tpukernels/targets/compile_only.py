@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -72,6 +73,12 @@ class CompileResult:
     estimated_cycles: int | None = None
     compile_seconds: float = 0.0
     shapes: list = dataclasses.field(default_factory=list)
+    #: multi-chip compiles (``mesh_axes=``): the topology, its device count, the mesh and each device's shapes;
+    #: VMEM, code size and cycles above are then per device (the kernel runs once per device on its shard)
+    topology: str | None = None
+    devices: int = 1
+    mesh_axes: dict | None = None
+    local_shapes: list | None = None
 
     def to_dict(self, with_mlir: bool = False) -> dict:
         d = dataclasses.asdict(self)
@@ -95,14 +102,7 @@ def require_libtpu() -> None:
         raise BackendUnavailableError(AOT_HINT)
 
 
-#: Environment for compile-only libtpu use: without a TPU host, libtpu probes the host and warns unless told
-#: an accelerator type and worker hostnames; several processes (sweep workers, estimate subprocesses) may
-#: load libtpu at once.
-COMPILE_ONLY_ENV = {
-    "TPU_ACCELERATOR_TYPE": "v5litepod-1",
-    "TPU_WORKER_HOSTNAMES": "localhost",
-    "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
-}
+from .._env import COMPILE_ONLY_ENV  # noqa: E402  (the environment for compile-only libtpu use)
 
 
 def compile_only_env(env=None) -> dict:
@@ -215,6 +215,68 @@ def translate_error(e: BaseException, chip: Chip, limit: int) -> tuple[str, str]
     return "compile", f"{type(e).__name__}: {first[:500]}"
 
 
+def _meta_tensor(a):
+    import torch
+
+    from ..dsl.dtypes import to_torch_dtype
+
+    if isinstance(a, torch.Tensor):
+        return a.to("meta")
+    spec = _as_spec(a)
+    if hasattr(spec, "shape") and hasattr(spec, "dtype"):
+        return torch.empty(tuple(int(d) for d in spec.shape), dtype=to_torch_dtype(spec.dtype), device="meta")
+    return a
+
+
+def kernel_calls(fn, args, kwargs) -> list[tuple]:
+    """The kernel calls behind a public function or torch op, found by running it on ``meta`` tensors.
+
+    Returns ``[(kernel, args, kwargs, config), ...]`` with :class:`TensorSpec` for the tensor arguments.
+
+    Raises:
+        ArgumentError: ``fn`` is not callable, calls no tpukernels kernel, or cannot run on shapes alone
+            (e.g. it reads tensor values on the host).
+    """
+    import torch
+
+    from ..errors import ArgumentError
+    from ..torch_op import KERNEL_CALLS
+
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+    if not callable(fn):
+        raise ArgumentError(f"compile_for: expected a tpu_kernel, a public function or a torch op, got {fn!r}")
+    targs = [_meta_tensor(a) for a in args]
+    tkw = {k: _meta_tensor(v) for k, v in kwargs.items()}
+    calls: list = []
+    token = KERNEL_CALLS.set(calls)
+    try:
+        fn(*targs, **tkw)
+    except TpuKernelError:
+        raise
+    except Exception as e:
+        raise ArgumentError(
+            f"compile_for: {name} could not run on shapes alone ({type(e).__name__}: {str(e)[:200]}); pass one of "
+            f"its kernels instead (see `tpukernels list`)") from e
+    finally:
+        KERNEL_CALLS.reset(token)
+    if not calls:
+        raise ArgumentError(f"compile_for: {name} called no tpukernels kernel")
+    out = []
+    for kernel, values, config_json in calls:
+        vals = [TensorSpec(tuple(v.shape), np.dtype(_jax_dtype(v.dtype))) if isinstance(v, torch.Tensor) else v
+                for v in values]
+        pos = [v for p, v in zip(kernel.params, vals) if not p.keyword_only]
+        kw = {p.name: v for p, v in zip(kernel.params, vals) if p.keyword_only}
+        out.append((kernel, pos, kw, json.loads(config_json) if config_json else None))
+    return out
+
+
+def _jax_dtype(torch_dtype):
+    from ..dsl.dtypes import to_jax_dtype
+
+    return to_jax_dtype(torch_dtype)
+
+
 def compile_for(
     kernel: TpuKernel,
     chip: "str | Chip",
@@ -222,37 +284,74 @@ def compile_for(
     config: dict | None = None,
     estimate_cycles: bool = False,
     with_mlir: bool = True,
+    mesh_axes: "dict | Sequence | None" = None,
+    in_specs: "dict | Sequence | None" = None,
+    out_specs: Any = None,
     **kwargs: Any,
 ) -> CompileResult:
     """Lower and compile ``kernel`` for ``chip`` without a TPU.
 
     Args:
-        kernel: a :class:`TpuKernel`.
+        kernel: a :class:`TpuKernel`, or a public function / torch op that calls kernels
+            (``tpukernels.library.flash_attention``, ``torch.ops.tpukernels.matmul``): it is run on ``meta``
+            tensors of the given shapes and each kernel it calls is compiled with the arguments it got.
         chip: ``"v4"``, ``"v5e"``, ``"v5p"``, ``"v6e"`` or ``"tpu7x"`` (or a topology name like ``"v6e:1x1"``).
         *args: example arguments: torch tensors, jax arrays, ``jax.ShapeDtypeStruct``, :class:`TensorSpec`,
             ``((shape), dtype)`` tuples or strings like ``"8192x4096:bf16"``; static args as values.
         config: explicit tuning config (partial ok); default: dispatch order (DB, heuristic, defaults).
         estimate_cycles: also run libtpu's static cost model (slow: a subprocess and a second compile).
+        mesh_axes: multi-chip (a :class:`TpuKernel` only): ``{"axis": size, ...}`` (ordered) over every device
+            of the topology named in ``chip`` (``"v5e:2x2"``, ``"v6e:2x2"``, ``"tpu7x:2x2x1"``: 4, 4 and 8
+            devices; the sizes must multiply to that count). The kernel is compiled under ``jax.shard_map`` on
+            that mesh: the example arguments are *global* shapes, each device runs the kernel on its shard,
+            and the VMEM, code size and cycles reported are per device.
+        in_specs: with ``mesh_axes``: a ``jax.sharding.PartitionSpec`` per tensor argument, as
+            ``{name: spec}`` or a sequence in parameter order (missing / None: replicated). Every sharded
+            dim must divide evenly.
+        out_specs: with ``mesh_axes``: the outputs' PartitionSpecs for ``shard_map`` (default: the first
+            tensor argument's spec for every output); they do not change the per-device kernel.
         **kwargs: keyword arguments of the kernel (static parameters, keyword-only tensors).
 
     Returns:
         A :class:`CompileResult`; compile failures (VMEM, block rules, Mosaic errors) are reported in it.
+        For a public function that calls several kernels, a list of them, in call order.
 
     Raises:
         ChipError: unknown chip name.
         BackendUnavailableError: libtpu is not installed (message says how to install the ``aot`` extra).
-        ArgumentError, DTypeError: bad arguments (wrong count, float64, ...).
+        ArgumentError, DTypeError: bad arguments (wrong count, float64, ...; with ``mesh_axes``: a mesh
+            that does not cover the topology, a spec naming an unknown axis or a dim that does not divide).
     """
     import jax
 
+    topology = chip.split(":", 1)[1] if isinstance(chip, str) and ":" in chip else None
     chip = get_chip(chip)
     require_libtpu()
+    if mesh_axes is not None and not isinstance(kernel, TpuKernel):
+        from ..errors import ArgumentError
+
+        raise ArgumentError("compile_for: mesh_axes= compiles one kernel under shard_map; pass the kernel "
+                            "(see `tpukernels list`), not a public function")
+    if not isinstance(kernel, TpuKernel):  # a public function or torch op: compile the kernels it calls
+        results = [compile_for(k, chip, *a, config=config or c, estimate_cycles=estimate_cycles, with_mlir=with_mlir,
+                               **kw) for k, a, kw, c in kernel_calls(kernel, args, kwargs)]
+        return results[0] if len(results) == 1 else results
     from . import bucket_specs
 
     specs, statics = example_specs(kernel, args, kwargs)
+    shapes = [None if s is None else f"{'x'.join(map(str, s.shape))}:{np.dtype(s.dtype).name}" for s in specs]
+    multi = None
+    if mesh_axes is not None:
+        multi = _shard_plan(kernel, chip, topology, specs, mesh_axes, in_specs)
+        specs = multi["local_specs"]
     specs = bucket_specs(kernel, specs)
     res = CompileResult(kernel.qualname, chip.name, ok=False, vmem_capacity_bytes=chip.vmem_capacity_bytes)
-    res.shapes = [None if s is None else f"{'x'.join(map(str, s.shape))}:{np.dtype(s.dtype).name}" for s in specs]
+    res.shapes = shapes if multi is not None else [
+        None if s is None else f"{'x'.join(map(str, s.shape))}:{np.dtype(s.dtype).name}" for s in specs]
+    if multi is not None:
+        res.topology, res.devices, res.mesh_axes = multi["topology"], multi["devices"], multi["axes"]
+        res.local_shapes = [None if s is None else f"{'x'.join(map(str, s.shape))}:{np.dtype(s.dtype).name}"
+                            for s in specs]
     t0 = time.perf_counter()
     try:
         low = lower(kernel, specs, statics, config, mode="mosaic", chip=chip)
@@ -270,9 +369,12 @@ def compile_for(
     dev = tpu_device(chip.name)
     sharding = jax.sharding.SingleDeviceSharding(dev)
     structs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in low.arg_structs]
+    fn = low.fn
+    if multi is not None:  # the same per-device kernel, under shard_map on the topology's mesh
+        fn, structs, dev = _under_shard_map(low, multi, out_specs)
     try:
         with jax.default_device(dev):
-            lowered = low.fn.lower(*structs)
+            lowered = fn.lower(*structs)
             if with_mlir:
                 res.mosaic_mlir = mosaic_module_text(lowered)
             compiled = lowered.compile()
@@ -286,6 +388,95 @@ def compile_for(
     if res.ok and estimate_cycles:
         res.estimated_cycles = static_estimated_cycles(low, chip)
     return res
+
+
+def _shard_plan(kernel, chip: Chip, topology: str | None, specs, mesh_axes, in_specs) -> dict:
+    """Check a multi-chip request and compute each device's argument shapes (see :func:`compile_for`)."""
+    from jax.sharding import PartitionSpec
+
+    from ..errors import ArgumentError
+
+    axes = dict(mesh_axes.items() if isinstance(mesh_axes, dict) else mesh_axes)
+    if not axes or not all(isinstance(n, str) and isinstance(v, int) and v >= 1 for n, v in axes.items()):
+        raise ArgumentError(f"compile_for: mesh_axes must map axis names to sizes >= 1, got {mesh_axes!r}")
+    topo = f"{chip.name}:{topology}" if topology else chip.topology
+    devices = _topology_devices(topo)
+    n_mesh = int(np.prod(list(axes.values())))
+    if n_mesh != len(devices):
+        raise ArgumentError(f"compile_for: mesh_axes {axes} spans {n_mesh} devices but topology {topo} has "
+                            f"{len(devices)} (name a multi-chip topology such as 'v5e:2x2')")
+    tensors = [p for p in kernel.params if p.kind != "static"]
+    if isinstance(in_specs, dict):
+        unknown = set(in_specs) - {p.name for p in tensors}
+        if unknown:
+            raise ArgumentError(f"compile_for: in_specs names {sorted(unknown)}, not tensor arguments of "
+                                f"{kernel.qualname}")
+        per = {p.name: in_specs.get(p.name) for p in tensors}
+    else:
+        seq = list(in_specs or ())
+        if len(seq) > len(tensors):
+            raise ArgumentError(f"compile_for: {len(seq)} in_specs for {len(tensors)} tensor arguments")
+        per = {p.name: (seq[i] if i < len(seq) else None) for i, p in enumerate(tensors)}
+    local, parts = [], {}
+    for p, s in zip(kernel.params, specs):
+        if p.kind == "static" or s is None:
+            local.append(s)
+            continue
+        spec = per[p.name] if per[p.name] is not None else PartitionSpec()
+        if len(spec) > len(s.shape):
+            raise ArgumentError(f"compile_for: in_specs[{p.name!r}] {spec} has more entries than {p.name}'s "
+                                f"rank {len(s.shape)}")
+        shape = list(s.shape)
+        for d, entry in enumerate(spec):
+            names = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+            unknown = [n for n in names if n not in axes]
+            if unknown:
+                raise ArgumentError(f"compile_for: in_specs[{p.name!r}] names mesh axis {unknown[0]!r}; "
+                                    f"mesh_axes has {list(axes)}")
+            k = int(np.prod([axes[n] for n in names])) if names else 1
+            if shape[d] % k:
+                raise ArgumentError(f"compile_for: {p.name} dim {d} ({shape[d]}) does not divide into {k} shards "
+                                    f"over mesh axes {names}")
+            shape[d] //= k
+        local.append(TensorSpec(tuple(shape), s.dtype))
+        parts[p.name] = spec
+    return {"topology": topo, "devices": len(devices), "device_list": devices, "axes": axes,
+            "local_specs": tuple(local), "parts": parts}
+
+
+@functools.lru_cache(maxsize=None)
+def _topology_devices(topology_name: str) -> tuple:
+    """Every compile-only device of a (multi-chip) topology such as ``"v5e:2x2"``."""
+    compile_only_env()
+    from jax.experimental import topologies
+
+    return tuple(topologies.get_topology_desc(topology_name=topology_name, platform="tpu").devices)
+
+
+def _under_shard_map(low, multi: dict, out_specs):
+    """``low.fn`` (one device's kernel) under ``jax.shard_map`` on the topology's mesh, with global structs."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    axes = multi["axes"]
+    mesh = Mesh(np.asarray(multi["device_list"], dtype=object).reshape(tuple(axes.values())), tuple(axes))
+    specs_in = list(multi["parts"].values())  # the present tensor arguments, in parameter order
+    if len(specs_in) != len(low.arg_structs):
+        raise AssertionError(f"{len(specs_in)} partition specs for {len(low.arg_structs)} kernel arguments")
+    structs = []
+    for a, spec in zip(low.arg_structs, specs_in):
+        shape = list(a.shape)
+        for d, entry in enumerate(spec):
+            group = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+            shape[d] *= int(np.prod([axes[n] for n in group])) if group else 1
+        structs.append(jax.ShapeDtypeStruct(tuple(shape), a.dtype, sharding=NamedSharding(mesh, spec)))
+    if out_specs is None:
+        launch = low.resolved.launch
+        n_out = len(launch.out_shapes) if launch is not None else 1
+        first = specs_in[0] if specs_in else PartitionSpec()
+        out_specs = tuple(first for _ in range(n_out)) if n_out > 1 else first
+    fn = jax.jit(jax.shard_map(low.fn, mesh=mesh, in_specs=tuple(specs_in), out_specs=out_specs, check_vma=False))
+    return fn, structs, multi["device_list"][0]
 
 
 def static_estimated_cycles(low, chip: Chip, timeout_s: float = 600) -> int | None:

@@ -1,0 +1,85 @@
+"""Process environment tpukernels sets up before jax/libtpu load: quiet libtpu defaults, lazy library ops.
+
+Nothing here overrides a variable the user has set.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+#: libtpu environment for machines without a TPU (compile-only targets): without these, libtpu probes the
+#: host at backend start-up and prints "could not determine TPU accelerator type" and an INVALID_ARGUMENT
+#: "unexpected worker hostname" block; several processes (sweep workers, estimate subprocesses) may load it.
+COMPILE_ONLY_ENV = {
+    "TPU_ACCELERATOR_TYPE": "v5litepod-1",
+    "TPU_WORKER_HOSTNAMES": "localhost",
+    "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+}
+
+_GOOGLE_PCI_VENDOR = "0x1ae0"  # the PCI vendor id of TPU chips (what torch_tpu's hardware scan matches)
+
+
+def tpu_present() -> bool:
+    """A TPU is attached to this host: ``/dev/accel*`` / ``/dev/vfio`` TPU nodes or a Google PCI device."""
+    if glob.glob("/dev/accel[0-9]*"):
+        return True
+    for path in glob.glob("/sys/bus/pci/devices/*/vendor"):
+        try:
+            with open(path) as f:
+                if f.read().strip() == _GOOGLE_PCI_VENDOR:
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def quiet_libtpu_defaults(env=None) -> dict:
+    """Set :data:`COMPILE_ONLY_ENV` as defaults (``setdefault``) when no TPU is attached; returns ``env``."""
+    env = os.environ if env is None else env
+    if os.environ.get("TPUKERNELS_NO_ENV_DEFAULTS") or tpu_present():
+        return env
+    for k, v in COMPILE_ONLY_ENV.items():
+        env.setdefault(k, v)
+    return env
+
+
+_LIBRARY_LOADING = False
+
+
+def install_lazy_library_ops() -> None:
+    """Make ``torch.ops.tpukernels.<op>`` import :mod:`tpukernels.library` on first use.
+
+    The library costs the jax import (~1.5 s) and its op registrations, so ``import tpukernels`` does not
+    pay for it; the first ``torch.ops.tpukernels.rms_norm`` (or any other op lookup) does, once.
+    """
+    import torch
+    from torch._ops import _OpNamespace
+
+    if getattr(torch.ops.__dict__.get("tpukernels"), "_tpukernels_lazy", False):
+        return
+
+    class LazyNamespace(_OpNamespace):
+        """``torch.ops.tpukernels``: loads the tpukernels library before the first op lookup."""
+
+        _tpukernels_lazy = True
+
+        def __getattr__(self, op_name: str):
+            if not op_name.startswith("__"):
+                _load_library()
+            return super().__getattr__(op_name)
+
+    torch.ops.__dict__["tpukernels"] = LazyNamespace("tpukernels")
+    if "tpukernels" not in torch.ops._dir:
+        torch.ops._dir.append("tpukernels")
+
+
+def _load_library() -> None:
+    global _LIBRARY_LOADING
+    if _LIBRARY_LOADING:
+        return
+    _LIBRARY_LOADING = True
+    try:
+        import tpukernels.library  # noqa: F401  (registers every library op)
+    finally:
+        _LIBRARY_LOADING = False
