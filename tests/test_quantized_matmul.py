@@ -353,8 +353,8 @@ def test_shipped_defaults_are_current():
                 continue
             key = db.entry_key(kernel, _case_specs(args), (("out_dtype", None),))
             entry, how = db.find(db.load(path), key)
-            assert how == "exact", f"{chip} {args}: no entry for the current source (rerun benchmarks/quantized_matmul.py)"
-            assert entry["evidence"]["evaluator"] == "libtpu-static-estimate"
+            assert how == "exact", f"{chip} {args}: no entry for the current source (rerun benchmarks/quantized_matmul.py --write-defaults)"
+            assert entry["evidence"]["evaluator"] == "tpu-model"  # libtpu static estimate + rooflines
 
 
 AOT_CASES = [args for _, args, _ in qmm.STANDARD_CASES] + [

@@ -71,7 +71,7 @@ grad mode raises ArgumentError rather than silently returning zeros.
 Tunables ``bm, bk, bn`` (clamped to the problem as in :mod:`tpukernels.library.matmul`); defaults:
 :func:`heuristic`, then per-chip shipped data ``tpukernels/data/autotuning/<chip>/
 tpukernels.quantized_matmul_kernel.json`` chosen by libtpu's static estimate (a model, not a measurement;
-``benchmarks/quantized_matmul.py --write-defaults``).
+``benchmarks/quantized_matmul.py --write-defaults``, the autotuner at STANDARD_CASES).
 
 Sources: JAX Pallas TPU matmul guide (blocked matmul, f32 scratch accumulator) and JAX's
 ``jax/experimental/pallas/ops/tpu/matmul.py``; tpu-inference's quantized matmul (int8 weights with
