@@ -287,3 +287,30 @@ def test_program_key_ignores_source_locations_only():
     assert core.program_key(a) == core.program_key(moved)  # ...but not in the key
     assert core.program_key(a).startswith("t")  # canonicalised (not the byte-hash fallback)
     assert core.program_key(a) != core.program_key(other)
+
+
+def test_tpu_dispatch_runs_the_tpu_path_with_a_no_op_runner():
+    """The measurement really goes through run_torch_tpu (plans keyed 'mosaic'), and restores the cpu path."""
+    import torch
+
+    from tpukernels.bench import host
+    from tpukernels.bench._host_kernels import add
+    from tpukernels.targets import cpu as cpu_target
+
+    real = cpu_target.run_torch_cpu
+    seen = []
+    orig_call = host._NoOpJaxCallable.__call__
+
+    def spy(self, *tensors):
+        seen.append(tuple(t.shape) for t in tensors)
+        return orig_call(self, *tensors)
+
+    host._NoOpJaxCallable.__call__ = spy
+    try:
+        rows = host.tpu_dispatch(n=20)
+    finally:
+        host._NoOpJaxCallable.__call__ = orig_call
+    assert len(rows) == 3 and all(r["torch_op_us"] > 0 and r["empty_custom_op_us"] > 0 for r in rows)
+    assert seen and cpu_target.run_torch_cpu is real and "torch_tpu" not in __import__("sys").modules
+    x = torch.randn(8, 128)
+    torch.testing.assert_close(add(x, x), 2 * x)  # the cpu path works again afterwards

@@ -98,6 +98,82 @@ def dispatch(n: int = 1000) -> list[dict]:
     return rows
 
 
+class _NoOpJaxCallable:
+    """A stand-in for torch_tpu's ``JaxCallable`` (same constructor) whose call returns preallocated outputs:
+    what remains of a tpu-path call is tpukernels' own work plus the torch dispatcher."""
+
+    def __init__(self, name, jit_fn, trace_key, donate_argnums=None, **_):
+        self.jit_fn, self.outs = jit_fn, None
+
+    def __call__(self, *tensors):
+        if self.outs is None:
+            import jax
+            import torch
+
+            from ..dsl.dtypes import to_jax_dtype, to_torch_dtype
+
+            structs = [jax.ShapeDtypeStruct(tuple(t.shape), to_jax_dtype(t.dtype)) for t in tensors]
+            self.outs = tuple(torch.zeros(o.shape, dtype=to_torch_dtype(o.dtype))
+                              for o in jax.eval_shape(self.jit_fn, *structs))
+        return self.outs
+
+
+def tpu_dispatch(n: int = 2000) -> list[dict]:
+    """tpukernels' own cost per call on the tpu path, with a no-op runner (µs; measured on this CPU).
+
+    The torch op of a kernel goes through binding, the plan lookup, row padding and output slicing into
+    torch_tpu's ``JaxCallable``, replaced here by :class:`_NoOpJaxCallable`. Baseline: an empty
+    ``torch.library.custom_op`` with the same tensor arguments returning a preallocated tensor (the torch
+    dispatcher alone, with the same schema less tpukernels' ``config`` argument). ``added_us`` = op -
+    baseline; target 10 µs (issue 13).
+    """
+    import types
+
+    import torch
+
+    from ..library import norms as N
+    from ..targets import cpu as cpu_target
+    from ..targets import tpu as tpu_target
+
+    from ._host_kernels import add, empty1, empty2, empty_rms, scale_rows
+
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    x8, w = r(8, 128), r(1, 128)
+    cases = [
+        ("2 inputs (no padding)", lambda: add(x8, x8), lambda: empty2(x8, x8)),
+        ("rows 100 -> bucket 104 (pad + slice)", (lambda x: lambda: scale_rows(x))(r(100, 128)), lambda: empty1(x8)),
+        ("library op rms_norm_fwd (5 statics)",
+         lambda: N.rms_norm_fwd(x8, w, 1e-6, 0.0, "llama", False), lambda: empty_rms(x8, w, 1e-6, 0.0, "llama", False)),
+    ]
+    fake = types.ModuleType("torch_tpu._internal.pallas.pallas")
+    fake.JaxCallable = _NoOpJaxCallable
+    mods = {m: types.ModuleType(m) for m in ("torch_tpu", "torch_tpu._internal", "torch_tpu._internal.pallas")}
+    mods["torch_tpu._internal.pallas.pallas"] = fake
+    saved = {m: sys.modules.get(m) for m in mods}
+    real_cpu = cpu_target.run_torch_cpu
+    rows = []
+    try:
+        sys.modules.update(mods)
+        cpu_target.run_torch_cpu = tpu_target.run_torch_tpu  # route cpu tensors through the tpu path
+        for label, call, base in cases:
+            t_op = best_mean_us(call, n)
+            t_base = best_mean_us(base, n)
+            rows.append({"case": label, "torch_op_us": t_op, "empty_custom_op_us": t_base,
+                         "added_us": t_op - t_base, "target_us": 10.0})
+    finally:
+        cpu_target.run_torch_cpu = real_cpu
+        for m, v in saved.items():
+            if v is None:
+                sys.modules.pop(m, None)
+            else:
+                sys.modules[m] = v
+        for k in (add, scale_rows, N.rms_norm_fwd):
+            for key in [key for key in k._plans if key[0] == "mosaic"]:
+                del k._plans[key]
+    return rows
+
+
 def compile_latency() -> list[dict]:
     """Per kernel: import, cold first call, warm first call (persistent cache), second call; seconds."""
     rows = []
@@ -156,10 +232,12 @@ def run(log=print) -> dict:
     r = recompiles()  # first: nothing lowered in this process yet
     log("== host: dispatch overhead")
     d = dispatch()
+    log("== host: tpu-path dispatch with a no-op runner")
+    t = tpu_dispatch()
     log("== host: cold / warm compile latency (fresh processes)")
     c = compile_latency()
-    rows = [dict(r_, what="dispatch") for r_ in d] + [dict(r_, what="compile") for r_ in c] + \
-        [dict(r_, what="recompiles") for r_ in r]
+    rows = [dict(r_, what="dispatch") for r_ in d] + [dict(r_, what="tpu_dispatch") for r_ in t] + \
+        [dict(r_, what="compile") for r_ in c] + [dict(r_, what="recompiles") for r_ in r]
     return {"rows": rows}
 
 

@@ -244,6 +244,8 @@ class TpuKernel:
         self._lock = threading.Lock()
         self.params, self.return_annotation = self._parse_signature(launch_fn)
         self.tensor_params = tuple(p for p in self.params if p.kind != "static")
+        self.has_statics = any(p.kind == "static" for p in self.params)
+        self.has_keyword_only = any(p.keyword_only for p in self.params)
         self.rows = tuple(rows)
         self.sharding = sharding  # DTensor rule (tpukernels.distributed.sharding); None: derived from rows
         for r in self.rows:
@@ -486,12 +488,22 @@ class TpuKernel:
             config: tunable values for this call (partial is fine; the rest come from defaults).
             interpret: ``"fast"`` or ``"tpu"`` for cpu runs of this call (see :mod:`tpukernels.dsl.modes`).
         """
-        from ..targets import run_call
-
+        run_call = _RUN_CALL or _load_run_call()
         return run_call(self, args, kwargs, config=config, interpret=interpret)
 
     def __repr__(self) -> str:
         return f"<tpu_kernel {self.qualname} tunables={list(self.space.names)}>"
+
+
+_RUN_CALL = None
+
+
+def _load_run_call():
+    global _RUN_CALL
+    from ..targets import run_call
+
+    _RUN_CALL = run_call
+    return run_call
 
 
 def tpu_kernel(

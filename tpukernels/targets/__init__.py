@@ -6,8 +6,8 @@ cpu / PrivateUse1 kernels call :func:`run_torch`), jax arrays run the jitted JAX
 
 from __future__ import annotations
 
-import contextlib
 import json
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -18,23 +18,29 @@ from ..errors import ArgumentError, ConfigError, DeviceError
 from ..lowering import Lowered, lower, specs_from_values
 
 
-def _is_torch_tensor(v) -> bool:
-    return type(v).__module__.startswith("torch") and hasattr(v, "device") and hasattr(v, "dtype")
-
-
 def run_call(kernel: TpuKernel, args: Sequence, kwargs: Mapping, *, config=None, interpret=None):
-    """``kernel(*args, **kwargs)``: dispatch to the torch op or to the JAX path."""
-    values = kernel.check_statics(kernel.bind(args, kwargs))
+    """``kernel(*args, **kwargs)``: dispatch to the torch op or to the JAX path (the per-call hot path)."""
+    values = kernel.bind(args, kwargs)
+    if kernel.has_statics:
+        kernel.check_statics(values)
+    if interpret:
+        with interpret_mode(interpret):
+            return _dispatch(kernel, values, config)
+    return _dispatch(kernel, values, config)
+
+
+def _dispatch(kernel: TpuKernel, values: list, config):
     if isinstance(config, str):
         config = parse_config_json(config, f"{kernel.qualname}: config")
-    ctx = interpret_mode(interpret) if interpret else contextlib.nullcontext()
-    with ctx:
-        if any(_is_torch_tensor(v) for v in values):
-            cfg = None if not config else config_to_json(kernel, config)
-            pos = [v for p, v in zip(kernel.params, values) if not p.keyword_only]
-            kw = {p.name: v for p, v in zip(kernel.params, values) if p.keyword_only}
-            return kernel.op(*pos, **kw, config=cfg)
-        return run_jax(kernel, values, config)
+    torch = sys.modules.get("torch")
+    if torch is not None and any(isinstance(v, torch.Tensor) for v in values):
+        cfg = None if not config else config_to_json(kernel, config)
+        if not kernel.has_keyword_only:
+            return kernel.op(*values, config=cfg)
+        pos = [v for p, v in zip(kernel.params, values) if not p.keyword_only]
+        kw = {p.name: v for p, v in zip(kernel.params, values) if p.keyword_only}
+        return kernel.op(*pos, **kw, config=cfg)
+    return run_jax(kernel, values, config)
 
 
 def config_to_json(kernel: TpuKernel, config: Mapping) -> str:
@@ -146,20 +152,34 @@ def bucket_specs(kernel: TpuKernel, specs: tuple) -> tuple:
 
 def run_torch(kernel: TpuKernel, values: Sequence, config_json: str | None):
     """The torch op's device kernel: route cpu tensors to interpret mode, tpu tensors to torch_tpu."""
-    import torch
+    torch = sys.modules["torch"]
+    dev = None
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            dev = v.device.type
+            break
+    if dev is None or dev == "cpu":  # cpu first: it is the hot path here
+        from . import cpu
 
-    dev = next((v.device for v in values if isinstance(v, torch.Tensor)), None)
-    if dev is None or dev.type == "cpu":  # cpu first: it is the hot path here
-        from .cpu import run_torch_cpu
+        return cpu.run_torch_cpu(kernel, values, config_json)
+    if dev in ("tpu", "privateuseone", "privateuse1"):
+        from . import tpu
 
-        return run_torch_cpu(kernel, values, config_json)
-    if dev.type in ("tpu", "privateuseone", "privateuse1"):
-        from .tpu import run_torch_tpu
-
-        return run_torch_tpu(kernel, values, config_json)
-    raise DeviceError(f"{kernel.qualname}: tensors on {dev.type!r} are not supported; use cpu (interpret) or tpu tensors")
+        return tpu.run_torch_tpu(kernel, values, config_json)
+    raise DeviceError(f"{kernel.qualname}: tensors on {dev!r} are not supported; use cpu (interpret) or tpu tensors")
 
 
 def signature_key(values: Sequence, config_json, mode) -> tuple:
     """Hashable per-call key: shapes/dtypes of tensors, static values, config, mode."""
     return (mode, config_json, *[(v.shape, v.dtype) if hasattr(v, "dtype") else v for v in values])
+
+
+def _install_entry_point() -> None:
+    """``TpuKernel.__call__`` calls :func:`run_call` through a module global set once here, at import (a
+    global that changed on the first call would be a torch.compile guard failure, i.e. a recompile)."""
+    from ..dsl import kernel as _kernel
+
+    _kernel._RUN_CALL = run_call
+
+
+_install_entry_point()

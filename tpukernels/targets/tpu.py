@@ -114,8 +114,8 @@ def run_torch_tpu(kernel: TpuKernel, values: Sequence, config_json: str | None):
     for pos, i in enumerate(plan.tensor_idx):
         v = values[i]
         t = v.contiguous()
-        if i in plan.pad_idx:
-            t = torch.cat([t, t.new_zeros((plan.n_bucket - t.shape[0], *t.shape[1:]))])
+        if i in plan.pad_idx:  # one allocation: zero rows after the data
+            t = torch.nn.functional.pad(t, (0, 0) * (t.dim() - 1) + (0, plan.n_bucket - t.shape[0]))
         elif pos in donated and t.data_ptr() == v.data_ptr():
             t = t.clone()  # donated to the kernel's output: never the caller's buffer
         tensors.append(t)

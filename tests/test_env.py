@@ -1,0 +1,60 @@
+"""What `import tpukernels` sets up: lazy library ops and quiet libtpu defaults (in fresh processes)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tpukernels import _env
+
+
+def _run(code: str, **env_changes) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    for k, v in env_changes.items():
+        if v is None:
+            env.pop(k, None)
+        else:
+            env[k] = v
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_library_ops_need_only_import_tpukernels():
+    r = _run("import sys, torch, tpukernels\n"
+             "assert 'tpukernels.library' not in sys.modules\n"
+             "x = torch.randn(4, 128)\n"
+             "y = torch.ops.tpukernels.rms_norm(x)\n"
+             "ref = x.double() / (x.double().pow(2).mean(-1, keepdim=True) + 1e-6).sqrt()\n"
+             "assert 'tpukernels.library' in sys.modules\n"
+             "print(float((y.double() - ref).abs().max()))\n")
+    assert r.returncode == 0, r.stderr
+    assert float(r.stdout.strip()) < 1e-5
+
+
+@pytest.mark.skipif(_env.tpu_present(), reason="a TPU is attached: no compile-only defaults are set")
+def test_quiet_libtpu_defaults_without_a_tpu_and_user_values_win():
+    code = "import os, tpukernels; print(os.environ['TPU_ACCELERATOR_TYPE'], os.environ['TPU_WORKER_HOSTNAMES'])"
+    r = _run(code, TPU_ACCELERATOR_TYPE=None, TPU_WORKER_HOSTNAMES=None)
+    assert r.returncode == 0 and r.stdout.split() == ["v5litepod-1", "localhost"], r.stderr
+    r = _run(code, TPU_ACCELERATOR_TYPE="v6e-8", TPU_WORKER_HOSTNAMES=None)
+    assert r.stdout.split() == ["v6e-8", "localhost"]  # never overrides the user's setting
+
+
+@pytest.mark.aot
+@pytest.mark.skipif(_env.tpu_present(), reason="a TPU is attached")
+def test_no_libtpu_warnings_on_plain_cpu_use():
+    """Outside the Makefile's environment: jax's TPU probe must stay silent once tpukernels is imported."""
+    r = _run("import tpukernels, jax; print(jax.devices()[0].platform)",
+             JAX_PLATFORMS=None, TPU_ACCELERATOR_TYPE=None, TPU_WORKER_HOSTNAMES=None)
+    assert r.returncode == 0, r.stderr
+    assert "could not determine TPU" not in r.stderr and "INVALID_ARGUMENT" not in r.stderr
+
+
+def test_tpu_present_reads_pci_vendor_ids(tmp_path, monkeypatch):
+    dev = tmp_path / "0000:00:04.0"
+    dev.mkdir()
+    (dev / "vendor").write_text("0x8086\n")
+    monkeypatch.setattr(_env.glob, "glob", lambda pat: [] if "accel" in pat else [str(dev / "vendor")])
+    assert not _env.tpu_present()
+    (dev / "vendor").write_text("0x1ae0\n")
+    assert _env.tpu_present()
