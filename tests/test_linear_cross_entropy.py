@@ -176,6 +176,15 @@ def test_torch_compile_fullgraph_backward():
     torch.testing.assert_close(hc.grad, he.grad, rtol=0, atol=0)
 
 
+def test_opcheck():
+    """torch.library.opcheck of the public op and the forward kernel op (schema, fake, autograd, aot)."""
+    h, W, y = _data(12, 150, 24, torch.float32)
+    h.requires_grad_()
+    W.requires_grad_()
+    torch.library.opcheck(OPS.linear_cross_entropy, (h, W, y, -100, "sum", None))
+    torch.library.opcheck(OPS.linear_cross_entropy_fwd, (h, W, y.int().reshape(-1, 1), -100, 7.0))
+
+
 def test_inputs_not_modified():
     h, W, y = _data(17, 200, 40, torch.bfloat16)
     h0, W0, y0 = h.clone(), W.clone(), y.clone()

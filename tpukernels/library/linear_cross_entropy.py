@@ -447,15 +447,16 @@ def _fwd_backward(ctx, g_loss, g_lse=None):
 
 
 # ----------------------------------------------------------------------------------------------- public op
-def _is_tracing(*xs) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    if torch.compiler.is_compiling() or any(isinstance(x, FakeTensor) or x.device.type == "meta" for x in xs):
-        return True
-    try:
-        return torch._C._functorch.is_functorch_wrapped_tensor(xs[0])
-    except Exception:
+def _values_readable(x: torch.Tensor) -> bool:
+    """True for a plain cpu tensor outside any tracing (torch.compile, fake / functional / proxy modes), where
+    reading its values is cheap and meaningful."""
+    if type(x) is not torch.Tensor or x.device.type != "cpu" or torch.compiler.is_compiling():
         return False
+    if torch._is_functional_tensor(x) or torch._C._functorch.is_functorch_wrapped_tensor(x):
+        return False
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return not _get_current_dispatch_mode_stack()
 
 
 def check_args(h, W, labels, ignore_index, reduction, softcap) -> None:
@@ -501,7 +502,7 @@ def check_args(h, W, labels, ignore_index, reduction, softcap) -> None:
                                     and math.isfinite(softcap) and softcap > 0):
         raise ArgumentError(f"{where}: softcap must be None or a positive finite number, got {softcap!r}")
     V = W.shape[0]
-    if labels.device.type == "cpu" and labels.numel() and not _is_tracing(labels):
+    if labels.numel() and _values_readable(labels):
         bad = ((labels < 0) | (labels >= V)) & (labels != ignore_index)
         if bool(bad.any()):
             k = int(bad.nonzero()[0, 0])
