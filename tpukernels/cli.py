@@ -150,21 +150,45 @@ def _parse_kv(items, kernel=None) -> dict:
     return out
 
 
-def table(rows: list[list], header: list[str]) -> str:
-    """Plain fixed-width text table."""
+def table(rows: list[list], header: list[str], width: int | None = None) -> str:
+    """Plain fixed-width text table; wider than the terminal (``width``, default: its width), each row is
+    printed as a block of ``column: value`` lines instead (like psql's expanded mode), so nothing is cut."""
+    import shutil
+    import textwrap
+
     cols = [header] + [[("" if c is None else str(c)) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cols) for i in range(len(header))]
+    width = width or shutil.get_terminal_size((120, 24)).columns
+    if sum(widths) + 2 * (len(widths) - 1) > width and rows:
+        name_w = max(len(h) for h in header)
+        blocks = []
+        for n, r in enumerate(cols[1:], 1):
+            lines = [f"-[ {n} ]" + "-" * max(0, min(width, 40) - 6 - len(str(n)))]
+            for h, v in zip(header, r):
+                lines.append(textwrap.fill(v, width=max(40, width), initial_indent=f"{h:<{name_w}}  ",
+                                           subsequent_indent=" " * (name_w + 2), break_on_hyphens=False) or h)
+            blocks.append("\n".join(lines))
+        return "\n".join(blocks)
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     lines = [fmt.format(*header), fmt.format(*["-" * w for w in widths])]
-    lines += [fmt.format(*r) for r in cols[1:]]
+    lines += [fmt.format(*r).rstrip() for r in cols[1:]]
     return "\n".join(lines)
+
+
+def _type_name(p) -> str:
+    """``Tensor``, ``Tensor?``, ``float?``, ``int`` (torch schema spelling)."""
+    if p.kind == "opt_tensor":
+        return "Tensor?"
+    if p.kind == "tensor":
+        return "Tensor"
+    return f"{p.static_type.__name__}{'?' if p.optional else ''}"
 
 
 def cmd_list(args) -> int:
     reg = load_kernels(args.imports)
     rows = []
     for q, k in sorted(reg.items()):
-        params = ", ".join(f"{p.name}:{getattr(p.annotation, '__name__', str(p.annotation))}" for p in k.params)
+        params = ", ".join(f"{p.name}:{_type_name(p)}" for p in k.params)
         tun = ", ".join(f"{n}={t.values}" for n, t in k.space.tunables.items())
         rows.append({"kernel": q, "signature": params, "tunables": tun, "backward": k._backward is not None})
     if args.json:
