@@ -129,3 +129,23 @@ def test_rules_register_when_dtensor_loads_after_tpukernels():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_every_library_kernel_has_a_rule_and_new_ops_split_sensibly():
+    import tpukernels.library  # noqa: F401
+    from tpukernels.distributed.sharding import rule_for
+    from tpukernels.dsl.kernel import REGISTRY
+
+    lib = {q: k for q, k in REGISTRY.items() if k.namespace == "tpukernels"}
+    assert [q for q, k in lib.items() if rule_for(k) is None] == []
+    if "tpukernels::grouped_matmul_fwd" in lib:
+        got = splits_for(lib["tpukernels::grouped_matmul_fwd"], {
+            "group_sizes": _meta(4, dtype=torch.int32), "group_offset": _meta(dtype=torch.int32),
+            "lhs": _meta(256, 128, dtype=torch.bfloat16), "rhs": _meta(4, 128, 256, dtype=torch.bfloat16),
+            "transpose_rhs": False, "out_dtype": None})
+        assert got == [Split({"rhs": 2}, (1,))]  # never over rows (group sizes index the global rows)
+    if "tpukernels::linear_cross_entropy_bwd_dw" in lib:
+        (s,) = splits_for(lib["tpukernels::linear_cross_entropy_bwd_dw"], {
+            "h": _meta(64, 128), "w": _meta(512, 128), "labels": _meta(64, 1, dtype=torch.int32),
+            "lse": _meta(64, 1), "g": _meta(64, 1), "ignore_index": -100, "softcap": None})
+        assert s.inputs == {"h": 0, "labels": 0, "lse": 0, "g": 0} and tuple(s.outputs) == (PARTIAL,)

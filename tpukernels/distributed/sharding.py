@@ -15,6 +15,9 @@ is always appended (the fallback: inputs are gathered, every rank computes the w
 * matmul nn / nt / tn (``[batch, rows, cols]`` operands): over M (the lhs rows), over N (column-parallel
   weights; a bias ``[1, N]`` sharded with them), over the batch; over K (row-parallel weights: a partial
   sum) only without bias and activation and for a float32 output, so the result is still rounded once.
+* grouped matmul (fwd over N, or K as a partial sum; tgmm over K or N: rows stay whole, the group sizes
+  index them), quantized matmul (over M or N; its dx over M, K, or N as a partial sum), per-token
+  quantization (rows); linear cross-entropy derives its rule from ``rows=``.
 * user kernels: ``@tpu_kernel(..., sharding=[Split(...), ...])`` or ``sharding=fn`` (called with the op's
   arguments by name, tensors as ``.shape``/``.dtype`` metadata, returning Splits); else derived from
   ``rows=``; else replicate only.
@@ -113,6 +116,38 @@ def _matmul(layout: str):
     return rule
 
 
+def _grouped_fwd(args: Mapping) -> list[Split]:
+    """``lhs [M, K]`` x ``rhs [G, K, N]`` (``[G, N, K]`` transposed) -> ``[M, N]``: over N (each shard all
+    groups, its columns); over K a partial sum (float32 output only). Rows are not split: ``group_sizes``
+    index the global rows."""
+    t = bool(args.get("transpose_rhs"))
+    splits = [Split({"rhs": 1 if t else 2}, (1,))]
+    lhs = args.get("lhs")
+    if isinstance(lhs, TensorMeta) and _is_f32(args.get("out_dtype") or lhs.dtype):
+        splits.append(Split({"lhs": 1, "rhs": 2 if t else 1}, (PARTIAL,)))
+    return splits
+
+
+def _grouped_tgmm(args: Mapping) -> list[Split]:
+    """``x [M, K]``, ``y [M, N]`` -> per-group ``x_g^T y_g`` ``[G, K, N]``: over K (x's columns) or N (y's)."""
+    return [Split({"x": 1}, (1,)), Split({"y": 1}, (2,))]
+
+
+def _quantized_matmul(args: Mapping) -> list[Split]:
+    """``x [M, K]`` . ``w_q [N, K]``^T * ``w_scale [1, N]`` [* ``x_scale [M, 1]``] -> ``[M, N]``: over M or N."""
+    return [Split({"x": 0, "x_scale": 0} if isinstance(args.get("x_scale"), TensorMeta) else {"x": 0}, (0,)),
+            Split({"w_q": 0, "w_scale": 1}, (1,))]
+
+
+def _quantized_dx(args: Mapping) -> list[Split]:
+    """``(g [M, N] * w_scale [1, N]) . w_q [N, K]`` -> ``[M, K]``: over M, over K, over N a partial sum (f32)."""
+    splits = [Split({"g": 0}, (0,)), Split({"w_q": 1}, (1,))]
+    g = args.get("g")
+    if isinstance(g, TensorMeta) and _is_f32(args.get("out_dtype") or g.dtype):
+        splits.append(Split({"g": 1, "w_q": 0, "w_scale": 1}, (PARTIAL,)))
+    return splits
+
+
 #: Kernel op name (in the ``tpukernels`` namespace) -> rule ``fn(args by name) -> [Split]``. Norms need no
 #: entry: their ``rows=`` declaration derives the rule. The one place op names appear.
 LIBRARY_RULES: dict[str, Callable[[Mapping], list[Split]]] = {
@@ -122,6 +157,12 @@ LIBRARY_RULES: dict[str, Callable[[Mapping], list[Split]]] = {
     "matmul_nn": _matmul("nn"),
     "matmul_nt": _matmul("nt"),
     "matmul_tn": _matmul("tn"),
+    "grouped_matmul_fwd": _grouped_fwd,
+    "grouped_matmul_tgmm": _grouped_tgmm,
+    "quantized_matmul_kernel": _quantized_matmul,
+    "quantized_matmul_bwd_dx": _quantized_dx,
+    "quantize_per_token_kernel": lambda args: [Split({"x": 0}, (0, 0))],  # rows -> (x_q, x_scale [M, 1])
+    # linear_cross_entropy_* declare rows= (h, labels, ...): derived, dW [V, D] as a partial sum
 }
 
 
