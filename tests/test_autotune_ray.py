@@ -101,3 +101,15 @@ def test_cli_refuses_ray_with_measure_and_address_without_ray(capsys):
     assert "measure evaluator times them one at a time" in capsys.readouterr().err
     assert main([*base, "--chip", "v5e", "--address", "auto"]) == 2
     assert "--address names a Ray cluster" in capsys.readouterr().err
+
+
+def test_executor_bench_rows_and_report(cluster):
+    from tpukernels.bench.executors import run
+    from tpukernels.bench.report import _host_section
+
+    rows = run(workers=2, kinds=("inline", "ray"), sweeps=("overhead",), log=lambda m: None)
+    assert [(r["executor"], r["candidates"], r["ok"]) for r in rows] == [("inline", 120, 120), ("ray", 120, 120)]
+    assert all(r["candidates_per_s"] == pytest.approx(r["candidates"] / r["seconds"], rel=0.01) for r in rows)
+    md = "\n".join(_host_section({"rows": [dict(r, what="executors") for r in rows], "kind": "measured",
+                                  "versions": {}, "created": "now"}))
+    assert "| ray | 2 | overhead | 120 |" in md and "| inline | 1 | overhead | 120 |" in md

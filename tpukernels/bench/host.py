@@ -11,6 +11,8 @@
 3. Recompiles under ``torch.compile(dynamic=True)`` over 8 sequence lengths: dynamo frames and tpukernels
    lowerings (``rms_norm`` buckets rows: 4 buckets per power of two; ``flash_attention`` specialises on
    the sequence lengths).
+4. Autotune executors: candidates per second of inline, process and Ray sweeps
+   (:mod:`tpukernels.bench.executors`).
 """
 
 from __future__ import annotations
@@ -236,8 +238,13 @@ def run(log=print) -> dict:
     t = tpu_dispatch()
     log("== host: cold / warm compile latency (fresh processes)")
     c = compile_latency()
+    log("== host: autotune executors, candidates per second (inline, process, ray)")
+    from .executors import run as executors_run
+
+    e = executors_run(log=log)
     rows = [dict(r_, what="dispatch") for r_ in d] + [dict(r_, what="tpu_dispatch") for r_ in t] + \
-        [dict(r_, what="compile") for r_ in c] + [dict(r_, what="recompiles") for r_ in r]
+        [dict(r_, what="compile") for r_ in c] + [dict(r_, what="recompiles") for r_ in r] + \
+        [dict(r_, what="executors") for r_ in e]
     return {"rows": rows}
 
 

@@ -204,6 +204,17 @@ def _host_section(res: dict) -> list[str]:
                 "| kernel | varying | dynamo frames | tpukernels lowerings |", "|---|---|---|---|"]
         out += [f"| {r['kernel']} | {r['varying']} | {r['dynamo_frames']} | {r['kernel_lowerings']} |" for r in rc]
         out.append("")
+    ex = [r for r in rows if r["what"] == "executors"]
+    if ex:  # tpukernels.bench.executors
+        out += ["Autotune executors, candidates per second of `tpukernels::matmul_nn` sweeps (exhaustive order; "
+                "worker start-up excluded and listed apart). *overhead*: an evaluator that does no work (what the "
+                "executor itself dispatches); *tpu-model*: the real evaluator without libtpu's cycle estimate (one "
+                "Mosaic + XLA:TPU compile for v5e per candidate):", "",
+                "| executor | workers | sweep | candidates | seconds | candidates/s | start-up s |",
+                "|---|---|---|---|---|---|---|"]
+        out += [f"| {r['executor']} | {r['workers']} | {r['sweep']} | {r['candidates']} | {r['seconds']:.2f} | "
+                f"{r['candidates_per_s']:.1f} | {r['startup_s']:.1f} |" for r in ex]
+        out.append("")
     return out
 
 
