@@ -304,16 +304,17 @@ def test_bench_unfused_matches_reference():
 
 @pytest.mark.aot
 def test_peak_activation_memory_model():
-    """Compile-only for v6e at the Llama-3-8B LM head: XLA's temporary HBM for the fused forward+backward
-    stays under 64 MiB, the unfused version's holds the [N, V] logits (> 2 GiB)."""
+    """Compile-only for v6e at the Llama-3-8B LM head: XLA's temporary HBM for the fused forward stays under
+    64 MiB; the unfused forward holds the [N, V] logits (> 2 GiB). (The bench family reports forward +
+    backward too: 4 MiB vs 6012 MiB; the forward alone keeps this test at ~6 s.)"""
     import jax
     import jax.numpy as jnp
 
     from tpukernels.bench import linear_cross_entropy as fam
 
-    fn, structs = fam._ours_program("v6e", True)
+    fn, structs = fam._ours_program("v6e", False)
     ours = fam._peak_temp_bytes(fn, structs, "v6e")
     s = [jax.ShapeDtypeStruct((fam.N, fam.H), jnp.bfloat16), jax.ShapeDtypeStruct((fam.V, fam.H), jnp.bfloat16),
          jax.ShapeDtypeStruct((fam.N, 1), jnp.int32)]
-    xla = fam._peak_temp_bytes(jax.value_and_grad(fam.unfused, argnums=(0, 1)), s, "v6e")
+    xla = fam._peak_temp_bytes(fam.unfused, s, "v6e")
     assert ours < 64 * 2**20 and xla > fam.N * fam.V * 2, (ours, xla)
