@@ -54,3 +54,9 @@ def test_example_main_exit_status(capsys):
     assert train_llama.main(["--steps", "50", "--no-compile"]) == 0
     out = capsys.readouterr().out
     assert "tpukernels eager" in out and "ok" in out
+
+
+@pytest.mark.slow  # inductor codegen on 2 cores: ~90 s
+def test_loss_curve_matches_stock_inductor():
+    r = train_llama.run(steps=50, batch=2, seq=16, compile="inductor", layers=1, dim=64, vocab=256, ffn=128)
+    assert r["compiled_max_rel_diff"] <= RTOL, (r["compiled_max_rel_diff"], r["compiled"][:5], r["stock"][:5])
