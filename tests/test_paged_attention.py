@@ -1,0 +1,274 @@
+"""Ragged paged attention and the paged KV-cache update vs the float64 reference (NaN-poisoned caches)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tpukernels.errors import ArgumentError, DTypeError
+from tpukernels.library import paged_attention as pa
+from tpukernels.library import ragged_paged_attention, update_kv_cache
+
+D = 128
+TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
+
+
+def make_batch(q_lens, kv_lens, *, S, T, Hq, Hkv, ps, pps, P, dtype=torch.float32, seed=0, kv_dtype=None):
+    """A NaN-poisoned paged batch: unused pages, slots past kv_len and padding query rows are NaN;
+    pages of each sequence are a random permutation of the cache's pages."""
+    g = torch.Generator().manual_seed(seed)
+    n = len(q_lens)
+    kv = torch.full((P, ps, 2 * Hkv, D), float("nan"))
+    page_indices = torch.full((S, pps), 0, dtype=torch.int32)
+    perm = torch.randperm(P, generator=g)
+    c = 0
+    for s, kl in enumerate(kv_lens):
+        for p in range(-(-kl // ps)):
+            page_indices[s, p] = perm[c]
+            rows = min(ps, kl - p * ps)
+            kv[perm[c], :rows] = torch.randn(rows, 2 * Hkv, D, generator=g)
+            c += 1
+    q = torch.randn(T, Hq, D, generator=g)
+    q[sum(q_lens):] = float("nan")
+    cu = [0]
+    for ql in q_lens:
+        cu.append(cu[-1] + ql)
+    cu += [cu[-1]] * (S + 1 - len(cu))
+    kvl = torch.tensor(list(kv_lens) + [0] * (S - n), dtype=torch.int32)
+    return (q.to(dtype), kv.to(kv_dtype or dtype), kvl, page_indices, torch.tensor(cu, dtype=torch.int32),
+            torch.tensor([n], dtype=torch.int32))
+
+
+def check(args, out, tol, **kw):
+    ref = pa.paged_attention_reference(*args, **kw)
+    n_tok = int(args[4][int(args[5][0])])
+    assert not torch.isnan(out).any()
+    err = (out.double() - ref).abs()
+    assert n_tok == 0 or err[:n_tok].max().item() <= tol * max(1.0, ref.abs().max().item()), err.max().item()
+    assert (out[n_tok:] == 0).all()  # padding rows
+
+
+@st.composite
+def batches(draw, S=4, T=16, ps=4, pps=6):
+    """Ragged batches at one fixed shape (one compile per interpret mode): decode rows, chunked prefill,
+    prefill, kv_len = 0 sequences and num_seqs < S."""
+    n = draw(st.integers(1, S))
+    q_lens, kv_lens, budget = [], [], T
+    for _ in range(n):
+        kind = draw(st.sampled_from(["decode", "chunk", "prefill", "empty"]))
+        kl = 0 if kind == "empty" else draw(st.integers(1, ps * pps))
+        ql = {"decode": 1, "chunk": draw(st.integers(1, kl)) if kl else 0, "prefill": kl, "empty": 0}[kind]
+        ql = min(ql, budget, kl)
+        budget -= ql
+        q_lens.append(ql)
+        kv_lens.append(kl)
+    return q_lens, kv_lens, draw(st.integers(0, 1000))
+
+
+@pytest.mark.parametrize("mode", ["fast", "tpu"])
+@settings(max_examples=10)
+@given(batch=batches())
+def test_ragged_batches_match_reference(mode, batch):
+    q_lens, kv_lens, seed = batch
+    args = make_batch(q_lens, kv_lens, S=4, T=16, Hq=4, Hkv=2, ps=4, pps=6, P=26, seed=seed)
+    out = ragged_paged_attention(*args, config={"block_q": 8, "pages_per_block": 2}, interpret=mode)
+    check(args, out, TOL[torch.float32])
+
+
+@settings(max_examples=8)
+@given(ps=st.sampled_from([4, 8, 16]), heads=st.sampled_from([(2, 2), (4, 2), (4, 1), (8, 2)]),
+       window=st.sampled_from([None, 1, 5]), soft_cap=st.sampled_from([None, 3.0]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), bq=st.sampled_from([8, 16]),
+       ppb=st.sampled_from([1, 2, 4]), seed=st.integers(0, 100))
+def test_shapes_windows_softcap(ps, heads, window, soft_cap, dtype, bq, ppb, seed):
+    Hq, Hkv = heads
+    pps = -(-40 // ps)
+    q_lens, kv_lens = [1, 9, 0, 6], [33, 12, 0, 40]
+    args = make_batch(q_lens, kv_lens, S=5, T=20, Hq=Hq, Hkv=Hkv, ps=ps, pps=pps, P=4 * pps + 1, dtype=dtype,
+                      seed=seed)
+    kw = dict(sliding_window=window, soft_cap=soft_cap, sm_scale=0.3)
+    out = ragged_paged_attention(*args, config={"block_q": bq, "pages_per_block": ppb}, **kw)
+    check(args, out, TOL[dtype], **kw)
+
+
+@pytest.mark.slow
+@settings(max_examples=40)
+@given(ps=st.sampled_from([4, 8, 16, 32]), heads=st.sampled_from([(2, 2), (4, 2), (4, 1), (8, 2), (8, 4)]),
+       window=st.sampled_from([None, 1, 5, 17]), soft_cap=st.sampled_from([None, 3.0]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), bq=st.sampled_from([8, 16, 32]),
+       ppb=st.sampled_from([1, 2, 4, 8]), mode=st.sampled_from(["fast", "tpu"]),
+       batch=batches(S=6, T=40, ps=8, pps=8))
+def test_sweep_slow(ps, heads, window, soft_cap, dtype, bq, ppb, mode, batch):
+    q_lens, kv_lens, seed = batch
+    Hq, Hkv = heads
+    pps = -(-64 // ps)
+    kv_lens = [min(k, 64) for k in kv_lens]
+    q_lens = [min(q, k) for q, k in zip(q_lens, kv_lens)]
+    args = make_batch(q_lens, kv_lens, S=6, T=40, Hq=Hq, Hkv=Hkv, ps=ps, pps=pps, P=6 * pps + 1, dtype=dtype,
+                      seed=seed)
+    kw = dict(sliding_window=window, soft_cap=soft_cap)
+    out = ragged_paged_attention(*args, config={"block_q": bq, "pages_per_block": ppb}, interpret=mode, **kw)
+    check(args, out, TOL[dtype], **kw)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_kv_cache_with_scales(kv_dtype):
+    args = list(make_batch([1, 7, 3], [20, 7, 30], S=3, T=16, Hq=4, Hkv=2, ps=8, pps=4, P=13, dtype=torch.bfloat16,
+                           seed=3))
+    kv = args[1].float()
+    args[1] = torch.where(torch.isnan(kv), kv, kv / 4).to(kv_dtype)  # NaN survives in e5m2; e4m3fn has NaN too
+    kw = dict(k_scale=4.0, v_scale=0.5)
+    out = ragged_paged_attention(*args, config={"block_q": 8, "pages_per_block": 2}, **kw)
+    check(args, out, 3e-2, **kw)
+
+
+def test_heuristic_config_and_torch_op_name():
+    args = make_batch([1, 1, 1], [5, 9, 2], S=4, T=4, Hq=4, Hkv=2, ps=4, pps=3, P=12)
+    out = torch.ops.tpukernels.ragged_paged_attention(*args)  # the public op means the public function
+    check(args, out, TOL[torch.float32])
+
+
+@pytest.mark.parametrize("mode", ["fast", "tpu"])
+def test_update_kv_cache_then_decode(mode):
+    """A decode step as two ops: write the new token's K/V, then attend; the input cache is unchanged."""
+    S, Hq, Hkv, ps, pps = 3, 4, 2, 4, 3
+    q_lens, kv_lens = [1, 1, 1], [5, 8, 1]
+    args = list(make_batch(q_lens, [k - 1 for k in kv_lens], S=S, T=3, Hq=Hq, Hkv=Hkv, ps=ps, pps=pps, P=10))
+    page_indices = args[3]
+    for s, kl in enumerate(kv_lens):  # the page of the new token may be new for this sequence
+        if (kl - 1) % ps == 0:
+            page_indices[s, (kl - 1) // ps] = 9 - s
+    cache = args[1]
+    before = cache.clone()
+    k_new, v_new = torch.randn(S, Hkv, D), torch.randn(S, Hkv, D)
+    slots = torch.tensor([int(page_indices[s, (kl - 1) // ps]) * ps + (kl - 1) % ps for s, kl in enumerate(kv_lens)],
+                         dtype=torch.int32)
+    new_cache = update_kv_cache(cache, k_new, v_new, slots, interpret=mode)
+    assert torch.equal(cache.nan_to_num(7.0), before.nan_to_num(7.0))  # functional: input untouched
+    expect = before.clone()
+    for t, sl in enumerate(slots.tolist()):
+        expect[sl // ps, sl % ps, 0::2] = k_new[t]
+        expect[sl // ps, sl % ps, 1::2] = v_new[t]
+    assert torch.equal(new_cache.nan_to_num(7.0), expect.nan_to_num(7.0))
+    args[1], args[2] = new_cache, torch.tensor(kv_lens, dtype=torch.int32)
+    out = ragged_paged_attention(*args, config={"block_q": 8, "pages_per_block": 1}, interpret=mode)
+    check(tuple(args), out, TOL[torch.float32])
+
+
+def test_update_kv_cache_skips_negative_slots():
+    cache = torch.zeros(2, 4, 2, D)
+    k, v = torch.ones(3, 1, D), 2 * torch.ones(3, 1, D)
+    out = update_kv_cache(cache, k, v, torch.tensor([5, -1, 0], dtype=torch.int32))
+    assert out[1, 1, 0].eq(1).all() and out[1, 1, 1].eq(2).all() and out[0, 0].eq(torch.tensor([1.0, 2.0])[:, None]).all()
+    assert out.sum().item() == 2 * 3 * D
+
+
+# --------------------------------------------------------------------------------------------- validation
+
+def _good():
+    return list(make_batch([1, 3], [4, 6], S=2, T=8, Hq=4, Hkv=2, ps=4, pps=2, P=6))
+
+
+@pytest.mark.parametrize("mutate, err, words", [
+    (lambda a: a.__setitem__(3, a[3].index_fill(1, torch.tensor([0]), 99)), ArgumentError, "page_indices[0, 0] = 99"),
+    (lambda a: a.__setitem__(2, torch.tensor([9, 6], dtype=torch.int32)), ArgumentError, "kv_lens[0] = 9"),
+    (lambda a: a.__setitem__(4, torch.tensor([0, 3, 1], dtype=torch.int32)), ArgumentError, "non-decreasing"),
+    (lambda a: a.__setitem__(4, torch.tensor([0, 1, 9], dtype=torch.int32)), ArgumentError, "exceed q's T"),
+    (lambda a: a.__setitem__(4, torch.tensor([1, 2, 4], dtype=torch.int32)), ArgumentError, "cu_q_lens[0]"),
+    (lambda a: a.__setitem__(5, torch.tensor([3], dtype=torch.int32)), ArgumentError, "num_seqs[0] = 3"),
+    (lambda a: a.__setitem__(2, torch.tensor([0, 6], dtype=torch.int32)), ArgumentError, "q_len 1 > kv_lens[0]"),
+    (lambda a: a.__setitem__(0, torch.zeros(8, 4, 64)), ArgumentError, "head dim"),
+    (lambda a: a.__setitem__(0, torch.zeros(8, 3, 128)), ArgumentError, "multiple of kv heads"),
+    (lambda a: a.__setitem__(0, a[0].to(torch.bfloat16)), DTypeError, "kv_cache dtype"),
+    (lambda a: a.__setitem__(0, a[0].half()), DTypeError, "q dtype float16"),
+    (lambda a: a.__setitem__(2, a[2].long()), DTypeError, "kv_lens must be int32"),
+    (lambda a: a.__setitem__(2, torch.zeros(3, dtype=torch.int32)), ArgumentError, "kv_lens must have shape"),
+    (lambda a: a.__setitem__(4, torch.zeros(2, dtype=torch.int32)), ArgumentError, "cu_q_lens must have shape"),
+    (lambda a: a.__setitem__(1, a[1][:, :, :3]), ArgumentError, "2*Hkv"),
+    (lambda a: a.__setitem__(0, a[0][0]), ArgumentError, "q must have rank 3"),
+])
+def test_bad_input_raises_before_running(mutate, err, words):
+    a = _good()
+    mutate(a)
+    with pytest.raises(err, match=None) as e:
+        ragged_paged_attention(*a)
+    assert words in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("kw, words", [({"sliding_window": 0}, "sliding_window"), ({"soft_cap": -1.0}, "soft_cap"),
+                                       ({"k_scale": 0.0}, "k_scale"), ({"sm_scale": math.inf}, "sm_scale")])
+def test_bad_statics(kw, words):
+    with pytest.raises(ArgumentError, match=words):
+        ragged_paged_attention(*_good(), **kw)
+
+
+def test_update_validation():
+    cache = torch.zeros(2, 4, 2, D)
+    k = torch.ones(2, 1, D)
+    with pytest.raises(ArgumentError, match="slot_mapping\\[1\\] = 8"):
+        update_kv_cache(cache, k, k, torch.tensor([0, 8], dtype=torch.int32))
+    with pytest.raises(ArgumentError, match="twice"):
+        update_kv_cache(cache, k, k, torch.tensor([3, 3], dtype=torch.int32))
+    with pytest.raises(DTypeError, match="k dtype"):
+        update_kv_cache(cache, k.bfloat16(), k, torch.tensor([0, 1], dtype=torch.int32))
+    with pytest.raises(ArgumentError, match="\\[T, Hkv, D\\]"):
+        update_kv_cache(cache, torch.ones(2, 2, D), k, torch.tensor([0, 1], dtype=torch.int32))
+
+
+def test_schedule_bound_is_exact_for_decode():
+    assert pa._n_items(64, 64, 8) == 64  # a decode batch: one visit per sequence, no idle grid steps
+    import jax.numpy as jnp
+
+    for T, S, bq, q_lens in [(16, 4, 8, [3, 5, 0, 7]), (20, 5, 8, [1, 9, 0, 6]), (8, 8, 8, [1] * 8), (9, 3, 4, [9])]:
+        cu = np.concatenate([[0], np.cumsum(q_lens + [0] * (S - len(q_lens)))]).astype(np.int32)
+        out = pa._schedule(jnp.zeros(S, jnp.int32), jnp.zeros((S, 1), jnp.int32), jnp.asarray(cu),
+                           jnp.asarray([len(q_lens)], jnp.int32), T=T, S=S, bq=bq)
+        seq, blk = np.asarray(out[4]), np.asarray(out[5])
+        want = [(b, s) for b in range(-(-T // bq)) for s in range(len(q_lens))
+                if q_lens[s] and cu[s] < (b + 1) * bq and cu[s + 1] > b * bq]
+        got = [(int(b), int(s)) for b, s in zip(blk, seq) if s >= 0]
+        assert got == want
+        covered = set(int(b) for b in blk)
+        assert covered == set(range(-(-T // bq)))  # every block is visited (padding blocks store zeros)
+        assert list(blk) == sorted(blk)
+
+
+# --------------------------------------------------------------------------------------------- compile-only
+
+CHIPS = ("v5e", "v6e", "tpu7x")
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("chip", CHIPS)
+def test_compile_only_standard_cases(chip):
+    import tpukernels as tk
+
+    for kern, args, kw in pa.STANDARD_CASES:
+        r = tk.compile_for(kern, chip, *args, with_mlir=False, **kw)
+        assert r.ok, (chip, args, r.error)
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("chip", CHIPS)
+@pytest.mark.parametrize("kv", ["float8_e4m3fn", "float8_e5m2"])
+def test_compile_only_fp8(chip, kv):
+    import tpukernels as tk
+
+    kern, args, kw = pa.STANDARD_CASES[0]
+    args = args[:5] + (args[5].replace("bf16", kv),)
+    r = tk.compile_for(kern, chip, *args, with_mlir=False, **dict(kw, k_scale=2.0, v_scale=0.5))
+    assert r.ok == (chip in pa.FP8_KV_CHIPS), (chip, r.error)
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("chip", CHIPS)
+def test_compile_only_update(chip):
+    import tpukernels as tk
+
+    r = tk.compile_for(pa.update_kernel, chip, "64:i32", "64x16x128:bf16", "8192x16x16x128:bf16", with_mlir=False)
+    assert r.ok, r.error

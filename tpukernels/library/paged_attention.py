@@ -1,0 +1,749 @@
+"""Ragged paged attention (the serving kernel) and the paged KV-cache update, for TPU.
+
+Public API (torch tensors; layout of JAX's ``jax.experimental.pallas.ops.tpu.ragged_paged_attention`` and
+tpu-inference, so either can be swapped for this one):
+
+* :func:`ragged_paged_attention` = ``torch.ops.tpukernels.ragged_paged_attention`` (a composite over the
+  kernel op ``torch.ops.tpukernels.ragged_paged_attention_kernel``, which takes the scalar-prefetch
+  operands first);
+* :func:`update_kv_cache` = ``torch.ops.tpukernels.update_kv_cache`` (kernel op
+  ``update_kv_cache_kernel``): writes new K/V tokens into their page slots. **Functional**: it returns the
+  updated cache and leaves its input unchanged (no ``mutates_args``), so a decode step is two ops::
+
+      kv_cache = update_kv_cache(kv_cache, k_new, v_new, slot_mapping)
+      out = ragged_paged_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=...)
+
+  The price of functional semantics is one copy of the cache per update (XLA copies the aliased input).
+
+Layout::
+
+    q             [T, Hq, D]              all sequences' query tokens concatenated (T may include padding)
+    kv_cache      [P, page_size, 2*Hkv, D] K of kv head h at combined head 2h, V at 2h + 1
+    kv_lens       int32 [S]               tokens in the cache per sequence (only the first num_seqs count)
+    page_indices  int32 [S, pages_per_seq] page p of sequence s is kv_cache[page_indices[s, p]]
+    cu_q_lens     int32 [S + 1]           sequence s owns query tokens [cu_q_lens[s], cu_q_lens[s + 1])
+    num_seqs      int32 [1]               sequences in use (<= S)
+    out           [T, Hq, D]              q's dtype; rows no sequence owns are 0
+
+What it computes, for sequence ``s`` with ``q_len = cu[s+1] - cu[s]`` and its ``kv_len`` keys, query token
+``i`` (``0 <= i < q_len``) of query head ``h`` (kv head ``h // (Hq // Hkv)``) sits at key position
+``pos = kv_len - q_len + i`` (causal, bottom-right aligned: the sequence's new tokens are its last ones) and
+sees keys ``j`` with ``j <= pos`` and, with a sliding window ``W``, ``j > pos - W``::
+
+    s[i, j] = sm_scale * q[i] . (k_scale * K[j])        (f32 accumulation)
+    s[i, j] = soft_cap * tanh(s[i, j] / soft_cap)        (if soft_cap)
+    out[i]  = sum_j softmax_j(s[i, :]) * (v_scale * V[j])
+
+Mixed batches (decode rows ``q_len = 1``, chunked prefill, prefill) go in one call. ``kv_lens = 0``
+sequences (then ``q_len = 0``) and ``num_seqs < S`` are legal; cache pages and slots past a sequence's
+``kv_len`` may hold anything (NaN included) without changing the result.
+
+Kernel (written with the tpukernels DSL). Work items: the query axis is cut into blocks of ``block_q``
+tokens; one grid step is one (query block, sequence) pair, so a block shared by several sequences is
+visited once per sequence, consecutively, and the output block is written back once, after its last visit.
+The item list is computed on device from ``cu_q_lens`` (``Launch.prefetch``) into SMEM, its static length
+``ceil(T/block_q) + min(S - 1, T - ceil(T/block_q))`` is an exact bound (only sequences starting inside a
+block add a visit; a decode batch with ``T = S`` has exactly ``S`` items). Per item, the sequence's K/V
+pages are gathered from HBM (``kv_cache`` stays in ``pl.ANY``) by ``pages_per_block`` page DMAs per kv block
+into a double buffer (``pltpu.make_async_copy``, one DMA semaphore per buffer); the next block is fetched
+while the current one is computed, across sequence and item boundaries. Only pages below ``kv_len`` are
+fetched (and, with causal / window limits, only the kv blocks the item's rows can see). K and V of kv head
+``g`` are strided loads (combined heads ``2g``, ``2g+1``) from the buffer; the ``Hq/Hkv`` query heads of a
+group are folded into the rows of one matmul (``block_q * Hq/Hkv`` rows), with online softmax (running
+max / sum and the output accumulator in f32 VMEM). Loops have static trip counts (``pl.when`` guards
+skip the unused iterations), which also keeps libtpu's static cost model meaningful for this kernel.
+
+Ideas from JAX's ``ragged_paged_attention`` (page DMAs into a double buffer, strided K/V loads, folding the
+GQA group into rows); differences: ``sm_scale`` defaults to ``1/sqrt(D)`` (JAX: 1.0), rows that see no key
+and padding rows give 0, static-trip-count loops over a work list instead of data-dependent while loops,
+pages past ``kv_len`` are not fetched.
+
+fp8 KV cache (float8_e4m3fn / float8_e5m2) with static ``k_scale`` / ``v_scale``: K/V are widened in
+VMEM to q's dtype (``(x.astype(f32) * scale).astype(q.dtype)``). Which chips compile it: see
+:data:`FP8_KV_CHIPS` (found with the compile-only targets, ``tests/test_paged_attention.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+import torch
+
+from .. import Launch, OutSpec, Tunable, cdiv, tpu_kernel
+from ..errors import ArgumentError, DTypeError
+
+NAMESPACE = "tpukernels"
+_Q_DTYPES = ("bfloat16", "float32")
+_FP8 = ("float8_e4m3fn", "float8_e5m2")
+#: Chips whose compile-only target (libtpu 0.0.52) compiles the fp8 KV cache path; the others raise a
+#: LoweringError from Mosaic (see ``tests/test_paged_attention.py::test_compile_only_fp8``).
+FP8_KV_CHIPS = ("v5e", "v6e", "tpu7x")
+
+# ----------------------------------------------------------------------------------------------- tunables
+
+_TUNABLES = {
+    "block_q": Tunable((8, 16, 32, 64, 128, 256), default=32,
+                       doc="query tokens per block (work items are (block, sequence) pairs)"),
+    "pages_per_block": Tunable((1, 2, 4, 8, 16, 32, 64), default=16,
+                               doc="KV pages gathered per DMA block (clamped to pages_per_seq)"),
+}
+
+
+def _heuristic(kv_lens, page_indices, cu_q_lens, num_seqs, q, kv_cache, **statics):
+    """Defaults when no tuning entry applies: decode-like batches (``T <= S``: mostly one token per sequence)
+    take small query blocks (few wasted rows per visit); long pages take fewer pages per block so a kv block
+    stays near 256-1024 keys."""
+    if len(q.shape) != 3 or len(kv_cache.shape) != 4 or len(page_indices.shape) != 2:
+        return {}
+    T, S, ps = int(q.shape[0]), int(page_indices.shape[0]), int(kv_cache.shape[1])
+    bq = 8 if T <= S else 64
+    ppb = max(1, min(64, 512 // max(ps, 1)))
+    return {"block_q": bq, "pages_per_block": 1 << (ppb.bit_length() - 1)}
+
+
+# ----------------------------------------------------------------------------------------------- checks
+
+
+def _dt(x) -> str:
+    return np.dtype(x.dtype).name if not isinstance(x, torch.Tensor) else str(x.dtype).replace("torch.", "")
+
+
+def _check_shapes(kv_lens, page_indices, cu_q_lens, num_seqs, q, kv_cache, *, where: str):
+    """Ranks, shape agreement and dtypes (metadata only); raises ArgumentError / DTypeError naming the argument."""
+    ranks = (("q", q, 3, "[T, Hq, D]"), ("kv_cache", kv_cache, 4, "[num_pages, page_size, 2*Hkv, D]"),
+             ("kv_lens", kv_lens, 1, "[S]"), ("page_indices", page_indices, 2, "[S, pages_per_seq]"),
+             ("cu_q_lens", cu_q_lens, 1, "[S + 1]"), ("num_seqs", num_seqs, 1, "[1]"))
+    for name, x, r, shape in ranks:
+        if len(x.shape) != r:
+            raise ArgumentError(f"{where}: {name} must have rank {r} {shape}, got shape {tuple(x.shape)}")
+    T, Hq, D = (int(d) for d in q.shape)
+    P, ps, H2, Dk = (int(d) for d in kv_cache.shape)
+    S, pps = (int(d) for d in page_indices.shape)
+    for name, x in (("kv_lens", kv_lens), ("page_indices", page_indices), ("cu_q_lens", cu_q_lens),
+                    ("num_seqs", num_seqs)):
+        if _dt(x) != "int32":
+            raise DTypeError(f"{where}: {name} must be int32, got {_dt(x)}")
+    if _dt(q) not in _Q_DTYPES:
+        raise DTypeError(f"{where}: q dtype {_dt(q)} is not supported; use bfloat16 or float32")
+    if _dt(kv_cache) != _dt(q) and _dt(kv_cache) not in _FP8:
+        raise DTypeError(f"{where}: kv_cache dtype {_dt(kv_cache)} must equal q's ({_dt(q)}) or be an fp8 dtype "
+                         f"{_FP8} (with k_scale / v_scale)")
+    if Dk != D:
+        raise ArgumentError(f"{where}: kv_cache head dim {Dk} must equal q head dim {D}")
+    if D == 0 or D % 128:
+        raise ArgumentError(f"{where}: head dim D = {D} must be a positive multiple of 128 (K/V rows are "
+                            f"lane-dense 128-wide vectors in the page buffers)")
+    if H2 == 0 or H2 % 2:
+        raise ArgumentError(f"{where}: kv_cache dim 2 must be 2*Hkv (K and V interleaved), got {H2}")
+    Hkv = H2 // 2
+    if Hq == 0 or Hq % Hkv:
+        raise ArgumentError(f"{where}: q heads ({Hq}) must be a positive multiple of kv heads ({Hkv} = "
+                            f"kv_cache.shape[2] / 2) (GQA: query head h uses kv head h // (Hq // Hkv))")
+    if ps == 0 or P == 0:
+        raise ArgumentError(f"{where}: kv_cache must have num_pages > 0 and page_size > 0, got {tuple(kv_cache.shape)}")
+    if S == 0 or pps == 0:
+        raise ArgumentError(f"{where}: page_indices must be [S, pages_per_seq] with S, pages_per_seq > 0, got "
+                            f"{tuple(page_indices.shape)}")
+    if tuple(kv_lens.shape) != (S,):
+        raise ArgumentError(f"{where}: kv_lens must have shape [S] = ({S},) (S = page_indices.shape[0]), got "
+                            f"{tuple(kv_lens.shape)}")
+    if tuple(cu_q_lens.shape) != (S + 1,):
+        raise ArgumentError(f"{where}: cu_q_lens must have shape [S + 1] = ({S + 1},), got {tuple(cu_q_lens.shape)}")
+    if tuple(num_seqs.shape) != (1,):
+        raise ArgumentError(f"{where}: num_seqs must have shape [1], got {tuple(num_seqs.shape)}")
+    return T, Hq, D, P, ps, Hkv, S, pps
+
+
+def _check_statics(sm_scale, sliding_window, soft_cap, k_scale, v_scale, kv_dtype: str, where: str):
+    if sm_scale is not None and not (isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale)):
+        raise ArgumentError(f"{where}: sm_scale must be a finite float (or None for 1/sqrt(D)), got {sm_scale!r}")
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                       or sliding_window < 1):
+        raise ArgumentError(f"{where}: sliding_window must be None or an int >= 1 (keys j > pos - W), got "
+                            f"{sliding_window!r}")
+    if soft_cap is not None and not (isinstance(soft_cap, (int, float)) and math.isfinite(soft_cap) and soft_cap > 0):
+        raise ArgumentError(f"{where}: soft_cap must be None or a finite float > 0, got {soft_cap!r}")
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if s is not None and not (isinstance(s, (int, float)) and math.isfinite(s) and s > 0):
+            raise ArgumentError(f"{where}: {name} must be None or a finite float > 0, got {s!r}")
+
+
+def _is_tracing(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t) or torch.compiler.is_compiling()
+
+
+def _check_values(kv_lens, page_indices, cu_q_lens, num_seqs, T: int, P: int, ps: int, where: str) -> None:
+    """Value rules, checked on the host for cpu tensors outside tracing (device tensors would need a sync;
+    fake tensors have no values). On device, unchecked values are clamped instead (see the kernel)."""
+    ts = (kv_lens, page_indices, cu_q_lens, num_seqs)
+    if any(t.device.type != "cpu" or _is_tracing(t) for t in ts):
+        return
+    kl, pi, cu, ns = (t.numpy().astype(np.int64) for t in ts)
+    S, pps = pi.shape
+    n = int(ns[0])
+    if not 0 <= n <= S:
+        raise ArgumentError(f"{where}: num_seqs[0] = {n} must be in [0, S] = [0, {S}]")
+    if int(cu[0]) != 0:
+        raise ArgumentError(f"{where}: cu_q_lens[0] must be 0, got {int(cu[0])}")
+    d = np.diff(cu[: n + 1])
+    if (d < 0).any():
+        s = int(np.argmax(d < 0))
+        raise ArgumentError(f"{where}: cu_q_lens must be non-decreasing over the first num_seqs + 1 entries: "
+                            f"cu_q_lens[{s + 1}] = {int(cu[s + 1])} < cu_q_lens[{s}] = {int(cu[s])}")
+    if int(cu[n]) > T:
+        raise ArgumentError(f"{where}: cu_q_lens[num_seqs] = {int(cu[n])} query tokens exceed q's T = {T}")
+    for s in range(n):
+        if not 0 <= kl[s] <= pps * ps:
+            raise ArgumentError(f"{where}: kv_lens[{s}] = {int(kl[s])} must be in [0, pages_per_seq * page_size] = "
+                                f"[0, {pps * ps}] (the pages of page_indices[{s}] hold at most {pps * ps} tokens)")
+        if d[s] > kl[s]:
+            raise ArgumentError(f"{where}: sequence {s} has q_len {int(d[s])} > kv_lens[{s}] = {int(kl[s])}; its new "
+                                f"tokens' K/V must already be in the cache (update_kv_cache first)")
+        used = pi[s, : -(-int(kl[s]) // ps)]
+        bad = (used < 0) | (used >= P)
+        if bad.any():
+            p = int(np.argmax(bad))
+            raise ArgumentError(f"{where}: page_indices[{s}, {p}] = {int(used[p])} is out of range [0, num_pages) = "
+                                f"[0, {P}) (page {p} holds tokens of kv_lens[{s}] = {int(kl[s])})")
+
+
+# ----------------------------------------------------------------------------------------------- schedule
+
+
+def _n_items(T: int, S: int, bq: int) -> int:
+    """Static work-item count: one visit per query block plus one per sequence starting inside a block."""
+    nb = cdiv(T, bq)
+    return nb + max(0, min(S - 1, T - nb))
+
+
+def _schedule(kv_lens, page_indices, cu_q_lens, num_seqs, *, T: int, S: int, bq: int):
+    """Work items on device (XLA, inside the same jitted function): ``item_seq`` (-1: no sequence, the block
+    is padding or the item is unused) and ``item_blk`` (query block), in (block, sequence) order."""
+    import jax.numpy as jnp
+
+    nb, G = cdiv(T, bq), _n_items(T, S, bq)
+    n = jnp.clip(num_seqs[0], 0, S)
+    cu = jnp.clip(cu_q_lens, 0, T)
+    q0, q1 = cu[:-1], jnp.maximum(cu[1:], cu[:-1])
+    live = (jnp.arange(S) < n) & (q1 > q0)
+    fb, lb = q0 // bq, (q1 - 1) // bq
+    cnt = jnp.where(live, lb - fb + 1, 0)
+    cum = jnp.cumsum(cnt)
+    total = cum[-1]
+    j = jnp.arange(G, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(cum, j, side="right"), 0, S - 1).astype(jnp.int32)
+    blk = fb[seq] + j - (cum[seq] - cnt[seq])
+    first_pad = cdiv(jnp.max(jnp.where(live, q1, 0)), bq)  # first block with no sequence's token
+    k = j - total
+    is_pad = (k >= 0) & (first_pad + k < nb)
+    item_seq = jnp.where(j < total, seq, -1).astype(jnp.int32)
+    item_blk = jnp.where(j < total, blk, jnp.where(is_pad, first_pad + k, nb - 1)).astype(jnp.int32)
+    return kv_lens, page_indices, cu_q_lens, num_seqs, item_seq, item_blk
+
+
+# ----------------------------------------------------------------------------------------------- kernel body
+
+
+def _item_range(i, item_seq, item_blk, kv_lens, cu_q_lens, *, bq, bkv, max_kv, window):
+    """Item ``i`` -> (seq (clamped to >= 0), kv_len, first kv block, end kv block); empty when lo >= hi."""
+    import jax.numpy as jnp
+
+    s_raw = item_seq[i]
+    s = jnp.maximum(s_raw, 0)
+    kv_len = jnp.clip(kv_lens[s], 0, max_kv)
+    q0, q1 = cu_q_lens[s], cu_q_lens[s + 1]
+    b0 = item_blk[i] * bq
+    t0, t1 = jnp.maximum(q0, b0), jnp.minimum(q1, b0 + bq)  # this item's own tokens [t0, t1)
+    base = kv_len - (q1 - q0) - q0  # key position of token t is base + t
+    hi = jnp.minimum(base + t1, kv_len)  # keys [lo, hi) are visible to some own row
+    lo = jnp.maximum(base + t0 - window + 1, 0) if window is not None else 0
+    live = (s_raw >= 0) & (t1 > t0) & (hi > 0)
+    kb_lo = lo // bkv
+    kb_hi = jnp.where(live, (hi + bkv - 1) // bkv, kb_lo)
+    return s, kv_len, kb_lo, kb_hi
+
+
+def _rpa_body(kv_lens, page_indices, cu_q_lens, num_seqs, item_seq, item_blk, q_ref, kv_hbm, o_ref,
+              kv_buf, sems, qf_ref, m_ref, l_ref, acc_ref, slot_ref, *, sm_scale, sliding_window, soft_cap,
+              k_scale, v_scale):
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    bq, Hq, D = q_ref.shape
+    _, ppb, ps, H2, _ = kv_buf.shape
+    Hkv, n_pages = H2 // 2, kv_hbm.shape[0]
+    r, bkv = Hq // Hkv, ppb * ps
+    R = bq * r
+    pps = page_indices.shape[1]
+    nkb = cdiv(pps, ppb)
+    i, n_items = pl.program_id(0), pl.num_programs(0)
+    rng = lambda j: _item_range(j, item_seq, item_blk, kv_lens, cu_q_lens, bq=bq, bkv=bkv, max_kv=pps * ps,
+                                window=sliding_window)
+    seq, kv_len, kb_lo, kb_hi = rng(i)
+
+    def page_copies(s, kvl, kb, slot, fn):  # start or wait the page DMAs of kv block kb of sequence s
+        for p in range(ppb):
+            page = kb * ppb + p
+
+            @pl.when(page * ps < kvl)
+            def _():
+                src = jnp.clip(page_indices[s, jnp.minimum(page, pps - 1)], 0, n_pages - 1)
+                fn(pltpu.make_async_copy(kv_hbm.at[src], kv_buf.at[slot, p], sems.at[slot]))
+
+    start = lambda c: c.start()
+    wait = lambda c: c.wait()
+    prev_seq, prev_len, prev_lo, prev_hi = rng(jnp.maximum(i - 1, 0))
+    prefetched = (i > 0) & (prev_lo < prev_hi)  # the previous item fetched our first block
+
+    @pl.when(i == 0)
+    def _():
+        slot_ref[0] = 0
+
+    @pl.when((kb_lo < kb_hi) & jnp.logical_not(prefetched))
+    def _():
+        page_copies(seq, kv_len, kb_lo, slot_ref[0], start)
+
+    blk = item_blk[i]
+    first = (i == 0) | (item_blk[jnp.maximum(i - 1, 0)] != blk)
+    last = (i == n_items - 1) | (item_blk[jnp.minimum(i + 1, n_items - 1)] != blk)
+    cdt = q_ref.dtype
+    packed = np.dtype(cdt).itemsize < 4 and r % 2 != 0  # fold through f32 (no odd-row packed reshapes)
+    qdt = jnp.float32 if packed else cdt
+
+    @pl.when(first)
+    def _():
+        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        for g in range(Hkv):
+            qf_ref[g] = q_ref[:, g * r:(g + 1) * r, :].astype(qdt).reshape(R, D)
+
+    f32 = np.dtype(cdt) == np.dtype(np.float32)
+    prec = jax.lax.Precision.HIGHEST if f32 else None
+    scale = (1.0 / math.sqrt(D)) if sm_scale is None else sm_scale
+
+    def kv_step(t, carry):
+        kb = kb_lo + t
+
+        @pl.when(kb < kb_hi)
+        def _():
+            slot = slot_ref[0]
+
+            @pl.when(kb + 1 < kb_hi)
+            def _():
+                page_copies(seq, kv_len, kb + 1, 1 - slot, start)
+
+            @pl.when((kb + 1 >= kb_hi) & (i + 1 < n_items))
+            def _():
+                nseq, nlen, nlo, nhi = rng(jnp.minimum(i + 1, n_items - 1))
+
+                @pl.when(nlo < nhi)
+                def _():
+                    page_copies(nseq, nlen, nlo, 1 - slot, start)
+
+            page_copies(seq, kv_len, kb, slot, wait)
+            # row -> token: rows g-major inside qf (row = token_in_block * r + head_in_group)
+            q0, q1 = cu_q_lens[seq], cu_q_lens[seq + 1]
+            tok = blk * bq + jax.lax.broadcasted_iota(jnp.int32, (R, 1), 0) // r
+            own = (tok >= q0) & (tok < q1)
+            pos = jnp.where(own, kv_len - (q1 - q0) + tok - q0, -1)  # -1: sees nothing
+            col = kb * bkv + jax.lax.broadcasted_iota(jnp.int32, (1, bkv), 1)
+            vis = col <= pos
+            if sliding_window is not None:
+                vis = vis & (col > pos - sliding_window)
+            vrow = (kb * bkv + jax.lax.broadcasted_iota(jnp.int32, (bkv, 1), 0)) < kv_len
+            for g in range(Hkv):
+                k = kv_buf[slot, :, :, 2 * g, :].reshape(bkv, D)
+                v = kv_buf[slot, :, :, 2 * g + 1, :].reshape(bkv, D)
+                if k_scale is not None or k.dtype != cdt:
+                    k = (k.astype(jnp.float32) * (1.0 if k_scale is None else k_scale)).astype(cdt)
+                if v_scale is not None or v.dtype != cdt:
+                    v = (v.astype(jnp.float32) * (1.0 if v_scale is None else v_scale)).astype(cdt)
+                v = jnp.where(vrow, v, jnp.zeros_like(v))  # slots past kv_len may hold NaN
+                qg = qf_ref[g].astype(cdt)
+                s = jax.lax.dot_general(qg, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                                        precision=prec) * scale
+                if soft_cap is not None:
+                    s = soft_cap * jnp.tanh(s / soft_cap)
+                s = jnp.where(vis, s, -jnp.inf)
+                m_prev = m_ref[g][:, :1]
+                m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+                m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                alpha = jnp.exp(m_prev - m_safe)
+                p = jnp.exp(s - m_safe)
+                l_ref[g] = jnp.broadcast_to(alpha * l_ref[g][:, :1] + jnp.sum(p, axis=1, keepdims=True), (R, 128))
+                m_ref[g] = jnp.broadcast_to(m_new, (R, 128))
+                pv = jax.lax.dot_general(p.astype(cdt), v, (((1,), (0,)), ((), ())),
+                                         preferred_element_type=jnp.float32, precision=prec)
+                acc_ref[g] = alpha * acc_ref[g] + pv
+            slot_ref[0] = 1 - slot
+
+        return carry
+
+    jax.lax.fori_loop(0, nkb, kv_step, 0)
+
+    @pl.when(last)
+    def _():
+        for g in range(Hkv):
+            l = l_ref[g][:, :1]
+            o = acc_ref[g] * jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
+            if packed:
+                o_ref[:, g * r:(g + 1) * r, :] = o.reshape(bq, r, D).astype(o_ref.dtype)
+            else:
+                o_ref[:, g * r:(g + 1) * r, :] = o.astype(o_ref.dtype).reshape(bq, r, D)
+
+
+# ----------------------------------------------------------------------------------------------- launch
+
+
+def _vmem_limit(est_bytes: int) -> int | None:
+    """Scoped VMEM to request: the chip default for small footprints, else room for Mosaic's temporaries
+    (logit tiles), capped at 40 MiB (tpu7x has 64 MiB per core; XLA needs some around the kernel)."""
+    if est_bytes <= 6 << 20:
+        return None
+    return int(min(40 << 20, 2 * est_bytes + (8 << 20)))
+
+
+def _launch_rpa(kv_lens, page_indices, cu_q_lens, num_seqs, q, kv_cache, statics, cfg) -> Launch:
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    where = "tpukernels::ragged_paged_attention_kernel"
+    T, Hq, D, P, ps, Hkv, S, pps = _check_shapes(kv_lens, page_indices, cu_q_lens, num_seqs, q, kv_cache, where=where)
+    _check_statics(statics["sm_scale"], statics["sliding_window"], statics["soft_cap"], statics["k_scale"],
+                   statics["v_scale"], _dt(kv_cache), where)
+    bq, ppb = int(cfg["block_q"]), min(int(cfg["pages_per_block"]), pps)
+    r = Hq // Hkv
+    R = bq * r
+    G = _n_items(T, S, bq) if T > 0 else 0
+    packed = np.dtype(q.dtype).itemsize < 4 and r % 2 != 0
+    qf_dt = jnp.float32 if packed else q.dtype
+    idx = lambda i, kl, pi, cu, ns, iseq, iblk: (iblk[i], 0, 0)
+    qspec = pl.BlockSpec((bq, Hq, D), idx)
+    scratch = [
+        pltpu.VMEM((2, ppb, ps, 2 * Hkv, D), kv_cache.dtype),  # K/V page double buffer
+        pltpu.SemaphoreType.DMA((2,)),
+        pltpu.VMEM((Hkv, R, D), qf_dt),  # q block, GQA group folded into rows
+        pltpu.VMEM((Hkv, R, 128), jnp.float32),  # running max (lane-broadcast)
+        pltpu.VMEM((Hkv, R, 128), jnp.float32),  # running sum
+        pltpu.VMEM((Hkv, R, D), jnp.float32),  # output accumulator
+        pltpu.SMEM((1,), jnp.int32),  # current buffer slot
+    ]
+    it, kit = np.dtype(q.dtype).itemsize, np.dtype(kv_cache.dtype).itemsize
+    bkv = ppb * ps
+    est = (4 * bq * Hq * D * it + 2 * bkv * 2 * Hkv * D * kit + Hkv * R * (D * (4 + 4) + 2 * 128 * 4)
+           + 4 * R * bkv * 4)
+    return Launch(
+        grid=(G,),
+        in_specs=[qspec, pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=qspec,
+        out_shape=OutSpec((T, Hq, D), q.dtype),
+        scratch_shapes=scratch,
+        num_scalar_prefetch=4,
+        prefetch=lambda kl, pi, cu, ns: _schedule(kl, pi, cu, ns, T=T, S=S, bq=bq),
+        dimension_semantics=("arbitrary",),
+        vmem_limit_bytes=_vmem_limit(est),
+    )
+
+
+def _rpa_out_shape(kv_lens, page_indices, cu_q_lens, num_seqs, q, kv_cache, **statics):
+    return OutSpec(tuple(q.shape), q.dtype)
+
+
+@tpu_kernel(_rpa_body, name="ragged_paged_attention_kernel", namespace=NAMESPACE, tunables=_TUNABLES,
+            heuristic=_heuristic, out_shape=_rpa_out_shape)
+def rpa_kernel(
+    kv_lens: torch.Tensor,
+    page_indices: torch.Tensor,
+    cu_q_lens: torch.Tensor,
+    num_seqs: torch.Tensor,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    sm_scale: Optional[float] = None,
+    sliding_window: Optional[int] = None,
+    soft_cap: Optional[float] = None,
+    k_scale: Optional[float] = None,
+    v_scale: Optional[float] = None,
+    *,
+    block_q: int,
+    pages_per_block: int,
+) -> torch.Tensor:
+    """Kernel op ``torch.ops.tpukernels.ragged_paged_attention_kernel``: the scalar-prefetch operands
+    (``kv_lens, page_indices, cu_q_lens, num_seqs``) first, then ``q [T, Hq, D]`` and
+    ``kv_cache [P, page_size, 2*Hkv, D]``; returns ``out [T, Hq, D]``. See :func:`ragged_paged_attention`."""
+    statics = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale,
+                   v_scale=v_scale)
+    return _launch_rpa(kv_lens, page_indices, cu_q_lens, num_seqs, q, kv_cache, statics,
+                       dict(block_q=block_q, pages_per_block=pages_per_block))
+
+
+# ----------------------------------------------------------------------------------------------- cache update
+
+
+def _update_body(slots_ref, new_ref, cache_in, cache_out, sems, *, bt: int, page_size: int):
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    del cache_in  # aliased to cache_out
+    i = pl.program_id(0)
+    n_slots = cache_out.shape[0] * page_size
+    T = slots_ref.shape[0]
+
+    def copies(fn):
+        for j in range(bt):
+            t = i * bt + j
+            slot = slots_ref[jnp.minimum(t, T - 1)]
+
+            @pl.when((t < T) & (slot >= 0) & (slot < n_slots))
+            def _():
+                fn(pltpu.make_async_copy(new_ref.at[j], cache_out.at[slot // page_size, slot % page_size],
+                                         sems.at[0]))
+
+    copies(lambda c: c.start())
+    copies(lambda c: c.wait())
+
+
+def _launch_update(slot_mapping, kv_new, kv_cache) -> Launch:
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    where = "tpukernels::update_kv_cache_kernel"
+    if len(kv_cache.shape) != 4 or len(kv_new.shape) != 3 or len(slot_mapping.shape) != 1:
+        raise ArgumentError(f"{where}: expected kv_cache [P, page_size, 2*Hkv, D], kv_new [T, 2*Hkv, D], "
+                            f"slot_mapping [T]; got {tuple(kv_cache.shape)}, {tuple(kv_new.shape)}, "
+                            f"{tuple(slot_mapping.shape)}")
+    T = int(kv_new.shape[0])
+    bt = 8
+    return Launch(
+        grid=(cdiv(T, bt),),
+        in_specs=[pl.BlockSpec((bt, kv_new.shape[1], kv_new.shape[2]), lambda i, s: (i, 0, 0)),
+                  pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=pl.BlockSpec(memory_space=pl.ANY),
+        out_shape=OutSpec(tuple(kv_cache.shape), kv_cache.dtype),
+        scratch_shapes=[pltpu.SemaphoreType.DMA((1,))],
+        num_scalar_prefetch=1,
+        input_output_aliases={2: 0},
+        body_kwargs=dict(bt=bt, page_size=int(kv_cache.shape[1])),
+    )
+
+
+def _update_out_shape(slot_mapping, kv_new, kv_cache):
+    return OutSpec(tuple(kv_cache.shape), kv_cache.dtype)
+
+
+@tpu_kernel(_update_body, name="update_kv_cache_kernel", namespace=NAMESPACE, out_shape=_update_out_shape)
+def update_kernel(slot_mapping: torch.Tensor, kv_new: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+    """Kernel op ``torch.ops.tpukernels.update_kv_cache_kernel(slot_mapping [T] int32, kv_new [T, 2*Hkv, D],
+    kv_cache)`` -> the updated copy of ``kv_cache``. See :func:`update_kv_cache`."""
+    return _launch_update(slot_mapping, kv_new, kv_cache)
+
+
+# ----------------------------------------------------------------------------------------------- public ops
+
+
+def _rpa_impl(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=None, sliding_window=None,
+              soft_cap=None, k_scale=None, v_scale=None, config=None):
+    where = "tpukernels::ragged_paged_attention"
+    for name, t in (("q", q), ("kv_cache", kv_cache), ("kv_lens", kv_lens), ("page_indices", page_indices),
+                    ("cu_q_lens", cu_q_lens), ("num_seqs", num_seqs)):
+        if not isinstance(t, torch.Tensor):
+            raise ArgumentError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    T, Hq, D, P, ps, Hkv, S, pps = _check_shapes(kv_lens, page_indices, cu_q_lens, num_seqs, q, kv_cache,
+                                                 where=where)
+    _check_statics(sm_scale, sliding_window, soft_cap, k_scale, v_scale, _dt(kv_cache), where)
+    _check_values(kv_lens, page_indices, cu_q_lens, num_seqs, T, P, ps, where)
+    return torch.ops.tpukernels.ragged_paged_attention_kernel(
+        kv_lens, page_indices, cu_q_lens, num_seqs, q, kv_cache, sm_scale, sliding_window, soft_cap, k_scale,
+        v_scale, config=config)
+
+
+def _update_impl(kv_cache, k, v, slot_mapping):
+    where = "tpukernels::update_kv_cache"
+    for name, t in (("kv_cache", kv_cache), ("k", k), ("v", v), ("slot_mapping", slot_mapping)):
+        if not isinstance(t, torch.Tensor):
+            raise ArgumentError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if kv_cache.dim() != 4:
+        raise ArgumentError(f"{where}: kv_cache must have rank 4 [num_pages, page_size, 2*Hkv, D], got "
+                            f"{tuple(kv_cache.shape)}")
+    P, ps, H2, D = kv_cache.shape
+    for name, t in (("k", k), ("v", v)):
+        if tuple(t.shape[1:]) != (H2 // 2, D) or t.dim() != 3:
+            raise ArgumentError(f"{where}: {name} must have shape [T, Hkv, D] = [T, {H2 // 2}, {D}], got "
+                                f"{tuple(t.shape)}")
+        if t.dtype != kv_cache.dtype:
+            raise DTypeError(f"{where}: {name} dtype {_dt(t)} must equal kv_cache's {_dt(kv_cache)} (quantize first)")
+    if k.shape[0] != v.shape[0] or tuple(slot_mapping.shape) != (k.shape[0],):
+        raise ArgumentError(f"{where}: k, v and slot_mapping must have one length T, got {k.shape[0]}, "
+                            f"{v.shape[0]}, {tuple(slot_mapping.shape)}")
+    if slot_mapping.dtype != torch.int32:
+        raise DTypeError(f"{where}: slot_mapping must be int32, got {_dt(slot_mapping)}")
+    if _dt(kv_cache) not in _Q_DTYPES + _FP8:
+        raise DTypeError(f"{where}: kv_cache dtype {_dt(kv_cache)} is not supported; use bfloat16, float32 or fp8")
+    if slot_mapping.device.type == "cpu" and not _is_tracing(slot_mapping):
+        sm = slot_mapping.numpy()
+        bad = sm >= P * ps
+        if bad.any():
+            t = int(np.argmax(bad))
+            raise ArgumentError(f"{where}: slot_mapping[{t}] = {int(sm[t])} is out of range: slots are "
+                                f"page * page_size + offset < num_pages * page_size = {P * ps} (negative = skip)")
+        live = sm[sm >= 0]
+        if len(np.unique(live)) != len(live):
+            raise ArgumentError(f"{where}: slot_mapping writes one slot twice (the result would depend on DMA order)")
+    if k.shape[0] == 0:
+        return kv_cache.clone()
+    kv_new = torch.stack([k, v], dim=2).reshape(k.shape[0], H2, D)
+    return torch.ops.tpukernels.update_kv_cache_kernel(slot_mapping, kv_new, kv_cache)
+
+
+_LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
+_LIB.define("ragged_paged_attention(Tensor q, Tensor kv_cache, Tensor kv_lens, Tensor page_indices, "
+            "Tensor cu_q_lens, Tensor num_seqs, float? sm_scale=None, int? sliding_window=None, "
+            "float? soft_cap=None, float? k_scale=None, float? v_scale=None, str? config=None) -> Tensor")
+_LIB.impl("ragged_paged_attention", _rpa_impl, "CompositeImplicitAutograd")
+_LIB.define("update_kv_cache(Tensor kv_cache, Tensor k, Tensor v, Tensor slot_mapping) -> Tensor")
+_LIB.impl("update_kv_cache", _update_impl, "CompositeImplicitAutograd")
+
+
+def ragged_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, kv_lens: torch.Tensor,
+                           page_indices: torch.Tensor, cu_q_lens: torch.Tensor, num_seqs: torch.Tensor, *,
+                           sm_scale: float | None = None, sliding_window: int | None = None,
+                           soft_cap: float | None = None, k_scale: float | None = None,
+                           v_scale: float | None = None, config: dict | None = None,
+                           interpret: str | None = None) -> torch.Tensor:
+    """Ragged paged attention over a paged KV cache (mixed prefill + decode); ``torch.ops.tpukernels.ragged_paged_attention``.
+
+    Args:
+        q: ``[T, Hq, D]`` bfloat16 or float32, all sequences' query tokens concatenated.
+        kv_cache: ``[num_pages, page_size, 2*Hkv, D]``: K of kv head ``h`` at combined head ``2h``, V at
+            ``2h+1``; q's dtype, or float8_e4m3fn / float8_e5m2 (then usually with ``k_scale`` / ``v_scale``).
+            ``D`` a multiple of 128; ``Hq`` a multiple of ``Hkv`` (GQA/MQA).
+        kv_lens: int32 ``[S]``: cached tokens per sequence, including this call's new tokens.
+        page_indices: int32 ``[S, pages_per_seq]``: the cache pages of each sequence, in order.
+        cu_q_lens: int32 ``[S + 1]``: sequence ``s`` owns query rows ``[cu_q_lens[s], cu_q_lens[s+1])``;
+            ``cu_q_lens[0] = 0``, non-decreasing, ``q_len <= kv_len``.
+        num_seqs: int32 ``[1]``: sequences in use (the rest of the ``S`` entries are ignored).
+        sm_scale: logit scale; ``None`` means ``1/sqrt(D)`` (JAX's kernel defaults to 1.0).
+        sliding_window: query at key position ``pos`` sees keys ``pos - W < j <= pos`` (JAX's convention).
+        soft_cap: ``soft_cap * tanh(s / soft_cap)`` on the scaled logits.
+        k_scale, v_scale: static dequantization scales of the cache (``K = k_scale * cache_K``).
+        config: ``{"block_q": .., "pages_per_block": ..}``; default: tuned per chip, else a heuristic.
+        interpret: ``"fast"`` / ``"tpu"`` for cpu runs (see :mod:`tpukernels.dsl.modes`).
+
+    Returns:
+        ``[T, Hq, D]`` in q's dtype; rows of no sequence (padding) and rows that see no key are 0.
+
+    Raises:
+        ArgumentError: ranks / shapes (``kv_lens [S]``, ``cu_q_lens [S+1]``, ``num_seqs [1]``), head dims,
+            ``Hq % Hkv``, bad statics; on host (cpu) tensors also the values: a page index out of
+            ``[0, num_pages)``, ``kv_len > pages_per_seq * page_size``, ``cu_q_lens`` not monotone or past
+            ``T``, ``q_len > kv_len``, ``num_seqs`` out of ``[0, S]``. Device tensors are not synced to check
+            values; the kernel clamps them (bad values give a defined, wrong, result; never an OOB access).
+        DTypeError: q not bf16/f32, kv_cache not q's dtype or fp8, index arrays not int32.
+    """
+    import json
+
+    from ..dsl.modes import interpret_mode
+
+    cfg = None if not config else json.dumps(dict(config), sort_keys=True)
+    args = (q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
+            None if sm_scale is None else float(sm_scale), sliding_window,
+            None if soft_cap is None else float(soft_cap), None if k_scale is None else float(k_scale),
+            None if v_scale is None else float(v_scale), cfg)
+    if interpret:
+        with interpret_mode(interpret):
+            return torch.ops.tpukernels.ragged_paged_attention(*args)
+    return torch.ops.tpukernels.ragged_paged_attention(*args)
+
+
+def update_kv_cache(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, *,
+                    interpret: str | None = None) -> torch.Tensor:
+    """Write new K/V tokens into their cache slots; returns the updated cache (``kv_cache`` is not modified).
+
+    ``torch.ops.tpukernels.update_kv_cache``. Token ``t`` goes to page ``slot_mapping[t] // page_size``, row
+    ``slot_mapping[t] % page_size``: K at combined heads ``0::2``, V at ``1::2``.
+
+    Args:
+        kv_cache: ``[num_pages, page_size, 2*Hkv, D]`` (bf16, f32 or fp8).
+        k, v: ``[T, Hkv, D]``, kv_cache's dtype (quantize fp8 caches before).
+        slot_mapping: int32 ``[T]``; negative entries are skipped (padding tokens).
+
+    Raises:
+        ArgumentError: shapes; on host tensors a slot ``>= num_pages * page_size`` or a slot written twice.
+        DTypeError: k / v dtype differs from the cache's; slot_mapping not int32.
+    """
+    from ..dsl.modes import interpret_mode
+
+    if interpret:
+        with interpret_mode(interpret):
+            return torch.ops.tpukernels.update_kv_cache(kv_cache, k, v, slot_mapping)
+    return torch.ops.tpukernels.update_kv_cache(kv_cache, k, v, slot_mapping)
+
+
+# ----------------------------------------------------------------------------------------------- reference
+
+
+def paged_attention_reference(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale=None,
+                              sliding_window=None, soft_cap=None, k_scale=None, v_scale=None,
+                              dtype=torch.float64) -> torch.Tensor:
+    """Dense per-sequence attention with the semantics of :func:`ragged_paged_attention`, in ``dtype``
+    (float64 by default), computed from the given (low-precision) inputs. Returns ``[T, Hq, D]`` in ``dtype``."""
+    T, Hq, D = q.shape
+    H2 = kv_cache.shape[2]
+    Hkv, ps = H2 // 2, kv_cache.shape[1]
+    r = Hq // Hkv
+    scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
+    out = torch.zeros(T, Hq, D, dtype=dtype)
+    cache = kv_cache.to(torch.float32).to(dtype)
+    for s in range(int(num_seqs[0])):
+        q0, q1, kl = int(cu_q_lens[s]), int(cu_q_lens[s + 1]), int(kv_lens[s])
+        if q1 == q0:
+            continue
+        pages = page_indices[s, : -(-kl // ps)].long()
+        kv = cache[pages].reshape(-1, H2, D)[:kl]
+        k = kv[:, 0::2] * (1.0 if k_scale is None else k_scale)
+        v = kv[:, 1::2] * (1.0 if v_scale is None else v_scale)
+        k, v = k.repeat_interleave(r, 1), v.repeat_interleave(r, 1)  # [kl, Hq, D]
+        qs = q[q0:q1].to(dtype)
+        logits = torch.einsum("ihd,jhd->hij", qs, k) * scale
+        if soft_cap is not None:
+            logits = soft_cap * torch.tanh(logits / soft_cap)
+        pos = kl - (q1 - q0) + torch.arange(q1 - q0)[:, None]
+        j = torch.arange(kl)[None, :]
+        vis = j <= pos
+        if sliding_window is not None:
+            vis = vis & (j > pos - sliding_window)
+        logits = logits.masked_fill(~vis, -math.inf)
+        p = torch.softmax(logits, -1).nan_to_num(0.0)  # rows that see nothing -> 0
+        out[q0:q1] = torch.einsum("hij,jhd->ihd", p, v)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- standard cases
+
+
+def _case(T, S, pps, ps, P, dtype="bf16", **statics):
+    st = dict(sm_scale=None, sliding_window=None, soft_cap=None, k_scale=None, v_scale=None)
+    st.update(statics)
+    return (rpa_kernel, (f"{S}:i32", f"{S}x{pps}:i32", f"{S + 1}:i32", "1:i32", f"{T}x32x128:{dtype}",
+                         f"{P}x{ps}x16x128:{dtype}"), st)
+
+
+#: Shapes the shipped defaults are tuned for (Llama-3-8B-like: Hq 32, Hkv 8, D 128, bf16): a decode batch of
+#: 64 sequences x 2048 cached tokens, at page size 16 and 64, and a mixed batch (prefill chunks + decode,
+#: 1024 tokens over 64 sequences with up to 2048 keys each).
+STANDARD_CASES = [
+    _case(64, 64, 2048 // ps, ps, 64 * 2048 // ps, ) for ps in (16, 64)
+] + [
+    _case(1024, 64, 2048 // ps, ps, 64 * 2048 // ps) for ps in (16, 64)
+]
+
+__all__ = ["ragged_paged_attention", "update_kv_cache", "paged_attention_reference", "rpa_kernel",
+           "update_kernel", "STANDARD_CASES", "FP8_KV_CHIPS"]
