@@ -85,7 +85,8 @@ DEFAULT_SCOPED_VMEM = 16 * MiB  # Mosaic's smallest default scoped VMEM limit (v
 
 TUNABLES = {
     "bm": _dsl.Tunable([512, 128, 256, 1024, 2048], default=512, doc="rows per output tile (M)"),
-    "bk": _dsl.Tunable([1024, 256, 512, 2048, 4096], default=1024, doc="contraction block (K)"),
+    "bk": _dsl.Tunable([1024, 256, 512, 2048, 4096, 8192, 16384], default=1024,
+                       doc="contraction block (K); bk >= K keeps a group's rhs block resident across its tiles"),
     "bn": _dsl.Tunable([1024, 256, 512, 2048, 4096], default=1024, doc="output columns per block (N)"),
 }
 TUNABLES_TGMM = {
@@ -98,6 +99,10 @@ TUNABLES_TGMM = {
 F_TILE, F_SRC_TILE, F_GROUP, F_LO, F_HI, F_FLAGS = range(6)
 N_FIELDS = 6
 COMPUTE, STORE, FIRST, LAST = 1, 2, 4, 8  # flag bits
+#: the table stores flags complemented (``flags ^ ALL``): an all-zero table, which is what libtpu's static
+#: estimator reads from SMEM (it has no data), then means "every item computes and stores", so the model
+#: counts the MXU work of all T items instead of none (an upper bound: real runs skip padding items)
+ALL = COMPUTE | STORE | FIRST | LAST
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -124,6 +129,11 @@ def canonical_out_dtype(out_dtype, where="grouped_matmul") -> str | None:
 
 def _bits(flags, bit):
     return (flags & bit) != 0
+
+
+def _flags(tab, T: int, i):
+    """Flag bits of work item ``i`` (stored complemented, see ``ALL``)."""
+    return tab[F_FLAGS * T + i] ^ ALL
 
 
 def _group_bounds(sizes, offset, M: int, G: int):
@@ -176,7 +186,7 @@ def _fwd_schedule(sizes, offset, *, M: int, G: int, bm: int, T: int):
     flags = (compute * COMPUTE) | (real * STORE) | ((real & (l == 0)) * FIRST)
     src_tile = _forward_fill(tile, compute)
     group = _forward_fill(g, compute)
-    return (jnp.stack([tile, src_tile, group, lo, hi, flags.astype(jnp.int32)]).reshape(-1),)
+    return (jnp.stack([tile, src_tile, group, lo, hi, flags.astype(jnp.int32) ^ ALL]).reshape(-1),)
 
 
 def _tgmm_schedule(sizes, offset, *, M: int, G: int, bm: int, T: int):
@@ -199,7 +209,7 @@ def _tgmm_schedule(sizes, offset, *, M: int, G: int, bm: int, T: int):
     flags = ((compute * COMPUTE) | (real * STORE) | ((real & (l == 0)) * FIRST)
              | ((real & (l == w[g] - 1)) * LAST))
     src_tile = _forward_fill(tile, compute)
-    return (jnp.stack([tile, src_tile, g, lo, hi, flags.astype(jnp.int32)]).reshape(-1),)
+    return (jnp.stack([tile, src_tile, g, lo, hi, flags.astype(jnp.int32) ^ ALL]).reshape(-1),)
 
 
 # ----------------------------------------------------------------------------------------------- kernel bodies
@@ -211,7 +221,7 @@ def _gmm_body(tab, lhs_ref, rhs_ref, out_ref, acc_ref, *, T, bm, n_k, blk_k, k_s
     from jax.experimental import pallas as pl
 
     i, k = pl.program_id(1), pl.program_id(2)
-    flags = tab[F_FLAGS * T + i]
+    flags = _flags(tab, T, i)
     compute = _bits(flags, COMPUTE)
     tail = k_size % blk_k != 0
     dims = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
@@ -257,7 +267,7 @@ def _tgmm_body(tab, x_ref, y_ref, out_ref, acc_ref, *, T, bm, precision):
     from jax.experimental import pallas as pl
 
     i = pl.program_id(2)
-    flags = tab[F_FLAGS * T + i]
+    flags = _flags(tab, T, i)
 
     @pl.when(_bits(flags, FIRST))
     def _():
@@ -385,7 +395,7 @@ def grouped_matmul_fwd(group_sizes: torch.Tensor, group_offset: torch.Tensor, lh
     gn, gk = _dsl.cdiv(N, bn_), _dsl.cdiv(K, bk_)
 
     def k_eff(t, k, i):  # items that do not compute stay on the previous item's last K block (no DMA)
-        return jnp.where(_bits(t[F_FLAGS * T + i], COMPUTE), k, gk - 1)
+        return jnp.where(_bits(_flags(t, T, i), COMPUTE), k, gk - 1)
 
     lhs_spec = pl.BlockSpec((bm_, bk_), lambda n, i, k, t: (t[F_SRC_TILE * T + i], k_eff(t, k, i)))
     if transpose_rhs:
@@ -465,11 +475,14 @@ def grouped_matmul_tgmm(group_sizes: torch.Tensor, group_offset: torch.Tensor, x
 
 
 def heuristic(group_sizes, group_offset, lhs, rhs, transpose_rhs=False, out_dtype=None) -> dict:
-    """Forward defaults before clamping: bf16 ``bm=512, bk=1024, bn=1024`` (~10 MiB of VMEM, the dense
-    matmul's blocks); float32 ``512, 512, 512``. Shipped per-chip tuning data takes precedence."""
+    """Forward defaults before clamping: bf16 ``bm=512, bn=1024`` and ``bk = K`` up to 4096 (one K step:
+    consecutive tiles of a group then reuse the resident rhs block, ~26 MiB of VMEM at K = 4096), else
+    ``bk=1024`` (~10 MiB, the dense matmul's blocks); float32 ``512, 512, 512``. Shipped per-chip tuning
+    data takes precedence."""
     if _dtype_name(lhs.dtype) == "float32":
         return dict(bm=512, bk=512, bn=512)
-    return dict(bm=512, bk=1024, bn=1024)
+    K = lhs.shape[1]
+    return dict(bm=512, bk=4096 if K <= 4096 else 1024, bn=1024)
 
 
 def heuristic_tgmm(group_sizes, group_offset, x, y, num_groups=0, out_dtype=None) -> dict:
