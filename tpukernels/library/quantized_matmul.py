@@ -482,17 +482,20 @@ def make_launch(layout, x, w, ws, xs, out_dtype, bm, bk, bn) -> "_dsl.Launch":
 
 
 def heuristic(x, w, ws, xs=None, out_dtype=None, *, layout="nt") -> dict:
-    """Default blocks before clamping: ``512 / 1024 / 1024`` (the bf16 matmul's blocks: ~10 MiB of VMEM
-    with the dequantized tile); w8a8 ``bk=2048`` (1-byte operands: the same bytes per step); decode-size
-    M (<= 128, weight-bandwidth bound) ``bk=2048, bn=2048`` for fewer, larger weight DMAs."""
+    """Default blocks before clamping (per-chip shipped entries take precedence).
+
+    Prefill-size M (> 128, MXU-bound): ``bm=1024, bk=1024, bn=2048`` (bf16 x: the dequantized tile adds
+    ``bn*bk`` bf16 of VMEM, ~28 MiB in all, under every chip's VMEM with a raised scoped limit) — between
+    the bf16 matmul's tuned v5e (1024/2048/1024) and v6e (2048/1024/2048) blocks: large output blocks keep
+    the MXU fed at int8 rate, where 1 MiB blocks leave v6e HBM-bound (libtpu estimate). Decode-size M
+    (<= 128, weight-bandwidth bound): ``bk=2048, bn=1024`` (w8a8 ``bn=2048``) for fewer, larger weight
+    DMAs. float32 x: ``512`` cubed (4-byte operands)."""
     M = x.shape[0]
-    if M <= 128:
-        return dict(bm=512, bk=2048, bn=2048 if xs is not None else 1024)
-    if xs is not None:
-        return dict(bm=512, bk=2048, bn=1024)
     if _name(x.dtype) == "float32":
         return dict(bm=512, bk=512, bn=512)
-    return dict(bm=512, bk=1024, bn=1024)
+    if M <= 128:
+        return dict(bm=512, bk=2048, bn=2048 if xs is not None else 1024)
+    return dict(bm=1024, bk=1024, bn=2048)
 
 
 def _ref_kernel(x, w, ws, xs=None, out_dtype=None):
