@@ -180,7 +180,8 @@ def test_backward_dx_w8a16(interpret):
     x64 = x.detach().double().requires_grad_()
     (ref,) = torch.autograd.grad(qmm.reference(x64, w_q, w_s), x64, go.double())
     # f32 accumulation over N = 260 terms and one f32 rounding of g * w_scale: ~ (N + 2) u32 relative
-    bound = (260 + 2) * qmm.U32 * (go.double().abs().reshape(-1, 260) @ qmm.dequantize(w_q, w_s).abs()).reshape(ref.shape)
+    mag = go.double().abs().reshape(-1, 260) @ qmm.dequantize(w_q, w_s).abs()
+    bound = (260 + 2) * qmm.U32 * mag.reshape(ref.shape)
     assert dx.dtype == torch.float32 and ((dx.double() - ref).abs() <= bound).all()
 
 
@@ -353,7 +354,8 @@ def test_shipped_defaults_are_current():
                 continue
             key = db.entry_key(kernel, _case_specs(args), (("out_dtype", None),))
             entry, how = db.find(db.load(path), key)
-            assert how == "exact", f"{chip} {args}: no entry for the current source (rerun benchmarks/quantized_matmul.py --write-defaults)"
+            assert how == "exact", (f"{chip} {args}: no entry for the current source "
+                                    f"(rerun benchmarks/quantized_matmul.py --write-defaults)")
             assert entry["evidence"]["evaluator"] == "tpu-model"  # libtpu static estimate + rooflines
 
 
@@ -457,7 +459,8 @@ def test_bench_cases_and_peaks():
     assert perf.peak_flops("v5e", "int8") == 2 * perf.peak_flops("v5e")
     # the tuner's model: per-channel f32 scales do not make it an f32 matmul
     spec = lambda s, d: tk.TensorSpec(s, qmm._jnp(d))  # noqa: E731
-    assert compute_dtype([spec((64, 512), "bfloat16"), spec((256, 512), "int8"), spec((1, 256), "float32")]) == "bfloat16"
+    w8a16 = [spec((64, 512), "bfloat16"), spec((256, 512), "int8"), spec((1, 256), "float32")]
+    assert compute_dtype(w8a16) == "bfloat16"
     assert compute_dtype([spec((64, 512), "int8"), spec((256, 512), "int8"), spec((1, 256), "float32"),
                           spec((64, 1), "float32")]) == "int8"
     assert compute_dtype([spec((64, 64), "bfloat16"), spec((1, 64), "float32")]) == "float32"  # unchanged rule

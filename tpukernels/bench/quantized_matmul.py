@@ -67,7 +67,8 @@ def cases(chips) -> list[Case]:
             shapes.append((M, K, N, M >= 1024))
 
     def xla_w8a16(x, w, s):
-        return (lax.dot_general(x, w.astype(bf16), (((1,), (1,)), ((), ())), preferred_element_type=f32) * s).astype(bf16)
+        z = lax.dot_general(x, w.astype(bf16), (((1,), (1,)), ((), ())), preferred_element_type=f32)
+        return (z * s).astype(bf16)
 
     def xla_w8a8(qdt):
         qm = qmm.qmax(qdt)

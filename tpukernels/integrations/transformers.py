@@ -257,8 +257,8 @@ def apply_tpukernels(
 
     Returns:
         ``{"attention": bool, "rms_norm": n, "layer_norm": n, "linear": n}`` (plus ``"quantized": n`` with
-        ``quantize``) — what was patched. Parameters of norms and ``linear=True`` layers are shared with the original modules, so
-        their state dicts and weight tying are unchanged.
+        ``quantize``) — what was patched. Parameters of norms and ``linear=True`` layers are shared with the
+        original modules, so their state dicts and weight tying are unchanged.
     """
     from ..library.norms import TPULayerNorm, TPURMSNorm
 
