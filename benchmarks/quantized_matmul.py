@@ -49,8 +49,11 @@ def main(argv=None) -> int:
                 print(f"{chip} {' '.join(case)}: not supported on {chip} (jax tpu_info), skipped", flush=True)
                 continue
             t0 = time.time()
+            M = int(case[0].split("x")[0])
+            # decode-size M: every bm >= M clamps to M (the same program), so search only bk / bn there
+            values = {"bm": [512], "bk": [2048, 1024, 4096], "bn": [1024, 512, 2048, 4096]} if M <= 128 else None
             res = tune(kernel, *case, chip=chip, evaluator="tpu-model", strategy="coordinate", budget=args.budget,
-                       workers=args.workers, write_db="shipped" if args.write_defaults else None, **kw)
+                       workers=args.workers, write_db="shipped" if args.write_defaults else None, values=values, **kw)
             b = res.best
             best = "no candidate compiled" if b is None else f"{dict(b.config)} {b.time_us:,.1f} us (model)"
             print(f"{chip} {' '.join(case)}: {best} [{time.time() - t0:.0f}s]", flush=True)
