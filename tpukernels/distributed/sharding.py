@@ -17,7 +17,8 @@ is always appended (the fallback: inputs are gathered, every rank computes the w
   sum) only without bias and activation and for a float32 output, so the result is still rounded once.
 * grouped matmul (fwd over N, or K as a partial sum; tgmm over K or N: rows stay whole, the group sizes
   index them), quantized matmul (over M or N; its dx over M, K, or N as a partial sum), per-token
-  quantization (rows); linear cross-entropy derives its rule from ``rows=``.
+  quantization (rows); linear cross-entropy derives its rule from ``rows=``; ragged paged attention over
+  heads (when ``Hkv`` divides by the mesh: each shard keeps whole K/V pairs) and its cache update.
 * user kernels: ``@tpu_kernel(..., sharding=[Split(...), ...])`` or ``sharding=fn`` (called with the op's
   arguments by name, tensors as ``.shape``/``.dtype`` metadata, returning Splits); else derived from
   ``rows=``; else replicate only.
@@ -32,9 +33,11 @@ Op names live in one table, :data:`LIBRARY_RULES` (kernel name -> rule).
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import importlib.abc
 import importlib.util
+import math
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -148,6 +151,25 @@ def _quantized_dx(args: Mapping) -> list[Split]:
     return splits
 
 
+_MESH_SHAPE: contextvars.ContextVar = contextvars.ContextVar("tpukernels_mesh_shape", default=())
+
+
+def current_mesh_shape() -> tuple:
+    """The device mesh shape of the call a rule is computing splits for (library rules that need it)."""
+    return _MESH_SHAPE.get()
+
+
+def _ragged_paged(args: Mapping) -> list[Split]:
+    """``q [T, Hq, D]``, ``kv_cache [P, page, 2*Hkv, D]`` (K of kv head h at 2h, V at 2h+1) -> ``[T, Hq, D]``:
+    over heads, only when every shard gets whole (K, V) pairs (``Hkv`` divisible by the mesh); metadata
+    replicated. Tokens are not split: ``cu_q_lens`` index the global rows."""
+    q, kv = args.get("q"), args.get("kv_cache")
+    n = int(math.prod(current_mesh_shape()) or 1)
+    if not isinstance(kv, TensorMeta) or (kv.shape[2] // 2) % n:
+        return []
+    return [Split({"q": 1, "kv_cache": 2}, (1,))] if isinstance(q, TensorMeta) else []
+
+
 #: Kernel op name (in the ``tpukernels`` namespace) -> rule ``fn(args by name) -> [Split]``. Norms need no
 #: entry: their ``rows=`` declaration derives the rule. The one place op names appear.
 LIBRARY_RULES: dict[str, Callable[[Mapping], list[Split]]] = {
@@ -163,6 +185,9 @@ LIBRARY_RULES: dict[str, Callable[[Mapping], list[Split]]] = {
     "quantized_matmul_bwd_dx": _quantized_dx,
     "quantize_per_token_kernel": lambda args: [Split({"x": 0}, (0, 0))],  # rows -> (x_q, x_scale [M, 1])
     # linear_cross_entropy_* declare rows= (h, labels, ...): derived, dW [V, D] as a partial sum
+    "ragged_paged_attention_kernel": _ragged_paged,
+    # kv_new [T, 2*Hkv, D] into kv_cache [P, page, 2*Hkv, D]: any even split of the combined heads is a copy
+    "update_kv_cache_kernel": lambda args: [Split({"kv_new": 1, "kv_cache": 2}, (2,))],
 }
 
 
@@ -230,6 +255,14 @@ def register(kernel, op=None) -> None:
     positional = [p.name for p in kernel.params if not p.keyword_only]
 
     def strategies(*args, **kwargs):
+        mesh = next((v.mesh for v in (*args, *kwargs.values()) if isinstance(v, DTensorSpec)), None)
+        token = _MESH_SHAPE.set(tuple(mesh.shape) if mesh is not None else ())
+        try:
+            return _strategies(args, kwargs)
+        finally:
+            _MESH_SHAPE.reset(token)
+
+    def _strategies(args, kwargs):
         named = dict(zip(positional, args))
         named.update((k, v) for k, v in kwargs.items() if k != "config")
         view = {n: TensorMeta(tuple(v.shape), v.tensor_meta.dtype) if isinstance(v, DTensorSpec) else v
