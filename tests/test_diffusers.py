@@ -121,7 +121,8 @@ def _qkv(B=2, sq=12, skv=12, hq=4, hkv=4, d=16, seed=0):
             torch.randn(B, skv, hkv, d, generator=g))
 
 
-@pytest.mark.parametrize("case", ["2d_bool", "4d_bool", "additive", "causal", "gqa_cross", "scale"])
+@pytest.mark.parametrize("case", ["2d_bool", "4d_bool", "4d_dense", "additive", "batch_bcast", "causal", "gqa_cross",
+                                  "scale"])
 def test_backend_function_masks(case):
     """Masks and arguments the backend maps onto the kernel, vs the native SDPA backend (no fallback)."""
     q, k, v = _qkv(skv=20 if case == "gqa_cross" else 12, hkv=2 if case == "gqa_cross" else 4)
@@ -132,7 +133,11 @@ def test_backend_function_masks(case):
     if case == "2d_bool":
         kw["attn_mask"] = valid
     elif case == "4d_bool":
+        kw["attn_mask"] = valid[:, None, None, :]
+    elif case == "4d_dense":  # [B, 1, Sq, Skv]: verified densely before it is mapped
         kw["attn_mask"] = valid[:, None, None, :].expand(B, 1, q.shape[1], skv)
+    elif case == "batch_bcast":
+        kw["attn_mask"] = valid[1:, None, None, :]
     elif case == "additive":
         kw["attn_mask"] = torch.where(valid, 0.0, float("-inf"))[:, None, None, :]
     elif case == "causal":
@@ -152,10 +157,15 @@ def test_backend_function_masks(case):
         assert (plain - ref).abs().max().item() > 1e-2  # the mask is really exercised
 
 
-def test_unexpressible_mask_falls_back_with_warning():
+@pytest.mark.parametrize("kind", ["random_bool", "additive_bias"])
+def test_unexpressible_mask_falls_back_with_warning(kind):
     q, k, v = _qkv()
-    mask = torch.rand(2, 1, 12, 12, generator=torch.Generator().manual_seed(3)) > 0.3
-    mask[..., 0] = True
+    g = torch.Generator().manual_seed(3)
+    if kind == "random_bool":
+        mask = torch.rand(2, 1, 12, 12, generator=g) > 0.3
+        mask[..., 0] = True
+    else:  # an ALiBi-like additive bias over keys: not a mask
+        mask = torch.randn(2, 1, 1, 12, generator=g)
     tkd._warned.discard("mask")
     with pytest.warns(RuntimeWarning, match="native SDPA"):
         got = tkd.attention(q, k, v, attn_mask=mask)

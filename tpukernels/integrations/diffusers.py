@@ -90,6 +90,10 @@ def attention(
     mask = attn_mask
     if mask is not None and mask.dim() == 2 and tuple(mask.shape) == (B, skv):
         mask = mask[:, None, None, :]
+    key_padding = _key_padding(mask, B, skv) if not is_causal else None
+    if key_padding is not None:  # [B|1, 1, 1, Skv]: a key-padding mask by construction, no dense check needed
+        return _flash(query, key, value, scale, dict(causal=False, causal_alignment="top_left", window_left=None,
+                                                     kv_valid=key_padding))
     if mask is not None and mask.dim() == 4 and mask.shape[2] == 1 and sq != 1:
         mask = mask.expand(mask.shape[0], mask.shape[1], sq, skv)
     if mask is not None and mask.dim() == 4 and mask.shape[0] != B:
@@ -102,8 +106,28 @@ def attention(
     if spec is None:
         _warn_once("mask", f"attention mask of shape {tuple(attn_mask.shape)} is not key-padding / causal")
         return _native(**kw)
+    return _flash(query, key, value, scale, spec)
+
+
+def _key_padding(mask, B: int, skv: int):
+    """``[B, Skv]`` bool (True = attend) for a ``[B|1, 1, 1, Skv]`` boolean or 0/-inf additive mask, else None."""
+    if mask is None or mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1 or mask.shape[0] not in (1, B):
+        return None
+    m = mask[:, 0, 0, :]
+    if m.dtype != torch.bool:
+        if not m.dtype.is_floating_point:
+            return None
+        neg = m <= torch.finfo(m.dtype).min / 2
+        if not bool(((m == 0) | neg).all()):
+            return None  # a real additive bias
+        m = ~neg
+    return m.expand(B, skv)
+
+
+def _flash(query, key, value, scale, spec):
     from ..library.attention import flash_attention
 
+    B, sq = query.shape[:2]
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))
     seg = {}
     if spec["kv_valid"] is not None:
