@@ -7,7 +7,6 @@ import time
 
 import pytest
 
-from kernels_for_tests import EXAMPLES
 from test_autotune_helpers import SyntheticEvaluator, key, tiles
 from tpukernels.autotune.executors import ProcessExecutor, RayExecutor
 from tpukernels.autotune.tuner import tune
@@ -81,17 +80,24 @@ def test_concurrent_sweeps_share_the_cluster(cluster):
 
 
 @pytest.mark.aot
-def test_cli_library_style_sweep_over_two_chips_on_ray(tmp_cache, capsys):
+def test_cli_library_kernels_times_chips_on_ray(monkeypatch, tmp_cache, capsys):
+    from tpukernels import library
+    from tpukernels.dsl.kernel import REGISTRY
+
+    rms, mm = REGISTRY["tpukernels::rms_norm_fwd"], REGISTRY["tpukernels::matmul_nn"]
+    monkeypatch.setattr(library, "standard_cases", lambda: [
+        (rms, ("512x1024:bf16", None, 1e-6, 0.0, "llama", False), {}),
+        (mm, ("1x512x512:bf16", "1x512x512:bf16"), {})])
     t0 = time.monotonic()
-    rc = main(["--import", os.path.join(EXAMPLES, "matmul.py"), "autotune", "examples::matmul",
-               "--chip", "v5e,tpu7x", "--shape", "512x512:bf16", "--shape", "512x512:bf16", "--no-cycles",
-               "--budget", "3", "--seconds", "150", "--executor", "ray", "--workers", "2", "--write-db", "--json",
-               "--no-progress"])
+    rc = main(["autotune", "--library", "--chip", "v5e,tpu7x", "--no-cycles", "--budget", "2", "--seconds", "150",
+               "--executor", "ray", "--workers", "2", "--write-db", "--json", "--no-progress"])
     assert rc == 0 and time.monotonic() - t0 < 150
-    res = json.loads(capsys.readouterr().out)
-    assert [r["chip"] for r in res] == ["v5e", "tpu7x"]
-    assert all(r["evaluated"] == 3 and r["ok"] >= 1 and r["label"] == "model" for r in res)
-    assert all(r["db_path"].endswith(f"{r['chip']}/examples.matmul.json") for r in res)
+    res = json.loads(capsys.readouterr().out)  # kernels x chips, in order; they ran at once on the cluster
+    assert [(r["kernel"], r["chip"]) for r in res] == [
+        ("tpukernels::rms_norm_fwd", "v5e"), ("tpukernels::rms_norm_fwd", "tpu7x"),
+        ("tpukernels::matmul_nn", "v5e"), ("tpukernels::matmul_nn", "tpu7x")]
+    assert all(r["evaluated"] == 2 and r["ok"] >= 1 and r["label"] == "model" for r in res)
+    assert all(r["db_path"].endswith(f"{r['chip']}/{r['kernel'].replace('::', '.')}.json") for r in res)
     assert all(t["details"]["pid"] != os.getpid() for r in res for t in r["trials"])
 
 
