@@ -18,7 +18,7 @@ import time
 
 from .core import Estimator, VersionMismatch, default_cache_path, load_results, run_case, save_result
 
-MODEL_FAMILIES = ("norms", "matmul", "attention", "quantized_matmul", "linear_cross_entropy")
+MODEL_FAMILIES = ("norms", "matmul", "attention", "quantized_matmul", "linear_cross_entropy", "grouped_matmul")
 FAMILIES = MODEL_FAMILIES + ("host",)
 DEFAULT_CHIPS = ("v5e", "v6e", "tpu7x")
 
