@@ -326,3 +326,21 @@ def test_launch_prefetch_derives_scalar_operands(mode):
         shifted = prefetch_reverse_rows(torch.tensor([2], dtype=torch.int32), x)
     assert torch.equal(out, x.reshape(4, 8, 128).flip(0).reshape(32, 128))
     assert torch.equal(shifted, x.reshape(4, 8, 128)[[1, 0, 3, 2]].reshape(32, 128))
+
+
+# ----------------------------------------------------------------------------------------------- bench family
+def test_bench_family_cases():
+    """The bench family builds ours + ragged_dot + megablox per standard case and chip (registered in FAMILIES)."""
+    import jax
+
+    from tpukernels.bench import FAMILIES
+    from tpukernels.bench import grouped_matmul as bgm
+
+    assert "grouped_matmul" in FAMILIES
+    cases = bgm.cases(["v6e"])
+    assert len(cases) == len(gm.STANDARD_CASES)
+    for c in cases:
+        assert [i.kind for i in c.impls] == ["ours", "xla", "public"]
+        assert c.flops > 0 and c.hbm_bytes > 0
+    up = cases[0]
+    assert up.flops == 2 * 16384 * 4096 * 14336
