@@ -331,8 +331,6 @@ def test_launch_prefetch_derives_scalar_operands(mode):
 # ----------------------------------------------------------------------------------------------- bench family
 def test_bench_family_cases():
     """The bench family builds ours + ragged_dot + megablox per standard case and chip (registered in FAMILIES)."""
-    import jax
-
     from tpukernels.bench import FAMILIES
     from tpukernels.bench import grouped_matmul as bgm
 
