@@ -91,7 +91,7 @@ TUNABLES = {
 }
 TUNABLES_TGMM = {
     "bm": _dsl.Tunable([512, 128, 256, 1024, 2048], default=512, doc="rows per step (the reduction, M)"),
-    "bk": _dsl.Tunable([512, 256, 1024, 2048], default=512, doc="rows of the [bk, bn] d_rhs block (K)"),
+    "bk": _dsl.Tunable([512, 256, 1024, 2048, 4096], default=512, doc="rows of the [bk, bn] d_rhs block (K)"),
     "bn": _dsl.Tunable([1024, 256, 512, 2048], default=1024, doc="columns of the d_rhs block (N)"),
 }
 
