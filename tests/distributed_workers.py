@@ -87,6 +87,11 @@ def dtensor_checks(mesh) -> list[dict]:
     out.append(_compare("matmul rows (M)", mm, {"a": a, "wt": wt, "bias": bias}, {"a": S0, "wt": R, "bias": R}, mesh))
     out.append(_compare("matmul column-parallel (N)", mm, {"a": a, "wt": wt, "bias": bias},
                         {"a": R, "wt": S1, "bias": S0}, mesh))
+    if hasattr(L, "linear_cross_entropy"):  # per-row losses: rows of h and labels split, W replicated
+        h, W, labels = r(64, 128), r(512, 128), torch.randint(0, 512, (64,), generator=g)
+        out.append(_compare("linear_cross_entropy rows",
+                            lambda h, W, labels: L.linear_cross_entropy(h, W, labels, reduction="none"),
+                            {"h": h, "W": W, "labels": labels}, {"h": S0, "W": R, "labels": S0}, mesh))
     return out
 
 

@@ -56,7 +56,7 @@ def test_two_process_group_dtensor_ops_and_fsdp2(group_results):
     """One test for the whole group (xdist would spawn a group per worker otherwise)."""
     # DTensor ops: sharded outputs and gradients equal the single-process ones, computed on the local shards
     names = [c["name"] for c in group_results[0]["dtensor_checks"]]
-    assert len(names) == 7 and {"flash_attention heads", "matmul column-parallel (N)"} <= set(names)
+    assert len(names) >= 7 and {"flash_attention heads", "matmul column-parallel (N)"} <= set(names)
     for rank in group_results:
         for c in rank["dtensor_checks"]:
             assert c["out_err"] < 1e-5, c
