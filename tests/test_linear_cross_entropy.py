@@ -247,8 +247,8 @@ def test_shipped_defaults_exist(tmp_cache):
         for kernel, args, kw in lce.STANDARD_CASES:
             got = db.lookup(kernel, chip, *_specs_statics(kernel, args, kw))
             assert got is not None and got[1] == "shipped-db", (
-                f"{chip} {kernel.name}: no exact shipped entry ({got}); rerun `tpukernels autotune --library ...` "
-                f"(module docstring)")
+                f"{chip} {kernel.name}: no exact shipped entry ({got}); rerun the `tpukernels autotune` "
+                f"commands in the module docstring")
             assert set(got[0]) == {"bn", "bv"}, (chip, kernel.name, got)
 
 
