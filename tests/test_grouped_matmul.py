@@ -342,3 +342,17 @@ def test_bench_family_cases():
         assert c.flops > 0 and c.hbm_bytes > 0
     up = cases[0]
     assert up.flops == 2 * 16384 * 4096 * 14336
+
+
+# ----------------------------------------------------------------------------------------------- shipped defaults
+@pytest.mark.parametrize("chip", ["v5e", "v6e", "tpu7x"])
+def test_shipped_defaults_cover_the_standard_cases(chip, tmp_cache):
+    """Every standard case has a shipped entry for the current kernel source (else: rerun the autotune)."""
+    from tpukernels.autotune import db
+    from tpukernels.autotune.space import Problem
+
+    for kernel, args, kwargs in gm.STANDARD_CASES:
+        p = Problem.from_args(kernel, *args, **kwargs)
+        got = db.lookup(kernel, chip, p.specs, p.statics)
+        assert got is not None and got[1] == "shipped-db", f"{chip} {kernel.name} {args}: {got}"
+        assert set(got[0]) == {"bm", "bk", "bn"}

@@ -64,6 +64,21 @@ shipped tuning data ``tpukernels/data/autotuning/<chip>/tpukernels.grouped_matmu
 libtpu static estimate (``tpukernels autotune --library``; a model, not a measurement). The model's grid is
 static (``T`` items), so it cannot see how skewed the groups are.
 
+Performance (models, not measurements). libtpu's static estimator has no data: it reads the SMEM table as
+zeros, so its figure for these kernels is the MXU work of all ``T`` items with every block index constant
+(flags are stored complemented so that zeros mean "compute"; without that it counted no work at all,
+356 µs for a 2,091 µs roofline). What it cannot see is computed exactly by
+``tpukernels.bench.grouped_matmul.data_cost`` from the real schedule at skewed Mixtral group sizes
+``[1879, 1017, 1330, 679, 817, 7027, 3056, 579]`` (16384 rows): the Pallas pipeline's block copies and the
+MXU work of the items that compute. With ``max(MXU, HBM) + 0.35 µs/step`` the best configs reach 92 / 84 / 82%
+of the MXU roofline (v5e / v6e / tpu7x) on the up projection ``x @ W1[g]^T`` (K 4096, N 14336), 91 / 67 /
+78% on the down projection (K 14336, N 4096) and 89 / 78 / 76% for tgmm. Short of 85% because (1) a tile
+shared by two groups is computed once per group (7 boundaries: 1.11x the ideal MXU work at ``bm=256``,
+1.22x at 512) and (2) ``lhs`` is re-read once per N block and ``rhs`` once per group change per N block;
+v6e has the most FLOP/s per byte, so its down projection stays HBM-bound (4.2 GB of copies). megablox
+``gmm`` at (512, 1024, 1024) copies 7.3 GB there (libtpu static estimate, v6e: 4,010 / 3,945 µs, 52% of
+the roofline); ``jax.lax.ragged_dot`` aborts libtpu's estimator (no figure).
+
 Sources: megablox ``gmm`` / ``tgmm`` (metadata via scalar prefetch, masked stores of shared tiles); the
 JAX Pallas TPU matmul guide (f32 scratch accumulator); ``jax.lax.ragged_dot`` for the API.
 """
