@@ -59,10 +59,13 @@ out-of-bounds access.
 
 Tunables ``bm, bk, bn`` (row tile, contraction block, output columns; clamped to the problem like
 ``tpukernels.library.matmul``). Smaller ``bm`` wastes less on tiles shared by two groups (each visit
-computes the whole tile); larger ``bm`` re-reads ``rhs`` less. Defaults: :func:`heuristic`, then per-chip
-shipped tuning data ``tpukernels/data/autotuning/<chip>/tpukernels.grouped_matmul_*.json`` chosen with the
-libtpu static estimate (``tpukernels autotune --library``; a model, not a measurement). The model's grid is
-static (``T`` items), so it cannot see how skewed the groups are.
+computes the whole tile); larger ``bm`` re-reads ``rhs`` less; ``bk >= K`` (one K step) keeps a group's
+``rhs`` block resident while its tiles pass. Defaults: per-chip shipped tuning data
+``tpukernels/data/autotuning/<chip>/tpukernels.grouped_matmul_*.json`` at the Mixtral shapes of
+:data:`STANDARD_CASES`, else :func:`heuristic`. The shipped entries were chosen by the analytic schedule model
+below (evidence ``"analytic-schedule-model"`` in the files; every config of the tunable space under 40 MiB
+of VMEM), not by libtpu's static estimate, which cannot see the group sizes; all of them compile for their
+chip (``tests/test_grouped_matmul.py``, aot).
 
 Performance (models, not measurements). libtpu's static estimator has no data: it reads the SMEM table as
 zeros, so its figure for these kernels is the MXU work of all ``T`` items with every block index constant
