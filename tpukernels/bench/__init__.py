@@ -18,7 +18,8 @@ import time
 
 from .core import Estimator, VersionMismatch, default_cache_path, load_results, run_case, save_result
 
-MODEL_FAMILIES = ("norms", "matmul", "attention", "quantized_matmul", "linear_cross_entropy", "grouped_matmul")
+MODEL_FAMILIES = ("norms", "matmul", "attention", "quantized_matmul", "linear_cross_entropy", "grouped_matmul",
+                  "paged_attention")
 FAMILIES = MODEL_FAMILIES + ("host",)
 DEFAULT_CHIPS = ("v5e", "v6e", "tpu7x")
 

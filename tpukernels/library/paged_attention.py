@@ -250,6 +250,7 @@ def _schedule(kv_lens, page_indices, cu_q_lens, num_seqs, *, T: int, S: int, bq:
 
 def _item_range(i, item_seq, item_blk, kv_lens, cu_q_lens, *, bq, bkv, max_kv, window):
     """Item ``i`` -> (seq (clamped to >= 0), kv_len, first kv block, end kv block); empty when lo >= hi."""
+    import jax
     import jax.numpy as jnp
 
     s_raw = item_seq[i]
@@ -262,8 +263,8 @@ def _item_range(i, item_seq, item_blk, kv_lens, cu_q_lens, *, bq, bkv, max_kv, w
     hi = jnp.minimum(base + t1, kv_len)  # keys [lo, hi) are visible to some own row
     lo = jnp.maximum(base + t0 - window + 1, 0) if window is not None else 0
     live = (s_raw >= 0) & (t1 > t0) & (hi > 0)
-    kb_lo = lo // bkv
-    kb_hi = jnp.where(live, (hi + bkv - 1) // bkv, kb_lo)
+    kb_lo = jax.lax.div(lo, bkv)  # non-negative operands: lax.div (jnp's floor division lowers through sign)
+    kb_hi = jnp.where(live, jax.lax.div(jnp.maximum(hi, 0) + bkv - 1, bkv), kb_lo)
     return s, kv_len, kb_lo, kb_hi
 
 
@@ -350,7 +351,7 @@ def _rpa_body(kv_lens, page_indices, cu_q_lens, num_seqs, item_seq, item_blk, q_
             page_copies(seq, kv_len, kb, slot, wait)
             # row -> token: rows g-major inside qf (row = token_in_block * r + head_in_group)
             q0, q1 = cu_q_lens[seq], cu_q_lens[seq + 1]
-            tok = blk * bq + jax.lax.broadcasted_iota(jnp.int32, (R, 1), 0) // r
+            tok = blk * bq + jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, (R, 1), 0), r)
             own = (tok >= q0) & (tok < q1)
             pos = jnp.where(own, kv_len - (q1 - q0) + tok - q0, -1)  # -1: sees nothing
             col = kb * bkv + jax.lax.broadcasted_iota(jnp.int32, (1, bkv), 1)
@@ -488,6 +489,7 @@ def rpa_kernel(
 
 
 def _update_body(slots_ref, new_ref, cache_in, cache_out, sems, *, bt: int, page_size: int):
+    import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
@@ -504,7 +506,8 @@ def _update_body(slots_ref, new_ref, cache_in, cache_out, sems, *, bt: int, page
 
             @pl.when((t < T) & (slot >= 0) & (slot < n_slots))
             def _():
-                fn(pltpu.make_async_copy(new_ref.at[j], cache_out.at[slot // page_size, slot % page_size],
+                page, row = jax.lax.div(slot, page_size), jax.lax.rem(slot, page_size)
+                fn(pltpu.make_async_copy(new_ref.at[j], cache_out.at[page, row],
                                          sems.at[0]))
 
     copies(lambda c: c.start())
