@@ -33,6 +33,10 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=int, default=8, help="candidates per case (coordinate search)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--write-defaults", action="store_true", help="record the winners as shipped defaults")
+    p.add_argument("--prefill-grid", action="store_true",
+                   help="prefill cases: exhaustive over bm, bk, bn in {1024, 2048} (the large-block corner the "
+                        "coordinate search from the heuristic does not reach within a small budget)")
+    p.add_argument("--prefill-only", action="store_true", help="tune only the prefill-size (M > 128) cases")
     args = p.parse_args(argv)
 
     import importlib
@@ -44,15 +48,21 @@ def main(argv=None) -> int:
     qmm = importlib.import_module("tpukernels.library.quantized_matmul")
     for chip in args.chips.split(","):
         for kernel, case, kw in qmm.STANDARD_CASES:
-            mode = ("int8" if len(case) == 4 else None, "int8")
+            wdt = case[1].split(":")[1].replace("i8", "int8")
+            mode = (None if len(case) == 3 else ("int8" if wdt == "int8" else "fp8"), wdt)
             if mode not in qmm.supported_modes(chip):
                 print(f"{chip} {' '.join(case)}: not supported on {chip} (jax tpu_info), skipped", flush=True)
                 continue
             t0 = time.time()
             M = int(case[0].split("x")[0])
+            if args.prefill_only and M <= 128:
+                continue
             # decode-size M: every bm >= M clamps to M (the same program), so search only bk / bn there
             values = {"bm": [512], "bk": [2048, 1024, 4096], "bn": [1024, 512, 2048, 4096]} if M <= 128 else None
-            res = tune(kernel, *case, chip=chip, evaluator="tpu-model", strategy="coordinate", budget=args.budget,
+            strategy = "coordinate"
+            if M > 128 and args.prefill_grid:
+                values, strategy = {"bm": [1024, 2048], "bk": [1024, 2048], "bn": [1024, 2048]}, "exhaustive"
+            res = tune(kernel, *case, chip=chip, evaluator="tpu-model", strategy=strategy, budget=args.budget,
                        workers=args.workers, write_db="shipped" if args.write_defaults else None, values=values, **kw)
             b = res.best
             best = "no candidate compiled" if b is None else f"{dict(b.config)} {b.time_us:,.1f} us (model)"
