@@ -59,8 +59,8 @@ and padding rows give 0, static-trip-count loops over a work list instead of dat
 pages past ``kv_len`` are not fetched.
 
 fp8 KV cache (float8_e4m3fn / float8_e5m2) with static ``k_scale`` / ``v_scale``: K/V are widened in
-VMEM to q's dtype (``(x.astype(f32) * scale).astype(q.dtype)``). Which chips compile it: see
-:data:`FP8_KV_CHIPS` (found with the compile-only targets, ``tests/test_paged_attention.py``).
+VMEM to q's dtype (``(x.astype(f32) * scale).astype(q.dtype)``), so the cache moves half the bytes of bf16
+while the matmuls stay bf16/f32: it compiles for v5e, v6e and tpu7x (:data:`FP8_KV_CHIPS`, compile-only).
 """
 
 from __future__ import annotations
@@ -77,14 +77,15 @@ from ..errors import ArgumentError, DTypeError
 NAMESPACE = "tpukernels"
 _Q_DTYPES = ("bfloat16", "float32")
 _FP8 = ("float8_e4m3fn", "float8_e5m2")
-#: Chips whose compile-only target (libtpu 0.0.52) compiles the fp8 KV cache path; the others raise a
-#: LoweringError from Mosaic (see ``tests/test_paged_attention.py::test_compile_only_fp8``).
+#: Chips whose compile-only target (libtpu 0.0.52) compiles the fp8 KV cache path (``tests/
+#: test_paged_attention.py::test_compile_only_fp8``): all three, because K/V are widened to q's dtype in
+#: VMEM (fp8 -> f32 -> bf16/f32) and the MXU never sees fp8 (v5e/v6e have no e4m3 MXU path).
 FP8_KV_CHIPS = ("v5e", "v6e", "tpu7x")
 
 # ----------------------------------------------------------------------------------------------- tunables
 
 _TUNABLES = {
-    "block_q": Tunable((8, 16, 32, 64, 128, 256), default=32,
+    "block_q": Tunable((1, 2, 4, 8, 16, 32, 64, 128, 256), default=32,
                        doc="query tokens per block (work items are (block, sequence) pairs)"),
     "pages_per_block": Tunable((1, 2, 4, 8, 16, 32, 64), default=16,
                                doc="KV pages gathered per DMA block (clamped to pages_per_seq)"),
@@ -93,12 +94,12 @@ _TUNABLES = {
 
 def _heuristic(kv_lens, page_indices, cu_q_lens, num_seqs, q, kv_cache, **statics):
     """Defaults when no tuning entry applies: decode-like batches (``T <= S``: mostly one token per sequence)
-    take small query blocks (few wasted rows per visit); long pages take fewer pages per block so a kv block
-    stays near 256-1024 keys."""
+    take one-token query blocks (a visit then computes only its own rows: the softmax work per key is
+    ``block_q * Hq/Hkv`` rows); long pages take fewer pages per block so a kv block stays near 512 keys."""
     if len(q.shape) != 3 or len(kv_cache.shape) != 4 or len(page_indices.shape) != 2:
         return {}
     T, S, ps = int(q.shape[0]), int(page_indices.shape[0]), int(kv_cache.shape[1])
-    bq = 8 if T <= S else 64
+    bq = 1 if T <= S else 64
     ppb = max(1, min(64, 512 // max(ps, 1)))
     return {"block_q": bq, "pages_per_block": 1 << (ppb.bit_length() - 1)}
 
