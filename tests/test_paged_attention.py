@@ -305,3 +305,10 @@ def test_vmem_estimate_ignores_any_smem_and_semaphores():
     assert est.total_bytes < 8 << 20
     buf = 2 * 16 * 16 * 16 * 128 * 2
     assert any(b == buf for _, b in est.detail)
+
+
+def test_torch_compile_fullgraph():
+    """The public op traces into one graph (fake kernels from the launch; value checks skip fake tensors)."""
+    args = make_batch([1, 3], [4, 6], S=2, T=8, Hq=4, Hkv=2, ps=4, pps=2, P=6)
+    f = torch.compile(lambda *a: torch.ops.tpukernels.ragged_paged_attention(*a), backend="aot_eager", fullgraph=True)
+    check(args, f(*args), TOL[torch.float32])
