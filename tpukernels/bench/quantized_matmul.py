@@ -38,8 +38,33 @@ from .core import Case, EstimateError, Impl, ours_impl, xla_impl
 
 FAMILY = "quantized_matmul"
 
-#: why tpukernels is slower where it is (filled from the estimates; see the module docstring)
-REASONS: dict = {}
+_QUANT_PASS = ("the per-token activation quantization is a separate kernel (quantize_per_token_kernel): it reads "
+               "bf16 x and writes 1-byte x_q before the matmul reads x_q again, 3 extra bytes per element of x "
+               "(K = 14336: ~215 µs on v6e, ~25% of the op); XLA fuses the quantization into its dot. Fusing it "
+               "(x rows resident in VMEM at full K, quantized once per row block) is the open item")
+_W8A16 = ("the shipped config comes from a small tpu-model search (reduced-grid estimates) that rates these blocks "
+          "best, while the full-program estimate favours the bf16 matmul's larger blocks; the int8 -> bf16 "
+          "conversion itself costs ~1% (libtpu, 2048x4096x14336 at 1024 blocks: w8a16 298.2 µs vs bf16 295.6 µs "
+          "on v6e)")
+_DECODE_7X = ("decode on tpu7x: 72% of the HBM roofline (XLA's figure is that roofline, a floor: libtpu aborts on "
+              "XLA's program); not yet analysed — likely the per-grid-step overhead of 1-4 MiB weight tiles at "
+              "tpu7x's bandwidth")
+
+#: why tpukernels is slower where it is (from the estimates; see the module docstring)
+REASONS: dict = {
+    **{(c, "w8a8 int8", s): _QUANT_PASS for c in ("v5e", "v6e")
+       for s in ("8192x4096 @ (14336x4096).T", "8192x14336 @ (4096x14336).T")},
+    **{(c, "w8a16 int8", s): _W8A16 for c in ("v5e", "v6e", "tpu7x")
+       for s in ("8192x4096 @ (14336x4096).T", "8192x14336 @ (4096x14336).T")},
+    **{("tpu7x", "w8a16 int8", s): _DECODE_7X
+       for s in ("16x4096 @ (14336x4096).T", "64x4096 @ (14336x4096).T", "64x14336 @ (4096x14336).T")},
+    **{(c, "w8a16 int8", s): "decode: ~95% of the HBM roofline; XLA's estimate sits at the roofline"
+       for c in ("v5e", "v6e") for s in ("16x4096 @ (14336x4096).T", "64x4096 @ (14336x4096).T",
+                                         "64x14336 @ (4096x14336).T")},
+    **{("tpu7x", "w8a8 float8_e4m3fn", s): "no tpukernels figure: libtpu 0.0.52's static profiler aborts on the "
+       "fp8 x fp8 kernel (the kernel compiles: tests/test_quantized_matmul.py::test_compile_only)"
+       for s in ("8192x4096 @ (14336x4096).T", "8192x14336 @ (4096x14336).T")},
+}
 
 
 def _mk(text):
