@@ -214,6 +214,23 @@ def test_opcheck():
     torch.library.opcheck(OPS.quantize_per_token_kernel, (x.detach()[0].bfloat16(), "float8_e5m2"))
 
 
+def test_torch_compile_fullgraph_dynamic():
+    """One graph for every token count (dynamic shapes through the fake kernels); w8a8 under aot_eager."""
+    import torch._dynamo.testing as dt
+
+    w_q, w_s = qmm.quantize_weight(torch.randn(40, 96), "int8")
+    cnt = dt.CompileCounter()
+    f = torch.compile(lambda x: qmm.quantized_matmul(x, w_q, w_s), fullgraph=True, dynamic=True, backend=cnt)
+    for n in (3, 5, 17):
+        x = torch.randn(n, 96)
+        assert torch.equal(f(x), qmm.quantized_matmul(x, w_q, w_s))
+    assert cnt.frame_count == 1
+    g = torch.compile(lambda x: qmm.quantized_matmul(x, w_q, w_s, x_quant="int8"), fullgraph=True, backend="aot_eager")
+    x = torch.randn(4, 96)
+    with torch.no_grad():
+        assert torch.equal(g(x), qmm.quantized_matmul(x, w_q, w_s, x_quant="int8"))
+
+
 # ----------------------------------------------------------------------------------------------- errors
 def _wq(N=8, K=16, dtype="int8"):
     return qmm.quantize_weight(torch.randn(N, K), dtype)
