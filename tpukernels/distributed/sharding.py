@@ -309,7 +309,13 @@ def _flush() -> None:
         todo = list(_PENDING)
         _PENDING.clear()
     for k, op in todo:
-        register(k, op)
+        try:
+            register(k, op)
+        except Exception as e:  # never break `import torch.distributed.tensor` (this runs inside it)
+            import warnings
+
+            warnings.warn(f"tpukernels: no DTensor sharding rule for {k.qualname}: {type(e).__name__}: {e}",
+                          RuntimeWarning, stacklevel=2)
 
 
 class _WhenDTensorLoads(importlib.abc.MetaPathFinder):
