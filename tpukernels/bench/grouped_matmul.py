@@ -8,7 +8,8 @@ and ``x @ W[g]`` with ``W [8, 4096, 14336]`` (``transpose_rhs=False``, megablox'
 gradient (tgmm) of the first, ``d_W[g] = x[rows of g]^T @ dO[rows of g]``.
 
 * ``tpukernels``: ``grouped_matmul_fwd`` / ``grouped_matmul_tgmm`` at the config a call gets on the chip
-  (shipped tuning DB, else heuristic), including the on-device tile-metadata computation;
+  (shipped tuning DB, else heuristic), including the on-device tile-metadata computation, estimated on one
+  output-column block and scaled by the number of blocks (``_one_block_args``; megablox the same way);
 * ``xla ragged_dot``: ``jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=f32).astype(bf16)``
   (``rhs`` pre-transposed for the ``W.T`` cases: the transpose is not counted, in its favour); for the
   weight gradient ``jax.lax.ragged_dot_general`` with the ragged contracting dimension (what
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import importlib
 
-from .core import Case, Impl, ours_impl, xla_impl
+from .core import Case, Impl, kernel_program, xla_impl
 
 FAMILY = "grouped_matmul"
 JAX_TILING = (512, 1024, 1024)  # tm, tk, tn
@@ -40,6 +41,45 @@ SKEW = 1.2
 
 def _shape(text: str) -> tuple[int, ...]:
     return tuple(int(d) for d in text.split(":")[0].split("x"))
+
+
+def _one_block_args(kernel, args, kwargs, cfg):
+    """``(args, n_blocks)``: the same call with N cut to one output-column block of ``cfg`` (tgmm: one
+    (K, N) block), and how many such blocks the full call has. The N (and tgmm K) axes are outer parallel
+    grid axes whose passes repeat the same schedule, so the full estimate is ``n_blocks`` times this one's
+    (it counts each pass's pipeline warm-up once per pass: slightly pessimistic). libtpu's estimator needs
+    ~20 GB and >10 min for the full 16384 x 14336 grids; one block takes a fraction of that."""
+    import tpukernels.library  # noqa: F401
+
+    gm = importlib.import_module("tpukernels.library.grouped_matmul")
+    a = list(args)
+    if kernel is gm.grouped_matmul_tgmm:
+        (M, K), (_, N) = _shape(a[2]), _shape(a[3])
+        bk, bn = min(cfg["bk"], K), min(cfg["bn"], N)
+        a[2], a[3] = f"{M}x{bk}:bf16", f"{M}x{bn}:bf16"
+        return tuple(a), -(-K // bk) * -(-N // bn)
+    G, d1, d2 = _shape(a[3])
+    tr = bool(kwargs.get("transpose_rhs"))
+    N = d1 if tr else d2
+    bn = min(cfg["bn"], N)
+    a[3] = f"{G}x{bn}x{d2}:bf16" if tr else f"{G}x{d1}x{bn}:bf16"
+    return tuple(a), -(-N // bn)
+
+
+def _ours(kernel, args, kwargs) -> Impl:
+    def cycles(est, chip):
+        _, _, cfg, source = kernel_program(kernel, chip, args, kwargs)  # the config a full call gets
+        small, n = _one_block_args(kernel, args, kwargs, cfg)
+        fn, structs, _, _ = kernel_program(kernel, chip, small, kwargs, cfg)
+        return est.cycles(fn, structs, chip) * n, dict(cfg, source=source, scaled=f"{n} blocks")
+
+    return Impl("tpukernels", "ours", cycles)
+
+
+def _megablox(fn_of_n, structs_of_n, n_blocks: int, config: str, name: str) -> Impl:
+    """megablox at one output-column block (grid axis 0), scaled by the number of blocks (as ours)."""
+    return Impl(name, "public", lambda est, chip: (est.cycles(fn_of_n, structs_of_n, chip) * n_blocks, None),
+                config=config + f" ({n_blocks} blocks)")
 
 
 def cases(chips) -> list[Case]:
@@ -67,10 +107,9 @@ def cases(chips) -> list[Case]:
             jax_fn = jax.jit(lambda x, y, gs, t=(tm, tk, tn): mb.tgmm(
                 x.T, y, gs, preferred_element_type=bf16, tiling=t))
             op, shape = "tgmm (d_W)", f"{M}x{K}^T @ {M}x{N}, G={G}"
-            impls = [ours_impl([(kernel, args, kwargs)]), xla_impl(xla_fn, [sx, sy, sg], name="xla ragged_dot"),
-                     Impl("jax megablox tgmm", "public",
-                          lambda est, chip, f=jax_fn, s=(sx, sy, sg): (est.cycles(f, list(s), chip), None),
-                          config=f"tiling={tm},{tk},{tn}")]
+            one = [jax.ShapeDtypeStruct((M, tk), bf16), jax.ShapeDtypeStruct((M, tn), bf16), sg]
+            impls = [_ours(kernel, args, kwargs), xla_impl(xla_fn, [sx, sy, sg], name="xla ragged_dot"),
+                     _megablox(jax_fn, one, -(-K // tk) * -(-N // tn), f"tiling={tm},{tk},{tn}", "jax megablox tgmm")]
             hbm = (M * K + M * N + G * K * N) * 2
         else:
             tr = bool(kwargs.get("transpose_rhs"))
@@ -86,11 +125,11 @@ def cases(chips) -> list[Case]:
                 x, w, gs, preferred_element_type=bf16, tiling=t, transpose_rhs=tr))
             op = "gmm x @ W[g].T" if tr else "gmm x @ W[g]"
             shape = f"{M}x{K} @ ({G}x{N}x{K}).T" if tr else f"{M}x{K} @ {G}x{K}x{N}"
-            impls = [ours_impl([(kernel, args, kwargs)]),
+            one = [sx, jax.ShapeDtypeStruct((G, tn, K) if tr else (G, K, tn), bf16), sg]
+            impls = [_ours(kernel, args, kwargs),
                      xla_impl(xla_fn, [sx, skn, sg], name="xla ragged_dot"),
-                     Impl("jax megablox gmm", "public",
-                          lambda est, chip, f=jax_fn, s=(sx, sw, sg): (est.cycles(f, list(s), chip), None),
-                          config=f"tiling={tm},{tk},{tn}" + (",transpose_rhs" if tr else ""))]
+                     _megablox(jax_fn, one, -(-N // tn), f"tiling={tm},{tk},{tn}" + (",transpose_rhs" if tr else ""),
+                               "jax megablox gmm")]
             hbm = (M * K + G * K * N + M * N) * 2
         for chip in chips:
             out.append(Case(FAMILY, op, shape, chip, hbm_bytes=hbm, flops=2 * M * K * N, impls=impls))
