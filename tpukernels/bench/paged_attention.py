@@ -20,8 +20,8 @@ What the model sees. Both kernels are data dependent; libtpu's estimate is stati
   64 sequences at ``block_q = 64``).
 * JAX's kernel iterates with data-dependent ``while`` loops (sequences per query block, kv blocks per
   sequence). For such loops libtpu's static estimate assumes a trip count that does not depend on the
-  data (found here: a DMA loop costs the same for 2 and for 8 iterations), so its figure is not tied to
-  the batch; rows where it lands below the HBM roofline of the batch are flagged as not credible.
+  data (found here: a DMA loop with a trip count read from SMEM costs the same for 2 and for 8
+  iterations, about 40 iterations' worth), so its figure is not tied to the batch: compare it with care.
 
 JAX's kernel runs at ``num_kv_pages_per_block`` = our ``pages_per_block`` and ``num_queries_per_block=32``
 (its tuned table has no entry for these shapes and its lookup needs a live TPU; 32 is its default),
