@@ -24,7 +24,11 @@ This module is the only place that touches torch_tpu. Its contract with torch-tp
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 from ..chips import get_chip
 from ..dsl.kernel import TpuKernel
@@ -86,28 +90,100 @@ def live_chip():
         return None
 
 
-def make_callable(plan: Plan):
+@dataclasses.dataclass(frozen=True)
+class Partition:
+    """A TorchTPU SPMD launch: the kernel runs per device under ``jax.shard_map`` over ``mesh``.
+
+    Attributes:
+        mesh: a ``jax.sharding.Mesh`` of the job's TPU devices (``torch.tpu.pallas.get_pallas_mesh(...)``).
+        in_specs: one ``PartitionSpec`` (or tuple of axis names / None) per tensor argument passed, in order.
+        out_specs: a list with one spec per output, or one spec for all; default: the first input's spec.
+    """
+
+    mesh: Any
+    in_specs: tuple
+    out_specs: Any = None
+
+
+_PARTITION: "contextvars.ContextVar[Partition | None]" = contextvars.ContextVar("tpukernels_tpu_partition",
+                                                                                default=None)
+
+
+@contextlib.contextmanager
+def partitioned(mesh, in_specs, out_specs=None):
+    """Within this context, tpukernels ops on ``tpu`` tensors launch as one SPMD program over ``mesh``.
+
+    Each rank passes its local shard (a plain TorchTPU tensor); the kernel is lowered for the local shapes
+    and wrapped in ``jax.shard_map(..., in_specs, out_specs)``, and torch_tpu's ``JaxCallable`` receives
+    ``mesh=``, ``input_partition_specs=`` and ``output_partition_specs=`` (its distributed-kernel API).
+    Compile-only: ``compile_for(kernel, "v5e:2x2", ..., mesh_axes=..., in_specs=...)`` checks the same
+    program without a TPU.
+
+    Raises:
+        ArgumentError: ``in_specs`` is not a sequence.
+    """
+    from jax.sharding import PartitionSpec
+
+    from ..errors import ArgumentError
+
+    if isinstance(in_specs, (str, PartitionSpec)) or not isinstance(in_specs, (list, tuple)):
+        raise ArgumentError(f"partitioned: in_specs must be one PartitionSpec per tensor argument, got {in_specs!r}")
+    as_spec = lambda s: s if isinstance(s, PartitionSpec) else PartitionSpec(*(s or ()))  # noqa: E731
+    if out_specs is None or isinstance(out_specs, list):
+        outs = None if out_specs is None else tuple(as_spec(o) for o in out_specs)
+    else:
+        outs = as_spec(out_specs)  # one spec for every output
+    token = _PARTITION.set(Partition(mesh, tuple(as_spec(s) for s in in_specs), outs))
+    try:
+        yield
+    finally:
+        _PARTITION.reset(token)
+
+
+def _spmd_fn(low, part: Partition):
+    """``low.fn`` (one device's kernel on local shapes) under ``jax.shard_map`` over the partition's mesh."""
+    import jax
+
+    from ..errors import ArgumentError
+
+    if len(part.in_specs) != len(low.arg_structs):
+        raise ArgumentError(f"{low.kernel.qualname}: partitioned() gave {len(part.in_specs)} in_specs for "
+                            f"{len(low.arg_structs)} tensor arguments")
+    outs = part.out_specs
+    if outs is None:
+        first = part.in_specs[0] if part.in_specs else jax.sharding.PartitionSpec()
+        outs = tuple(first for _ in low.out_structs)
+    elif isinstance(outs, jax.sharding.PartitionSpec):
+        outs = tuple(outs for _ in low.out_structs)
+    fn = jax.shard_map(low.fn, mesh=part.mesh, in_specs=part.in_specs, out_specs=outs, check_vma=False)
+    return jax.jit(fn, keep_unused=True), outs
+
+
+def make_callable(plan: Plan, part: Partition | None = None):
     low = plan.lowered
     cls = jax_callable_class()
     shapes = "_".join("x".join(map(str, a.shape)) + a.dtype.name for a in low.arg_structs)
     kw = {"donate_argnums": sorted(low.input_output_aliases)} if low.input_output_aliases else {}
-    return cls(
-        name=low.kernel.name,
-        jit_fn=low.fn,
-        trace_key=f"tpukernels/{low.kernel.qualname}/{shapes}/{low.config.to_json()}",
-        **kw,
-    )
+    fn, key = low.fn, f"tpukernels/{low.kernel.qualname}/{shapes}/{low.config.to_json()}"
+    if part is not None:
+        fn, outs = _spmd_fn(low, part)
+        kw.update(mesh=part.mesh, input_partition_specs=part.in_specs, output_partition_specs=outs)
+        key += f"/mesh{dict(part.mesh.shape)}/{part.in_specs}/{outs}"
+    return cls(name=low.kernel.name, jit_fn=fn, trace_key=key, **kw)
 
 
 def run_torch_tpu(kernel: TpuKernel, values: Sequence, config_json: str | None):
     """Run ``kernel`` on TorchTPU tensors (Mosaic lowering, VMEM checked against the live chip)."""
     import torch
 
+    part = _PARTITION.get()
     key = signature_key(values, config_json, "mosaic")
+    if part is not None:
+        key = (*key, "spmd", id(part.mesh), part.in_specs, part.out_specs)
     plan = kernel._plans.get(key)
     if plan is None:
         plan = plan_for(kernel, values, config_json, "mosaic", chip=live_chip())
-        plan.runner = make_callable(plan)
+        plan.runner = make_callable(plan, part)
         kernel._plans[key] = plan
     tensors = []
     donated = plan.lowered.input_output_aliases
