@@ -63,6 +63,7 @@ def install_lazy_library_ops() -> None:
         """``torch.ops.tpukernels``: loads the tpukernels library before the first op lookup."""
 
         _tpukernels_lazy = True
+        __module__ = _OpNamespace.__module__  # op packets derive their import path from it (inductor, pickle)
 
         def __getattr__(self, op_name: str):
             if not op_name.startswith("__"):
