@@ -160,6 +160,21 @@ def test_versions_are_never_mixed(tmp_path):
         core.load_results(str(tmp_path), ["norms", "matmul"])
 
 
+def test_families_from_other_sources_mix_and_are_labelled(tmp_path):
+    """Families run separately may come from different source digests; the report names each and flags old ones."""
+    from tpukernels.bench import report
+
+    core.save_result(str(tmp_path / "norms.json"), "norms", "model", [])
+    core.save_result(str(tmp_path / "matmul.json"), "matmul", "model", [])
+    data = json.load(open(tmp_path / "matmul.json"))
+    data["versions"]["tpukernels_source"] = "0123456789ab"
+    json.dump(data, open(tmp_path / "matmul.json", "w"))
+    results = core.load_results(str(tmp_path), ["norms", "matmul"])
+    (line,) = report._source_lines(results)
+    assert "matmul `0123456789ab`" in line and "(an earlier source" in line.split("matmul")[1]
+    assert f"norms `{core.source_digest()}`" in line and "(an earlier" not in line.split("matmul")[0]
+
+
 def _row(op, chip, impl, kind, us, ours_us, figure="estimate", credible=True, reason=None):
     return {"family": "f", "op": op, "shape": "s", "chip": chip, "impl": impl, "kind": kind, "config": "c",
             "flags": [] if credible else ["below"], "error": None, "cycles": 1, "model_us": us,
