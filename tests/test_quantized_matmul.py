@@ -377,6 +377,7 @@ def test_shipped_defaults_are_current():
 
 
 AOT_CASES = [args for _, args, _ in qmm.STANDARD_CASES] + [
+    ("8192x4096:float8_e4m3fn", "14336x4096:float8_e4m3fn", "1x14336:f32", "8192x1:f32"),  # tpu7x w8a8 (heuristic)
     ("8192x4096:float8_e5m2", "14336x4096:float8_e5m2", "1x14336:f32", "8192x1:f32"),
     ("8192x4096:bf16", "14336x4096:float8_e5m2", "1x14336:f32"),
 ]
