@@ -11,7 +11,6 @@ import sys as _sys
 from .norms import TPULayerNorm, TPURMSNorm, fused_add_rms_norm, layer_norm, rms_norm  # noqa: E402,F401
 from .attention import attention_reference, flash_attention  # noqa: E402,F401
 from .matmul import matmul, matmul_nn, matmul_nt, matmul_tn  # noqa: E402,F401  (the function shadows the submodule name; import the module by path)
-from .linear_cross_entropy import linear_cross_entropy  # noqa: E402,F401  (shadows the submodule name too)
 from .quantized_matmul import TPUQuantLinear, quantize_weight, quantized_matmul  # noqa: E402,F401  (shadows the submodule name too)
 from .grouped_matmul import grouped_matmul, grouped_matmul_fwd, grouped_matmul_tgmm  # noqa: E402,F401  (shadows the submodule name too)
 from .linear_cross_entropy import linear_cross_entropy  # noqa: E402,F401  (shadows the submodule name too)
