@@ -65,6 +65,17 @@ class Chip:
                 return kind
         raise ChipError(f"chip {self.name}: jax {__import__('jax').__version__} knows no device_kind for {self.chip_version}")
 
+    def trace_target(self):
+        """A context in which jax traces for this chip: ``pltpu.get_tpu_info()`` (which Pallas kernels and
+        Helion call while tracing) answers for it even where jax's default device is a cpu (a TorchTPU
+        process, a compile-only export). An abstract mesh of one device of this ``device_kind``, which jax
+        consults before the default device."""
+        import jax
+
+        mesh = jax.sharding.AbstractMesh((1,), ("_tpukernels",), abstract_device=jax.sharding.AbstractDevice(
+            device_kind=self.device_kind, num_cores=1, platform="tpu"))
+        return jax.sharding.use_abstract_mesh(mesh)
+
     @property
     def has_float64(self) -> bool:
         """No TPU generation has float64 arithmetic in Mosaic kernels."""

@@ -258,9 +258,16 @@ class Estimator:
 
         from ..chips import get_chip
 
-        chip = get_chip(chip).name
+        target = get_chip(chip)
+        chip = target.name
         plain = [jax.ShapeDtypeStruct(tuple(s.shape), s.dtype) for s in structs]
-        exported = jax.export.export(fn, platforms=["tpu"])(*plain)
+        try:
+            exported = jax.export.export(fn, platforms=["tpu"])(*plain)
+        except ValueError as e:  # a kernel that asks jax for the TPU generation while tracing (pltpu.get_tpu_info)
+            if "Unsupported TPU device kind" not in str(e):
+                raise
+            with target.trace_target():
+                exported = jax.export.export(fn, platforms=["tpu"])(*plain)
         flags = os.environ.get("LIBTPU_INIT_ARGS", "").strip()  # compiler flags change the estimate
         key = f"{self.libtpu}|{chip}|{program_key(exported)}" + (f"|{flags}" if flags else "")
         with self._lock:

@@ -193,15 +193,8 @@ class HelionKernel(TpuKernel):
 
 
 def _target_device_ctx(chip):
-    """A context naming ``chip`` as the TPU jax traces for (an abstract mesh of one device), or a no-op."""
-    if chip is None:
-        return contextlib.nullcontext
-    import jax
-
-    kind = chip.device_kind
-    mesh = jax.sharding.AbstractMesh(
-        (1,), ("_tpukernels",), abstract_device=jax.sharding.AbstractDevice(device_kind=kind, num_cores=1, platform="tpu"))
-    return lambda: jax.sharding.use_abstract_mesh(mesh)
+    """A context factory naming ``chip`` as the TPU jax traces for (:meth:`Chip.trace_target`), or a no-op."""
+    return contextlib.nullcontext if chip is None else chip.trace_target
 
 
 def _expand(specs, kinds):
