@@ -84,8 +84,6 @@ def install(monkeypatch, device_kind: str = "TPU v6 lite") -> tuple[types.Module
 
     Returns ``(pallas_module, registry)``. Raises FileNotFoundError when no wheel is available.
     """
-    import torch
-
     whl = wheel_path()
     if whl is None:
         raise FileNotFoundError("no torch-tpu wheel (run `make test`, or set TPUKERNELS_TORCH_TPU_WHEEL)")
@@ -136,5 +134,4 @@ def install(monkeypatch, device_kind: str = "TPU v6 lite") -> tuple[types.Module
     real_placeholder = pallas.torch_placeholder
     monkeypatch.setattr(pallas, "torch_placeholder", lambda a, mesh=None, partition_spec=None, device="tpu":
                         real_placeholder(a, mesh=mesh, partition_spec=partition_spec, device="cpu"))
-    del torch
     return pallas, reg

@@ -239,6 +239,7 @@ def kernel_calls(fn, args, kwargs) -> list[tuple]:
     """
     import torch
 
+    from ..dsl.dtypes import to_jax_dtype
     from ..errors import ArgumentError
     from ..torch_op import KERNEL_CALLS
 
@@ -263,18 +264,12 @@ def kernel_calls(fn, args, kwargs) -> list[tuple]:
         raise ArgumentError(f"compile_for: {name} called no tpukernels kernel")
     out = []
     for kernel, values, config_json in calls:
-        vals = [TensorSpec(tuple(v.shape), np.dtype(_jax_dtype(v.dtype))) if isinstance(v, torch.Tensor) else v
+        vals = [TensorSpec(tuple(v.shape), np.dtype(to_jax_dtype(v.dtype))) if isinstance(v, torch.Tensor) else v
                 for v in values]
         pos = [v for p, v in zip(kernel.params, vals) if not p.keyword_only]
         kw = {p.name: v for p, v in zip(kernel.params, vals) if p.keyword_only}
         out.append((kernel, pos, kw, json.loads(config_json) if config_json else None))
     return out
-
-
-def _jax_dtype(torch_dtype):
-    from ..dsl.dtypes import to_jax_dtype
-
-    return to_jax_dtype(torch_dtype)
 
 
 def compile_for(
