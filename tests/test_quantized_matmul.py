@@ -481,4 +481,9 @@ def test_bench_cases_and_peaks():
     assert compute_dtype(w8a16) == "bfloat16"
     assert compute_dtype([spec((64, 512), "int8"), spec((256, 512), "int8"), spec((1, 256), "float32"),
                           spec((64, 1), "float32")]) == "int8"
-    assert compute_dtype([spec((64, 64), "bfloat16"), spec((1, 64), "float32")]) == "float32"  # unchanged rule
+    # small f32 inputs (norm weights, lse / g columns) are not MXU operands; two f32 operands are
+    assert compute_dtype([spec((64, 64), "bfloat16"), spec((1, 64), "float32")]) == "bfloat16"
+    assert compute_dtype([spec((256, 64), "bfloat16"), spec((512, 64), "bfloat16"), spec((256, 1), "int32"),
+                          spec((256, 1), "float32"), spec((256, 1), "float32")]) == "bfloat16"
+    assert compute_dtype([spec((64, 64), "float32"), spec((64, 64), "bfloat16")]) == "float32"
+    assert compute_dtype([spec((64, 64), "float32"), spec((64, 64), "float32"), spec((8,), "int32")]) == "float32"

@@ -201,24 +201,38 @@ def body_flops(fn, arg_structs: Sequence) -> int | None:
 
 
 def compute_dtype(specs: Sequence) -> str:
-    """The dtype that sets the MXU peak: float32 if any floating input is f32, else bfloat16.
+    """The dtype that sets the MXU peak, from the kernel's MXU operands.
 
-    With an int8 / float8 input (quantized matmuls) only the two largest inputs count as MXU operands
-    (per-channel f32 scales do not make it an f32 matmul): int8 / float8 when both are (the int8 / fp8
-    peak of :func:`tpukernels.perf.peak_flops`), float32 if either is, else bfloat16."""
-    present = [s for s in specs if s is not None]
-    names = [np.dtype(s.dtype).name for s in present]
-    if not any(n == "int8" or n.startswith("float8") for n in names):
-        return "float32" if "float32" in names else "bfloat16"
+    MXU operands are the two largest inputs (by element count) that are matrices: a unit dimension among
+    the last two marks a row or column vector (per-channel f32 scales ``[1, N]``, per-row ``lse`` / ``g``
+    / ``delta`` columns ``[N, 1]`` or ``[B, H, 1, S]``, norm weights ``[1, C]``), which does not make a
+    bf16 matmul an f32 one (when no input is a matrix, all inputs count). Integer inputs other than int8
+    (labels, group sizes, page tables) are never operands. float32 if either operand is float32; int8 /
+    float8 when both are (the int8 / fp8 peak of :func:`tpukernels.perf.peak_flops`); else bfloat16.
+
+    Examples: ``[h bf16 [N, H], W bf16 [V, H], labels i32 [N, 1], lse f32 [N, 1]]`` -> bfloat16;
+    ``[x bf16, w int8, scale f32 [1, N]]`` -> bfloat16 (w8a16 runs on the bf16 MXU);
+    ``[x int8, w int8, scales f32]`` -> int8; ``[a f32, b bf16]`` (both matrices) -> float32.
+    """
+    present = [s for s in specs if s is not None and _is_operand_dtype(s.dtype)]
+    matrices = [s for s in present if len(s.shape) >= 2 and 1 not in tuple(s.shape)[-2:]]
+    present = matrices or present
+    if not present:
+        return "bfloat16"
     two = sorted(present, key=lambda s: -int(np.prod(s.shape, dtype=np.int64)))[:2]
     ops = [np.dtype(s.dtype).name for s in two]
-    if "float32" in ops:
+    if "float32" in ops or "float64" in ops:
         return "float32"
     if all(n == "int8" for n in ops):
         return "int8"
     if all(n.startswith("float8") for n in ops):
         return ops[0]
     return "bfloat16"
+
+
+def _is_operand_dtype(dtype) -> bool:
+    d = np.dtype(dtype)
+    return d.name == "int8" or d.kind == "f" or d.name.startswith(("bfloat16", "float8"))
 
 
 @dataclasses.dataclass

@@ -81,9 +81,10 @@ Model results (libtpu 0.0.52 static estimate + roofline, not measurements), forw
 ``bn=1024, bv=1024`` (93% of the MXU roofline), v6e 12.4 ms (76%), tpu7x 7.8 ms at ``bn=2048, bv=512`` (95%).
 Backward: the sweep picked ``bn=512, bv=1024`` (``bwd_dh``) and ``bn=1024, bv=512`` (``bwd_dw``) on every chip,
 but its times there (v5e 263 ms, v6e 57 ms, tpu7x 45 ms per kernel) are the roofline at the **float32** MXU
-peak: the tpu-model evaluator (``tpukernels.autotune.model.compute_dtype``) treats any float32 input (here the
-``[N, 1]`` ``lse`` and ``g`` columns) as an f32 matmul operand, so for these kernels it ranks candidates by
-grid-step count only (the largest blocks that fit VMEM). libtpu's own estimate for ``bwd_dh`` on v5e, where
+peak: the tpu-model evaluator (``tpukernels.autotune.model.compute_dtype``) then treated any float32 input (here
+the ``[N, 1]`` ``lse`` and ``g`` columns) as an f32 matmul operand, so for these kernels it ranked candidates by
+grid-step count only (the largest blocks that fit VMEM). Since fixed (only matrix inputs count as MXU
+operands); these backward defaults predate the fix until they are re-swept. libtpu's own estimate for ``bwd_dh`` on v5e, where
 it produced one, was 109-114 ms against a bfloat16 MXU roofline of 87 ms.
 
 Validation (typed errors before any kernel runs): ranks and shapes, dtypes (float64 / integer operands,
