@@ -118,6 +118,36 @@ def plan_for(kernel: TpuKernel, values: Sequence, config_json: str | None, mode:
     return Plan(low, tensor_idx, pad_idx, n_rows, n_bucket, None)
 
 
+def shard_mapped(low: Lowered, mesh, in_specs: Sequence, out_specs=None):
+    """``(jitted fn, out_specs)``: ``low.fn`` (one device's kernel on its local shapes) under
+    ``jax.shard_map`` over ``mesh`` — one SPMD program, used by the tpu target's ``partitioned()`` and by
+    multi-chip ``compile_for``.
+
+    Args:
+        low: the per-device lowering (its ``arg_structs`` are the local shard shapes).
+        mesh: a ``jax.sharding.Mesh``.
+        in_specs: one ``PartitionSpec`` per tensor argument, in parameter order.
+        out_specs: one ``PartitionSpec`` per output, one for all outputs, or None (every output partitioned
+            like the first input).
+
+    Raises:
+        ArgumentError: the number of ``in_specs`` differs from the kernel's tensor arguments.
+    """
+    import jax
+
+    if len(in_specs) != len(low.arg_structs):
+        raise ArgumentError(f"{low.kernel.qualname}: {len(in_specs)} partition specs for "
+                            f"{len(low.arg_structs)} tensor arguments")
+    if out_specs is None:
+        first = in_specs[0] if in_specs else jax.sharding.PartitionSpec()
+        out_specs = tuple(first for _ in low.out_structs)
+    elif isinstance(out_specs, jax.sharding.PartitionSpec):
+        out_specs = tuple(out_specs for _ in low.out_structs)
+    out_specs = tuple(out_specs)  # low.fn returns a tuple of outputs
+    fn = jax.shard_map(low.fn, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs, check_vma=False)
+    return jax.jit(fn, keep_unused=True), out_specs
+
+
 def check_devices(kernel: TpuKernel, tensors) -> None:
     """All tensor arguments on one device (type and index).
 

@@ -451,13 +451,13 @@ def _topology_devices(topology_name: str) -> tuple:
 def _under_shard_map(low, multi: dict, out_specs):
     """``low.fn`` (one device's kernel) under ``jax.shard_map`` on the topology's mesh, with global structs."""
     import jax
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+    from jax.sharding import Mesh, NamedSharding
+
+    from . import shard_mapped
 
     axes = multi["axes"]
     mesh = Mesh(np.asarray(multi["device_list"], dtype=object).reshape(tuple(axes.values())), tuple(axes))
     specs_in = list(multi["parts"].values())  # the present tensor arguments, in parameter order
-    if len(specs_in) != len(low.arg_structs):
-        raise AssertionError(f"{len(specs_in)} partition specs for {len(low.arg_structs)} kernel arguments")
     structs = []
     for a, spec in zip(low.arg_structs, specs_in):
         shape = list(a.shape)
@@ -465,12 +465,7 @@ def _under_shard_map(low, multi: dict, out_specs):
             group = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
             shape[d] *= int(np.prod([axes[n] for n in group])) if group else 1
         structs.append(jax.ShapeDtypeStruct(tuple(shape), a.dtype, sharding=NamedSharding(mesh, spec)))
-    if out_specs is None:
-        launch = low.resolved.launch
-        n_out = len(launch.out_shapes) if launch is not None else 1
-        first = specs_in[0] if specs_in else PartitionSpec()
-        out_specs = tuple(first for _ in range(n_out)) if n_out > 1 else first
-    fn = jax.jit(jax.shard_map(low.fn, mesh=mesh, in_specs=tuple(specs_in), out_specs=out_specs, check_vma=False))
+    fn, _ = shard_mapped(low, mesh, specs_in, out_specs)
     return fn, structs, multi["device_list"][0]
 
 

@@ -140,25 +140,6 @@ def partitioned(mesh, in_specs, out_specs=None):
         _PARTITION.reset(token)
 
 
-def _spmd_fn(low, part: Partition):
-    """``low.fn`` (one device's kernel on local shapes) under ``jax.shard_map`` over the partition's mesh."""
-    import jax
-
-    from ..errors import ArgumentError
-
-    if len(part.in_specs) != len(low.arg_structs):
-        raise ArgumentError(f"{low.kernel.qualname}: partitioned() gave {len(part.in_specs)} in_specs for "
-                            f"{len(low.arg_structs)} tensor arguments")
-    outs = part.out_specs
-    if outs is None:
-        first = part.in_specs[0] if part.in_specs else jax.sharding.PartitionSpec()
-        outs = tuple(first for _ in low.out_structs)
-    elif isinstance(outs, jax.sharding.PartitionSpec):
-        outs = tuple(outs for _ in low.out_structs)
-    fn = jax.shard_map(low.fn, mesh=part.mesh, in_specs=part.in_specs, out_specs=outs, check_vma=False)
-    return jax.jit(fn, keep_unused=True), outs
-
-
 def make_callable(plan: Plan, part: Partition | None = None):
     low = plan.lowered
     cls = jax_callable_class()
@@ -166,7 +147,9 @@ def make_callable(plan: Plan, part: Partition | None = None):
     kw = {"donate_argnums": sorted(low.input_output_aliases)} if low.input_output_aliases else {}
     fn, key = low.fn, f"tpukernels/{low.kernel.qualname}/{shapes}/{low.config.to_json()}"
     if part is not None:
-        fn, outs = _spmd_fn(low, part)
+        from . import shard_mapped
+
+        fn, outs = shard_mapped(low, part.mesh, part.in_specs, part.out_specs)
         kw.update(mesh=part.mesh, input_partition_specs=part.in_specs, output_partition_specs=outs)
         key += f"/mesh{dict(part.mesh.shape)}/{part.in_specs}/{outs}"
     return cls(name=low.kernel.name, jit_fn=fn, trace_key=key, **kw)
