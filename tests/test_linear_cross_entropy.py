@@ -318,3 +318,29 @@ def test_peak_activation_memory_model():
          jax.ShapeDtypeStruct((fam.N, 1), jnp.int32)]
     xla = fam._peak_temp_bytes(fam.unfused, s, "v6e")
     assert ours < 64 * 2**20 and xla > fam.N * fam.V * 2, (ours, xla)
+
+
+def test_bench_memory_figures_reach_rows_and_report():
+    """Impl.memory (the peak-memory figures) lands in the row even when the estimate fails, a failing memory
+    analysis is a flag (the time stands), and the report table shows one column per memory key."""
+    from tpukernels.bench import core, report
+    from tpukernels.bench.core import Case, EstimateError, Impl
+
+    def boom(chip):
+        raise RuntimeError("compile failed")
+
+    def aborts(est, chip):
+        raise EstimateError("profiler aborted")
+
+    case = Case("f", "op", "s", "v6e", hbm_bytes=10**6, flops=10**9, impls=[
+        Impl("tpukernels", "ours", lambda e, c: (10**6, None), memory=lambda c: {"peak_temp_MiB": 4.0}),
+        Impl("xla", "xla", aborts, memory=lambda c: {"peak_temp_MiB": 6012.5}),
+        Impl("other", "public", lambda e, c: (10**6, None), memory=boom),
+    ])
+    rows = {r["impl"]: r for r in core.run_case(case, est=None)}
+    assert rows["tpukernels"]["memory"] == {"peak_temp_MiB": 4.0}
+    assert rows["xla"]["memory"] == {"peak_temp_MiB": 6012.5} and rows["xla"]["model_us"] is None
+    assert "memory" not in rows["other"] and "compile failed" in rows["other"]["flags"][0]
+    assert rows["other"]["model_us"] is not None
+    table = "\n".join(report._table(list(rows.values())))
+    assert "peak_temp_MiB (tpukernels / xla / other)" in table and "| 4.0 / 6,012.5 / - |" in table

@@ -327,6 +327,8 @@ class Impl:
         probe: ``fn(estimator, chip) -> (cycles, flops)`` of a variant whose work is known exactly (e.g.
             attention without the causal mask); an estimate below that variant's MXU roofline shows that
             libtpu's cost model misses work in this kernel, and the row is flagged.
+        memory: ``fn(chip) -> dict`` of compile-only memory figures (e.g. ``{"peak_temp_MiB": 4.0}``), kept in
+            the row's ``memory`` field whether or not the estimate succeeds (the report shows them).
     """
 
     name: str
@@ -335,6 +337,7 @@ class Impl:
     config: Any = None
     floor_us: Callable[[str], float] | None = None
     probe: Callable[[Estimator, str], tuple[int, int]] | None = None
+    memory: Callable[[str], dict] | None = None
 
 
 @dataclasses.dataclass
@@ -416,6 +419,11 @@ def run_case(case: Case, est: Estimator, log: Callable[[str], None] = lambda m: 
                         f"roofline {pm.compute_us:.1f} µs: the cost model misses work in this kernel")
             except (EstimateError, EstimateTimeout, TpuKernelError) as e:
                 row["flags"].append(f"credibility probe failed (estimate unchecked): {str(e).splitlines()[0][:160]}")
+        if impl.memory is not None:
+            try:
+                row["memory"] = impl.memory(case.chip)
+            except Exception as e:  # noqa: BLE001  (a compile failure: recorded, the time figure stands)
+                row["flags"].append(f"memory analysis failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
         row["seconds"] = round(time.perf_counter() - t0, 1)
         log(f"  {case.chip:6} {case.op:24} {case.shape:18} {impl.name:24} "
             + (f"{row['model_us']:10.1f} µs ({row['figure']})" if row["model_us"] is not None else f"{row['error']}")

@@ -17,6 +17,10 @@ def _us(x) -> str:
     return "n/a" if x is None else f"{x:,.1f}"
 
 
+def _num(x) -> str:
+    return "-" if x is None else f"{x:,}" if isinstance(x, (int, float)) else str(x)
+
+
 def _cell(row: dict | None) -> str:
     """A time cell: estimate, floor (a lower bound), not-credible estimate, or n/a."""
     if row is None:
@@ -97,13 +101,17 @@ def diagnosis(item: dict) -> str:
 
 def _table(rows: list[dict]) -> list[str]:
     impls = _impls(rows)
+    # compile-only memory figures (Impl.memory), one column per key: "ours / other / ..." in impl order
+    mem_keys = list(dict.fromkeys(k for r in rows for k in (r.get("memory") or {})))
     head = ["op", "shape", "chip", "tpukernels µs", "% roofline"] + [f"{i} µs (×)" for i in impls[1:]] + \
-        ["tpukernels config"]
+        [f"{k} ({' / '.join(impls)})" for k in mem_keys] + ["tpukernels config"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (op, shape, chip), by in _cases(rows):
         ours = by.get("tpukernels")
         pct = "-" if not ours or ours.get("pct_roofline") is None else f"{ours['pct_roofline']:.0f}%"
-        cells = [op, shape, chip, _cell(ours), pct] + [_cell(by.get(i)) for i in impls[1:]] + \
+        mem = [" / ".join(_num((by[i].get("memory") or {}).get(k)) if i in by else "-" for i in impls)
+               for k in mem_keys]
+        cells = [op, shape, chip, _cell(ours), pct] + [_cell(by.get(i)) for i in impls[1:]] + mem + \
             [f"`{ours['config']}`" if ours else "-"]
         out.append("| " + " | ".join(cells) + " |")
     return out
