@@ -11,26 +11,39 @@ at the Llama-3-8B LM head (``h [8192, 4096]``, ``W [128256, 4096]`` bf16, int32 
 for the whole program compiled for the chip at the **full** problem (``compiled.memory_analysis()
 .temp_size_in_bytes``, compile-only, beyond arguments and outputs): for the unfused version the ``[N, V]``
 logits and their gradient, for tpukernels only the per-row ``loss``/``lse`` columns and the f32 ``g``. That
-is the activation memory the fusion saves (Liger-Kernel's headline figure).
+is the activation memory the fusion saves (Liger-Kernel's headline figure). ``peak_MiB``: XLA's peak of all
+live buffers, arguments (``h``, ``W``: 1.07 GB) and outputs (``dh``, ``dW``) included
+(``peak_memory_in_bytes``).
 
 **Time** (a model): libtpu's static profiler cannot take the full problem (the estimate server ran out of
 host memory after ~460 s on tpukernels' forward at ``N/4`` rows; XLA's unfused program aborted in
 ``llo_execution_graph.cc``), so every program is estimated on a reduced problem and scaled by its work:
 
-* tpukernels: each kernel at the full problem's shapes and config, its grid cut to ``OURS_STEPS`` steps by
-  :func:`tpukernels.autotune.model.reduce_grid` (outer axes shrunk, the innermost reduction axis kept, as the
-  autotuner's ``--estimate-steps``), cycles scaled by ``steps / reduced steps`` (e.g. forward on v5e:
-  grid ``(8, 126)`` -> ``(1, 16)``, x63). ``bwd_dw``, whose inner axis is N, keeps all of it: ``(2, 8)``.
-* XLA: the same program at ``N / XLA_DIV`` rows and ``V / XLA_DIV`` vocabulary (``h [1024, 4096]``,
-  ``W [16032, 4096]``: a 1024 x 4096 x 16032 matmul and 64 MB of f32 logits, well inside XLA's large-matmul
-  regime), cycles scaled by ``XLA_DIV**2`` = 64: every op of the unfused program is linear in ``N V``
-  (the ``N H`` / ``V H`` parts are the small gradient epilogues).
+* tpukernels: each kernel at the full problem's shapes and config, its grid cut to ``OURS_STEPS`` = 64 steps
+  by :func:`tpukernels.autotune.model.reduce_grid` (outer axes shrunk, the innermost reduction axis kept, as
+  the autotuner's ``--estimate-steps``), cycles scaled by ``steps / 64`` (forward ``bn=bv=1024``: grid
+  ``(8, 126)`` -> ``(1, 64)``, x15.75; ``bwd_dw``, whose inner axis is N, keeps all of it: ``(8, 8)``).
+* XLA: the same program at ``N / 4`` rows and ``V / 4`` vocabulary (forward: ``h [2048, 4096]``,
+  ``W [32064, 4096]``, x16) or ``V / 8`` (forward + backward: ``W [16032, 4096]``, x32), cycles scaled by
+  ``N V / (n v)``: every op of the unfused program is linear in ``N V`` (its ``N H`` / ``V H`` parts are small
+  epilogues), and a 2048 x 4096 x 16032 matmul is well inside XLA's large-matmul regime.
 
-Both reductions are about x64 and both charge each reduced program's pipeline start-up ~64 times (a few
-% high). Checked once on v6e (``benchmarks``-style, one chip): see :data:`REDUCTION_CHECK`.
+Reduction check (v6e, libtpu 0.0.52, cycles; each reduction charges the reduced program's pipeline start-up
+once per scaled copy, so more reduction reads high): tpukernels at 16 vs 64 steps: forward 21.72 M vs
+20.88 M (+4.0%), ``bwd_dh`` 40.71 M vs 38.56 M (+5.6%), ``bwd_dw`` 39.94 M vs 37.76 M (+5.8%); XLA forward at
+``N/8 x V/8`` vs ``N/4 x V/4``: 21.25 M vs 19.61 M (+8.3%); XLA forward + backward at ``N/8 x V/8`` and
+``N/4 x V/8`` vs ``N/4 x V/4``: 62.35 M (+5.4%) and 60.04 M (+1.5%) vs 59.13 M. The vocabulary padding of
+the reduced problems is not the cause (XLA forward + backward at ``W [16384, 4096]`` vs ``[16032, 4096]``:
+62.10 M vs 62.35 M). At ``N/4 x V/4`` XLA's forward + backward needs 10.6 GB of estimator memory (91 s), over
+this machine's per-estimate budget, hence ``V/8`` for it. Each estimate here takes 15-90 s and <= ~6 GB.
 
-Where libtpu aborts on XLA's program the row is a **floor**: the larger of the MXU roofline of the work
-the op needs and the HBM time of writing and reading the bf16 ``[N, V]`` logits once (plus the inputs).
+Where libtpu aborts, the row is a **floor**: for XLA the larger of the MXU roofline of the work the op needs
+and the HBM time of the inputs plus writing and reading the bf16 ``[N, V]`` logits once; for tpukernels the
+MXU roofline of the work its kernels execute (``2 N V H`` forward, ``10 N V H`` forward + backward). libtpu
+0.0.52 aborts (``llo_execution_graph.cc:149``) on every v5e XLA program tried (``N/4 x V/4``, ``N/4 x V/8``,
+``N/8 x V/8``, ``1024 x 16384``, ``512 x 8016``), on tpu7x's forward + backward at ``N/4 x V/8`` and
+``N/8 x V/8`` (it estimates ``512 x 8016``), on v5e's ``bwd_dh`` at ``bv >= 512``, and its static-profile
+compile of tpukernels' tpu7x forward runs out of VMEM (see the reasons in the report).
 
 Bytes: the inputs read once and the outputs written once (``h``, ``W``, labels; backward also ``dh``,
 ``dW``). FLOPs: ``2 N V H`` (forward) and ``6 N V H`` (forward + the two gradient matmuls): the work the op
@@ -47,13 +60,40 @@ from .core import Case, Impl, kernel_program, xla_impl
 FAMILY = "linear_cross_entropy"
 N, H, V = 8192, 4096, 128256
 #: tpukernels' kernels are estimated on at most this many grid steps (reduce_grid) and scaled
-OURS_STEPS = 16
-#: XLA's unfused program is estimated at N / XLA_DIV rows and V / XLA_DIV vocabulary, scaled by XLA_DIV**2
-XLA_DIV = 8
-#: reduced vs less-reduced estimates on one chip (filled in from benchmarks/..., see module docstring)
-REDUCTION_CHECK: dict = {}
+OURS_STEPS = 64
+#: XLA's unfused program is estimated at (N / rows, V / vocab) and scaled by rows * vocab (module docstring)
+XLA_DIV = {False: (4, 4), True: (4, 8)}
 
-REASONS = {}
+_RECOMPUTE = (
+    "The backward recomputes the [N, V] logits in both gradient kernels (dh and dW): 10 N V H FLOPs executed "
+    "against the 6 N V H of the unfused version, which keeps its logits in HBM (~6 GiB of temporaries, the "
+    "peak_temp_MiB column) and reads them back; at equal MXU efficiency that alone is 0.6x. One fused backward "
+    "kernel (one recompute, 8 N V H) would have to accumulate one gradient across the outer grid axis in HBM "
+    "(an f32 [V, H] dW: +2 GiB of temporaries and N/bn read-modify-write passes over it), 0.75x at best: not "
+    "done. This is the fused loss's trade (Liger-Kernel, Cut Cross-Entropy): ~1500x less activation memory for "
+    "the recompute")
+REASONS = {
+    ("v5e", "lce fwd"): "At 95% of the MXU roofline; XLA's unfused figure is only a floor (its MXU roofline): "
+                        "libtpu 0.0.52 aborts (llo_execution_graph.cc:149) on every v5e XLA program tried, so "
+                        "there is no estimate to compare with",
+    ("v5e", "lce fwd+bwd"): _RECOMPUTE + ". On v5e libtpu's profiler aborts on the shipped bwd_dh (bv=1024) and "
+                            "on every XLA program, so both figures are floors; with bwd_dh at bv=256 (estimable, "
+                            "80% of its roofline) tpukernels' forward + backward reads 239.5 ms",
+    ("v6e", "lce fwd"): "libtpu charges 20.7k cycles per 1024 x 1024 block step against 16.4k for its matmul at the "
+                        "MXU peak: the f32 epilogue on the (bn, bv) logit tile (an exp per logit, running max and "
+                        "sum, the label compare, the V-tail mask) is not hidden under the matmul on v6e (on v5e, "
+                        "whose MXU is 4.7x slower, the same kernel is at 95%). XLA's unfused forward keeps the "
+                        "matmul free of it and pays a memory-bound logsumexp pass instead. The fused forward "
+                        "wins on memory (4 MiB vs 6 GiB of temporaries), not on v6e model time",
+    ("v6e", "lce fwd+bwd"): _RECOMPUTE,
+    ("tpu7x", "lce fwd"): "No estimate: libtpu 0.0.52's static-profile compile runs out of tpu7x's 64 MiB VMEM "
+                          "for the shipped bn=bv=1024 (and every bn*bv >= 1024*256; the ordinary compile fits), "
+                          "so the figure is a floor (the MXU roofline). At bn=bv=512, the largest estimable "
+                          "blocks, the forward reads 12.5 ms (16-step estimate), slower than XLA's 9.7 ms",
+    ("tpu7x", "lce fwd+bwd"): _RECOMPUTE + ". On tpu7x neither is estimated (tpukernels: the forward's VMEM, "
+                              "above; XLA: libtpu aborts at N/4 x V/8), so both are floors; XLA's program at "
+                              "512 x 8016 (x256) does estimate: 29.0 ms",
+}
 
 
 def _lce():
@@ -169,7 +209,13 @@ def _ours(kernels, backward: bool, max_steps: int = OURS_STEPS) -> Impl:
                          f"grid={'x'.join(map(str, grid))} est. on {'x'.join(map(str, red))}")
         return total, "; ".join(parts)
 
-    return Impl("tpukernels", "ours", cycles, memory=lambda chip: _peak(_ours_program(chip, backward), chip))
+    def floor(chip: str) -> float:  # the MXU time of the matmuls the kernels execute (backward recomputes)
+        from ..perf import peak_flops
+
+        return (10 if backward else 2) * N * V * H / peak_flops(chip, "bfloat16") * 1e6
+
+    return Impl("tpukernels", "ours", cycles, floor_us=floor,
+                memory=lambda chip: _peak(_ours_program(chip, backward), chip))
 
 
 def _peak(program, chip: str) -> dict:
@@ -200,12 +246,13 @@ def _in_bytes(backward: bool) -> int:
     return b + (N * H + V * H) * 2 if backward else b + 4
 
 
-def _xla(backward: bool, div: int = XLA_DIV) -> Impl:
+def _xla(backward: bool) -> Impl:
     import jax
 
-    fn, structs = _xla_program(backward, N // div, V // div)
-    impl = xla_impl(jax.jit(fn), structs, name="xla unfused", scale=div * div, floor_us=_floor(backward))
-    impl.config = f"XLA fusion, est. at h {N // div}x{H} W {V // div}x{H} x{div * div}"
+    dn, dv = XLA_DIV[backward]
+    fn, structs = _xla_program(backward, N // dn, V // dv)
+    impl = xla_impl(jax.jit(fn), structs, name="xla unfused", scale=dn * dv, floor_us=_floor(backward))
+    impl.config = f"XLA fusion, est. at h {N // dn}x{H} W {V // dv}x{H} x{dn * dv}"
     impl.memory = lambda chip: _peak(_xla_program(backward), chip)
     return impl
 

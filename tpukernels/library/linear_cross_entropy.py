@@ -77,15 +77,17 @@ head (``H = 4096, V = 128256, N = 8192``, :data:`STANDARD_CASES`), written by::
         --values bn=512,1024,2048 --values bv=256,512,1024 --workers 2 --write-db shipped
     # bwd_dh / bwd_dw: the same with two more shapes, --shape 8192x1:f32 --shape 8192x1:f32
 
-Model results (libtpu 0.0.52 static estimate + roofline, not measurements), forward: v5e 47.1 ms at
-``bn=1024, bv=1024`` (93% of the MXU roofline), v6e 12.4 ms (76%), tpu7x 7.8 ms at ``bn=2048, bv=512`` (95%).
-Backward: the sweep picked ``bn=512, bv=1024`` (``bwd_dh``) and ``bn=1024, bv=512`` (``bwd_dw``) on every chip,
-but its times there (v5e 263 ms, v6e 57 ms, tpu7x 45 ms per kernel) are the roofline at the **float32** MXU
-peak: the tpu-model evaluator (``tpukernels.autotune.model.compute_dtype``) then treated any float32 input (here
-the ``[N, 1]`` ``lse`` and ``g`` columns) as an f32 matmul operand, so for these kernels it ranked candidates by
-grid-step count only (the largest blocks that fit VMEM). Since fixed (only matrix inputs count as MXU
-operands); these backward defaults predate the fix until they are re-swept. libtpu's own estimate for ``bwd_dh`` on v5e, where
-it produced one, was 109-114 ms against a bfloat16 MXU roofline of 87 ms.
+Model results of the sweeps (libtpu 0.0.52 static estimate on a 16-step reduced grid + roofline, not
+measurements; re-swept with only candidates that libtpu could estimate ranked, since a candidate without an
+estimate gets the roofline-only model time and would win by default): forward ``bn=bv=1024`` on every chip:
+v5e 47.1 ms (93% of the MXU roofline), v6e 12.4 ms (76%); ``bwd_dh`` ``bn=512, bv=1024``: v6e 23.2 ms (81%),
+tpu7x 18.4 ms (81%); ``bwd_dw`` ``bn=1024, bv=512``: v5e 93.6 ms (93%), v6e 22.8 ms (82%), tpu7x 18.1 ms
+(83%). Two defaults libtpu cannot estimate on their chip and are taken from the sister chips' sweeps: tpu7x
+forward (the static-profile compile runs out of the 64 MiB VMEM for every ``bn * bv >= 1024 * 256``, though
+the ordinary compile fits; the largest estimable, ``bn=bv=512``, reads 12.5 ms, 60%) and v5e ``bwd_dh``
+(libtpu's profiler aborts for ``bv >= 512``; ``bv=256`` reads 108.8 ms, 80%, while on v6e ``bv=1024`` beats
+``bv=256`` 81% to 57%). Benchmarks against XLA's unfused version: ``tpukernels bench --family
+linear_cross_entropy`` (:mod:`tpukernels.bench.linear_cross_entropy`).
 
 Validation (typed errors before any kernel runs): ranks and shapes, dtypes (float64 / integer operands,
 mixed ``h``/``W`` dtypes, non-integer labels), devices (``h``, ``W``, ``labels`` on one device), reduction,
