@@ -37,9 +37,10 @@ the reduced problems is not the cause (XLA forward + backward at ``W [16384, 409
 62.10 M vs 62.35 M). At ``N/4 x V/4`` XLA's forward + backward needs 10.6 GB of estimator memory (91 s), over
 this machine's per-estimate budget, hence ``V/8`` for it. Each estimate here takes 15-90 s and <= ~6 GB.
 
-Where libtpu aborts, the row is a **floor**: for XLA the larger of the MXU roofline of the work the op needs
-and the HBM time of the inputs plus writing and reading the bf16 ``[N, V]`` logits once; for tpukernels the
-MXU roofline of the work its kernels execute (``2 N V H`` forward, ``10 N V H`` forward + backward). libtpu
+Where libtpu fails on XLA's program, its row is a **floor**: the larger of the MXU roofline of the work the
+op needs and the HBM time of the inputs plus writing and reading the bf16 ``[N, V]`` logits once. Where it
+fails on tpukernels', the row has no figure (a floor there would enter the ratios); its reason gives the MXU
+time of the matmuls the kernels execute (``2 N V H`` forward, ``10 N V H`` forward + backward). libtpu
 0.0.52 aborts (``llo_execution_graph.cc:149``) on every v5e XLA program tried (``N/4 x V/4``, ``N/4 x V/8``,
 ``N/8 x V/8``, ``1024 x 16384``, ``512 x 8016``), on tpu7x's forward + backward at ``N/4 x V/8`` and
 ``N/8 x V/8`` (it estimates ``512 x 8016``), on v5e's ``bwd_dh`` at ``bv >= 512``, and its static-profile
@@ -77,8 +78,9 @@ REASONS = {
                         "libtpu 0.0.52 aborts (llo_execution_graph.cc:149) on every v5e XLA program tried, so "
                         "there is no estimate to compare with",
     ("v5e", "lce fwd+bwd"): _RECOMPUTE + ". On v5e libtpu's profiler aborts on the shipped bwd_dh (bv=1024) and "
-                            "on every XLA program, so both figures are floors; with bwd_dh at bv=256 (estimable, "
-                            "80% of its roofline) tpukernels' forward + backward reads 239.5 ms",
+                            "on every XLA program: no tpukernels figure (the MXU time of its 10 N V H is 218.5 "
+                            "ms) and a floor for XLA (131.1 ms); with bwd_dh at bv=256 (estimable, 80% of its "
+                            "roofline) tpukernels' forward + backward reads 239.5 ms",
     ("v6e", "lce fwd"): "libtpu charges 20.7k cycles per 1024 x 1024 block step against 16.4k for its matmul at the "
                         "MXU peak: the f32 epilogue on the (bn, bv) logit tile (an exp per logit, running max and "
                         "sum, the label compare, the V-tail mask) is not hidden under the matmul on v6e (on v5e, "
@@ -87,12 +89,13 @@ REASONS = {
                         "wins on memory (4 MiB vs 6 GiB of temporaries), not on v6e model time",
     ("v6e", "lce fwd+bwd"): _RECOMPUTE,
     ("tpu7x", "lce fwd"): "No estimate: libtpu 0.0.52's static-profile compile runs out of tpu7x's 64 MiB VMEM "
-                          "for the shipped bn=bv=1024 (and every bn*bv >= 1024*256; the ordinary compile fits), "
-                          "so the figure is a floor (the MXU roofline). At bn=bv=512, the largest estimable "
-                          "blocks, the forward reads 12.5 ms (16-step estimate), slower than XLA's 9.7 ms",
+                          "for the shipped bn=bv=1024 (and every bn*bv >= 1024*256; the ordinary compile fits); "
+                          "its MXU roofline is 7.45 ms. At bn=bv=512, the largest estimable blocks, the forward "
+                          "reads 12.5 ms (16-step estimate), slower than XLA's 9.7 ms",
     ("tpu7x", "lce fwd+bwd"): _RECOMPUTE + ". On tpu7x neither is estimated (tpukernels: the forward's VMEM, "
-                              "above; XLA: libtpu aborts at N/4 x V/8), so both are floors; XLA's program at "
-                              "512 x 8016 (x256) does estimate: 29.0 ms",
+                              "see lce fwd; the MXU time of its 10 N V H is 37.3 ms; XLA: libtpu aborts at "
+                              "N/4 x V/8, a floor of 22.4 ms; its program at 512 x 8016 (x256) does estimate: "
+                              "29.0 ms)",
 }
 
 
@@ -209,13 +212,9 @@ def _ours(kernels, backward: bool, max_steps: int = OURS_STEPS) -> Impl:
                          f"grid={'x'.join(map(str, grid))} est. on {'x'.join(map(str, red))}")
         return total, "; ".join(parts)
 
-    def floor(chip: str) -> float:  # the MXU time of the matmuls the kernels execute (backward recomputes)
-        from ..perf import peak_flops
-
-        return (10 if backward else 2) * N * V * H / peak_flops(chip, "bfloat16") * 1e6
-
-    return Impl("tpukernels", "ours", cycles, floor_us=floor,
-                memory=lambda chip: _peak(_ours_program(chip, backward), chip))
+    # no floor_us: a floor of ours would enter the report's ratios as if it were an estimate (the reasons
+    # give the MXU time of the executed matmuls instead)
+    return Impl("tpukernels", "ours", cycles, memory=lambda chip: _peak(_ours_program(chip, backward), chip))
 
 
 def _peak(program, chip: str) -> dict:
