@@ -4,9 +4,10 @@ Accuracy criterion (every numeric test): elementwise against a float64 product o
 operands (``W = w_q * w_scale``, and for w8a8 ``x' = x_q * x_scale`` with the quantized activations the
 kernel used), ``|y - ref| <= bound`` with ``bound = qmm.error_bound(...)``:
 
-* w8a8 int8: ``(u + 4 u32) |ref|``: the int32 sum is exact, the int32->f32 conversion and the two f32 scale
-  products add 3 u32 relative, and the final rounding to the output dtype at most ``u`` (half an ulp:
-  2^-8 bf16, 2^-24 f32) relative;
+* w8a8 int8: ``(u + 4 u32) |ref| + (K + 2) 2^-52 (|x'| @ |W|^T)``: the int32 sum is exact, the int32->f32
+  conversion and the two f32 scale products add 3 u32 relative, and the final rounding to the output dtype
+  at most ``u`` (half an ulp: 2^-8 bf16, 2^-24 f32) relative; the last term is the float64 reference's own
+  rounding, visible only where the sum cancels to ~0;
 * w8a16 and fp8: ``u |ref| + (K + 2) u32 (|x'| @ |W|^T)``: f32 products of int8 / fp8 / bf16 values are
   exact, any f32 summation order of K terms errs by at most ``(K - 1) u32 sum|x'||W|`` (Higham, 2nd ed.,
   eq. 3.5), one more u32 for the scale product, then the final rounding.
@@ -130,6 +131,71 @@ def test_empty_and_k_zero():
     assert qmm.quantized_matmul(torch.randn(0, 5).bfloat16(), w_q, w_s).shape == (0, 7)
     y = qmm.quantized_matmul(torch.randn(3, 0).bfloat16(), torch.zeros(7, 0, dtype=torch.int8), w_s, x_quant="int8")
     assert y.shape == (3, 7) and not y.any()
+
+
+# ----------------------------------------------------------------------------------------------- fused w8a8
+#: (M, K, N, config): K and N tails, several row blocks (the next one loaded and quantized during the
+#: current one's last N sweeps), 2 row parts (bm=64, 9 N blocks), a single row block, a single N block
+FUSED_CASES = [(256, 300, 260, SMALL, "int8"), (256, 300, 260, SMALL, "float8_e5m2"),
+               (256, 700, 1100, dict(bm=64, bk=256, bn=128), "float8_e4m3fn"), (40, 700, 130, None, "int8"),
+               (256, 1024, 128, dict(bm=128, bk=512, bn=256), "int8")]
+
+
+@pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: "x".join(map(str, c[:3])) + "-" + c[4])
+def test_fused_w8a8_equals_two_kernel_path(case, interpret):
+    """The fused kernel gives bit for bit the result of quantize_per_token_kernel + quantized_matmul_kernel
+    (one shared quantization formula, same int32 / f32 accumulation order per block, same epilogue), and
+    that result is within the w8a8 bound of the float64 product of the dequantized operands."""
+    M, K, N, cfg, wdtype = case
+    x, w = data(M, K, N, seed=M + K)
+    x[3] = 0  # a zero token: scale 0, output 0
+    w_q, w_s = qmm.quantize_weight(w, wdtype)
+    ws = w_s.reshape(1, N)
+    assert qmm.fused_plan(M, K, N, qmm._jnp("bfloat16"), qmm._jnp(wdtype), qmm._jnp("bfloat16"),
+                          **(cfg or qmm._w8a8_heuristic(x, w_q, ws))) is not None
+    y = qmm.quantized_matmul_w8a8_kernel(x, w_q, ws, None, config=cfg)
+    xq, xs = qmm.quantize_per_token_kernel(x, wdtype)
+    assert torch.equal(y, qmm.quantized_matmul_kernel(xq, w_q, ws, xs, None, config=cfg))
+    ref = qmm.reference(xq, w_q, w_s, xs[:, 0])
+    assert not ((y.double() - ref).abs() > qmm.error_bound(xq, w_q, w_s, xs[:, 0], torch.bfloat16)).any()
+    assert not y[3].float().any()
+
+
+def test_fused_plan_rule():
+    """fused_plan: bm halves until it divides M (multiples of 32), M itself when M <= bm, VMEM per chip
+    from tpu_info (3/4 of vmem_capacity_bytes), None when no bm qualifies."""
+    bf, i8 = qmm._jnp("bfloat16"), qmm._jnp("int8")
+    plan = lambda M, K, N, bm, chip=None: qmm.fused_plan(M, K, N, bf, i8, bf, bm, 2048, 1024, chip)  # noqa: E731
+    assert plan(8192, 4096, 14336, 1024)["bm"] == 1024
+    assert plan(200, 256, 256, 1024)["bm"] == 200  # one row block
+    assert plan(96, 256, 256, 64)["bm"] == 32  # 64 does not divide 96
+    assert plan(300, 256, 256, 128) is None  # 300 = 4 * 75: no multiple of 32 divides it
+    for chip in CHIPS:
+        assert qmm.vmem_budget(chip) == tk.get_chip(chip).vmem_capacity_bytes * 3 // 4
+    # Llama-3-8B down-projection (K = 14336): the 1024-row block fits v6e's 128 MiB, not tpu7x's 64 MiB
+    assert plan(8192, 14336, 4096, 1024, "v6e")["bm"] == 1024
+    got = plan(8192, 14336, 4096, 1024, "tpu7x")
+    assert got["bm"] == 512 and got["need"] <= qmm.vmem_budget("tpu7x")
+    assert qmm.fused_vmem_bytes(1024, 2048, 1024, 14336, bf, i8, bf, 7) > qmm.vmem_budget("tpu7x")
+    w_q, w_s = _wq(8, 256)
+    with pytest.raises(ArgumentError, match="no fused plan"):
+        qmm.quantized_matmul_w8a8_kernel(torch.randn(300, 256), w_q, w_s.reshape(1, 8), config=dict(bm=128))
+
+
+def test_public_w8a8_routes_by_the_rule(monkeypatch):
+    """quantized_matmul(x_quant=...) runs the fused kernel where fused_plan has a plan (no separate
+    quantization pass), else the two kernels; both give the same values."""
+    x, w = data(96, 256, 200, seed=11)
+    w_q, w_s = qmm.quantize_weight(w, "int8")
+    want = qmm.quantized_matmul_kernel(*qmm.quantize_per_token_kernel(x, "int8")[:1], w_q, w_s.reshape(1, -1),
+                                       qmm.quantize_per_token_kernel(x, "int8")[1], None)
+    real = qmm.quantize_per_token_kernel
+    calls = []
+    monkeypatch.setattr(qmm, "quantize_per_token_kernel", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert torch.equal(qmm.quantized_matmul(x, w_q, w_s, x_quant="int8", config=dict(bm=32, bk=128, bn=128)), want)
+    assert calls == []  # fused: 32 divides 96
+    y = qmm.quantized_matmul(x[:90], w_q, w_s, x_quant="int8", config=dict(bm=32, bk=128, bn=128))
+    assert calls == [1] and torch.equal(y, want[:90])  # 90 rows: no multiple of 32 divides 90
 
 
 # ----------------------------------------------------------------------------------------------- quantization
@@ -409,6 +475,34 @@ def test_compile_only_quantize_and_dx(chip):
     res = tk.compile_for(qmm.quantized_matmul_bwd_dx, chip, "8192x14336:bf16", "14336x4096:int8", "1x14336:f32",
                          with_mlir=False)
     assert res.ok, res.summary()
+
+
+#: the K = 14336 standard cases take 8-30 s each to compile (large unrolled blocks): slow-marked
+FUSED_AOT = [pytest.param(args, marks=[pytest.mark.slow] if "x14336:bf16" in args[0] else [])
+             for _, args, _ in qmm.STANDARD_CASES_W8A8] + [
+    ("256x4160:bf16", "640x4160:i8", "1x640:f32"),  # K tail (4160 = 2 * 2048 + 64), N tail, 2 row parts
+    ("256x4160:bf16", "640x4160:float8_e4m3fn", "1x640:f32"),
+]
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("chip", CHIPS)
+@pytest.mark.parametrize("args", FUSED_AOT, ids=lambda a: a[1].split(":")[1] + "-" + a[0] if isinstance(a, tuple) else None)
+def test_compile_only_fused_w8a8(chip, args):
+    """Mosaic compiles the fused w8a8 kernel at the shipped config (or heuristic) where the chip has the
+    pair, within the VMEM limit it requests; ChipError where it does not."""
+    kernel = qmm.quantized_matmul_w8a8_kernel
+    wd = qmm._name(_spec(args[1], "w").dtype)
+    if ("int8" if wd == "int8" else "fp8", wd) not in qmm.supported_modes(chip):
+        with pytest.raises(ChipError, match=chip):
+            tk.compile_for(kernel, chip, *args, with_mlir=False)
+        return
+    specs = tuple(_spec(a, n) for a, n in zip(args, ("x", "w_q", "w_scale")))
+    got = db.lookup(kernel, chip, specs, (("out_dtype", None),))
+    cfg = got[0] if got else (dict(bm=128, bk=2048, bn=128) if args[0].startswith("256x") else None)
+    res = tk.compile_for(kernel, chip, *args, config=cfg, with_mlir=False)
+    assert res.ok, res.summary()
+    assert res.vmem_estimate_bytes <= (res.vmem_limit_bytes or 0)
 
 
 # ----------------------------------------------------------------------------------------------- HF transformers

@@ -6,8 +6,10 @@ batches of 16 / 64 tokens. Modes per chip: w8a16 (int8 weights, bf16 activations
 prefill shapes the chip's w8a8 mode — int8 where jax's ``tpu_info.is_matmul_supported(int8, int8)`` (v5e,
 v6e), else float8_e4m3fn (tpu7x, which has no int8 MXU).
 
-* ``tpukernels``: ``quantized_matmul_kernel`` at the config a call gets on the chip; w8a8 adds the
-  per-token ``quantize_per_token_kernel`` pass (both estimates summed).
+* ``tpukernels``: what ``quantized_matmul`` runs, at the config a call gets on the chip: w8a16
+  ``quantized_matmul_kernel``; w8a8 the fused ``quantized_matmul_w8a8_kernel`` (per-token quantization
+  inside the matmul, ``x`` read once as bf16, no ``x_q`` in HBM) where ``fused_plan`` has a plan on the
+  chip, else ``quantize_per_token_kernel`` + ``quantized_matmul_kernel`` (both estimates summed).
 * ``xla int8 dot`` (``xla fp8 dot``): the same op in jnp, compiled and fused by XLA: w8a16
   ``dot_general(x, w_q.astype(bf16), preferred_element_type=f32) * w_scale``; w8a8 the absmax
   quantization in jnp, ``lax.dot_general(x_q, w_q, preferred_element_type=int32)`` (f32 for fp8) and the two
@@ -29,7 +31,9 @@ Bytes: ``x`` once (2 B), ``w_q`` once (1 B), scales, output once (2 B); FLOPs ``
 
 Prefill cases (8192 tokens) are estimated at 2048 tokens and scaled by 4 for every implementation (the
 token axis is an independent, uniform parallel grid axis; tpukernels keeps the config a full-size call gets),
-which makes the family ~4x cheaper to estimate on 2 cores.
+which makes the family ~4x cheaper to estimate on 2 cores — except the fused w8a8 kernel, estimated at full
+size: its first row block is loaded and quantized before the MXU starts (later ones are prepared during the
+previous block), so its token axis is not uniform and a scaled 2048-token figure would overstate it.
 """
 
 from __future__ import annotations
@@ -143,6 +147,19 @@ def cases(chips) -> list[Case]:
 
         return f
 
+    def fused_config(M, K, N, wdt, chip):
+        # the blocks quantized_matmul's w8a8 path takes on ``chip`` (fused_plan at the config the fused
+        # kernel resolves to), None where it takes the two-kernel path
+        from ..chips import get_chip
+        from ..dsl import TensorSpec
+
+        specs = (TensorSpec((M, K), bf16, "x"), TensorSpec((N, K), getattr(jnp, wdt), "w_q"),
+                 TensorSpec((1, N), f32, "w_scale"))
+        ch = get_chip(chip)
+        cfg, _ = qmm.quantized_matmul_w8a8_kernel.resolve_config(specs, (("out_dtype", None),), None, ch)
+        return qmm.fused_plan(M, K, N, bf16, getattr(jnp, wdt), bf16, int(cfg["bm"]), int(cfg["bk"]), int(cfg["bn"]),
+                              ch)
+
     out = []
     for M, K, N, prefill in shapes:
         scale = 4 if prefill else 1
@@ -167,17 +184,23 @@ def cases(chips) -> list[Case]:
                                    floor_us=floor(M, K, N, "bfloat16"))
                     op, dtype = f"w8a16 {wdt}", "bfloat16"
                 else:
-                    xq_s, xqe_s = f"{M}x{K}:{wdt}", f"{Me}x{K}:{wdt}"
-                    parts = [(qmm.quantized_matmul_kernel, (xqe_s, w_s, ws_s, f"{Me}x1:f32"), {},
-                              (xq_s, w_s, ws_s, f"{M}x1:f32"))]
-                    extra = quantize_cycles((qmm.quantize_per_token_kernel, (xe_s, wdt), {}, (x_s, wdt)), Me, K)
+                    cfg = fused_config(M, K, N, wdt, chip)
+                    own_scale = scale
+                    if cfg is not None:  # the fused kernel (what quantized_matmul runs here), at full size
+                        parts, extra, own_scale = [(qmm.quantized_matmul_w8a8_kernel, (x_s, w_s, ws_s), {})], None, 1
+                    else:
+                        xq_s, xqe_s = f"{M}x{K}:{wdt}", f"{Me}x{K}:{wdt}"
+                        parts = [(qmm.quantized_matmul_kernel, (xqe_s, w_s, ws_s, f"{Me}x1:f32"), {},
+                                  (xq_s, w_s, ws_s, f"{M}x1:f32"))]
+                        extra = quantize_cycles((qmm.quantize_per_token_kernel, (xe_s, wdt), {}, (x_s, wdt)), Me, K)
                     xla = xla_impl(xla_w8a8(wdt), [sx, sw, sws], name=f"xla {'int8' if wdt == 'int8' else 'fp8'} dot",
                                    scale=scale, floor_us=floor(M, K, N, wdt))
                     op, dtype = f"w8a8 {wdt}", wdt
                 out.append(Case(
                     FAMILY, op, f"{M}x{K} @ ({N}x{K}).T", chip,
                     hbm_bytes=M * K * 2 + N * K + M * N * 2 + 4 * (N + M), flops=2 * M * N * K, dtype=dtype,
-                    impls=[ours_impl(parts, scale=scale, extra=extra), xla, bf16_impl(M, K, N)]))
+                    impls=[ours_impl(parts, scale=scale if xq is None else own_scale, extra=extra), xla,
+                           bf16_impl(M, K, N)]))
     return out
 
 
