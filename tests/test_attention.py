@@ -317,6 +317,8 @@ def test_bad_inputs_raise_typed_errors():
                                  kv_segment_ids=torch.zeros(1, 16, dtype=torch.int32)), ArgumentError, "q_segment_ids must have shape"),
         (lambda: flash_attention(q, k, v, window=(-1, None)), ArgumentError, "window left"),
         (lambda: flash_attention(q, k, v, window=3), ArgumentError, "(left, right) pair"),
+        (lambda: flash_attention(q, k, v, causal="false"), ArgumentError, "causal must be a bool"),
+        (lambda: flash_attention(q, k, v, return_lse="yes"), ArgumentError, "return_lse must be a bool"),
         (lambda: flash_attention(q, k, v, softcap=0.0), ArgumentError, "softcap"),
         (lambda: flash_attention(q, k, v, sm_scale=float("nan")), ArgumentError, "sm_scale"),
         (lambda: flash_attention(q, k, v, causal_alignment="bottom-right"), ArgumentError, "causal_alignment"),

@@ -43,9 +43,10 @@ def test_v6e_2x2_matmul_column_parallel_and_tpu7x_attention_over_batch_and_heads
 
 
 def test_bad_meshes_and_specs_are_typed_errors():
-    with pytest.raises(tk.ArgumentError, match="spans 2 devices but topology v5e:2x2 has 4"):
+    with pytest.raises(tk.ArgumentError, match=r"spans 2 devices but topology v5e:2x2 has 4 \(the mesh_axes sizes "
+                                               r"must multiply to 4\)"):
         _rms("v5e:2x2", "4096x1024:bf16", mesh_axes={"x": 2}, in_specs={"x": P("x")})
-    with pytest.raises(tk.ArgumentError, match="spans 4 devices but topology v5e:1x1 has 1"):
+    with pytest.raises(tk.ArgumentError, match="spans 4 devices but topology v5e:1x1 has 1 .*'v5e:2x2'"):
         _rms("v5e", "4096x1024:bf16", mesh_axes={"x": 4})
     with pytest.raises(tk.ArgumentError, match=r"x dim 0 \(4098\) does not divide into 4 shards"):
         _rms("v5e:2x2", "4098x1024:bf16", mesh_axes={"x": 4}, in_specs={"x": P("x")})
@@ -53,3 +54,15 @@ def test_bad_meshes_and_specs_are_typed_errors():
         _rms("v5e:2x2", "4096x1024:bf16", mesh_axes={"x": 4}, in_specs={"x": P("y")})
     with pytest.raises(tk.ArgumentError, match="not tensor arguments"):
         _rms("v5e:2x2", "4096x1024:bf16", mesh_axes={"x": 4}, in_specs={"eps": P("x")})
+
+
+def test_declared_shapes_are_checked_on_each_device_s_shard():
+    """shapes= holds per device: sharding x's columns but not bias's gives mismatched local shapes."""
+    from test_input_checks import bias_add
+
+    ok = tk.compile_for(bias_add, "v5e:2x2", "1024x512:bf16", "1x512:bf16", mesh_axes={"x": 4},
+                        in_specs={"x": P("x")}, with_mlir=False)
+    assert ok.ok, ok.error
+    with pytest.raises(tk.ArgumentError, match=r"bias has shape \(1, 512\).*C=128 from x"):
+        tk.compile_for(bias_add, "v5e:2x2", "1024x512:bf16", "1x512:bf16", mesh_axes={"x": 4},
+                       in_specs={"x": P(None, "x")}, with_mlir=False)

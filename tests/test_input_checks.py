@@ -37,6 +37,26 @@ def test_declared_shapes_reject_a_mismatched_input_before_any_read():
     torch.testing.assert_close(add(x, x), x + x)  # and the matching call works
 
 
+def _bias_add_body(x_ref, b_ref, o_ref):
+    o_ref[...] = x_ref[...] + b_ref[...]
+
+
+@tk.tpu_kernel(_bias_add_body, namespace="tkchecks", rows=("x",), shapes={"x": "R C", "bias": "1 C"})
+def bias_add(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    xs = pl.BlockSpec((16, x.shape[1]), lambda i: (i, 0))
+    bs = pl.BlockSpec((1, x.shape[1]), lambda i: (0, 0))
+    return tk.Launch(grid=(tk.cdiv(x.shape[0], 16),), in_specs=[xs, bs], out_specs=xs, out_shape=tk.like(x))
+
+
+def test_declared_shapes_errors_name_the_callers_shape_not_the_row_bucket():
+    x = torch.randn(1000, 256)  # rows= buckets 1000 to 1024: the message must still say 1000
+    with pytest.raises(tk.ArgumentError, match=r"x has shape \(1000, 3, 256\), but shapes= declares x: 'R C'"):
+        bias_add(torch.randn(1000, 3, 256), torch.randn(1, 256))
+    with pytest.raises(tk.ArgumentError, match=r"bias has shape \(1, 128\).*C=256 from x"):
+        bias_add(x, torch.randn(1, 128))
+    torch.testing.assert_close(bias_add(x, x[:1]), x + x[:1])
+
+
 def test_declared_shapes_fixed_dims_and_bad_declarations():
     with pytest.raises(tk.KernelDefinitionError, match="not a tensor parameter"):
         tk.tpu_kernel(_add_body, namespace="tkchecks", name="bad1", shapes={"z": "R"})(add2.launch_fn)

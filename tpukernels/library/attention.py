@@ -1271,6 +1271,9 @@ def flash_attention(
     ``splash_attention`` (block skipping, compute sub-blocks, key-major dK/dV); FlashAttention 2.1 release
     notes (bottom-right causal alignment).
     """
+    for name, val in (("causal", causal), ("return_lse", return_lse)):
+        if not isinstance(val, bool):  # bool("false") is True: never coerce a flag
+            raise ArgumentError(f"flash_attention: {name} must be a bool, got {val!r}")
     if not isinstance(window, (tuple, list)) or len(window) != 2:
         raise ArgumentError(f"flash_attention: window must be a (left, right) pair, got {window!r}")
     for name, val in (("sm_scale", sm_scale), ("softcap", softcap)):
@@ -1299,7 +1302,7 @@ def flash_attention(
                 raise ArgumentError(f"flash_attention: {name} must have shape [B, S] = {want}, got {tuple(ids.shape)}")
         qs, ks = qs.unsqueeze(1), ks.unsqueeze(1)
     out, lse = fa_forward(
-        q, k, v, qs, ks, causal=bool(causal), causal_alignment=causal_alignment,
+        q, k, v, qs, ks, causal=causal, causal_alignment=causal_alignment,
         sm_scale=None if sm_scale is None else float(sm_scale), window_left=window[0], window_right=window[1],
         softcap=None if softcap is None else float(softcap), config=config, interpret=interpret,
     )

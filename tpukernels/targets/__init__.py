@@ -96,6 +96,7 @@ def plan_for(kernel: TpuKernel, values: Sequence, config_json: str | None, mode:
     tensors = [(i, v) for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
     check_devices(kernel, tensors)
     specs, statics = specs_from_values(kernel, values)
+    kernel.check_shapes(specs)  # on the caller's shapes (errors name them), before rows are bucketed
     pad_idx, n_rows, n_bucket = (), None, None
     bucketed = bucket_specs(kernel, specs)
     if bucketed != specs:

@@ -398,8 +398,11 @@ def _shard_plan(kernel, chip: Chip, topology: str | None, specs, mesh_axes, in_s
     devices = _topology_devices(topo)
     n_mesh = int(np.prod(list(axes.values())))
     if n_mesh != len(devices):
+        hint = (f"the mesh_axes sizes must multiply to {len(devices)}" if len(devices) > 1 else
+                f"name a multi-chip topology such as '{chip.name}:2x2'" if chip.name != "tpu7x" else
+                "name a multi-chip topology such as 'tpu7x:2x2x1'")
         raise ArgumentError(f"compile_for: mesh_axes {axes} spans {n_mesh} devices but topology {topo} has "
-                            f"{len(devices)} (name a multi-chip topology such as 'v5e:2x2')")
+                            f"{len(devices)} ({hint})")
     tensors = [p for p in kernel.params if p.kind != "static"]
     if isinstance(in_specs, dict):
         unknown = set(in_specs) - {p.name for p in tensors}
@@ -433,7 +436,7 @@ def _shard_plan(kernel, chip: Chip, topology: str | None, specs, mesh_axes, in_s
                 raise ArgumentError(f"compile_for: {p.name} dim {d} ({shape[d]}) does not divide into {k} shards "
                                     f"over mesh axes {names}")
             shape[d] //= k
-        local.append(TensorSpec(tuple(shape), s.dtype))
+        local.append(TensorSpec(tuple(shape), s.dtype, s.name))
         parts[p.name] = spec
     return {"topology": topo, "devices": len(devices), "device_list": devices, "axes": axes,
             "local_specs": tuple(local), "parts": parts}
