@@ -139,3 +139,12 @@ def test_cpu_tensor_beside_a_meta_tensor_is_a_device_error(which):
 def test_missing_arguments_are_listed_at_once():
     with pytest.raises(tk.ArgumentError, match=r"missing required argument\(s\) 'x', 'y'"):
         add2.bind([], {})
+
+
+def test_outspec_takes_torch_dtypes_and_rejects_non_dtypes():
+    assert tk.OutSpec((8, 128), torch.bfloat16).dtype == jnp.bfloat16
+    assert tk.OutSpec((8, 128), jnp.float32).dtype == jnp.float32
+    with pytest.raises(tk.DTypeError, match="OutSpec dtype: 'f32x' is not a dtype"):
+        tk.OutSpec((8, 128), "f32x")
+    with pytest.raises(tk.DTypeError, match="OutSpec dtype: dtype float64 is not supported"):
+        tk.OutSpec((8, 128), torch.float64)

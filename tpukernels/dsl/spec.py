@@ -63,6 +63,24 @@ class OutSpec:
     rows: bool = True
     fill: float = 0
 
+    def __post_init__(self):
+        # torch users pass torch dtypes: accept them (the kernel sees jax dtypes); anything else that is
+        # not a dtype is a typed error here, not a TypeError deep in pallas_call
+        from .dtypes import check_jax_dtype, to_jax_dtype
+        from ..errors import DTypeError
+
+        d = self.dtype
+        if type(d).__module__ == "torch":
+            d = np.dtype(to_jax_dtype(d, "OutSpec dtype"))
+        else:
+            try:
+                d = np.dtype(d)
+            except TypeError:
+                raise DTypeError(f"OutSpec dtype: {self.dtype!r} is not a dtype (use jnp.float32, jnp.bfloat16, "
+                                 f"... or a torch dtype)") from None
+            check_jax_dtype(d, "OutSpec dtype")
+        object.__setattr__(self, "dtype", d)
+
 
 def like(x: TensorSpec, dtype: Any = None, shape: Sequence | None = None) -> OutSpec:
     """An output shaped like ``x`` (optionally with another ``dtype`` or ``shape``)."""
