@@ -139,12 +139,16 @@ def main(argv=None) -> int:
     for tag in ("eager", "compiled"):
         if tag not in r:
             continue
-        ok = r[f"{tag}_max_rel_diff"] <= args.rtol and r[tag][-1] < 0.8 * r[tag][0]
+        same = r[f"{tag}_max_rel_diff"] <= args.rtol
+        learned = r[tag][-1] < 0.8 * r[tag][0]
+        verdict = "ok" if same and learned else ", ".join(
+            ([] if same else ["MISMATCH with stock"]) +
+            ([] if learned else ["loss did not fall below 0.8x its start (train longer: --steps 50)"]))
         name = f"torch.compile({args.backend})" if tag == "compiled" else "eager"
         print(f"tpukernels {name}: loss {r[tag][0]:.5f} -> {r[tag][-1]:.5f} in {r[f'{tag}_s']:.1f} s (cpu interpret); "
               f"max relative difference to stock over {args.steps} steps {r[f'{tag}_max_rel_diff']:.2e} "
-              f"(bound {args.rtol:g}) {'ok' if ok else 'MISMATCH'}")
-        failures += not ok
+              f"(bound {args.rtol:g}) {verdict}")
+        failures += not (same and learned)
     return 1 if failures else 0
 
 
