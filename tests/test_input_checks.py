@@ -148,3 +148,26 @@ def test_outspec_takes_torch_dtypes_and_rejects_non_dtypes():
         tk.OutSpec((8, 128), "f32x")
     with pytest.raises(tk.DTypeError, match="OutSpec dtype: dtype float64 is not supported"):
         tk.OutSpec((8, 128), torch.float64)
+
+
+@pytest.mark.parametrize("text, words", [("64x256:f64", "no 64-bit dtypes; use f32"),
+                                         ("64x256:i64", "no 64-bit dtypes; use i32"),
+                                         ("64x256:float", "unknown dtype 'float'; use one of bf16"),
+                                         ("64xa:bf16", "dims must be integers")])
+def test_shape_strings_name_the_problem(text, words):
+    from tpukernels.targets.compile_only import parse_shape
+
+    with pytest.raises(tk.ArgumentError, match=words):
+        parse_shape(text)
+
+
+def test_bad_environment_variables_are_named(monkeypatch):
+    from tpukernels.chips import target_chip_from_env
+    from tpukernels.dsl.modes import current_interpret_mode
+
+    monkeypatch.setenv("TPUKERNELS_TARGET_CHIP", "v5x")
+    with pytest.raises(tk.ChipError, match="TPUKERNELS_TARGET_CHIP='v5x': .*known chips are"):
+        target_chip_from_env()
+    monkeypatch.setenv("TPUKERNELS_INTERPRET", "tpuu")
+    with pytest.raises(tk.ArgumentError, match="TPUKERNELS_INTERPRET='tpuu' is not one of"):
+        current_interpret_mode()

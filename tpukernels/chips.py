@@ -142,4 +142,9 @@ def parse_chips(spec: "str | list[str] | tuple[str, ...]") -> list[Chip]:
 def target_chip_from_env() -> "Chip | None":
     """The chip named by ``TPUKERNELS_TARGET_CHIP`` (used to VMEM-check cpu runs), or None."""
     name = os.environ.get("TPUKERNELS_TARGET_CHIP")
-    return get_chip(name) if name else None
+    if not name:
+        return None
+    try:
+        return get_chip(name)
+    except ChipError as e:
+        raise ChipError(f"TPUKERNELS_TARGET_CHIP={name!r}: {e}") from None

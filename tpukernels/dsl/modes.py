@@ -53,7 +53,9 @@ def current_interpret_mode() -> str:
     if _global_mode is not None:
         return _global_mode
     env = os.environ.get("TPUKERNELS_INTERPRET")
-    return _check(env) if env else "fast"
+    if env and env not in MODES:
+        raise ArgumentError(f"TPUKERNELS_INTERPRET={env!r} is not one of {MODES}")
+    return env or "fast"
 
 
 def interpret_value(mode: str):

@@ -134,12 +134,21 @@ def parse_shape(text: str) -> TensorSpec:
     from ..errors import ArgumentError
 
     shape_s, _, dt = text.strip().partition(":")
-    dt = _DTYPES.get(dt or "f32", dt or "float32")
+    name = _DTYPES.get(dt or "f32", dt or "float32")
     try:
         shape = tuple(int(d) for d in shape_s.lower().split("x")) if shape_s not in ("", "scalar") else ()
-        dtype = np.dtype(getattr(__import__("jax.numpy", fromlist=["x"]), dt))
-    except (ValueError, AttributeError, TypeError) as e:
-        raise ArgumentError(f"shape {text!r}: expected e.g. 1024x1024:bf16 ({e})") from None
+    except ValueError:
+        raise ArgumentError(f"shape {text!r}: dims must be integers separated by 'x', e.g. 1024x1024:bf16") from None
+    if name in ("float64", "f64", "fp64", "double", "int64", "i64"):
+        raise ArgumentError(f"shape {text!r}: dtype {dt!r}: TPU kernels take no 64-bit dtypes; use "
+                            f"{'f32' if 'f' in name or 'double' in name else 'i32'}")
+    try:
+        import jax.numpy as jnp
+
+        dtype = np.dtype(getattr(jnp, name))
+    except (AttributeError, TypeError):
+        raise ArgumentError(f"shape {text!r}: unknown dtype {dt!r}; use one of {', '.join(_DTYPES)} or a jnp "
+                            f"dtype name (bfloat16, float8_e4m3fn, ...)") from None
     return TensorSpec(shape, dtype)
 
 
