@@ -34,6 +34,8 @@ def test_pruning_records_reasons_before_compiling():
     assert got[12].kind == "block_shape" and "(8,128) rule" in got[12].reason
     assert got[4096].kind == "vmem" and "scoped limit 16 MiB on v5e" in got[4096].reason
     assert sorted(p.config["br"] for p in space.pruned) == [12, 4096]
+    zero = space.check(tk.Config(br=0))  # a value the tunable cannot take is a config error, not a launch one
+    assert zero.kind == "config" and "must be positive" in zero.reason
 
 
 def test_constraint_and_duplicate_pruning():

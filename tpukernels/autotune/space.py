@@ -4,6 +4,7 @@ The space is the Cartesian product of the kernel's declared tunables (``kernel.s
 compile time is spent, :meth:`Space.check` rejects a config, with the reason recorded, when
 
 * it violates one of the kernel's constraints (``"constraint"``),
+* a value is one its tunable cannot take: 0, negative, a str for an int (``"config"``),
 * the launch function raises for it (``"launch"``),
 * a BlockSpec breaks the Pallas TPU block rules (``"block_shape"``),
 * its VMEM footprint exceeds the chip's scoped limit or capacity (``"vmem"``),
@@ -210,7 +211,9 @@ class Space:
             return Pruned(config, "constraint", why)
         try:
             resolved = resolve(self.kernel, self._lowered_specs, self.problem.statics, config)
-        except (KernelBodyError, ArgumentError, ConfigError) as e:
+        except ConfigError as e:  # a value the tunable cannot take (0, negative, wrong type)
+            return Pruned(config, "config", str(e))
+        except (KernelBodyError, ArgumentError) as e:
             return Pruned(config, "launch", str(e))
         try:
             with warnings.catch_warnings(record=True) as caught:
