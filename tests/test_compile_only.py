@@ -49,6 +49,9 @@ def test_vmem_overflow_from_the_compiler_is_translated():
 def test_vmem_overflow_caught_before_compiling():
     r = tk.compile_for(copy_rows, "v5e", "65536x8192:f32", config={"br": 4096})
     assert not r.ok and r.error_kind == "vmem" and "> 128 MiB on v5e" in r.error
+    # the result still carries the figures a sweep reads: 2 x 2 buffers of 4096 x 8192 f32 = 512 MiB
+    assert r.vmem_estimate_bytes == 4 * 4096 * 8192 * 4 and r.vmem_limit_bytes == 128 * 2**20
+    assert r.config == {"br": 4096} and r.config_source == "explicit"
 
 
 def test_block_rule_violation_is_reported():
@@ -84,3 +87,28 @@ def test_unknown_chip_and_missing_libtpu(monkeypatch):
 def test_float64_example_args_are_rejected():
     with pytest.raises(tk.DTypeError, match="float64"):
         tk.compile_for(load_example("softmax").softmax, "v5e", torch.zeros(8, 128, dtype=torch.float64))
+
+
+def _copy_big_limit_body(x_ref, o_ref):
+    o_ref[...] = x_ref[...]
+
+
+@tk.tpu_kernel(_copy_big_limit_body, namespace="tktest", name="copy_big_limit",
+               tunables={"br": tk.Tunable([256, 512])})
+def copy_big_limit(x: torch.Tensor, *, br: int) -> torch.Tensor:
+    from jax.experimental import pallas as pl
+
+    spec = pl.BlockSpec((br, x.shape[1]), lambda i: (i, 0))
+    return tk.Launch(grid=(tk.cdiv(x.shape[0], br),), in_specs=[spec], out_specs=spec, out_shape=tk.like(x),
+                     vmem_limit_bytes=100 << 20)
+
+
+def test_a_default_config_that_fails_is_reported_without_a_tuning_db_detour():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no "ignoring the tuning-DB config" (there is none)
+        r = tk.compile_for(copy_big_limit, "tpu7x", "4096x1024:f32")
+    assert not r.ok and r.error_kind == "vmem"
+    assert "vmem_limit_bytes 100 MiB > 64 MiB VMEM on tpu7x" in r.error
+    assert r.config_source == "default" and r.vmem_limit_bytes == 64 * 2**20

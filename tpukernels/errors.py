@@ -37,7 +37,15 @@ class BlockShapeError(TpuKernelError):
 
 
 class VmemError(TpuKernelError):
-    """The estimated (or compiler-reported) VMEM footprint exceeds the chip's capacity or scoped limit."""
+    """The estimated (or compiler-reported) VMEM footprint exceeds the chip's capacity or scoped limit.
+
+    Attributes (None when unknown): ``estimate_bytes`` (tpukernels' estimate of the footprint, bytes),
+    ``limit_bytes`` (the limit it exceeded, bytes).
+    """
+
+    def __init__(self, message: str, *, estimate_bytes: int | None = None, limit_bytes: int | None = None):
+        super().__init__(message)
+        self.estimate_bytes, self.limit_bytes = estimate_bytes, limit_bytes
 
 
 class ChipError(TpuKernelError):

@@ -292,12 +292,13 @@ def lower(
 def _resolve_and_validate(kernel, specs, statics, config, chip, mode):
     """resolve + validate; a tuning-DB config the launch or the checks reject is skipped with a warning."""
     db_chip = chip if mode == "mosaic" else None
+    resolved = None
     try:
         resolved = resolve(kernel, specs, statics, config, db_chip)
         return resolved, validate(kernel, resolved, chip)
     except TpuKernelError as e:
-        if config or not CONFIG_RESOLVERS:
-            raise
+        if config or not CONFIG_RESOLVERS or (resolved is not None and resolved.source in _NOT_DB):
+            raise  # not a tuning-DB config: the error is the user's to see, without a DB detour
         # Only a DB-sourced config gets a second chance; re-resolve without the DB to find out.
         fallback = resolve(kernel, specs, statics, None, db_chip, resolvers=False)
         shapes = [None if s is None else tuple(s.shape) for s in specs]

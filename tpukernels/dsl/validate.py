@@ -181,12 +181,13 @@ def check_vmem(est: VmemEstimate, chip: Chip, vmem_limit_bytes: int | None, kern
     top = ", ".join(f"{label}: {b / MiB:.2f} MiB" for label, b in est.detail[:3])
     if vmem_limit_bytes is not None and vmem_limit_bytes > cap:
         raise VmemError(
-            f"{kernel}: vmem_limit_bytes {vmem_limit_bytes / MiB:.0f} MiB > {cap / MiB:.0f} MiB VMEM on {chip.name}"
+            f"{kernel}: vmem_limit_bytes {vmem_limit_bytes / MiB:.0f} MiB > {cap / MiB:.0f} MiB VMEM on {chip.name}",
+            estimate_bytes=est.total_bytes, limit_bytes=cap,
         )
     if est.total_bytes > cap:
         raise VmemError(
             f"{kernel}: VMEM {est.total_bytes / MiB:.2f} MiB > {cap / MiB:.0f} MiB on {chip.name} "
-            f"(largest: {top}); use smaller blocks"
+            f"(largest: {top}); use smaller blocks", estimate_bytes=est.total_bytes, limit_bytes=cap,
         )
     limit = vmem_limit_bytes if vmem_limit_bytes is not None else chip.default_scoped_vmem_bytes
     if est.total_bytes > limit:
@@ -197,7 +198,7 @@ def check_vmem(est: VmemEstimate, chip: Chip, vmem_limit_bytes: int | None, kern
         )
         raise VmemError(
             f"{kernel}: VMEM {est.total_bytes / MiB:.2f} MiB > scoped limit {limit / MiB:.0f} MiB on {chip.name} "
-            f"(largest: {top}); {how}"
+            f"(largest: {top}); {how}", estimate_bytes=est.total_bytes, limit_bytes=limit,
         )
 
 

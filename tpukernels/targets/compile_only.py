@@ -362,6 +362,14 @@ def compile_for(
     except (VmemError, BlockShapeError, KernelBodyError) as e:
         res.error_kind = {VmemError: "vmem", BlockShapeError: "block_shape", KernelBodyError: "body"}[type(e)]
         res.error = str(e)
+        res.vmem_estimate_bytes, res.vmem_limit_bytes = getattr(e, "estimate_bytes", None), getattr(e, "limit_bytes", None)
+        try:  # the config that failed, for sweeps that read the result
+            from ..lowering import resolve
+
+            r = resolve(kernel, specs, statics, config, chip)
+            res.config, res.config_source = dict(r.config), r.source
+        except Exception:  # noqa: BLE001  (the launch itself raised: no config to report beyond the error)
+            pass
         res.compile_seconds = time.perf_counter() - t0
         return res
     res.config, res.config_source = dict(low.config), low.resolved.source
