@@ -191,10 +191,30 @@ def lookup(kernel: TpuKernel, chip: str, specs, statics) -> tuple[dict, str] | N
     """
     key = entry_key(kernel, specs, statics)
     for label, path in (("user-db", user_db_path(kernel.qualname, chip)), ("shipped-db", shipped_db_path(kernel.qualname, chip))):
-        entry, how = find(_entries(path), key)
+        entries = _entries(path)
+        entry, how = find(entries, key)
         if entry is not None:
             return dict(entry["config"]), label if how == "exact" else f"{label}:nearest"
+        if label == "user-db" and entries:
+            _warn_stale(kernel.qualname, chip, path, entries, key)
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def _warned(qualname: str, chip: str, path: str, source: str) -> list:
+    return []
+
+
+def _warn_stale(qualname: str, chip: str, path: str, entries, key: dict) -> None:
+    """Warn once per kernel, chip and source when the user DB only has entries for an earlier source."""
+    stale = sum(1 for e in entries if e["key"].get("source_hash") != key["source_hash"])
+    seen = _warned(qualname, chip, path, key["source_hash"])
+    if stale and not seen and not any(e["key"].get("source_hash") == key["source_hash"] for e in entries):
+        seen.append(True)
+        warnings.warn(f"tpukernels: {qualname}: the user tuning DB for {chip} ({path}) has {stale} entr"
+                      f"{'y' if stale == 1 else 'ies'} made for an earlier version of the kernel's source (its body "
+                      f"or launch function changed, docstrings included), so none is used; re-run `tpukernels "
+                      f"autotune ... --write-db`", RuntimeWarning, stacklevel=4)
 
 
 def versions() -> dict:
