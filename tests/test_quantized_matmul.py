@@ -278,6 +278,7 @@ def test_opcheck():
     torch.library.opcheck(OPS.quantized_matmul, (x.detach().bfloat16(), w_q, w_s, "int8", "float32"))
     torch.library.opcheck(OPS.quantized_matmul_kernel, (x.detach()[0], w_q, w_s.reshape(1, -1), None, None))
     torch.library.opcheck(OPS.quantize_per_token_kernel, (x.detach()[0].bfloat16(), "float8_e5m2"))
+    torch.library.opcheck(OPS.quantized_matmul_w8a8_kernel, (x.detach()[0].bfloat16(), w_q, w_s.reshape(1, -1), None))
 
 
 def test_torch_compile_fullgraph_dynamic():

@@ -16,9 +16,12 @@ w8a16          bf16|f32 / int8|fp8  ``w_q`` tile converted to ``x.dtype`` in VME
                                     values are representable in bf16), ``x . w^T`` accumulated in f32,
                                     then ``* w_scale[n]``. On chips whose MXU takes ``bf16 x fp8``
                                     natively (jax ``tpu_info.is_matmul_supported``) the fp8 tile is fed as is.
-w8a8 int8      bf16|f32 / int8      ``x`` quantized per token (``quantize_per_token_kernel``), int8 x int8
-                                    accumulated exactly in int32 on the MXU, then ``* x_scale[m] * w_scale[n]``
-                                    in f32.
+w8a8 int8      bf16|f32 / int8      ``x`` quantized per token, int8 x int8 accumulated exactly in int32 on
+                                    the MXU, then ``* x_scale[m] * w_scale[n]`` in f32. One fused kernel
+                                    (``quantized_matmul_w8a8_kernel``) where :func:`fused_plan` has a plan
+                                    (``x`` read once, ``x_q`` never written to HBM), else
+                                    ``quantize_per_token_kernel`` then ``quantized_matmul_kernel``; both
+                                    give the same values (one quantization formula, the same epilogue).
 w8a8 fp8       bf16|f32 / fp8       same with ``x`` quantized to ``w_q``'s fp8 dtype, f32 accumulation.
 =============  ===================  =====================================================================
 
@@ -62,6 +65,13 @@ Kernels (torch ops, ``[rows, cols]`` operands):
   epilogue. K tails are masked on both operands (``tk.mask_tail``, NaN-safe) on the last K step only.
 * ``tpukernels::quantize_per_token_kernel(x [M,K], dtype) -> (x_q [M,K], x_scale [M,1])``: row blocks
   of the whole K (absmax needs the full row).
+* ``tpukernels::quantized_matmul_w8a8_kernel(x [M,K] bf16|f32, w_q [N,K], w_scale [1,N], out_dtype)``: the
+  fused w8a8 path. Grid ``(M/bm, N/bn, K/bk)``, all sequential; ``x`` stays in HBM (``pl.ANY``) and each
+  row block at full K is DMA'd once into VMEM; row block ``i+1`` is DMA'd during row block ``i``'s first
+  N sweeps and its absmax and quantization (into the second slot of a two-slot int8 / fp8 VMEM scratch)
+  run during the last N sweeps, in the same branch as those steps' dots so vector and MXU work can
+  overlap; only row block 0 is prepared serially. Blocks and the fallback rule: :func:`fused_plan`
+  (``bm`` divides ``M``, footprint within 3/4 of the chip's VMEM from tpu_info).
 * ``tpukernels::quantized_matmul_bwd_dx(g [M,N], w_q [N,K], w_scale [1,N]) -> [M,K]``: ``d_x = (g * w_scale)
   @ w_q`` (the scale is applied to the ``g`` tile in f32 and rounded once to ``g.dtype``).
 
