@@ -1,5 +1,5 @@
 """Grouped matmul family: tpukernels' grouped_matmul vs XLA's ``jax.lax.ragged_dot`` and JAX's megablox
-``gmm``, bf16 in, bf16 out, at Mixtral-8x7B expert shapes.
+``gmm`` / ``tgmm``, bf16 in, bf16 out, at Mixtral-8x7B expert shapes.
 
 Shapes: :data:`tpukernels.library.grouped_matmul.STANDARD_CASES`: 8192 tokens, top-2 = 16384 rows over 8
 experts, hidden 4096, ffn 14336: the gate/up projection ``x[16384, 4096] @ W1[g].T`` (``W1 [8, 14336, 4096]``,
@@ -7,20 +7,53 @@ experts, hidden 4096, ffn 14336: the gate/up projection ``x[16384, 4096] @ W1[g]
 and ``x @ W[g]`` with ``W [8, 4096, 14336]`` (``transpose_rhs=False``, megablox's layout); the weight
 gradient (tgmm) of the first, ``d_W[g] = x[rows of g]^T @ dO[rows of g]``.
 
-* ``tpukernels``: ``grouped_matmul_fwd`` / ``grouped_matmul_tgmm`` at the config a call gets on the chip
-  (shipped tuning DB, else heuristic), including the on-device tile-metadata computation, estimated on one
-  output-column block and scaled by the number of blocks (``_one_block_args``; megablox the same way);
+* ``tpukernels``: ``grouped_matmul_fwd`` / ``grouped_matmul_tgmm`` at the config a full-size call gets on the
+  chip (shipped tuning DB, else heuristic), plus its on-device work-item schedule;
 * ``xla ragged_dot``: ``jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=f32).astype(bf16)``
   (``rhs`` pre-transposed for the ``W.T`` cases: the transpose is not counted, in its favour); for the
   weight gradient ``jax.lax.ragged_dot_general`` with the ragged contracting dimension (what
   ``jax.grad(ragged_dot)`` emits);
 * ``jax megablox gmm`` / ``tgmm``: ``jax.experimental.pallas.ops.tpu.megablox`` at tiling
-  ``(512, 1024, 1024)`` (tgmm ``(512, 512, 1024)``), the blocks our heuristic uses, clamped to the shape;
-  ``transpose_rhs=True`` where we use it (megablox supports it natively).
+  ``(512, 1024, 1024)`` (tgmm ``(512, 512, 1024)``), clamped to the shape; ``transpose_rhs=True`` where we
+  use it; plus its ``make_group_metadata``.
 
-Group sizes do not enter the model: every program is estimated statically from its grid, which for
-ours is the static bound ``ceil(M / bm) + G - 1`` work items, for megablox a grid whose length is
-traced from the group sizes (libtpu's estimator then sees the program, not the data). Bytes
+**Reduced problems, the same way for every implementation.** libtpu's static profiler needs ~20 GB and
+> 15 min for one full 16384-row grid (its time grows faster than the grid: ours at 2048 / 4096 / 8192 rows
+of one output block took 14 / 24 / 73 s and 1.7 / 3.0 / 6.7 GB). So each implementation's kernel is
+estimated at three reduced problems -- ``M1 = 2048`` and ``M2 = 4096`` rows (``FIT_ROWS``; the group sizes
+scaled, they do not enter any static program) with one block of ``N_EST = 2048`` output columns (tgmm: one
+``2048 x 2048`` d_W block, ``K_EST_TGMM``), and ``M1`` rows with two blocks -- and the cycles are fitted as
+``a + nb * (b + q * M)`` (``a``: once per launch, the pipeline prologue; ``b``: per output block, e.g. our
+``G - 1`` extra work items; ``q``: per row) and evaluated at the full ``M`` and ``nb = N / 2048`` blocks
+(tgmm ``K/2048 * N/2048``). The metadata program (our schedule, megablox's ``make_group_metadata``) is
+estimated separately at the full problem and added (libtpu sums per-op estimates anyway). Check on v6e, up
+projection, at the shipped config: the fit predicts ours' 8192-row estimate within 0.01% (364,477 vs
+364,447 cycles) and its 4-block one within 0.09% (589,276 vs 588,722); megablox's both exactly (553,346
+and 1,052,432 cycles). XLA's program is fitted the same way (where libtpu can estimate it at all).
+
+**megablox's grid.** megablox sizes its grid with ``num_active_tiles``, a traced value; libtpu's static
+profiler assumes a fixed ~42 iterations for a dynamic grid axis whatever the problem (calibrated on a toy
+kernel with a dynamic vs a static grid on v6e: 42.7 / 42.2 / 42.1 iterations at three per-step costs;
+megablox's estimate at 1024 and 2048 rows differ by 0.06%). The bench therefore gives megablox's kernel the
+static bound ``tiles_m + G - 1`` as its grid length -- what its grid runs at most, and the count ours is
+estimated at (libtpu reads neither schedule: SMEM is zeros to it) -- by wrapping ``make_group_metadata``
+while tracing (:func:`_static_metadata`); the kernel is megablox's, its metadata constant zeros (as libtpu
+sees any data), and the real ``make_group_metadata`` is the separately estimated metadata program.
+
+**Where libtpu 0.0.52 cannot estimate** the row keeps the error and shows a **floor** (a lower bound):
+``max(the case's roofline, the kernel's fitted estimate when only the metadata program failed)``.
+XLA's ragged_dot aborts the profiler on every chip (``llo_evaluator.cc:90``; XLA lowers it to a
+ragged convolution fusion with an iteration skipper at group starts), so its rows are the roofline floor.
+On v5e the profiler aborts on megablox's programs (``llo_execution_graph.cc:149``: "Unsupported DMA
+direction" in a scatter fusion of its metadata). On tpu7x our kernel's profiling compile runs out of VMEM
+(92 MiB of 64: in profiling mode XLA allocates the kernel's pipeline windows outside its 52 MiB scoped
+limit; the same program compiles without the profiler, ``tests/test_grouped_matmul.py`` aot), so ours is
+the roofline floor there.
+
+Group sizes do not enter the model: every program is estimated statically, ours at its static bound of
+``ceil(M / bm) + G - 1`` work items all computing (an upper bound; real runs skip padding items), megablox
+at ``tiles_m + G - 1``. What the data changes is in each tpukernels row's ``reason`` (:func:`data_cost`:
+the exact pipeline copies and MXU work of our schedule at skewed Mixtral group sizes, analytic). Bytes
 ``(M*K + G*K*N + M*N) * 2`` (each operand once, the minimum); FLOPs ``2*M*K*N`` (every row once).
 """
 
@@ -28,11 +61,16 @@ from __future__ import annotations
 
 import importlib
 
-from .core import Case, Impl, kernel_program, xla_impl
+from .core import Case, EstimateError, Impl, kernel_program
 
 FAMILY = "grouped_matmul"
 JAX_TILING = (512, 1024, 1024)  # tm, tk, tn
 JAX_TILING_TGMM = (512, 512, 1024)
+#: the rows of the two reduced problems of the fit (group sizes scaled; see the module docstring)
+FIT_ROWS = (2048, 4096)
+#: output columns of one reduced problem (forward), and the (K, N) of one d_W block (tgmm)
+N_EST = 2048
+K_EST_TGMM = 2048
 
 REASONS: dict = {}
 #: realistic skewed Mixtral routing for the data-dependent analysis (8192 tokens, top-2, 8 experts)
@@ -43,96 +81,268 @@ def _shape(text: str) -> tuple[int, ...]:
     return tuple(int(d) for d in text.split(":")[0].split("x"))
 
 
-def _one_block_args(kernel, args, kwargs, cfg):
-    """``(args, n_blocks)``: the same call with N cut to one output-column block of ``cfg`` (tgmm: one
-    (K, N) block), and how many such blocks the full call has. The N (and tgmm K) axes are outer parallel
-    grid axes whose passes repeat the same schedule, so the full estimate is ``n_blocks`` times this one's
-    (it counts each pass's pipeline warm-up once per pass: slightly pessimistic). libtpu's estimator needs
-    ~20 GB and >10 min for the full 16384 x 14336 grids; one block takes a fraction of that."""
+def _clock(chip):
+    from ..perf import clock_hz
+
+    return clock_hz(chip)
+
+
+class _Fitted:
+    """One implementation's kernel estimated at three reduced problems and extrapolated (module docstring):
+    ``program(chip, rows, blocks) -> (fn, structs)`` is its kernel alone at ``rows`` rows and ``blocks``
+    output blocks; ``meta(chip) -> (fn, structs) | None`` its metadata computation at the full problem.
+
+    ``cycles = a + nb * (b + q * M)`` is fitted to the kernel's estimates at ``(M1, 1)``, ``(M2, 1)`` and
+    ``(M1, 2)`` and evaluated at ``(M, nb)``; the metadata estimate is added. Where the metadata program
+    cannot be estimated (libtpu aborts), the kernel's figure is kept as a floor (a lower bound)."""
+
+    def __init__(self, program, meta, M: int, nb: int):
+        self.program, self.meta, self.M, self.nb = program, meta, M, nb
+        self.kernel_cycles: dict = {}  # chip -> fitted kernel cycles (for the floor)
+        self.fit: dict = {}
+
+    def kernel(self, est, chip) -> int:
+        m1, m2 = FIT_ROWS
+        c11 = est.cycles(*self.program(chip, m1, 1), chip)
+        c21 = est.cycles(*self.program(chip, m2, 1), chip)
+        c12 = est.cycles(*self.program(chip, m1, 2), chip)
+        q = (c21 - c11) / (m2 - m1)
+        per_block = c12 - c11 + q * (self.M - m1)
+        total = (2 * c11 - c12) + self.nb * per_block
+        self.fit[chip] = dict(c11=c11, c21=c21, c12=c12)
+        self.kernel_cycles[chip] = int(round(total))
+        return self.kernel_cycles[chip]
+
+    def cycles(self, est, chip) -> int:
+        self.kernel_cycles.pop(chip, None)
+        k = self.kernel(est, chip)
+        m = self.meta(chip)
+        return k + (est.cycles(*m, chip) if m is not None else 0)
+
+    def floor_us(self, roofline_us):
+        def f(chip):
+            k = self.kernel_cycles.get(chip)
+            return max(roofline_us(chip), 0.0 if k is None else k / _clock(chip) * 1e6)
+
+        return f
+
+
+def _gm():
     import tpukernels.library  # noqa: F401
 
-    gm = importlib.import_module("tpukernels.library.grouped_matmul")
+    return importlib.import_module("tpukernels.library.grouped_matmul")
+
+
+def _ours_split(kernel, args, kwargs, cfg, chip):
+    """``(kernel alone, metadata)`` programs of our kernel at ``args`` and ``cfg``: the Pallas call with the
+    work-item table as its scalar-prefetch input, and the on-device schedule (``Launch.prefetch``)."""
+    import dataclasses
+
+    import jax
+
+    from ..lowering import build_fn
+
+    gm = _gm()
+    low = _lowered(kernel, chip, args, kwargs, cfg)
+    launch = low.resolved.launch
+    meta_structs = list(low.arg_structs[:2])
+    meta_fn = jax.jit(launch.prefetch)
+    (table,) = jax.eval_shape(meta_fn, *meta_structs)
+    alone = dataclasses.replace(low.resolved, launch=dataclasses.replace(launch, prefetch=None, num_scalar_prefetch=1))
+    fn, _ = build_fn(kernel, alone, "mosaic")
+    del gm
+    return (jax.jit(fn), [jax.ShapeDtypeStruct(table.shape, table.dtype), *low.arg_structs[2:]]), (meta_fn, meta_structs)
+
+
+def _lowered(kernel, chip, args, kwargs, cfg):
+    from ..chips import get_chip
+    from ..lowering import lower
+    from ..targets import bucket_specs
+    from ..targets.compile_only import example_specs
+
+    specs, statics = example_specs(kernel, args, kwargs)
+    return lower(kernel, bucket_specs(kernel, specs), statics, cfg, mode="mosaic", chip=get_chip(chip))
+
+
+def _reduced_args(kernel, args, kwargs, rows: int, blocks: int):
+    """``args`` at ``rows`` rows and ``blocks`` reduced output blocks (N_EST columns; tgmm: K_EST_TGMM x N_EST)."""
+    gm = _gm()
     a = list(args)
     if kernel is gm.grouped_matmul_tgmm:
-        (M, K), (_, N) = _shape(a[2]), _shape(a[3])
-        bk, bn = min(cfg["bk"], K), min(cfg["bn"], N)
-        a[2], a[3] = f"{M}x{bk}:bf16", f"{M}x{bn}:bf16"
-        return tuple(a), -(-K // bk) * -(-N // bn)
+        (_, K), (_, N) = _shape(a[2]), _shape(a[3])
+        a[2], a[3] = f"{rows}x{min(K, K_EST_TGMM)}:bf16", f"{rows}x{min(N, N_EST) * blocks}:bf16"
+        return tuple(a)
+    (_, K) = _shape(a[2])
     G, d1, d2 = _shape(a[3])
-    tr = bool(kwargs.get("transpose_rhs"))
-    N = d1 if tr else d2
-    bn = min(cfg["bn"], N)
-    a[3] = f"{G}x{bn}x{d2}:bf16" if tr else f"{G}x{d1}x{bn}:bf16"
-    return tuple(a), -(-N // bn)
+    n = min(d1 if kwargs.get("transpose_rhs") else d2, N_EST) * blocks
+    a[2] = f"{rows}x{K}:bf16"
+    a[3] = f"{G}x{n}x{d2}:bf16" if kwargs.get("transpose_rhs") else f"{G}x{d1}x{n}:bf16"
+    return tuple(a)
 
 
-def _ours(kernel, args, kwargs) -> Impl:
+def _blocks(M, K, N, tgmm: bool) -> int:
+    """How many reduced output blocks the full problem has (module docstring)."""
+    nb = -(-N // min(N, N_EST))
+    return nb * -(-K // min(K, K_EST_TGMM)) if tgmm else nb
+
+
+def _ours(kernel, args, kwargs, roofline_us) -> Impl:
+    gm = _gm()
+    tgmm = kernel is gm.grouped_matmul_tgmm
+    (M, K) = _shape(args[2])
+    N = _shape(args[3])[1] if tgmm else (_shape(args[3])[1] if kwargs.get("transpose_rhs") else _shape(args[3])[2])
+    state = {}
+
+    def program(chip, rows, blocks):
+        return _ours_split(kernel, _reduced_args(kernel, args, kwargs, rows, blocks), kwargs, state[chip], chip)[0]
+
+    def meta(chip):
+        return _ours_split(kernel, args, kwargs, state[chip], chip)[1]
+
+    fit = _Fitted(program, meta, M, _blocks(M, K, N, tgmm))
+
     def cycles(est, chip):
         _, _, cfg, source = kernel_program(kernel, chip, args, kwargs)  # the config a full call gets
-        small, n = _one_block_args(kernel, args, kwargs, cfg)
-        fn, structs, _, _ = kernel_program(kernel, chip, small, kwargs, cfg)
-        return est.cycles(fn, structs, chip) * n, dict(cfg, source=source, scaled=f"{n} blocks")
+        state[chip] = cfg
+        return fit.cycles(est, chip), dict(cfg, source=source)
 
-    return Impl("tpukernels", "ours", cycles)
-
-
-def _megablox(fn_of_n, structs_of_n, n_blocks: int, config: str, name: str) -> Impl:
-    """megablox at one output-column block (grid axis 0), scaled by the number of blocks (as ours)."""
-    return Impl(name, "public", lambda est, chip: (est.cycles(fn_of_n, structs_of_n, chip) * n_blocks, None),
-                config=config + f" ({n_blocks} blocks)")
+    return Impl("tpukernels", "ours", cycles, floor_us=fit.floor_us(roofline_us))
 
 
-def cases(chips) -> list[Case]:
+# ---------------------------------------------------------------------------------------------- megablox
+def _static_metadata(real, zeros: bool):
+    """megablox's ``make_group_metadata`` with its grid length replaced by the static bound
+    ``tiles_m + num_groups - 1`` (module docstring); ``zeros``: constant all-zero metadata (the kernel alone)."""
+    import jax.numpy as jnp
+
+    def make_group_metadata(*, group_sizes, m, tm, start_group, num_nonzero_groups, visit_empty_groups=True):
+        meta, _ = real(group_sizes=group_sizes, m=m, tm=tm, start_group=start_group,
+                       num_nonzero_groups=num_nonzero_groups, visit_empty_groups=visit_empty_groups)
+        bound = -(-m // tm) + num_nonzero_groups - 1
+        if zeros:
+            meta = tuple(jnp.zeros(x.shape, x.dtype) for x in meta)
+        return meta, bound
+
+    return make_group_metadata
+
+
+def _megablox_program(mb, call, structs, zeros: bool):
+    import jax
+
+    def fn(*a):
+        real = mb.make_group_metadata
+        mb.make_group_metadata = _static_metadata(real, zeros)
+        try:
+            return call(*a)
+        finally:
+            mb.make_group_metadata = real
+
+    return jax.jit(fn), structs
+
+
+def _megablox(M, K, N, G, tgmm: bool, tr: bool, roofline_us) -> Impl:
     import jax
     import jax.numpy as jnp
 
-    import tpukernels.library  # noqa: F401
-
-    gm = importlib.import_module("tpukernels.library.grouped_matmul")
     mb = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+    bf16, i32 = jnp.bfloat16, jnp.int32
+    S = jax.ShapeDtypeStruct
+    sg = S((G,), i32)
+    Ke, Ne = (min(K, K_EST_TGMM) if tgmm else K), min(N, N_EST)
+
+    if tgmm:
+        tm, tk, tn = (min(b, d) for b, d in zip(JAX_TILING_TGMM, (M, Ke, Ne)))
+        config = f"tiling={tm},{tk},{tn}"
+
+        def call(x, y, gs):
+            return mb.tgmm(x.T, y, gs, preferred_element_type=bf16, tiling=(tm, tk, tn))
+
+        def structs(rows, blocks):
+            return [S((rows, Ke), bf16), S((rows, Ne * blocks), bf16), sg]
+
+        full = [S((M, K), bf16), S((M, N), bf16), sg]
+    else:
+        tm, tk, tn = (min(b, d) for b, d in zip(JAX_TILING, (M, K, Ne)))
+        config = f"tiling={tm},{tk},{tn}" + (",transpose_rhs" if tr else "")
+
+        def call(x, w, gs):
+            return mb.gmm(x, w, gs, preferred_element_type=bf16, tiling=(tm, tk, tn), transpose_rhs=tr)
+
+        def structs(rows, blocks):
+            n = Ne * blocks
+            return [S((rows, K), bf16), S((G, n, K) if tr else (G, K, n), bf16), sg]
+
+        full = [S((M, K), bf16), S((G, N, K) if tr else (G, K, N), bf16), sg]
+
+    def program(chip, rows, blocks):
+        return _megablox_program(mb, call, structs(rows, blocks), zeros=True)
+
+    def meta(chip):
+        real = mb.make_group_metadata
+        fn = jax.jit(lambda gs: real(group_sizes=gs, m=M, tm=tm, start_group=jnp.zeros((), i32),
+                                     num_nonzero_groups=G, visit_empty_groups=tgmm)[0])
+        return fn, [sg]
+
+    fit = _Fitted(program, meta, M, _blocks(M, K, N, tgmm))
+    del full
+    return Impl("jax megablox tgmm" if tgmm else "jax megablox gmm", "public",
+                lambda est, chip: (fit.cycles(est, chip), None), config=config, floor_us=fit.floor_us(roofline_us))
+
+
+# --------------------------------------------------------------------------------------------------- xla
+def _xla(M, K, N, G, tgmm: bool, roofline_us) -> Impl:
+    import jax
+    import jax.numpy as jnp
+
     bf16, f32, i32 = jnp.bfloat16, jnp.float32, jnp.int32
+    S = jax.ShapeDtypeStruct
+    sg = S((G,), i32)
+    Ke, Ne = (min(K, K_EST_TGMM) if tgmm else K), min(N, N_EST)
+    if tgmm:
+        dims = jax.lax.RaggedDotDimensionNumbers(
+            dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+        fn = jax.jit(lambda x, y, gs: jax.lax.ragged_dot_general(x, y, gs, dims, preferred_element_type=f32).astype(bf16))
+
+        def structs(rows, blocks):
+            return [S((rows, Ke), bf16), S((rows, Ne * blocks), bf16), sg]
+    else:
+        fn = jax.jit(lambda x, w, gs: jax.lax.ragged_dot(x, w, gs, preferred_element_type=f32).astype(bf16))
+
+        def structs(rows, blocks):
+            return [S((rows, K), bf16), S((G, K, Ne * blocks), bf16), sg]
+
+    fit = _Fitted(lambda chip, rows, blocks: (fn, structs(rows, blocks)), lambda chip: None, M, _blocks(M, K, N, tgmm))
+    return Impl("xla ragged_dot", "xla", lambda est, chip: (fit.cycles(est, chip), None), config="XLA fusion",
+                floor_us=fit.floor_us(roofline_us))
+
+
+def cases(chips) -> list[Case]:
+    from ..perf import model_time
+
+    gm = _gm()
     out = []
     for kernel, args, kwargs in gm.STANDARD_CASES:
         G = _shape(args[0])[0]
-        if kernel is gm.grouped_matmul_tgmm:
-            (M, K), (_, N) = _shape(args[2]), _shape(args[3])
-            sx, sy = jax.ShapeDtypeStruct((M, K), bf16), jax.ShapeDtypeStruct((M, N), bf16)
-            sg = jax.ShapeDtypeStruct((G,), i32)
-            dims = jax.lax.RaggedDotDimensionNumbers(
-                dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0],
-                rhs_group_dimensions=[])
-            xla_fn = jax.jit(lambda x, y, gs: jax.lax.ragged_dot_general(
-                x, y, gs, dims, preferred_element_type=f32).astype(bf16))
-            tm, tk, tn = (min(b, d) for b, d in zip(JAX_TILING_TGMM, (M, K, N)))
-            jax_fn = jax.jit(lambda x, y, gs, t=(tm, tk, tn): mb.tgmm(
-                x.T, y, gs, preferred_element_type=bf16, tiling=t))
-            op, shape = "tgmm (d_W)", f"{M}x{K}^T @ {M}x{N}, G={G}"
-            one = [jax.ShapeDtypeStruct((M, tk), bf16), jax.ShapeDtypeStruct((M, tn), bf16), sg]
-            impls = [_ours(kernel, args, kwargs), xla_impl(xla_fn, [sx, sy, sg], name="xla ragged_dot"),
-                     _megablox(jax_fn, one, -(-K // tk) * -(-N // tn), f"tiling={tm},{tk},{tn}", "jax megablox tgmm")]
-            hbm = (M * K + M * N + G * K * N) * 2
+        tgmm = kernel is gm.grouped_matmul_tgmm
+        M, K = _shape(args[2])
+        if tgmm:
+            N = _shape(args[3])[1]
+            op, shape, tr = "tgmm (d_W)", f"{M}x{K}^T @ {M}x{N}, G={G}", False
         else:
             tr = bool(kwargs.get("transpose_rhs"))
-            M, K = _shape(args[2])
             _, d1, d2 = _shape(args[3])
             N = d1 if tr else d2
-            sx, sg = jax.ShapeDtypeStruct((M, K), bf16), jax.ShapeDtypeStruct((G,), i32)
-            sw = jax.ShapeDtypeStruct((G, d1, d2), bf16)
-            skn = jax.ShapeDtypeStruct((G, K, N), bf16)
-            xla_fn = jax.jit(lambda x, w, gs: jax.lax.ragged_dot(x, w, gs, preferred_element_type=f32).astype(bf16))
-            tm, tk, tn = (min(b, d) for b, d in zip(JAX_TILING, (M, K, N)))
-            jax_fn = jax.jit(lambda x, w, gs, t=(tm, tk, tn), tr=tr: mb.gmm(
-                x, w, gs, preferred_element_type=bf16, tiling=t, transpose_rhs=tr))
             op = "gmm x @ W[g].T" if tr else "gmm x @ W[g]"
             shape = f"{M}x{K} @ ({G}x{N}x{K}).T" if tr else f"{M}x{K} @ {G}x{K}x{N}"
-            one = [sx, jax.ShapeDtypeStruct((G, tn, K) if tr else (G, K, tn), bf16), sg]
-            impls = [_ours(kernel, args, kwargs),
-                     xla_impl(xla_fn, [sx, skn, sg], name="xla ragged_dot"),
-                     _megablox(jax_fn, one, -(-N // tn), f"tiling={tm},{tk},{tn}" + (",transpose_rhs" if tr else ""),
-                               "jax megablox gmm")]
-            hbm = (M * K + G * K * N + M * N) * 2
+        hbm, flops = (M * K + G * K * N + M * N) * 2, 2 * M * K * N
+
+        def roofline_us(chip, hbm=hbm, flops=flops):
+            return model_time(chip, None, hbm, flops, "bfloat16").roofline_us
+
+        impls = [_ours(kernel, args, kwargs, roofline_us), _xla(M, K, N, G, tgmm, roofline_us),
+                 _megablox(M, K, N, G, tgmm, tr, roofline_us)]
         for chip in chips:
-            out.append(Case(FAMILY, op, shape, chip, hbm_bytes=hbm, flops=2 * M * K * N, impls=impls))
+            out.append(Case(FAMILY, op, shape, chip, hbm_bytes=hbm, flops=flops, impls=impls))
     return out
 
 
@@ -194,9 +404,17 @@ def _parse_config(text: str) -> dict:
 
 
 def reason(row: dict) -> str | None:
-    """For tpukernels rows: the data-dependent cost at skewed Mixtral group sizes (analytic, exact schedule)."""
-    if row.get("kind") != "ours" or row.get("model_us") is None:
-        return REASONS.get((row["chip"], row["op"]))
+    """For tpukernels rows: why the figure is what it is (``REASONS``, from the estimates) and the
+    data-dependent cost at skewed Mixtral group sizes (analytic, exact schedule)."""
+    if row.get("kind") != "ours":
+        return None
+    parts = [REASONS.get((row["chip"], row["op"]))]
+    if row.get("model_us") is not None:
+        parts.append(_analytic(row))
+    return ". ".join(p for p in parts if p) or None
+
+
+def _analytic(row: dict) -> str | None:
     from ..perf import hbm_bandwidth, peak_flops
 
     gm = importlib.import_module("tpukernels.library.grouped_matmul")

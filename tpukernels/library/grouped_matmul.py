@@ -117,6 +117,11 @@ TUNABLES_TGMM = {
 F_TILE, F_SRC_TILE, F_GROUP, F_LO, F_HI, F_FLAGS = range(6)
 N_FIELDS = 6
 COMPUTE, STORE, FIRST, LAST = 1, 2, 4, 8  # flag bits
+#: flag bit of a computing item whose tile is not wholly inside its group's rows (a tile shared by two groups,
+#: or the M tail): only these select or mask rows; interior tiles store / accumulate their blocks as they
+#: are. Not complemented: an all-zero table (libtpu's static estimator) reads as interior tiles, the
+#: common case (boundary items are at most G - 1 per pass)
+PARTIAL = 16
 #: the table stores flags complemented (``flags ^ ALL``): an all-zero table, which is what libtpu's static
 #: estimator reads from SMEM (it has no data), then means "every item computes and stores", so the model
 #: counts the MXU work of all T items instead of none (an upper bound: real runs skip padding items)
@@ -163,7 +168,26 @@ def _group_bounds(sizes, offset, M: int, G: int):
     starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
     off = jnp.clip(offset.reshape(-1)[0], 0, sizes.shape[0] - G)
     idx = off + jnp.arange(G, dtype=jnp.int32)
-    return starts[idx], ends[idx]
+    return _take(starts, idx), _take(ends, idx)
+
+
+def _take(values, idx):
+    """``values[idx]`` for a small int32 vector ``values`` as a one-hot select-and-sum, not a gather.
+
+    The schedules are tiny (``T x tiles`` or ``T x G`` elements); dense compares keep them free of XLA
+    gathers, which libtpu 0.0.52's static profiler cannot model on v5e (``llo_execution_graph.cc:149``), so
+    the whole launch gets a static estimate there too."""
+    import jax.numpy as jnp
+
+    hit = idx[:, None] == jnp.arange(values.shape[0], dtype=jnp.int32)[None, :]
+    return jnp.sum(jnp.where(hit, values[None, :], 0), axis=1).astype(jnp.int32)
+
+
+def _count_le(sorted_values, x):
+    """``searchsorted(sorted_values, x, side="right")``: how many entries are ``<= x`` (dense compare)."""
+    import jax.numpy as jnp
+
+    return jnp.sum(sorted_values[None, :] <= x[:, None], axis=1).astype(jnp.int32)
 
 
 def _forward_fill(values, valid):
@@ -173,7 +197,7 @@ def _forward_fill(values, valid):
 
     T = values.shape[0]
     src = lax.cummax(jnp.where(valid, jnp.arange(T, dtype=jnp.int32), -1), axis=0)
-    return jnp.where(src >= 0, values[jnp.maximum(src, 0)], 0)
+    return jnp.where(src >= 0, _take(values, jnp.maximum(src, 0)), 0)
 
 
 def _fwd_schedule(sizes, offset, *, M: int, G: int, bm: int, T: int):
@@ -195,16 +219,19 @@ def _fwd_schedule(sizes, offset, *, M: int, G: int, bm: int, T: int):
     V = jnp.cumsum(v)
     i = jnp.arange(T, dtype=jnp.int32)
     real = i < V[-1]
-    tile = jnp.minimum(jnp.searchsorted(V, i, side="right"), tiles - 1).astype(jnp.int32)
-    l = i - (V[tile] - v[tile])
-    rank = jnp.cumsum(inter.astype(jnp.int32), axis=1)[tile]  # [T, G]
+    tile = jnp.minimum(_count_le(V, i), tiles - 1)
+    l = i - (_take(V, tile) - _take(v, tile))
+    tt = tile[:, None]  # the groups intersecting each item's tile, [T, G] (no gather of inter's rows)
+    inter_t = ne[None, :] & (s[None, :] < (tt + 1) * bm) & (e[None, :] > tt * bm)
+    rank = jnp.cumsum(inter_t.astype(jnp.int32), axis=1)  # [T, G]
     g = jnp.minimum((rank <= l[:, None]).sum(1), G - 1).astype(jnp.int32)
-    compute = real & (n[tile] > 0)
-    lo, hi = jnp.where(compute, s[g], 0), jnp.where(compute, e[g], 0)
+    compute = real & (inter_t.sum(1) > 0)
+    lo, hi = jnp.where(compute, _take(s, g), 0), jnp.where(compute, _take(e, g), 0)
     flags = (compute * COMPUTE) | (real * STORE) | ((real & (l == 0)) * FIRST)
+    flags = (flags ^ ALL) | ((compute & ((tile * bm < lo) | ((tile + 1) * bm > hi))) * PARTIAL)
     src_tile = _forward_fill(tile, compute)
     group = _forward_fill(g, compute)
-    return (jnp.stack([tile, src_tile, group, lo, hi, flags.astype(jnp.int32) ^ ALL]).reshape(-1),)
+    return (jnp.stack([tile, src_tile, group, lo, hi, flags.astype(jnp.int32)]).reshape(-1),)
 
 
 def _tgmm_schedule(sizes, offset, *, M: int, G: int, bm: int, T: int):
@@ -219,15 +246,17 @@ def _tgmm_schedule(sizes, offset, *, M: int, G: int, bm: int, T: int):
     W = jnp.cumsum(w)
     i = jnp.arange(T, dtype=jnp.int32)
     real = i < W[-1]
-    g = jnp.minimum(jnp.searchsorted(W, i, side="right"), G - 1).astype(jnp.int32)
-    l = i - (W[g] - w[g])
-    compute = real & ne[g]
-    tile = jnp.where(compute, t0[g] + l, 0).astype(jnp.int32)
-    lo, hi = jnp.where(compute, s[g], 0), jnp.where(compute, e[g], 0)
+    g = jnp.minimum(_count_le(W, i), G - 1)
+    wg = _take(w, g)
+    l = i - (_take(W, g) - wg)
+    compute = real & (_take(ne.astype(jnp.int32), g) > 0)
+    tile = jnp.where(compute, _take(t0, g) + l, 0).astype(jnp.int32)
+    lo, hi = jnp.where(compute, _take(s, g), 0), jnp.where(compute, _take(e, g), 0)
     flags = ((compute * COMPUTE) | (real * STORE) | ((real & (l == 0)) * FIRST)
-             | ((real & (l == w[g] - 1)) * LAST))
+             | ((real & (l == wg - 1)) * LAST))
+    flags = (flags ^ ALL) | ((compute & ((tile * bm < lo) | ((tile + 1) * bm > hi))) * PARTIAL)
     src_tile = _forward_fill(tile, compute)
-    return (jnp.stack([tile, src_tile, g, lo, hi, flags.astype(jnp.int32) ^ ALL]).reshape(-1),)
+    return (jnp.stack([tile, src_tile, g, lo, hi, flags.astype(jnp.int32)]).reshape(-1),)
 
 
 # ----------------------------------------------------------------------------------------------- kernel bodies
@@ -258,12 +287,18 @@ def _gmm_body(tab, lhs_ref, rhs_ref, out_ref, acc_ref, *, T, bm, n_k, blk_k, k_s
         prev = jnp.where(_bits(flags, FIRST), 0.0, out_ref[...].astype(jnp.float32))
         out_ref[...] = jnp.where(mask, z, prev).astype(out_ref.dtype)
 
+    def store_all(z):  # an interior tile: its only visit, every row is the group's
+        out_ref[...] = z.astype(out_ref.dtype)
+
     last = k == n_k - 1
     finish = _bits(flags, STORE) & last
+    partial = _bits(flags, PARTIAL)
+    interior = jnp.logical_not(partial)
     # a visit without rows (a tile no group owns): the select keeps the previous visit's rows or zeros
     pl.when(finish & jnp.logical_not(compute))(lambda: store(jnp.zeros(out_ref.shape, jnp.float32)))
     if n_k == 1:
-        pl.when(finish & compute)(lambda: store(dot(tail)))
+        pl.when(finish & compute & partial)(lambda: store(dot(tail)))
+        pl.when(finish & compute & interior)(lambda: store_all(dot(tail)))
         return
 
     @pl.when(compute & (k == 0))
@@ -274,7 +309,8 @@ def _gmm_body(tab, lhs_ref, rhs_ref, out_ref, acc_ref, *, T, bm, n_k, blk_k, k_s
     def _():
         acc_ref[...] += dot(False)
 
-    pl.when(finish & compute)(lambda: store(acc_ref[...] + dot(tail)))
+    pl.when(finish & compute & partial)(lambda: store(acc_ref[...] + dot(tail)))
+    pl.when(finish & compute & interior)(lambda: store_all(acc_ref[...] + dot(tail)))
 
 
 def _tgmm_body(tab, x_ref, y_ref, out_ref, acc_ref, *, T, bm, precision):
@@ -291,16 +327,22 @@ def _tgmm_body(tab, x_ref, y_ref, out_ref, acc_ref, *, T, bm, precision):
     def _():
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    @pl.when(_bits(flags, COMPUTE))
+    def accumulate(x, y):
+        acc_ref[...] += jax.lax.dot_general(x, y, (((0,), (0,)), ((), ())), precision=precision,
+                                            preferred_element_type=jnp.float32)
+
+    compute, partial = _bits(flags, COMPUTE), _bits(flags, PARTIAL)
+
+    @pl.when(compute & partial)  # a tile shared with another group, or the M tail: mask both operands
     def _():
         tile = tab[F_TILE * T + i]
         lo, hi = tab[F_LO * T + i], tab[F_HI * T + i]
         rows = tile * bm + jax.lax.broadcasted_iota(jnp.int32, (x_ref.shape[0], 1), 0)
         valid = (rows >= lo) & (rows < hi)
-        x = jnp.where(valid, x_ref[...], jnp.zeros((), x_ref.dtype))
-        y = jnp.where(valid, y_ref[...], jnp.zeros((), y_ref.dtype))
-        acc_ref[...] += jax.lax.dot_general(x, y, (((0,), (0,)), ((), ())), precision=precision,
-                                            preferred_element_type=jnp.float32)
+        accumulate(jnp.where(valid, x_ref[...], jnp.zeros((), x_ref.dtype)),
+                   jnp.where(valid, y_ref[...], jnp.zeros((), y_ref.dtype)))
+
+    pl.when(compute & jnp.logical_not(partial))(lambda: accumulate(x_ref[...], y_ref[...]))
 
     @pl.when(_bits(flags, LAST))
     def _():
