@@ -171,3 +171,15 @@ def test_bad_environment_variables_are_named(monkeypatch):
     monkeypatch.setenv("TPUKERNELS_INTERPRET", "tpuu")
     with pytest.raises(tk.ArgumentError, match="TPUKERNELS_INTERPRET='tpuu' is not one of"):
         current_interpret_mode()
+
+
+def test_index_map_arity_is_checked_against_the_grid():
+    @tk.tpu_kernel(_add_body, namespace="tkchecks", name="wrong_grid")
+    def wrong_grid(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        spec = pl.BlockSpec((8, x.shape[1]), lambda i, j: (i, 0))  # 2 args, 1-D grid
+        return tk.Launch(grid=(tk.cdiv(x.shape[0], 8),), in_specs=[spec, spec], out_specs=spec, out_shape=tk.like(x))
+
+    x = torch.randn(64, 128)
+    with pytest.raises(tk.KernelBodyError, match=r"in_specs for 'x': index_map takes 2 arguments but the grid has "
+                                                 r"rank 1: it must take 1"):
+        wrong_grid(x, x)

@@ -118,12 +118,15 @@ def validate(kernel: TpuKernel, resolved: Resolved, chip: Chip | None) -> VmemEs
     if grid_is_empty(launch.grid):  # nothing runs (outputs are zeros): blocks of empty arrays are moot
         return estimate_vmem([], ())
     items = []
+    n_index_args = len(launch.grid) + n_pref if launch.prefetch is None else None  # prefetch: known when traced
     for spec, s in zip(in_specs, blocked):
         where = f"{kernel.qualname} in_specs for {s.name!r}"
+        _check_index_map_arity(spec, n_index_args, len(launch.grid), where)
         check_block(spec, s.shape, s.dtype, where)
         items.append((s.name, spec, s.shape, s.dtype))
     for i, (spec, o) in enumerate(zip(out_specs, outs)):
         where = f"{kernel.qualname} out_specs[{i}]"
+        _check_index_map_arity(spec, n_index_args, len(launch.grid), where)
         check_block(spec, o.shape, o.dtype, where)
         items.append((f"out[{i}]", spec, o.shape, o.dtype))
     if launch.dimension_semantics is not None and len(launch.dimension_semantics) != len(launch.grid):
@@ -135,6 +138,33 @@ def validate(kernel: TpuKernel, resolved: Resolved, chip: Chip | None) -> VmemEs
     if chip is not None:
         check_vmem(est, chip, launch.vmem_limit_bytes, kernel.qualname)
     return est
+
+
+def _check_index_map_arity(spec, n_args: int | None, grid_rank: int, where: str) -> None:
+    """A BlockSpec's index_map takes one argument per grid axis (plus one per scalar-prefetch operand).
+
+    Raises:
+        KernelBodyError: it cannot be called with ``n_args`` positional arguments (says how many it takes).
+    """
+    import inspect
+
+    fn = getattr(spec, "index_map", None)
+    if fn is None or n_args is None:
+        return
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    ps = [p for p in sig.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if any(p.kind == p.VAR_POSITIONAL for p in sig.parameters.values()):
+        return
+    need = sum(1 for p in ps if p.default is p.empty)
+    if not need <= n_args <= len(ps):
+        extra = n_args - grid_rank
+        raise KernelBodyError(
+            f"{where}: index_map takes {len(ps)} argument{'s' if len(ps) != 1 else ''} but the grid has rank "
+            f"{grid_rank}" + (f" plus {extra} scalar-prefetch operand{'s' if extra != 1 else ''}" if extra else "")
+            + f": it must take {n_args} (one block index per grid axis{', prefetch refs first' if extra else ''})")
 
 
 def build_fn(kernel: TpuKernel, resolved: Resolved, mode: str):
