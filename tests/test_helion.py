@@ -76,6 +76,12 @@ def test_partial_tiles_give_a_clear_error_not_a_deep_traceback():
         H.softmax(torch.randn(100, 256), config={"block_sizes": (32,)})
 
 
+def test_a_shape_mismatch_inside_the_program_is_an_argument_error():
+    x, w = torch.randn(64, 256), torch.randn(128)  # rms_scale broadcasts w over x's 256 columns
+    with pytest.raises(tk.ArgumentError, match=r"input shapes .* do not fit this program.*declare shapes="):
+        H.rms_scale(x, w)
+
+
 def test_helion_decorator_misuse():
     def body(x_ref, o_ref): ...
 

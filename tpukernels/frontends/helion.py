@@ -35,7 +35,7 @@ import numpy as np
 from ..dsl.kernel import Resolved, TpuKernel
 from ..dsl.spec import Config, OutSpec, Tunable
 from ..dsl.validate import VmemEstimate
-from ..errors import KernelBodyError, LoweringError, TpuKernelError
+from ..errors import ArgumentError, KernelBodyError, LoweringError, TpuKernelError
 
 
 def _helion_config(config: Config):
@@ -119,8 +119,9 @@ class HelionKernel(TpuKernel):
 
         return fn
 
-    def lowering_error(self, e: BaseException, specs, config) -> LoweringError:
-        """Translate an error Helion / Pallas raised for this program into a :class:`LoweringError`."""
+    def lowering_error(self, e: BaseException, specs, config) -> "LoweringError | ArgumentError":
+        """Translate an error Helion / Pallas raised for this program into a :class:`LoweringError`, or an
+        :class:`ArgumentError` when the inputs' shapes do not fit the program (a broadcast mismatch)."""
         msg = str(e)
         if "Shapes must be 1D sequences of concrete values" in msg or "Out-of-bounds" in msg:
             shapes = [tuple(s.shape) for s in specs if s is not None]
@@ -131,6 +132,11 @@ class HelionKernel(TpuKernel):
                 f"masked (tpukernels.mask_tail)."
             )
         first = msg.splitlines()[0] if msg else repr(e)
+        if "must match the size of tensor" in msg or "shapes are incompatible" in msg.lower():
+            shapes = {s.name: tuple(s.shape) for s in specs if s is not None}
+            return ArgumentError(
+                f"{self.qualname}: the input shapes {shapes} do not fit this program ({first}); declare "
+                f"shapes= on the kernel to have such calls rejected before tracing")
         return LoweringError(
             f"{self.qualname}: Helion's Pallas backend could not lower this program: {type(e).__name__}: {first}. "
             f"Alternative: write it as a Pallas-style @tpu_kernel(body) with explicit BlockSpecs."
