@@ -81,12 +81,14 @@ REASONS = {
                             "on every XLA program: no tpukernels figure (the MXU time of its 10 N V H is 218.5 "
                             "ms) and a floor for XLA (131.1 ms); with bwd_dh at bv=256 (estimable, 80% of its "
                             "roofline) tpukernels' forward + backward reads 239.5 ms",
-    ("v6e", "lce fwd"): "libtpu charges 20.7k cycles per 1024 x 1024 block step against 16.4k for its matmul at the "
-                        "MXU peak: the f32 epilogue on the (bn, bv) logit tile (an exp per logit, running max and "
-                        "sum, the label compare, the V-tail mask) is not hidden under the matmul on v6e (on v5e, "
-                        "whose MXU is 4.7x slower, the same kernel is at 95%). XLA's unfused forward keeps the "
-                        "matmul free of it and pays a memory-bound logsumexp pass instead. The fused forward "
-                        "wins on memory (4 MiB vs 6 GiB of temporaries), not on v6e model time",
+    ("v6e", "lce fwd"): "libtpu charges 21.5k cycles per 1024 x 1024 block step (16-step estimate) against 16.4k "
+                        "for its matmul at the MXU peak (v5e: 70.2k vs 65.5k, 95%). Variants of the kernel "
+                        "estimated the same way show the label compare and the V-tail mask are not it (-1.2% "
+                        "and 0% without them); the rest, the online-softmax epilogue on the f32 (bn, bv) tile "
+                        "(an exp per logit, running max and sum) not hidden under the matmul or the matmul's own "
+                        "efficiency at these blocks, is not separated (a matmul-only variant was optimised away "
+                        "by the compiler). XLA's unfused forward pays a memory-bound logsumexp pass instead. The "
+                        "fused forward wins on memory (4 MiB vs 6 GiB of temporaries), not on v6e model time",
     ("v6e", "lce fwd+bwd"): _RECOMPUTE,
     ("tpu7x", "lce fwd"): "No estimate: libtpu 0.0.52's static-profile compile runs out of tpu7x's 64 MiB VMEM "
                           "for the shipped bn=bv=1024 (and every bn*bv >= 1024*256; the ordinary compile fits); "
