@@ -328,3 +328,21 @@ def test_cli_text_output_says_why_each_config_was_pruned(capsys):
                  "--strategy", "exhaustive", "--repeats", "1", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "pruned before compiling" in out and "br=12" in out and "(8,128)" in out.replace(", ", ",")
+
+
+def test_a_config_without_a_libtpu_estimate_cannot_win_on_its_lower_bound():
+    """tpu-model falls back to roofline + step overhead when libtpu cannot estimate a candidate: a lower
+    bound, which would beat every real estimate. Such trials rank after all estimated ones."""
+    from tpukernels.autotune.evaluators import Trial
+    from tpukernels.autotune.report import markdown
+    from tpukernels.autotune.tuner import SweepResult
+
+    est = Trial({"b": 512}, "ok", time_us=120.0, details={"is_default": True})
+    bound = Trial({"b": 2048}, "ok", time_us=80.0, details={"unranked": "no static estimate (abort)"})
+    failed = Trial({"b": 4096}, "failed", error_kind="vmem", error="too big")
+    r = SweepResult("k", "v5e", "p", "tpu-model", "model", "exhaustive", {}, 3, [bound, failed, est], [], 1.0, "done")
+    assert r.best is est and est.ranked and not bound.ranked
+    # with only unranked trials, the best bound is still reported (marked as such in the report)
+    r2 = SweepResult("k", "v5e", "p", "tpu-model", "model", "exhaustive", {}, 1, [bound], [], 1.0, "done")
+    assert r2.best is bound
+    assert "unranked (no static estimate (abort))" in markdown(r, None)

@@ -65,6 +65,17 @@ class Trial:
     def ok(self) -> bool:
         return self.status == "ok" and self.time_us is not None
 
+    @property
+    def ranked(self) -> bool:
+        """False for an ok trial whose time is only a bound (tpu-model without libtpu's estimate): it is
+        ranked after every trial with a real figure, since a bound would beat them all."""
+        return not self.details.get("unranked")
+
+    @property
+    def rank_key(self) -> tuple:
+        """Sort key of ok trials: ranked ones first, then by time."""
+        return (0 if self.ranked else 1, self.time_us)
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -183,6 +194,9 @@ class TpuModelEvaluator(Evaluator):
             except Exception as e:  # timeout or libtpu failure: keep the candidate, model without cycles
                 note = f"no static estimate ({type(e).__name__}: {e}); roofline + step overhead only"
             details["estimate_seconds"] = round(time.perf_counter() - t_est, 3)
+        if self.cycles and cycles is None:  # roofline + overhead is a lower bound: it must not win on it
+            details["unranked"] = (f"{note}: a lower bound, ranked after every config with a libtpu estimate"
+                                   if note else "no libtpu static estimate: a lower bound, ranked last")
         overhead = model.STEP_OVERHEAD_US if self.step_overhead_us is None else self.step_overhead_us
         m = model.combine(chip, cycles=cycles, steps=steps, hbm_bytes=hbm, flops=flops, min_bytes=min_bytes,
                           dtype=model.compute_dtype(specs), step_overhead_us=overhead, hbm_source=hbm_src,

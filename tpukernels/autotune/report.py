@@ -86,7 +86,7 @@ def plot(result: SweepResult, path: str) -> str:
         ax.scatter([i for i, _ in ok], [v for _, v in ok], s=18, label="candidate", color="tab:blue")
         best, line = float("inf"), []
         for t in result.trials:
-            if t.ok:
+            if t.ok and t.ranked:
                 best = min(best, t.time_us)
             line.append(best if best < float("inf") else None)
         xs = [i for i, v in enumerate(line) if v is not None]
@@ -137,8 +137,10 @@ def markdown(result: SweepResult, png_name: str | None) -> str:
     if png_name:
         lines += ["", f"![candidates]({png_name})"]
     lines += ["", "| # | config | status | time µs | detail |", "|---|---|---|---|---|"]
-    for t in sorted(result.trials, key=lambda t: (not t.ok, t.time_us or 0.0)):
+    for t in sorted(result.trials, key=lambda t: t.rank_key if t.ok else (2, 0.0)):
         detail = t.details.get("bound", "") if t.ok else f"{t.error_kind}: {(t.error or '')[:160]}"
+        if t.ok and not t.ranked:
+            detail = f"unranked ({t.details['unranked'][:160]})"
         row = f"| {t.index} | `{fmt_config(t.config)}` | {t.status} | {_fmt_us(t.time_us)} | {detail} |"
         lines.append(row.replace("\n", " "))
     if result.pruned:

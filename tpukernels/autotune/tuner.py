@@ -55,7 +55,7 @@ class SweepResult:
 
     @property
     def best(self) -> Trial | None:
-        return min(self.ok_trials, key=lambda t: t.time_us, default=None)
+        return min(self.ok_trials, key=lambda t: t.rank_key, default=None)
 
     @property
     def default(self) -> Trial | None:
@@ -199,9 +199,10 @@ def tune(
         if notes:
             trial.details["notes"] = notes
         trials.append(trial)
-        strat.tell(config, trial.time_us if trial.ok else None)
+        # an unranked trial's time is only a bound: the strategy is not steered by it (as a failure)
+        strat.tell(config, trial.time_us if trial.ok and trial.ranked else None)
         if progress is not None:
-            best = min((t for t in trials if t.ok), key=lambda t: t.time_us, default=None)
+            best = min((t for t in trials if t.ok), key=lambda t: t.rank_key, default=None)
             progress(len(trials), max_evals, trial, best)
 
     def submit(config: Config) -> None:
