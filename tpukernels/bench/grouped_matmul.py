@@ -44,11 +44,15 @@ sees any data), and the real ``make_group_metadata`` is the separately estimated
 ``max(the case's roofline, the kernel's fitted estimate when only the metadata program failed)``.
 XLA's ragged_dot aborts the profiler on every chip (``llo_evaluator.cc:90``; XLA lowers it to a
 ragged convolution fusion with an iteration skipper at group starts), so its rows are the roofline floor.
-On v5e the profiler aborts on megablox's programs (``llo_execution_graph.cc:149``: "Unsupported DMA
-direction" in a scatter fusion of its metadata). On tpu7x our kernel's profiling compile runs out of VMEM
-(92 MiB of 64: in profiling mode XLA allocates the kernel's pipeline windows outside its 52 MiB scoped
-limit; the same program compiles without the profiler, ``tests/test_grouped_matmul.py`` aot), so ours is
-the roofline floor there.
+On v5e the profiler aborts on megablox's kernel and its metadata (``llo_execution_graph.cc:149``; for
+the metadata "Unsupported DMA direction" in a scatter fusion; our schedule is written without gathers
+for this reason). megablox's tgmm estimate falls below the MXU roofline on v6e and tpu7x (flagged not
+credible): with its metadata read as zeros its kernel sees only empty groups and skips the work. On tpu7x our kernel's profiling compile runs out of VMEM
+(e.g. 92 MiB of 64 at the up projection's config: in profiling mode XLA allocates the kernel's pipeline
+windows outside its 52 MiB scoped limit; the same program compiles without the profiler,
+``tests/test_grouped_matmul.py`` aot), so ours is the roofline floor there. Our tgmm at its shipped configs
+(``2048 x 2048`` f32 accumulator blocks) does not finish one reduced estimate within ``--timeout 300`` s:
+floor.
 
 Group sizes do not enter the model: every program is estimated statically, ours at its static bound of
 ``ceil(M / bm) + G - 1`` work items all computing (an upper bound; real runs skip padding items), megablox
@@ -72,7 +76,42 @@ FIT_ROWS = (2048, 4096)
 N_EST = 2048
 K_EST_TGMM = 2048
 
-REASONS: dict = {}
+_UP, _DOWN = "16384x4096 @ (8x14336x4096).T", "16384x14336 @ (8x4096x14336).T"
+_KN, _TG = "16384x4096 @ 8x4096x14336", "16384x4096^T @ 16384x14336, G=8"
+_FWD_V6E = ("82 / 80% of the MXU roofline in the static model, short of 85% for two measured reasons: per "
+            "output-column pass it counts {items} work items for {tiles} row tiles (the G - 1 = 7 tiles a group "
+            "boundary may split are visited twice: {waste:.2f}x the MXU work; megablox has the same, 39 items for 32 "
+            "tiles of 512 rows), and it charges each item ~1.06x its MXU time at peak (pipeline step overhead: "
+            "8,712 vs 8,193 cycles per 256x4096x2048 item on v6e, from the fit). bm=128 halves the boundary waste "
+            "but doubles the steps; bn >= 3584 would amortise the steps but needs > 64 MiB of VMEM at bk = K")
+_NO_7X = ("no estimate of ours on tpu7x: libtpu 0.0.52's profiling compile of this kernel runs out of VMEM (78-102 "
+          "MiB of 64 at the shipped configs, e.g. 92 at bm=256, bk=4096, bn=2048; in profiling mode XLA allocates the "
+          "kernel's pipeline windows outside its scoped limit) while the same program compiles without the profiler "
+          "(tests, aot): the figure is the roofline floor")
+_V5E = ("v5e: megablox and ragged_dot cannot be estimated (libtpu aborts), so their figures are roofline floors and "
+        "ours (an estimate, ~92% of the roofline: bm=128 counts 135 items for 128 tiles) is above them: not "
+        "evidence either way")
+#: why ours is where it is, from the estimates (module docstring); keyed (chip, op, shape)
+REASONS: dict = {
+    ("v6e", "gmm x @ W[g].T", _UP): _FWD_V6E.format(items=71, tiles=64, waste=71 / 64),
+    ("v6e", "gmm x @ W[g]", _KN): _FWD_V6E.format(items=71, tiles=64, waste=71 / 64),
+    ("v6e", "gmm x @ W[g].T", _DOWN): (
+        "67% in both models: the shipped bm=1024, bk=2048 (bk = K = 14336 does not fit VMEM at bn = 2048) comes from "
+        "the analytic model, in which v6e's down projection is HBM-bound on rhs re-reads (a group's rhs block is "
+        "re-fetched per row tile when bk < K: 2,552 µs of copies at bm=1024, 5,802 µs at bm=256); the static model "
+        "sees no re-fetches but counts 23 items for 16 tiles (1.44x the MXU work)"),
+    **{(c, "tgmm (d_W)", _TG): (
+        "no estimate of ours: libtpu's static estimate of the shipped tgmm config (bk = bn = 2048, a 2048 x 2048 f32 "
+        "accumulator read and written every step for a contraction of bm rows) timed out (> 300 s already for the "
+        "2048-row reduced problem; the bench's --timeout 300): roofline floor. An earlier run at the heuristic "
+        "config (bm=512, bk=512, bn=1024) and the previous kernel body (operands masked on every tile) estimated "
+        "5,356 µs on v6e and 4,183 µs on tpu7x, ~40% of the roofline: tgmm is the open performance item, and "
+        "megablox's tgmm has no credible estimate to compare with") for c in ("v5e", "v6e", "tpu7x")},
+    **{("tpu7x", op, sh): _NO_7X for op, sh in (("gmm x @ W[g].T", _UP), ("gmm x @ W[g].T", _DOWN),
+                                                 ("gmm x @ W[g]", _KN))},
+    **{("v5e", op, sh): _V5E for op, sh in (("gmm x @ W[g].T", _UP), ("gmm x @ W[g].T", _DOWN),
+                                             ("gmm x @ W[g]", _KN))},
+}
 #: realistic skewed Mixtral routing for the data-dependent analysis (8192 tokens, top-2, 8 experts)
 SKEW = 1.2
 
@@ -186,12 +225,15 @@ def _blocks(M, K, N, tgmm: bool) -> int:
     return nb * -(-K // min(K, K_EST_TGMM)) if tgmm else nb
 
 
-def _ours(kernel, args, kwargs, roofline_us) -> Impl:
+def _ours(kernel, args, kwargs, roofline_us, chip: str) -> Impl:
+    """Ours on ``chip`` at the config a full-size call gets there (known before estimating, so a row whose
+    estimate fails still names it)."""
     gm = _gm()
     tgmm = kernel is gm.grouped_matmul_tgmm
     (M, K) = _shape(args[2])
     N = _shape(args[3])[1] if tgmm else (_shape(args[3])[1] if kwargs.get("transpose_rhs") else _shape(args[3])[2])
-    state = {}
+    _, _, cfg, source = kernel_program(kernel, chip, args, kwargs)  # the config a full call gets
+    state = {chip: cfg}
 
     def program(chip, rows, blocks):
         return _ours_split(kernel, _reduced_args(kernel, args, kwargs, rows, blocks), kwargs, state[chip], chip)[0]
@@ -202,11 +244,9 @@ def _ours(kernel, args, kwargs, roofline_us) -> Impl:
     fit = _Fitted(program, meta, M, _blocks(M, K, N, tgmm))
 
     def cycles(est, chip):
-        _, _, cfg, source = kernel_program(kernel, chip, args, kwargs)  # the config a full call gets
-        state[chip] = cfg
         return fit.cycles(est, chip), dict(cfg, source=source)
 
-    return Impl("tpukernels", "ours", cycles, floor_us=fit.floor_us(roofline_us))
+    return Impl("tpukernels", "ours", cycles, config=dict(cfg, source=source), floor_us=fit.floor_us(roofline_us))
 
 
 # ---------------------------------------------------------------------------------------------- megablox
@@ -339,10 +379,10 @@ def cases(chips) -> list[Case]:
         def roofline_us(chip, hbm=hbm, flops=flops):
             return model_time(chip, None, hbm, flops, "bfloat16").roofline_us
 
-        impls = [_ours(kernel, args, kwargs, roofline_us), _xla(M, K, N, G, tgmm, roofline_us),
-                 _megablox(M, K, N, G, tgmm, tr, roofline_us)]
+        others = [_xla(M, K, N, G, tgmm, roofline_us), _megablox(M, K, N, G, tgmm, tr, roofline_us)]
         for chip in chips:
-            out.append(Case(FAMILY, op, shape, chip, hbm_bytes=hbm, flops=flops, impls=impls))
+            out.append(Case(FAMILY, op, shape, chip, hbm_bytes=hbm, flops=flops,
+                            impls=[_ours(kernel, args, kwargs, roofline_us, chip), *others]))
     return out
 
 
@@ -408,7 +448,7 @@ def reason(row: dict) -> str | None:
     data-dependent cost at skewed Mixtral group sizes (analytic, exact schedule)."""
     if row.get("kind") != "ours":
         return None
-    parts = [REASONS.get((row["chip"], row["op"]))]
+    parts = [REASONS.get((row["chip"], row["op"], row["shape"]))]
     if row.get("model_us") is not None:
         parts.append(_analytic(row))
     return ". ".join(p for p in parts if p) or None
