@@ -51,8 +51,9 @@ credible): with its metadata read as zeros its kernel sees only empty groups and
 (e.g. 92 MiB of 64 at the up projection's config: in profiling mode XLA allocates the kernel's pipeline
 windows outside its 52 MiB scoped limit; the same program compiles without the profiler,
 ``tests/test_grouped_matmul.py`` aot), so ours is the roofline floor there. Our tgmm at its shipped configs
-(``2048 x 2048`` f32 accumulator blocks) does not finish one reduced estimate within ``--timeout 300`` s:
-floor.
+(``2048 x 2048`` f32 accumulator blocks) did not finish one reduced estimate within ``--timeout 300`` s on
+any chip (its estimate server grew to ~20 GB); timeouts are not cached, so it is not attempted
+(``NOT_ESTIMABLE``): floor.
 
 Group sizes do not enter the model: every program is estimated statically, ours at its static bound of
 ``ceil(M / bm) + G - 1`` work items all computing (an upper bound; real runs skip padding items), megablox
