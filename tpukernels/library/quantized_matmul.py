@@ -89,10 +89,14 @@ Performance (libtpu 0.0.52 static estimates + rooflines, a MODEL, not measuremen
 the MXU is the limit (v5e 97% of the bf16 roofline; v6e / tpu7x 84-88%, 6-10% behind our bf16 matmul and
 XLA: see the bench reasons) and halves the weight bytes where HBM is (decode, 16-64 tokens: 1.5-2.0x our
 bf16 matmul, 93-100% of the HBM roofline on v5e/v6e, 72% on tpu7x). w8a8 int8 (tpu_info's int8 peak is 2x
-bf16 on v5e and v6e): 1.84x / 1.69x the bf16 matmul on v5e (up / down projection; 91% / 84% of the int8
-roofline), 1.42x / 1.27x on v6e (68% / 61%), where the separate per-token quantize pass (3 bytes of HBM
-traffic per activation) is the main loss; XLA's fused quantize + int8 dot is 3-16% faster there.
-tpu7x's fp8 x fp8 kernel compiles but libtpu's static profiler aborts on it (no figure).
+bf16 on v5e and v6e), fused kernel: 1.93x / 1.78x the bf16 matmul (up / down projection; 96% / 88% of
+the int8 roofline) on v5e, 1.78x / 1.42x on v6e (86% / 68%); against XLA's fused quantize + int8 dot the
+up-projection is 1.02x (v5e) / 1.05x (v6e), the down-projection 0.97x on v6e (on v5e XLA's figure there is
+only its roofline). Before the fusion (separate quantize pass: 3 bytes of HBM traffic per activation) the
+same rows were 1.84x / 1.69x and 1.42x / 1.27x the bf16 matmul and 0.84-0.97x XLA. What remains is the
+serial quantization of the first row block and the part of the later ones not hidden under the MXU (bench
+reasons). tpu7x's fp8 kernels compile but libtpu's static
+profiler dies on the f32 -> fp8 pack (no figure).
 
 Sources: JAX Pallas TPU matmul guide (blocked matmul, f32 scratch accumulator) and JAX's
 ``jax/experimental/pallas/ops/tpu/matmul.py``; tpu-inference's quantized matmul (int8 weights with
