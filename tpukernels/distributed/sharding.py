@@ -182,6 +182,8 @@ LIBRARY_RULES: dict[str, Callable[[Mapping], list[Split]]] = {
     "grouped_matmul_fwd": _grouped_fwd,
     "grouped_matmul_tgmm": _grouped_tgmm,
     "quantized_matmul_kernel": _quantized_matmul,
+    # fused w8a8: per-token absmax over all of K inside the kernel, so over M or N only (never K)
+    "quantized_matmul_w8a8_kernel": _quantized_matmul,
     "quantized_matmul_bwd_dx": _quantized_dx,
     "quantize_per_token_kernel": lambda args: [Split({"x": 0}, (0, 0))],  # rows -> (x_q, x_scale [M, 1])
     # linear_cross_entropy_* declare rows= (h, labels, ...): derived, dW [V, D] as a partial sum
