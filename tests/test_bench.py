@@ -188,6 +188,10 @@ def _synthetic(tmp_path):
         _row("b", "v6e", "tpukernels", "ours", 100, 100, reason="known cause"), _row("b", "v6e", "xla", "xla", 90, 100),
         _row("c", "v6e", "tpukernels", "ours", 100, 100), _row("c", "v6e", "pub", "public", 50, 100, credible=False),
         _row("d", "v6e", "tpukernels", "ours", 100, 100), _row("d", "v6e", "xla", "xla", 80, 100, figure="floor"),
+        # tpukernels itself only has a floor: no ratio is taken against it
+        _row("e", "v6e", "tpukernels", "ours", 100, 100, figure="floor"), _row("e", "v6e", "xla", "xla", 90, 100),
+        _row("f", "v6e", "tpukernels", "ours", 100, 100, figure="floor"),
+        _row("f", "v6e", "pub", "public", 100, 100, figure="floor"),
     ]
     core.save_result(str(tmp_path / "results" / "matmul.json"), "matmul", "model estimate", rows,
                      {"chips": ["v5e", "v6e"], "doc": "Doc :data:`x`."})
@@ -226,7 +230,8 @@ def test_render_report_and_readme_summary(tmp_path):
     assert report.update_readme(str(readme), summary)
     new = readme.read_text()
     assert new.startswith("intro\n") and new.endswith("rest\n") and "old" not in new
-    assert "vs xla 0.90–1.20× (1/2 cases at least as fast)" in new
+    assert "vs xla 0.90–1.20× (1/2 cases at least as fast)" in new and "2 cases with no tpukernels figure" in new
+    assert "vs its floor pub" not in new  # floor vs floor (case f) is no comparison
     assert not report.update_readme(str(tmp_path / "nope.md"), summary)
 
 

@@ -50,12 +50,18 @@ def _impls(rows: list[dict]) -> list[str]:
     return sorted(seen, key=lambda i: i != "tpukernels")
 
 
+def _ours_estimated(by: dict) -> bool:
+    """tpukernels has an estimate in this case (not only a floor, not n/a): the only figure ratios use."""
+    ours = by.get("tpukernels")
+    return bool(ours and ours["model_us"] and ours.get("figure") == "estimate")
+
+
 def slower(rows: list[dict]) -> list[dict]:
     """Cases where another implementation's credible estimate beats tpukernels' by more than ``TIE``."""
     out = []
     for (op, shape, chip), by in _cases(rows):
         ours = by.get("tpukernels")
-        if not ours or ours["model_us"] is None:
+        if not _ours_estimated(by):
             continue
         for name, r in by.items():
             if r is ours or r["figure"] != "estimate" or r["credible"] is False or r["ours_speedup"] is None:
@@ -72,7 +78,7 @@ def above_floor(rows: list[dict]) -> list[dict]:
     for (op, shape, chip), by in _cases(rows):
         ours = by.get("tpukernels")
         for name, r in by.items():
-            if ours and ours["model_us"] and r["figure"] == "floor" and r["model_us"] < ours["model_us"]:
+            if _ours_estimated(by) and r["figure"] == "floor" and r["model_us"] < ours["model_us"]:
                 out.append({"op": op, "shape": shape, "chip": chip, "vs": name, "ratio": r["model_us"] / ours["model_us"],
                             "ours": ours, "other": r})
     return out
@@ -87,7 +93,7 @@ def _short(error: str) -> str:
 
 def uncompared(rows: list[dict]) -> list[tuple]:
     """``(op, shape, chip)`` of cases with a tpukernels figure but no credible estimate of another implementation."""
-    return [case for case, by in _cases(rows) if by.get("tpukernels", {}).get("model_us") is not None
+    return [case for case, by in _cases(rows) if _ours_estimated(by)
             and not any(x["figure"] == "estimate" and x["credible"] is not False and x is not by["tpukernels"]
                         for x in by.values())]
 
@@ -135,7 +141,7 @@ def plot(family: str, rows: list[dict], path: str) -> str | None:
         xs, ys, hatch = [], [], []
         for i, (_, by) in enumerate(cases):
             r, ours = by.get(name), by.get("tpukernels")
-            if not r or not ours or not ours["model_us"] or not r["model_us"] or r["credible"] is False:
+            if not r or not _ours_estimated(by) or not r["model_us"] or r["credible"] is False:
                 continue
             xs.append(i + (j - (len(others) - 1) / 2) * width)
             ys.append(r["model_us"] / ours["model_us"])
@@ -342,6 +348,8 @@ def summary(results: dict[str, dict], command: str) -> str:
             continue
         by_impl: dict = {}
         for (_, _, _), by in _cases(res["rows"]):
+            if not _ours_estimated(by):  # tpukernels' own floor is no figure to compare
+                continue
             for name, r in by.items():
                 if name != "tpukernels" and r["ours_speedup"] is not None and r["credible"] is not False:
                     by_impl.setdefault((name, r["figure"]), []).append(r["ours_speedup"])
@@ -351,7 +359,7 @@ def summary(results: dict[str, dict], command: str) -> str:
             parts.append(f"{kind} {name} {min(v):.2f}–{max(v):.2f}× ({sum(x >= 1 - TIE for x in v)}/{len(v)} cases "
                          "at least as fast)")
         lonely = len(uncompared(res["rows"]))
-        missing = sum(1 for r in res["rows"] if r["kind"] == "ours" and r["model_us"] is None)
+        missing = sum(1 for r in res["rows"] if r["kind"] == "ours" and (r["model_us"] is None or r["figure"] != "estimate"))
         gaps = ([f"{lonely} cases with no credible estimate of another implementation"] if lonely else []) + \
             ([f"{missing} cases with no tpukernels figure"] if missing else [])
         out.append(f"* {fam} (model): " + "; ".join(parts) + (f" ({'; '.join(gaps)})" if gaps else "") + ".")
