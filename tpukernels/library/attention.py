@@ -384,7 +384,8 @@ def _tunables(doc_h: str):
     }
 
 
-_DOC_H = "query heads of one kv group per grid step (largest divisor of the group <= this); decode folds the whole group"
+_DOC_H = ("query heads of one kv group per grid step (largest divisor of the group <= this; no effect without GQA, "
+          "where the group is 1 head); decode folds the whole group")
 
 
 def _heuristic(q, k, v, *rest, **statics):
