@@ -307,6 +307,11 @@ def test_program_key_ignores_source_locations_only():
     assert core.program_key(a) == core.program_key(moved)  # ...but not in the key
     assert core.program_key(a).startswith("t")  # canonicalised (not the byte-hash fallback)
     assert core.program_key(a) != core.program_key(other)
+    # the same program built through a deeper call stack (more #loc definitions) has the same key
+    deeper = _KERNEL_SRC.replace("SCALE", "2").replace(
+        "fn = jax.jit(lambda x: pl.pallas_call(", "def _h2(x):\n    return _h1(x)\ndef _h1(x):\n    return pl.pallas_call(",
+    ).replace("(8, 128), lambda i: (i, 0)))(x))", "(8, 128), lambda i: (i, 0)))(x)\nfn = jax.jit(lambda x: _h2(x))")
+    assert "_h2" in deeper and core.program_key(_exported(deeper, "c.py")) == core.program_key(a)
 
 
 def test_tpu_dispatch_runs_the_tpu_path_with_a_no_op_runner():

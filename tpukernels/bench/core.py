@@ -135,7 +135,7 @@ def default_cache_path() -> str:
 
 
 _MOSAIC_BODY = re.compile(r'(\\22body\\22: \\22)([A-Za-z0-9+/=]+)(\\22)')
-_LOC_DEF = re.compile(r"^#loc\d*\s*=.*$", re.M)
+_LOC_DEF = re.compile(r"^#loc\d*\s*=.*(?:\n|$)", re.M)  # the whole line: their count depends on the call stack
 _LOC_USE = re.compile(r"\s*loc\((?:[^()]|\([^()]*\))*\)")
 
 
@@ -161,7 +161,9 @@ def program_key(exported) -> str:
 
     ``jax.export`` embeds file:line locations in the StableHLO and inside each Mosaic kernel body, so an
     edit that only moves code would change a hash of the serialized bytes. The key hashes the module text
-    with locations removed and each Mosaic body re-printed without debug info. Falls back to the hash of
+    with locations removed (whole ``#loc`` lines: how many there are depends on the caller's stack; until
+    2026-12-02 their blank lines stayed, so entries cached before then are misses once) and each Mosaic
+    body re-printed without debug info. Falls back to the hash of
     the serialized bytes (only ever a cache miss) if the text cannot be canonicalised."""
     try:
         text = _MOSAIC_BODY.sub(_mosaic_digest, exported.mlir_module())
