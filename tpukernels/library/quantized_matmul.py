@@ -105,6 +105,8 @@ per-channel scales applied after the dot) for the layout of the epilogue.
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 from typing import Optional
 
@@ -1025,14 +1027,25 @@ def _impl(x, w_q, w_scale, x_quant=None, out_dtype=None, config=None):
 
 def _fused(x2, w_q, ws, odt, config) -> bool:
     """w8a8 path: the fused kernel iff :func:`fused_plan` has a plan at the config that kernel would get
-    (explicit ``config``, else its shipped per-chip entry or heuristic) on the call's target chip."""
+    (explicit ``config``, else its shipped per-chip entry or heuristic) on the call's target chip. Decided
+    once per signature (:func:`_fused_for`), not on every call."""
+    import json
+
+    chip = _target_chip()
+    return _fused_for(int(x2.shape[0]), int(x2.shape[1]), int(w_q.shape[0]), _name(x2.dtype), _name(w_q.dtype), odt,
+                      None if config is None else json.dumps(dict(config), sort_keys=True),
+                      None if chip is None else chip.name)
+
+
+@functools.lru_cache(maxsize=1024)
+def _fused_for(M, K, N, x_name, q_name, odt, config_json, chip_name) -> bool:
+    from ..chips import get_chip
     from ..dsl import TensorSpec
 
-    M, K = (int(d) for d in x2.shape)
-    N = int(w_q.shape[0])
-    specs = (TensorSpec((M, K), _jnp(_name(x2.dtype)), "x"), TensorSpec((N, K), _jnp(_name(w_q.dtype)), "w_q"),
+    chip = None if chip_name is None else get_chip(chip_name)
+    config = None if config_json is None else json.loads(config_json)
+    specs = (TensorSpec((M, K), _jnp(x_name), "x"), TensorSpec((N, K), _jnp(q_name), "w_q"),
              TensorSpec((1, N), _jnp("float32"), "w_scale"))
-    chip = _target_chip()
     cfg, _ = quantized_matmul_w8a8_kernel.resolve_config(specs, (("out_dtype", odt),), config, chip)
     return fused_plan(M, K, N, specs[0].dtype, specs[1].dtype, _jnp(odt), int(cfg["bm"]), int(cfg["bk"]),
                       int(cfg["bn"]), chip) is not None
