@@ -200,17 +200,15 @@ def lookup(kernel: TpuKernel, chip: str, specs, statics) -> tuple[dict, str] | N
     return None
 
 
-@functools.lru_cache(maxsize=None)
-def _warned(qualname: str, chip: str, path: str, source: str) -> list:
-    return []
+_WARNED_STALE: set = set()  # (kernel, chip, path, source hash) already warned about
 
 
 def _warn_stale(qualname: str, chip: str, path: str, entries, key: dict) -> None:
     """Warn once per kernel, chip and source when the user DB only has entries for an earlier source."""
     stale = sum(1 for e in entries if e["key"].get("source_hash") != key["source_hash"])
-    seen = _warned(qualname, chip, path, key["source_hash"])
-    if stale and not seen and not any(e["key"].get("source_hash") == key["source_hash"] for e in entries):
-        seen.append(True)
+    seen = (qualname, chip, path, key["source_hash"])
+    if stale and seen not in _WARNED_STALE and not any(e["key"].get("source_hash") == key["source_hash"] for e in entries):
+        _WARNED_STALE.add(seen)
         warnings.warn(f"tpukernels: {qualname}: the user tuning DB for {chip} ({path}) has {stale} entr"
                       f"{'y' if stale == 1 else 'ies'} made for an earlier version of the kernel's source (its body "
                       f"or launch function changed, docstrings included), so none is used; re-run `tpukernels "
