@@ -110,3 +110,22 @@ def test_bench_writes_nothing_in_the_current_directory_by_default(tmp_path, tmp_
     assert main(["bench", "--report-only"]) == 2  # nothing to report yet
     assert "no results" in capsys.readouterr().err
     assert list(work.iterdir()) == [] and (tmp_cache / "bench" / "results").is_dir()
+
+
+def test_table_piped_output_keeps_one_line_per_row(monkeypatch):
+    """A table wider than a terminal prints as expanded blocks on a terminal, but piped output (not a TTY,
+    no $COLUMNS) keeps one line per row so that ``| grep`` and files see whole rows."""
+    import io
+
+    from tpukernels.cli import table
+
+    rows = [["tpukernels::kernel_%d" % i, "x" * 150, i] for i in range(3)]
+    header = ["kernel", "signature", "n"]
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.setattr("sys.stdout", io.StringIO())  # not a TTY
+    piped = table(rows, header).splitlines()
+    assert len(piped) == 2 + len(rows) and piped[2].startswith("tpukernels::kernel_0") and piped[2].endswith("0")
+    narrow = table(rows, header, width=80)
+    assert "-[ 1 ]" in narrow and len(narrow.splitlines()) > len(piped)
+    monkeypatch.setenv("COLUMNS", "80")
+    assert table(rows, header) == narrow

@@ -151,14 +151,21 @@ def _parse_kv(items, kernel=None) -> dict:
 
 
 def table(rows: list[list], header: list[str], width: int | None = None) -> str:
-    """Plain fixed-width text table; wider than the terminal (``width``, default: its width), each row is
-    printed as a block of ``column: value`` lines instead (like psql's expanded mode), so nothing is cut."""
+    """Plain fixed-width text table; wider than ``width`` columns, each row is printed as a block of
+    ``column: value`` lines instead (like psql's expanded mode), so nothing is cut.
+
+    ``width`` defaults to the terminal's width when stdout is a terminal (or ``$COLUMNS`` when set), and to
+    no limit otherwise: piped or redirected output (``| grep``, ``> file``) always gets one line per row."""
     import shutil
     import textwrap
 
     cols = [header] + [[("" if c is None else str(c)) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cols) for i in range(len(header))]
-    width = width or shutil.get_terminal_size((120, 24)).columns
+    if width is None:
+        if os.environ.get("COLUMNS", "").isdigit() or sys.stdout.isatty():
+            width = shutil.get_terminal_size((120, 24)).columns
+        else:
+            width = 1 << 30
     if sum(widths) + 2 * (len(widths) - 1) > width and rows:
         name_w = max(len(h) for h in header)
         blocks = []
