@@ -172,7 +172,41 @@ def test_families_from_other_sources_mix_and_are_labelled(tmp_path):
     results = core.load_results(str(tmp_path), ["norms", "matmul"])
     (line,) = report._source_lines(results)
     assert "matmul `0123456789ab`" in line and "(an earlier source" in line.split("matmul")[1]
-    assert f"norms `{core.source_digest()}`" in line and "(an earlier" not in line.split("matmul")[0]
+    assert f"norms `{core.source_digest('norms')}`" in line and "(an earlier" not in line.split("matmul")[0]
+
+
+def test_family_source_digest_covers_what_its_figures_depend_on(tmp_path):
+    """A family's digest changes with its kernels, its tuning data and the shared spine, not with another
+    family's kernels or with the CLI / report code (which would flag every family as stale on any edit)."""
+    import shutil
+
+    pkg = os.path.dirname(core.__file__).rsplit(os.sep, 1)[0]
+    root = str(tmp_path / "tpukernels")
+    shutil.copytree(pkg, root, ignore=shutil.ignore_patterns("__pycache__", "*.lock"))
+    fams = ("norms", "matmul", "quantized_matmul")
+    before = {f: core.source_digest(f, root) for f in fams}
+    whole = core.source_digest(None, root)
+    assert before["norms"] == core.source_digest("norms")  # the copy digests like the installed package
+
+    def edit(rel):
+        with open(os.path.join(root, rel), "a") as f:
+            f.write("\n# edited\n")
+        return {f: core.source_digest(f, root) for f in fams}
+
+    after = edit("cli.py")  # not in any family's figures
+    assert after == before and core.source_digest(None, root) != whole
+    after = edit("library/norms.py")  # norms only
+    assert after["norms"] != before["norms"] and after["matmul"] == before["matmul"]
+    before = after
+    after = edit("library/matmul.py")  # matmul, and quantized_matmul (its bf16 comparison row)
+    assert after["matmul"] != before["matmul"] and after["quantized_matmul"] != before["quantized_matmul"]
+    assert after["norms"] == before["norms"]
+    before = after
+    after = edit("data/autotuning/v6e/tpukernels.rms_norm_fwd.json")  # tuning data: its own family only
+    assert after["norms"] != before["norms"] and after["matmul"] == before["matmul"]
+    before = after
+    after = edit("dsl/kernel.py")  # the spine: every family
+    assert all(after[f] != before[f] for f in fams)
 
 
 def _row(op, chip, impl, kind, us, ours_us, figure="estimate", credible=True, reason=None):

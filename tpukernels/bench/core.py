@@ -57,12 +57,13 @@ class EstimateError(RuntimeError):
     """libtpu could not estimate a program (its static profiler aborted, or the compile failed)."""
 
 
-def versions() -> dict:
-    """Package versions (``VERSION_KEYS``) plus Python and the host CPU, for result headers."""
+def versions(family: str | None = None) -> dict:
+    """Package versions (``VERSION_KEYS``) plus Python and the host CPU, for result headers; ``SOURCE_KEY`` is
+    :func:`source_digest` of ``family`` (the whole package when None)."""
     from importlib import metadata
 
     out = {}
-    out[SOURCE_KEY] = source_digest()
+    out[SOURCE_KEY] = source_digest(family)
     for pkg in VERSION_KEYS:
         try:
             out[pkg] = metadata.version(pkg)
@@ -74,16 +75,68 @@ def versions() -> dict:
     return out
 
 
-def source_digest() -> str:
-    """SHA-256 (12 hex digits) of every ``.py`` and ``.json`` file of the installed ``tpukernels`` package."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: package paths (relative, ``/``-separated; a trailing ``/`` is a folder) that cannot change a model family's
+#: figures: command lines, report rendering, host-side measurements, framework integrations. They are left out
+#: of a family's :func:`source_digest`, so that editing them does not mark every family's figures as stale.
+NOT_IN_FIGURES = ("cli.py", "demo.py", "integrations/", "frontends/", "distributed/", "autotune/cli.py",
+                  "autotune/report.py", "autotune/executors.py", "bench/cli.py", "bench/report.py", "bench/host.py",
+                  "bench/_host_kernels.py", "bench/executors.py")
+
+
+def _family_sources(family: str):
+    """``(library modules, tuning-data file names)`` a model family's figures depend on: the family module's
+    ``LIBRARY`` (default ``(family,)``) and the shipped tuning files of the kernels those modules define."""
+    import importlib
+
+    from ..dsl.kernel import TpuKernel
+
+    mod = importlib.import_module(f"{__package__}.{family}")
+    libs = tuple(getattr(mod, "LIBRARY", (family,)))
+    data = set()
+    for lib in libs:
+        lm = importlib.import_module(f"tpukernels.library.{lib}")
+        data |= {v.qualname.replace("::", ".") + ".json" for v in vars(lm).values() if isinstance(v, TpuKernel)}
+    return libs, data
+
+
+def source_digest(family: str | None = None, root: str | None = None) -> str:
+    """SHA-256 (12 hex digits) of the installed ``tpukernels`` sources a benchmark family's figures depend on.
+
+    ``family=None`` (and ``"host"``, whose figures time the whole package): every ``.py`` and ``.json`` file.
+    A model family: every ``.py`` file except :data:`NOT_IN_FIGURES`, the other families' bench modules and
+    the library modules the family does not use (``LIBRARY``), plus the shipped tuning files of its own
+    kernels. So a family is flagged stale in BENCHMARKS.md only when something its figures depend on changed.
+    ``root``: the package folder to digest (default: this installed package; which files a family depends on
+    always comes from the installed modules)."""
+    root = root or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    scoped = family is not None and family != "host"
+    if scoped:
+        from . import MODEL_FAMILIES
+
+        libs, data = _family_sources(family)
+        skip = set(NOT_IN_FIGURES) | {f"bench/{f}.py" for f in MODEL_FAMILIES if f != family}
+
+    def wanted(rel: str) -> bool:
+        if not rel.endswith((".py", ".json")):
+            return False
+        if not scoped:
+            return True
+        if rel.endswith(".json"):
+            return rel.startswith("data/autotuning/") and rel.rsplit("/", 1)[1] in data
+        if rel in skip or any(rel.startswith(p) for p in skip if p.endswith("/")):
+            return False
+        if rel.startswith("library/") and rel != "library/__init__.py":
+            return rel[len("library/"):-3] in libs
+        return True
+
     h = hashlib.sha256()
     for d, dirs, files in sorted(os.walk(root)):
         dirs[:] = sorted(x for x in dirs if x != "__pycache__")
         for name in sorted(files):
-            if name.endswith((".py", ".json")):
-                path = os.path.join(d, name)
-                h.update(os.path.relpath(path, root).encode())
+            path = os.path.join(d, name)
+            rel = os.path.relpath(path, root).replace(os.sep, "/")
+            if wanted(rel):
+                h.update(rel.encode())
                 with open(path, "rb") as f:
                     h.update(f.read())
     return h.hexdigest()[:12]
@@ -442,7 +495,7 @@ def run_case(case: Case, est: Estimator, log: Callable[[str], None] = lambda m: 
 # ------------------------------------------------------------------------------------------ result files
 def save_result(path: str, family: str, kind: str, rows: list, extra: dict | None = None) -> dict:
     """Write one family's result file (atomically) and return it."""
-    result = {"family": family, "kind": kind, "versions": versions(),
+    result = {"family": family, "kind": kind, "versions": versions(family),
               "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "rows": rows, **(extra or {})}
     _atomic_write_json(path, result)

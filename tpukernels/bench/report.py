@@ -236,14 +236,14 @@ def _source_lines(results: dict[str, dict]) -> list[str]:
     """Which tpukernels source each family's figures come from (families may be run separately)."""
     from .core import SOURCE_KEY, source_digest
 
-    now = source_digest()
     parts = []
     for fam, r in results.items():
         digest = r["versions"].get(SOURCE_KEY)
-        stale = "" if digest == now else " (an earlier source than this checkout's)"
+        now = source_digest(fam)
+        stale = "" if digest == now else f" (an earlier source than this checkout's `{now}`)"
         parts.append(f"{fam} `{digest}` {r.get('created', '')[:16]}{stale}")
-    return ["Source digest per family (`tpukernels.bench.core.source_digest`, with the run date): "
-            + "; ".join(parts) + f". This checkout: `{now}`. A family marked earlier is re-run with "
+    return ["Source digest per family (`tpukernels.bench.core.source_digest`: the sources the family's figures "
+            "depend on, with the run date): " + "; ".join(parts) + ". A family marked earlier is re-run with "
             "`tpukernels bench --family NAME`."]
 
 
