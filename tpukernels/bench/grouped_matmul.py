@@ -209,8 +209,9 @@ def _lowered(kernel, chip, args, kwargs, cfg):
     return lower(kernel, bucket_specs(kernel, specs), statics, cfg, mode="mosaic", chip=get_chip(chip))
 
 
-def _reduced_args(kernel, args, kwargs, rows: int, blocks: int):
-    """``args`` at ``rows`` rows and ``blocks`` reduced output blocks (N_EST columns; tgmm: K_EST_TGMM x N_EST)."""
+def _reduced_args(kernel, args, kwargs, rows: int, blocks: int, cols: int = N_EST):
+    """``args`` at ``rows`` rows and ``blocks`` reduced output blocks (``cols`` columns, default N_EST; tgmm:
+    K_EST_TGMM x N_EST)."""
     gm = _gm()
     a = list(args)
     if kernel is gm.grouped_matmul_tgmm:
@@ -219,15 +220,16 @@ def _reduced_args(kernel, args, kwargs, rows: int, blocks: int):
         return tuple(a)
     (_, K) = _shape(a[2])
     G, d1, d2 = _shape(a[3])
-    n = min(d1 if kwargs.get("transpose_rhs") else d2, N_EST) * blocks
+    n = min(d1 if kwargs.get("transpose_rhs") else d2, cols) * blocks
     a[2] = f"{rows}x{K}:bf16"
     a[3] = f"{G}x{n}x{d2}:bf16" if kwargs.get("transpose_rhs") else f"{G}x{d1}x{n}:bf16"
     return tuple(a)
 
 
-def _blocks(M, K, N, tgmm: bool) -> int:
-    """How many reduced output blocks the full problem has (module docstring)."""
-    nb = -(-N // min(N, N_EST))
+def _blocks(M, K, N, tgmm: bool, cols: int = N_EST) -> int:
+    """How many reduced output blocks (of ``cols`` columns, default N_EST) the full problem has (module
+    docstring)."""
+    nb = -(-N // min(N, cols))
     return nb * -(-K // min(K, K_EST_TGMM)) if tgmm else nb
 
 
@@ -240,14 +242,17 @@ def _ours(kernel, args, kwargs, roofline_us, chip: str) -> Impl:
     N = _shape(args[3])[1] if tgmm else (_shape(args[3])[1] if kwargs.get("transpose_rhs") else _shape(args[3])[2])
     _, _, cfg, source = kernel_program(kernel, chip, args, kwargs)  # the config a full call gets
     state = {chip: cfg}
+    # forward: a reduced block is one output block of ours when bn > N_EST (bn = 3584 does not divide 2048)
+    cols = N_EST if tgmm else max(N_EST, min(N, int(cfg.get("bn", N_EST))))
 
     def program(chip, rows, blocks):
-        return _ours_split(kernel, _reduced_args(kernel, args, kwargs, rows, blocks), kwargs, state[chip], chip)[0]
+        return _ours_split(kernel, _reduced_args(kernel, args, kwargs, rows, blocks, cols), kwargs, state[chip],
+                           chip)[0]
 
     def meta(chip):
         return _ours_split(kernel, args, kwargs, state[chip], chip)[1]
 
-    fit = _Fitted(program, meta, M, _blocks(M, K, N, tgmm))
+    fit = _Fitted(program, meta, M, _blocks(M, K, N, tgmm, cols))
 
     def cycles(est, chip):
         skip = NOT_ESTIMABLE.get((kernel.name, chip))

@@ -424,12 +424,29 @@ def _out_dtype(out_dtype, x):
     return np.dtype(getattr(jnp, canonical_out_dtype(out_dtype) or _dtype_name(x.dtype)))
 
 
-def _vmem_limit(need: int):
+def _vmem_cap(chip=None) -> int:
+    """Largest scoped-VMEM request on ``chip``: 7/8 of its ``vmem_capacity_bytes`` (jax's tpu_info via
+    :mod:`tpukernels.chips`; the rest is headroom for XLA around the kernel), as quantized_matmul's fused
+    kernel. ``chip=None``: the launch target (:func:`tpukernels.lowering.launch_chip`), else the dispatch
+    chip (live TPU / ``TPUKERNELS_TARGET_CHIP``), else the smallest capacity of v5e, v6e and tpu7x."""
+    from ..chips import get_chip
+
+    if chip is None:
+        from ..autotune.db import dispatch_chip
+        from ..lowering import launch_chip
+
+        chip = launch_chip() or dispatch_chip()
+    if chip is None:
+        return min(get_chip(c).vmem_capacity_bytes for c in ("v5e", "v6e", "tpu7x")) * 7 // 8
+    return get_chip(chip).vmem_capacity_bytes * 7 // 8
+
+
+def _vmem_limit(need: int, chip=None):
     """Scoped-VMEM request: none under the smallest default, else need * 1.25 + 4 MiB (Mosaic's internal
-    scratch), at least 32 MiB, at most 64 MiB (tpu7x's VMEM); same rule as tpukernels.library.matmul."""
+    scratch), at least 32 MiB, at most :func:`_vmem_cap` of the chip (v5e / v6e 112 MiB, tpu7x 56 MiB)."""
     if need + 4 * MiB <= DEFAULT_SCOPED_VMEM:
         return None
-    return min(64 * MiB, max(32 * MiB, -(-(need * 5 // 4 + 4 * MiB) // MiB) * MiB))
+    return min(_vmem_cap(chip), max(32 * MiB, -(-(need * 5 // 4 + 4 * MiB) // MiB) * MiB))
 
 
 def num_items(M: int, G: int, bm: int) -> int:
