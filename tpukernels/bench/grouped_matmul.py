@@ -417,7 +417,7 @@ def data_cost(kernel_name: str, M: int, K: int, N: int, sizes, config: dict, tra
     sched = gm._fwd_schedule if kernel_name.endswith("fwd") else gm._tgmm_schedule
     (tab,) = sched(jnp.asarray(sizes, jnp.int32), jnp.zeros(1, jnp.int32), M=M, G=G, bm=bm, T=T)
     tab = np.asarray(tab).reshape(gm.N_FIELDS, T)
-    flags = tab[gm.F_FLAGS] ^ gm.ALL
+    flags = tab[gm.F_FLAGS] ^ (gm.ALL if kernel_name.endswith("fwd") else gm.TGMM_COMPLEMENT)
     compute = (flags & gm.COMPUTE) != 0
     gk, gn = -(-K // bk), -(-N // bn)
     prev, nbytes = {}, 0

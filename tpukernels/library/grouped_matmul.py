@@ -135,6 +135,11 @@ PARTIAL = 16
 #: estimator reads from SMEM (it has no data), then means "every item computes and stores", so the model
 #: counts the MXU work of all T items instead of none (an upper bound: real runs skip padding items)
 ALL = COMPUTE | STORE | FIRST | LAST
+#: tgmm stores only COMPUTE complemented: an all-zero table then reads as interior tiles that accumulate,
+#: neither the first nor the last of their group, the common case (a group's first / last items, which zero
+#: the accumulator / store it, are G per d_rhs block out of T). With FIRST and LAST complemented too, libtpu's
+#: model charged every item a 2048 x 2048 f32 zero-fill and a store (1.8x the per-item cost at bk = bn = 1024)
+TGMM_COMPLEMENT = COMPUTE
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -166,6 +171,11 @@ def _bits(flags, bit):
 def _flags(tab, T: int, i):
     """Flag bits of work item ``i`` (stored complemented, see ``ALL``)."""
     return tab[F_FLAGS * T + i] ^ ALL
+
+
+def _tgmm_flags(tab, T: int, i):
+    """Flag bits of tgmm work item ``i`` (COMPUTE stored complemented, see ``TGMM_COMPLEMENT``)."""
+    return tab[F_FLAGS * T + i] ^ TGMM_COMPLEMENT
 
 
 def _group_bounds(sizes, offset, M: int, G: int):
@@ -263,7 +273,7 @@ def _tgmm_schedule(sizes, offset, *, M: int, G: int, bm: int, T: int):
     lo, hi = jnp.where(compute, _take(s, g), 0), jnp.where(compute, _take(e, g), 0)
     flags = ((compute * COMPUTE) | (real * STORE) | ((real & (l == 0)) * FIRST)
              | ((real & (l == wg - 1)) * LAST))
-    flags = (flags ^ ALL) | ((compute & ((tile * bm < lo) | ((tile + 1) * bm > hi))) * PARTIAL)
+    flags = (flags ^ TGMM_COMPLEMENT) | ((compute & ((tile * bm < lo) | ((tile + 1) * bm > hi))) * PARTIAL)
     src_tile = _forward_fill(tile, compute)
     return (jnp.stack([tile, src_tile, g, lo, hi, flags.astype(jnp.int32)]).reshape(-1),)
 
@@ -330,7 +340,7 @@ def _tgmm_body(tab, x_ref, y_ref, out_ref, acc_ref, *, T, bm, precision):
     from jax.experimental import pallas as pl
 
     i = pl.program_id(2)
-    flags = _flags(tab, T, i)
+    flags = _tgmm_flags(tab, T, i)
 
     @pl.when(_bits(flags, FIRST))
     def _():
