@@ -370,6 +370,23 @@ def test_bench_family_cases():
     assert up.flops == 2 * 16384 * 4096 * 14336
 
 
+def test_fwd_vmem_limit_follows_the_chip():
+    """The scoped-VMEM cap comes from the chip's capacity (jax tpu_info): a 71 MiB forward config gets a
+    93 MiB limit on v6e (128 MiB of VMEM) and is a VmemError naming tpu7x (64 MiB) there."""
+    from tpukernels.bench.grouped_matmul import _lowered
+    from tpukernels.chips import get_chip
+    from tpukernels.errors import VmemError
+
+    kernel, _, kwargs = gm.STANDARD_CASES[1]  # down projection: rhs [G, 4096, 14336], transpose_rhs
+    args = ("8:i32", "1:i32", "512x14336:bf16", "8x4096x14336:bf16")
+    cfg = dict(bm=256, bk=16384, bn=1024)  # bk = K: 2 x (256 x 14336 + 1024 x 14336) bf16 blocks, 71 MiB
+    low = _lowered(kernel, "v6e", args, kwargs, cfg)
+    limit = low.resolved.launch.vmem_limit_bytes
+    assert 71 * 2**20 < limit <= get_chip("v6e").vmem_capacity_bytes * 7 // 8
+    with pytest.raises(VmemError, match="tpu7x"):
+        _lowered(kernel, "tpu7x", args, kwargs, cfg)
+
+
 # ----------------------------------------------------------------------------------------------- shipped defaults
 @pytest.mark.parametrize("chip", ["v5e", "v6e", "tpu7x"])
 def test_shipped_defaults_cover_the_standard_cases(chip, tmp_cache):
