@@ -93,11 +93,11 @@ _V5E = ("v5e: megablox and ragged_dot cannot be estimated (libtpu aborts), so th
         "ours (an estimate, ~92% of the roofline: bm=128 counts 135 items for 128 tiles) is above them: not "
         "evidence either way")
 #: why ours is where it is, from the estimates (module docstring); keyed (chip, op, shape)
-#: (kernel name, chip) whose estimate is not attempted: libtpu's static estimate of our tgmm at the shipped
-#: configs ran past 300 s at 2048 rows on every chip (2026-12-02, libtpu 0.0.52) with an estimate server of up
-#: to ~20 GB; timeouts are not cached, so each run would spend that again
-NOT_ESTIMABLE = {("grouped_matmul_tgmm", c): "libtpu's static estimate timed out (> 300 s at 2048 rows, libtpu 0.0.52)"
-                 for c in ("v5e", "v6e", "tpu7x")}
+#: (kernel name, chip) -> why its estimate is not attempted (timeouts are not cached, so each run would spend
+#: them again). Empty: our tgmm used to time out (> 300 s at 2048 rows, ~20 GB) while its all-zero work-item
+#: table read as "first and last item of its group" (a full d_rhs-block zero-fill and store every step); with
+#: only COMPUTE stored complemented its reduced estimates take ~15-30 s
+NOT_ESTIMABLE: dict = {}
 REASONS: dict = {
     ("v6e", "gmm x @ W[g].T", _UP): _FWD_V6E.format(items=71, tiles=64, waste=71 / 64),
     ("v6e", "gmm x @ W[g]", _KN): _FWD_V6E.format(items=71, tiles=64, waste=71 / 64),
@@ -209,14 +209,14 @@ def _lowered(kernel, chip, args, kwargs, cfg):
     return lower(kernel, bucket_specs(kernel, specs), statics, cfg, mode="mosaic", chip=get_chip(chip))
 
 
-def _reduced_args(kernel, args, kwargs, rows: int, blocks: int, cols: int = N_EST):
+def _reduced_args(kernel, args, kwargs, rows: int, blocks: int, cols: int = N_EST, kdim: int = K_EST_TGMM):
     """``args`` at ``rows`` rows and ``blocks`` reduced output blocks (``cols`` columns, default N_EST; tgmm:
-    K_EST_TGMM x N_EST)."""
+    ``kdim x cols``, default K_EST_TGMM x N_EST)."""
     gm = _gm()
     a = list(args)
     if kernel is gm.grouped_matmul_tgmm:
         (_, K), (_, N) = _shape(a[2]), _shape(a[3])
-        a[2], a[3] = f"{rows}x{min(K, K_EST_TGMM)}:bf16", f"{rows}x{min(N, N_EST) * blocks}:bf16"
+        a[2], a[3] = f"{rows}x{min(K, kdim)}:bf16", f"{rows}x{min(N, cols) * blocks}:bf16"
         return tuple(a)
     (_, K) = _shape(a[2])
     G, d1, d2 = _shape(a[3])
@@ -226,11 +226,11 @@ def _reduced_args(kernel, args, kwargs, rows: int, blocks: int, cols: int = N_ES
     return tuple(a)
 
 
-def _blocks(M, K, N, tgmm: bool, cols: int = N_EST) -> int:
-    """How many reduced output blocks (of ``cols`` columns, default N_EST) the full problem has (module
-    docstring)."""
+def _blocks(M, K, N, tgmm: bool, cols: int = N_EST, kdim: int = K_EST_TGMM) -> int:
+    """How many reduced output blocks (of ``cols`` columns, default N_EST; tgmm ``kdim x cols``) the full
+    problem has (module docstring)."""
     nb = -(-N // min(N, cols))
-    return nb * -(-K // min(K, K_EST_TGMM)) if tgmm else nb
+    return nb * -(-K // min(K, kdim)) if tgmm else nb
 
 
 def _ours(kernel, args, kwargs, roofline_us, chip: str) -> Impl:
@@ -243,16 +243,18 @@ def _ours(kernel, args, kwargs, roofline_us, chip: str) -> Impl:
     _, _, cfg, source = kernel_program(kernel, chip, args, kwargs)  # the config a full call gets
     state = {chip: cfg}
     # forward: a reduced block is one output block of ours when bn > N_EST (bn = 3584 does not divide 2048)
-    cols = N_EST if tgmm else max(N_EST, min(N, int(cfg.get("bn", N_EST))))
+    # (tgmm: one d_W block of ours when bk > K_EST_TGMM or bn > N_EST)
+    cols = max(N_EST, min(N, int(cfg.get("bn", N_EST))))
+    kdim = max(K_EST_TGMM, min(K, int(cfg.get("bk", K_EST_TGMM)))) if tgmm else K_EST_TGMM
 
     def program(chip, rows, blocks):
-        return _ours_split(kernel, _reduced_args(kernel, args, kwargs, rows, blocks, cols), kwargs, state[chip],
-                           chip)[0]
+        return _ours_split(kernel, _reduced_args(kernel, args, kwargs, rows, blocks, cols, kdim), kwargs,
+                           state[chip], chip)[0]
 
     def meta(chip):
         return _ours_split(kernel, args, kwargs, state[chip], chip)[1]
 
-    fit = _Fitted(program, meta, M, _blocks(M, K, N, tgmm, cols))
+    fit = _Fitted(program, meta, M, _blocks(M, K, N, tgmm, cols, kdim))
 
     def cycles(est, chip):
         skip = NOT_ESTIMABLE.get((kernel.name, chip))

@@ -140,6 +140,11 @@ ALL = COMPUTE | STORE | FIRST | LAST
 #: the accumulator / store it, are G per d_rhs block out of T). With FIRST and LAST complemented too, libtpu's
 #: model charged every item a 2048 x 2048 f32 zero-fill and a store (1.8x the per-item cost at bk = bn = 1024)
 TGMM_COMPLEMENT = COMPUTE
+#: tgmm stores only COMPUTE complemented: an all-zero table then reads as interior tiles that accumulate,
+#: neither the first nor the last of their group, the common case (a group's first / last items, which zero
+#: the accumulator / store it, are G per d_rhs block out of T). With FIRST and LAST complemented too, libtpu's
+#: model charged every item a 2048 x 2048 f32 zero-fill and a store (1.8x the per-item cost at bk = bn = 1024)
+TGMM_COMPLEMENT = COMPUTE
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -171,6 +176,11 @@ def _bits(flags, bit):
 def _flags(tab, T: int, i):
     """Flag bits of work item ``i`` (stored complemented, see ``ALL``)."""
     return tab[F_FLAGS * T + i] ^ ALL
+
+
+def _tgmm_flags(tab, T: int, i):
+    """Flag bits of tgmm work item ``i`` (COMPUTE stored complemented, see ``TGMM_COMPLEMENT``)."""
+    return tab[F_FLAGS * T + i] ^ TGMM_COMPLEMENT
 
 
 def _tgmm_flags(tab, T: int, i):
@@ -582,10 +592,14 @@ def heuristic(group_sizes, group_offset, lhs, rhs, transpose_rhs=False, out_dtyp
 
 
 def heuristic_tgmm(group_sizes, group_offset, x, y, num_groups=0, out_dtype=None) -> dict:
-    """tgmm defaults: ``bm=512, bk=512, bn=1024`` (bf16; f32 ``512, 512, 512``)."""
+    """tgmm defaults: bf16 ``bm=256, bk=2048, bn=2048`` (~36 MiB of VMEM, fits every chip's cap): both operands
+    are streamed every step, so the d_rhs block must be large (``bk * bn / (bk + bn)`` FLOP per byte: 1024 here,
+    v6e needs ~560) while ``bm`` stays small (each group boundary costs one extra ``bm``-row item; the f32
+    accumulator is read and written once per ``bm`` rows). float32 ``512, 512, 512``. Shipped per-chip tuning
+    data takes precedence."""
     if _dtype_name(x.dtype) == "float32":
         return dict(bm=512, bk=512, bn=512)
-    return dict(bm=512, bk=512, bn=1024)
+    return dict(bm=256, bk=2048, bn=2048)
 
 
 # ----------------------------------------------------------------------------------------------- references
