@@ -246,32 +246,6 @@ def test_tgmm_schedule_flags_and_the_all_zero_table():
     assert zero & gm.COMPUTE and not zero & (gm.FIRST | gm.LAST | gm.PARTIAL)
 
 
-def test_tgmm_schedule_flags_and_the_all_zero_table():
-    """tgmm's table: one FIRST and one LAST item per local group, COMPUTE on exactly the tiles of nonempty
-    groups, PARTIAL only on tiles not wholly inside the group; an all-zero table (what libtpu's static model
-    reads from SMEM) decodes as an interior item that accumulates, neither first nor last of its group."""
-    import jax.numpy as jnp
-
-    M, G, bm = 1000, 5, 128
-    sizes = [300, 0, 128, 1, 500]  # an empty group, a tile-aligned one, a one-row group, an M tail
-    T = gm.num_items(M, G, bm)
-    (tab,) = gm._tgmm_schedule(jnp.asarray(sizes, jnp.int32), jnp.zeros(1, jnp.int32), M=M, G=G, bm=bm, T=T)
-    tab = np.asarray(tab).reshape(gm.N_FIELDS, T)
-    flags = np.asarray(gm._tgmm_flags(tab.reshape(-1), T, np.arange(T)))
-    group, tile = tab[gm.F_GROUP], tab[gm.F_TILE]
-    bit = {n: (flags & b) != 0 for n, b in (("c", gm.COMPUTE), ("f", gm.FIRST), ("l", gm.LAST), ("p", gm.PARTIAL))}
-    assert [int((bit["f"] & (group == g)).sum()) for g in range(G)] == [1] * G
-    assert [int((bit["l"] & (group == g)).sum()) for g in range(G)] == [1] * G
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    for g in range(G):
-        want = sorted(range(starts[g] // bm, (starts[g] + sizes[g] - 1) // bm + 1)) if sizes[g] else []
-        assert sorted(tile[bit["c"] & (group == g)].tolist()) == want, g
-        inside = [(t * bm >= starts[g]) and ((t + 1) * bm <= starts[g] + sizes[g]) for t in want]
-        assert bit["p"][bit["c"] & (group == g)].tolist() == [not x for x in inside], g
-    zero = int(gm._tgmm_flags(np.zeros(gm.N_FIELDS, np.int32), 1, 0))
-    assert zero & gm.COMPUTE and not zero & (gm.FIRST | gm.LAST | gm.PARTIAL)
-
-
 # ----------------------------------------------------------------------------------------------- errors
 @pytest.mark.parametrize("make, exc, match", [
     (lambda: (torch.randn(4, 8, 2), torch.randn(2, 8, 3), torch.tensor([2, 2], dtype=torch.int32)), ArgumentError,

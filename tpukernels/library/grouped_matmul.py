@@ -140,11 +140,6 @@ ALL = COMPUTE | STORE | FIRST | LAST
 #: the accumulator / store it, are G per d_rhs block out of T). With FIRST and LAST complemented too, libtpu's
 #: model charged every item a 2048 x 2048 f32 zero-fill and a store (1.8x the per-item cost at bk = bn = 1024)
 TGMM_COMPLEMENT = COMPUTE
-#: tgmm stores only COMPUTE complemented: an all-zero table then reads as interior tiles that accumulate,
-#: neither the first nor the last of their group, the common case (a group's first / last items, which zero
-#: the accumulator / store it, are G per d_rhs block out of T). With FIRST and LAST complemented too, libtpu's
-#: model charged every item a 2048 x 2048 f32 zero-fill and a store (1.8x the per-item cost at bk = bn = 1024)
-TGMM_COMPLEMENT = COMPUTE
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -176,11 +171,6 @@ def _bits(flags, bit):
 def _flags(tab, T: int, i):
     """Flag bits of work item ``i`` (stored complemented, see ``ALL``)."""
     return tab[F_FLAGS * T + i] ^ ALL
-
-
-def _tgmm_flags(tab, T: int, i):
-    """Flag bits of tgmm work item ``i`` (COMPUTE stored complemented, see ``TGMM_COMPLEMENT``)."""
-    return tab[F_FLAGS * T + i] ^ TGMM_COMPLEMENT
 
 
 def _tgmm_flags(tab, T: int, i):
