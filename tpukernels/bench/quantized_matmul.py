@@ -114,7 +114,7 @@ def cases(chips) -> list[Case]:
         def fn(x, w, s):
             x32 = x.astype(f32)
             xs = jnp.max(jnp.abs(x32), axis=1, keepdims=True) * jnp.float32(1.0 / qm)
-            q = x32 / jnp.where(xs == 0, 1.0, xs)
+            q = x32 * jnp.where(xs == 0, 0.0, 1.0 / jnp.where(xs == 0, 1.0, xs))  # the library's formula
             if qdt == "int8":
                 xq, acc = jnp.clip(jnp.round(q), -qm, qm).astype(jnp.int8), jnp.int32
             else:

@@ -26,13 +26,17 @@ w8a8 fp8       bf16|f32 / fp8       same with ``x`` quantized to ``w_q``'s fp8 d
 =============  ===================  =====================================================================
 
 Quantization (``quantize_weight`` and the per-token activation kernel; symmetric absmax, all f32):
-``s = max_k |v[k]| * f32(1 / qmax)``, ``q = clip(round_half_even(v / s), -qmax, qmax)`` for int8 (``qmax = 127``,
-so -128 is never produced and the grid is symmetric), ``q = fp8(clip(v / s, -qmax, qmax))`` (round to
-nearest even) for fp8 with ``qmax`` the dtype's largest finite value (448 for e4m3fn, 57344 for e5m2).
-A zero row gets ``s = 0`` and ``q = 0``. In cpu interpret mode the kernel's ``(q, s)`` equal
-:func:`quantize_reference` bit for bit; on a TPU, f32 division is not guaranteed correctly rounded, so a
-``q`` may differ by one grid step where ``v / s`` is within an ulp of a rounding boundary (the error
-bounds below are stated for the quantized values the kernel used, so they hold either way). Source: the absmax (symmetric) scheme of LLM.int8()
+``s = max_k |v[k]| * f32(1 / qmax)``, ``r = f32(1 / s)`` (one division per row; ``r = 0`` where ``s = 0``),
+``q = clip(round_half_even(v * r), -qmax, qmax)`` for int8 (``qmax = 127``, so -128 is never produced and
+the grid is symmetric), ``q = fp8(clip(v * r, -qmax, qmax))`` (round to nearest even) for fp8 with ``qmax``
+the dtype's largest finite value (448 for e4m3fn, 57344 for e5m2). The per-element work is one f32
+multiply by the row's reciprocal, not a division (a TPU divides in several vector ops: with the division,
+the down-projection's quantization no longer fit under the MXU, see the bench reasons); ``v * r`` is
+within 2 ulps of ``v / s``. A zero row gets ``s = 0`` and ``q = 0``. In cpu interpret mode the kernel's
+``(q, s)`` equal :func:`quantize_reference` bit for bit; on a TPU, the per-row f32 division is not
+guaranteed correctly rounded, so a ``q`` may differ by one grid step where ``v * r`` is within an ulp of a
+rounding boundary (the error bounds below are stated for the quantized values the kernel used, so they
+hold either way). Source: the absmax (symmetric) scheme of LLM.int8()
 (Dettmers et al., arXiv:2208.07339, section 3.1, per-row "vector-wise" scaling) and SmoothQuant's per-token
 activation / per-channel weight granularity (Xiao et al., arXiv:2211.10438, section 3).
 
@@ -242,7 +246,8 @@ def quantize_reference(v: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tens
     inv = torch.tensor(1.0 / qm, dtype=torch.float32)  # f32(1/qmax): the kernel multiplies by the same
     scale = v32.abs().amax(dim=-1) * inv if v32.shape[-1] else torch.zeros(v32.shape[:-1])
     safe = torch.where(scale == 0, torch.ones_like(scale), scale)
-    q = v32 / safe.unsqueeze(-1)
+    recip = torch.where(scale == 0, torch.zeros_like(scale), 1.0 / safe)  # f32, one division per row
+    q = v32 * recip.unsqueeze(-1)
     if name == "int8":
         q = torch.round(q).clamp(-qm, qm).to(torch.int8)
     else:
@@ -373,21 +378,30 @@ def _qmm_body(x_ref, w_ref, ws_ref, *refs, layout, k_size, blk_k, n_k, has_xs, a
 
 
 def _row_absmax(x):
-    """``max_k |x[:, k]|`` as ``[rows, 1]`` f32 (exact: max does not round, so any chunking gives the same)."""
+    """``max_k |x[:, k]|`` as ``[rows, 1]`` f32 (exact: abs and max do not round, so computing them in ``x``'s
+    own dtype — bf16 on chips with a bf16 VPU, half the vector work — and in any chunking gives the same)."""
     import jax.numpy as jnp
 
-    return jnp.max(jnp.abs(x.astype(jnp.float32)), axis=1, keepdims=True)
+    return jnp.max(jnp.abs(x), axis=1, keepdims=True).astype(jnp.float32)
 
 
-def _quantize_values(x, scale, qm, is_int, dtype):
-    """``x [rows, c]`` -> ``q`` in ``dtype`` given the row scales ``[rows, 1]`` (module docstring formula).
+def _reciprocal(scale):
+    """``r = f32(1 / s)`` per row, ``0`` where ``s == 0`` (module docstring): ``q = v * r``."""
+    import jax.numpy as jnp
+
+    zero = scale == 0
+    return jnp.where(zero, 0.0, 1.0 / jnp.where(zero, 1.0, scale))
+
+
+def _quantize_values(x, recip, qm, is_int, dtype):
+    """``x [rows, c]`` -> ``q`` in ``dtype`` given the rows' reciprocal scales ``[rows, 1]``
+    (:func:`_reciprocal`; module docstring formula).
 
     The one definition both w8a8 paths use (``quantize_per_token_kernel`` and the fused
     ``quantized_matmul_w8a8_kernel``), so they produce the same ``q`` for the same ``x`` and scale."""
     import jax.numpy as jnp
 
-    safe = jnp.where(scale == 0, 1.0, scale)
-    q = x.astype(jnp.float32) / safe
+    q = x.astype(jnp.float32) * recip
     if is_int:
         q = jnp.clip(jnp.round(q), -qm, qm).astype(jnp.int32)
     else:
@@ -398,16 +412,17 @@ def _quantize_values(x, scale, qm, is_int, dtype):
 def _quantize_body(x_ref, q_ref, s_ref, *, qm, is_int):
     """Rows of ``x`` -> symmetric absmax quantization (module docstring), f32 arithmetic."""
     scale = _row_absmax(x_ref[...]) * np.float32(1.0 / qm)
-    q_ref[...] = _quantize_values(x_ref[...], scale, qm, is_int, q_ref.dtype)
+    q_ref[...] = _quantize_values(x_ref[...], _reciprocal(scale), qm, is_int, q_ref.dtype)
     s_ref[...] = scale
 
 
-def _w8a8_body(x_hbm, w_ref, ws_ref, o_ref, xbuf, sem, xq_ref, xs_ref, acc_ref, *, k_size, blk_k, n_k, n_j, bm,
+def _w8a8_body(x_hbm, w_ref, ws_ref, o_ref, xbuf, sem, xq_ref, xs_ref, xr_ref, acc_ref, *, k_size, blk_k, n_k, n_j, bm,
                parts, qm, is_int, acc_int, qchunk):
     """Fused w8a8: one output block ``(i, j)``, one K step ``k`` (grid order i, j, k; all sequential).
 
     ``xq_ref [2, bm, K']`` holds two quantized row blocks (slot ``i % 2`` is row block ``i``, the other is
-    being filled), ``xs_ref [2, bm, 1]`` their scales, ``xbuf [bm, K]`` the raw ``x`` rows of the next block.
+    being filled), ``xs_ref [2, bm, 1]`` their scales, ``xr_ref`` the scales' reciprocals (:func:`_reciprocal`),
+    ``xbuf [bm, K]`` the raw ``x`` rows of the next block.
     Schedule of row block ``i`` (software-pipelined one row block ahead, so the vector work of the
     quantization runs beside the MXU work of the current block instead of before it):
 
@@ -438,33 +453,39 @@ def _w8a8_body(x_hbm, w_ref, ws_ref, o_ref, xbuf, sem, xq_ref, xs_ref, acc_ref, 
         return pltpu.make_async_copy(x_hbm.at[pl.ds(row_block * bm, bm)], xbuf, sem.at[0])
 
     def absmax(r0, nr):
-        """``[nr, 1]`` absmax of rows ``r0..`` of ``xbuf`` over all K (static column chunks, exact)."""
+        """``[nr, 1]`` f32 absmax of rows ``r0..`` of ``xbuf`` over all K (static column chunks; in ``x``'s
+        dtype until the end, exact as :func:`_row_absmax`)."""
         m, rest = None, None
         for c0 in range(0, k_size, qchunk):
             w_ = min(qchunk, k_size - c0)
-            a = jnp.abs(xbuf[pl.ds(r0, nr), pl.ds(c0, w_)].astype(jnp.float32))
+            a = jnp.abs(xbuf[pl.ds(r0, nr), pl.ds(c0, w_)])
             if w_ == qchunk:
                 m = a if m is None else jnp.maximum(m, a)
             else:
                 rest = jnp.max(a, axis=1, keepdims=True)
         out = [jnp.max(m, axis=1, keepdims=True)] if m is not None else []
         out += [rest] if rest is not None else []
-        return out[0] if len(out) == 1 else jnp.maximum(out[0], out[1])
+        return (out[0] if len(out) == 1 else jnp.maximum(out[0], out[1])).astype(jnp.float32)
+
+    def set_scale(dst, r0, nr):
+        s = absmax(r0, nr) * inv
+        xs_ref[dst, pl.ds(r0, nr), :] = s
+        xr_ref[dst, pl.ds(r0, nr), :] = _reciprocal(s)
 
     def quantize(dst, r0, nr, c0, width):
         """Quantize ``xbuf[r0:r0+nr, c0:c0+width]`` into ``xq_ref[dst]`` (``c0`` static or 128-aligned)."""
-        scale = xs_ref[dst, pl.ds(r0, nr), :]
+        recip = xr_ref[dst, pl.ds(r0, nr), :]
         for off in range(0, width, qchunk):
             w_ = min(qchunk, width - off)
             start = c0 + off if isinstance(c0, int) else pl.multiple_of(c0 + off, 128)
             v = xbuf[pl.ds(r0, nr), pl.ds(start, w_)]
-            xq_ref[dst, pl.ds(r0, nr), pl.ds(start, w_)] = _quantize_values(v, scale, qm, is_int, xq_ref.dtype)
+            xq_ref[dst, pl.ds(r0, nr), pl.ds(start, w_)] = _quantize_values(v, recip, qm, is_int, xq_ref.dtype)
 
     @pl.when(jnp.logical_and(i == 0, jnp.logical_and(j == 0, k == 0)))
     def _():  # prologue: row block 0, serial
         copy(0).start()
         copy(0).wait()
-        xs_ref[0] = absmax(0, bm) * inv
+        set_scale(0, 0, bm)
         quantize(0, 0, bm, 0, k_size)
 
     @pl.when(jnp.logical_and(i + 1 < gi, jnp.logical_and(j == 0, k == 0)))
@@ -481,7 +502,7 @@ def _w8a8_body(x_hbm, w_ref, ws_ref, o_ref, xbuf, sem, xq_ref, xs_ref, acc_ref, 
                 copy(i + 1).wait()
             else:
                 pl.when(p == 0)(lambda: copy(i + 1).wait())
-            xs_ref[nxt, pl.ds(r0, rows), :] = absmax(r0, rows) * inv
+            set_scale(nxt, r0, rows)
         if phase == "only":
             quantize(nxt, r0, rows, 0, k_size)
         elif phase == "first":
@@ -798,13 +819,13 @@ def vmem_budget(chip=None) -> int:
 
 def fused_vmem_bytes(bm, bk, bn, K, x_dtype, q_dtype, out_dtype, n_k) -> int:
     """Footprint of the fused w8a8 kernel (bytes): the raw next row block of ``x`` at full K, two quantized
-    row blocks, double-buffered ``w_q`` / scale / output blocks, the accumulator and the f32 temporaries of
-    the quantization passes (a row block's absmax over ``QCHUNK`` columns, one chunk's quotients) and of the
-    dot result."""
+    row blocks with their scales and reciprocals, double-buffered ``w_q`` / scale / output blocks, the
+    accumulator and the f32 temporaries of the quantization passes (a row block's absmax over ``QCHUNK``
+    columns, one chunk's products) and of the dot result."""
     acc = (8, 128) if n_k == 1 else (bm, bn)
     qc = min(QCHUNK, K)
     return (padded_bytes((bm, K), x_dtype) + 2 * padded_bytes((bm, n_k * bk), q_dtype)
-            + 2 * padded_bytes((bm, 1), "float32")
+            + 4 * padded_bytes((bm, 1), "float32")
             + 2 * (padded_bytes((bn, bk), q_dtype) + padded_bytes((1, bn), "float32") + padded_bytes((bm, bn), out_dtype))
             + padded_bytes(acc, "float32") + 3 * padded_bytes((bm, qc), "float32") + padded_bytes((bm, bn), "float32"))
 
@@ -874,7 +895,7 @@ def _ref_w8a8(x, w, ws, out_dtype=None):
     dw = np.dtype(w.dtype).name
     qm = qmax(dw)
     scale = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=1, keepdims=True) * np.float32(1.0 / qm)
-    q = _quantize_values(x, scale, qm, dw == "int8", w.dtype)
+    q = _quantize_values(x, _reciprocal(scale), qm, dw == "int8", w.dtype)
     acc = jnp.int32 if dw == "int8" else jnp.float32
     z = lax.dot_general(q, w, (((1,), (1,)), ((), ())), preferred_element_type=acc).astype(jnp.float32)
     return (z * ws * scale).astype(_out_dtype(out_dtype, x, "quantized_matmul_w8a8_kernel"))
@@ -931,6 +952,7 @@ def quantized_matmul_w8a8_kernel(x: torch.Tensor, w_q: torch.Tensor, w_scale: to
         out_shape=_dsl.OutSpec((M, N), odt),
         scratch_shapes=[pltpu.VMEM((bm_, K), x.dtype), pltpu.SemaphoreType.DMA((1,)),
                         pltpu.VMEM((2, bm_, gk * bk_), w_q.dtype), pltpu.VMEM((2, bm_, 1), jnp.float32),
+                        pltpu.VMEM((2, bm_, 1), jnp.float32),
                         pltpu.VMEM(acc_shape, jnp.int32 if acc_int else jnp.float32)],
         # sequential: the x row block, its quantization and the prefetch carry across grid steps (one
         # TensorCore; jax's tpu_info gives num_cores=1 for v5e, v6e and tpu7x)
@@ -1015,13 +1037,16 @@ def _impl(x, w_q, w_scale, x_quant=None, out_dtype=None, config=None):
     x2 = x.reshape(-1, K)
     ws = w_scale.reshape(1, N)
     kw = {} if config is None else dict(config=config)
+    # the kernels' out_dtype=None means x's dtype (bf16 for 8-bit x): pass None for that default, so a
+    # call's tuning-DB key is the one the shipped entries were tuned under (statics are part of the key)
+    kout = None if odt == _name(x.dtype) else odt
     if x_quant is None:
-        y = quantized_matmul_kernel(x2, w_q, ws, None, odt, **kw)
-    elif _fused(x2, w_q, ws, odt, config):
-        y = quantized_matmul_w8a8_kernel(x2, w_q, ws, odt, **kw)
+        y = quantized_matmul_kernel(x2, w_q, ws, None, kout, **kw)
+    elif _fused(x2, w_q, ws, kout, config):
+        y = quantized_matmul_w8a8_kernel(x2, w_q, ws, kout, **kw)
     else:
         xq, xs = quantize_per_token_kernel(x2, _name(w_q.dtype))
-        y = quantized_matmul_kernel(xq, w_q, ws, xs, odt, **kw)
+        y = quantized_matmul_kernel(xq, w_q, ws, xs, None if odt == "bfloat16" else odt, **kw)
     return y.reshape(*lead, N)
 
 
@@ -1047,7 +1072,7 @@ def _fused_for(M, K, N, x_name, q_name, odt, config_json, chip_name) -> bool:
     specs = (TensorSpec((M, K), _jnp(x_name), "x"), TensorSpec((N, K), _jnp(q_name), "w_q"),
              TensorSpec((1, N), _jnp("float32"), "w_scale"))
     cfg, _ = quantized_matmul_w8a8_kernel.resolve_config(specs, (("out_dtype", odt),), config, chip)
-    return fused_plan(M, K, N, specs[0].dtype, specs[1].dtype, _jnp(odt), int(cfg["bm"]), int(cfg["bk"]),
+    return fused_plan(M, K, N, specs[0].dtype, specs[1].dtype, _jnp(odt or x_name), int(cfg["bm"]), int(cfg["bk"]),
                       int(cfg["bn"]), chip) is not None
 
 
