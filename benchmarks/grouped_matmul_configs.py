@@ -153,6 +153,7 @@ def main(argv=None):
     p.add_argument("configs", nargs="*", help="bm,bk,bn")
     p.add_argument("--max-need-mib", type=float, default=None, help="rank: only configs with a smaller footprint")
     p.add_argument("--top", type=int, default=10)
+    p.add_argument("--timeout", type=float, default=280, help="per libtpu estimate, seconds (a short one: cache hits only)")
     p.add_argument("--why", default="", help="write: a sentence on why this config (goes into the evidence note)")
     p.add_argument("--allow-no-static", action="store_true",
                    help="write: record the config even where libtpu cannot estimate it (the error goes into the evidence)")
@@ -182,7 +183,7 @@ def main(argv=None):
         bm, bk, bn = (int(v) for v in text.split(","))
         r = analytic(a.chip, a.case, bm, bk, bn)
         try:
-            s = static(a.chip, a.case, bm, bk, bn)
+            s = static(a.chip, a.case, bm, bk, bn, a.timeout)
         except Exception as e:  # noqa: BLE001 - report libtpu's failure and go on
             s = dict(static_error=str(e)[:300])
         print(f"{a.chip} {a.case} bm={bm} bk={bk} bn={bn}: analytic {r['pct_of_peak']}%, static {s}", flush=True)
@@ -198,9 +199,11 @@ def main(argv=None):
             note = ("models, not measurements: the libtpu static estimate (fitted from reduced problems as in "
                     "`tpukernels bench --family grouped_matmul`) and the analytic schedule model (exact Pallas block "
                     f"copies and MXU work of the real schedule at group_sizes, HBM/MXU rooflines, {STEP_US} µs per "
-                    "grid step); chosen by benchmarks/grouped_matmul_configs.py. " + a.why).strip()
+                    "grid step; pipelined_*: the same walked step by step with each step's copies overlapping only the "
+                    "previous step's compute); chosen by benchmarks/grouped_matmul_configs.py. " + a.why).strip()
             ev = dict(evaluator="libtpu-static-estimate+analytic-schedule-model", model_time_us=r["model_time_us"],
                       pct_of_peak=r["pct_of_peak"], group_sizes=r["group_sizes"], note=note)
+            ev.update(pipelined(a.chip, a.case, bm, bk, bn))
             if "static_error" in s:
                 ev["static_estimate_error"] = s["static_error"]
             else:

@@ -79,12 +79,17 @@ K_EST_TGMM = 2048
 
 _UP, _DOWN = "16384x4096 @ (8x14336x4096).T", "16384x14336 @ (8x4096x14336).T"
 _KN, _TG = "16384x4096 @ 8x4096x14336", "16384x4096^T @ 16384x14336, G=8"
-_FWD_V6E = ("82 / 80% of the MXU roofline in the static model, short of 85% for two measured reasons: per "
+_FWD_V6E = ("84.4-84.8% of the MXU roofline in the static model at all three forward shapes (bm=256, bk = K, bn = "
+            "3584, or 1024 at K = 14336: 63-71 MiB of VMEM, which the per-chip cap of 7/8 of v6e's 128 MiB allows; "
+            "with the former 64 MiB cap 82 / 67 / 80%). Short of 85% for two reasons measured in the fit: per "
             "output-column pass it counts {items} work items for {tiles} row tiles (the G - 1 = 7 tiles a group "
             "boundary may split are visited twice: {waste:.2f}x the MXU work; megablox has the same, 39 items for 32 "
-            "tiles of 512 rows), and it charges each item ~1.06x its MXU time at peak (pipeline step overhead: "
-            "8,712 vs 8,193 cycles per 256x4096x2048 item on v6e, from the fit). bm=128 halves the boundary waste "
-            "but doubles the steps; bn >= 3584 would amortise the steps but needs > 64 MiB of VMEM at bk = K")
+            "tiles of 512 rows), and a 256-row item costs 1.036x its MXU time at peak (58.0 vs 56.0 cycles per row, "
+            "from the fit): a ceiling of 87% for this schedule at bm=256, less the pipeline fill of each pass. bm=128 "
+            "halves the boundary waste but a 128-row item costs ~1.5x its MXU time on the 256-wide MXU (62.5% "
+            "estimated); bm=512 doubles it (39 items for 32 tiles). Neither model sees the rhs copy a group change "
+            "exposes (a [K, bn] block copied while one item computes: 17.9 vs 8.2 µs at the up projection): a "
+            "pipelined walk of the real schedule (benchmarks/grouped_matmul_configs.py) puts the three at ~76%")
 _NO_7X = ("no estimate of ours on tpu7x: libtpu 0.0.52's profiling compile of this kernel runs out of VMEM (78-102 "
           "MiB of 64 at the shipped configs, e.g. 92 at bm=256, bk=4096, bn=2048; in profiling mode XLA allocates the "
           "kernel's pipeline windows outside its scoped limit) while the same program compiles without the profiler "
@@ -101,11 +106,7 @@ NOT_ESTIMABLE: dict = {}
 REASONS: dict = {
     ("v6e", "gmm x @ W[g].T", _UP): _FWD_V6E.format(items=71, tiles=64, waste=71 / 64),
     ("v6e", "gmm x @ W[g]", _KN): _FWD_V6E.format(items=71, tiles=64, waste=71 / 64),
-    ("v6e", "gmm x @ W[g].T", _DOWN): (
-        "67% in both models: the shipped bm=1024, bk=2048 (bk = K = 14336 does not fit VMEM at bn = 2048) comes from "
-        "the analytic model, in which v6e's down projection is HBM-bound on rhs re-reads (a group's rhs block is "
-        "re-fetched per row tile when bk < K: 2,552 µs of copies at bm=1024, 5,802 µs at bm=256); the static model "
-        "sees no re-fetches but counts 23 items for 16 tiles (1.44x the MXU work)"),
+    ("v6e", "gmm x @ W[g].T", _DOWN): _FWD_V6E.format(items=71, tiles=64, waste=71 / 64),
     **{(c, "tgmm (d_W)", _TG): (
         "no estimate of ours: libtpu's static estimate of the shipped tgmm config (bk = bn = 2048, a 2048 x 2048 f32 "
         "accumulator read and written every step for a contraction of bm rows) timed out (> 300 s already for the "
