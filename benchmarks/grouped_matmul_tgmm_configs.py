@@ -77,6 +77,17 @@ def static(chip, bm, bk, bn, timeout_s=280) -> dict:
     return dict(static_us=round(us, 1), static_pct=round(100 * ideal_us / us, 1))
 
 
+def _drop_stale(path, current_hash):
+    """Remove entries recorded for an older kernel source (they can never match again)."""
+    import json
+
+    with open(path) as f:
+        data = json.load(f)
+    data["entries"] = [e for e in data["entries"] if e["key"].get("source_hash") == current_hash]
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("what", choices=("estimate", "write"))
@@ -84,6 +95,8 @@ def main(argv=None):
     p.add_argument("configs", nargs="+", help="bm,bk,bn")
     p.add_argument("--timeout", type=float, default=280, help="per libtpu estimate, seconds")
     p.add_argument("--why", default="", help="write: a sentence on why this config (goes into the evidence note)")
+    p.add_argument("--allow-no-static", action="store_true",
+                   help="write: record the config even where libtpu cannot estimate it (the error goes into the evidence)")
     a = p.parse_args(argv)
     for text in a.configs:
         bm, bk, bn = (int(v) for v in text.split(","))
@@ -95,8 +108,8 @@ def main(argv=None):
         print(f"{a.chip} tgmm bm={bm} bk={bk} bn={bn}: analytic {r['pct_of_peak']}% ({r['model_time_us']:,} µs), "
               f"static {s}", flush=True)
         if a.what == "write":
-            if "static_error" in s:
-                print("  not written: the static estimate failed", file=sys.stderr)
+            if "static_error" in s and not a.allow_no_static:
+                print("  not written: the static estimate failed (--allow-no-static records it anyway)", file=sys.stderr)
                 continue
             from tpukernels.autotune import db
             from tpukernels.autotune.space import Problem
@@ -108,11 +121,17 @@ def main(argv=None):
                     "computing) and the analytic schedule model (exact Pallas block copies and MXU work of the real "
                     f"schedule at group_sizes, HBM/MXU rooflines, {STEP_US} µs per grid step); chosen by "
                     "benchmarks/grouped_matmul_tgmm_configs.py. " + a.why).strip()
-            ev = dict(evaluator="libtpu-static-estimate+analytic-schedule-model", model_time_us=s["static_us"],
-                      pct_of_peak=s["static_pct"], analytic_time_us=r["model_time_us"],
-                      analytic_pct_of_peak=r["pct_of_peak"], group_sizes=r["group_sizes"], note=note)
+            if "static_error" in s:
+                ev = dict(evaluator="analytic-schedule-model", model_time_us=r["model_time_us"],
+                          pct_of_peak=r["pct_of_peak"], group_sizes=r["group_sizes"], note=note,
+                          static_estimate_error=s["static_error"])
+            else:
+                ev = dict(evaluator="libtpu-static-estimate+analytic-schedule-model", model_time_us=s["static_us"],
+                          pct_of_peak=s["static_pct"], analytic_time_us=r["model_time_us"],
+                          analytic_pct_of_peak=r["pct_of_peak"], group_sizes=r["group_sizes"], note=note)
             path = db.shipped_db_path(kernel.qualname, a.chip)
             db.record(kernel, a.chip, prob.specs, prob.statics, dict(bm=bm, bk=bk, bn=bn), ev, path=path)
+            _drop_stale(path, db.source_hash(kernel))
             print(f"  recorded in {path}")
     return 0
 
