@@ -22,7 +22,8 @@ gradient (tgmm) of the first, ``d_W[g] = x[rows of g]^T @ dO[rows of g]``.
 of one output block took 14 / 24 / 73 s and 1.7 / 3.0 / 6.7 GB). So each implementation's kernel is
 estimated at three reduced problems -- ``M1 = 2048`` and ``M2 = 4096`` rows (``FIT_ROWS``; the group sizes
 scaled, they do not enter any static program) with one block of ``N_EST = 2048`` output columns (tgmm: one
-``2048 x 2048`` d_W block, ``K_EST_TGMM``), and ``M1`` rows with two blocks -- and the cycles are fitted as
+``2048 x 2048`` d_W block, ``K_EST_TGMM``; one d_W block of ours where its ``bk`` or ``bn`` is larger), and
+``M1`` rows with two blocks -- and the cycles are fitted as
 ``a + nb * (b + q * M)`` (``a``: once per launch, the pipeline prologue; ``b``: per output block, e.g. our
 ``G - 1`` extra work items; ``q``: per row) and evaluated at the full ``M`` and ``nb = N / 2048`` blocks
 (tgmm ``K/2048 * N/2048``). The metadata program (our schedule, megablox's ``make_group_metadata``) is
@@ -50,10 +51,10 @@ for this reason). megablox's tgmm estimate falls below the MXU roofline on v6e a
 credible): with its metadata read as zeros its kernel sees only empty groups and skips the work. On tpu7x our kernel's profiling compile runs out of VMEM
 (e.g. 92 MiB of 64 at the up projection's config: in profiling mode XLA allocates the kernel's pipeline
 windows outside its 52 MiB scoped limit; the same program compiles without the profiler,
-``tests/test_grouped_matmul.py`` aot), so ours is the roofline floor there. Our tgmm at its shipped configs
-(``2048 x 2048`` f32 accumulator blocks) did not finish one reduced estimate within ``--timeout 300`` s on
-any chip (its estimate server grew to ~20 GB); timeouts are not cached, so it is not attempted
-(``NOT_ESTIMABLE``): floor.
+``tests/test_grouped_matmul.py`` aot), so ours is the roofline floor there; the same holds for our tgmm on
+tpu7x (86 MiB of 64 at its 36 MiB config). Our tgmm used to time out (> 300 s per reduced estimate, ~20 GB)
+while its all-zero work-item table read as every item being its group's first and last (a d_W-block zero-fill
+and store per step); with only ``COMPUTE`` stored complemented a reduced estimate takes ~15-30 s.
 
 Group sizes do not enter the model: every program is estimated statically, ours at its static bound of
 ``ceil(M / bm) + G - 1`` work items all computing (an upper bound; real runs skip padding items), megablox
@@ -107,13 +108,23 @@ REASONS: dict = {
     ("v6e", "gmm x @ W[g].T", _UP): _FWD_V6E.format(items=71, tiles=64, waste=71 / 64),
     ("v6e", "gmm x @ W[g]", _KN): _FWD_V6E.format(items=71, tiles=64, waste=71 / 64),
     ("v6e", "gmm x @ W[g].T", _DOWN): _FWD_V6E.format(items=71, tiles=64, waste=71 / 64),
-    **{(c, "tgmm (d_W)", _TG): (
-        "no estimate of ours: libtpu's static estimate of the shipped tgmm config (bk = bn = 2048, a 2048 x 2048 f32 "
-        "accumulator read and written every step for a contraction of bm rows) timed out (> 300 s already for the "
-        "2048-row reduced problem; the bench's --timeout 300): roofline floor. An earlier run at the heuristic "
-        "config (bm=512, bk=512, bn=1024) and the previous kernel body (operands masked on every tile) estimated "
-        "5,356 µs on v6e and 4,183 µs on tpu7x, ~40% of the roofline: tgmm is the open performance item, and "
-        "megablox's tgmm has no credible estimate to compare with") for c in ("v5e", "v6e", "tpu7x")},
+    ("v5e", "tgmm (d_W)", _TG): (
+        "88.8% of the MXU roofline in the static model at bm=128, bk = bn = 2048 (256/4096/2048: 88.5%); its ceiling "
+        "is 94.8% (135 items for 128 row tiles: a tile a group boundary splits is visited once per group). megablox's "
+        "tgmm cannot be estimated on v5e (libtpu aborts): no comparison"),
+    ("v6e", "tgmm (d_W)", _TG): (
+        "82.7% of the MXU roofline in the static model at bm=256, bk = K = 4096, bn=2048 (bk = bn = 2048: 78.5%; "
+        "before: not estimable, ~40% at bm=512, bk=512, bn=1024, which is HBM-bound: both operands are streamed "
+        "every step, bk*bn/(bk+bn) = 341 FLOP/B where v6e needs 561). Short of 85%: the static bound counts 71 items "
+        "for 64 row tiles at bm=256 (ceiling 90.1%) and a 256-row item costs ~1.09x its MXU time (the f32 d_W block "
+        "is read and written once per 256 rows, one pipeline step each); bm=128 doubles that read-modify-write per "
+        "FLOP, bm=512 counts 39 items for 32 tiles. Feeding lhs^T instead of the transposed-LHS dot does not help in "
+        "the model (a dense tgmm-like kernel estimates within 4% either way). megablox's tgmm estimate is not "
+        "credible (below the roofline): no comparison"),
+    ("tpu7x", "tgmm (d_W)", _TG): (
+        "no estimate of ours on tpu7x: libtpu 0.0.52's profiling compile runs out of VMEM (86 MiB of 64 at bm=256, "
+        "bk = bn = 2048, whose blocks need 36 MiB; 65.6 at 256/1024/2048) while the program compiles without the "
+        "profiler (tests, aot): roofline floor. bk = K = 4096 (v6e's choice) needs 70 MiB, over tpu7x's 56 MiB cap"),
     **{("tpu7x", op, sh): _NO_7X for op, sh in (("gmm x @ W[g].T", _UP), ("gmm x @ W[g].T", _DOWN),
                                                  ("gmm x @ W[g]", _KN))},
     **{("v5e", op, sh): _V5E for op, sh in (("gmm x @ W[g].T", _UP), ("gmm x @ W[g].T", _DOWN),

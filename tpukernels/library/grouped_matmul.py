@@ -88,8 +88,21 @@ v6e has the most FLOP/s per byte, so its down projection stays HBM-bound (4.2 GB
 scaled: :mod:`tpukernels.bench.grouped_matmul`) ours is 1.47 / 1.17 / 1.42x faster than megablox ``gmm`` on
 v6e (up / down / ``x @ W[g]``; 82 / 67 / 80% of the MXU roofline) and ~92% of the roofline on v5e;
 ``jax.lax.ragged_dot`` aborts libtpu's profiler on every chip, and on tpu7x libtpu's profiling compile of
-this kernel runs out of VMEM (both: roofline floors, no estimate); libtpu's estimate of the shipped tgmm
-configs does not finish in 300 s (no tgmm figure yet).
+this kernel runs out of VMEM (both: roofline floors, no estimate); tgmm: next paragraph.
+
+tgmm (models, not measurements). Both operands are streamed every step, so the ``[bk, bn]`` d_rhs block must
+be large (``bk * bn / (bk + bn)`` FLOP per byte; the former ``512, 512, 1024`` default was HBM-bound at 341
+on v6e, ~40% of the roofline) while ``bm`` stays small: a tile a group boundary splits is one extra item, and
+the f32 accumulator is read and written once per ``bm`` rows. The transposed-LHS dot costs nothing extra in
+libtpu's model (a dense kernel fed ``lhs^T`` estimates within 4%), so the kernel contracts ``lhs`` blocks
+on their row dimension in place. libtpu's estimate used to time out (> 300 s) because the all-zero table
+read as every item being its group's first and last (a d_rhs-block zero-fill and store per step); tgmm now
+stores only ``COMPUTE`` complemented (``TGMM_COMPLEMENT``). Fitted static estimates at the shipped configs
+(``benchmarks/grouped_matmul_tgmm_configs.py``, chosen from those estimates): v5e ``128, 2048, 2048`` 88.8%
+of the MXU roofline; v6e ``256, 4096, 2048`` 82.7% (``256, 2048, 2048``: 78.5%), under a ceiling of 90.1%
+(71 items for 64 row tiles) times ~1.09x MXU time per 256-row item; tpu7x ``256, 2048, 2048``: not
+estimable (profiling compile out of VMEM, as the forward), analytic model 76%. megablox's ``tgmm`` has no
+credible estimate to compare with (v5e aborts; v6e / tpu7x fall below the roofline).
 
 Sources: megablox ``gmm`` / ``tgmm`` (metadata via scalar prefetch, masked stores of shared tiles); the
 JAX Pallas TPU matmul guide (f32 scratch accumulator); ``jax.lax.ragged_dot`` for the API.
@@ -138,7 +151,8 @@ ALL = COMPUTE | STORE | FIRST | LAST
 #: tgmm stores only COMPUTE complemented: an all-zero table then reads as interior tiles that accumulate,
 #: neither the first nor the last of their group, the common case (a group's first / last items, which zero
 #: the accumulator / store it, are G per d_rhs block out of T). With FIRST and LAST complemented too, libtpu's
-#: model charged every item a 2048 x 2048 f32 zero-fill and a store (1.8x the per-item cost at bk = bn = 1024)
+#: model charged every item a d_rhs-block f32 zero-fill and a store (~1.3x the estimate at bm=512, bk = bn = 1024
+#: on v6e, and estimates past 300 s at bk = bn = 2048)
 TGMM_COMPLEMENT = COMPUTE
 
 
