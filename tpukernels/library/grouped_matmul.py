@@ -127,7 +127,8 @@ TUNABLES = {
     "bm": _dsl.Tunable([512, 128, 256, 1024, 2048], default=512, doc="rows per output tile (M)"),
     "bk": _dsl.Tunable([1024, 256, 512, 2048, 4096, 8192, 16384], default=1024,
                        doc="contraction block (K); bk >= K keeps a group's rhs block resident across its tiles"),
-    "bn": _dsl.Tunable([1024, 256, 512, 2048, 4096], default=1024, doc="output columns per block (N)"),
+    "bn": _dsl.Tunable([1024, 256, 512, 2048, 3584, 4096], default=1024,
+                       doc="output columns per block (N); 3584 divides Mixtral's ffn 14336"),
 }
 TUNABLES_TGMM = {
     "bm": _dsl.Tunable([512, 128, 256, 1024, 2048], default=512, doc="rows per step (the reduction, M)"),
