@@ -443,6 +443,76 @@ def test_shipped_defaults_are_current():
             assert entry["evidence"]["evaluator"] == "tpu-model"  # libtpu static estimate + rooflines
 
 
+def _w8a8_mode(chip):
+    return ("int8", "int8") if ("int8", "int8") in qmm.supported_modes(chip) else ("fp8", "float8_e4m3fn")
+
+
+def test_shipped_fused_w8a8_defaults_are_current():
+    """Each chip has a shipped entry of the fused w8a8 kernel for its w8a8 mode at the standard prefill shapes
+    (current kernel source), whose blocks have a fused plan on that chip; the evidence says what chose it."""
+    kernel = qmm.quantized_matmul_w8a8_kernel
+    bf = qmm._jnp("bfloat16")
+    for chip in CHIPS:
+        path = db.shipped_db_path(kernel.qualname, chip)
+        wd = _w8a8_mode(chip)[1]
+        for _, args, _ in qmm.STANDARD_CASES_W8A8:
+            if qmm._name(_spec(args[1], "w").dtype) != wd:
+                continue
+            specs = tuple(_spec(a, n) for a, n in zip(args, ("x", "w_q", "w_scale")))
+            entry, how = db.find(db.load(path), db.entry_key(kernel, specs, (("out_dtype", None),)))
+            assert how == "exact", f"{chip} {args}: no shipped entry for the current fused kernel source"
+            (M, K), (N, _) = specs[0].shape, specs[1].shape
+            cfg = entry["config"]
+            plan = qmm.fused_plan(M, K, N, bf, specs[1].dtype, bf, cfg["bm"], cfg["bk"], cfg["bn"], chip)
+            assert plan is not None and plan["bm"] == cfg["bm"], (chip, args, cfg, plan)
+            assert entry["evidence"]["label"] in ("model", "compile-only"), entry["evidence"]
+
+
+class _Spy:
+    """Stands in for a kernel: records each call's arguments, returns an empty meta result (nothing runs)."""
+
+    def __init__(self, kernel, calls):
+        self.kernel, self.calls = kernel, calls
+
+    def __getattr__(self, name):
+        return getattr(self.kernel, name)
+
+    def __call__(self, *args, **kw):
+        self.calls.append((self.kernel, args, kw))
+        return torch.empty(args[0].shape[0], args[1].shape[0], dtype=torch.bfloat16, device="meta")
+
+
+@pytest.mark.parametrize("chip", CHIPS)
+def test_public_full_size_calls_get_the_shipped_config(monkeypatch, chip):
+    """quantized_matmul at every standard shape (meta tensors, target chip set) calls its kernel with a
+    signature whose config resolves to the chip's exact shipped entry — w8a16 and the chip's w8a8 mode, the
+    latter through the fused kernel —, not the heuristic (the statics are part of the DB key: a call passing
+    ``out_dtype="bfloat16"`` where the entries were tuned under ``None`` used to miss them)."""
+    monkeypatch.setenv("TPUKERNELS_TARGET_CHIP", chip)
+    calls = []
+    for name in ("quantized_matmul_kernel", "quantized_matmul_w8a8_kernel", "quantize_per_token_kernel"):
+        monkeypatch.setattr(qmm, name, _Spy(getattr(qmm, name), calls))
+    xq, wd = _w8a8_mode(chip)
+    cases = [(None, a) for _, a, _ in qmm.STANDARD_CASES if len(a) == 3]
+    cases += [(xq, a) for _, a, _ in qmm.STANDARD_CASES_W8A8 if qmm._name(_spec(a[1], "w").dtype) == wd]
+    for x_quant, args in cases:
+        x, w = (_spec(a, "t") for a in args[:2])
+        calls.clear()
+        y = qmm.quantized_matmul(torch.empty(x.shape, dtype=torch.bfloat16, device="meta"),
+                                 torch.empty(w.shape, dtype=getattr(torch, qmm._name(w.dtype)), device="meta"),
+                                 torch.empty(w.shape[0], device="meta"), x_quant=x_quant)
+        assert y.shape == (x.shape[0], w.shape[0])
+        want = (qmm.quantized_matmul_kernel if x_quant is None else qmm.quantized_matmul_w8a8_kernel).kernel
+        assert [c[0] for c in calls] == [want], (chip, args, calls)
+        kernel, cargs, _ = calls[0]
+        tensors = [a for a in cargs if isinstance(a, torch.Tensor) or a is None][:4 if x_quant is None else 3]
+        specs = tuple(None if t is None else tk.TensorSpec(tuple(t.shape), qmm._jnp(qmm._name(t.dtype)), n)
+                      for t, n in zip(tensors, ("x", "w_q", "w_scale", "x_scale")))
+        out_dtype = cargs[len(tensors)]
+        cfg, source = kernel.resolve_config(specs, (("out_dtype", out_dtype),), None, tk.get_chip(chip))
+        assert source == f"shipped-db:{chip}", (chip, x_quant, args, out_dtype, source)
+
+
 AOT_CASES = [args for _, args, _ in qmm.STANDARD_CASES] + [
     ("8192x4096:float8_e4m3fn", "14336x4096:float8_e4m3fn", "1x14336:f32", "8192x1:f32"),  # tpu7x w8a8 (heuristic)
     ("8192x4096:float8_e5m2", "14336x4096:float8_e5m2", "1x14336:f32", "8192x1:f32"),
