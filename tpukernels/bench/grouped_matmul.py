@@ -116,8 +116,10 @@ REASONS: dict = {
         "82.7% of the MXU roofline in the static model at bm=256, bk = K = 4096, bn=2048 (bk = bn = 2048: 78.5%; "
         "before: not estimable, ~40% at bm=512, bk=512, bn=1024, which is HBM-bound: both operands are streamed "
         "every step, bk*bn/(bk+bn) = 341 FLOP/B where v6e needs 561). Short of 85%: the static bound counts 71 items "
-        "for 64 row tiles at bm=256 (ceiling 90.1%) and a 256-row item costs ~1.09x its MXU time (the f32 d_W block "
-        "is read and written once per 256 rows, one pipeline step each); bm=128 doubles that read-modify-write per "
+        "for 64 row tiles at bm=256 (ceiling 90.1%) and a 256-row item costs 1.06x its MXU time (8,676 vs 8,192 "
+        "cycles from the fit; 1.12x at bk = 2048), plus ~14k cycles of pipeline fill per d_W block (the 6%: "
+        "the f32 d_W block read and written once per 256 rows, one pipeline step each); bm=128 doubles that "
+        "read-modify-write per "
         "FLOP, bm=512 counts 39 items for 32 tiles. Feeding lhs^T instead of the transposed-LHS dot does not help in "
         "the model (a dense tgmm-like kernel estimates within 4% either way). megablox's tgmm estimate is not "
         "credible (below the roofline): no comparison"),

@@ -100,7 +100,8 @@ read as every item being its group's first and last (a d_rhs-block zero-fill and
 stores only ``COMPUTE`` complemented (``TGMM_COMPLEMENT``). Fitted static estimates at the shipped configs
 (``benchmarks/grouped_matmul_tgmm_configs.py``, chosen from those estimates): v5e ``128, 2048, 2048`` 88.8%
 of the MXU roofline; v6e ``256, 4096, 2048`` 82.7% (``256, 2048, 2048``: 78.5%), under a ceiling of 90.1%
-(71 items for 64 row tiles) times ~1.09x MXU time per 256-row item; tpu7x ``256, 2048, 2048``: not
+(71 items for 64 row tiles) over 1.06x MXU time per 256-row item (8,676 vs 8,192 cycles, from the fit;
+1.12x at ``bk = 2048``) less each d_rhs block's pipeline fill; tpu7x ``256, 2048, 2048``: not
 estimable (profiling compile out of VMEM, as the forward), analytic model 76%. megablox's ``tgmm`` has no
 credible estimate to compare with (v5e aborts; v6e / tpu7x fall below the roofline).
 
