@@ -85,22 +85,30 @@ grad mode raises ArgumentError rather than silently returning zeros.
 
 Tunables ``bm, bk, bn`` (clamped to the problem as in :mod:`tpukernels.library.matmul`); defaults:
 :func:`heuristic`, then per-chip shipped data ``tpukernels/data/autotuning/<chip>/
-tpukernels.quantized_matmul_kernel.json`` chosen by libtpu's static estimate (a model, not a measurement;
-``benchmarks/quantized_matmul.py --write-defaults``, the autotuner at STANDARD_CASES).
+tpukernels.quantized_matmul_kernel.json`` / ``tpukernels.quantized_matmul_w8a8_kernel.json`` chosen by
+libtpu's static estimate (a model, not a measurement): the w8a16 prefill entries from full-program
+estimates at 2048 tokens (the bench family's method; each entry's evidence lists the candidates), the decode
+and two-kernel w8a8 entries from ``benchmarks/quantized_matmul.py --write-defaults``; the fused kernel's from
+2048-token estimates on v6e (v5e takes the same blocks, tpu7x those with ``bm`` halved for its VMEM and
+compile-only evidence: libtpu cannot estimate its fp8 pack). A public call reaches them: it passes
+``out_dtype=None`` to the kernel for the default output dtype, the statics the entries are keyed under.
 
 Performance (libtpu 0.0.52 static estimates + rooflines, a MODEL, not measurements; ``tpukernels bench
 --family quantized_matmul``; Llama-3-8B MLP, 8192 tokens): w8a16 runs at the bf16 matmul's speed where
-the MXU is the limit (v5e 97% of the bf16 roofline; v6e / tpu7x 84-88%, 6-10% behind our bf16 matmul and
-XLA: see the bench reasons) and halves the weight bytes where HBM is (decode, 16-64 tokens: 1.5-2.0x our
-bf16 matmul, 93-100% of the HBM roofline on v5e/v6e, 72% on tpu7x). w8a8 int8 (tpu_info's int8 peak is 2x
-bf16 on v5e and v6e), fused kernel: 1.93x / 1.78x the bf16 matmul (up / down projection; 96% / 88% of
-the int8 roofline) on v5e, 1.78x / 1.42x on v6e (86% / 68%); against XLA's fused quantize + int8 dot the
-up-projection is 1.02x (v5e) / 1.05x (v6e), the down-projection 0.97x on v6e (on v5e XLA's figure there is
-only its roofline). Before the fusion (separate quantize pass: 3 bytes of HBM traffic per activation) the
-same rows were 1.84x / 1.69x and 1.42x / 1.27x the bf16 matmul and 0.84-0.97x XLA. What remains is the
-serial quantization of the first row block and the part of the later ones not hidden under the MXU (bench
-reasons). tpu7x's fp8 kernels compile but libtpu's static
-profiler dies on the f32 -> fp8 pack (no figure).
+the MXU is the limit — 95-98% of the bf16 roofline at the shipped blocks (bm=1024, bn=2048, bk 2048-4096);
+against XLA's dequantize + dot the up-projection is 1.03x (v5e), 1.04x (v6e), 1.00x (tpu7x); on the
+down-projection libtpu aborts on XLA's program, so XLA's figure is only its roofline (a floor), which ours
+reaches to 95-98% — and halves the weight bytes where HBM is the limit (decode, 16-64 tokens: 1.5-2.0x
+our bf16 matmul, 93-100% of the HBM roofline on v5e/v6e, 72% on tpu7x: not analysed, see the bench
+reason). w8a8 int8 (tpu_info's int8 peak is 2x bf16 on v5e and v6e), fused kernel, before the reciprocal
+quantization and the shipped entries: 1.93x / 1.78x the bf16 matmul (up / down projection; 96% / 88% of
+the int8 roofline) on v5e, 1.78x / 1.42x on v6e (86% / 68%); against XLA's fused quantize + int8 dot
+1.02x (v5e) / 1.05x (v6e) up, 0.97x on v6e down; the current figures are the bench family's
+(``benchmarks/results/quantized_matmul.json``). Before the fusion (separate quantize pass: 3 bytes of HBM
+traffic per activation) the same rows were 1.84x / 1.69x and 1.42x / 1.27x the bf16 matmul and 0.84-0.97x
+XLA. What remains is the serial quantization of the first row block and the part of the later ones not
+hidden under the MXU (vector work proportional to K: the down-projection's; bench reasons). tpu7x's fp8
+kernels compile but libtpu's static profiler dies on the f32 -> fp8 pack (no figure).
 
 Sources: JAX Pallas TPU matmul guide (blocked matmul, f32 scratch accumulator) and JAX's
 ``jax/experimental/pallas/ops/tpu/matmul.py``; tpu-inference's quantized matmul (int8 weights with
