@@ -91,13 +91,16 @@ _FWD_V6E = ("84.4-84.8% of the MXU roofline in the static model at all three for
             "estimated); bm=512 doubles it (39 items for 32 tiles). Neither model sees the rhs copy a group change "
             "exposes (a [K, bn] block copied while one item computes: 17.9 vs 8.2 µs at the up projection): a "
             "pipelined walk of the real schedule (benchmarks/grouped_matmul_configs.py) puts the three at ~76%")
-_NO_7X = ("no estimate of ours on tpu7x: libtpu 0.0.52's profiling compile of this kernel runs out of VMEM (78-102 "
-          "MiB of 64 at the shipped configs, e.g. 92 at bm=256, bk=4096, bn=2048; in profiling mode XLA allocates the "
-          "kernel's pipeline windows outside its scoped limit) while the same program compiles without the profiler "
-          "(tests, aot): the figure is the roofline floor")
-_V5E = ("v5e: megablox and ragged_dot cannot be estimated (libtpu aborts), so their figures are roofline floors and "
-        "ours (an estimate, ~92% of the roofline: bm=128 counts 135 items for 128 tiles) is above them: not "
-        "evidence either way")
+_NO_7X = ("no estimate of ours on tpu7x: libtpu 0.0.52's profiling compile needs the kernel's scoped VMEM limit "
+          "plus its blocks (92 = 52 + 38 MiB of 64 at the shipped bm=256, bk=4096, bn=2048; 84.6 = 49 + 35 at the down "
+          "projection's bm=128, bk = K, bn=512), while the same program compiles without the profiler (tests, aot): "
+          "only configs under ~26 MiB of blocks could be estimated, and the best of those ranks 4-6 points lower in "
+          "the analytic model (up 76 vs 82%, down 74 vs 78%). The figure is the roofline floor")
+_V5E = ("v5e: 92.5-92.6% of the MXU roofline in the static model at bm=128 (v5e's MXU is 128 wide), bk = K and "
+        "bn = 3584 (1024 at K = 14336; 60-64 MiB of VMEM, under the per-chip cap; with the former 64 MiB cap "
+        "bn = 2048 / 512: 91.4-91.8%); the schedule's ceiling is 94.8% (135 items for 128 row tiles). megablox and "
+        "ragged_dot cannot be estimated on v5e (libtpu aborts), so their figures are roofline floors and ours is "
+        "above them: not evidence either way")
 #: why ours is where it is, from the estimates (module docstring); keyed (chip, op, shape)
 #: (kernel name, chip) -> why its estimate is not attempted (timeouts are not cached, so each run would spend
 #: them again). Empty: our tgmm used to time out (> 300 s at 2048 rows, ~20 GB) while its all-zero work-item

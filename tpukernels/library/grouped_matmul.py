@@ -67,10 +67,14 @@ Tunables ``bm, bk, bn`` (row tile, contraction block, output columns; clamped to
 computes the whole tile); larger ``bm`` re-reads ``rhs`` less; ``bk >= K`` (one K step) keeps a group's
 ``rhs`` block resident while its tiles pass. Defaults: per-chip shipped tuning data
 ``tpukernels/data/autotuning/<chip>/tpukernels.grouped_matmul_*.json`` at the Mixtral shapes of
-:data:`STANDARD_CASES`, else :func:`heuristic`. The shipped entries were chosen by the analytic schedule model
-below (evidence ``"analytic-schedule-model"`` in the files; every config of the tunable space under 40 MiB
-of VMEM), not by libtpu's static estimate, which cannot see the group sizes; all of them compile for their
-chip (``tests/test_grouped_matmul.py``, aot).
+:data:`STANDARD_CASES`, else :func:`heuristic`. The scoped-VMEM request is capped per chip at 7/8 of jax's
+``vmem_capacity_bytes`` (:func:`_vmem_cap`: 112 MiB on v5e / v6e, 56 MiB on tpu7x), so ``bk = K`` with a
+wide ``bn`` is used where the chip has the VMEM. The shipped forward entries were chosen with
+``benchmarks/grouped_matmul_configs.py`` (evidence ``"libtpu-static-estimate+analytic-schedule-model"``:
+libtpu's fitted static estimate, the analytic schedule model below and a pipelined walk of the real schedule;
+on tpu7x, where libtpu cannot estimate them, by the analytic model alone); the tgmm entries with
+``benchmarks/grouped_matmul_tgmm_configs.py`` (the same evidence; tpu7x analytic only). All of them compile
+for their chip (``tests/test_grouped_matmul.py``, aot).
 
 Performance (models, not measurements). libtpu's static estimator has no data: it reads the SMEM table as
 zeros, so its figure for these kernels is the MXU work of all ``T`` items with every block index constant
@@ -78,17 +82,28 @@ zeros, so its figure for these kernels is the MXU work of all ``T`` items with e
 356 µs for a 2,091 µs roofline). What it cannot see is computed exactly by
 ``tpukernels.bench.grouped_matmul.data_cost`` from the real schedule at skewed Mixtral group sizes
 ``[1879, 1017, 1330, 679, 817, 7027, 3056, 579]`` (16384 rows): the Pallas pipeline's block copies and the
-MXU work of the items that compute. With ``max(MXU, HBM) + 0.35 µs/step`` the best configs reach 92 / 84 / 82%
-of the MXU roofline (v5e / v6e / tpu7x) on the up projection ``x @ W1[g]^T`` (K 4096, N 14336), 91 / 67 /
-78% on the down projection (K 14336, N 4096) and 89 / 78 / 76% for tgmm. Short of 85% because (1) a tile
-shared by two groups is computed once per group (7 boundaries: 1.11x the ideal MXU work at ``bm=256``,
-1.22x at 512) and (2) ``lhs`` is re-read once per N block and ``rhs`` once per group change per N block;
-v6e has the most FLOP/s per byte, so its down projection stays HBM-bound (4.2 GB of copies). In
-``tpukernels bench --family grouped_matmul`` (libtpu static estimates of reduced problems, fitted and
-scaled: :mod:`tpukernels.bench.grouped_matmul`) ours is 1.47 / 1.17 / 1.42x faster than megablox ``gmm`` on
-v6e (up / down / ``x @ W[g]``; 82 / 67 / 80% of the MXU roofline) and ~92% of the roofline on v5e;
-``jax.lax.ragged_dot`` aborts libtpu's profiler on every chip, and on tpu7x libtpu's profiling compile of
-this kernel runs out of VMEM (both: roofline floors, no estimate); tgmm: next paragraph.
+MXU work of the items that compute. With ``max(MXU, HBM) + 0.35 µs/step`` the shipped forward configs reach
+93 / 86 / 82% of the MXU roofline (v5e / v6e / tpu7x) on the up projection ``x @ W1[g]^T`` (K 4096, N 14336)
+and on ``x @ W[g]``, 93 / 86 / 78% on the down projection (K 14336, N 4096). The forward
+is short of 100% because a tile shared by two groups is computed once per group (7 boundaries: 1.055x the
+ideal MXU work at ``bm=128``, 1.11x at 256, 1.22x at 512) and ``lhs`` is re-read once per N block. Neither
+model sees the copy a group change exposes: at ``bk = K`` the next group's ``[K, bn]`` rhs block (17.9 µs
+on v6e at the up projection's config) is fetched while one item computes (8.2 µs); a double-buffered walk of
+the real schedule (``benchmarks/grouped_matmul_configs.py``) puts v6e's forward at ~76%. Pallas' grid
+pipeline gives a block at most two buffers (jax 0.10.2), so hiding that copy needs a manual prefetch of the
+next group's block (``pl.ANY`` + ``make_async_copy``): the next lever. In ``tpukernels bench --family
+grouped_matmul`` (libtpu static estimates of reduced problems, fitted and scaled:
+:mod:`tpukernels.bench.grouped_matmul`) our forward reaches 84.5 / 84.4 / 84.8% of the MXU roofline on v6e
+(up / down / ``x @ W[g]``; 1.50 / 1.48 / 1.50x faster than megablox ``gmm``; 82 / 67 / 80% under the former
+64 MiB cap) and 92.6 / 92.5% on v5e (up / down). The static model's ceiling at v6e's ``bm=256`` is 64 tiles
+per 71 items over the 1.036x per-row cost of a 256-row item, 87%, less each output-column pass's pipeline
+fill; ``bm=128`` halves the boundary waste but a 128-row item costs ~1.5x its MXU time on the 256-wide MXU
+(62.5% estimated). ``jax.lax.ragged_dot`` aborts libtpu's profiler on every chip (roofline floor). On tpu7x
+libtpu's *profiling* compile of our forward needs the scoped limit plus the kernel's blocks (92 = 52 + 38
+MiB of 64 at the up projection's ``bm=256, bk=4096, bn=2048``; the ordinary compile fits), so only configs
+under ~26 MiB of blocks could be estimated there; the best of those ranks 4-6 points below the shipped configs
+in the analytic model (up: 76 vs 82%, down: 74 vs 78%), so the shipped ones stay and their row is the roofline
+floor. tgmm: next paragraph.
 
 tgmm (models, not measurements). Both operands are streamed every step, so the ``[bk, bn]`` d_rhs block must
 be large (``bk * bn / (bk + bn)`` FLOP per byte; the former ``512, 512, 1024`` default was HBM-bound at 341
