@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 
 STEP_US = 0.35
@@ -56,25 +55,10 @@ def analytic(chip, bm, bk, bn) -> dict:
 
 def static(chip, bm, bk, bn, timeout_s=280) -> dict:
     """libtpu's static estimate of ours at an explicit config, fitted as the bench does."""
-    from tpukernels.bench import core
-    from tpukernels.bench import grouped_matmul as bgm
-    from tpukernels.perf import clock_hz, peak_flops
+    from _grouped_static import static_estimate
 
     kernel, args, kwargs, M, K, N = _case()
-    cfg = dict(bm=bm, bk=bk, bn=bn)
-    cache = os.path.join(os.environ.get("TPUKERNELS_CACHE_DIR", os.path.expanduser("~/.cache/tpukernels")),
-                         "bench", "estimates.json")
-    est = core.Estimator(cache, timeout_s=timeout_s)
-    real = bgm.kernel_program
-    bgm.kernel_program = lambda k, c, a, kw, config=None: real(k, c, a, kw, cfg)
-    try:
-        impl = bgm._ours(kernel, args, kwargs, lambda c: 0.0, chip)
-        cyc, _ = impl.cycles(est, chip)
-    finally:
-        bgm.kernel_program = real
-    us = cyc / clock_hz(chip) * 1e6
-    ideal_us = 2 * M * K * N / peak_flops(chip) * 1e6
-    return dict(static_us=round(us, 1), static_pct=round(100 * ideal_us / us, 1))
+    return static_estimate(kernel, args, kwargs, M, K, N, chip, dict(bm=bm, bk=bk, bn=bn), timeout_s)
 
 
 def _drop_stale(path, current_hash):
