@@ -121,3 +121,20 @@ def test_executor_bench_rows_and_report(cluster):
     md = "\n".join(_host_section({"rows": [dict(r, what="executors") for r in rows], "kind": "measured",
                                   "versions": {}, "created": "now"}))
     assert "| ray | 2 | overhead | 120 |" in md and "| inline | 1 | overhead | 120 |" in md
+
+
+def test_a_candidates_timeout_counts_from_its_start_or_the_startup_allowance():
+    """A task reports its start after its worker's imports; one that never reports (hung imports) is timed
+    from the end of ``startup_timeout_s`` after submission, so it cannot hang the sweep."""
+    import concurrent.futures as cf
+
+    ex = RayExecutor(2, startup_timeout_s=300)
+    ex._polled = time.monotonic() + 3600  # no board poll (no cluster in this test)
+    started, pending, hung = cf.Future(), cf.Future(), cf.Future()
+    ex._jobs = {started: 1, pending: 2, hung: 3}
+    ex._started = {1: 123.0}
+    now = time.monotonic()
+    assert ex.running_since(started, now - 1000) == 123.0
+    assert ex.running_since(pending, now - 10) is None  # importing: not yet timed
+    since = ex.running_since(hung, now - 400)
+    assert since == pytest.approx(now - 400 + 300)

@@ -172,8 +172,8 @@ _RAY_IMPORT_ERRORS: dict = {}
 
 
 class _StartBoard:
-    """A Ray actor the tasks tell when they start, so a candidate's timeout counts from then (not from
-    its submission: a queued task, or one waiting for a fresh worker to import jax, is not hung)."""
+    """A Ray actor the tasks tell when their candidate starts (after the worker's imports), so a candidate's
+    timeout counts from then (not from its submission: a fresh worker importing jax is not hung)."""
 
     def __init__(self):
         self.started: list = []
@@ -194,7 +194,6 @@ def _ray_task(board, job: int, imports: Sequence[str], env: dict, blob: bytes):
     """
     import pickle
 
-    board.mark.remote(job)
     for k, v in env.items():
         os.environ.setdefault(k, v)
     todo = [s for s in imports if s not in _RAY_IMPORTED]
@@ -207,6 +206,9 @@ def _ray_task(board, job: int, imports: Sequence[str], env: dict, blob: bytes):
                 _import(spec)
             except Exception as e:  # the job then fails with "kernel ... not found"; say why
                 _RAY_IMPORT_ERRORS[spec] = f"importing {spec!r} on this Ray worker failed: {type(e).__name__}: {e}"
+    # started = the candidate itself begins: a fresh worker's imports (torch, jax: tens of seconds on a loaded
+    # machine, e.g. the worker that replaces a crashed one) are not charged to its timeout
+    board.mark.remote(job)
     fn, args = pickle.loads(blob)
     out = fn(*args)
     if _RAY_IMPORT_ERRORS and getattr(out, "status", "ok") != "ok" and getattr(out, "error", None):
@@ -226,8 +228,9 @@ class RayExecutor(Executor):
     :meth:`worker_died` recognises, and :meth:`cancel` kills just the worker of one hung task
     (``ray.cancel(force=True)``): one bad candidate never costs the others their work, unlike a process pool.
     Kernel modules given in ``imports`` (names or ``.py`` paths) must be importable on every node (on a
-    local cluster they are). A candidate's timeout counts from its submission, so :attr:`slots` (jobs in
-    flight) defaults to the cluster's CPUs, and :meth:`share` splits them between concurrent sweeps.
+    local cluster they are). A candidate's timeout counts from when it starts (after its worker's imports;
+    see ``startup_timeout_s``); :attr:`slots` (jobs in flight) defaults to the cluster's CPUs, so a submitted
+    task does not wait in a queue, and :meth:`share` splits them between concurrent sweeps.
 
     Args:
         workers: CPUs of the local cluster (default: ``os.cpu_count()``); with ``address``, jobs in flight
@@ -236,13 +239,16 @@ class RayExecutor(Executor):
         env: environment defaults for the workers (``COMPILE_ONLY_ENV`` and this process's ``JAX_PLATFORMS``).
         address: a running cluster to connect to, or None for a local one.
         object_store_mb: object store size of a local cluster (jobs and trials are small).
+        startup_timeout_s: a task's worker has this long (s) from submission to import ``imports`` and start
+            the candidate; a candidate's timeout counts from its start, or from the end of this allowance
+            when it never starts (hung imports).
 
     Raises:
         ImportError: ray is not installed (``pip install 'tpukernels[ray]'``).
     """
 
     def __init__(self, workers: int | None = None, imports: Sequence[str] = (), env: dict | None = None,
-                 address: str | None = None, object_store_mb: int = 128):
+                 address: str | None = None, object_store_mb: int = 128, startup_timeout_s: float = 300.0):
         try:
             import ray  # noqa: F401
         except ImportError as e:
@@ -250,6 +256,7 @@ class RayExecutor(Executor):
         self.workers = None if workers is None else max(1, int(workers))
         self.address = address
         self.object_store_mb = object_store_mb
+        self.startup_timeout_s = float(startup_timeout_s)
         self.imports = list(dict.fromkeys(imports))
         self.env = {**_WORKER_ENV, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"), **(env or {})}
         self._remote = None
@@ -320,7 +327,12 @@ class RayExecutor(Executor):
                     self._started.setdefault(job, now)
             except Exception:  # the board is unreachable: fall back to submission times
                 return submitted
-        return self._started.get(self._jobs.get(fut))
+        started = self._started.get(self._jobs.get(fut))
+        if started is None and now - submitted > self.startup_timeout_s:
+            # never reported a start: its worker's imports hang (jobs in flight never exceed the CPUs, so it
+            # is not queued); its timeout then counts from the end of the start-up allowance
+            return submitted + self.startup_timeout_s
+        return started
 
     def worker_died(self, exc: BaseException) -> bool:
         from ray import exceptions as rex
