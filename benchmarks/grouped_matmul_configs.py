@@ -1,7 +1,7 @@
 """How the shipped forward grouped-matmul configs were chosen (issue 15): two models, no measurement.
 
-* ``rank``: every ``(bm, bk, bn)`` whose scoped-VMEM request fits the chip (``_vmem_limit`` of
-  :mod:`tpukernels.library.grouped_matmul`: 7/8 of jax's ``vmem_capacity_bytes``), ranked by the *analytic
+* ``rank``: every ``(bm, bk, bn)`` whose scoped-VMEM request fits the chip (``scoped_vmem_limit`` of
+  :mod:`tpukernels.library._vmem`: 7/8 of jax's ``vmem_capacity_bytes``), ranked by the *analytic
   schedule model* ``max(MXU, HBM) + 0.35 µs per grid step``: the exact Pallas block copies and MXU work of the
   real work-item schedule at skewed Mixtral group sizes (:func:`tpukernels.bench.grouped_matmul.data_cost`).
 * ``estimate``: libtpu's static cycle estimate of given configs, fitted from reduced problems exactly as
@@ -143,7 +143,7 @@ def main(argv=None):
                    help="write: record the config even where libtpu cannot estimate it (the error goes into the evidence)")
     a = p.parse_args(argv)
     gm = _gm()
-    MiB = 1 << 20
+    from tpukernels.library._vmem import MiB, vmem_cap
     _, _, _, M, K, N, tr = _dims(a.case)
     if a.what == "rank":
         rows = []
@@ -153,7 +153,7 @@ def main(argv=None):
                     if (bk > K and bk != max(BK)) or (bk == K and K in BK and bk != max(BK)) or bn > N:
                         continue  # one spelling of "bk = K" (bk >= K clamps to K): the largest
                     nd = need_bytes(M, K, N, bm, bk, bn, tr)
-                    if nd * 5 // 4 + 4 * MiB > gm._vmem_cap(a.chip) or (a.max_need_mib and nd > a.max_need_mib * MiB):
+                    if nd * 5 // 4 + 4 * MiB > vmem_cap(a.chip) or (a.max_need_mib and nd > a.max_need_mib * MiB):
                         continue
                     r = analytic(a.chip, a.case, bm, bk, bn)
                     rows.append((r, bm, bk, bn, nd, pipelined(a.chip, a.case, bm, bk, bn)))

@@ -70,6 +70,8 @@ import importlib
 from .core import Case, EstimateError, Impl, kernel_program
 
 FAMILY = "grouped_matmul"
+#: library modules whose code and tuning data the figures depend on (``_vmem``: the scoped-VMEM request)
+LIBRARY = ("grouped_matmul", "_vmem")
 JAX_TILING = (512, 1024, 1024)  # tm, tk, tn
 JAX_TILING_TGMM = (512, 512, 1024)
 #: the rows of the two reduced problems of the fit (group sizes scaled; see the module docstring)

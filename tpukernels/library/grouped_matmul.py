@@ -68,7 +68,7 @@ computes the whole tile); larger ``bm`` re-reads ``rhs`` less; ``bk >= K`` (one 
 ``rhs`` block resident while its tiles pass. Defaults: per-chip shipped tuning data
 ``tpukernels/data/autotuning/<chip>/tpukernels.grouped_matmul_*.json`` at the Mixtral shapes of
 :data:`STANDARD_CASES`, else :func:`heuristic`. The scoped-VMEM request is capped per chip at 7/8 of jax's
-``vmem_capacity_bytes`` (:func:`_vmem_cap`: 112 MiB on v5e / v6e, 56 MiB on tpu7x), so ``bk = K`` with a
+``vmem_capacity_bytes`` (:func:`tpukernels.library._vmem.vmem_cap`: 112 MiB on v5e / v6e, 56 MiB on tpu7x), so ``bk = K`` with a
 wide ``bn`` is used where the chip has the VMEM. The shipped forward entries were chosen with
 ``benchmarks/grouped_matmul_configs.py`` (evidence ``"libtpu-static-estimate+analytic-schedule-model"``:
 libtpu's fitted static estimate, the analytic schedule model below and a pipelined walk of the real schedule;
@@ -133,11 +133,10 @@ import torch
 
 from .. import dsl as _dsl
 from ..dsl.validate import padded_bytes
+from ._vmem import MiB, scoped_vmem_limit
 from ..errors import ArgumentError, DeviceError, DTypeError
 
 KERNEL_DTYPES = ("bfloat16", "float32")
-MiB = 1 << 20
-DEFAULT_SCOPED_VMEM = 16 * MiB  # Mosaic's smallest default scoped VMEM limit (v5e)
 
 TUNABLES = {
     "bm": _dsl.Tunable([512, 128, 256, 1024, 2048], default=512, doc="rows per output tile (M)"),
@@ -465,31 +464,6 @@ def _out_dtype(out_dtype, x):
     return np.dtype(getattr(jnp, canonical_out_dtype(out_dtype) or _dtype_name(x.dtype)))
 
 
-def _vmem_cap(chip=None) -> int:
-    """Largest scoped-VMEM request on ``chip``: 7/8 of its ``vmem_capacity_bytes`` (jax's tpu_info via
-    :mod:`tpukernels.chips`; the rest is headroom for XLA around the kernel), as quantized_matmul's fused
-    kernel. ``chip=None``: the launch target (:func:`tpukernels.lowering.launch_chip`), else the dispatch
-    chip (live TPU / ``TPUKERNELS_TARGET_CHIP``), else the smallest capacity of v5e, v6e and tpu7x."""
-    from ..chips import get_chip
-
-    if chip is None:
-        from ..autotune.db import dispatch_chip
-        from ..lowering import launch_chip
-
-        chip = launch_chip() or dispatch_chip()
-    if chip is None:
-        return min(get_chip(c).vmem_capacity_bytes for c in ("v5e", "v6e", "tpu7x")) * 7 // 8
-    return get_chip(chip).vmem_capacity_bytes * 7 // 8
-
-
-def _vmem_limit(need: int, chip=None):
-    """Scoped-VMEM request: none under the smallest default, else need * 1.25 + 4 MiB (Mosaic's internal
-    scratch), at least 32 MiB, at most :func:`_vmem_cap` of the chip (v5e / v6e 112 MiB, tpu7x 56 MiB)."""
-    if need + 4 * MiB <= DEFAULT_SCOPED_VMEM:
-        return None
-    return min(_vmem_cap(chip), max(32 * MiB, -(-(need * 5 // 4 + 4 * MiB) // MiB) * MiB))
-
-
 def num_items(M: int, G: int, bm: int) -> int:
     """Static work-item bound ``ceil(M / bm) + G - 1`` of both kernels (0 when there is nothing to do)."""
     tiles = -(-M // bm) if M > 0 else 0
@@ -547,7 +521,7 @@ def grouped_matmul_fwd(group_sizes: torch.Tensor, group_offset: torch.Tensor, lh
         num_scalar_prefetch=2,
         prefetch=lambda gs, go: _fwd_schedule(gs, go, M=int(M), G=int(G), bm=int(bm_), T=int(T)),
         dimension_semantics=("parallel", "arbitrary", "arbitrary"),
-        vmem_limit_bytes=_vmem_limit(need),
+        vmem_limit_bytes=scoped_vmem_limit(need),
         cost_estimate=cost,
         body_kwargs=dict(T=int(T), bm=int(bm_), n_k=int(gk), blk_k=int(bk_), k_size=int(K),
                          transpose_rhs=bool(transpose_rhs),
@@ -594,7 +568,7 @@ def grouped_matmul_tgmm(group_sizes: torch.Tensor, group_offset: torch.Tensor, x
         num_scalar_prefetch=2,
         prefetch=lambda gs, go: _tgmm_schedule(gs, go, M=int(M), G=int(G), bm=int(bm_), T=int(T)),
         dimension_semantics=("parallel", "parallel", "arbitrary"),
-        vmem_limit_bytes=_vmem_limit(need),
+        vmem_limit_bytes=scoped_vmem_limit(need),
         cost_estimate=cost,
         body_kwargs=dict(T=int(T), bm=int(bm_),
                          precision=lax.Precision.HIGHEST if _dtype_name(x.dtype) == "float32" else None),

@@ -127,10 +127,9 @@ import torch
 
 from .. import dsl as _dsl
 from ..dsl.validate import padded_bytes
+from ._vmem import SHIPPED_CHIPS, MiB, scoped_vmem_limit
 from ..errors import ArgumentError, ChipError, DeviceError, DTypeError
 
-MiB = 1 << 20
-DEFAULT_SCOPED_VMEM = 16 * MiB  # Mosaic's smallest default scoped VMEM limit (v5e)
 WEIGHT_DTYPES = ("int8", "float8_e4m3fn", "float8_e5m2")
 X_DTYPES = ("bfloat16", "float32")
 OUT_DTYPES = ("bfloat16", "float32")
@@ -660,9 +659,7 @@ def make_launch(layout, x, w, ws, xs, out_dtype, bm, bk, bn) -> "_dsl.Launch":
         in_specs.append(pl.BlockSpec((bm_, 1), lambda i, j, k: (i, 0)))
     acc_shape = (8, 128) if gk == 1 else (bm_, bn_)
     need = vmem_bytes(bm_, bk_, bn_, x.dtype, w.dtype, odt, xs is not None, acc_shape, dequant_to)
-    limit = None
-    if need + 4 * MiB > DEFAULT_SCOPED_VMEM:
-        limit = min(64 * MiB, max(32 * MiB, -(-(need * 5 // 4 + 4 * MiB) // MiB) * MiB))
+    limit = scoped_vmem_limit(need)
     xi, wi = np.dtype(x.dtype).itemsize, np.dtype(w.dtype).itemsize
     reads_x, reads_w = (gj if gk > 1 else 1), (gi if (gk > 1 or gj > 1) else 1)
     cost = pl.CostEstimate(
@@ -786,9 +783,7 @@ def quantize_per_token_kernel(x: torch.Tensor, dtype: str = "int8", *, bm: int) 
     bm_ = _clamp(M, bm)
     need = 2 * (padded_bytes((bm_, K), x.dtype) + padded_bytes((bm_, K), _jnp(dtype))
                 + padded_bytes((bm_, 1), "float32")) + 3 * padded_bytes((bm_, K), "float32")
-    limit = None
-    if need + 4 * MiB > DEFAULT_SCOPED_VMEM:
-        limit = min(64 * MiB, max(32 * MiB, -(-(need * 5 // 4 + 4 * MiB) // MiB) * MiB))
+    limit = scoped_vmem_limit(need)
     return _dsl.Launch(
         grid=(_dsl.cdiv(M, bm_),),
         in_specs=[pl.BlockSpec((bm_, K), lambda i: (i, 0))],
@@ -821,7 +816,7 @@ def vmem_budget(chip=None) -> int:
     from ..chips import get_chip
 
     if chip is None:
-        return min(get_chip(c).vmem_capacity_bytes for c in ("v5e", "v6e", "tpu7x")) * 3 // 4
+        return min(get_chip(c).vmem_capacity_bytes for c in SHIPPED_CHIPS) * 3 // 4
     return get_chip(chip).vmem_capacity_bytes * 3 // 4
 
 
@@ -945,9 +940,8 @@ def quantized_matmul_w8a8_kernel(x: torch.Tensor, w_q: torch.Tensor, w_scale: to
     gi, gj, gk = M // bm_, _dsl.cdiv(N, bn_), _dsl.cdiv(K, bk_)
     acc_int = dw == "int8"
     acc_shape = (8, 128) if gk == 1 else (bm_, bn_)
-    cap = (chip.vmem_capacity_bytes if chip is not None else vmem_budget(None) * 4 // 3) * 7 // 8
     need = plan["need"]
-    limit = None if need + 4 * MiB <= DEFAULT_SCOPED_VMEM else min(cap, max(32 * MiB, -(-(need * 5 // 4 + 4 * MiB) // MiB) * MiB))
+    limit = scoped_vmem_limit(need, chip)
     xi = np.dtype(x.dtype).itemsize
     cost = pl.CostEstimate(flops=2 * M * N * K, transcendentals=0,
                            bytes_accessed=int(M * K * xi + gi * N * K + M * N * np.dtype(odt).itemsize))
