@@ -61,6 +61,20 @@ def test_compile_a_public_name_compiles_the_kernels_it_calls(capsys):
     assert r["kernel"] == "tpukernels::matmul_nn" and r["ok"] and r["chip"] == "v5e"
 
 
+def test_a_library_kernel_exported_by_name_is_not_ambiguous():
+    """``tpukernels.library.matmul_nn`` is the registered kernel itself: one match (was 'ambiguous')."""
+    from tpukernels.cli import find_kernel
+    from tpukernels.errors import ArgumentError
+    from tpukernels.library import matmul as mm_module  # noqa: F401  (registers the kernels)
+    import tpukernels.library as L
+
+    for name in ("matmul_nn", "grouped_matmul_fwd", "grouped_matmul_tgmm"):
+        assert find_kernel(name, public=True) is getattr(L, name)
+    assert find_kernel("matmul", public=True) is L.matmul  # the public function: no kernel has that short name
+    with pytest.raises(ArgumentError, match="ambiguous"):  # a user kernel and the library function share a name
+        find_kernel("matmul", imports=[os.path.join(EX, "matmul.py")], public=True)
+
+
 @pytest.mark.aot
 def test_compile_for_accepts_public_functions_and_torch_ops():
     import torch
@@ -75,6 +89,15 @@ def test_compile_for_accepts_public_functions_and_torch_ops():
     assert r.kernel == "tpukernels::rms_norm_fwd" and r.ok and r.shapes[0] == "224x1024:bfloat16"  # 200 rows, bucketed
     with pytest.raises(tk.ArgumentError, match="called no tpukernels kernel"):
         tk.compile_for(lambda x: x + 1, "v5e", "8x128:f32")
+    # string options of a public function stay strings (x_quant="int8" was parsed as a shape)
+    r = tk.compile_for(L.quantized_matmul, "v5e", "64x256:bf16", "128x256:i8", "128:f32", x_quant="int8",
+                       with_mlir=False)
+    assert r.kernel == "tpukernels::quantized_matmul_w8a8_kernel" and r.ok
+    from tpukernels.targets.compile_only import kernel_calls
+
+    ((kernel, pos, kw, _),) = kernel_calls(L.matmul, ("256x256:bf16", "256x256:bf16"), {"activation": "silu"})
+    bound = dict(zip([p.name for p in kernel.params], [*pos, *kw.values()]))
+    assert kernel.name == "matmul_nn" and bound["activation"] == "silu"
 
 
 @pytest.mark.aot

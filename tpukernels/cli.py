@@ -87,6 +87,8 @@ def find_kernel(name: str, imports=(), public: bool = False):
         fn = getattr(lib, short, None)
         if not callable(fn) or isinstance(fn, type) or short.startswith("_") or "::" in name.replace("tpukernels::", ""):
             fn = None
+    if fn is not None and any(k is fn for k in matches):
+        fn = None  # the library exports the kernel itself (tpukernels.library.matmul_nn): one match, not two
     if fn is not None and not matches:
         return fn
     if len(matches) == 1 and fn is None:

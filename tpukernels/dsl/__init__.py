@@ -1,5 +1,6 @@
 """The kernel-authoring DSL: ``@tpu_kernel``, tunables, launch descriptions and their checks."""
 
+from .dtypes import jax_reference
 from .kernel import REGISTRY, BackwardContext, TpuKernel, bucket, tpu_kernel
 from .modes import current_interpret_mode, interpret_mode, set_interpret_mode
 from .spec import Config, Launch, OutSpec, TensorSpec, Tunable, TunableSpace, like
@@ -9,5 +10,5 @@ from .validate import cdiv, estimate_vmem
 __all__ = [
     "REGISTRY", "BackwardContext", "TpuKernel", "bucket", "tpu_kernel", "current_interpret_mode",
     "interpret_mode", "set_interpret_mode", "Config", "Launch", "OutSpec", "TensorSpec", "Tunable",
-    "TunableSpace", "like", "mask_tail", "tail_valid", "cdiv", "estimate_vmem",
+    "TunableSpace", "like", "mask_tail", "tail_valid", "cdiv", "estimate_vmem", "jax_reference",
 ]

@@ -66,3 +66,54 @@ def check_jax_dtype(dtype, name: str = "array") -> None:
     short = np.dtype(dtype).name
     if short in _WHY:
         raise DTypeError(f"{name}: dtype {short} is not supported: {_WHY[short]}")
+
+
+def torch_to_jax(t):
+    """A torch tensor's values as a jax array of the same dtype (a host copy; bf16 and fp8 bit-exact:
+    numpy has no torch bf16 / float8, so they travel as f32 / uint8 bits). Non-tensors are returned as is."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    if not isinstance(t, torch.Tensor):
+        return t
+    t = t.detach().cpu().contiguous()
+    dt = to_jax_dtype(t.dtype)
+    if t.dtype.is_floating_point and t.dtype.itemsize == 1:  # float8: bit pattern via uint8
+        return jax.lax.bitcast_convert_type(jnp.asarray(t.view(torch.uint8).numpy()), dt)
+    if t.dtype == torch.bfloat16:  # every bf16 is exactly an f32
+        return jnp.asarray(t.float().numpy()).astype(dt)
+    return jnp.asarray(t.numpy())
+
+
+def jax_to_torch(a):
+    """A jax array's values as a cpu torch tensor of the same dtype (bit-exact, as :func:`torch_to_jax`)."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    if not isinstance(a, jax.Array):
+        return a
+    dt = to_torch_dtype(a.dtype)
+    if dt.is_floating_point and dt.itemsize == 1:
+        return torch.from_numpy(np.array(jax.lax.bitcast_convert_type(a, jnp.uint8))).view(dt)
+    if dt == torch.bfloat16:
+        return torch.from_numpy(np.array(a.astype(jnp.float32))).to(dt)
+    return torch.from_numpy(np.array(a))
+
+
+def jax_reference(fn):
+    """Adapt a reference written on jax arrays (``jnp``) to the ``tpu_kernel(reference=...)`` contract:
+    the autotuner calls a reference with the kernel's arguments as torch tensors and compares torch
+    outputs. Tensor arguments are converted with :func:`torch_to_jax`, outputs (an array or a tuple of
+    arrays) back with :func:`jax_to_torch`; static arguments pass through."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        out = fn(*(torch_to_jax(a) for a in args), **{k: torch_to_jax(v) for k, v in kwargs.items()})
+        if isinstance(out, (tuple, list)):
+            return type(out)(jax_to_torch(o) for o in out)
+        return jax_to_torch(out)
+
+    return wrapped

@@ -548,7 +548,9 @@ def tpu_kernel(
             arguments, never an out-of-bounds read.
         out_shape: optional ``fn(*tensor_specs, **statics) -> OutSpec | tuple`` for the fake kernel, when
             the launch function does shape-dependent Python control flow.
-        reference: optional plain torch/jnp implementation (used by the autotuner's correctness check).
+        reference: optional plain implementation for the autotuner's correctness check (``--evaluator
+            measure``): called with the kernel's arguments as torch tensors, returns torch tensors; wrap a
+            function of jax arrays with :func:`tpukernels.dsl.jax_reference`.
         config: Helion only: a pinned Helion config (``{"block_sizes": [64]}``).
         sharding: Pallas: how DTensor inputs run on their shards, a list of
             :class:`tpukernels.distributed.Split` or ``fn(**args) -> [Split]``

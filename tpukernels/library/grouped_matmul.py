@@ -477,7 +477,7 @@ def num_items(M: int, G: int, bm: int) -> int:
     out_shape=lambda gs, go, lhs, rhs, transpose_rhs=False, out_dtype=None: _dsl.OutSpec(
         (fwd_dims(gs, go, lhs, rhs, transpose_rhs)[0], fwd_dims(gs, go, lhs, rhs, transpose_rhs)[2]),
         _out_dtype(out_dtype, lhs)),
-    reference=lambda *a, **k: reference_fwd_jnp(*a, **k),
+    reference=_dsl.jax_reference(lambda *a, **k: reference_fwd_jnp(*a, **k)),
 )
 def grouped_matmul_fwd(group_sizes: torch.Tensor, group_offset: torch.Tensor, lhs: torch.Tensor, rhs: torch.Tensor,
                        transpose_rhs: bool = False, out_dtype: Optional[str] = None,
@@ -534,7 +534,7 @@ def grouped_matmul_fwd(group_sizes: torch.Tensor, group_offset: torch.Tensor, lh
     heuristic=lambda *specs, **st: heuristic_tgmm(*specs, **st),
     out_shape=lambda gs, go, x, y, num_groups, out_dtype=None: _dsl.OutSpec(
         (num_groups, x.shape[1], y.shape[1]), _out_dtype(out_dtype, x)),
-    reference=lambda *a, **k: reference_tgmm_jnp(*a, **k),
+    reference=_dsl.jax_reference(lambda *a, **k: reference_tgmm_jnp(*a, **k)),
 )
 def grouped_matmul_tgmm(group_sizes: torch.Tensor, group_offset: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
                         num_groups: int, out_dtype: Optional[str] = None,

@@ -723,7 +723,7 @@ def _kernel_shape(x, w_q, w_scale, x_scale=None, out_dtype=None):
 
 
 @_dsl.tpu_kernel(_qmm_body, name="quantized_matmul_kernel", namespace="tpukernels", tunables=TUNABLES,
-                 heuristic=heuristic, out_shape=_kernel_shape, reference=_ref_kernel)
+                 heuristic=heuristic, out_shape=_kernel_shape, reference=_dsl.jax_reference(_ref_kernel))
 def quantized_matmul_kernel(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                             x_scale: Optional[torch.Tensor] = None, out_dtype: Optional[str] = None,
                             *, bm: int, bk: int, bn: int) -> torch.Tensor:
@@ -905,7 +905,7 @@ def _ref_w8a8(x, w, ws, out_dtype=None):
 
 
 @_dsl.tpu_kernel(_w8a8_body, name="quantized_matmul_w8a8_kernel", namespace="tpukernels", tunables=TUNABLES_W8A8,
-                 heuristic=_w8a8_heuristic, out_shape=_w8a8_shape, reference=_ref_w8a8)
+                 heuristic=_w8a8_heuristic, out_shape=_w8a8_shape, reference=_dsl.jax_reference(_ref_w8a8))
 def quantized_matmul_w8a8_kernel(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                                  out_dtype: Optional[str] = None, *, bm: int, bk: int, bn: int) -> torch.Tensor:
     """Fused w8a8: per-token absmax quantization of ``x [M, K]`` (bf16/f32) to ``w_q``'s dtype and

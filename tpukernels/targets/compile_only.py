@@ -224,6 +224,10 @@ def translate_error(e: BaseException, chip: Chip, limit: int) -> tuple[str, str]
     return "compile", f"{type(e).__name__}: {first[:500]}"
 
 
+#: what a keyword argument of a public function must look like to be read as a shape (see ``kernel_calls``)
+_SHAPE_TEXT = re.compile(r"^(?:scalar|\d+(?:x\d+)*)(?::\w+)?$|^:\w+$", re.IGNORECASE)
+
+
 def _meta_tensor(a):
     import torch
 
@@ -256,7 +260,10 @@ def kernel_calls(fn, args, kwargs) -> list[tuple]:
     if not callable(fn):
         raise ArgumentError(f"compile_for: expected a tpu_kernel, a public function or a torch op, got {fn!r}")
     targs = [_meta_tensor(a) for a in args]
-    tkw = {k: _meta_tensor(v) for k, v in kwargs.items()}
+    # keyword strings are shapes only when they read as one ("64x256:bf16", "scalar:i32"); others are the
+    # function's own options (x_quant="int8", activation="silu", casting="gemma") and pass through
+    tkw = {k: v if isinstance(v, str) and not _SHAPE_TEXT.match(v.strip()) else _meta_tensor(v)
+           for k, v in kwargs.items()}
     calls: list = []
     token = KERNEL_CALLS.set(calls)
     try:
@@ -314,7 +321,9 @@ def compile_for(
             dim must divide evenly.
         out_specs: with ``mesh_axes``: the outputs' PartitionSpecs for ``shard_map`` (default: the first
             tensor argument's spec for every output); they do not change the per-device kernel.
-        **kwargs: keyword arguments of the kernel (static parameters, keyword-only tensors).
+        **kwargs: keyword arguments of the kernel (static parameters, keyword-only tensors). For a public
+            function, a string is a shape only when it reads as one (``"64x256:bf16"``, ``"scalar:i32"``);
+            any other string (``x_quant="int8"``, ``activation="silu"``) is passed to the function as is.
 
     Returns:
         A :class:`CompileResult`; compile failures (VMEM, block rules, Mosaic errors) are reported in it.
