@@ -29,8 +29,9 @@ Backward (autograd, ``dO`` the incoming gradient cast to the operand dtype)::
     d_rhs[g] = lhs[rows of g]^T @ dO[rows of g]   [G, K, N]                    (grouped_matmul_tgmm)
              (transpose_rhs: dO[rows of g]^T @ lhs[rows of g], [G, N, K])
 
-Empty groups get a zero ``d_rhs[g]``. ``group_sizes`` / ``group_offset`` get no gradient; second
-derivatives are not implemented.
+Empty groups get a zero ``d_rhs[g]``. ``group_sizes`` / ``group_offset`` get no gradient. The backward
+is itself made of differentiable grouped matmuls (``grouped_matmul`` and ``tgmm`` ops with their own
+backward, :func:`_tgmm_backward`), so second derivatives run through the same kernels.
 
 Kernels (both Pallas TPU kernels with scalar prefetch and data-dependent index maps):
 
@@ -668,6 +669,22 @@ def _fwd_backward(ctx, g):
     return grads
 
 
+@grouped_matmul_tgmm.def_backward
+def _tgmm_backward(ctx, g):
+    """tgmm ``d_W[g] = x[rows of g]^T @ y[rows of g]`` is bilinear: ``d_x = grouped_matmul(y, g, transpose_rhs)``
+    (``y_row @ g[grp]^T``), ``d_y = grouped_matmul(x, g)`` (``x_row @ g[grp]``); rows outside the groups get 0.
+    This is what makes second derivatives of :func:`grouped_matmul` (through its ``d_rhs``) work."""
+    gs, go, x, y = ctx.args["group_sizes"], ctx.args["group_offset"], ctx.args["x"], ctx.args["y"]
+    dW = g.to(x.dtype)
+    grads = {}
+    if ctx.needs_input_grad.get("x"):
+        grads["x"] = torch.ops.tpukernels.grouped_matmul_fwd(gs, go, y.to(x.dtype), dW, True, _dtype_name(x.dtype))
+    if ctx.needs_input_grad.get("y"):
+        grads["y"] = torch.ops.tpukernels.grouped_matmul_fwd(gs, go, x.to(y.dtype), dW.to(y.dtype), False,
+                                                             _dtype_name(y.dtype))
+    return grads
+
+
 # ----------------------------------------------------------------------------------------------- public op
 def _is_tracing(t: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import is_fake
@@ -680,7 +697,7 @@ def _check_public(lhs, rhs, group_sizes, transpose_rhs, group_offset, out_dtype)
     for t, n in ((lhs, "lhs"), (rhs, "rhs"), (group_sizes, "group_sizes")):
         if not isinstance(t, torch.Tensor):
             raise ArgumentError(f"{where}: {n} must be a torch.Tensor, got {type(t).__name__}")
-    go = group_offset if group_offset is not None else torch.zeros((), dtype=torch.int32)
+    go = group_offset if group_offset is not None else torch.zeros((), dtype=torch.int32, device=lhs.device)
     M, K, N, G = fwd_dims(group_sizes, go, lhs, rhs, transpose_rhs, where)
     devs = {t.device for t in (lhs, rhs, group_sizes) + ((group_offset,) if group_offset is not None else ())}
     if len(devs) > 1:
@@ -740,17 +757,32 @@ def grouped_matmul(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tens
         ``[M, N]`` in ``out_dtype`` (products accumulated in float32, rounded once).
 
     Raises:
-        ArgumentError: ranks, K mismatch, ``len(group_sizes)`` vs ``G``, ``group_offset`` shape or range,
+        ArgumentError: operands that are not tensors, ranks, K mismatch, ``len(group_sizes)`` vs ``G``,
+            ``group_offset`` not an int / int32 scalar tensor, its shape or range,
             negative sizes or ``sum(group_sizes) > M`` (value checks on host cpu tensors only; see the
             module docstring for what is clamped on device instead).
         DTypeError: operands of different or unsupported dtypes (float16, float64, ints), ``group_sizes``
             / ``group_offset`` not int32, bad ``out_dtype``.
         DeviceError: tensors on different devices.
+        ConfigError: ``config`` is not a dict, or names unknown tunables / breaks their rules.
     """
     import json
+    from collections.abc import Mapping
 
+    from ..errors import ConfigError
+
+    where = "tpukernels::grouped_matmul"
+    for t, n in ((lhs, "lhs"), (rhs, "rhs"), (group_sizes, "group_sizes")):
+        if not isinstance(t, torch.Tensor):
+            raise ArgumentError(f"{where}: {n} must be a torch.Tensor, got {type(t).__name__}")
     if group_offset is not None and not isinstance(group_offset, torch.Tensor):
+        if isinstance(group_offset, bool) or not isinstance(group_offset, (int, np.integer)):
+            raise ArgumentError(f"{where}: group_offset must be an int or an int32 scalar tensor, got "
+                                f"{type(group_offset).__name__} {group_offset!r}")
         group_offset = torch.tensor(int(group_offset), dtype=torch.int32, device=lhs.device)
+    if config is not None and not isinstance(config, Mapping):
+        raise ConfigError(f"{where}: config must be a dict of tunables such as {{'bm': 256, 'bk': 2048}}, got "
+                          f"{type(config).__name__} {config!r}")
     cfg = None if not config else json.dumps(dict(config), sort_keys=True)
     return torch.ops.tpukernels.grouped_matmul(lhs, rhs, group_sizes, transpose_rhs, group_offset,
                                                canonical_out_dtype(out_dtype), cfg)
