@@ -37,7 +37,13 @@ def main(argv=None) -> int:
                    help="prefill cases: exhaustive over bm, bk, bn in {1024, 2048} (the large-block corner the "
                         "coordinate search from the heuristic does not reach within a small budget)")
     p.add_argument("--prefill-only", action="store_true", help="tune only the prefill-size (M > 128) cases")
+    p.add_argument("--decode-sweep", action="store_true",
+                   help="decode cases (M <= 128) only: full-program libtpu estimates of every (bk, bn) of "
+                        "DECODE_BK x DECODE_BN that takes the weight-streaming launch (stream_plan), lowest cycles "
+                        "wins (the model time saturates at the HBM roofline, so it cannot rank them)")
     args = p.parse_args(argv)
+    if args.decode_sweep:
+        return decode_sweep(args.chips.split(","), args.write_defaults)
 
     import importlib
 
@@ -67,6 +73,66 @@ def main(argv=None) -> int:
             b = res.best
             best = "no candidate compiled" if b is None else f"{dict(b.config)} {b.time_us:,.1f} us (model)"
             print(f"{chip} {' '.join(case)}: {best} [{time.time() - t0:.0f}s]", flush=True)
+    return 0
+
+
+#: decode sweep candidates (the weight tile ``bn x bk``; at most ``DECODE_MAX_TILE`` elements: two int8 slots plus
+#: the bf16 copy of one stay within every chip's scoped-VMEM cap)
+DECODE_BK = (512, 1024, 2048, 3584, 4096, 7168, 14336)
+DECODE_BN = (512, 1024, 2048, 3584, 4096, 7168)
+DECODE_MAX_TILE = 8 << 20
+
+
+def decode_sweep(chips, write: bool) -> int:
+    """Estimate every streaming (bk, bn) of each decode STANDARD_CASE per chip with the bench family's
+    machinery (:class:`tpukernels.bench.core.Estimator`, cached); print them; with ``write`` record the lowest
+    in the shipped DB with the candidates as evidence."""
+    import importlib
+
+    from tpukernels.autotune import db
+    from tpukernels.bench.core import Estimator, EstimateError, default_cache_path, kernel_program
+    from tpukernels.perf import clock_hz, hbm_bandwidth
+    from tpukernels.targets.compile_only import example_specs
+
+    qmm = importlib.import_module("tpukernels.library.quantized_matmul")
+    kernel = qmm.quantized_matmul_kernel
+    est = Estimator(default_cache_path())
+    for chip in chips:
+        for _, case, kw in qmm.STANDARD_CASES:
+            (M, K), (N, _) = [tuple(int(d) for d in a.split(":")[0].split("x")) for a in case[:2]]
+            if M > qmm.STREAM_MAX_M or len(case) != 3:
+                continue
+            hbm_us = (M * K * 2 + N * K + M * N * 2 + 4 * (N + M)) / hbm_bandwidth(chip) * 1e6
+            cands = {}
+            for bk in DECODE_BK:
+                for bn in DECODE_BN:
+                    if bk * bn > DECODE_MAX_TILE or qmm.stream_plan(M, N, K, 512, bk, bn) is None or bk > K or bn > N:
+                        continue
+                    cfg = dict(bm=512, bk=bk, bn=bn)
+                    try:
+                        fn, structs, _, _ = kernel_program(kernel, chip, case, kw, cfg)
+                        cyc = est.cycles(fn, structs, chip)
+                        cands[f"bm=512,bk={bk},bn={bn}"] = round(cyc / clock_hz(chip) * 1e6, 2)
+                    except EstimateError as e:
+                        cands[f"bm=512,bk={bk},bn={bn}"] = f"libtpu: {str(e).splitlines()[0][:80]}"
+            ok = {k: v for k, v in cands.items() if isinstance(v, float)}
+            best = min(ok, key=ok.get)
+            t = ok[best]
+            print(f"{chip} {' '.join(case)}: {best} {t:.2f} us of libtpu cycles (model), HBM roofline {hbm_us:.2f} us; "
+                  + ", ".join(f"{k}: {v}" for k, v in sorted(ok.items(), key=lambda kv: kv[1])[:6]), flush=True)
+            if write:
+                specs, statics = example_specs(kernel, case, kw)
+                cfg = {k: int(v) for k, v in (p.split("=") for p in best.split(","))}
+                db.record(kernel, chip, specs, statics, cfg, {
+                    "evaluator": "tpu-model", "label": "model",
+                    "strategy": "sweep of full-program estimates over the weight-streaming blocks "
+                                "(benchmarks/quantized_matmul.py --decode-sweep)",
+                    "note": "model estimate (libtpu static cost model), not a measurement; lowest libtpu cycles "
+                            "(the model time max(cycles, HBM roofline) saturates at the roofline)",
+                    "problem": " ".join(case), "cycles_us": t, "hbm_roofline_us": round(hbm_us, 2),
+                    "time_us": round(max(t, hbm_us), 2), "pct_of_roofline": round(100 * hbm_us / max(t, hbm_us), 2),
+                    "bound": "hbm" if hbm_us >= t else "libtpu-cycles", "candidates_us": cands},
+                    path=db.shipped_db_path(kernel.qualname, chip))
     return 0
 
 

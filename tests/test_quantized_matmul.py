@@ -161,6 +161,91 @@ def test_fused_w8a8_equals_two_kernel_path(case, interpret):
     assert not y[3].float().any()
 
 
+#: (M, K, N, config, x_quant, weight dtype, out dtype) taking the weight-streaming launch: several / one K
+#: step, one / several N tiles, odd M, w8a8 int32 accumulation, fp8 weights with f32 output, the heuristic
+STREAM_CASES = [(16, 512, 384, dict(bm=512, bk=128, bn=128), None, "int8", None),
+                (5, 256, 128, dict(bm=512, bk=256, bn=128), None, "int8", None),
+                (64, 384, 256, dict(bm=512, bk=128, bn=256), "int8", "int8", None),
+                (33, 256, 64, dict(bm=128, bk=128, bn=64), None, "float8_e5m2", torch.float32),
+                (128, 1024, 128, None, None, "int8", None)]
+
+
+def _stream_args(M, K, N, x_quant, wdtype, seed):
+    x, w = data(M, K, N, seed=seed)
+    w_q, w_s = qmm.quantize_weight(w, wdtype)
+    if x_quant is None:
+        return x, w_q, w_s, None
+    xq, xs = qmm.quantize_per_token_kernel(x, wdtype)
+    return xq, w_q, w_s, xs
+
+
+@pytest.mark.parametrize("case", STREAM_CASES, ids=lambda c: "x".join(map(str, c[:3])) + f"-{c[4] or 'w8a16'}-{c[5]}")
+def test_stream_launch_equals_blocked(case, interpret, monkeypatch):
+    """The decode launch (x resident, w_q streamed by the kernel as two DMAs per tile) gives bit for bit the
+    blocked launch's result at the same blocks (same dot per K chunk, same accumulation order and epilogue), and
+    that result is within the bound of the float64 product of the dequantized operands."""
+    M, K, N, cfg, x_quant, wdtype, out_dtype = case
+    xv, w_q, w_s, xs = _stream_args(M, K, N, x_quant, wdtype, seed=M + N)
+    ws = w_s.reshape(1, N)
+    odt = None if out_dtype is None else qmm._name(out_dtype)
+    blocks = cfg or qmm.heuristic(xv, w_q, ws, xs)
+    assert qmm.stream_plan(M, N, K, blocks["bm"], blocks["bk"], blocks["bn"]) is not None
+    y = qmm.quantized_matmul_kernel(xv, w_q, ws, xs, odt, config=cfg)
+    monkeypatch.setattr(qmm, "STREAM_MAX_M", 0)  # the blocked launch; bm=M+1 clamps to the same row block
+    assert qmm.stream_plan(M, N, K, blocks["bm"], blocks["bk"], blocks["bn"]) is None
+    blocked = qmm.quantized_matmul_kernel(xv, w_q, ws, xs, odt, config=dict(blocks, bm=M + 1))
+    assert torch.equal(y, blocked)
+    ref = qmm.reference(xv, w_q, w_s, None if xs is None else xs[:, 0])
+    bound = qmm.error_bound(xv, w_q, w_s, None if xs is None else xs[:, 0], out_dtype or torch.bfloat16)
+    assert not ((y.double() - ref).abs() > bound).any()
+
+
+def test_stream_plan_rule():
+    """stream_plan: one row block of <= STREAM_MAX_M rows and blocks that tile w_q exactly (bk a multiple of 128
+    unless it is K, bn / WEIGHT_DMAS a multiple of 32); the launch it selects has grid (1, N/bn, K/bk), w_q in
+    HBM (pl.ANY) and two DMA semaphores per slot. The shipped decode configs and the decode heuristic take it;
+    prefill never does."""
+    from jax.experimental import pallas as pl
+
+    plan = qmm.stream_plan
+    assert plan(16, 14336, 4096, 512, 4096, 2048) == dict(n_j=7, blk_n=2048, ndma=2)
+    assert plan(128, 256, 256, 512, 128, 128) is not None and plan(129, 256, 256, 512, 128, 128) is None
+    assert plan(64, 256, 256, 32, 128, 128) is None  # bm < M: several row blocks
+    assert plan(16, 14336, 4096, 512, 4096, 4096) is None  # 4096 does not divide 14336
+    assert plan(16, 256, 300, 512, 4096, 128) is not None  # bk covers K = 300 (one K step)
+    assert plan(16, 256, 640, 512, 320, 128) is None  # bk = 320 < K, not a multiple of 128
+    assert plan(16, 96, 256, 512, 128, 96) is None and plan(16, 64, 256, 512, 128, 64) is not None  # 48 / 32 rows
+    assert plan(8192, 14336, 4096, 1024, 4096, 2048) is None
+    spec = tk.TensorSpec
+    launch = qmm.make_launch("nt", spec((16, 4096), qmm._jnp("bfloat16"), "x"),
+                             spec((14336, 4096), qmm._jnp("int8"), "w"), spec((1, 14336), qmm._jnp("float32"), "s"),
+                             None, None, 512, 2048, 3584)
+    assert launch.grid == (1, 4, 2) and launch.in_specs[1].memory_space == pl.ANY
+    assert launch.body_kwargs["stream"] == dict(n_j=4, blk_n=3584, ndma=2)
+    for chip in CHIPS:
+        for _, args, _ in qmm.STANDARD_CASES:
+            specs = _case_specs(args)
+            (M, K), (N, _) = specs[0].shape, specs[1].shape
+            cfg, source = qmm.quantized_matmul_kernel.resolve_config(specs, (("out_dtype", None),), None,
+                                                                      tk.get_chip(chip))
+            if len(args) == 4 and not _runs_on(chip, args):
+                continue
+            assert (plan(M, N, K, cfg["bm"], cfg["bk"], cfg["bn"]) is not None) == (M <= 128), (chip, args, cfg)
+    for M, K, N in ((16, 4096, 14336), (64, 14336, 4096), (1, 4096, 11008), (128, 5120, 13824), (8, 256, 64)):
+        h = qmm.heuristic(spec((M, K), qmm._jnp("bfloat16"), "x"), spec((N, K), qmm._jnp("int8"), "w"), None)
+        assert plan(M, N, K, h["bm"], h["bk"], h["bn"]) is not None, (M, K, N, h)
+
+
+@given(M=st.integers(1, 128), kb=st.integers(1, 6), nb=st.integers(1, 8), bk=st.sampled_from([128, 256]),
+       bn=st.sampled_from([128, 256]), mode=st.sampled_from(MODES), seed=st.integers(0, 2**16))
+def test_property_stream_shapes(M, kb, nb, bk, bn, mode, seed):
+    """Decode shapes through the public op on the streaming launch (K, N multiples of the blocks): within bound."""
+    K, N = kb * bk, nb * bn
+    assert qmm.stream_plan(M, N, K, 512, bk, bn) is not None
+    x, w = data(M, K, N, seed=seed)
+    run_and_check(x, w, *mode, config=dict(bm=512, bk=bk, bn=bn))
+
+
 def test_fused_plan_rule():
     """fused_plan: bm halves until it divides M (multiples of 32), M itself when M <= bm, VMEM per chip
     from tpu_info (3/4 of vmem_capacity_bytes), None when no bm qualifies."""
@@ -264,11 +349,13 @@ def test_backward_bf16_and_frozen_weights():
 
 
 def test_w8a8_refuses_gradients():
+    """The forward runs with x.requires_grad (inference without no_grad); the backward raises, never zeros."""
     w_q, w_s = qmm.quantize_weight(torch.randn(8, 16), "int8")
+    y = qmm.quantized_matmul(torch.randn(4, 16, requires_grad=True), w_q, w_s, x_quant="int8")
     with pytest.raises(ArgumentError, match="no gradient"):
-        qmm.quantized_matmul(torch.randn(4, 16, requires_grad=True), w_q, w_s, x_quant="int8")
+        y.sum().backward()
     with torch.no_grad():
-        qmm.quantized_matmul(torch.randn(4, 16, requires_grad=True), w_q, w_s, x_quant="int8")
+        assert not qmm.quantized_matmul(torch.randn(4, 16, requires_grad=True), w_q, w_s, x_quant="int8").requires_grad
 
 
 def test_opcheck():

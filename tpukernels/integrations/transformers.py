@@ -239,7 +239,7 @@ def apply_tpukernels(
     linear: bool = False,
     quantize: Optional[str] = None,
     x_quant: Optional[str] = None,
-    quantize_skip: tuple = ("lm_head",),
+    quantize_skip: tuple = ("lm_head", "gate", "shared_expert_gate"),
 ) -> dict:
     """Patch a transformers model in place to run on tpukernels ops.
 
@@ -253,7 +253,12 @@ def apply_tpukernels(
             weight quantized per output channel (a new buffer: the float weight is dropped from the module,
             so the state dict changes to ``w_q`` / ``w_scale``); takes precedence over ``linear``.
         x_quant: with ``quantize``: None (w8a16) or ``"int8"`` / ``"fp8"`` (w8a8, per-token activations).
-        quantize_skip: child names never quantized (default: the LM head, kept in full precision as is usual).
+        quantize_skip: child names never quantized. Default: the LM head (kept in full precision as is usual)
+            and MoE routers (Mixtral / Qwen-MoE ``gate``, Qwen-MoE ``shared_expert_gate``): a router's logits
+            pick the top-k experts, and a quantization error there can change which experts run.
+
+    MoE expert weights (3-D ``[E, ...]`` parameters, not ``nn.Linear``) are not touched here:
+    :func:`tpukernels.integrations.moe.apply_tpukernels_moe` routes them through ``grouped_matmul``.
 
     Returns:
         ``{"attention": bool, "rms_norm": n, "layer_norm": n, "linear": n}`` (plus ``"quantized": n`` with
@@ -262,6 +267,11 @@ def apply_tpukernels(
     """
     from ..library.norms import TPULayerNorm, TPURMSNorm
 
+    if quantize:  # typed errors before anything is patched (a bad value must not leave a half-patched model)
+        from ..library.quantized_matmul import _canon_x_quant, _weight_dtype
+
+        quantize = _weight_dtype(quantize, "apply_tpukernels(quantize=...)")
+        x_quant = _canon_x_quant(x_quant)
     counts = {"attention": False, "rms_norm": 0, "layer_norm": 0, "linear": 0}
     if quantize:
         counts["quantized"] = 0

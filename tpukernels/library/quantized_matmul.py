@@ -67,6 +67,11 @@ Kernels (torch ops, ``[rows, cols]`` operands):
 * ``tpukernels::quantized_matmul_kernel(x [M,K], w_q [N,K], w_scale [1,N], x_scale [M,1]?, out_dtype)``:
   grid ``(M/bm, N/bn, K/bk)``, K innermost (``arbitrary``), f32 or int32 VMEM accumulator, scales in the
   epilogue. K tails are masked on both operands (``tk.mask_tail``, NaN-safe) on the last K step only.
+  Decode (one row block of at most ``STREAM_MAX_M = 128`` rows, blocks that tile ``w_q`` exactly:
+  :func:`stream_plan`) takes a weight-streaming launch instead: ``x`` whole in VMEM, ``w_q`` left in HBM and
+  copied by the body, tile by tile over the grid ``(1, N/bn, K/bk)``, into a two-slot scratch, each tile as
+  ``WEIGHT_DMAS = 2`` concurrent row-slab DMAs (the next tile's copies start before the current tile's dot);
+  same dot, accumulator and epilogue, so the same values as the blocked launch at the same ``bk``.
 * ``tpukernels::quantize_per_token_kernel(x [M,K], dtype) -> (x_q [M,K], x_scale [M,1])``: row blocks
   of the whole K (absmax needs the full row).
 * ``tpukernels::quantized_matmul_w8a8_kernel(x [M,K] bf16|f32, w_q [N,K], w_scale [1,N], out_dtype)``: the
@@ -80,15 +85,18 @@ Kernels (torch ops, ``[rows, cols]`` operands):
   @ w_q`` (the scale is applied to the ``g`` tile in f32 and rounded once to ``g.dtype``).
 
 Autograd: ``d_x`` for w8a16 (weights frozen: ``w_q`` and ``w_scale`` get no gradient). w8a8 has no
-gradient (rounding has derivative zero almost everywhere); calling it with ``x.requires_grad`` under
-grad mode raises ArgumentError rather than silently returning zeros.
+gradient (rounding has derivative zero almost everywhere): its forward runs with ``x.requires_grad``
+(inference without ``torch.no_grad()``), and a backward that reaches it raises ArgumentError rather than
+silently returning zeros.
 
 Tunables ``bm, bk, bn`` (clamped to the problem as in :mod:`tpukernels.library.matmul`); defaults:
 :func:`heuristic`, then per-chip shipped data ``tpukernels/data/autotuning/<chip>/
 tpukernels.quantized_matmul_kernel.json`` / ``tpukernels.quantized_matmul_w8a8_kernel.json`` chosen by
 libtpu's static estimate (a model, not a measurement): the w8a16 prefill entries from full-program
 estimates at 2048 tokens (the bench family's method; each entry's evidence lists the candidates), the decode
-and two-kernel w8a8 entries from ``benchmarks/quantized_matmul.py --write-defaults``; the fused kernel's from
+entries from full-program estimates of every streaming ``(bk, bn)`` (``benchmarks/quantized_matmul.py
+--decode-sweep``: lowest libtpu cycles), the two-kernel w8a8 entries from ``benchmarks/quantized_matmul.py
+--write-defaults``; the fused kernel's from
 2048-token estimates on v6e (v5e takes the same blocks, tpu7x those with ``bm`` halved for its VMEM and
 compile-only evidence: libtpu cannot estimate its fp8 pack). A public call reaches them: it passes
 ``out_dtype=None`` to the kernel for the default output dtype, the statics the entries are keyed under.
@@ -98,9 +106,24 @@ Performance (libtpu 0.0.52 static estimates + rooflines, a MODEL, not measuremen
 the MXU is the limit — 95-98% of the bf16 roofline at the shipped blocks (bm=1024, bn=2048, bk 2048-4096);
 against XLA's dequantize + dot the up-projection is 1.03x (v5e), 1.04x (v6e), 1.00x (tpu7x); on the
 down-projection libtpu aborts on XLA's program, so XLA's figure is only its roofline (a floor), which ours
-reaches to 95-98% — and halves the weight bytes where HBM is the limit (decode, 16-64 tokens: 1.5-2.0x
-our bf16 matmul, 93-100% of the HBM roofline on v5e/v6e, 72% on tpu7x: not analysed, see the bench
-reason). w8a8 int8 (tpu_info's int8 peak is 2x bf16 on v5e and v6e), fused kernel, before the reciprocal
+reaches to 95-98% — and halves the weight bytes where HBM is the limit (decode, 16-64 tokens, below).
+Decode (w8a16, Llama-3-8B MLP at 16 / 64 tokens; the full programs estimated by libtpu, ``benchmarks/
+quantized_matmul.py --decode-sweep``): with the blocked launch (one weight DMA in flight) libtpu counted
+more cycles than the HBM time on v6e (16x4096 -> 14336: 38.9 µs of cycles, HBM roofline 36.2 µs; XLA's
+fusion 34.8 µs, so 0.93x XLA) and on v5e at 64 tokens (79.3 µs vs 74.6 µs). The parts, estimated apart (v6e,
+16 tokens, bk=4096, bn=1024): the weight DMAs alone 24.6 µs, the dots with the weight tile resident in VMEM
+(conversion included) 29.2 µs, both together 38.5 µs — a third of the DMA time exposed; with the tile copied
+as two concurrent DMAs (or three slots deep) the whole kernel is 28.6 µs (30.0 µs), the dots' time. The
+int8 -> bf16 conversion is not the limit (a bf16 tile of the same shape, no conversion: 32.3 µs; the scale
+epilogue: < 0.1%). The streaming launch: v5e 49.3 / 50.6 / 51.5 µs of cycles, v6e 28.1 / 28.6 / 29.4 µs
+(16x4096, 64x4096, 64x14336), all below the HBM roofline, so the model time is the roofline (100%: XLA's
+figure on those chips, 1.00x) — how the hardware's DMA engines behave with one or two copies in flight is
+not measured here. tpu7x: 21.1 / 21.9 / 21.4 µs, 75-77% of its HBM roofline (was 72%): not the weight
+stream but the MXU's intake of bf16 weights bounds it — the same dots with the weights resident in VMEM take
+22.4 µs (int8 converted) / 23.8 µs (bf16), and the whole streaming kernel with fp8 weights fed natively
+(bf16 x fp8) 12.3 µs (HBM-bound); every weight element passes the bf16 MXU once whatever the blocking
+(~1200 per cycle in libtpu's model, 2.6e12/s, below tpu7x's 3.7e12 1-byte weights/s of HBM).
+w8a8 int8 (tpu_info's int8 peak is 2x bf16 on v5e and v6e), fused kernel, before the reciprocal
 quantization and the shipped entries: 1.93x / 1.78x the bf16 matmul (up / down projection; 96% / 88% of
 the int8 roofline) on v5e, 1.78x / 1.42x on v6e (86% / 68%); against XLA's fused quantize + int8 dot
 1.02x (v5e) / 1.05x (v6e) up, 0.97x on v6e down; the current figures are the bench family's
@@ -262,6 +285,15 @@ def quantize_reference(v: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tens
     return q, scale
 
 
+def _weight_dtype(dtype, where: str) -> str:
+    """The 8-bit weight dtype name for ``dtype`` (a name, ``"fp8"`` = e4m3fn, or a torch dtype); DTypeError else."""
+    name = dtype if isinstance(dtype, str) else (_name(dtype) if isinstance(dtype, torch.dtype) else None)
+    name = {"fp8": "float8_e4m3fn"}.get(name, name)
+    if name not in WEIGHT_DTYPES:
+        raise DTypeError(f"{where}: dtype {dtype!r} is not one of {WEIGHT_DTYPES} (or 'fp8', or the torch dtype)")
+    return name
+
+
 def quantize_weight(w: torch.Tensor, dtype="int8") -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize an ``nn.Linear`` weight ``w [N, K]`` per output channel (symmetric absmax, torch on any device).
 
@@ -274,18 +306,21 @@ def quantize_weight(w: torch.Tensor, dtype="int8") -> tuple[torch.Tensor, torch.
         ``w_scale / 2`` for int8 (half a grid step), 2^-4 relative (e4m3fn) / 2^-3 (e5m2) for fp8.
 
     Raises:
-        ArgumentError: ``w`` not 2-D. DTypeError: ``w`` not floating, unknown ``dtype``.
+        ArgumentError: ``w`` not 2-D, or a row holding NaN / inf. DTypeError: ``w`` not floating, unknown
+            ``dtype``.
     """
-    name = dtype if isinstance(dtype, str) else _name(dtype)
-    name = {"fp8": "float8_e4m3fn"}.get(name, name)
-    if name not in WEIGHT_DTYPES:
-        raise DTypeError(f"quantize_weight: dtype {dtype!r} is not one of {WEIGHT_DTYPES} (or 'fp8')")
+    name = _weight_dtype(dtype, "quantize_weight")
     if not isinstance(w, torch.Tensor) or w.dim() != 2:
         raise ArgumentError(f"quantize_weight: w must be a 2-D [N, K] tensor, got "
                             f"{tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__}")
     if not w.dtype.is_floating_point:
         raise DTypeError(f"quantize_weight: w must be floating point, got {_name(w.dtype)}")
     with torch.no_grad():
+        bad = ~torch.isfinite(w).all(dim=1)
+        if bool(bad.any()):  # a NaN / inf row would get a NaN / inf scale and poison its whole output channel
+            r = int(bad.nonzero()[0, 0])
+            raise ArgumentError(f"quantize_weight: row {r} of w (output channel {r}) holds NaN or inf; an absmax "
+                                f"scale needs finite weights")
         return quantize_reference(w.detach(), name)
 
 
@@ -322,16 +357,22 @@ def error_bound(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, x_sca
 
 
 # ----------------------------------------------------------------------------------------------- kernel bodies
-def _qmm_body(x_ref, w_ref, ws_ref, *refs, layout, k_size, blk_k, n_k, has_xs, acc_int, dequant_to, precision):
+def _qmm_body(x_ref, w_ref, ws_ref, *refs, layout, k_size, blk_k, n_k, has_xs, acc_int, dequant_to, precision,
+              stream=None):
     """One output block, one K step (``layout="nt"``: forward ``x . w_q^T``; ``"nn"``: ``d_x = (g*s) . w_q``).
 
     ``refs`` = ``[xs_ref,] o_ref, acc_ref``. First K step stores the partial product, middle steps add,
     the last applies the scales and writes the output (a single K step skips the accumulator).
+    ``stream``: the weight-streaming launch of :func:`stream_plan` (``dict(n_j, blk_n, ndma)``), see
+    :func:`_stream_body`.
     """
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
 
+    if stream is not None:
+        return _stream_body(x_ref, w_ref, ws_ref, *refs, k_size=k_size, blk_k=blk_k, n_k=n_k, has_xs=has_xs,
+                            acc_int=acc_int, dequant_to=dequant_to, precision=precision, **stream)
     if has_xs:
         xs_ref, o_ref, acc_ref = refs
     else:
@@ -382,6 +423,80 @@ def _qmm_body(x_ref, w_ref, ws_ref, *refs, layout, k_size, blk_k, n_k, has_xs, a
     pl.when(k == 0)(lambda: step(store, False))
     pl.when(jnp.logical_and(k > 0, k < n_k - 1))(lambda: step(add, False))
     pl.when(k == n_k - 1)(lambda: step(finish, True))
+
+
+def _stream_body(x_ref, w_hbm, ws_ref, *refs, k_size, blk_k, n_k, has_xs, acc_int, dequant_to, precision, n_j, blk_n,
+                 ndma):
+    """Weight-streaming forward (one row block: decode): ``x [M, K]`` resident in VMEM, ``w_q`` in HBM.
+
+    Grid ``(1, n_j, n_k)``, sequential. Step ``t = j * n_k + k`` uses weight tile ``(j, k)`` from slot ``t % 2``
+    of ``wbuf [2, blk_n, blk_k]``; it starts tile ``t + 1``'s copies into the other slot before waiting for its
+    own. Each tile is copied as ``ndma`` row slabs of ``blk_n / ndma`` rows, so ``ndma`` DMAs are in flight
+    during every step's dot (module docstring, "Performance": with one, libtpu's model leaves a third of the
+    weight stream exposed). Then ``acc (+)= x[:, chunk k] . w^T`` and the epilogue of :func:`_qmm_body`.
+    ``refs`` = ``[xs_ref,] o_ref, wbuf, sem, acc_ref``; ``K % blk_k == 0`` and ``N % blk_n == 0``
+    (:func:`stream_plan`), so no tile is partial.
+    """
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    if has_xs:
+        xs_ref, o_ref, wbuf, sem, acc_ref = refs
+    else:
+        xs_ref, (o_ref, wbuf, sem, acc_ref) = None, refs
+    j, k = pl.program_id(1), pl.program_id(2)
+    t = j * n_k + k
+    rows = blk_n // ndma
+
+    def copies(step, slot):
+        r0, c0 = (step // n_k) * blk_n, (step % n_k) * blk_k
+        return [pltpu.make_async_copy(
+            w_hbm.at[pl.ds(pl.multiple_of(r0 + p * rows, rows), rows), pl.ds(pl.multiple_of(c0, blk_k), blk_k)],
+            wbuf.at[slot, pl.ds(p * rows, rows)], sem.at[slot, p]) for p in range(ndma)]
+
+    @pl.when(t == 0)
+    def _():
+        for c in copies(0, 0):
+            c.start()
+
+    @pl.when(t + 1 < n_j * n_k)
+    def _():
+        for c in copies(t + 1, (t + 1) % 2):
+            c.start()
+
+    slot = t % 2
+    for c in copies(t, slot):
+        c.wait()
+    x = x_ref[...] if n_k == 1 else x_ref[:, pl.ds(pl.multiple_of(k * blk_k, 128), blk_k)]
+    w = wbuf[slot]
+    if dequant_to is not None:  # int8 / fp8 -> bf16 / f32 is exact
+        w = w.astype(dequant_to)
+    d = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=precision,
+                            preferred_element_type=jnp.int32 if acc_int else jnp.float32)
+
+    def epilogue(acc):
+        z = acc.astype(jnp.float32) * ws_ref[...]
+        if xs_ref is not None:
+            z = z * xs_ref[...]
+        o_ref[...] = z.astype(o_ref.dtype)
+
+    if n_k == 1:
+        epilogue(d)
+        return
+
+    @pl.when(k == 0)
+    def _():
+        acc_ref[...] = d
+
+    @pl.when(jnp.logical_and(k > 0, k < n_k - 1))
+    def _():
+        acc_ref[...] += d
+
+    @pl.when(k == n_k - 1)
+    def _():
+        epilogue(acc_ref[...] + d)
 
 
 def _row_absmax(x):
@@ -627,6 +742,28 @@ def vmem_bytes(bm, bk, bn, x_dtype, w_dtype, out_dtype, has_xs, acc_shape, dequa
     return total + padded_bytes(acc_shape, "float32")
 
 
+#: largest token count (rows of x) the forward kernel streams the weights for (:func:`stream_plan`)
+STREAM_MAX_M = 128
+#: concurrent DMAs per weight tile on the streaming path (row slabs of ``bn / WEIGHT_DMAS`` rows)
+WEIGHT_DMAS = 2
+
+
+def stream_plan(M, N, K, bm, bk, bn) -> Optional[dict]:
+    """The forward kernel's weight-streaming launch (decode) for blocks ``bm, bk, bn`` (before clamping), or None.
+
+    The rule: one row block (``M <= bm``) of at most :data:`STREAM_MAX_M` rows, and clamped blocks that tile
+    the weight exactly (``N % bn == 0``, ``K % bk == 0``), with ``bk`` a multiple of 128 unless it is all of
+    ``K`` and ``bn / WEIGHT_DMAS`` a multiple of 32 (the 8-bit sublane tile). Everything else takes the
+    blocked launch (grid ``(M/bm, N/bn, K/bk)``, masked tails). Returns ``dict(n_j, blk_n, ndma)``.
+    """
+    bm_, bn_, bk_ = _clamp(M, bm), _clamp(N, bn), _clamp(K, bk)
+    if not 0 < M <= min(bm_, STREAM_MAX_M) or N % bn_ or K % bk_:
+        return None
+    if (bk_ != K and bk_ % 128) or bn_ % (32 * WEIGHT_DMAS):
+        return None
+    return dict(n_j=N // bn_, blk_n=bn_, ndma=WEIGHT_DMAS)
+
+
 def make_launch(layout, x, w, ws, xs, out_dtype, bm, bk, bn) -> "_dsl.Launch":
     """The :class:`tpukernels.Launch` of a forward (``"nt"``) or ``d_x`` (``"nn"``) kernel call."""
     import jax.numpy as jnp
@@ -647,6 +784,9 @@ def make_launch(layout, x, w, ws, xs, out_dtype, bm, bk, bn) -> "_dsl.Launch":
         dequant_to = _jnp(dx)
     bm_, bn_, bk_ = _clamp(M, bm), _clamp(N, bn), _clamp(K, bk)
     gi, gj, gk = _dsl.cdiv(M, bm_), _dsl.cdiv(N, bn_), _dsl.cdiv(K, bk_)
+    stream = stream_plan(M, N, K, bm, bk, bn) if layout == "nt" else None
+    if stream is not None:
+        return _stream_launch(x, w, xs, odt, M, N, K, bk_, bn_, stream, acc_int, dequant_to)
     x_spec = pl.BlockSpec((bm_, bk_), lambda i, j, k: (i, k))
     if layout == "nt":
         w_spec = pl.BlockSpec((bn_, bk_), lambda i, j, k: (j, k))
@@ -682,6 +822,44 @@ def make_launch(layout, x, w, ws, xs, out_dtype, bm, bk, bn) -> "_dsl.Launch":
     )
 
 
+def _stream_launch(x, w, xs, odt, M, N, K, bk_, bn_, stream, acc_int, dequant_to) -> "_dsl.Launch":
+    """The weight-streaming launch of :func:`stream_plan` (body :func:`_stream_body`): ``x`` and the scales
+    as VMEM blocks, ``w_q`` left in HBM and copied by the body into a two-slot scratch."""
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    gj, gk = N // bn_, K // bk_
+    in_specs = [pl.BlockSpec((M, K), lambda i, j, k: (0, 0)), pl.BlockSpec(memory_space=pl.ANY),
+                pl.BlockSpec((1, bn_), lambda i, j, k: (0, j))]
+    if xs is not None:
+        in_specs.append(pl.BlockSpec((M, 1), lambda i, j, k: (0, 0)))
+    acc_shape = (8, 128) if gk == 1 else (M, bn_)
+    need = (2 * (padded_bytes((M, K), x.dtype) + padded_bytes((bn_, bk_), w.dtype) + padded_bytes((M, bn_), odt)
+                 + padded_bytes((1, bn_), "float32") + (padded_bytes((M, 1), "float32") if xs is not None else 0))
+            + (padded_bytes((bn_, bk_), dequant_to) if dequant_to is not None else 0)
+            + padded_bytes(acc_shape, "float32"))
+    xi, wi = np.dtype(x.dtype).itemsize, np.dtype(w.dtype).itemsize
+    f32 = dequant_to is not None and np.dtype(dequant_to) == np.dtype("float32")
+    return _dsl.Launch(
+        grid=(1, gj, gk),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((M, bn_), lambda i, j, k: (0, j)),
+        out_shape=_dsl.OutSpec((M, N), odt),
+        scratch_shapes=[pltpu.VMEM((2, bn_, bk_), w.dtype), pltpu.SemaphoreType.DMA((2, stream["ndma"])),
+                        pltpu.VMEM(acc_shape, jnp.int32 if acc_int else jnp.float32)],
+        # sequential: each step starts the next step's weight copies (one TensorCore per device)
+        dimension_semantics=("arbitrary", "arbitrary", "arbitrary"),
+        vmem_limit_bytes=scoped_vmem_limit(need),
+        cost_estimate=pl.CostEstimate(flops=2 * M * N * K, transcendentals=0,
+                                      bytes_accessed=int(M * K * xi + N * K * wi + M * N * np.dtype(odt).itemsize)),
+        body_kwargs=dict(layout="nt", k_size=int(K), blk_k=int(bk_), n_k=int(gk), has_xs=xs is not None,
+                         acc_int=acc_int, dequant_to=dequant_to, precision=lax.Precision.HIGHEST if f32 else None,
+                         stream=dict(stream)),
+    )
+
+
 def heuristic(x, w, ws, xs=None, out_dtype=None, *, layout="nt") -> dict:
     """Default blocks before clamping (per-chip shipped entries take precedence).
 
@@ -689,14 +867,23 @@ def heuristic(x, w, ws, xs=None, out_dtype=None, *, layout="nt") -> dict:
     ``bn*bk`` bf16 of VMEM, ~28 MiB in all, under every chip's VMEM with a raised scoped limit) — between
     the bf16 matmul's tuned v5e (1024/2048/1024) and v6e (2048/1024/2048) blocks: large output blocks keep
     the MXU fed at int8 rate, where 1 MiB blocks leave v6e HBM-bound (libtpu estimate). Decode-size M
-    (<= 128, weight-bandwidth bound): ``bk=2048, bn=1024`` (w8a8 ``bn=2048``) for fewer, larger weight
-    DMAs. float32 x: ``512`` cubed (4-byte operands)."""
-    M = x.shape[0]
+    (<= :data:`STREAM_MAX_M`, weight-bandwidth bound): the largest ``bk`` of 4096, 2048, ... 128 and ``bn`` of
+    2048, 1024, ... 128 that divide K and N (or cover them), so that :func:`stream_plan` takes the
+    weight-streaming launch; 2-8 MiB weight tiles were within 4% of the best in the decode sweep (libtpu
+    estimates, benchmarks/quantized_matmul.py --decode-sweep). float32 x: ``512`` cubed (4-byte operands)."""
+    M, K = x.shape
+    N = w.shape[0] if layout == "nt" else w.shape[1]
     if _name(x.dtype) == "float32":
         return dict(bm=512, bk=512, bn=512)
-    if M <= 128:
-        return dict(bm=512, bk=2048, bn=2048 if xs is not None else 1024)
+    if M <= STREAM_MAX_M:
+        return dict(bm=512, bk=_dividing(K, (4096, 2048, 1024, 512, 256, 128)),
+                    bn=_dividing(N, (2048, 1024, 512, 256, 128)))
     return dict(bm=1024, bk=1024, bn=2048)
+
+
+def _dividing(dim: int, choices) -> int:
+    """The first of ``choices`` that covers ``dim`` or divides it (else the last)."""
+    return next((c for c in choices if dim <= c or dim % c == 0), choices[-1])
 
 
 def _ref_kernel(x, w, ws, xs=None, out_dtype=None):
@@ -1020,9 +1207,6 @@ def _check_public(x, w_q, w_scale, x_quant, out_dtype):
         raise DTypeError(f"{where}: x_quant='fp8' needs float8 w_q, got {dw} (use x_quant='int8')")
     if x_quant == "int8" and K > INT32_MAX_K:
         raise ArgumentError(f"{where}: K = {K} > {INT32_MAX_K}: an int8 x int8 sum may overflow int32")
-    if x_quant is not None and x.requires_grad and torch.is_grad_enabled():
-        raise ArgumentError(f"{where}: x_quant={x_quant!r} has no gradient (rounding); use x_quant=None "
-                            f"(w8a16) to differentiate with respect to x, or torch.no_grad()")
     odt = out_dtype or _name(x.dtype)
     if odt not in OUT_DTYPES:
         raise DTypeError(f"{where}: out_dtype {odt!r} is not one of {OUT_DTYPES}")
@@ -1036,7 +1220,10 @@ def _impl(x, w_q, w_scale, x_quant=None, out_dtype=None, config=None):
     lead = x.shape[:-1]
     if K == 0 or N == 0 or math.prod(lead) == 0:
         return torch.zeros(*lead, N, dtype=getattr(torch, odt), device=x.device)
-    x2 = x.reshape(-1, K)
+    # w8a8 rounds x: no gradient. The forward runs (inference without torch.no_grad() is common: HF weights
+    # require grad); a backward that reaches it raises (_QuantizedInputHasNoGradient)
+    guard = x_quant is not None and x.requires_grad and torch.is_grad_enabled()
+    x2 = (x.detach() if guard else x).reshape(-1, K)
     ws = w_scale.reshape(1, N)
     kw = {} if config is None else dict(config=config)
     # the kernels' out_dtype=None means x's dtype (bf16 for 8-bit x): pass None for that default, so a
@@ -1049,7 +1236,23 @@ def _impl(x, w_q, w_scale, x_quant=None, out_dtype=None, config=None):
     else:
         xq, xs = quantize_per_token_kernel(x2, _name(w_q.dtype))
         y = quantized_matmul_kernel(xq, w_q, ws, xs, None if odt == "bfloat16" else odt, **kw)
-    return y.reshape(*lead, N)
+    y = y.reshape(*lead, N)
+    return _QuantizedInputHasNoGradient.apply(x, y, x_quant) if guard else y
+
+
+class _QuantizedInputHasNoGradient(torch.autograd.Function):
+    """Identity on a w8a8 result computed from ``x.detach()``; its backward raises: rounding ``x`` to 8 bits
+    has derivative zero almost everywhere, and a silent zero gradient would be a wrong answer."""
+
+    @staticmethod
+    def forward(ctx, x, y, x_quant):
+        ctx.x_quant = x_quant
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, g):
+        raise ArgumentError(f"tpukernels::quantized_matmul: x_quant={ctx.x_quant!r} has no gradient (x is rounded "
+                            f"to 8 bits); use x_quant=None (w8a16) to differentiate with respect to x")
 
 
 def _fused(x2, w_q, ws, odt, config) -> bool:
@@ -1119,6 +1322,16 @@ def quantized_matmul(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, 
         DeviceError: operands on different devices.
         ChipError: the target chip's MXU lacks the pair (message lists what it supports).
     """
+    from collections.abc import Mapping
+
+    from ..errors import ConfigError
+
+    for t, n in ((x, "x"), (w_q, "w_q"), (w_scale, "w_scale")):  # before the op schema's untyped RuntimeError
+        if not isinstance(t, torch.Tensor):
+            raise ArgumentError(f"tpukernels::quantized_matmul: {n} must be a torch.Tensor, got {type(t).__name__}")
+    if config is not None and not isinstance(config, Mapping):
+        raise ConfigError(f"tpukernels::quantized_matmul: config must be a dict of tunables such as "
+                          f"{{'bm': 512}}, got {type(config).__name__} {config!r}")
     odt = _canon_out(out_dtype)
     if config is None:
         return torch.ops.tpukernels.quantized_matmul(x, w_q, w_scale, x_quant, odt)
@@ -1127,7 +1340,7 @@ def quantized_matmul(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, 
 
 def quantize_per_token(x: torch.Tensor, dtype="int8") -> tuple[torch.Tensor, torch.Tensor]:
     """``(x_q [..., K], x_scale [...] float32)``: the kernel that :func:`quantized_matmul` uses for w8a8."""
-    name = _name(dtype) if not isinstance(dtype, str) else dtype
+    name = _weight_dtype(dtype, "quantize_per_token")
     K = x.shape[-1]
     q, s = quantize_per_token_kernel(x.reshape(-1, K), name)
     return q.reshape(x.shape), s.reshape(x.shape[:-1])
@@ -1145,7 +1358,7 @@ class TPUQuantLinear(torch.nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, dtype="int8", x_quant=None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.qdtype = {"fp8": "float8_e4m3fn"}.get(dtype, dtype)
+        self.qdtype = _weight_dtype(dtype, "TPUQuantLinear")
         self.x_quant = _canon_x_quant(x_quant)
         self.register_buffer("w_q", torch.zeros(out_features, in_features, dtype=getattr(torch, self.qdtype)))
         self.register_buffer("w_scale", torch.zeros(out_features, dtype=torch.float32))
@@ -1161,6 +1374,20 @@ class TPUQuantLinear(torch.nn.Module):
         if linear.bias is not None:
             m.bias = linear.bias.detach().clone()
         return m.to(linear.weight.device)
+
+    def _apply(self, fn, recurse=True):
+        """``Module.to(dtype)`` / ``.half()`` / ``.bfloat16()`` cast every floating buffer; ``w_q`` (fp8 is a
+        floating dtype) and the float32 ``w_scale`` keep their dtypes (a bf16 scale would lose precision,
+        then fail the kernel's float32 check) and follow device moves only. ``bias`` follows the cast."""
+        keep = {n: self._buffers[n] for n in ("w_q", "w_scale")}
+        self._buffers.update(dict.fromkeys(keep))  # None buffers are skipped by Module._apply; order is kept
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            for n, t in keep.items():
+                dev = fn(torch.empty(0, dtype=t.dtype, device=t.device)).device
+                self._buffers[n] = t if dev == t.device else t.to(dev)
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cast = x.dtype not in (torch.bfloat16, torch.float32)
