@@ -60,7 +60,9 @@ def tpukernels_experts_forward(self, hidden_states: torch.Tensor, top_k_index: t
     expert_ids = top_k_index.reshape(-1)
     order = torch.argsort(expert_ids, stable=True)
     token = order // top_k
-    sizes = torch.bincount(expert_ids, minlength=self.num_experts).to(torch.int32)
+    # a fixed-length count (bincount's output length depends on the data: a graph break under torch.compile)
+    sizes = torch.zeros(self.num_experts, dtype=torch.int32, device=expert_ids.device).scatter_add_(
+        0, expert_ids, torch.ones_like(expert_ids, dtype=torch.int32))
     x = hidden_states[token]
     gate_up = grouped_matmul(x, self.gate_up_proj, sizes, transpose_rhs=True)
     h = self._apply_gate(gate_up) if hasattr(self, "_apply_gate") else (
