@@ -90,6 +90,32 @@ def test_exhaustive_covers_every_valid_config_default_first():
     assert {p.kind for p in r.pruned} == {"constraint"}
 
 
+def test_the_baseline_is_the_config_a_call_gets_today(tmp_cache):
+    """Sweeps start from (and compare with) what a call resolves to: the shipped per-chip entry of a library
+    kernel, else its heuristic; before, the declared defaults (a config no call used), so ``--write-db``
+    could store a config never compared with the shipped one."""
+    import importlib
+
+    from tpukernels.chips import get_chip
+
+    mm = importlib.import_module("tpukernels.library.matmul")
+    kernel, args, kwargs = mm.STANDARD_CASES[0]
+    problem = Problem.from_args(kernel, *args, **kwargs)
+    want, source = db.lookup(kernel, "v5e", problem.lowered_specs, problem.statics)
+    assert source == "shipped-db"
+    space = Space(problem, get_chip("v5e"))
+    assert space.default() == want and space.baseline_source == "shipped-db:v5e"
+    assert space.default() != kernel.space.default()  # the declared defaults differ: the test can fail
+    others = [v for v in (128, 256, 512, 1024) if v != want["bm"]][:2]
+    restricted = Space(problem, get_chip("v5e"), {"bm": others})
+    assert restricted.values["bm"] == (want["bm"], *others) and next(restricted.all_configs()) == want
+    no_chip = Space(problem, None)  # cpu, no target chip: no shipped entry applies, the heuristic does
+    assert no_chip.baseline_source == "heuristic" and no_chip.default() == kernel.heuristic(*problem.lowered_specs,
+                                                                                              **dict(problem.statics))
+    r = _run("exhaustive", budget=1)  # a kernel with neither: the declared defaults
+    assert r.baseline_source == "default" and r.default.config == tiles.space.default()
+
+
 def test_random_is_seeded_and_never_repeats():
     r1, r2, r3 = _run("random", 20, seed=1), _run("random", 20, seed=1), _run("random", 20, seed=2)
     seq = lambda r: [tuple(sorted(t.config.items())) for t in r.trials]  # noqa: E731

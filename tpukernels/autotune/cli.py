@@ -33,7 +33,8 @@ def add_parser(subparsers) -> None:
     s.add_argument("--static", action="append", help="static arguments: eps=1e-6,offset=1.0")
     s.add_argument("--values", action="append", metavar="NAME=V1,V2",
                    help="search these values of one tunable instead of the declared ones (repeatable); the "
-                        "default config is always evaluated too, as the baseline, and can win")
+                        "baseline (the config a call gets today: tuning DB, else heuristic, else the declared "
+                        "defaults) is always evaluated too, and can win")
     s.add_argument("--strategy", default="coordinate", choices=["exhaustive", "random", "coordinate"])
     s.add_argument("--budget", type=int, default=None,
                    help="max candidates evaluated per kernel (pruned ones are free)")

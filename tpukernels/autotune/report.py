@@ -33,8 +33,8 @@ def _reasons(counter) -> str:
 
 def summary_rows(results: list[SweepResult]) -> tuple[list[list], list[str]]:
     """Rows + header of the final table (one row per sweep)."""
-    header = ["kernel", "problem", "chip", "best config", "time us", "default us", "speed-up", "% roofline",
-              "evaluated", "failed", "pruned", "stopped", "s"]
+    header = ["kernel", "problem", "chip", "best config", "time us", "baseline", "baseline us", "speed-up",
+              "% roofline", "evaluated", "failed", "pruned", "stopped", "s"]
     rows = []
     for r in results:
         b, d = r.best, r.default
@@ -42,6 +42,7 @@ def summary_rows(results: list[SweepResult]) -> tuple[list[list], list[str]]:
         rows.append([
             r.kernel, r.problem, r.chip or "cpu", fmt_config(b and b.config),
             _fmt_us(b and b.time_us) + (" (model)" if b and r.label == "model" else ""),
+            f"{fmt_config(d and d.config)} ({r.baseline_source})",
             _fmt_us(d.time_us if d and d.ok else None),
             "-" if r.speedup is None else f"{r.speedup:.2f}x",
             "-" if pct is None else f"{pct:.0f}%",
@@ -94,7 +95,7 @@ def plot(result: SweepResult, path: str) -> str:
         d = result.default
         if d is not None and d.ok:
             ax.scatter([d.index], [d.time_us], marker="s", s=50, facecolors="none", edgecolors="black",
-                       label="default config")
+                       label=f"baseline ({result.baseline_source})")
         ax.set_yscale("log")
     if bad:
         top = max([v for _, v in ok], default=1.0)

@@ -148,8 +148,13 @@ class Space:
     Args:
         problem: the call signature.
         chip: VMEM and block checks target this chip (None: block rules only).
-        values: ``{tunable: values}`` to search instead of the declared values (the default value is always
-            kept: it is every sweep's baseline). Values need not be among the declared ones.
+        values: ``{tunable: values}`` to search instead of the declared values (the baseline's value is always
+            kept: the baseline is every sweep's first point). Values need not be among the declared ones.
+
+    The *baseline* (:meth:`default`) is the config a call of this problem gets today on ``chip``: its tuning
+    DB entry (user, then shipped), else the kernel's heuristic, else the declared defaults
+    (``TpuKernel.resolve_config``; :attr:`baseline_source` says which). A sweep is thus compared with what
+    users already run, and ``--write-db`` never stores a config that was not measured against it.
     """
 
     def __init__(self, problem: Problem, chip: Chip | None, values: dict | None = None):
@@ -157,24 +162,40 @@ class Space:
         self.kernel = problem.kernel
         self.chip = chip
         self.names = self.kernel.space.names
+        self._lowered_specs = problem.lowered_specs
+        self.baseline, self.baseline_source = self._resolve_baseline()
         self.values = {n: tuple(t.values) for n, t in self.kernel.space.tunables.items()}
+        for n in self.names:  # a heuristic / DB value outside the declared ones is searched too
+            if self.baseline[n] not in self.values[n]:
+                self.values[n] = (self.baseline[n], *self.values[n])
         for n, vals in (values or {}).items():
             if n not in self.values:
                 raise ArgumentError(f"{self.kernel.qualname}: no tunable {n!r} (it has {list(self.names)})")
-            default = self.kernel.space.tunables[n].default
+            base = self.baseline[n]
             vals = tuple(dict.fromkeys(vals))
-            self.values[n] = vals if default in vals else (default, *vals)
+            self.values[n] = vals if base in vals else (base, *vals)
         self._checked: dict[Config, Pruned | None] = {}
         self._fingerprints: dict[str, Config] = {}
         self.notes: dict[Config, list[str]] = {}
-        self._lowered_specs = problem.lowered_specs
+
+    def _resolve_baseline(self) -> tuple[Config, str]:
+        """``(config, source)`` a call of the problem resolves to on :attr:`chip` (class docstring). A
+        resolution that fails (e.g. a heuristic raising for this shape) falls back to the declared defaults."""
+        if not self.names:
+            return Config(), "default"
+        try:
+            cfg, source = self.kernel.resolve_config(self._lowered_specs, self.problem.statics, None, self.chip)
+            return Config(cfg), source
+        except Exception:  # noqa: BLE001 - the baseline is advisory; the sweep itself reports bad configs
+            return self.kernel.space.default(), "default"
 
     def size(self) -> int:
         """Points in the Cartesian product (before any pruning)."""
         return int(np.prod([len(v) for v in self.values.values()], dtype=np.int64)) if self.names else 1
 
     def default(self) -> Config:
-        return self.kernel.space.default()
+        """The baseline: the config a call gets today (class docstring), evaluated first by every strategy."""
+        return self.baseline
 
     def config_at(self, index: int) -> Config:
         """The ``index``-th point of the product (mixed radix, last tunable fastest)."""

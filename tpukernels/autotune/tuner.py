@@ -48,6 +48,9 @@ class SweepResult:
     stopped: str
     db_path: str | None = None
     db_note: str | None = None
+    #: where the baseline (the :attr:`default` trial) came from: the config a call gets today, e.g.
+    #: ``"shipped-db:v5e"``, ``"user-db:v6e"``, ``"heuristic"`` or ``"default"`` (``Space.default``)
+    baseline_source: str = "default"
 
     @property
     def ok_trials(self) -> list[Trial]:
@@ -59,7 +62,8 @@ class SweepResult:
 
     @property
     def default(self) -> Trial | None:
-        """The trial of the kernel's default config (every strategy evaluates it first), if it ran."""
+        """The baseline's trial (the config a call gets today, :attr:`baseline_source`; every strategy
+        evaluates it first), if it ran."""
         return next((t for t in self.trials if t.details.get("is_default")), None)
 
     @property
@@ -86,7 +90,7 @@ class SweepResult:
             "speedup_vs_default": self.speedup, "evaluated": len(self.trials), "ok": len(self.ok_trials),
             "failures": dict(self.failures), "pruned": dict(self.pruned_kinds),
             "trials": [t.to_dict() for t in self.trials], "pruned_configs": [p.to_dict() for p in self.pruned],
-            "db_path": self.db_path, "db_note": self.db_note,
+            "db_path": self.db_path, "db_note": self.db_note, "baseline_source": self.baseline_source,
         }
 
 
@@ -161,7 +165,11 @@ def tune(
             process executors only).
         imports: extra modules / ``.py`` files worker processes import (the kernel's own module is added).
         progress: ``fn(done, total, trial, best)`` after each finished candidate.
-        values: ``{tunable: [values]}`` to search instead of the declared ones (the default is always kept).
+        values: ``{tunable: [values]}`` to search instead of the declared ones (the baseline is always kept).
+
+    The baseline, evaluated first, is the config a call of this problem gets today on the chip (its tuning
+    DB entry, else the heuristic, else the declared defaults: ``Space.default``), so ``speedup_vs_default``
+    is the gain over what users already run.
 
     Raises:
         ArgumentError: unknown evaluator or strategy, no chip for tpu-model, bad arguments.
@@ -297,6 +305,7 @@ def tune(
         kernel=kernel.qualname, chip=chip_name, problem=problem.describe(), evaluator=ev.name, label=ev.label,
         strategy=strat_name, budget={"evaluations": max_evals, "seconds": seconds}, space_size=space.size(),
         trials=trials, pruned=space.pruned, elapsed_s=time.monotonic() - t_start, stopped=stopped,
+        baseline_source=space.baseline_source,
     )
     if write_db and result.best is not None:
         result.db_path, result.db_note = store(result, problem, write_db, force=force_db)
