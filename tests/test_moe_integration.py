@@ -71,3 +71,19 @@ def test_patched_mixtral_compiles_without_graph_breaks():
         torch._dynamo.reset()
         compiled = torch.compile(model, fullgraph=True, backend="aot_eager")(ids).logits
     assert (compiled - eager).abs().max() <= 1e-5 * eager.abs().max()
+
+
+def test_apply_tpukernels_patches_the_experts_too():
+    """The one-call integration routes MoE experts as well (it used to leave them on HF's loop silently)."""
+    from tpukernels.integrations.transformers import apply_tpukernels
+
+    stock = tiny_mixtral(seed=4)
+    ours = copy.deepcopy(stock)
+    counts = apply_tpukernels(ours, attention=False)
+    assert counts["moe_experts"] == 2 and ours.config._experts_implementation == "tpukernels"
+    assert stock.config._experts_implementation != "tpukernels"
+    ids = torch.randint(0, 128, (1, 10), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ref, out = stock(ids).logits, ours(ids).logits
+    assert (out - ref).abs().max() <= 1e-5 * ref.abs().max()
+    assert apply_tpukernels(torch.nn.Sequential(torch.nn.Linear(4, 4)), attention=False)["moe_experts"] == 0

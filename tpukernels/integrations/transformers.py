@@ -240,6 +240,7 @@ def apply_tpukernels(
     quantize: Optional[str] = None,
     x_quant: Optional[str] = None,
     quantize_skip: tuple = ("lm_head", "gate", "shared_expert_gate"),
+    moe: bool = True,
 ) -> dict:
     """Patch a transformers model in place to run on tpukernels ops.
 
@@ -257,12 +258,14 @@ def apply_tpukernels(
             and MoE routers (Mixtral / Qwen-MoE ``gate``, Qwen-MoE ``shared_expert_gate``): a router's logits
             pick the top-k experts, and a quantization error there can change which experts run.
 
-    MoE expert weights (3-D ``[E, ...]`` parameters, not ``nn.Linear``) are not touched here:
-    :func:`tpukernels.integrations.moe.apply_tpukernels_moe` routes them through ``grouped_matmul``.
+        moe: route MoE experts modules (3-D ``gate_up_proj [E, 2I, H]`` parameters: Mixtral, Qwen-MoE) through
+            ``grouped_matmul`` (:func:`tpukernels.integrations.moe.apply_tpukernels_moe`); models without
+            experts are unaffected. Expert weights are not quantized by ``quantize`` (they are not
+            ``nn.Linear``).
 
     Returns:
-        ``{"attention": bool, "rms_norm": n, "layer_norm": n, "linear": n}`` (plus ``"quantized": n`` with
-        ``quantize``) — what was patched. Parameters of norms and ``linear=True`` layers are shared with the
+        ``{"attention": bool, "rms_norm": n, "layer_norm": n, "linear": n, "moe_experts": n}`` (plus
+        ``"quantized": n`` with ``quantize``) — what was patched. Parameters of norms and ``linear=True`` layers are shared with the
         original modules, so their state dicts and weight tying are unchanged.
     """
     from ..library.norms import TPULayerNorm, TPURMSNorm
@@ -307,6 +310,11 @@ def apply_tpukernels(
                 counts["linear"] += 1
             if new is not None:
                 setattr(parent, child_name, new)
+    counts["moe_experts"] = 0
+    if moe and any(isinstance(getattr(m, "gate_up_proj", None), torch.nn.Parameter) for m in model.modules()):
+        from .moe import apply_tpukernels_moe
+
+        counts["moe_experts"] = len(apply_tpukernels_moe(model))
     return counts
 
 
