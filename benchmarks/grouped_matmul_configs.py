@@ -80,10 +80,18 @@ def analytic(chip, case, bm, bk, bn) -> dict:
                 steps=steps, group_sizes=sizes)
 
 
-def pipelined(chip, case, bm, bk, bn) -> dict:
-    """A double-buffered pipeline walk of the real schedule (what neither model above sees): step ``s`` takes
-    ``max(its MXU time, the copy of step s+1's new blocks) + 0.35 µs``, so a group change exposes the new
-    ``rhs`` block's copy minus one item's compute (at ``bk = K`` a whole ``[K, bn]`` block)."""
+def pipelined(chip, case, bm, bk, bn, rhs_prefetch=True) -> dict:
+    """A step-by-step walk of the real schedule (what neither model above sees), copies sharing the HBM
+    bandwidth equally while several are in flight (a fluid model): each grid step waits for its blocks, takes
+    its MXU time + 0.35 µs, and at its start the pipeline issues the next step's changed blocks (lhs, and the
+    previous output tile's write-back). The rhs block is copied
+
+    * ``rhs_prefetch`` (the kernel's manual chain, at one K step with ``bn | N``): run q + 1's block (a run:
+      consecutive items of one group) issued at the first step of run q, so a copy has a whole group to finish;
+    * else by the grid pipeline, issued one step ahead: at ``bk = K`` a group change exposes the new ``[K, bn]``
+      block's copy minus one item's compute.
+
+    Returns ``{"pipelined_us", "pipelined_pct", "pipelined_variant"}``."""
     import jax.numpy as jnp
     import numpy as np
 
@@ -97,36 +105,89 @@ def pipelined(chip, case, bm, bk, bn) -> dict:
     bm_, bk_, bn_ = gm._clamp(M, bm), gm._clamp(K, bk), gm._clamp(N, bn)
     T = gm.num_items(M, len(sizes), bm_)
     (tab,) = gm._fwd_schedule(jnp.asarray(sizes, jnp.int32), jnp.zeros(1, jnp.int32), M=M, G=len(sizes), bm=bm_, T=T)
-    tab = np.asarray(tab).reshape(gm.N_FIELDS, T)
+    tab = np.asarray(tab).reshape(gm.N_FIELDS_FWD, T)
     compute = ((tab[gm.F_FLAGS] ^ gm.ALL) & gm.COMPUTE) != 0
     gk, gn = -(-K // bk_), -(-N // bn_)
-    bw, pk = hbm_bandwidth(chip), peak_flops(chip)
-    steps = []  # (compute µs, bytes first needed at this step)
-    prev = {}
+    manual = bool(rhs_prefetch) and gk == 1 and N % bn_ == 0
+    bw, pk = hbm_bandwidth(chip) / 1e6, peak_flops(chip) / 1e6  # bytes / µs, FLOP / µs
+    steps = []  # per grid step: (MXU µs, lhs idx, rhs idx, out idx)
     for n in range(gn):
         for i in range(T):
             for k in range(gk):
                 ke = k if compute[i] else gk - 1
-                b = 0
-                for name, idx, nbytes in (("lhs", (tab[gm.F_SRC_TILE, i], ke), bm_ * bk_ * 2),
-                                          ("rhs", (tab[gm.F_GROUP, i], ke, n), bk_ * bn_ * 2),
-                                          ("out", (tab[gm.F_TILE, i], n), bm_ * bn_ * 2)):
-                    if prev.get(name) != idx:
-                        b += nbytes
-                        prev[name] = idx
-                steps.append((2 * bm_ * bk_ * bn_ / pk * 1e6 if compute[i] else 0.0, b / bw * 1e6))
-    t = steps[0][1] + sum(max(c, steps[j + 1][1] if j + 1 < len(steps) else 0.0) + STEP_US
-                          for j, (c, _) in enumerate(steps))
-    ideal = 2 * M * K * N / pk * 1e6
-    return dict(pipelined_us=round(t, 1), pipelined_pct=round(100 * ideal / t, 1))
+                steps.append((2 * bm_ * bk_ * bn_ / pk if compute[i] else 0.0, (tab[gm.F_SRC_TILE, i], ke),
+                              (tab[gm.F_GROUP, i], ke, n), (tab[gm.F_TILE, i], n)))
+    lhs_b, rhs_b, out_b = bm_ * bk_ * 2, bk_ * bn_ * 2, bm_ * bn_ * 2
+    active, done = {}, {}  # copy id -> bytes left; copy id -> completion time
+    now = [0.0]
+
+    def advance(until=None, need=()):
+        """Run the fluid copies to time ``until`` or until every copy in ``need`` is done; returns the time."""
+        while active and (until is None or now[0] < until) and not (need and all(c in done for c in need)):
+            rate = bw / len(active)
+            cid = min(active, key=active.get)
+            t_fin = now[0] + active[cid] / rate
+            if until is not None and t_fin > until:
+                for c in active:
+                    active[c] -= (until - now[0]) * rate
+                now[0] = until
+                break
+            for c in list(active):
+                active[c] -= active[cid] if c == cid else (t_fin - now[0]) * rate
+            now[0] = t_fin
+            for c in [c for c, b in active.items() if b <= 1e-6]:
+                done[c] = t_fin
+                del active[c]
+        if until is not None:
+            now[0] = max(now[0], until)
+        return now[0]
+
+    def issue(cid, nbytes):
+        if cid not in done and cid not in active:
+            active[cid] = float(nbytes)
+
+    # rhs runs (the kernel's chain): consecutive steps with one rhs block index
+    runs = [0]
+    for s in range(1, len(steps)):
+        runs.append(runs[-1] + (steps[s][2] != steps[s - 1][2]))
+    first = {}
+    for s, q in enumerate(runs):
+        first.setdefault(q, s)
+    issue(("lhs", 0), lhs_b)
+    issue(("rhs", 0), rhs_b)
+    t = 0.0
+    for s, (c, li, ri, oi) in enumerate(steps):
+        need = [("lhs", s) if s == 0 or steps[s - 1][1] != li else None,
+                ("rhs", runs[s]) if s == 0 or steps[s - 1][2] != ri else None]
+        need = [x for x in need if x is not None]
+        advance(until=t)
+        t = max(t, advance(need=need)) if need else t
+        now[0] = t
+        if s + 1 < len(steps):
+            c1, l1, r1, o1 = steps[s + 1]
+            if l1 != li:
+                issue(("lhs", s + 1), lhs_b)
+            if o1 != oi:
+                issue(("out", s), out_b)  # write-back of this step's tile once the next step moves on
+            if manual:
+                if first.get(runs[s] + 1) is not None and first[runs[s]] == s:
+                    issue(("rhs", runs[s] + 1), rhs_b)
+            elif r1 != ri:
+                issue(("rhs", runs[s + 1]), rhs_b)
+        t += c + STEP_US
+    t = advance(need=list(active)) if active else t
+    ideal = 2 * M * K * N / pk
+    return dict(pipelined_us=round(max(t, now[0]), 1), pipelined_pct=round(100 * ideal / max(t, now[0]), 1),
+                pipelined_variant="manual rhs prefetch chain" if manual else "grid-pipeline rhs blocks")
 
 
-def static(chip, case, bm, bk, bn, timeout_s=280) -> dict:
+def static(chip, case, bm, bk, bn, timeout_s=280, rhs_prefetch=True) -> dict:
     """libtpu's static estimate of ours at an explicit config, fitted as the bench does."""
     from _grouped_static import static_estimate
 
     kernel, args, kwargs, M, K, N, _ = _dims(case)
-    return static_estimate(kernel, args, kwargs, M, K, N, chip, dict(bm=bm, bk=bk, bn=bn), timeout_s)
+    return static_estimate(kernel, args, kwargs, M, K, N, chip,
+                           dict(bm=bm, bk=bk, bn=bn, rhs_prefetch=bool(rhs_prefetch)), timeout_s)
 
 
 def main(argv=None):
@@ -134,7 +195,7 @@ def main(argv=None):
     p.add_argument("what", choices=("rank", "estimate", "write"))
     p.add_argument("chip")
     p.add_argument("case", choices=tuple(CASES))
-    p.add_argument("configs", nargs="*", help="bm,bk,bn")
+    p.add_argument("configs", nargs="*", help="bm,bk,bn[,rhs_prefetch 1|0] (default 1)")
     p.add_argument("--max-need-mib", type=float, default=None, help="rank: only configs with a smaller footprint")
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--timeout", type=float, default=280, help="per libtpu estimate, seconds (a short one: cache hits only)")
@@ -164,13 +225,16 @@ def main(argv=None):
                   f"pipelined walk {pp['pipelined_pct']}%")
         return 0
     for text in a.configs:
-        bm, bk, bn = (int(v) for v in text.split(","))
+        bm, bk, bn, *rest = (int(v) for v in text.split(","))
+        pf = bool(rest[0]) if rest else True
         r = analytic(a.chip, a.case, bm, bk, bn)
         try:
-            s = static(a.chip, a.case, bm, bk, bn, a.timeout)
+            s = static(a.chip, a.case, bm, bk, bn, a.timeout, pf)
         except Exception as e:  # noqa: BLE001 - report libtpu's failure and go on
             s = dict(static_error=str(e)[:300])
-        print(f"{a.chip} {a.case} bm={bm} bk={bk} bn={bn}: analytic {r['pct_of_peak']}%, static {s}", flush=True)
+        pp = pipelined(a.chip, a.case, bm, bk, bn, pf)
+        print(f"{a.chip} {a.case} bm={bm} bk={bk} bn={bn} rhs_prefetch={pf}: analytic {r['pct_of_peak']}%, "
+              f"walk {pp['pipelined_pct']}% ({pp['pipelined_variant']}), static {s}", flush=True)
         if a.what == "write":
             if "static_error" in s and not a.allow_no_static:
                 print("  not written: the static estimate failed (--allow-no-static records it anyway)", file=sys.stderr)
@@ -187,13 +251,14 @@ def main(argv=None):
                     "previous step's compute); chosen by benchmarks/grouped_matmul_configs.py. " + a.why).strip()
             ev = dict(evaluator="libtpu-static-estimate+analytic-schedule-model", model_time_us=r["model_time_us"],
                       pct_of_peak=r["pct_of_peak"], group_sizes=r["group_sizes"], note=note)
-            ev.update(pipelined(a.chip, a.case, bm, bk, bn))
+            ev.update(pp)
             if "static_error" in s:
                 ev["static_estimate_error"] = s["static_error"]
             else:
                 ev.update(static_estimate_us=s["static_us"], static_pct_of_peak=s["static_pct"])
             path = db.shipped_db_path(kernel.qualname, a.chip)
-            db.record(kernel, a.chip, prob.specs, prob.statics, dict(bm=bm, bk=bk, bn=bn), ev, path=path)
+            db.record(kernel, a.chip, prob.specs, prob.statics, dict(bm=bm, bk=bk, bn=bn, rhs_prefetch=pf), ev,
+                      path=path)
             print(f"  recorded in {path}")
     return 0
 

@@ -166,6 +166,119 @@ def test_deterministic_and_inputs_unchanged():
     assert all(torch.equal(a, b) for a, b in zip(copies, (lhs, rhs, sizes)))
 
 
+# ----------------------------------------------------------------------------------------------- rhs prefetch chain
+#: one K step (bk >= K = 200) and two output-column passes (bn = 128 | N = 256): the manual rhs chain
+PREFETCH = dict(bm=64, bk=256, bn=128)
+
+
+def _launch(M, K, N, G, cfg, transpose_rhs=False):
+    from tpukernels.dsl.spec import TensorSpec
+    import jax.numpy as jnp
+
+    specs = (TensorSpec((G,), jnp.int32), TensorSpec((1,), jnp.int32), TensorSpec((M, K), jnp.float32),
+             TensorSpec((G, N, K) if transpose_rhs else (G, K, N), jnp.float32))
+    kernel = gm.grouped_matmul_fwd
+    return kernel.make_launch(specs, (("transpose_rhs", transpose_rhs), ("out_dtype", None)),
+                              kernel.space.complete(cfg))
+
+
+def test_rhs_prefetch_is_used_exactly_where_it_applies():
+    """The manual chain (rhs in pl.ANY, a 2-slot buffer, 2 DMA semaphores) at one K step with bn | N; the grid
+    pipeline's rhs block at a K tail (two K steps), an N tail, or rhs_prefetch=False."""
+    def manual(launch):
+        return "any" in str(getattr(launch.in_specs[1], "memory_space", "")).lower()
+
+    assert manual(_launch(300, 200, 256, 5, PREFETCH))
+    assert manual(_launch(300, 200, 256, 5, PREFETCH, transpose_rhs=True))
+    assert not manual(_launch(300, 200, 256, 5, dict(PREFETCH, rhs_prefetch=False)))
+    assert not manual(_launch(300, 200, 256, 5, dict(PREFETCH, bk=128)))  # K tail: 2 K steps
+    assert not manual(_launch(300, 200, 260, 5, PREFETCH))  # N tail: 260 % 128
+    l = _launch(300, 200, 256, 5, PREFETCH)
+    assert len(l.scratch_shapes) == 3 and l.dimension_semantics[0] == "arbitrary"
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["nn", "nt"])
+@settings(max_examples=5)
+@given(data=st.data())
+def test_rhs_prefetch_chain_matches_pipeline(mode, transpose_rhs, data):
+    """Same bits as the grid pipeline's rhs blocks (same dots, f32 accumulation) and within the float64 bound,
+    for any group sizes: empty groups, one huge group, sum < M, tiny groups (a group change on every tile)."""
+    M, K, N, G = 300, 200, 256, 5
+    sizes = data.draw(group_sizes(M, G))
+    g = torch.Generator().manual_seed(int(sizes.sum()) + 3 * G + transpose_rhs)
+    lhs = randn(M, K, dtype=torch.bfloat16, gen=g)
+    rhs = randn(G, N, K, dtype=torch.bfloat16, gen=g) if transpose_rhs else randn(G, K, N, dtype=torch.bfloat16, gen=g)
+    with tk.interpret_mode(mode):
+        out = gm.grouped_matmul(lhs, rhs, sizes, transpose_rhs=transpose_rhs, config=PREFETCH)
+        pipe = gm.grouped_matmul(lhs, rhs, sizes, transpose_rhs=transpose_rhs, config=dict(PREFETCH, rhs_prefetch=False))
+    assert torch.equal(out, pipe)
+    assert_within_bound(out, lhs, rhs, sizes, transpose_rhs)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("sizes, offset", [
+    ([40, 40, 40, 40, 40, 40, 40], 0),  # a group change on every 64-row tile, every tile shared
+    ([0, 300, 0, 0, 0, 0, 0], 0),  # one huge group: one run per pass
+    ([0, 0, 0, 0, 0, 0, 0], 0),  # nothing: every tile stores zeros
+    ([5, 0, 70, 1, 0, 100, 20], 0),  # empty and one-row groups, 104 tail rows
+    ([30, 50, 60, 0, 80, 40, 10], 2),  # a shard: groups [2, 5) of 7
+])
+def test_rhs_prefetch_chain_edge_schedules(mode, sizes, offset):
+    M, K, N = 300, 200, 384  # three passes: the chain crosses two pass boundaries
+    G = 3 if offset else len(sizes)
+    g = torch.Generator().manual_seed(13 + offset)
+    lhs, rhs = randn(M, K, gen=g), randn(G, N, K, gen=g)
+    sz = torch.tensor(sizes, dtype=torch.int32)
+    with tk.interpret_mode(mode):
+        out = gm.grouped_matmul(lhs, rhs, sz, transpose_rhs=True, group_offset=offset or None, config=PREFETCH)
+    assert_within_bound(out, lhs, rhs, sz, True, group_offset=offset)
+
+
+def test_rhs_prefetch_chain_has_no_races(monkeypatch):
+    """The TPU interpreter's happens-before race detector (DMAs vs loads of the 2-slot buffer), NaN-initialised
+    memory: no race on a schedule with a group change on almost every tile, empty groups and three passes."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
+    from jax.experimental.pallas import tpu as pltpu
+
+    import tpukernels.lowering as lowering
+
+    monkeypatch.setattr(lowering, "interpret_value",
+                        lambda mode: pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan",
+                                                                    dma_execution_mode="eager"))
+    M, K, N = 296, 192, 384  # a shape no other test lowers (a fresh lowering with the patched interpreter)
+    g = torch.Generator().manual_seed(14)
+    lhs, rhs = randn(M, K, gen=g), randn(4, K, N, gen=g)
+    sizes = torch.tensor([50, 0, 70, 90], dtype=torch.int32)
+    with tk.interpret_mode("tpu"):
+        out = gm.grouped_matmul(lhs, rhs, sizes, config=PREFETCH)
+    assert ipc.races is not None and not ipc.races.races_found
+    assert_within_bound(out, lhs, rhs, sizes)
+
+
+def test_fwd_schedule_rhs_runs_and_the_all_zero_table():
+    """The chain's fields: a run per group change of the rhs block (non-computing items keep the previous
+    group), each run start names the next run's group (a pass's last run: the first run's group), and an
+    all-zero table (libtpu's static model) reads as one run of group 0 per pass: a consistent chain."""
+    import jax.numpy as jnp
+
+    M, G, bm = 1000, 6, 128
+    sizes = [300, 0, 128, 1, 400, 0]  # empty groups, a one-row group, 171 rows of no group
+    T = gm.num_items(M, G, bm)
+    (tab,) = gm._fwd_schedule(jnp.asarray(sizes, jnp.int32), jnp.zeros(1, jnp.int32), M=M, G=G, bm=bm, T=T)
+    tab = np.asarray(tab).reshape(gm.N_FIELDS_FWD, T)
+    group, run = tab[gm.F_GROUP], tab[gm.F_RUN]
+    start = np.r_[True, group[1:] != group[:-1]]
+    assert ((tab[gm.F_FLAGS] & gm.RUN_START) != 0).tolist() == [False] + start[1:].tolist()
+    assert run.tolist() == (np.cumsum(start) - 1).tolist()
+    run_groups = group[start].tolist()
+    assert run_groups == [0, 2, 3, 4]  # the nonempty groups in order; the tail tiles keep group 4
+    assert (tab[gm.F_RUNS_M1] == len(run_groups) - 1).all()
+    assert tab[gm.F_NEXT_GROUP][start].tolist() == run_groups[1:] + run_groups[:1]
+    zero = np.zeros(gm.N_FIELDS_FWD, np.int32)
+    assert zero[gm.F_RUNS_M1] + 1 == 1 and not zero[gm.F_FLAGS] & gm.RUN_START
+
+
 # ----------------------------------------------------------------------------------------------- backward
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("transpose_rhs", [False, True], ids=["nn", "nt"])
@@ -398,4 +511,5 @@ def test_shipped_defaults_cover_the_standard_cases(chip, tmp_cache):
         p = Problem.from_args(kernel, *args, **kwargs)
         got = db.lookup(kernel, chip, p.specs, p.statics)
         assert got is not None and got[1] == "shipped-db", f"{chip} {kernel.name} {args}: {got}"
-        assert set(got[0]) == {"bm", "bk", "bn"}
+        want = {"bm", "bk", "bn"} if kernel.name.endswith("tgmm") else {"bm", "bk", "bn", "rhs_prefetch"}
+        assert set(got[0]) == want

@@ -82,33 +82,53 @@ K_EST_TGMM = 2048
 
 _UP, _DOWN = "16384x4096 @ (8x14336x4096).T", "16384x14336 @ (8x4096x14336).T"
 _KN, _TG = "16384x4096 @ 8x4096x14336", "16384x4096^T @ 16384x14336, G=8"
-_FWD_V6E = ("84.4-84.8% of the MXU roofline in the static model at all three forward shapes (bm=256, bk = K, bn = "
-            "3584, or 1024 at K = 14336: 63-71 MiB of VMEM, which the per-chip cap of 7/8 of v6e's 128 MiB allows; "
-            "with the former 64 MiB cap 82 / 67 / 80%). Short of 85% for two reasons measured in the fit: per "
-            "output-column pass it counts {items} work items for {tiles} row tiles (the G - 1 = 7 tiles a group "
-            "boundary may split are visited twice: {waste:.2f}x the MXU work; megablox has the same, 39 items for 32 "
-            "tiles of 512 rows), and a 256-row item costs 1.036x its MXU time at peak (58.0 vs 56.0 cycles per row, "
-            "from the fit): a ceiling of 87% for this schedule at bm=256, less the pipeline fill of each pass. bm=128 "
-            "halves the boundary waste but a 128-row item costs ~1.5x its MXU time on the 256-wide MXU (62.5% "
-            "estimated); bm=512 doubles it (39 items for 32 tiles). Neither model sees the rhs copy a group change "
-            "exposes (a [K, bn] block copied while one item computes: 17.9 vs 8.2 µs at the up projection): a "
-            "pipelined walk of the real schedule (benchmarks/grouped_matmul_configs.py) puts the three at ~76%")
+_FWD_V6E = ("85.4-85.8% of the MXU roofline in the static model at all three forward shapes (bm=256, bk = K, bn = "
+            "3584, or 1024 at K = 14336: 63-71 MiB of VMEM under the per-chip cap of 7/8 of v6e's 128 MiB), with the "
+            "rhs prefetch chain (rhs copied by hand into a 2-slot buffer a whole run of items ahead; the grid "
+            "pipeline's rhs blocks, one step ahead: 84.3-84.8%). The static model reads the work-item table as "
+            "zeros, i.e. one group and one rhs copy per output-column pass, so what it credits the chain with is the "
+            "copy at each pass change, started a pass ahead instead of one step; the copies at the G - 1 group "
+            "changes per pass it sees in neither kernel. Short of 87%, the schedule's static ceiling: per pass it "
+            "counts {items} work items for {tiles} row tiles (the G - 1 = 7 tiles a group boundary may split are "
+            "visited twice: {waste:.2f}x the MXU work; megablox has the same, 39 items for 32 tiles of 512 rows), "
+            "and a 256-row item costs 1.036x its MXU time at peak (58.0 vs 56.0 cycles per row, from the fit). "
+            "bm=128 halves the boundary waste but a 128-row item costs ~1.5x its MXU time on the 256-wide MXU "
+            "(62.5% estimated); bm=512 doubles it (39 items for 32 tiles). The group-change copies are what a "
+            "step-by-step walk of the real schedule sees (benchmarks/grouped_matmul_configs.py, copies sharing HBM "
+            "bandwidth): up / down / x @ W[g] 85.8 / 82.3 / 85.8% with the chain, 76.4 / 76.1 / 76.4% with the grid "
+            "pipeline's rhs blocks (a [K, bn] block copied while one item computes, 17.9 vs 8.2 µs)")
 _NO_7X = ("no estimate of ours on tpu7x: libtpu 0.0.52's profiling compile needs the kernel's scoped VMEM limit "
-          "plus its blocks (92 = 52 + 38 MiB of 64 at the shipped bm=256, bk=4096, bn=2048; 84.6 = 49 + 35 at the down "
+          "plus its blocks and scratch (92 = 52 + 38 MiB of 64 at the shipped bm=256, bk=4096, bn=2048, with the rhs "
+          "prefetch chain's 2-slot buffer as with the grid pipeline's rhs blocks; 84.6 = 49 + 35 at the down "
           "projection's bm=128, bk = K, bn=512), while the same program compiles without the profiler (tests, aot): "
           "only configs under ~26 MiB of blocks could be estimated, and the best of those ranks 4-6 points lower in "
-          "the analytic model (up 76 vs 82%, down 74 vs 78%). The figure is the roofline floor")
-_V5E = ("v5e: 92.5-92.6% of the MXU roofline in the static model at bm=128 (v5e's MXU is 128 wide), bk = K and "
-        "bn = 3584 (1024 at K = 14336; 60-64 MiB of VMEM, under the per-chip cap; with the former 64 MiB cap "
-        "bn = 2048 / 512: 91.4-91.8%); the schedule's ceiling is 94.8% (135 items for 128 row tiles). megablox and "
-        "ragged_dot cannot be estimated on v5e (libtpu aborts), so their figures are roofline floors and ours is "
-        "above them: not evidence either way")
+          "a step-by-step walk of the real schedule (benchmarks/grouped_matmul_configs.py; up 75.8 vs 82.2%, down "
+          "74.0 vs 77.5% with the chain; 81.0 / 73.3% at the shipped configs without it). The figure is the "
+          "roofline floor")
+_V5E = ("v5e: no static estimate of ours (libtpu 0.0.52 takes more than 280 s per reduced problem of the forward "
+        "with the rhs prefetch chain on v5e), so the figure is the roofline floor. The same blocks (bm=128, v5e's "
+        "MXU is 128 wide, bk = K, bn = 3584, or 1024 at K = 14336) with the grid pipeline's rhs blocks "
+        "(rhs_prefetch=False) estimated 92.5-92.7% of the MXU roofline (the schedule's static ceiling is 94.8%: "
+        "135 items for 128 row tiles). A step-by-step walk of the real schedule (benchmarks/"
+        "grouped_matmul_configs.py) puts the chain at 92.8% and the grid pipeline at 88.4-88.5% (each group "
+        "change exposes the next [K, bn] rhs block's copy), so the chain ships. megablox and ragged_dot cannot be "
+        "estimated on v5e either (libtpu aborts): their figures are roofline floors too, not evidence either way")
 #: why ours is where it is, from the estimates (module docstring); keyed (chip, op, shape)
 #: (kernel name, chip) -> why its estimate is not attempted (timeouts are not cached, so each run would spend
 #: them again). Empty: our tgmm used to time out (> 300 s at 2048 rows, ~20 GB) while its all-zero work-item
 #: table read as "first and last item of its group" (a full d_rhs-block zero-fill and store every step); with
 #: only COMPUTE stored complemented its reduced estimates take ~15-30 s
-NOT_ESTIMABLE: dict = {}
+NOT_ESTIMABLE: dict = {
+    ("grouped_matmul_fwd", "v5e"): (
+        "libtpu 0.0.52's static estimate of the forward with the rhs prefetch chain exceeds 280 s per reduced "
+        "problem on v5e (bm=128, bk = K, bn = 3584; tried 2026-12-02 with benchmarks/grouped_matmul_configs.py); "
+        "the same blocks with the grid pipeline's rhs blocks (rhs_prefetch=False) estimated 92.5-92.7% of the "
+        "MXU roofline"),
+    ("grouped_matmul_fwd", "tpu7x"): (
+        "libtpu 0.0.52's profiling compile of the forward runs out of VMEM on tpu7x at every shipped config "
+        "(92.00 of 63.94 MiB at bm=256, bk=4096, bn=2048 with the rhs prefetch chain, tried 2026-12-02; 84.6 at "
+        "the down projection's bm=128, bk = K, bn=512), while the ordinary compile fits (tests, aot)"),
+}
 REASONS: dict = {
     ("v6e", "gmm x @ W[g].T", _UP): _FWD_V6E.format(items=71, tiles=64, waste=71 / 64),
     ("v6e", "gmm x @ W[g]", _KN): _FWD_V6E.format(items=71, tiles=64, waste=71 / 64),
@@ -437,7 +457,7 @@ def data_cost(kernel_name: str, M: int, K: int, N: int, sizes, config: dict, tra
     T = gm.num_items(M, G, bm)
     sched = gm._fwd_schedule if kernel_name.endswith("fwd") else gm._tgmm_schedule
     (tab,) = sched(jnp.asarray(sizes, jnp.int32), jnp.zeros(1, jnp.int32), M=M, G=G, bm=bm, T=T)
-    tab = np.asarray(tab).reshape(gm.N_FIELDS, T)
+    tab = np.asarray(tab).reshape(gm.N_FIELDS_FWD if kernel_name.endswith("fwd") else gm.N_FIELDS, T)
     flags = tab[gm.F_FLAGS] ^ (gm.ALL if kernel_name.endswith("fwd") else gm.TGMM_COMPLEMENT)
     compute = (flags & gm.COMPUTE) != 0
     gk, gn = -(-K // bk), -(-N // bn)

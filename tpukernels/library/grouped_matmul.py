@@ -41,6 +41,18 @@ Kernels (both Pallas TPU kernels with scalar prefetch and data-dependent index m
   one visit that stores zeros). Items past the real count repeat the last block indices, so they move no
   data and the body skips them. The visit list (``_fwd_schedule``) is computed on device from
   ``group_sizes`` inside the same jitted function (``tk.Launch.prefetch``) and lives in SMEM.
+  **rhs prefetch chain** (tunable ``rhs_prefetch``, default on; used at one K step, ``bk >= K``, with ``bn``
+  dividing ``N``): the grid pipeline fetches a block one step ahead, so at ``bk = K``, where a group's
+  ``[K, bn]`` rhs block stays resident while its tiles pass, every group change exposes the next block's copy
+  (~2x one item's compute at Mixtral shapes on v6e). Instead ``rhs`` stays in HBM (``pl.ANY``) and the body
+  copies it by hand (``pltpu.make_async_copy``) into a 2-slot VMEM buffer with one DMA semaphore per slot: a
+  *run* is a stretch of consecutive items with one rhs block (one group, in one output-column pass); at the
+  first item of run ``q`` the body waits for q's copy and starts run ``q + 1``'s (the next group, or the next
+  pass's first group) into the other slot, so each copy has a whole group's tiles to hide behind. The chain
+  crosses passes, so the N axis is ``"arbitrary"`` on this path (megacore chips, not shipped targets, lose the
+  N split). Same VMEM as the pipeline's two rhs buffers. Tested against the pipeline path bit for bit, with
+  the TPU interpreter's race detector, NaN-initialised memory, and schedules with a group change on every
+  tile, empty groups, one huge group, ``sum(group_sizes) < M`` and ``group_offset``.
 * ``tpukernels::grouped_matmul_tgmm``: grid ``(K/bk, N/bn, T)`` with the work items innermost, so one
   ``(g, K-block, N-block)`` output block accumulates over the tiles of group ``g``; every local group is
   visited at least once (empty ones store zeros).
@@ -64,47 +76,56 @@ are capped at ``M``, the offset at ``[0, G_total - G]``), so bad values give a d
 out-of-bounds access.
 
 Tunables ``bm, bk, bn`` (row tile, contraction block, output columns; clamped to the problem like
-``tpukernels.library.matmul``). Smaller ``bm`` wastes less on tiles shared by two groups (each visit
-computes the whole tile); larger ``bm`` re-reads ``rhs`` less; ``bk >= K`` (one K step) keeps a group's
-``rhs`` block resident while its tiles pass. Defaults: per-chip shipped tuning data
+``tpukernels.library.matmul``) and the forward's ``rhs_prefetch`` (the chain above; off: the grid pipeline's rhs
+blocks). Smaller ``bm`` wastes less on tiles shared by two groups (each visit computes the whole tile); larger
+``bm`` re-reads ``rhs`` less; ``bk >= K`` (one K step) keeps a group's ``rhs`` block resident while its tiles
+pass. Defaults: per-chip shipped tuning data
 ``tpukernels/data/autotuning/<chip>/tpukernels.grouped_matmul_*.json`` at the Mixtral shapes of
 :data:`STANDARD_CASES`, else :func:`heuristic`. The scoped-VMEM request is capped per chip at 7/8 of jax's
-``vmem_capacity_bytes`` (:func:`tpukernels.library._vmem.vmem_cap`: 112 MiB on v5e / v6e, 56 MiB on tpu7x), so ``bk = K`` with a
-wide ``bn`` is used where the chip has the VMEM. The shipped forward entries were chosen with
+``vmem_capacity_bytes`` (:func:`tpukernels.library._vmem.vmem_cap`: 112 MiB on v5e / v6e, 56 MiB on tpu7x), so
+``bk = K`` with a wide ``bn`` is used where the chip has the VMEM. The shipped forward entries were chosen with
 ``benchmarks/grouped_matmul_configs.py`` (evidence ``"libtpu-static-estimate+analytic-schedule-model"``:
-libtpu's fitted static estimate, the analytic schedule model below and a pipelined walk of the real schedule;
-on tpu7x, where libtpu cannot estimate them, by the analytic model alone); the tgmm entries with
-``benchmarks/grouped_matmul_tgmm_configs.py`` (the same evidence; tpu7x analytic only). All of them compile
-for their chip (``tests/test_grouped_matmul.py``, aot).
+libtpu's fitted static estimate, the analytic schedule model below and a pipelined walk of the real schedule; on
+tpu7x, where libtpu cannot estimate them, and on v5e, where its estimate of the rhs prefetch chain takes too
+long, by the analytic model and the walk alone); the tgmm entries with
+``benchmarks/grouped_matmul_tgmm_configs.py`` (the same evidence; tpu7x analytic only). All of them compile for
+their chip (``tests/test_grouped_matmul.py``, aot).
 
-Performance (models, not measurements). libtpu's static estimator has no data: it reads the SMEM table as
-zeros, so its figure for these kernels is the MXU work of all ``T`` items with every block index constant
-(flags are stored complemented so that zeros mean "compute"; without that it counted no work at all,
-356 µs for a 2,091 µs roofline). What it cannot see is computed exactly by
-``tpukernels.bench.grouped_matmul.data_cost`` from the real schedule at skewed Mixtral group sizes
-``[1879, 1017, 1330, 679, 817, 7027, 3056, 579]`` (16384 rows): the Pallas pipeline's block copies and the
-MXU work of the items that compute. With ``max(MXU, HBM) + 0.35 µs/step`` the shipped forward configs reach
-93 / 86 / 82% of the MXU roofline (v5e / v6e / tpu7x) on the up projection ``x @ W1[g]^T`` (K 4096, N 14336)
-and on ``x @ W[g]``, 93 / 86 / 78% on the down projection (K 14336, N 4096). The forward
-is short of 100% because a tile shared by two groups is computed once per group (7 boundaries: 1.055x the
-ideal MXU work at ``bm=128``, 1.11x at 256, 1.22x at 512) and ``lhs`` is re-read once per N block. Neither
-model sees the copy a group change exposes: at ``bk = K`` the next group's ``[K, bn]`` rhs block (17.9 µs
-on v6e at the up projection's config) is fetched while one item computes (8.2 µs); a double-buffered walk of
-the real schedule (``benchmarks/grouped_matmul_configs.py``) puts v6e's forward at ~76%. Pallas' grid
-pipeline gives a block at most two buffers (jax 0.10.2), so hiding that copy needs a manual prefetch of the
-next group's block (``pl.ANY`` + ``make_async_copy``): the next lever. In ``tpukernels bench --family
-grouped_matmul`` (libtpu static estimates of reduced problems, fitted and scaled:
-:mod:`tpukernels.bench.grouped_matmul`) our forward reaches 84.5 / 84.4 / 84.8% of the MXU roofline on v6e
-(up / down / ``x @ W[g]``; 1.50 / 1.48 / 1.50x faster than megablox ``gmm``; 82 / 67 / 80% under the former
-64 MiB cap) and 92.6 / 92.5% on v5e (up / down). The static model's ceiling at v6e's ``bm=256`` is 64 tiles
-per 71 items over the 1.036x per-row cost of a 256-row item, 87%, less each output-column pass's pipeline
-fill; ``bm=128`` halves the boundary waste but a 128-row item costs ~1.5x its MXU time on the 256-wide MXU
-(62.5% estimated). ``jax.lax.ragged_dot`` aborts libtpu's profiler on every chip (roofline floor). On tpu7x
-libtpu's *profiling* compile of our forward needs the scoped limit plus the kernel's blocks (92 = 52 + 38
-MiB of 64 at the up projection's ``bm=256, bk=4096, bn=2048``; the ordinary compile fits), so only configs
-under ~26 MiB of blocks could be estimated there; the best of those ranks 4-6 points below the shipped configs
-in the analytic model (up: 76 vs 82%, down: 74 vs 78%), so the shipped ones stay and their row is the roofline
-floor. tgmm: next paragraph.
+Performance (models, not measurements; no TPU was used). libtpu's static estimator has no data: it reads the
+SMEM table as zeros, so its figure for these kernels is the MXU work of all ``T`` items with every block index
+constant (flags are stored complemented so that zeros mean "compute"; without that it counted no work at all,
+356 µs for a 2,091 µs roofline). For the rhs prefetch chain a zero table reads as one run of group 0 per
+output-column pass (``F_RUNS_M1`` stores the run count minus one), a consistent chain: the static model sees one
+``[K, bn]`` rhs copy per pass, started a pass ahead, and waited for at the pass change. It sees none of the ``G
+- 1`` group changes per pass, in this kernel or with the grid pipeline's rhs blocks (there too the block index
+is constant); what the chain gains there only the walk below shows. What the static model cannot see is computed
+exactly by ``tpukernels.bench.grouped_matmul.data_cost`` from the real schedule at skewed Mixtral group sizes
+``[1879, 1017, 1330, 679, 817, 7027, 3056, 579]`` (16384 rows): the block copies and the MXU work of the items
+that compute. With ``max(MXU, HBM) + 0.35 µs/step`` the shipped forward configs reach 93 / 86 / 82% of the MXU
+roofline (v5e / v6e / tpu7x) on the up projection ``x @ W1[g]^T`` (K 4096, N 14336) and on ``x @ W[g]``, 93 / 86
+/ 78% on the down projection (K 14336, N 4096). The forward is short of 100% because a tile shared by two groups
+is computed once per group (7 boundaries: 1.055x the ideal MXU work at ``bm=128``, 1.11x at 256, 1.22x at 512)
+and ``lhs`` is re-read once per N block. Neither model sees *when* copies happen; a step-by-step walk of the
+real schedule does (``benchmarks/grouped_matmul_configs.py``, ``pipelined``: each step waits for its blocks,
+copies in flight share the HBM bandwidth). With the grid pipeline's rhs blocks (``rhs_prefetch=False``) a group
+change exposes the next group's block (17.9 µs of copy against one 8.2 µs item on v6e at the up projection): v6e
+76.4 / 76.1 / 76.4% (up / down / ``x @ W[g]``), v5e 88.5 / 88.4 / 88.5%. With the chain each copy has a whole
+run of items to hide behind: v6e 85.8 / 82.3 / 85.8%, v5e 92.8% on all three (on v6e the down projection's
+``lhs`` block, ``[256, 14336]``, takes half of each item's HBM time, so a short group's run cannot hide the next
+copy). In ``tpukernels bench --family grouped_matmul`` (libtpu static estimates of reduced problems, fitted and
+scaled: :mod:`tpukernels.bench.grouped_matmul`) our forward with the chain reaches 85.5 / 85.4 / 85.8% of the
+MXU roofline on v6e (up / down / ``x @ W[g]``; the grid pipeline's rhs blocks: 84.3% at the up projection,
+84.4-84.8% before the chain existed: the chain's gain there is the copy at each pass change, which the static
+model does see). On v5e libtpu's estimate of the chain takes more than 280 s per reduced problem, so its row is
+the roofline floor; the same blocks with the grid pipeline's rhs blocks estimated 92.5-92.7%. The static model's
+ceiling at v6e's ``bm=256`` is 64 tiles per 71 items over the 1.036x per-row cost of a 256-row item, 87%, less
+each pass's pipeline fill; ``bm=128`` halves the boundary waste but a 128-row item costs ~1.5x its MXU time on
+the 256-wide MXU (62.5% estimated). ``jax.lax.ragged_dot`` aborts libtpu's profiler on every chip (roofline
+floor). On tpu7x libtpu's *profiling* compile of our forward needs the scoped limit plus the kernel's blocks and
+scratch (92 = 52 + 38 MiB of 64 at the up projection's ``bm=256, bk=4096, bn=2048``, with the chain as without;
+the ordinary compile fits), so only configs under ~26 MiB of blocks could be estimated there; the best of those
+ranks 6 points below the shipped configs in the walk (up: ``bm=256, bk = K, bn=1024`` 75.8 vs 82.2%), so the
+shipped ones stay and their row is the roofline floor. tgmm: next paragraph.
 
 tgmm (models, not measurements). Both operands are streamed every step, so the ``[bk, bn]`` d_rhs block must
 be large (``bk * bn / (bk + bn)`` FLOP per byte; the former ``512, 512, 1024`` default was HBM-bound at 341
@@ -145,6 +166,10 @@ TUNABLES = {
                        doc="contraction block (K); bk >= K keeps a group's rhs block resident across its tiles"),
     "bn": _dsl.Tunable([1024, 256, 512, 2048, 3584, 4096], default=1024,
                        doc="output columns per block (N); 3584 divides Mixtral's ffn 14336"),
+    "rhs_prefetch": _dsl.Tunable([True, False], default=True,
+                                 doc="at bk >= K with bn dividing N: copy each group's rhs block by hand into a "
+                                     "2-slot buffer, started a whole group ahead (else the grid pipeline's copy, "
+                                     "one step ahead, is exposed at every group change)"),
 }
 TUNABLES_TGMM = {
     "bm": _dsl.Tunable([512, 128, 256, 1024, 2048], default=512, doc="rows per step (the reduction, M)"),
@@ -155,6 +180,12 @@ TUNABLES_TGMM = {
 # fields of the flat int32 work-item table in SMEM: table[f * T + i]
 F_TILE, F_SRC_TILE, F_GROUP, F_LO, F_HI, F_FLAGS = range(6)
 N_FIELDS = 6
+#: extra forward fields of the rhs prefetch chain (``rhs_prefetch``): the item's rhs run (a run: consecutive
+#: items with one rhs block index) within an output-column pass, the pass's run count minus one, and the
+#: group of the next run (for a pass's last run: its first run's group, the next pass's first block). Stored
+#: so that an all-zero table reads as one run per pass of group 0, a consistent chain (module docstring)
+F_RUN, F_RUNS_M1, F_NEXT_GROUP = 6, 7, 8
+N_FIELDS_FWD = 9
 COMPUTE, STORE, FIRST, LAST = 1, 2, 4, 8  # flag bits
 #: flag bit of a computing item whose tile is not wholly inside its group's rows (a tile shared by two groups,
 #: or the M tail): only these select or mask rows; interior tiles store / accumulate their blocks as they
@@ -171,6 +202,9 @@ ALL = COMPUTE | STORE | FIRST | LAST
 #: model charged every item a d_rhs-block f32 zero-fill and a store (~1.3x the estimate at bm=512, bk = bn = 1024
 #: on v6e, and estimates past 300 s at bk = bn = 2048)
 TGMM_COMPLEMENT = COMPUTE
+#: forward flag bit (not complemented): the item starts an rhs run other than a pass's first (item 0 of each
+#: pass starts one by position, whatever the table says)
+RUN_START = 32
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -259,6 +293,8 @@ def _fwd_schedule(sizes, offset, *, M: int, G: int, bm: int, T: int):
     """
     import jax.numpy as jnp
 
+    from jax import lax
+
     tiles = -(-M // bm)
     s, e = _group_bounds(sizes, offset, M, G)
     ne = e > s
@@ -281,7 +317,17 @@ def _fwd_schedule(sizes, offset, *, M: int, G: int, bm: int, T: int):
     flags = (flags ^ ALL) | ((compute & ((tile * bm < lo) | ((tile + 1) * bm > hi))) * PARTIAL)
     src_tile = _forward_fill(tile, compute)
     group = _forward_fill(g, compute)
-    return (jnp.stack([tile, src_tile, group, lo, hi, flags.astype(jnp.int32)]).reshape(-1),)
+    # rhs runs: items that do not compute keep the previous group (forward fill), so runs change only at
+    # computing items of a new group
+    run_start = jnp.concatenate([jnp.ones((1,), bool), group[1:] != group[:-1]])
+    run = (jnp.cumsum(run_start.astype(jnp.int32)) - 1).astype(jnp.int32)
+    nxt = jnp.where(run_start, i, T)  # the next run start strictly after item i: a reverse running minimum
+    nxt = jnp.concatenate([lax.cummin(nxt, axis=0, reverse=True)[1:], jnp.full((1,), T, jnp.int32)])
+    next_group = jnp.where(nxt < T, _take(group, jnp.minimum(nxt, T - 1)), group[0])
+    flags = flags | ((run_start & (i > 0)) * RUN_START)
+    runs_m1 = jnp.broadcast_to(run[-1], (T,))
+    return (jnp.stack([tile, src_tile, group, lo, hi, flags.astype(jnp.int32), run, runs_m1,
+                       next_group.astype(jnp.int32)]).reshape(-1),)
 
 
 def _tgmm_schedule(sizes, offset, *, M: int, G: int, bm: int, T: int):
@@ -310,9 +356,47 @@ def _tgmm_schedule(sizes, offset, *, M: int, G: int, bm: int, T: int):
 
 
 # ----------------------------------------------------------------------------------------------- kernel bodies
-def _gmm_body(tab, lhs_ref, rhs_ref, out_ref, acc_ref, *, T, bm, n_k, blk_k, k_size, transpose_rhs, precision):
+def _rhs_prefetch_chain(tab, rhs_hbm, rhs_buf, sems, *, T, bn, n_pass, transpose_rhs):
+    """The manual rhs copies of item ``i`` in pass ``n`` (``rhs_prefetch``); returns the buffer slot holding
+    its rhs block. Run ``q = n * R + r`` (R runs per pass, r the item's run) lives in slot ``q % 2``; at the
+    first item of run q the kernel waits for q's copy, then starts run q + 1's (the next group of this pass,
+    or the next pass's first group) into the other slot, whose run q - 1 ended with the previous item. So each
+    copy has a whole run (a group's tiles) to complete instead of one step. Item 0 of pass 0 starts run 0."""
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    n, i = pl.program_id(0), pl.program_id(1)
+    R = tab[F_RUNS_M1 * T + i] + 1
+    r = tab[F_RUN * T + i]
+    slot = (n * R + r) % 2
+
+    def copy(g, col, s):
+        cols = pl.ds(pl.multiple_of(col * bn, bn), bn)
+        src = rhs_hbm.at[g, cols, :] if transpose_rhs else rhs_hbm.at[g, :, cols]
+        return pltpu.make_async_copy(src, rhs_buf.at[s], sems.at[s])
+
+    @pl.when((n == 0) & (i == 0))
+    def _():
+        copy(tab[F_GROUP * T], 0, 0).start()
+
+    @pl.when((i == 0) | ((tab[F_FLAGS * T + i] & RUN_START) != 0))
+    def _():
+        copy(tab[F_GROUP * T + i], n, slot).wait()
+        last_run = r + 1 >= R
+
+        @pl.when(jnp.logical_not(last_run) | (n + 1 < n_pass))
+        def _():
+            copy(tab[F_NEXT_GROUP * T + i], jnp.where(last_run, n + 1, n), 1 - slot).start()
+
+    return slot
+
+
+def _gmm_body(tab, lhs_ref, rhs_ref, out_ref, acc_ref, *scratch, T, bm, n_k, blk_k, k_size, transpose_rhs,
+              precision, rhs_prefetch, bn, n_pass):
     """Work item ``i`` (grid axis 1), K step ``k`` (axis 2): ``acc (+)= lhs_blk @ rhs_blk``; on the last K
-    step ``out = select(rows of the group, acc, previous visit's out | 0)``."""
+    step ``out = select(rows of the group, acc, previous visit's out | 0)``. With ``rhs_prefetch`` (one K
+    step) ``rhs_ref`` is the whole rhs in HBM and ``scratch`` its 2-slot VMEM buffer and DMA semaphores."""
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
@@ -322,9 +406,16 @@ def _gmm_body(tab, lhs_ref, rhs_ref, out_ref, acc_ref, *, T, bm, n_k, blk_k, k_s
     compute = _bits(flags, COMPUTE)
     tail = k_size % blk_k != 0
     dims = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
+    if rhs_prefetch:
+        rhs_buf, sems = scratch
+        slot = _rhs_prefetch_chain(tab, rhs_ref, rhs_buf, sems, T=T, bn=bn, n_pass=n_pass,
+                                   transpose_rhs=transpose_rhs)
+        rhs_block = lambda: rhs_buf[slot]
+    else:
+        rhs_block = lambda: rhs_ref[...]
 
     def dot(masked: bool):
-        a, b = lhs_ref[...], rhs_ref[...]
+        a, b = lhs_ref[...], rhs_block()
         if masked:  # K tail: both operands, NaN-safe jnp.where
             a = _dsl.mask_tail(a, 1, k * blk_k, k_size)
             b = _dsl.mask_tail(b, 1 if transpose_rhs else 0, k * blk_k, k_size)
@@ -482,7 +573,7 @@ def num_items(M: int, G: int, bm: int) -> int:
 )
 def grouped_matmul_fwd(group_sizes: torch.Tensor, group_offset: torch.Tensor, lhs: torch.Tensor, rhs: torch.Tensor,
                        transpose_rhs: bool = False, out_dtype: Optional[str] = None,
-                       *, bm: int, bk: int, bn: int) -> torch.Tensor:
+                       *, bm: int, bk: int, bn: int, rhs_prefetch: bool) -> torch.Tensor:
     """Grouped matmul kernel: ``lhs [M, K]``, ``rhs [G, K, N]`` (``transpose_rhs``: ``[G, N, K]``),
     ``group_sizes int32 [G_total]``, ``group_offset int32 [1]`` -> ``[M, N]`` (module docstring)."""
     import jax.numpy as jnp
@@ -500,13 +591,19 @@ def grouped_matmul_fwd(group_sizes: torch.Tensor, group_offset: torch.Tensor, lh
         return jnp.where(_bits(_flags(t, T, i), COMPUTE), k, gk - 1)
 
     lhs_spec = pl.BlockSpec((bm_, bk_), lambda n, i, k, t: (t[F_SRC_TILE * T + i], k_eff(t, k, i)))
-    if transpose_rhs:
+    rhs_blk = (bn_, bk_) if transpose_rhs else (bk_, bn_)
+    # the manual rhs chain (module docstring) needs one K step and whole column blocks (no N tail to clip)
+    manual = bool(rhs_prefetch) and gk == 1 and N % bn_ == 0 and T > 0
+    scratch = []
+    if manual:
+        rhs_spec = pl.BlockSpec(memory_space=pl.ANY)
+        scratch = [pltpu.VMEM((2, *rhs_blk), lhs.dtype), pltpu.SemaphoreType.DMA((2,))]
+    elif transpose_rhs:
         rhs_spec = pl.BlockSpec((None, bn_, bk_), lambda n, i, k, t: (t[F_GROUP * T + i], n, k_eff(t, k, i)))
     else:
         rhs_spec = pl.BlockSpec((None, bk_, bn_), lambda n, i, k, t: (t[F_GROUP * T + i], k_eff(t, k, i), n))
     out_spec = pl.BlockSpec((bm_, bn_), lambda n, i, k, t: (t[F_TILE * T + i], n))
     isz, osz = np.dtype(lhs.dtype).itemsize, np.dtype(odt).itemsize
-    rhs_blk = (bn_, bk_) if transpose_rhs else (bk_, bn_)
     acc_shape = (bm_, bn_) if gk > 1 else (8, 128)
     need = (2 * (padded_bytes((bm_, bk_), lhs.dtype) + padded_bytes(rhs_blk, lhs.dtype) + padded_bytes((bm_, bn_), odt))
             + padded_bytes(acc_shape, jnp.float32))
@@ -518,14 +615,17 @@ def grouped_matmul_fwd(group_sizes: torch.Tensor, group_offset: torch.Tensor, lh
         in_specs=[lhs_spec, rhs_spec],
         out_specs=out_spec,
         out_shape=_dsl.OutSpec((M, N), odt),
-        scratch_shapes=[pltpu.VMEM(acc_shape, jnp.float32)],
+        scratch_shapes=[pltpu.VMEM(acc_shape, jnp.float32), *scratch],
         num_scalar_prefetch=2,
         prefetch=lambda gs, go: _fwd_schedule(gs, go, M=int(M), G=int(G), bm=int(bm_), T=int(T)),
-        dimension_semantics=("parallel", "arbitrary", "arbitrary"),
+        # the manual chain crosses output-column passes (a pass's last run fetches the next pass's first
+        # block), so the passes run in order on one core (megacore chips lose the N split; v5e / v6e have one
+        # TensorCore per device, tpu7x shows each as a device)
+        dimension_semantics=(("arbitrary" if manual else "parallel"), "arbitrary", "arbitrary"),
         vmem_limit_bytes=scoped_vmem_limit(need),
         cost_estimate=cost,
         body_kwargs=dict(T=int(T), bm=int(bm_), n_k=int(gk), blk_k=int(bk_), k_size=int(K),
-                         transpose_rhs=bool(transpose_rhs),
+                         transpose_rhs=bool(transpose_rhs), rhs_prefetch=manual, bn=int(bn_), n_pass=int(gn),
                          precision=lax.Precision.HIGHEST if _dtype_name(lhs.dtype) == "float32" else None),
     )
 
