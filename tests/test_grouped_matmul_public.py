@@ -88,3 +88,19 @@ def test_second_derivatives_match_float64(transpose_rhs):
         err = (g.double() - w).abs().max() / w.abs().max()
         assert err < 1e-5, float(err)
     assert not got[0][33:].any()  # rows past sum(group_sizes) get no gradient
+
+
+def test_group_bounds_of_garbage_sizes_do_not_wrap_around():
+    """Unchecked sizes (device tensors, torch.compile) are clamped as the module docstring says: negative
+    sizes count as 0 and ends are capped at M, also when the int32 running sum would pass 2**31."""
+    import jax.numpy as jnp
+
+    from tpukernels.library.grouped_matmul import _group_bounds
+
+    M = 100
+    sizes = np.array([M - 1, 2**30, 2**30, 2**30, -5, 7], np.int32)
+    s, e = _group_bounds(jnp.asarray(sizes), jnp.zeros((), jnp.int32), M, len(sizes))
+    ends = np.minimum(np.cumsum(np.maximum(sizes.astype(np.int64), 0)), M)
+    starts = np.concatenate([[0], ends[:-1]])
+    np.testing.assert_array_equal(np.asarray(e), ends)
+    np.testing.assert_array_equal(np.asarray(s), starts)

@@ -247,8 +247,13 @@ def _group_bounds(sizes, offset, M: int, G: int):
     """(start, end) rows of the G local groups, clamped on device (module docstring), int32 [G] each."""
     import jax.numpy as jnp
 
-    sizes = jnp.maximum(sizes.astype(jnp.int32), 0)
-    ends = jnp.minimum(jnp.cumsum(sizes), M).astype(jnp.int32)
+    from jax import lax
+
+    sizes = jnp.clip(sizes.astype(jnp.int32), 0, M)
+    # int32 running sums of garbage sizes wrap around; the first sum >= M is < 2 * M (every size <= M), so
+    # it is seen before any wrap: from there on every end is M (exact for M < 2**30)
+    raw = jnp.cumsum(sizes)
+    ends = jnp.where(lax.cummax((raw >= M).astype(jnp.int32), axis=0) > 0, M, raw).astype(jnp.int32)
     starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
     off = jnp.clip(offset.reshape(-1)[0], 0, sizes.shape[0] - G)
     idx = off + jnp.arange(G, dtype=jnp.int32)
