@@ -41,6 +41,12 @@ def test_config_that_is_not_a_dict_is_a_config_error(config):
         grouped_matmul(lhs, rhs, gs, config=config)
 
 
+def test_config_with_a_non_json_value_is_a_config_error():
+    lhs, rhs, gs = _inputs()
+    with pytest.raises(ConfigError, match="not JSON-serializable"):
+        grouped_matmul(lhs, rhs, gs, config={"bm": torch.tensor(128)})
+
+
 @pytest.mark.parametrize("offset", [1.7, "1", True, 2.0])
 def test_group_offset_must_be_an_int_or_tensor(offset):
     lhs, rhs, gs = _inputs()

@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tpukernels.errors import ArgumentError, DTypeError
+from tpukernels.errors import ArgumentError, ConfigError, DTypeError
 from tpukernels.library import paged_attention as pa
 from tpukernels.library import ragged_paged_attention, update_kv_cache
 
@@ -205,6 +205,14 @@ def test_bad_input_raises_before_running(mutate, err, words):
 def test_bad_statics(kw, words):
     with pytest.raises(ArgumentError, match=words):
         ragged_paged_attention(*_good(), **kw)
+
+
+@pytest.mark.parametrize("config, words", [("block_q=8", "config must be a dict"), ([("block_q", 8)], "config must be a dict"),
+                                           ({"block_q": torch.tensor(8)}, "not JSON-serializable"),
+                                           ({"block_qq": 8}, "block_qq")])
+def test_bad_config_is_a_config_error(config, words):
+    with pytest.raises(ConfigError, match=words):
+        ragged_paged_attention(*_good(), config=config)
 
 
 def test_update_validation():

@@ -871,10 +871,9 @@ def grouped_matmul(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tens
         DeviceError: tensors on different devices.
         ConfigError: ``config`` is not a dict, or names unknown tunables / breaks their rules.
     """
-    import json
     from collections.abc import Mapping
 
-    from ..errors import ConfigError
+    from ..targets import config_to_json
 
     where = "tpukernels::grouped_matmul"
     for t, n in ((lhs, "lhs"), (rhs, "rhs"), (group_sizes, "group_sizes")):
@@ -885,10 +884,8 @@ def grouped_matmul(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tens
             raise ArgumentError(f"{where}: group_offset must be an int or an int32 scalar tensor, got "
                                 f"{type(group_offset).__name__} {group_offset!r}")
         group_offset = torch.tensor(int(group_offset), dtype=torch.int32, device=lhs.device)
-    if config is not None and not isinstance(config, Mapping):
-        raise ConfigError(f"{where}: config must be a dict of tunables such as {{'bm': 256, 'bk': 2048}}, got "
-                          f"{type(config).__name__} {config!r}")
-    cfg = None if not config else json.dumps(dict(config), sort_keys=True)
+    cfg = None if config is None or (isinstance(config, Mapping) and not config) else \
+        config_to_json(grouped_matmul_fwd, config)
     return torch.ops.tpukernels.grouped_matmul(lhs, rhs, group_sizes, transpose_rhs, group_offset,
                                                canonical_out_dtype(out_dtype), cfg)
 

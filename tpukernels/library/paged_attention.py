@@ -657,12 +657,15 @@ def ragged_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, kv_lens: tor
             ``T``, ``q_len > kv_len``, ``num_seqs`` out of ``[0, S]``. Device tensors are not synced to check
             values; the kernel clamps them (bad values give a defined, wrong, result; never an OOB access).
         DTypeError: q not bf16/f32, kv_cache not q's dtype or fp8, index arrays not int32.
+        ConfigError: ``config`` is not a dict of JSON values, or names unknown tunables / breaks their rules.
     """
-    import json
+    from collections.abc import Mapping
 
     from ..dsl.modes import interpret_mode
+    from ..targets import config_to_json
 
-    cfg = None if not config else json.dumps(dict(config), sort_keys=True)
+    cfg = None if config is None or (isinstance(config, Mapping) and not config) else \
+        config_to_json(rpa_kernel, config)
     args = (q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
             None if sm_scale is None else float(sm_scale), sliding_window,
             None if soft_cap is None else float(soft_cap), None if k_scale is None else float(k_scale),
