@@ -278,6 +278,18 @@ def test_cli_report_only_and_refusals(tmp_path, capsys):
                  "--json", str(tmp_path / "all.json")]) == 0
     assert "## matmul (model)" in open(out).read()
     assert set(json.load(open(tmp_path / "all.json"))["families"]) == {"matmul", "host"}
+    # a second report-only run leaves an unchanged plot untouched (same bytes: no write, mtime kept)
+    png = tmp_path / "results" / "matmul.png"
+    os.utime(png, ns=(0, 0))
+    assert main(["bench", "--report-only", "--results-dir", res, "--out", out, "--readme", ""]) == 0
+    assert png.stat().st_mtime_ns == 0
+    # with --report-only, --family chooses the families reported
+    assert main(["bench", "--report-only", "--family", "host", "--results-dir", res, "--out", out,
+                 "--readme", "", "--json", str(tmp_path / "host.json")]) == 0
+    assert set(json.load(open(tmp_path / "host.json"))["families"]) == {"host"}
+    assert "## matmul (model)" not in open(out).read()
+    assert main(["bench", "--report-only", "--family", "norms", "--results-dir", res, "--out", out]) == 2
+    assert "no results of norms" in capsys.readouterr().err
     assert main(["bench", "--family", "nope", "--results-dir", res]) == 2
     assert "--family: nope" in capsys.readouterr().err
     data = json.load(open(tmp_path / "results" / "host.json"))

@@ -18,7 +18,9 @@ def add_parser(subparsers) -> None:
                     "family's figures are saved to RESULTS_DIR/<family>.json, so long runs can be split by family; "
                     "figures made with different jax/jaxlib/libtpu/torch/tpukernels versions are never mixed.")
     s.add_argument("--chips", default=",".join(DEFAULT_CHIPS), help="comma list of v4,v5e,v5p,v6e,tpu7x")
-    s.add_argument("--family", default="all", help=f"comma list of {','.join(FAMILIES)} or 'all'")
+    s.add_argument("--family", default="all",
+                   help=f"the families to run, comma list of {','.join(FAMILIES)} or 'all'; the report covers every "
+                        "family with results in RESULTS_DIR, except with --report-only, where it covers these")
     s.add_argument("--results-dir", default=None,
                    help="where <family>.json results and plots are kept (default: $TPUKERNELS_CACHE_DIR/bench/"
                         "results, never the current directory unless asked; `make bench`: benchmarks/results)")
@@ -69,11 +71,12 @@ def cmd_bench(args) -> int:
         for fam in fams:
             run_family(fam, chips, args.results_dir, jobs=args.jobs, timeout_s=args.timeout,
                        cache_path="" if args.no_cache else None, log=log)
-    results = load_results(args.results_dir, FAMILIES)
+    results = load_results(args.results_dir, fams if args.report_only else FAMILIES)
     if not results:
         from ..errors import ArgumentError
 
-        raise ArgumentError(f"--results-dir {args.results_dir}: no results to report (run without --report-only)")
+        raise ArgumentError(f"--results-dir {args.results_dir}: no results of {', '.join(fams)} to report (run "
+                            "without --report-only)")
     for fam, res in results.items():  # reasons come from the current code (a --report-only after an edit)
         if fam != "host":
             attach_reasons(fam, res["rows"])

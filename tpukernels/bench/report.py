@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import json
-import re
 import os
+import re
 
 from .core import check_versions
 
@@ -166,10 +167,26 @@ def plot(family: str, rows: list[dict], path: str) -> str | None:
                  fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=110)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
+    _write_if_changed(path, buf.getvalue())
     return path
+
+
+def _write_if_changed(path: str, data: bytes) -> bool:
+    """Write ``data`` to ``path`` unless the file already holds exactly these bytes (a ``--report-only`` run
+    leaves unchanged plots untouched, mtime included); True when written."""
+    try:
+        with open(path, "rb") as f:
+            if f.read() == data:
+                return False
+    except FileNotFoundError:
+        pass
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(data)
+    return True
 
 
 def _host_section(res: dict) -> list[str]:
