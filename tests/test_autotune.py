@@ -364,6 +364,77 @@ def test_cli_values_restrict_the_search(capsys):
     assert sorted(t["config"]["br"] for t in res["trials"]) == [8, 32] and res["failures"] == {}
 
 
+def _addb_body(x_ref, b_ref, o_ref):
+    o_ref[...] = x_ref[...] + b_ref[...]
+
+
+@tk.tpu_kernel(_addb_body, namespace="tktest_autotune", tunables={"bm": tk.Tunable([8, 16], default=8)},
+               shapes={"x": "M N", "b": "N"})
+def addb_decl(x: torch.Tensor, b: torch.Tensor, *, bm: int) -> torch.Tensor:
+    from jax.experimental import pallas as pl
+
+    M, N = x.shape
+    return tk.Launch(grid=(tk.cdiv(M, bm),), in_specs=[pl.BlockSpec((bm, N), lambda i: (i, 0)),
+                                                       pl.BlockSpec((N,), lambda i: (0,))],
+                     out_specs=pl.BlockSpec((bm, N), lambda i: (i, 0)), out_shape=tk.like(x))
+
+
+def _no_sweep(monkeypatch):
+    from tpukernels.autotune import tuner
+
+    calls = []
+    monkeypatch.setattr(tuner, "tune", lambda *a, **k: calls.append(a) or pytest.fail("a sweep started"))
+    return calls
+
+
+@pytest.mark.parametrize("flag,value,rule", [("--budget", "0", "an int >= 1"), ("--budget", "-3", "an int >= 1"),
+                                             ("--budget", "x", "expected an int"), ("--seconds", "0", "a number > 0"),
+                                             ("--workers", "0", "an int >= 1"), ("--repeats", "-1", "an int >= 1")])
+def test_cli_non_positive_budget_is_a_usage_error(flag, value, rule, monkeypatch, capsys):
+    """--budget 0 / -3 used to be accepted, evaluate nothing and exit 1 with no reason."""
+    calls = _no_sweep(monkeypatch)
+    with pytest.raises(SystemExit) as e:
+        main(["--import", HELPERS, "autotune", "twice", "--shape", "32x128:f32", "--evaluator", "measure",
+              flag, value, "--no-progress"])
+    assert e.value.code == 2 and not calls
+    err = capsys.readouterr().err
+    assert f"argument {flag}" in err and rule in err
+
+
+@pytest.mark.parametrize("item,msg", [("br=abc", "br='abc' is a str; br takes int values"),
+                                      ("br=8,16.0", "br=16.0 is a float"),
+                                      ("br=0", "br=0 must be positive"),
+                                      ("bq=8", "has no tunable 'bq'")])
+def test_cli_values_are_checked_with_the_tunables_rules(item, msg, monkeypatch, capsys):
+    """--values br=abc used to be accepted; every candidate was then pruned as a str and the run exited 0."""
+    calls = _no_sweep(monkeypatch)
+    assert main(["--import", HELPERS, "autotune", "twice", "--shape", "32x128:f32", "--evaluator", "measure",
+                 "--values", item, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert not calls and "--values" in err and msg in err
+
+
+def test_cli_values_parse_tuples_and_keep_ints():
+    from tpukernels.autotune.cli import _check_values, _parse_values
+
+    assert _parse_values(["a=(16,128),(8,256)", "b=8,16", "c=tanh"]) == {"a": [(16, 128), (8, 256)], "b": [8, 16],
+                                                                         "c": ["tanh"]}
+    assert _check_values(twice, _parse_values(["br=32,8"])) == {"br": [32, 8]}
+
+
+def test_cli_shapes_violating_the_declaration_are_an_argument_error(monkeypatch, capsys):
+    """Used to show up as "N x launch pruned ... space exhausted", rc 1, after the sweep ran."""
+    base = ["autotune", "tktest_autotune::addb_decl", "--evaluator", "measure", "--no-progress"]
+    calls = _no_sweep(monkeypatch)
+    assert main(base + ["--shape", "64x256:f32", "--shape", "128:f32"]) == 2
+    err = capsys.readouterr().err
+    assert not calls and "b has shape (128,), but shapes= declares b: 'N' and N=256 from x" in err
+    monkeypatch.undo()
+    assert main(base + ["--shape", "64x256:f32", "--shape", "256:f32", "--repeats", "1", "--json"]) == 0
+    (res,) = json.loads(capsys.readouterr().out)
+    assert res["best"] is not None and res["failures"] == {} and not res["pruned"]
+
+
 def test_read_only_cache_dir_reports_instead_of_raising(tmp_cache):
     os.makedirs(tmp_cache / "autotuning" / "v6e", exist_ok=True)
     os.chmod(tmp_cache / "autotuning" / "v6e", 0o555)

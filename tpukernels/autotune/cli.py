@@ -36,10 +36,10 @@ def add_parser(subparsers) -> None:
                         "baseline (the config a call gets today: tuning DB, else heuristic, else the declared "
                         "defaults) is always evaluated too, and can win")
     s.add_argument("--strategy", default="coordinate", choices=["exhaustive", "random", "coordinate"])
-    s.add_argument("--budget", type=int, default=None,
-                   help="max candidates evaluated per kernel (pruned ones are free)")
-    s.add_argument("--seconds", type=float, default=None, help="wall-clock budget per kernel, seconds")
-    s.add_argument("--workers", type=int, default=1,
+    s.add_argument("--budget", type=_positive(int), default=None,
+                   help="max candidates evaluated per kernel (pruned ones are free); an int >= 1")
+    s.add_argument("--seconds", type=_positive(float), default=None, help="wall-clock budget per kernel, seconds (> 0)")
+    s.add_argument("--workers", type=_positive(int), default=1,
                    help="parallel compile processes (tpu-model only); with --executor ray: CPUs of the local cluster")
     s.add_argument("--executor", choices=["inline", "process", "ray"], default=None,
                    help="where candidates run: this process, --workers processes (the default when --workers > 1), "
@@ -48,14 +48,14 @@ def add_parser(subparsers) -> None:
                    help="--executor ray: a running cluster ('auto', 'ray://host:10001'); default: start a local one")
     s.add_argument("--evaluator", default="tpu-model", choices=["tpu-model", "measure"])
     s.add_argument("--device", default="cpu", choices=["cpu", "tpu"], help="measure: where the tensors live")
-    s.add_argument("--repeats", type=int, default=10, help="measure: timed runs per candidate (median)")
+    s.add_argument("--repeats", type=_positive(int), default=10, help="measure: timed runs per candidate (median)")
     s.add_argument("--no-cycles", action="store_true",
                    help="tpu-model: skip libtpu's static estimate (roofline + overhead only)")
     s.add_argument("--estimate-steps", type=int, default=None,
                    help="tpu-model: estimate bigger grids on a reduced grid of this many steps, scaled (default 16)")
     s.add_argument("--step-overhead-us", type=float, default=None,
                    help="tpu-model: per-grid-step overhead (default 0.35)")
-    s.add_argument("--timeout", type=float, default=600.0,
+    s.add_argument("--timeout", type=_positive(float), default=600.0,
                    help="per-candidate timeout, seconds (worker processes only)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--json", action="store_true", help="print the sweeps as JSON (a list, one per kernel)")
@@ -67,22 +67,84 @@ def add_parser(subparsers) -> None:
     s.set_defaults(func=cmd_autotune)
 
 
+def _positive(kind):
+    """An argparse ``type=``: ``kind(text)`` that must be > 0 (a zero or negative budget, time limit or
+    count would evaluate nothing and end in a bare rc=1); a bad value is argparse's usage error, rc 2."""
+    import argparse
+
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an int' if kind is int else 'a number'}, got {text!r}")
+        if not v > 0:
+            raise argparse.ArgumentTypeError(f"must be {'an int >= 1' if kind is int else 'a number > 0'}, got {text!r}")
+        return v
+
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
+
+
 def _parse_values(items) -> dict | None:
+    """``["NAME=V1,V2", ...]`` -> ``{NAME: [V1, V2]}``; each value a Python literal (``256``, ``(16, 128)``,
+    ``'tanh'``), a bare word staying a string. :func:`_check_values` then applies the tunable's own rules."""
     import ast
 
     out = {}
     for item in items or ():
         name, sep, vals = item.partition("=")
-        if not sep or not vals.strip():
+        if not sep or not vals.strip() or not name.strip():
             raise ArgumentError(f"--values: expected NAME=V1,V2,..., got {item!r}")
-        parsed = []
-        for v in vals.split(","):
-            try:
-                parsed.append(ast.literal_eval(v.strip()))
-            except (ValueError, SyntaxError):
-                parsed.append(v.strip())
+        try:  # the whole list at once, so tuple values ("(16,128),(8,256)") keep their commas
+            parsed = list(ast.literal_eval("[" + vals + "]"))
+        except (ValueError, SyntaxError):
+            parsed = []
+            for v in vals.split(","):
+                try:
+                    parsed.append(ast.literal_eval(v.strip()))
+                except (ValueError, SyntaxError):
+                    parsed.append(v.strip())
+        if not parsed:
+            raise ArgumentError(f"--values: expected NAME=V1,V2,..., got {item!r}")
         out[name.strip()] = parsed
     return out or None
+
+
+def _check_values(kernel, values: dict | None) -> dict | None:
+    """Check ``--values`` against ``kernel``'s tunables with the DSL's own rule (``TunableSpace.check_value``:
+    the declared values' kind, positive where they all are), before any sweep starts.
+
+    Raises:
+        ArgumentError: an unknown tunable, or a value its tunable cannot take (naming flag, value and rule).
+    """
+    from ..errors import ConfigError
+
+    if not values:
+        return values
+    space = kernel.space
+    out = {}
+    for name, vals in values.items():
+        if name not in space.tunables:
+            raise ArgumentError(f"--values {name}=...: {kernel.qualname} has no tunable {name!r} "
+                                f"(it has {list(space.names)})")
+        checked = []
+        for v in vals:
+            try:
+                checked.append(space.check_value(name, v))
+            except ConfigError as e:
+                raise ArgumentError(f"--values {name}=...: {kernel.qualname}: {str(e).removeprefix('config: ')}") from None
+        out[name] = checked
+    return out
+
+
+def _check_case(kernel, case_args, case_kwargs) -> None:
+    """Bind one case's shapes and statics to ``kernel`` as the sweep will (``Problem.from_args``) and check
+    them against the kernel's ``shapes=`` declaration, once, up front: a mismatch is an ArgumentError here,
+    not every candidate pruned as a ``launch`` error."""
+    from .space import Problem
+
+    problem = Problem.from_args(kernel, *case_args, **dict(case_kwargs))
+    kernel.check_shapes(problem.specs)
 
 
 def _cases(args) -> list:
@@ -161,8 +223,13 @@ def cmd_autotune(args) -> int:
         raise ArgumentError("--executor ray runs candidates concurrently; the measure evaluator times them one "
                             "at a time (concurrent timings interfere): use --executor inline")
     chips = [c.strip() for c in args.chip.split(",") if c.strip()] if args.chip else [None]
-    sweeps = [(case, chip) for case in _cases(args) for chip in chips]  # kernels x shapes x chips
+    cases = _cases(args)
     values = _parse_values(args.values)
+    checked_values = {}
+    for kernel, case_args, case_kwargs in cases:  # every argument error before the first sweep starts
+        _check_case(kernel, case_args, case_kwargs)
+        checked_values[kernel.qualname] = _check_values(kernel, values)
+    sweeps = [(case, chip) for case in cases for chip in chips]  # kernels x shapes x chips
     ray_ex = None
     if args.executor == "ray":
         from .evaluators import KernelRef
@@ -182,7 +249,7 @@ def cmd_autotune(args) -> int:
                 kernel, *case_args, evaluator=ev, strategy=args.strategy, budget=args.budget, seconds=args.seconds,
                 workers=args.workers, executor=executor or args.executor, seed=args.seed, write_db=args.write_db,
                 force_db=args.force_db, candidate_timeout_s=args.timeout, imports=args.imports, progress=cb,
-                values=values, **dict(case_kwargs),
+                values=checked_values[kernel.qualname], **dict(case_kwargs),
             )
         finally:
             if executor is not None:
