@@ -72,6 +72,51 @@ def test_apply_tpukernels_rejects_a_bad_quantize_before_patching_anything():
     assert type(model[1]) is torch.nn.LayerNorm  # nothing was replaced
 
 
+@pytest.mark.parametrize("quantize, x_quant, err, match", [
+    ("int8", "fp8", DTypeError, "x_quant='fp8' needs float8 w_q, got int8"),
+    ("fp8", "int8", DTypeError, "x_quant='int8' needs int8 w_q, got float8_e4m3fn"),
+    ("float8_e5m2", "int8", DTypeError, "x_quant='int8' needs int8 w_q, got float8_e5m2"),
+    (None, "int8", ArgumentError, "x_quant='int8' needs quantize="),
+    (None, "fp8", ArgumentError, "x_quant='fp8' needs quantize="),
+])
+def test_apply_tpukernels_rejects_a_mismatched_x_quant_before_patching_anything(quantize, x_quant, err, match):
+    """int8 weights with x_quant='fp8' used to patch and return normally, then the first forward raised; x_quant
+    without quantize was silently ignored. Both are typed errors at apply time now, with nothing patched."""
+    from tpukernels.integrations.transformers import apply_tpukernels
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16))
+    with pytest.raises(err, match=match) as e:
+        apply_tpukernels(model, attention=False, quantize=quantize, x_quant=x_quant)
+    assert "apply_tpukernels" in str(e.value)
+    assert type(model[0]) is torch.nn.Linear and type(model[1]) is torch.nn.LayerNorm  # nothing was replaced
+
+
+def test_apply_tpukernels_rejects_an_int8_k_that_overflows_int32_before_patching():
+    from tpukernels.integrations.transformers import apply_tpukernels
+    from tpukernels.library.quantized_matmul import INT32_MAX_K
+
+    model = torch.nn.Sequential(torch.nn.LayerNorm(4), torch.nn.Linear(INT32_MAX_K + 1, 1))
+    with pytest.raises(ArgumentError, match="overflow int32"):
+        apply_tpukernels(model, attention=False, quantize="int8", x_quant="int8")
+    assert type(model[0]) is torch.nn.LayerNorm and type(model[1]) is torch.nn.Linear
+
+
+@pytest.mark.parametrize("quantize, x_quant", [("int8", "int8"), ("fp8", "fp8"), ("int8", None)])
+def test_apply_tpukernels_matching_pairs_still_patch_and_match_float64(quantize, x_quant):
+    from tpukernels.integrations.transformers import apply_tpukernels
+
+    lin = _linear()
+    model = torch.nn.Sequential(lin)
+    x = torch.randn(5, 64)
+    want = x.double() @ lin.weight.detach().double().T + lin.bias.detach().double()
+    counts = apply_tpukernels(model, attention=False, quantize=quantize, x_quant=x_quant)
+    assert counts["quantized"] == 1 and isinstance(model[0], TPUQuantLinear) and model[0].x_quant == x_quant
+    with torch.no_grad():
+        y = model(x)
+    tol = 0.02 if quantize == "int8" else 0.1  # fp8 e4m3 keeps 3 mantissa bits (x and w both rounded)
+    assert (y.double() - want).abs().max() <= tol * want.abs().max()
+
+
 def test_apply_tpukernels_leaves_moe_routers_in_full_precision():
     from tpukernels.integrations.transformers import apply_tpukernels
 

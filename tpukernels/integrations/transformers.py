@@ -28,6 +28,8 @@ from typing import Optional
 
 import torch
 
+from ..errors import TpuKernelError
+
 NAME = "tpukernels"
 _warned: set = set()
 
@@ -230,6 +232,22 @@ class TPULinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+def check_quant_pair(w_dtype: str, x_quant: Optional[str], in_features: int, where: str) -> None:
+    """Raise the typed error a ``quantized_matmul`` call of ``w_dtype`` weights with ``x_quant`` activations and
+    ``in_features`` = K would raise (int8 weights with ``x_quant='fp8'``, fp8 weights with ``'int8'``, K too large
+    for an int8 x int8 sum, a target chip lacking the mode), before any module is built: the call's own check
+    (``quantized_matmul._check_public``) run on data-free meta tensors of the call's dtypes and K."""
+    from ..library.quantized_matmul import _check_public
+
+    x = torch.empty(1, in_features, device="meta")
+    w_q = torch.empty(1, in_features, dtype=getattr(torch, w_dtype), device="meta")
+    try:
+        _check_public(x, w_q, torch.empty(1, device="meta"), x_quant, None)
+    except TpuKernelError as e:
+        msg = str(e).removeprefix("tpukernels::quantized_matmul: ")
+        raise type(e)(f"{where}: {msg}") from None
+
+
 def apply_tpukernels(
     model: torch.nn.Module,
     *,
@@ -253,7 +271,9 @@ def apply_tpukernels(
             ``nn.Linear`` with a :class:`tpukernels.library.quantized_matmul.TPUQuantLinear` holding its
             weight quantized per output channel (a new buffer: the float weight is dropped from the module,
             so the state dict changes to ``w_q`` / ``w_scale``); takes precedence over ``linear``.
-        x_quant: with ``quantize``: None (w8a16) or ``"int8"`` / ``"fp8"`` (w8a8, per-token activations).
+        x_quant: with ``quantize``: None (w8a16) or ``"int8"`` / ``"fp8"`` (w8a8, per-token activations);
+            ``"int8"`` goes with ``quantize="int8"``, ``"fp8"`` with the float8 ones. A mismatched pair, or
+            ``x_quant`` without ``quantize``, raises (DTypeError / ArgumentError) before anything is patched.
         quantize_skip: child names never quantized. Default: the LM head (kept in full precision as is usual)
             and MoE routers (Mixtral / Qwen-MoE ``gate``, Qwen-MoE ``shared_expert_gate``): a router's logits
             pick the top-k experts, and a quantization error there can change which experts run.
@@ -270,11 +290,24 @@ def apply_tpukernels(
     """
     from ..library.norms import TPULayerNorm, TPURMSNorm
 
-    if quantize:  # typed errors before anything is patched (a bad value must not leave a half-patched model)
+    def quantizable(name, child) -> bool:
+        return bool(quantize) and type(child) is torch.nn.Linear and name not in quantize_skip
+
+    # typed errors before anything is patched (a bad value must not leave a half-patched model)
+    if x_quant is not None and not quantize:
+        from ..errors import ArgumentError
+
+        raise ArgumentError(f"apply_tpukernels: x_quant={x_quant!r} needs quantize= (x_quant picks how the "
+                            f"activations of quantized linears are quantized: give quantize='int8' or 'fp8', "
+                            f"or drop x_quant)")
+    if quantize:
         from ..library.quantized_matmul import _canon_x_quant, _weight_dtype
 
         quantize = _weight_dtype(quantize, "apply_tpukernels(quantize=...)")
         x_quant = _canon_x_quant(x_quant)
+        ks = {c.in_features for p in model.modules() for n, c in p.named_children() if quantizable(n, c)}
+        for k in sorted(ks):
+            check_quant_pair(quantize, x_quant, k, f"apply_tpukernels(quantize={quantize!r}, x_quant={x_quant!r})")
     counts = {"attention": False, "rms_norm": 0, "layer_norm": 0, "linear": 0}
     if quantize:
         counts["quantized"] = 0
@@ -300,7 +333,7 @@ def apply_tpukernels(
                     new.weight = child.weight
                     new.bias = child.bias
                 counts["layer_norm"] += 1
-            elif quantize and type(child) is torch.nn.Linear and child_name not in quantize_skip:
+            elif quantizable(child_name, child):
                 from ..library.quantized_matmul import TPUQuantLinear
 
                 new = TPUQuantLinear.from_linear(child, quantize, x_quant)
