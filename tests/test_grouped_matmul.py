@@ -319,6 +319,114 @@ def test_tgmm_kernel_group_sizes(mode, data):
     assert (out[empty] == 0).all()
 
 
+
+# ----------------------------------------------------------------------------------------------- tgmm d_W writes
+#: bk | K = 256 and bn | N = 384: 2 x 3 d_W blocks written by the body's own copies, whose chain crosses them
+TGMM_WRITES = dict(bm=64, bk=128, bn=128)
+
+
+def _tgmm_launch(M, K, N, G, cfg):
+    from tpukernels.dsl.spec import TensorSpec
+    import jax.numpy as jnp
+
+    specs = (TensorSpec((G,), jnp.int32), TensorSpec((1,), jnp.int32), TensorSpec((M, K), jnp.bfloat16),
+             TensorSpec((M, N), jnp.bfloat16))
+    kernel = gm.grouped_matmul_tgmm
+    return kernel.make_launch(specs, (("num_groups", G), ("out_dtype", None)), kernel.space.complete(cfg))
+
+
+def test_tgmm_writes_are_used_exactly_where_they_apply(monkeypatch):
+    """The body's own d_W copies (out in pl.ANY, an n_slots staging buffer, DMA semaphores, the grid in
+    order) where bk | K and bn | N; the pipeline's output blocks at a K or N tail; one slot where two do not fit."""
+    def slots(launch):
+        manual = "any" in str(getattr(launch.out_specs, "memory_space", "")).lower()
+        assert manual == (launch.body_kwargs["n_slots"] > 0)
+        return launch.body_kwargs["n_slots"]
+
+    l = _tgmm_launch(300, 256, 384, 4, TGMM_WRITES)
+    assert slots(l) == 2 and len(l.scratch_shapes) == 4 and set(l.dimension_semantics) == {"arbitrary"}
+    assert slots(_tgmm_launch(300, 200, 384, 4, TGMM_WRITES)) == 0  # K tail: 200 % 128
+    assert slots(_tgmm_launch(300, 256, 140, 4, TGMM_WRITES)) == 0  # N tail
+    assert slots(_tgmm_launch(300, 100, 120, 4, TGMM_WRITES)) == 2  # one block: bk = K, bn = N
+    monkeypatch.setattr(gm, "vmem_cap", lambda chip=None: 1 << 20)
+    assert slots(_tgmm_launch(300, 256, 384, 4, TGMM_WRITES)) == 1
+
+
+def _check_tgmm(out, x, y, sizes, G, offset=0):
+    ref = gm.reference_tgmm(x, y, sizes, G, group_offset=offset)
+    scale = gm.reference_tgmm(x.abs(), y.abs(), sizes, G, group_offset=offset)
+    assert out.shape == ref.shape
+    # f32 output: only accumulation-order error, <= ~M * 2^-24 relative to |x|^T |y|
+    assert ((out.double() - ref).abs() <= 4e-6 * scale + 1e-30).all()
+    local = sizes[offset:offset + G]
+    assert (out[local == 0] == 0).all()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("slots", [2, 1])
+@settings(max_examples=5)
+@given(data=st.data())
+def test_tgmm_writes_group_sizes(mode, slots, data):
+    """The d_W writes' chain for any group sizes (empty groups, one huge group, sum < M, tiny groups: a write on
+    almost every item), two slots and one, against the float64 reference."""
+    M, K, N, G = 300, 256, 384 if slots == 2 else 256, 5  # a shape per slot count: one lowering each
+    sizes = data.draw(group_sizes(M, G))
+    g = torch.Generator().manual_seed(int(sizes.sum()) + slots)
+    x, y = randn(M, K, dtype=torch.bfloat16, gen=g), randn(M, N, dtype=torch.bfloat16, gen=g)
+    with pytest.MonkeyPatch.context() as mp:
+        if slots == 1:
+            mp.setattr(gm, "vmem_cap", lambda chip=None: 1 << 20)
+        with tk.interpret_mode(mode):
+            out = OPS.grouped_matmul_tgmm(sizes, torch.zeros(1, dtype=torch.int32), x, y, G, "float32",
+                                          config=json.dumps(TGMM_WRITES))
+    _check_tgmm(out, x, y, sizes, G)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("sizes, offset", [
+    ([40, 40, 40, 40, 40, 40, 40], 0),  # groups of one or two 64-row items: first and last in one, shared tiles
+    ([64, 64, 0, 128, 44], 0),  # tile-aligned: interior items that are their group's first and last
+    ([0, 300, 0, 0, 0, 0, 0], 0),  # one huge group
+    ([0, 0, 0, 0, 0, 0, 0], 0),  # nothing: every write is zeros
+    ([5, 0, 70, 1, 0, 100, 20], 0),  # empty and one-row groups, 104 tail rows
+    ([30, 50, 60, 0, 80, 40, 10], 2),  # a shard: groups [2, 5) of 7
+])
+def test_tgmm_writes_edge_schedules(mode, sizes, offset):
+    M, K, N = 300, 256, 384
+    G = 3 if offset else len(sizes)
+    g = torch.Generator().manual_seed(15 + offset)
+    x, y = randn(M, K, dtype=torch.bfloat16, gen=g), randn(M, N, dtype=torch.bfloat16, gen=g)
+    sz = torch.tensor(sizes, dtype=torch.int32)
+    with tk.interpret_mode(mode):
+        out = OPS.grouped_matmul_tgmm(sz, torch.tensor([offset], dtype=torch.int32), x, y, G, "float32",
+                                      config=json.dumps(TGMM_WRITES))
+        bf = OPS.grouped_matmul_tgmm(sz, torch.tensor([offset], dtype=torch.int32), x, y, G, None,
+                                     config=json.dumps(TGMM_WRITES))
+    _check_tgmm(out, x, y, sz, G, offset)
+    assert bf.dtype == torch.bfloat16 and torch.equal(bf, out.bfloat16())  # one rounding of the same f32 sums
+
+
+def test_tgmm_writes_have_no_races(monkeypatch):
+    """The TPU interpreter's race detector (the d_W copies vs stores of the staging slots), NaN-initialised
+    memory, on a schedule with a write on almost every item, empty groups and six d_W blocks."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
+    from jax.experimental.pallas import tpu as pltpu
+
+    import tpukernels.lowering as lowering
+
+    monkeypatch.setattr(lowering, "interpret_value",
+                        lambda mode: pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan",
+                                                                    dma_execution_mode="eager"))
+    M, K, N, G = 296, 256, 384, 6  # a shape no other test lowers (a fresh lowering with the patched interpreter)
+    g = torch.Generator().manual_seed(16)
+    x, y = randn(M, K, dtype=torch.bfloat16, gen=g), randn(M, N, dtype=torch.bfloat16, gen=g)
+    sizes = torch.tensor([50, 0, 70, 10, 90, 0], dtype=torch.int32)
+    with tk.interpret_mode("tpu"):
+        out = OPS.grouped_matmul_tgmm(sizes, torch.zeros(1, dtype=torch.int32), x, y, G, "float32",
+                                      config=json.dumps(TGMM_WRITES))
+    assert ipc.races is not None and not ipc.races.races_found
+    _check_tgmm(out, x, y, sizes, G)
+
 def test_bf16_gradients_are_rounded_once():
     """bf16: d_rhs within 1.2x of an f32-accumulated, once-rounded per-group lhs^T @ dO."""
     g = torch.Generator().manual_seed(12)
@@ -433,6 +541,18 @@ def test_compile_only_standard_cases(chip, case):
     assert res.ok, res.summary()
     assert res.vmem_estimate_bytes <= (res.vmem_limit_bytes or 0)
 
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("chip", ["v5e", "v6e", "tpu7x"])
+@pytest.mark.parametrize("x, y, cfg", [
+    ("300x200:bf16", "300x140:bf16", None),  # the d_W writes, one block of odd full dims (bk = K, bn = N)
+    ("1000x256:bf16", "1000x384:bf16", TGMM_WRITES),  # the d_W writes over 2 x 3 blocks
+    ("1000x200:bf16", "1000x384:bf16", TGMM_WRITES),  # a K tail: the pipeline's output blocks
+], ids=["writes-one-block", "writes-blocks", "k-tail"])
+def test_compile_only_tgmm_write_paths(chip, x, y, cfg):
+    res = tk.compile_for(gm.grouped_matmul_tgmm, chip, "4:i32", "1:i32", x, y, 4, config=cfg, with_mlir=False)
+    assert res.ok, res.summary()
 
 # ----------------------------------------------------------------------------------------------- DSL: Launch.prefetch
 def _rev_body(order_ref, x_ref, o_ref):

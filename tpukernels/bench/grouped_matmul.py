@@ -134,20 +134,23 @@ REASONS: dict = {
     ("v6e", "gmm x @ W[g]", _KN): _FWD_V6E.format(items=71, tiles=64, waste=71 / 64),
     ("v6e", "gmm x @ W[g].T", _DOWN): _FWD_V6E.format(items=71, tiles=64, waste=71 / 64),
     ("v5e", "tgmm (d_W)", _TG): (
-        "88.8% of the MXU roofline in the static model at bm=128, bk = bn = 2048 (256/4096/2048: 88.5%); its ceiling "
-        "is 94.8% (135 items for 128 row tiles: a tile a group boundary splits is visited once per group). megablox's "
-        "tgmm cannot be estimated on v5e (libtpu aborts): no comparison"),
+        "93.1% of the MXU roofline in the static model at bm=128, bk = K = 4096, bn=3584 (128/2048/2048: 89.4%; "
+        "88.8% there before the body wrote d_W blocks by its own copies); its ceiling is 94.8% (135 items for 128 "
+        "row tiles: a tile a group boundary splits is visited once per group), a 128-row item costs 1.017x its "
+        "MXU time in the fit. megablox's tgmm cannot be estimated on v5e (libtpu aborts): no comparison"),
     ("v6e", "tgmm (d_W)", _TG): (
-        "82.7% of the MXU roofline in the static model at bm=256, bk = K = 4096, bn=2048 (bk = bn = 2048: 78.5%; "
-        "before: not estimable, ~40% at bm=512, bk=512, bn=1024, which is HBM-bound: both operands are streamed "
-        "every step, bk*bn/(bk+bn) = 341 FLOP/B where v6e needs 561). Short of 85%: the static bound counts 71 items "
-        "for 64 row tiles at bm=256 (ceiling 90.1%) and a 256-row item costs 1.06x its MXU time (8,676 vs 8,192 "
-        "cycles from the fit; 1.12x at bk = 2048), plus ~14k cycles of pipeline fill per d_W block (the 6%: "
-        "the f32 d_W block read and written once per 256 rows, one pipeline step each); bm=128 doubles that "
-        "read-modify-write per "
-        "FLOP, bm=512 counts 39 items for 32 tiles. Feeding lhs^T instead of the transposed-LHS dot does not help in "
-        "the model (a dense tgmm-like kernel estimates within 4% either way). megablox's tgmm estimate is not "
-        "credible (below the roofline): no comparison"),
+        "86.7% of the MXU roofline in the static model at bm=256, bk = K = 4096, bn=3584 (256/4096/2048: 84.4%, "
+        "82.7% before the body wrote d_W blocks by its own copies; before that: not estimable, ~40% at bm=512, "
+        "bk=512, bn=1024, which is HBM-bound: both operands are streamed every step, bk*bn/(bk+bn) = 341 FLOP/B "
+        "where v6e needs 561). The static bound counts 71 items for 64 row tiles at bm=256 (ceiling 90.1%) and a "
+        "256-row item costs its MXU time plus a fixed ~490 cycles per grid step (14,833 vs 14,336 cycles from "
+        "the fit, 1.035x; 1.06x at bn=2048); the grid pipeline's output blocks cost ~14k cycles per 4096x2048 d_W "
+        "block in the model, the body's own copies (started at a group's last item, waited for a slot later) "
+        "none: the all-zero table has no last item, so the model sees no d_W writeback (nor the per-item "
+        "operand copies). One d_W staging slot at bn=3584 (two do not fit the 112 MiB cap). bm=128 costs 2.1x "
+        "its MXU time per item on the 256-deep MXU, bm=512 counts 39 items for 32 tiles. Feeding lhs^T instead "
+        "of the transposed-LHS dot does not help in the model (a dense tgmm-like kernel estimates within 4% "
+        "either way). megablox's tgmm estimate is not credible (below the roofline): no comparison"),
     ("tpu7x", "tgmm (d_W)", _TG): (
         "no estimate of ours on tpu7x: libtpu 0.0.52's profiling compile runs out of VMEM (86 MiB of 64 at bm=256, "
         "bk = bn = 2048, whose blocks need 36 MiB; 65.6 at 256/1024/2048) while the program compiles without the "

@@ -55,7 +55,20 @@ Kernels (both Pallas TPU kernels with scalar prefetch and data-dependent index m
   tile, empty groups, one huge group, ``sum(group_sizes) < M`` and ``group_offset``.
 * ``tpukernels::grouped_matmul_tgmm``: grid ``(K/bk, N/bn, T)`` with the work items innermost, so one
   ``(g, K-block, N-block)`` output block accumulates over the tiles of group ``g``; every local group is
-  visited at least once (empty ones store zeros).
+  visited at least once (empty ones store zeros). A group's first item writes the f32 accumulator with its dot
+  (no zero fill), its last writes ``acc + dot`` as the output block (no accumulator store and reload).
+  **d_W writes** (``bk`` dividing ``K`` and ``bn`` dividing ``N``; else the grid pipeline's partial output
+  blocks): the grid pipeline copies an output block out when its index changes, a d_W block per group
+  change, and libtpu's model charges each such copy ~14k cycles on v6e at ``bk, bn = 4096, 2048`` (exposed,
+  not overlapped; the tgmm figures below). Instead the output stays in HBM (``pl.ANY``) and
+  a group's last item writes its block into one of ``n_slots`` VMEM staging slots (2 where they fit the
+  chip's VMEM cap, else 1) and starts its copy; the copy is waited for only before its slot is written again
+  (``n_slots`` writes later, in grid order) and at the grid's last step, so it overlaps the next groups'
+  items. The chain crosses d_W blocks, so every grid axis is ``"arbitrary"`` (the shipped chips have one
+  TensorCore). Waits are guarded by an SMEM flag per slot set at each start, so an all-zero table (libtpu's
+  static model, no item last) starts and waits for nothing. Tested with the TPU interpreter's race
+  detector, NaN-initialised memory, one and two slots, and schedules with a write on almost every item,
+  empty groups, one huge group, tile-aligned one-item groups, ``sum(group_sizes) < M`` and ``group_offset``.
 
 Only items whose tile is not wholly inside their group's rows (a tile shared at a group boundary, or the M
 tail; flag ``PARTIAL``) select rows (forward) or mask operands (tgmm); interior tiles, the common case,
@@ -129,16 +142,21 @@ shipped ones stay and their row is the roofline floor. tgmm: next paragraph.
 
 tgmm (models, not measurements). Both operands are streamed every step, so the ``[bk, bn]`` d_rhs block must
 be large (``bk * bn / (bk + bn)`` FLOP per byte; the former ``512, 512, 1024`` default was HBM-bound at 341
-on v6e, ~40% of the roofline) while ``bm`` stays small: a tile a group boundary splits is one extra item, and
-the f32 accumulator is read and written once per ``bm`` rows. The transposed-LHS dot costs nothing extra in
-libtpu's model (a dense kernel fed ``lhs^T`` estimates within 4%), so the kernel contracts ``lhs`` blocks
-on their row dimension in place. libtpu's estimate used to time out (> 300 s) because the all-zero table
-read as every item being its group's first and last (a d_rhs-block zero-fill and store per step); tgmm now
-stores only ``COMPUTE`` complemented (``TGMM_COMPLEMENT``). Fitted static estimates at the shipped configs
-(``benchmarks/grouped_matmul_tgmm_configs.py``, chosen from those estimates): v5e ``128, 2048, 2048`` 88.8%
-of the MXU roofline; v6e ``256, 4096, 2048`` 82.7% (``256, 2048, 2048``: 78.5%), under a ceiling of 90.1%
-(71 items for 64 row tiles) over 1.06x MXU time per 256-row item (8,676 vs 8,192 cycles, from the fit;
-1.12x at ``bk = 2048``) less each d_rhs block's pipeline fill; tpu7x ``256, 2048, 2048``: not
+on v6e, ~40% of the roofline) while ``bm`` stays small: a tile a group boundary splits is one extra item. The
+transposed-LHS dot costs nothing extra in libtpu's model (a dense kernel fed ``lhs^T`` estimates within 4%),
+so the kernel contracts ``lhs`` blocks on their row dimension in place. libtpu's estimate used to time out
+(> 300 s) because the all-zero table read as every item being its group's first and last (a d_rhs-block
+zero-fill and store per step); tgmm now stores only ``COMPUTE`` complemented (``TGMM_COMPLEMENT``), so the
+model charges neither the first / last items' work nor (with the body's own d_W copies, which only a last
+item starts) any d_W writeback; it does not see the per-item operand copies either (the all-zero table
+repeats one tile). Fitted static estimates on v6e at ``256, 4096, 2048``: a 256-row item costs its MXU time
+plus a fixed ~490 cycles per grid step (8,676 vs 8,192 cycles; the same ~490 at ``bk = bn = 2048`` and at
+``bn = 3584``), and the grid pipeline's output blocks cost ~14k cycles per d_rhs block (gone with the body's
+copies: 82.7% -> 84.4%). Shipped configs (``benchmarks/grouped_matmul_tgmm_configs.py``, chosen from those
+estimates): v5e ``128, 4096, 3584`` 93.1% of the MXU roofline (``128, 2048, 2048``: 89.4%, 88.8% before the
+body's copies); v6e ``256, 4096, 3584`` 86.7%, one staging slot (two do not fit the 112 MiB cap), under a
+ceiling of 90.1% (71 items for 64 row tiles) over 1.035x MXU time per 256-row item; ``bm=128`` costs ~2.1x its
+MXU time per item on the 256-deep MXU, ``bm=512`` counts 39 items for 32 tiles. tpu7x ``256, 2048, 2048``: not
 estimable (profiling compile out of VMEM, as the forward), analytic model 76%. megablox's ``tgmm`` has no
 credible estimate to compare with (v5e aborts; v6e / tpu7x fall below the roofline).
 
@@ -155,7 +173,7 @@ import torch
 
 from .. import dsl as _dsl
 from ..dsl.validate import padded_bytes
-from ._vmem import MiB, scoped_vmem_limit
+from ._vmem import MiB, scoped_vmem_limit, vmem_cap
 from ..errors import ArgumentError, DeviceError, DTypeError
 
 KERNEL_DTYPES = ("bfloat16", "float32")
@@ -174,7 +192,7 @@ TUNABLES = {
 TUNABLES_TGMM = {
     "bm": _dsl.Tunable([512, 128, 256, 1024, 2048], default=512, doc="rows per step (the reduction, M)"),
     "bk": _dsl.Tunable([512, 256, 1024, 2048, 4096], default=512, doc="rows of the [bk, bn] d_rhs block (K)"),
-    "bn": _dsl.Tunable([1024, 256, 512, 2048], default=1024, doc="columns of the d_rhs block (N)"),
+    "bn": _dsl.Tunable([1024, 256, 512, 2048, 3584], default=1024, doc="columns of the d_rhs block (N)"),
 }
 
 # fields of the flat int32 work-item table in SMEM: table[f * T + i]
@@ -197,8 +215,8 @@ PARTIAL = 16
 #: counts the MXU work of all T items instead of none (an upper bound: real runs skip padding items)
 ALL = COMPUTE | STORE | FIRST | LAST
 #: tgmm stores only COMPUTE complemented: an all-zero table then reads as interior tiles that accumulate,
-#: neither the first nor the last of their group, the common case (a group's first / last items, which zero
-#: the accumulator / store it, are G per d_rhs block out of T). With FIRST and LAST complemented too, libtpu's
+#: neither the first nor the last of their group, the common case (a group's first / last items, which write
+#: the accumulator / the d_rhs block, are G per d_rhs block out of T). With FIRST and LAST complemented too, libtpu's
 #: model charged every item a d_rhs-block f32 zero-fill and a store (~1.3x the estimate at bm=512, bk = bn = 1024
 #: on v6e, and estimates past 300 s at bk = bn = 2048)
 TGMM_COMPLEMENT = COMPUTE
@@ -459,40 +477,89 @@ def _gmm_body(tab, lhs_ref, rhs_ref, out_ref, acc_ref, *scratch, T, bm, n_k, blk
     pl.when(finish & compute & interior)(lambda: store_all(acc_ref[...] + dot(tail)))
 
 
-def _tgmm_body(tab, x_ref, y_ref, out_ref, acc_ref, *, T, bm, precision):
-    """Work item ``i`` (grid axis 2) of group ``g``: ``acc (+)= x_blk[rows of g]^T @ y_blk[rows of g]``;
-    on the group's last item ``out[g] = acc``."""
+def _tgmm_body(tab, x_ref, y_ref, out_ref, acc_ref, *scratch, T, bm, precision, G, gn, bk, bn, n_slots):
+    """Work item ``i`` (grid axis 2) of group ``g``: ``acc (+)= x_blk[rows of g]^T @ y_blk[rows of g]``; the
+    group's first item writes ``acc = dot`` (no zero fill), its last ``out[g] = acc + dot`` without storing the
+    accumulator, an empty group's visit ``out[g] = 0``.
+
+    ``n_slots > 0`` (``K % bk == 0`` and ``N % bn == 0``): ``out_ref`` is the whole output in HBM and
+    ``scratch`` an ``[n_slots, bk, bn]`` staging buffer with its DMA semaphores. A group's last item writes the
+    d_W block into slot ``e % n_slots`` (``e``: the write's number in grid order, one per block and local
+    group) and starts its copy, waited for only before that slot is written again (write ``e + n_slots``) and
+    at the grid's last step, so writebacks overlap later items. ``n_slots == 0`` (a K or N tail): the
+    pipeline's output block (partial at the edges)."""
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
 
     i = pl.program_id(2)
     flags = _tgmm_flags(tab, T, i)
-
-    @pl.when(_bits(flags, FIRST))
-    def _():
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-
-    def accumulate(x, y):
-        acc_ref[...] += jax.lax.dot_general(x, y, (((0,), (0,)), ((), ())), precision=precision,
-                                            preferred_element_type=jnp.float32)
-
     compute, partial = _bits(flags, COMPUTE), _bits(flags, PARTIAL)
+    first, last = _bits(flags, FIRST), _bits(flags, LAST)
+    not_ = jnp.logical_not
 
-    @pl.when(compute & partial)  # a tile shared with another group, or the M tail: mask both operands
-    def _():
-        tile = tab[F_TILE * T + i]
-        lo, hi = tab[F_LO * T + i], tab[F_HI * T + i]
-        rows = tile * bm + jax.lax.broadcasted_iota(jnp.int32, (x_ref.shape[0], 1), 0)
-        valid = (rows >= lo) & (rows < hi)
-        accumulate(jnp.where(valid, x_ref[...], jnp.zeros((), x_ref.dtype)),
-                   jnp.where(valid, y_ref[...], jnp.zeros((), y_ref.dtype)))
+    def dot(masked: bool):
+        x, y = x_ref[...], y_ref[...]
+        if masked:  # a tile shared with another group, or the M tail: mask both operands (NaN-safe select)
+            tile = tab[F_TILE * T + i]
+            rows = tile * bm + jax.lax.broadcasted_iota(jnp.int32, (x_ref.shape[0], 1), 0)
+            valid = (rows >= tab[F_LO * T + i]) & (rows < tab[F_HI * T + i])
+            x, y = jnp.where(valid, x, jnp.zeros((), x.dtype)), jnp.where(valid, y, jnp.zeros((), y.dtype))
+        return jax.lax.dot_general(x, y, (((0,), (0,)), ((), ())), precision=precision,
+                                   preferred_element_type=jnp.float32)
 
-    pl.when(compute & jnp.logical_not(partial))(lambda: accumulate(x_ref[...], y_ref[...]))
+    if n_slots:
+        stage, sems, pending = scratch
+        kk, n = pl.program_id(0), pl.program_id(1)
+        e = (kk * gn + n) * G + tab[F_GROUP * T + i]
 
-    @pl.when(_bits(flags, LAST))
-    def _():
-        out_ref[...] = acc_ref[...].astype(out_ref.dtype)
+        @pl.when((kk == 0) & (n == 0) & (i == 0))
+        def _():
+            for s_ in range(n_slots):
+                pending[s_] = 0
+
+        def copy(ev):  # write ``ev``: its slot to out[group, K block, N block]
+            b, s = ev // G, ev % n_slots
+            rows = pl.ds(pl.multiple_of((b // gn) * bk, bk), bk)
+            cols = pl.ds(pl.multiple_of((b % gn) * bn, bn), bn)
+            return pltpu.make_async_copy(stage.at[s], out_ref.at[ev % G, rows, cols], sems.at[s])
+
+        def wait(ev):  # write ``ev``'s copy, if it was started (``pending``: an all-zero table starts none)
+            @pl.when((ev >= 0) & (pending[ev % n_slots] != 0))
+            def _():
+                copy(ev).wait()
+                pending[ev % n_slots] = 0
+
+        def write(value):
+            wait(e - n_slots)  # the slot's previous write
+            stage[e % n_slots] = value().astype(stage.dtype)
+            copy(e).start()
+            pending[e % n_slots] = 1
+
+    else:
+        def write(value):
+            out_ref[...] = value().astype(out_ref.dtype)
+
+    # a group of one item: zero the accumulator so that its last item's ``acc + dot`` reads zeros (rare)
+    pl.when(compute & first & last)(lambda: acc_ref.__setitem__(Ellipsis, jnp.zeros(acc_ref.shape, jnp.float32)))
+    pl.when(not_(compute) & last)(lambda: write(lambda: jnp.zeros(acc_ref.shape, jnp.float32)))  # empty group
+    for masked, cond in ((True, compute & partial), (False, compute & not_(partial))):
+        @pl.when(cond & first & not_(last))
+        def _(masked=masked):
+            acc_ref[...] = dot(masked)
+
+        @pl.when(cond & not_(first) & not_(last))
+        def _(masked=masked):
+            acc_ref[...] += dot(masked)
+
+        pl.when(cond & last)(lambda masked=masked: write(lambda: acc_ref[...] + dot(masked)))
+
+    if n_slots:
+        @pl.when((kk == pl.num_programs(0) - 1) & (n == gn - 1) & (i == T - 1))
+        def _():  # the grid's last step, after its own write: wait for the last n_slots writes
+            for d in range(1, n_slots + 1):
+                wait((kk * gn + n) * G + G - d)
 
 
 # ----------------------------------------------------------------------------------------------- checks
@@ -659,10 +726,21 @@ def grouped_matmul_tgmm(group_sizes: torch.Tensor, group_offset: torch.Tensor, x
     gk, gn = _dsl.cdiv(K, bk_), _dsl.cdiv(N, bn_)
     x_spec = pl.BlockSpec((bm_, bk_), lambda kk, n, i, t: (t[F_SRC_TILE * T + i], kk))
     y_spec = pl.BlockSpec((bm_, bn_), lambda kk, n, i, t: (t[F_SRC_TILE * T + i], n))
-    out_spec = pl.BlockSpec((None, bk_, bn_), lambda kk, n, i, t: (t[F_GROUP * T + i], kk, n))
     isz, osz = np.dtype(x.dtype).itemsize, np.dtype(odt).itemsize
-    need = (2 * (padded_bytes((bm_, bk_), x.dtype) + padded_bytes((bm_, bn_), x.dtype) + padded_bytes((bk_, bn_), odt))
-            + padded_bytes((bk_, bn_), jnp.float32))
+    base = 2 * (padded_bytes((bm_, bk_), x.dtype) + padded_bytes((bm_, bn_), x.dtype)) + padded_bytes((bk_, bn_), jnp.float32)
+    blk_out = padded_bytes((bk_, bn_), odt)
+    if K % bk_ == 0 and N % bn_ == 0:  # d_W blocks written by the body's own copies (_tgmm_body)
+        n_slots = 2 if base + 2 * blk_out + 4 * MiB <= vmem_cap() else 1
+        out_spec = pl.BlockSpec(memory_space=pl.ANY)
+        scratch = [pltpu.VMEM((n_slots, bk_, bn_), odt), pltpu.SemaphoreType.DMA((n_slots,)),
+                   pltpu.SMEM((n_slots,), jnp.int32)]
+        # the writes' copy chain crosses d_W blocks: one core runs them in order (v5e / v6e / tpu7x have one)
+        semantics = ("arbitrary", "arbitrary", "arbitrary")
+        need = base + n_slots * blk_out
+    else:  # a K or N tail: the pipeline's (partial) output blocks
+        n_slots = 0
+        out_spec = pl.BlockSpec((None, bk_, bn_), lambda kk, n, i, t: (t[F_GROUP * T + i], kk, n))
+        scratch, semantics, need = [], ("parallel", "parallel", "arbitrary"), base + 2 * blk_out
     cost = pl.CostEstimate(flops=2 * M * K * N, transcendentals=0,
                            bytes_accessed=int(gn * M * K * isz + gk * M * N * isz + G * K * N * osz))
     return _dsl.Launch(
@@ -670,13 +748,13 @@ def grouped_matmul_tgmm(group_sizes: torch.Tensor, group_offset: torch.Tensor, x
         in_specs=[x_spec, y_spec],
         out_specs=out_spec,
         out_shape=_dsl.OutSpec((G, K, N), odt),
-        scratch_shapes=[pltpu.VMEM((bk_, bn_), jnp.float32)],
+        scratch_shapes=[pltpu.VMEM((bk_, bn_), jnp.float32), *scratch],
         num_scalar_prefetch=2,
         prefetch=lambda gs, go: _tgmm_schedule(gs, go, M=int(M), G=int(G), bm=int(bm_), T=int(T)),
-        dimension_semantics=("parallel", "parallel", "arbitrary"),
+        dimension_semantics=semantics,
         vmem_limit_bytes=scoped_vmem_limit(need),
         cost_estimate=cost,
-        body_kwargs=dict(T=int(T), bm=int(bm_),
+        body_kwargs=dict(T=int(T), bm=int(bm_), G=int(G), gn=int(gn), bk=int(bk_), bn=int(bn_), n_slots=n_slots,
                          precision=lax.Precision.HIGHEST if _dtype_name(x.dtype) == "float32" else None),
     )
 
