@@ -2,13 +2,14 @@
 
 import importlib.metadata
 import importlib.util
+import os
 
 import jax
 import pytest
 import torch
 
 import tpukernels as tk
-from kernels_for_tests import copy_rows, load_example
+from kernels_for_tests import EXAMPLES, copy_rows, load_example
 
 pytestmark = pytest.mark.aot
 CHIPS = ["v5e", "v6e", "tpu7x"]
@@ -72,6 +73,45 @@ def test_static_estimate_is_opt_in_and_positive():
     assert tk.compile_for(kernel, "v6e", "256x512:f32").estimated_cycles is None
     r = tk.compile_for(kernel, "v6e", "256x512:f32", estimate_cycles=True)
     assert r.ok and r.estimated_cycles and r.estimated_cycles > 0
+
+
+def test_static_estimate_of_a_rank1_block_kernel():
+    """Pallas asks jax for the TPU generation while tracing rank-1 blocks; on a cpu host the export for the
+    estimate raised "Unsupported TPU device kind: cpu" (a new user's vector_add --estimate)."""
+    from tpukernels.targets.compile_only import export_for_chip
+
+    kernel = load_example("vector_add").vector_add
+    r = tk.compile_for(kernel, "v5e", "65536:f32", "65536:f32", estimate_cycles=True)
+    assert r.ok and r.estimated_cycles and r.estimated_cycles > 0
+    low = tk.lower(kernel, "65536:f32", "65536:f32", mode="mosaic")
+    assert "tpu_custom_call" in export_for_chip(low.fn, "v5e", low.arg_structs).mlir_module()
+
+
+def test_estimator_abort_keeps_the_compile_result(monkeypatch, capsys):
+    """libtpu's static profiler aborting (signal 6 on some programs) is not a compile failure: the result
+    keeps ok=True, its VMEM / code size, and says why there is no estimate; the CLI prints the table."""
+    from tpukernels.cli import main
+    from tpukernels.errors import LoweringError
+    from tpukernels.targets import compile_only
+
+    def abort(low, chip, timeout_s=600):
+        raise LoweringError("static estimate on v5e failed: RAW: Raising signal 6")
+
+    monkeypatch.setattr(compile_only, "static_estimated_cycles", abort)
+    kernel = load_example("softmax").softmax
+    r = tk.compile_for(kernel, "v5e", "256x512:f32", estimate_cycles=True)
+    assert r.ok and r.code_size_bytes and r.estimated_cycles is None and "signal 6" in r.estimate_error
+    assert tk.compile_for(kernel, "v5e", "256x512:f32").estimate_error is None
+    assert main(["--import", os.path.join(EXAMPLES, "softmax.py"), "compile", "examples::softmax", "--shape", "256x512:f32",
+                 "--chips", "v5e", "--estimate"]) == 0
+    out = capsys.readouterr().out
+    assert "v5e   ok" in out and "n/a" in out and "no static estimate (the compile is fine)" in out
+
+
+def test_float16_compile_failure_names_the_likely_cause():
+    kernel = load_example("softmax").softmax
+    r = tk.compile_for(kernel, "v6e", "256x512:f16")
+    assert not r.ok and r.error_kind == "compile" and "float16 operands (arrays [0])" in r.error
 
 
 def test_unknown_chip_and_missing_libtpu(monkeypatch):

@@ -231,7 +231,8 @@ def cmd_compile(args) -> int:
             mib = (lambda b: "" if b is None else f"{b / 2**20:.2f}")
             rows.append([r.chip, "ok" if r.ok else f"FAIL ({r.error_kind})", mib(r.vmem_estimate_bytes),
                          mib(r.vmem_limit_bytes), mib(r.vmem_capacity_bytes), r.code_size_bytes,
-                         r.estimated_cycles if args.estimate else "-", json.dumps(r.config), f"{r.compile_seconds:.2f}"])
+                         (r.estimated_cycles if r.estimate_error is None else "n/a") if args.estimate else "-",
+                         json.dumps(r.config), f"{r.compile_seconds:.2f}"])
         names = list(dict.fromkeys(r.kernel for r in results))
         print(f"{', '.join(names)} {' '.join(args.shape)}")
         print(table(rows, ["chip", "status", "VMEM est MiB", "scoped MiB", "capacity MiB", "code B",
@@ -239,6 +240,8 @@ def cmd_compile(args) -> int:
         for r in results:
             if not r.ok:
                 print(f"  {r.chip}: {r.error}")
+            elif r.estimate_error:
+                print(f"  {r.chip}: no static estimate (the compile is fine): {r.estimate_error}")
     return 0 if all(r.ok for r in results) else 1
 
 

@@ -195,8 +195,8 @@ class TpuModelEvaluator(Evaluator):
                 note = f"no static estimate ({type(e).__name__}: {e}); roofline + step overhead only"
             details["estimate_seconds"] = round(time.perf_counter() - t_est, 3)
         if self.cycles and cycles is None:  # roofline + overhead is a lower bound: it must not win on it
-            details["unranked"] = (f"{note}: a lower bound, ranked after every config with a libtpu estimate"
-                                   if note else "no libtpu static estimate: a lower bound, ranked last")
+            details["unranked"] = ("a lower bound, ranked after every config with a libtpu estimate ("
+                                   + (note or "no libtpu static estimate") + ")")
         overhead = model.STEP_OVERHEAD_US if self.step_overhead_us is None else self.step_overhead_us
         m = model.combine(chip, cycles=cycles, steps=steps, hbm_bytes=hbm, flops=flops, min_bytes=min_bytes,
                           dtype=model.compute_dtype(specs), step_overhead_us=overhead, hbm_source=hbm_src,
@@ -233,6 +233,7 @@ def _submit_static_cycles(kernel, low, chip, max_steps: int) -> tuple[int, tuple
     import jax
 
     from ..lowering import build_fn
+    from ..targets.compile_only import export_for_chip
     from . import estimator, model
 
     launch = low.resolved.launch
@@ -241,8 +242,7 @@ def _submit_static_cycles(kernel, low, chip, max_steps: int) -> tuple[int, tuple
     if reduced != tuple(int(g) for g in launch.grid):
         resolved = dataclasses.replace(low.resolved, launch=dataclasses.replace(launch, grid=reduced))
         fn = jax.jit(build_fn(kernel, resolved, "mosaic")[0])
-    plain = [jax.ShapeDtypeStruct(tuple(a.shape), a.dtype) for a in low.arg_structs]
-    blob = jax.export.export(fn, platforms=["tpu"])(*plain).serialize()
+    blob = export_for_chip(fn, chip, low.arg_structs).serialize()
     return estimator.client().submit(bytes(blob), chip.name), reduced, model.grid_steps(reduced)
 
 

@@ -309,20 +309,12 @@ class Estimator:
             EstimateError: libtpu's profiler aborted or wrote no profile (cached: it is deterministic), or
                 the estimate timed out or its process was killed (not cached).
         """
-        import jax
-
         from ..chips import get_chip
+        from ..targets.compile_only import export_for_chip
 
         target = get_chip(chip)
         chip = target.name
-        plain = [jax.ShapeDtypeStruct(tuple(s.shape), s.dtype) for s in structs]
-        try:
-            exported = jax.export.export(fn, platforms=["tpu"])(*plain)
-        except ValueError as e:  # a kernel that asks jax for the TPU generation while tracing (pltpu.get_tpu_info)
-            if "Unsupported TPU device kind" not in str(e):
-                raise
-            with target.trace_target():
-                exported = jax.export.export(fn, platforms=["tpu"])(*plain)
+        exported = export_for_chip(fn, target, structs)
         flags = os.environ.get("LIBTPU_INIT_ARGS", "").strip()  # compiler flags change the estimate
         key = f"{self.libtpu}|{chip}|{program_key(exported)}" + (f"|{flags}" if flags else "")
         with self._lock:

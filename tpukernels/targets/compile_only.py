@@ -55,6 +55,8 @@ class CompileResult:
         code_size_bytes: generated code size reported by XLA, bytes.
         mosaic_mlir: the Mosaic MLIR module text (what torch_tpu hands to the TPU runtime, deserialized).
         estimated_cycles: libtpu's static estimate for the kernel (opt-in; a model, not a measurement).
+        estimate_error: why ``estimated_cycles`` is None although it was asked for (libtpu's static profiler
+            aborted or timed out; the compile itself is unaffected), else None.
         compile_seconds: wall-clock seconds spent lowering + compiling here.
     """
 
@@ -71,6 +73,7 @@ class CompileResult:
     code_size_bytes: int | None = None
     mosaic_mlir: str | None = None
     estimated_cycles: int | None = None
+    estimate_error: str | None = None
     compile_seconds: float = 0.0
     shapes: list = dataclasses.field(default_factory=list)
     #: multi-chip compiles (``mesh_axes=``): the topology, its device count, the mesh and each device's shapes;
@@ -405,9 +408,22 @@ def compile_for(
         res.error_kind, res.error = "body", str(e)
     except Exception as e:  # Mosaic / XLA errors: reported, never raised (a sweep must go on)
         res.error_kind, res.error = translate_error(e, chip, limit)
+        f16 = [i for i, a in enumerate(low.arg_structs) if np.dtype(a.dtype) == np.float16]
+        if res.error_kind == "compile" and f16:
+            res.error += (f" -- likely cause: float16 operands (arrays {f16}): Mosaic rejects float16 kernel "
+                          "operands on some TPU generations; cast to bfloat16, or to float32 and compute there (as the "
+                          "library's norms, matmul and attention do)")
     res.compile_seconds = time.perf_counter() - t0
     if res.ok and estimate_cycles:
-        res.estimated_cycles = static_estimated_cycles(low, chip)
+        from ..errors import LoweringError
+
+        try:
+            res.estimated_cycles = static_estimated_cycles(low, chip)
+        except (LoweringError, subprocess.TimeoutExpired) as e:  # the profiler, not the kernel: keep the compile
+            res.estimate_error = str(e)
+        else:
+            if res.estimated_cycles is None:
+                res.estimate_error = "libtpu wrote no static profile"
     return res
 
 
@@ -503,6 +519,33 @@ def static_estimated_cycles(low, chip: Chip, timeout_s: float = 600) -> int | No
     return estimate_cycles_of(low.fn, chip, low.arg_structs, timeout_s)
 
 
+def export_for_chip(fn, chip: "str | Chip", structs):
+    """``jax.export.export(fn, platforms=["tpu"])(*structs)`` for ``chip``, from any host.
+
+    A kernel that asks jax for the TPU generation while tracing (``pltpu.get_tpu_info()``: Pallas does for
+    rank-1 blocks, Helion for its tiling) fails with "Unsupported TPU device kind: cpu" where jax's default
+    device is a cpu; such kernels are traced again inside :meth:`Chip.trace_target`. Every other program
+    is exported as it is (so its text, and the estimate cache's key, do not depend on this function).
+
+    Args:
+        fn: a jitted function; chip: a :class:`Chip` or its name; structs: ``jax.ShapeDtypeStruct`` (or
+            arrays) per argument; shardings are dropped.
+    Returns:
+        ``jax.export.Exported``.
+    """
+    import jax
+
+    target = get_chip(chip)
+    plain = [jax.ShapeDtypeStruct(tuple(a.shape), a.dtype) for a in structs]
+    try:
+        return jax.export.export(fn, platforms=["tpu"])(*plain)
+    except ValueError as e:
+        if "Unsupported TPU device kind" not in str(e):
+            raise
+    with target.trace_target():
+        return jax.export.export(fn, platforms=["tpu"])(*plain)
+
+
 def estimate_cycles_of(fn, chip: "str | Chip", structs, timeout_s: float = 600) -> int | None:
     """libtpu's static ``estimated_cycles`` of any jitted JAX function (a kernel or XLA's own ops).
 
@@ -518,8 +561,7 @@ def estimate_cycles_of(fn, chip: "str | Chip", structs, timeout_s: float = 600) 
 
     chip = get_chip(chip)
     require_libtpu()
-    plain = [jax.ShapeDtypeStruct(tuple(a.shape), a.dtype) for a in structs]
-    exported = jax.export.export(fn, platforms=["tpu"])(*plain)
+    exported = export_for_chip(fn, chip, structs)
     with tempfile.TemporaryDirectory(prefix="tpk_llo_") as d:
         blob = os.path.join(d, "fn.bin")
         with open(blob, "wb") as f:
