@@ -143,3 +143,17 @@ def accumulate(acc: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     spec = pl.BlockSpec(tuple(acc.shape), lambda: (0,) * acc.ndim)
     return tk.Launch(grid=(), in_specs=[spec, spec], out_specs=spec, out_shape=tk.like(acc),
                      input_output_aliases={0: 0})
+
+
+def _gather_body(idx_ref, t_ref, o_ref):
+    o_ref[...] = t_ref[...] * 2
+
+
+@tk.tpu_kernel(_gather_body, namespace="tktest")
+def gather_rows(idx: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """``out[i] = 2 * table[idx[i]]``, idx: int32 [n], table: [V, 1, D] (a data-dependent index map)."""
+    (n,), (_, _, D) = idx.shape, table.shape
+    return tk.Launch(grid=(n,), num_scalar_prefetch=1,
+                     in_specs=[pl.BlockSpec((None, 1, D), lambda i, idx: (idx[i], 0, 0))],
+                     out_specs=pl.BlockSpec((None, 1, D), lambda i, idx: (i, 0, 0)),
+                     out_shape=tk.OutSpec((n, 1, D), table.dtype))

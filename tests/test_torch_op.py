@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import tpukernels as tk
-from kernels_for_tests import add_mul, broken, load_example, rowsum_masked, rowsum_unmasked, scale
+from kernels_for_tests import add_mul, broken, gather_rows, load_example, rowsum_masked, rowsum_unmasked, scale
 
 softmax = load_example("softmax").softmax
 matmul = load_example("matmul").matmul
@@ -103,6 +103,35 @@ def test_fullgraph_compile_has_no_graph_break():
     fn = torch.compile(lambda x: softmax(x * 2) + 1, fullgraph=True)
     x = torch.randn(20, 128)
     torch.testing.assert_close(fn(x).double(), torch.softmax(2 * x.double(), -1) + 1, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("config", [{"block_rows": 8}, tk.Config(block_rows=8)])
+def test_fullgraph_compile_with_a_config_in_the_call(config):
+    """``kernel(x, config=...)`` inside the compiled function: the config becomes the op's JSON string while
+    Dynamo traces (json's C encoder and Config's attribute lookup did not trace)."""
+    fn = torch.compile(lambda x: softmax(x, config=config) * 3, fullgraph=True)
+    x = torch.randn(20, 128)
+    torch.testing.assert_close(fn(x).double(), 3 * torch.softmax(x.double(), -1), rtol=1e-5, atol=1e-6)
+    inside = torch.compile(lambda x: softmax(x, config=tk.Config({"block_rows": 16})), fullgraph=True)
+    torch.testing.assert_close(inside(x).double(), torch.softmax(x.double(), -1), rtol=1e-5, atol=1e-6)
+
+
+def test_interpret_argument_under_fullgraph_compile_names_the_fix():
+    x = torch.randn(16, 128)
+    with pytest.raises(Exception, match="cannot be traced by torch.compile.*interpret_mode"):
+        torch.compile(lambda x: softmax(x, interpret="tpu"), fullgraph=True)(x)
+    fn = torch.compile(lambda x: softmax(x) + 1, fullgraph=True)
+    with tk.interpret_mode("tpu"):
+        torch.testing.assert_close(fn(x).double(), torch.softmax(x.double(), -1) + 1, rtol=1e-5, atol=1e-6)
+
+
+def test_out_of_bounds_index_in_tpu_interpret_mode_is_a_typed_error():
+    table = torch.randn(10, 1, 128)
+    good = torch.tensor([3, 0, 9], dtype=torch.int32)
+    torch.testing.assert_close(gather_rows(good, table, interpret="tpu"), 2 * table[good.long()])
+    with pytest.raises(tk.KernelRuntimeError, match=r"tktest::gather_rows: Out-of-bounds block index \(10, 0, 0\)"):
+        gather_rows(torch.tensor([3, 10], dtype=torch.int32), table, interpret="tpu")
+    torch.testing.assert_close(gather_rows(good, table, interpret="tpu"), 2 * table[good.long()])  # still usable
 
 
 def test_dynamic_compile_does_not_recompile_within_a_bucket():

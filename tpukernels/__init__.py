@@ -56,6 +56,7 @@ from .errors import (
     DeviceError,
     DTypeError,
     KernelBodyError,
+    KernelRuntimeError,
     KernelDefinitionError,
     LoweringError,
     PerformanceWarning,
@@ -91,6 +92,6 @@ __all__ = [
     "TpuKernel", "Tunable", "TunableSpace", "bucket", "cdiv", "current_interpret_mode", "estimate_vmem",
     "interpret_mode", "like", "mask_tail", "set_interpret_mode", "tail_valid", "tpu_kernel", "compile_for",
     "lower", "ArgumentError", "BackendUnavailableError", "BlockShapeError", "ChipError", "ConfigError",
-    "DeviceError", "DTypeError", "KernelBodyError", "KernelDefinitionError", "LoweringError",
+    "DeviceError", "DTypeError", "KernelBodyError", "KernelDefinitionError", "KernelRuntimeError", "LoweringError",
     "PerformanceWarning", "TpuKernelError", "VmemError", "__version__",
 ]

@@ -60,6 +60,12 @@ class LoweringError(TpuKernelError):
     """Pallas / Mosaic rejected the kernel while lowering or compiling it."""
 
 
+class KernelRuntimeError(TpuKernelError):
+    """The kernel failed while it ran: in ``interpret="tpu"`` mode Pallas's TPU interpreter found an
+    out-of-bounds block index or DMA (an index map or a data-dependent index read past an operand: on a TPU
+    the same access would read or write other memory)."""
+
+
 class BackendUnavailableError(TpuKernelError, ImportError):
     """An optional backend (libtpu for compile-only, torch_tpu for TPU tensors) is not installed."""
 

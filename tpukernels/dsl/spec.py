@@ -109,6 +109,10 @@ class Tunable:
             default = values[0]
         if default not in values:
             raise KernelDefinitionError(f"Tunable: default {default!r} is not one of the values {values}")
+        kinds = {"number" if k in ("int", "float") else k for k in map(_kind, values)}
+        if len(kinds) > 1:  # a config value is checked against its tunable's kind; a mixed list has none
+            raise KernelDefinitionError(f"Tunable: values {values} mix kinds ({', '.join(sorted(kinds))}); use one "
+                                        "kind (ints and floats may mix)")
         object.__setattr__(self, "values", values)
         object.__setattr__(self, "default", default)
         object.__setattr__(self, "doc", doc)
@@ -136,6 +140,8 @@ class Config(Mapping):
         raise KeyError(key)
 
     def __getattr__(self, key: str) -> Any:
+        if key.startswith("__") or key == "_items":  # not tunables: no lookup through _items (Dynamo, copy, pickle)
+            raise AttributeError(key)
         try:
             return self[key]
         except KeyError:

@@ -6,7 +6,6 @@ cpu / PrivateUse1 kernels call :func:`run_torch`), jax arrays run the jitted JAX
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -24,6 +23,12 @@ def run_call(kernel: TpuKernel, args: Sequence, kwargs: Mapping, *, config=None,
     if kernel.has_statics:
         kernel.check_statics(values)
     if interpret:
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.compiler.is_compiling():
+            raise ArgumentError(
+                f"{kernel.qualname}: interpret={interpret!r} cannot be traced by torch.compile (it sets a "
+                f"context variable); call the compiled function inside `with tpukernels.interpret_mode("
+                f"{interpret!r}):` instead (the op reads the mode when it runs)")
         with interpret_mode(interpret):
             return _dispatch(kernel, values, config)
     return _dispatch(kernel, values, config)
@@ -44,17 +49,62 @@ def _dispatch(kernel: TpuKernel, values: list, config):
 
 
 def config_to_json(kernel: TpuKernel, config: Mapping) -> str:
-    """A config mapping as the ops' ``config=`` JSON string.
+    """A config mapping (a dict or a :class:`~tpukernels.dsl.spec.Config`) as the ops' ``config=`` JSON string,
+    keys sorted: the text ``json.dumps(dict(config), sort_keys=True)`` gives.
+
+    Written out here rather than by ``json.dumps`` because this runs inside ``torch.compile`` traces of kernel
+    calls, and Dynamo cannot trace the ``json`` module's C encoder (a ``config=`` dict broke
+    ``fullgraph=True``); plain string operations trace.
 
     Raises:
-        ConfigError: the config is not a mapping of JSON values.
+        ConfigError: the config is not a mapping with str keys and JSON values (bool, int, float, str, None,
+            tuples / lists of them); numpy scalars count as their Python values.
     """
-    if not isinstance(config, Mapping):
-        raise ConfigError(f"{kernel.qualname}: config must be a dict such as {{'block_rows': 256}}, got {config!r}")
-    try:
-        return json.dumps(dict(config), sort_keys=True)
-    except TypeError as e:
-        raise ConfigError(f"{kernel.qualname}: config {dict(config)!r} is not JSON-serializable ({e})") from None
+    from ..dsl.spec import Config
+
+    if isinstance(config, Config):
+        items = config._items  # sorted; Dynamo traces a tuple more readily than the Mapping protocol
+    elif isinstance(config, Mapping):
+        items = sorted(config.items(), key=lambda kv: str(kv[0]))
+    else:
+        raise ConfigError(f"{kernel.qualname}: config must be a dict such as {{'block_rows': 256}}, got "
+                          f"{type(config).__name__} {config!r}")
+    parts = []
+    for k, v in items:
+        if not isinstance(k, str):
+            raise ConfigError(f"{kernel.qualname}: config keys must be tunable names (str), got {k!r}")
+        parts.append(_json_text(k) + ": " + _json_value(kernel, k, v))
+    return "{" + ", ".join(parts) + "}"
+
+
+def _json_text(s: str) -> str:
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\t", "\\t") + '"'
+
+
+def _json_value(kernel: TpuKernel, key: str, v) -> str:
+    """One config value as JSON text (see :func:`config_to_json`)."""
+    import numpy as np
+
+    if isinstance(v, np.generic):
+        v = v.item()
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        if v != v or v in (float("inf"), float("-inf")):
+            raise ConfigError(f"{kernel.qualname}: config[{key!r}] = {v!r} is not a finite number")
+        return repr(v)
+    if isinstance(v, str):
+        if any(ord(c) < 32 and c not in "\n\t" for c in v):
+            raise ConfigError(f"{kernel.qualname}: config[{key!r}] = {v!r} holds control characters")
+        return _json_text(v)
+    if isinstance(v, (tuple, list)):
+        return "[" + ", ".join(_json_value(kernel, key, x) for x in v) + "]"
+    raise ConfigError(f"{kernel.qualname}: config[{key!r}] = {v!r} ({type(v).__name__}) is not JSON-serializable: "
+                      "use int, float, bool, str or a tuple of them")
 
 
 def run_jax(kernel: TpuKernel, values: Sequence, config: Mapping | None):

@@ -82,12 +82,31 @@ def run_plan_cpu(plan: Plan, values: Sequence):
         arrays = [to_jax(_pad_rows(values[i], plan.n_bucket) if i in plan.pad_idx else values[i]) for i in plan.tensor_idx]
     else:
         arrays = [to_jax(values[i]) for i in plan.tensor_idx]
-    outs = plan.runner(*arrays)
+    try:
+        outs = plan.runner(*arrays)
+    except Exception as e:  # noqa: BLE001  (only the interpreter's out-of-bounds report is translated)
+        raise _runtime_error(plan, e) from e
     export = _dlpack_exporter()
     res = [export(o) for o in outs]
     if plan.n_rows is not None:
         res = [r[: plan.n_rows].clone() if rows else r for r, rows in zip(res, plan.row_outs)]
     return res[0] if plan.single else tuple(res)
+
+
+def _runtime_error(plan: Plan, e: Exception) -> Exception:
+    """``e`` as a :class:`KernelRuntimeError` naming the kernel when it is Pallas's TPU interpreter reporting
+    an out-of-bounds block index or DMA (it arrives as a ``JaxRuntimeError`` from a host callback, the
+    interpreter's ``IndexError`` text inside); any other error unchanged."""
+    import re
+
+    from ..errors import KernelRuntimeError
+
+    text = str(e)
+    m = re.search(r"(?:IndexError|ValueError): ([^\n]*[Oo]ut[- ]of[- ]bounds[^\n]*)", text)
+    if m is None:
+        return e
+    return KernelRuntimeError(f"{plan.lowered.kernel.qualname}: {m.group(1).strip()} (interpret mode 'tpu' checks every block index and "
+                              f"DMA; on a TPU this access would touch memory outside the operand)")
 
 
 def run_torch_cpu(kernel: TpuKernel, values: Sequence, config_json: str | None):
