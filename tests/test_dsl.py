@@ -41,6 +41,13 @@ def test_tunable_default_must_be_a_candidate():
         tk.Tunable([1, 2], default=3)
 
 
+@pytest.mark.parametrize("values", [[8, "a"], [True, 8], [(1, 2), 3]])
+def test_tunable_values_of_mixed_kinds_are_rejected(values):
+    with pytest.raises(tk.KernelDefinitionError, match="mix kinds"):
+        tk.Tunable(values)
+    assert tk.Tunable([0.5, 1]).values == (0.5, 1)  # numbers may mix
+
+
 @pytest.mark.parametrize("n, b", [(1, 8), (8, 8), (9, 16), (100, 112), (1025, 1280), (1280, 1280), (1281, 1536), (5000, 5120)])
 def test_bucket_rounds_up_with_at_most_25_percent_waste(n, b):
     assert bucket(n) == b

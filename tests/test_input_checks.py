@@ -57,6 +57,20 @@ def test_declared_shapes_errors_name_the_callers_shape_not_the_row_bucket():
     torch.testing.assert_close(bias_add(x, x[:1]), x + x[:1])
 
 
+@tk.tpu_kernel(_add_body, namespace="tkchecks", rows=("x",), shapes={"x": "M C", "y": "M C"})
+def add_rows_x(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    spec = pl.BlockSpec((16, x.shape[1]), lambda i: (i, 0))
+    return tk.Launch(grid=(tk.cdiv(x.shape[0], 16),), in_specs=[spec, spec], out_specs=spec, out_shape=tk.like(x))
+
+
+def test_row_bucketing_of_one_argument_only_is_explained():
+    """rows=("x",) pads x to its bucket but not y: the declared M then disagrees (y's rows would be read past
+    its end), and the message says why instead of quoting a row count the caller never passed."""
+    x = torch.randn(200, 128)
+    with pytest.raises(tk.ArgumentError, match=r"y has shape \(200, 128\).*x is in rows=.*add 'y' to rows="):
+        add_rows_x(x, x)
+
+
 def test_declared_shapes_fixed_dims_and_bad_declarations():
     with pytest.raises(tk.KernelDefinitionError, match="not a tensor parameter"):
         tk.tpu_kernel(_add_body, namespace="tkchecks", name="bad1", shapes={"z": "R"})(add2.launch_fn)

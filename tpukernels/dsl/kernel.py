@@ -374,8 +374,13 @@ class TpuKernel:
                                             f"(a dim of {d})")
                 elif d in seen and seen[d][1] != int(n):
                     other, size = seen[d]
+                    hint, rows = "", set(self.rows or ())
+                    if dims.index(d) == 0 and (other in rows) != (arg in rows):
+                        padded, plain = (other, arg) if other in rows else (arg, other)
+                        hint = (f" ({padded} is in rows=, so its rows were padded up to a bucket size before this "
+                                f"check, while {plain}'s were not: add {plain!r} to rows= so both are padded alike)")
                     raise ArgumentError(f"{self.qualname}: {arg} has shape {shape}, but shapes= declares {arg}: '{decl}' "
-                                        f"and {d}={size} from {other}")
+                                        f"and {d}={size} from {other}{hint}")
                 else:
                     seen.setdefault(d, (arg, int(n)))
 
