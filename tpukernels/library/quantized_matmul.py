@@ -51,6 +51,16 @@ Error (what the tests check, ``u`` = unit roundoff of the output dtype, 2^-8 bf1
   (any summation order; Higham, "Accuracy and Stability of Numerical Algorithms", 2nd ed., eq. 3.5), plus
   the scale product and the final rounding: ``|y - ref| <= u |ref| + (K + 2) u32 (|x| @ |W|^T)``.
 
+Range. The scales are applied after the dot, so the f32 accumulator holds ``x · w_q`` (w8a16) and
+overflows to ``inf`` once ``sum_k |x[k]| |w_q[n, k]|`` passes the f32 maximum (3.4e38): already for one
+element ``|x| > 3.4e38 / qmax`` (2.7e36 for int8 weights, 7.6e35 e4m3fn, 5.9e33 e5m2) where the float64
+product with the small dequantized weights is finite. w8a8 quantizes ``x`` first and has no such limit.
+
+NaN. A NaN in a row of ``x`` gives that row a NaN absmax on a TPU (the max propagates NaN), so the w8a8 row is
+NaN. In cpu interpret mode XLA:CPU's vectorized max reduction can drop NaN (jax 0.10.2; seen with >= 16
+rows, cf. openxla/xla#21461), so there a NaN can vanish from the scale: interpret-mode w8a8 results for
+non-finite activations are not the TPU's.
+
 Chip support comes from jax's ``pltpu.get_tpu_info_for_chip(...).is_matmul_supported(lhs, rhs)`` (see
 :func:`supported_modes`), never a table here: w8a8 int8 needs ``(int8, int8)``; w8a8 fp8 needs
 ``(fp8, fp8)``; fp8 weights need the chip to take that fp8 dtype on the MXU at all (``(fp8, fp8)`` or
@@ -1259,11 +1269,11 @@ def _fused(x2, w_q, ws, odt, config) -> bool:
     """w8a8 path: the fused kernel iff :func:`fused_plan` has a plan at the config that kernel would get
     (explicit ``config``, else its shipped per-chip entry or heuristic) on the call's target chip. Decided
     once per signature (:func:`_fused_for`), not on every call."""
-    import json
+    from ..targets import config_to_json
 
     chip = _target_chip()
     return _fused_for(int(x2.shape[0]), int(x2.shape[1]), int(w_q.shape[0]), _name(x2.dtype), _name(w_q.dtype), odt,
-                      None if config is None else json.dumps(dict(config), sort_keys=True),
+                      None if config is None else config_to_json(quantized_matmul_w8a8_kernel, config),
                       None if chip is None else chip.name)
 
 
@@ -1317,21 +1327,20 @@ def quantized_matmul(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, 
 
     Raises:
         ArgumentError: shapes (``x.shape[-1] != K``, ``w_scale`` not ``[N]``), unknown ``x_quant``,
-            K > 133143 for int8 w8a8, w8a8 with ``x.requires_grad``.
+            K > 133143 for int8 w8a8; a backward that reaches a w8a8 result (the forward runs with
+            ``x.requires_grad``).
+        ConfigError: ``config`` is not a dict of JSON values, or names unknown tunables / breaks their rules.
         DTypeError: ``w_q`` not int8/fp8, ``w_scale`` not float32, ``x`` not bf16/f32, x_quant vs w_q dtype.
         DeviceError: operands on different devices.
         ChipError: the target chip's MXU lacks the pair (message lists what it supports).
     """
-    from collections.abc import Mapping
-
-    from ..errors import ConfigError
+    from ..targets import config_to_json
 
     for t, n in ((x, "x"), (w_q, "w_q"), (w_scale, "w_scale")):  # before the op schema's untyped RuntimeError
         if not isinstance(t, torch.Tensor):
             raise ArgumentError(f"tpukernels::quantized_matmul: {n} must be a torch.Tensor, got {type(t).__name__}")
-    if config is not None and not isinstance(config, Mapping):
-        raise ConfigError(f"tpukernels::quantized_matmul: config must be a dict of tunables such as "
-                          f"{{'bm': 512}}, got {type(config).__name__} {config!r}")
+    if config is not None:
+        config_to_json(quantized_matmul_kernel, config)  # the one config rule (a dict of JSON values), typed
     odt = _canon_out(out_dtype)
     if config is None:
         return torch.ops.tpukernels.quantized_matmul(x, w_q, w_scale, x_quant, odt)
