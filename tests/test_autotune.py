@@ -485,3 +485,11 @@ def test_a_config_without_a_libtpu_estimate_cannot_win_on_its_lower_bound():
     r2 = SweepResult("k", "v5e", "p", "tpu-model", "model", "exhaustive", {}, 1, [bound], [], 1.0, "done")
     assert r2.best is bound
     assert "unranked (no static estimate (abort))" in markdown(r, None)
+    # the terminal output says so too: the best time is marked a bound, and why there is no estimate
+    from tpukernels.autotune.report import summary_rows, unranked_lines
+
+    (row,), header = summary_rows([r2])
+    assert row[header.index("time us")] == "≥ 80.0 (model) unranked"
+    assert "no candidate has a libtpu estimate" in unranked_lines(r2)[0] and "abort" in unranked_lines(r2)[0]
+    assert "1 of 2 candidates have no libtpu estimate" in unranked_lines(r)[0]
+    assert summary_rows([r])[0][0][header.index("time us")] == "120.0 (model)"

@@ -205,7 +205,7 @@ class _Progress:
 def cmd_autotune(args) -> int:
     from ..cli import table
     from ..targets.compile_only import compile_only_env, require_libtpu
-    from .report import failure_lines, label_note, pruned_lines, summary_rows, write_report
+    from .report import failure_lines, label_note, pruned_lines, summary_rows, unranked_lines, write_report
     from .tuner import make_evaluator, tune
 
     compile_only_env()
@@ -277,6 +277,10 @@ def cmd_autotune(args) -> int:
         print(table(rows, header))
         for r in results:
             print(f"{r.kernel}: {label_note(r)}.")
+            lines = unranked_lines(r)
+            if lines:
+                print(f"{r.kernel}: unranked candidates:")
+                print("\n".join(lines))
             lines = failure_lines(r)
             if lines:
                 print(f"{r.kernel}: failed candidates:")

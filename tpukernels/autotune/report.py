@@ -41,7 +41,8 @@ def summary_rows(results: list[SweepResult]) -> tuple[list[list], list[str]]:
         pct = None if b is None else b.details.get("pct_of_roofline")
         rows.append([
             r.kernel, r.problem, r.chip or "cpu", fmt_config(b and b.config),
-            _fmt_us(b and b.time_us) + (" (model)" if b and r.label == "model" else ""),
+            ("≥ " if b and not b.ranked else "") + _fmt_us(b and b.time_us)
+            + (" (model)" if b and r.label == "model" else "") + (" unranked" if b and not b.ranked else ""),
             f"{fmt_config(d and d.config)} ({r.baseline_source})",
             _fmt_us(d.time_us if d and d.ok else None),
             "-" if r.speedup is None else f"{r.speedup:.2f}x",
@@ -49,6 +50,18 @@ def summary_rows(results: list[SweepResult]) -> tuple[list[list], list[str]]:
             len(r.trials), _reasons(r.failures), _reasons(r.pruned_kinds), r.stopped, f"{r.elapsed_s:.1f}",
         ])
     return rows, header
+
+
+def unranked_lines(result: SweepResult) -> list[str]:
+    """What the text output says when candidates have no libtpu estimate (their times are lower bounds)."""
+    ok = [t for t in result.trials if t.ok]
+    bounds = [t for t in ok if not t.ranked]
+    if not bounds:
+        return []
+    head = (f"no candidate has a libtpu estimate: the best is the best lower bound, not a ranking"
+            if len(bounds) == len(ok) else
+            f"{len(bounds)} of {len(ok)} candidates have no libtpu estimate (lower bounds, ranked after the rest)")
+    return [f"  {head}; first reason: {bounds[0].details['unranked'][:300]}"]
 
 
 def failure_lines(result: SweepResult, limit: int = 5) -> list[str]:
