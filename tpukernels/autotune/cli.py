@@ -78,7 +78,8 @@ def _positive(kind):
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {'an int' if kind is int else 'a number'}, got {text!r}")
         if not v > 0:
-            raise argparse.ArgumentTypeError(f"must be {'an int >= 1' if kind is int else 'a number > 0'}, got {text!r}")
+            rule = "an int >= 1" if kind is int else "a number > 0"
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text!r}")
         return v
 
     parse.__name__ = kind.__name__  # argparse names the type in its messages
@@ -132,7 +133,8 @@ def _check_values(kernel, values: dict | None) -> dict | None:
             try:
                 checked.append(space.check_value(name, v))
             except ConfigError as e:
-                raise ArgumentError(f"--values {name}=...: {kernel.qualname}: {str(e).removeprefix('config: ')}") from None
+                why = str(e).removeprefix("config: ")
+                raise ArgumentError(f"--values {name}=...: {kernel.qualname}: {why}") from None
         out[name] = checked
     return out
 
