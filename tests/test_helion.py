@@ -76,6 +76,74 @@ def test_partial_tiles_give_a_clear_error_not_a_deep_traceback():
         H.softmax(torch.randn(100, 256), config={"block_sizes": (32,)})
 
 
+import helion.language as hl  # noqa: E402
+
+
+@tk.tpu_kernel(backend="helion", namespace="tktest_helion", tunables={"block_sizes": tk.Tunable([(16, 128)])})
+def add_bias(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    m, n = x.size()
+    out = torch.empty_like(x)
+    for tm, tn in hl.tile([m, n]):
+        out[tm, tn] = x[tm, tn] + b[tn]
+    return out
+
+
+@tk.tpu_kernel(backend="helion", namespace="tktest_helion", tunables={"block_sizes": tk.Tunable([(16, 128)])})
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    m, n = x.size()
+    out = torch.empty_like(x)
+    for tm, tn in hl.tile([m, n]):
+        out[tm, tn] = torch.nn.functional.gelu(x[tm, tn], approximate="tanh")
+    return out
+
+
+@pytest.mark.parametrize("mode", ["fast", "tpu"])
+def test_a_tile_indexed_dim_smaller_than_its_tile_extent_is_an_argument_error(mode):
+    """b[tn] with b [128] and tn over x's 256 columns used to return x + b wrapped around (b[0..127] twice),
+    even in the TPU-faithful interpreter; no shapes= was declared."""
+    x = torch.randn(64, 256)
+    with pytest.raises(tk.ArgumentError, match=r"b has shape \(128,\), but the program indexes its dim 0 with tile "
+                                               r"'tn', which runs over 256 elements.*Declare shapes="):
+        add_bias(x, torch.randn(128), interpret=mode)
+    b = torch.randn(256)
+    torch.testing.assert_close(add_bias(x, b, interpret=mode).double(), x.double() + b.double(), rtol=0, atol=1e-6)
+    long_b = torch.randn(512)  # larger than the extent: the tile reads its first 256 (in bounds), as Helion means
+    torch.testing.assert_close(add_bias(x, long_b, interpret=mode).double(), x.double() + long_b[:256].double(),
+                               rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["fast", "tpu"])
+def test_partial_tiles_are_the_same_lowering_error_in_every_mode(mode):
+    """interpret="tpu" used to raise a raw JaxRuntimeError (an out-of-bounds DMA in the interpreter) where fast
+    mode gave the LoweringError; the check now runs on Helion's launch plan before anything runs."""
+    x, b = torch.randn(100, 300), torch.randn(300)
+    with pytest.raises(tk.LoweringError, match=r"cannot run partial tiles.*x dim 0 \(100\) is not a multiple of "
+                                               r"its block 16"):
+        add_bias(x, b, interpret=mode)
+    # one block covering a whole dim is not a partial tile; K padded by Helion (_ds_pad_dims) is not either
+    got = add_bias(x, b, interpret=mode, config={"block_sizes": (128, 512)})
+    torch.testing.assert_close(got.double(), x.double() + b.double(), rtol=0, atol=1e-6)
+    a, w = torch.randn(256, 300), torch.randn(300, 128)
+    got = H.matmul(a, w, interpret=mode, config={"block_sizes": (128, 128, 128)})
+    torch.testing.assert_close(got.double(), a.double() @ w.double(), rtol=1e-5, atol=2e-4)
+
+
+def test_an_unsupported_feature_raises_without_helions_log_traceback(capfd, caplog):
+    """Helion logged "Helion compiler triton codegen error" with a full traceback on stderr at every call,
+    before tpukernels' LoweringError."""
+    import logging
+
+    caplog.set_level(logging.WARNING)
+    for mode in ("fast", "tpu", "fast"):
+        with pytest.raises(tk.LoweringError, match=r"approximate='tanh'.*Pallas-style"):
+            gelu_tanh(torch.randn(64, 256), interpret=mode)
+    err = capfd.readouterr().err
+    assert "codegen error" not in err and "Traceback" not in err
+    assert not [r for r in caplog.records if "codegen error" in r.getMessage()]
+    logger = logging.getLogger("helion.runtime.kernel")
+    assert not logger.filters  # the filter is only there during the attempt
+
+
 def test_a_shape_mismatch_inside_the_program_is_an_argument_error():
     x, w = torch.randn(64, 256), torch.randn(128)  # rms_scale broadcasts w over x's 256 columns
     with pytest.raises(tk.ArgumentError, match=r"input shapes .* do not fit this program.*declare shapes="):

@@ -14,10 +14,21 @@ Differences from the Pallas front-end (documented, not hidden):
 
 * Helion builds its own BlockSpecs, so tpukernels' pre-lowering block/VMEM checks do not apply; the
   compile-only target still reports real Mosaic errors and VMEM overflows.
-* Partial tiles: Helion 1.5.1's Pallas backend reads and writes whole tiles past the array end for
-  some programs (caught by the TPU-faithful interpreter as out-of-bounds DMAs), so shapes must be
-  multiples of the tile sizes there; tpukernels reports this as a :class:`LoweringError` with the
-  alternatives instead of a deep traceback.
+* Partial tiles: Helion 1.5.1's Pallas backend reads and writes whole tiles past the array end
+  (out-of-bounds DMAs in the TPU-faithful interpreter, a trace error in fast interpret mode), so a
+  grid-tiled dim must be a multiple of its block or fit in one block (dims Helion pads itself, such as
+  a matmul's K loop, are exempt). Before anything runs, in every mode, tpukernels reads Helion's launch
+  plan for the call (its generated host code run with a recording launcher) and reports a partial tile
+  as a :class:`LoweringError` naming the argument, the dim and the block, with the alternatives.
+* Input sizes: Helion does not check that a tensor indexed by a tile (``b[tn]``) is as long as the
+  range the tile runs over; its Pallas backend then reads past the end and returns wrapped-around
+  values silently. tpukernels checks every tile-indexed dim of the program's loads and stores against
+  its tile's extent (Helion's device IR) and raises :class:`ArgumentError` when it is smaller. Other
+  relations between input dims (equal sizes, fixed dims) are checked when the kernel declares
+  ``shapes=``, as for the Pallas front-end.
+* Helion's own "triton codegen error" log record (a traceback on stderr at every call of a program
+  it cannot lower) is dropped while tpukernels compiles; the :class:`LoweringError` is chained to
+  Helion's exception instead.
 * ``interpret="tpu"`` runs Helion's interpret-mode code under ``pltpu.force_tpu_interpret_mode``.
 * Dtypes the Pallas backend cannot take (float64, int64, uint64) are rejected with a
   :class:`~tpukernels.errors.DTypeError` before Helion sees them; other features Helion cannot lower
@@ -28,6 +39,7 @@ Differences from the Pallas front-end (documented, not hidden):
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -90,26 +102,16 @@ class HelionKernel(TpuKernel):
         # TorchTPU host's JAX sees no TPU (torch_tpu owns it) and compile-only targets are not the default
         # device, so name the target chip through an abstract mesh, which jax consults first.
         device_ctx = _target_device_ctx(chip) if mode == "mosaic" else contextlib.nullcontext
-        names = [p.name for p in self.params]
-        kinds = [p.kind for p in self.params]
-        static_vals = dict(statics)
-
         def fn(*arrays):
-            it = iter(arrays)
-            args = []
-            for n, k, s in zip(names, kinds, _expand(specs, kinds)):
-                if k == "static":
-                    args.append(static_vals[n])
-                else:
-                    args.append(None if s is None else next(it))
+            args = self._program_args(specs, statics, arrays)
             try:
                 if mode == "tpu":  # TPU-faithful interpreter (NaN memory, OOB and race checks)
                     from jax.experimental.pallas import tpu as pltpu
 
-                    with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
+                    with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()), _quiet_codegen_log():
                         out = hk.jax_fn(*args)
                 else:
-                    with device_ctx():
+                    with device_ctx(), _quiet_codegen_log():
                         out = hk.jax_fn(*args)
             except TpuKernelError:
                 raise
@@ -119,18 +121,70 @@ class HelionKernel(TpuKernel):
 
         return fn
 
+    def _program_args(self, specs, statics, arrays) -> list:
+        """The program's positional arguments: ``arrays`` (one per present tensor) with the static values and
+        None for absent optional tensors at their positions."""
+        it = iter(arrays)
+        static_vals = dict(statics)
+        kinds = [p.kind for p in self.params]
+        return [static_vals[p.name] if p.kind == "static" else (None if s is None else next(it))
+                for p, s in zip(self.params, _expand(specs, kinds))]
+
+    def check_program(self, specs, statics, config: Config, mode: str, chip=None) -> None:
+        """Check the inputs against what Helion compiled for them, before anything runs (every mode alike).
+
+        Binds the program (Helion's type propagation and device IR, the same ``BoundKernel`` that
+        ``Kernel.jax_fn`` then reuses), generates its code for ``config`` and runs the generated host wrapper
+        with a launcher that only records its arguments (no kernel runs). Then:
+
+        * a tensor dim indexed by a tile (``b[tn]``) must be at least the extent the tile runs over: a
+          smaller one is read past its end (Helion 1.5.1 does not check this; its Pallas backend gave
+          wrapped-around values silently) -> :class:`ArgumentError` naming the tensor, dim and tile;
+        * a grid-tiled dim must be a multiple of its block (or fit in one block), unless Helion pads it
+          (``_ds_pad_dims``): partial tiles fail in fast interpret mode, read out of bounds in the
+          TPU-faithful interpreter and on a TPU -> :class:`LoweringError`.
+        """
+        import jax
+
+        hk = self.helion_kernel(config, interpret=mode != "mosaic")
+        device_ctx = _target_device_ctx(chip) if mode == "mosaic" else contextlib.nullcontext
+        try:
+            with device_ctx(), _quiet_codegen_log():
+                bound, launches, names = _dry_run(hk, self._program_args(
+                    specs, statics, [jax.ShapeDtypeStruct(tuple(int(d) for d in s.shape), s.dtype)
+                                     for s in specs if s is not None]))
+        except TpuKernelError:
+            raise
+        except Exception as e:
+            raise self.lowering_error(e, specs, config) from e
+        for arg, shape, d, tile, extent in _tile_reads(bound):
+            if shape[d] is not None and extent is not None and 1 < shape[d] < extent:
+                shapes = {s.name: tuple(s.shape) for s in specs if s is not None}
+                raise ArgumentError(
+                    f"{self.qualname}: {arg} has shape {shape}, but the program indexes its dim {d} with tile "
+                    f"{tile!r}, which runs over {extent} elements, so {arg} would be read past its end (inputs "
+                    f"{shapes}): its dim {d} must be at least {extent}. Declare shapes= on the kernel to check "
+                    f"how its inputs' dims relate before anything is traced")
+        for arg, shape, d, block in _partial_tiles(launches, names):
+            raise self._partial_tile_error(specs, config, f"{arg} dim {d} ({shape[d]}) is not a multiple of its "
+                                                          f"block {block}")
+
+    def _partial_tile_error(self, specs, config, detail: str = "") -> LoweringError:
+        shapes = [tuple(s.shape) for s in specs if s is not None]
+        detail = f"; {detail}" if detail else ""
+        return LoweringError(
+            f"{self.qualname}: Helion 1.5.1's Pallas backend cannot run partial tiles of this program "
+            f"(inputs {shapes}, config {dict(config) or 'Helion default'}{detail}): choose block_sizes that "
+            f"divide the shapes, declare rows= and pad, or use the Pallas front-end, whose tails are "
+            f"masked (tpukernels.mask_tail)."
+        )
+
     def lowering_error(self, e: BaseException, specs, config) -> "LoweringError | ArgumentError":
         """Translate an error Helion / Pallas raised for this program into a :class:`LoweringError`, or an
         :class:`ArgumentError` when the inputs' shapes do not fit the program (a broadcast mismatch)."""
         msg = str(e)
         if "Shapes must be 1D sequences of concrete values" in msg or "Out-of-bounds" in msg:
-            shapes = [tuple(s.shape) for s in specs if s is not None]
-            return LoweringError(
-                f"{self.qualname}: Helion 1.5.1's Pallas backend cannot run partial tiles of this program "
-                f"(inputs {shapes}, config {dict(config) or 'Helion default'}): choose block_sizes that "
-                f"divide the shapes, declare rows= and pad, or use the Pallas front-end, whose tails are "
-                f"masked (tpukernels.mask_tail)."
-            )
+            return self._partial_tile_error(specs, config)
         first = msg.splitlines()[0] if msg else repr(e)
         if "must match the size of tensor" in msg or "shapes are incompatible" in msg.lower():
             shapes = {s.name: tuple(s.shape) for s in specs if s is not None}
@@ -154,6 +208,7 @@ class HelionKernel(TpuKernel):
                 check_jax_dtype(s.dtype, f"{self.qualname} argument {s.name!r}")
         self.check_shapes(specs)
         cfg, source = self.resolve_config(specs, statics, config, chip)
+        self.check_program(specs, statics, cfg, mode, chip)
         fn = self._jax_callable(specs, statics, cfg, mode, chip)
         arg_structs = tuple(jax.ShapeDtypeStruct(tuple(int(d) for d in s.shape), s.dtype) for s in specs if s is not None)
         try:
@@ -196,6 +251,127 @@ class HelionKernel(TpuKernel):
         with unset_fake_temporarily():  # Helion traces with real (non-fake) torch tensor wrappers
             low = lower(self, tuple(hinted), statics, config, "fast")
         return tuple(OutSpec(tuple(by_hint.get(d, d) for d in o.shape), np.dtype(o.dtype)) for o in low.out_structs)
+
+
+class _DropCodegenErrorLog:
+    """A logging filter dropping Helion's "triton codegen error" warning (see :func:`_quiet_codegen_log`)."""
+
+    @staticmethod
+    def filter(record) -> bool:
+        return not str(record.msg).startswith("Helion compiler triton codegen error")
+
+
+@contextlib.contextmanager
+def _quiet_codegen_log():
+    """While tpukernels compiles a Helion program: Helion logs a warning with the full traceback ("Helion
+    compiler triton codegen error for ...") on stderr, then re-raises; tpukernels turns that exception into
+    a :class:`LoweringError` chained to it, so the log record is dropped (only that record, only on Helion's
+    ``helion.runtime.kernel`` logger, only for the attempt)."""
+    import logging
+
+    logger = logging.getLogger("helion.runtime.kernel")
+    logger.addFilter(_DropCodegenErrorLog)
+    try:
+        yield
+    finally:
+        logger.removeFilter(_DropCodegenErrorLog)
+
+
+def _dry_run(hk, args: list):
+    """Bind Helion kernel ``hk`` to ``args`` (``jax.ShapeDtypeStruct`` for tensors, as ``Kernel.jax_fn`` wraps
+    arrays), generate its code and run the generated host wrapper with a launcher that records
+    ``(grid, launch args, launch kwargs)`` and returns the output placeholders: no kernel runs.
+
+    Returns ``(bound_kernel, launches, names)``, names: ``id(adapter) -> parameter name`` for the inputs.
+    """
+    from helion.runtime.pallas.jax_export import _device_for_jax_export, _JaxExportTensor
+
+    device = _device_for_jax_export()
+    adapters = [_JaxExportTensor.from_jax(a, device=device) if hasattr(a, "shape") and hasattr(a, "dtype") else a
+                for a in args]
+    bound = hk.bind(tuple(adapters))
+    bound.ensure_config_exists(adapters)
+    launches = []
+
+    def launcher(_kernel, grid, *launch_args, **launch_kwargs):
+        launches.append((tuple(grid), launch_args, launch_kwargs))
+        outs = [launch_args[i] for i in launch_kwargs.get("_output_indices") or []]
+        inplace = set(launch_kwargs.get("_inplace_indices") or [])
+        ret = [o for o, i in zip(outs, launch_kwargs.get("_output_indices") or []) if i not in inplace] or outs
+        return ret[0] if len(ret) == 1 else tuple(ret)
+
+    bound._run(*adapters, _launcher=launcher)
+    params = inspect.signature(hk.fn).parameters
+    names = {id(a): n for a, n in zip(adapters, params) if hasattr(a, "shape")}
+    return bound, launches, names
+
+
+def _expr(v):
+    return v._sympy_() if hasattr(v, "_sympy_") else v
+
+
+def _int(v):
+    """``v`` as an int if it is a concrete integer (int, numpy or sympy), else None."""
+    import sympy
+
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, (int, np.integer)):
+        return int(v)
+    v = _expr(v)
+    return int(v) if isinstance(v, sympy.Integer) else None
+
+
+def _tile_reads(bound):
+    """``(tensor name, shape, dim, tile name, tile extent)`` for every dim of a load/store in the bound
+    program's device IR that is indexed by a tile itself (``x[tm, tn]``; slices, scalars and expressions
+    of a tile are skipped)."""
+    import torch
+    from helion.language import _tracing_ops, memory_ops
+
+    blocks = {_expr(b.var): b for b in bound.env.block_sizes}
+    for g in bound.host_function.device_ir.graphs:
+        for n in g.graph.nodes:
+            if n.op != "call_function" or n.target not in (memory_ops.load, memory_ops.store) or len(n.args) < 2:
+                continue
+            t, index = n.args[0], n.args[1]
+            if not isinstance(t, torch.fx.Node) or not isinstance(index, (list, tuple)):
+                continue
+            val = t.meta.get("val")
+            if not isinstance(val, torch.Tensor) or len(index) != val.dim():
+                continue  # None (new axis) entries or a partial index: no dim-by-dim correspondence
+            name = t.args[0] if t.target is _tracing_ops._host_tensor and t.args else t.name
+            shape = tuple(_int(d) for d in val.shape)
+            for i, idx in enumerate(index):
+                sym = idx.meta.get("val") if isinstance(idx, torch.fx.Node) else None
+                if not isinstance(sym, torch.SymInt):
+                    continue
+                b = blocks.get(_expr(sym))
+                if b is None:
+                    continue
+                tile = "/".join(sorted(b.debug_names)) or f"block {b.block_id}"
+                yield str(name), shape, i, tile, _int(b.size)
+
+
+def _partial_tiles(launches, names: dict):
+    """``(tensor, shape, dim, block)`` for each grid-tiled dim of a launch's BlockSpecs that is neither a
+    multiple of its block nor within one block, and that Helion does not pad (``_ds_pad_dims``)."""
+    import torch
+
+    for _grid, largs, kw in launches:
+        info = kw.get("_block_spec_info") or []
+        padded = {(int(a), int(d)) for a, d, *_ in kw.get("_ds_pad_dims") or []}
+        tensors = [i for i, a in enumerate(largs) if isinstance(a, torch.Tensor)]
+        for pos, i in enumerate(tensors):
+            entry = info[pos] if pos < len(info) else None
+            if entry is None:
+                continue
+            shape = tuple(int(d) for d in largs[i].shape)
+            for d, (block, g) in enumerate(zip(*entry)):
+                if block is None or g is None or (i, d) in padded or d >= len(shape):
+                    continue
+                if shape[d] > block and shape[d] % block:
+                    yield names.get(id(largs[i]), f"tensor operand {pos}"), shape, d, block
 
 
 def _target_device_ctx(chip):
