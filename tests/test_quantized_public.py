@@ -63,6 +63,14 @@ def test_unknown_quantization_dtypes_are_dtype_errors(bad):
         quantize_weight(torch.randn(4, 8), bad)
 
 
+@pytest.mark.parametrize("dtype, x_quant", [("int8", "fp8"), ("float8_e5m2", "int8"), ("float8_e4m3fn", "int8")])
+def test_quant_linear_with_a_mismatched_x_quant_fails_at_construction(dtype, x_quant):
+    with pytest.raises(DTypeError, match=f"TPUQuantLinear: x_quant='{x_quant}' needs"):
+        TPUQuantLinear.from_linear(_linear(), dtype, x_quant=x_quant)
+    m = TPUQuantLinear.from_linear(_linear(), dtype, x_quant="int8" if dtype == "int8" else "fp8")  # the match
+    assert m.x_quant in ("int8", "fp8")
+
+
 def test_apply_tpukernels_rejects_a_bad_quantize_before_patching_anything():
     from tpukernels.integrations.transformers import apply_tpukernels
 

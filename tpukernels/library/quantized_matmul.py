@@ -1185,6 +1185,19 @@ def _canon_x_quant(x_quant):
     return x_quant
 
 
+def check_pair(x_quant: Optional[str], w_dtype: str, where: str) -> None:
+    """The weight dtype an ``x_quant`` mode needs: ``"int8"`` needs int8 weights, ``"fp8"`` float8 ones
+    (``None``, w8a16, takes any of :data:`WEIGHT_DTYPES`).
+
+    Raises:
+        DTypeError: the pair does not match (the message names the mode that would).
+    """
+    if x_quant == "int8" and w_dtype != "int8":
+        raise DTypeError(f"{where}: x_quant='int8' needs int8 w_q, got {w_dtype} (use x_quant='fp8')")
+    if x_quant == "fp8" and not w_dtype.startswith("float8"):
+        raise DTypeError(f"{where}: x_quant='fp8' needs float8 w_q, got {w_dtype} (use x_quant='int8')")
+
+
 def _check_public(x, w_q, w_scale, x_quant, out_dtype):
     where = "tpukernels::quantized_matmul"
     for t, n in ((x, "x"), (w_q, "w_q"), (w_scale, "w_scale")):
@@ -1211,10 +1224,7 @@ def _check_public(x, w_q, w_scale, x_quant, out_dtype):
         raise ArgumentError(f"{where}: w_scale must have shape (N,) = ({N},), got {tuple(w_scale.shape)}")
     if w_scale.dtype != torch.float32:
         raise DTypeError(f"{where}: w_scale must be float32, got {_name(w_scale.dtype)}")
-    if x_quant == "int8" and dw != "int8":
-        raise DTypeError(f"{where}: x_quant='int8' needs int8 w_q, got {dw} (use x_quant='fp8')")
-    if x_quant == "fp8" and not dw.startswith("float8"):
-        raise DTypeError(f"{where}: x_quant='fp8' needs float8 w_q, got {dw} (use x_quant='int8')")
+    check_pair(x_quant, dw, where)
     if x_quant == "int8" and K > INT32_MAX_K:
         raise ArgumentError(f"{where}: K = {K} > {INT32_MAX_K}: an int8 x int8 sum may overflow int32")
     odt = out_dtype or _name(x.dtype)
@@ -1369,6 +1379,7 @@ class TPUQuantLinear(torch.nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.qdtype = _weight_dtype(dtype, "TPUQuantLinear")
         self.x_quant = _canon_x_quant(x_quant)
+        check_pair(self.x_quant, self.qdtype, "TPUQuantLinear")  # at construction, not at the first forward
         self.register_buffer("w_q", torch.zeros(out_features, in_features, dtype=getattr(torch, self.qdtype)))
         self.register_buffer("w_scale", torch.zeros(out_features, dtype=torch.float32))
         self.register_buffer("bias", torch.zeros(out_features) if bias else None)
