@@ -99,6 +99,15 @@ def test_backward_matches_float64_autograd():
     torch.testing.assert_close(x.grad.double(), 3.0 * g.double(), rtol=1e-6, atol=1e-6)
 
 
+def test_backward_through_a_kernel_without_one_names_def_backward():
+    x = torch.randn(16, 128, requires_grad=True)
+    y = softmax(x)  # the forward runs (inference without torch.no_grad() is common)
+    torch.testing.assert_close(y.double(), torch.softmax(x.double(), -1), rtol=1e-5, atol=1e-6)
+    with pytest.raises(tk.KernelDefinitionError, match=r"examples::softmax: this kernel has no backward.*"
+                                                       r"@softmax.def_backward"):
+        y.sum().backward()
+
+
 def test_fullgraph_compile_has_no_graph_break():
     fn = torch.compile(lambda x: softmax(x * 2) + 1, fullgraph=True)
     x = torch.randn(20, 128)

@@ -102,10 +102,24 @@ def register_op(kernel: TpuKernel):
     if kernel._backward is not None:
         kernel.op = op
         register_backward(kernel)
+    else:  # torch's own message would say "use register_autograd"; def_backward later replaces this
+        op.register_autograd(_no_backward(kernel))
     from .distributed.sharding import on_op_registered
 
     on_op_registered(kernel, op)  # DTensor sharding rule (now, or when torch.distributed.tensor loads)
     return op
+
+
+def _no_backward(kernel: TpuKernel):
+    """The backward of a kernel that has none: a typed error naming the kernel and :meth:`def_backward`."""
+
+    def backward(ctx, *grads):
+        raise KernelDefinitionError(
+            f"{kernel.qualname}: this kernel has no backward, so gradients cannot flow through it; define one "
+            f"with @{kernel.name}.def_backward (fn(ctx, *grad_outputs) -> {{arg_name: grad}}), or call it on "
+            f"tensors that do not require grad (torch.no_grad(), .detach())")
+
+    return backward
 
 
 def register_backward(kernel: TpuKernel) -> None:
