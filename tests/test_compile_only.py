@@ -3,6 +3,7 @@
 import importlib.metadata
 import importlib.util
 import os
+import re
 
 import jax
 import pytest
@@ -105,7 +106,9 @@ def test_estimator_abort_keeps_the_compile_result(monkeypatch, capsys):
     assert main(["--import", os.path.join(EXAMPLES, "softmax.py"), "compile", "examples::softmax", "--shape", "256x512:f32",
                  "--chips", "v5e", "--estimate"]) == 0
     out = capsys.readouterr().out
-    assert "v5e   ok" in out and "n/a" in out and "no static estimate (the compile is fine)" in out
+    # the table's layout depends on the terminal width (rows or column-value blocks): check the cells' words
+    assert re.search(r"\bok\b", out) and "FAIL" not in out and "n/a" in out
+    assert "v5e: no static estimate (the compile is fine): static estimate on v5e failed" in out
 
 
 def test_float16_compile_failure_names_the_likely_cause():
