@@ -85,7 +85,10 @@ def run_plan_cpu(plan: Plan, values: Sequence):
     try:
         outs = plan.runner(*arrays)
     except Exception as e:  # noqa: BLE001  (only the interpreter's out-of-bounds report is translated)
-        raise _runtime_error(plan, e) from e
+        err = _runtime_error(plan, e)
+        if err is e:
+            raise
+        raise err from e
     export = _dlpack_exporter()
     res = [export(o) for o in outs]
     if plan.n_rows is not None:
