@@ -198,7 +198,7 @@ def test_kernel_body_error_is_typed_and_names_the_body():
 
 
 def test_unsupported_device_is_a_device_error():
-    from tpukernels.targets import run_torch
+    from tpukernels.targets.dispatch import run_torch
 
     # No GPU here: a tensor subclass that reports a cuda device stands in for one.
     with pytest.raises(tk.DeviceError, match="'cuda' are not supported"):

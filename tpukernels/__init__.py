@@ -66,9 +66,11 @@ from .errors import (
 
 __version__ = "0.1.0"
 
+from . import _plugins  # noqa: E402
 from . import autotune  # noqa: E402  (registers the tuning-DB config resolver)
 
-install_lazy_library_ops()  # torch.ops.tpukernels.* load the library on first use
+_plugins.install()  # dispatch, torch ops, Helion, DTensor rules: registered into the dsl's hooks
+install_lazy_library_ops(_plugins.load_library)  # torch.ops.tpukernels.* load the library on first use
 
 
 def compile_for(kernel, chip, *args, **kwargs):

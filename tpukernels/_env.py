@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import glob
 import os
+from collections.abc import Callable
 
 #: libtpu environment for machines without a TPU (compile-only targets): without these, libtpu probes the
 #: host at backend start-up and prints "could not determine TPU accelerator type" and an INVALID_ARGUMENT
@@ -45,10 +46,12 @@ def quiet_libtpu_defaults(env=None) -> dict:
 
 
 _LIBRARY_LOADING = False
+_LOAD_LIBRARY: Callable[[], None] | None = None
 
 
-def install_lazy_library_ops() -> None:
-    """Make ``torch.ops.tpukernels.<op>`` import :mod:`tpukernels.library` on first use.
+def install_lazy_library_ops(load_library: Callable[[], None]) -> None:
+    """Make ``torch.ops.tpukernels.<op>`` import :mod:`tpukernels.library` on first use (``load_library()``,
+    which the package passes in: this module, below every other, does not import the library itself).
 
     The library costs the jax import (~1.5 s) and its op registrations, so ``import tpukernels`` does not
     pay for it; the first ``torch.ops.tpukernels.rms_norm`` (or any other op lookup) does, once.
@@ -56,6 +59,8 @@ def install_lazy_library_ops() -> None:
     import torch
     from torch._ops import _OpNamespace
 
+    global _LOAD_LIBRARY
+    _LOAD_LIBRARY = load_library
     if getattr(torch.ops.__dict__.get("tpukernels"), "_tpukernels_lazy", False):
         return
 
@@ -81,6 +86,7 @@ def _load_library() -> None:
         return
     _LIBRARY_LOADING = True
     try:
-        import tpukernels.library  # noqa: F401  (registers every library op)
+        if _LOAD_LIBRARY is not None:
+            _LOAD_LIBRARY()  # registers every library op
     finally:
         _LIBRARY_LOADING = False

@@ -11,18 +11,15 @@
 
 from __future__ import annotations
 
-import contextvars
 import inspect
 from typing import Optional
 
+from .dsl import hooks
+from .dsl.hooks import KERNEL_CALLS
 from .dsl.kernel import BackwardContext, TpuKernel
 from .errors import KernelDefinitionError
 
 _LIBS: dict = {}
-
-#: While set (a list), the fake kernel records each kernel call ``(kernel, values, config_json)`` it serves:
-#: how :func:`tpukernels.compile_for` finds the kernels behind a public function or composite op.
-KERNEL_CALLS: "contextvars.ContextVar[list | None]" = contextvars.ContextVar("tpukernels_kernel_calls", default=None)
 
 
 def _op_signature(kernel: TpuKernel) -> inspect.Signature:
@@ -48,7 +45,7 @@ def register_op(kernel: TpuKernel):
 
     sig = _op_signature(kernel)
 
-    from .targets import run_torch
+    from .targets.dispatch import run_torch
 
     kw_only = [p.name for p in kernel.params if p.keyword_only]
     positional = [p for p in kernel.params if not p.keyword_only]
@@ -104,9 +101,9 @@ def register_op(kernel: TpuKernel):
         register_backward(kernel)
     else:  # torch's own message would say "use register_autograd"; def_backward later replaces this
         op.register_autograd(_no_backward(kernel))
-    from .distributed.sharding import on_op_registered
-
-    on_op_registered(kernel, op)  # DTensor sharding rule (now, or when torch.distributed.tensor loads)
+    on_op_registered = hooks.implementation("op_registered", required=False)
+    if on_op_registered is not None:
+        on_op_registered(kernel, op)  # DTensor sharding rule (now, or when torch.distributed.tensor loads)
     return op
 
 

@@ -150,7 +150,7 @@ def _check_case(kernel, case_args, case_kwargs) -> None:
 
 
 def _cases(args) -> list:
-    from ..cli import _parse_kv, find_kernel, load_kernels
+    from ..cli_common import _parse_kv, find_kernel, load_kernels
 
     if args.library:
         if args.kernel or args.shape:
@@ -205,7 +205,7 @@ class _Progress:
 
 
 def cmd_autotune(args) -> int:
-    from ..cli import table
+    from ..cli_common import table
     from ..targets.compile_only import compile_only_env, require_libtpu
     from .report import failure_lines, label_note, pruned_lines, summary_rows, unranked_lines, write_report
     from .tuner import make_evaluator, tune

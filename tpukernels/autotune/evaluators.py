@@ -453,7 +453,7 @@ def resolve_kernel(ref: "KernelRef | TpuKernel") -> TpuKernel:
     module = None
     if kernel is None and ref.source:
         if ref.source.endswith(".py") or os.path.sep in ref.source:
-            from ..cli import _import
+            from .._imports import import_source as _import
 
             _import(ref.source)
             module = sys.modules.get(os.path.splitext(os.path.basename(ref.source))[0])

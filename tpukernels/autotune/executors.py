@@ -90,7 +90,7 @@ def _worker_init(imports: Sequence[str], env: dict) -> None:
         pass
     for k, v in env.items():
         os.environ.setdefault(k, v)
-    from ..cli import _import  # (importing tpukernels registered the tuning-DB resolver, as in the parent)
+    from .._imports import import_source as _import  # (importing tpukernels registered the DB resolver)
 
     for spec in imports:
         try:
@@ -198,7 +198,7 @@ def _ray_task(board, job: int, imports: Sequence[str], env: dict, blob: bytes):
         os.environ.setdefault(k, v)
     todo = [s for s in imports if s not in _RAY_IMPORTED]
     if todo:
-        from ..cli import _import
+        from .._imports import import_source as _import
 
         for spec in todo:
             _RAY_IMPORTED.add(spec)

@@ -16,12 +16,17 @@ import os
 import sys
 import time
 
-from .core import Estimator, VersionMismatch, default_cache_path, load_results, run_case, save_result
-
-MODEL_FAMILIES = ("norms", "matmul", "attention", "quantized_matmul", "linear_cross_entropy", "grouped_matmul",
-                  "paged_attention")
-FAMILIES = MODEL_FAMILIES + ("host",)
-DEFAULT_CHIPS = ("v5e", "v6e", "tpu7x")
+from .core import (  # noqa: F401  (the family lists live in core, which this package's modules share)
+    DEFAULT_CHIPS,
+    FAMILIES,
+    MODEL_FAMILIES,
+    Estimator,
+    VersionMismatch,
+    default_cache_path,
+    load_results,
+    run_case,
+    save_result,
+)
 
 
 def family_module(name: str):

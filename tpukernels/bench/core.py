@@ -48,6 +48,13 @@ SOURCE_KEY = "tpukernels_source"
 #: a cycle estimate this far below the MXU roofline cannot be right (the roofline is a lower bound)
 CREDIBLE_FRACTION = 0.95
 
+#: the benchmark families (one module each in this package; ``tpukernels bench --family``): model estimates,
+#: then the host-side measurements
+MODEL_FAMILIES = ("norms", "matmul", "attention", "quantized_matmul", "linear_cross_entropy", "grouped_matmul",
+                  "paged_attention")
+FAMILIES = MODEL_FAMILIES + ("host",)
+DEFAULT_CHIPS = ("v5e", "v6e", "tpu7x")
+
 
 class VersionMismatch(TpuKernelError):
     """Result files made with different package versions were about to be mixed in one report."""
@@ -78,9 +85,9 @@ def versions(family: str | None = None) -> dict:
 #: package paths (relative, ``/``-separated; a trailing ``/`` is a folder) that cannot change a model family's
 #: figures: command lines, report rendering, host-side measurements, framework integrations. They are left out
 #: of a family's :func:`source_digest`, so that editing them does not mark every family's figures as stale.
-NOT_IN_FIGURES = ("cli.py", "demo.py", "integrations/", "frontends/", "distributed/", "autotune/cli.py",
-                  "autotune/report.py", "autotune/executors.py", "bench/cli.py", "bench/report.py", "bench/host.py",
-                  "bench/_host_kernels.py", "bench/executors.py")
+NOT_IN_FIGURES = ("cli.py", "cli_common.py", "_imports.py", "demo.py", "integrations/", "frontends/", "distributed/",
+                  "autotune/cli.py", "autotune/report.py", "autotune/executors.py", "bench/cli.py", "bench/report.py",
+                  "bench/host.py", "bench/_host_kernels.py", "bench/executors.py")
 
 
 def _family_sources(family: str):
@@ -111,8 +118,6 @@ def source_digest(family: str | None = None, root: str | None = None) -> str:
     root = root or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     scoped = family is not None and family != "host"
     if scoped:
-        from . import MODEL_FAMILIES
-
         libs, data = _family_sources(family)
         skip = set(NOT_IN_FIGURES) | {f"bench/{f}.py" for f in MODEL_FAMILIES if f != family}
 

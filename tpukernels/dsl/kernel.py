@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ArgumentError, ConfigError, KernelBodyError, KernelDefinitionError, TpuKernelError
+from . import hooks
 from .spec import Config, Launch, OutSpec, TensorSpec, Tunable, TunableSpace
 
 log = logging.getLogger("tpukernels.dispatch")
@@ -263,9 +264,7 @@ class TpuKernel:
                 raise KernelDefinitionError(
                     f"tpu_kernel: {self.qualname} is already defined in this process; choose another name= or namespace="
                 )
-            from ..torch_op import register_op
-
-            self.op = register_op(self)
+            self.op = hooks.implementation("register_op")(self)
             REGISTRY[self.qualname] = self
 
     # ------------------------------------------------------------------ signature
@@ -481,9 +480,7 @@ class TpuKernel:
         """
         self._backward = fn
         if self.op is not None:
-            from ..torch_op import register_backward
-
-            register_backward(self)
+            hooks.implementation("register_backward")(self)
         return fn
 
     def __call__(self, *args, config: Mapping | None = None, interpret: str | None = None, **kwargs):
@@ -505,7 +502,7 @@ _RUN_CALL = None
 
 def _load_run_call():
     global _RUN_CALL
-    from ..targets import run_call
+    run_call = hooks.implementation("run_call")
 
     _RUN_CALL = run_call
     return run_call
@@ -568,7 +565,7 @@ def tpu_kernel(
     if backend == "helion":
         if body is not None:
             raise KernelDefinitionError("tpu_kernel(backend='helion'): decorate the Helion program itself; pass no body")
-        from ..frontends.helion import helion_kernel
+        helion_kernel = hooks.implementation("frontend:helion")
 
         return helion_kernel(
             name=name, namespace=namespace, tunables=tunables, config=config, constraints=constraints,

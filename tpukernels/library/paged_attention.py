@@ -77,7 +77,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .. import Launch, OutSpec, Tunable, cdiv, tpu_kernel
+from ..dsl import Launch, OutSpec, Tunable, cdiv, tpu_kernel
 from ..errors import ArgumentError, DTypeError
 
 NAMESPACE = "tpukernels"

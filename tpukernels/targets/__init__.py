@@ -1,7 +1,8 @@
 """Targets a lowered kernel runs on: ``cpu`` (Pallas interpret), ``tpu`` (torch_tpu) and compile-only chips.
 
 :func:`run_call` is what ``kernel(...)`` does: torch tensors go through the registered torch op (whose
-cpu / PrivateUse1 kernels call :func:`run_torch`), jax arrays run the jitted JAX function directly.
+cpu / PrivateUse1 kernels call :func:`tpukernels.targets.dispatch.run_torch`), jax arrays run the jitted JAX
+function directly. The cpu and tpu targets (:mod:`.cpu`, :mod:`.tpu`) build on this module; it does not import them.
 """
 
 from __future__ import annotations
@@ -229,25 +230,6 @@ def bucket_specs(kernel: TpuKernel, specs: tuple) -> tuple:
         return specs
     nb = bucket(n)
     return tuple(s if s not in rows else TensorSpec((nb, *s.shape[1:]), s.dtype, s.name) for s in specs)
-
-
-def run_torch(kernel: TpuKernel, values: Sequence, config_json: str | None):
-    """The torch op's device kernel: route cpu tensors to interpret mode, tpu tensors to torch_tpu."""
-    torch = sys.modules["torch"]
-    dev = None
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            dev = v.device.type
-            break
-    if dev is None or dev == "cpu":  # cpu first: it is the hot path here
-        from . import cpu
-
-        return cpu.run_torch_cpu(kernel, values, config_json)
-    if dev in ("tpu", "privateuseone", "privateuse1"):
-        from . import tpu
-
-        return tpu.run_torch_tpu(kernel, values, config_json)
-    raise DeviceError(f"{kernel.qualname}: tensors on {dev!r} are not supported; use cpu (interpret) or tpu tensors")
 
 
 def signature_key(values: Sequence, config_json, mode) -> tuple:

@@ -257,7 +257,7 @@ def kernel_calls(fn, args, kwargs) -> list[tuple]:
 
     from ..dsl.dtypes import to_jax_dtype
     from ..errors import ArgumentError
-    from ..torch_op import KERNEL_CALLS
+    from ..dsl.hooks import KERNEL_CALLS
 
     name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
     if not callable(fn):
