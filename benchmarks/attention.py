@@ -1,25 +1,18 @@
-"""Flash attention: libtpu static estimates (a model, not a measurement) vs XLA and JAX's Pallas kernel.
+"""Flash attention block sweeps (a study): libtpu static estimates (a model, not a measurement) that chose the
+shipped attention configs and the JAX kernel blocks the benchmark compares against.
 
 For each chip and sequence length, at ``B=1, Hq=32, Hkv=8, D=128``, causal, bf16 (the shape of the
 compile-only tests), compiles without a TPU and asks libtpu for its static ``estimated_cycles``, turned
 into a model time with :func:`tpukernels.perf.model_time` (max of cycles / clock and the HBM and MXU
-rooflines). Compared:
+rooflines), for every config of a small sweep of
 
-* ``tpukernels``: :data:`tpukernels.library.attention.fa_forward` at its dispatch config (tuning DB, else
-  heuristic) and, with ``--sweep``, at every config of a small sweep;
-* ``xla``: ``softmax(Q K^T + mask) V`` in ``jax.numpy`` (K/V heads repeated for GQA), compiled by XLA;
-* ``jax-pallas``: ``jax.experimental.pallas.ops.tpu.flash_attention`` at its default blocks (128) and at
-  the best blocks of a sweep. It has no GQA, so it gets K/V repeated to 32 heads (what a user would pass).
-
-XLA: libtpu 0.0.52's static profiler aborts on XLA's attention programs at these lengths
-(``llo_execution_graph.cc``; the masked softmax alone at S=2048 and 4 heads estimates at 113,333 cycles on
-v6e, ~518 µs scaled to 32 heads), so the table gives ``xla floor``: a lower bound (:func:`xla_floor_us`)
-and ``n/a`` for the estimate.
+* ``tpukernels``: :data:`tpukernels.library.attention.fa_forward` (``--sweep ours``);
+* ``jax-pallas``: ``jax.experimental.pallas.ops.tpu.flash_attention`` (``--sweep jax``). It has no GQA, so it
+  gets K/V repeated to 32 heads (what a user would pass).
 
 ``--backward`` adds the backward (our dQ + dK/dV kernels + the ``rowsum(dO * O)`` XLA op vs JAX's
 backward kernels at the same blocks). Sweeps run at a quarter of the heads (B=1, Hq=8, Hkv=2; the
-estimate is linear in the head count, ``--check-scaling`` verifies it) to save time; the table rows are
-full-size estimates. ``--write-defaults`` records the best swept config per (chip, length) in the shipped
+estimate is linear in the head count, ``--check-scaling`` verifies it) to save time. ``--write-defaults`` records the best swept config per (chip, length) in the shipped
 tuning DB (``tpukernels/data/autotuning/<chip>/tpukernels.flash_attention*.json``).
 
 Run (several minutes per chip and length; S=8192 estimates take up to minutes each)::
@@ -27,7 +20,9 @@ Run (several minutes per chip and length; S=8192 estimates take up to minutes ea
     B=benchmarks/attention.py
     .venv/bin/python $B --chips v5e,v6e,tpu7x --seqs 4096,8192 --backward --sweep both   # trials -> results
     .venv/bin/python $B --chips v5e,v6e,tpu7x --seqs 4096,8192 --backward --write-defaults
-    .venv/bin/python $B --chips v5e,v6e,tpu7x --seqs 4096,8192 --backward --table        # the comparison
+
+The comparison with XLA and JAX's kernels (published in BENCHMARKS.md) is ``tpukernels bench --family attention``
+(:mod:`tpukernels.bench.attention`), which uses the JAX blocks this study's ``--sweep jax`` found best.
 
 Trials are appended to ``--results`` (JSON lines, default ``~/.cache/tpukernels/bench/attention_sweep.jsonl``),
 so defaults can be re-recorded after an edit elsewhere without re-estimating; trials of older kernel source
@@ -53,7 +48,7 @@ import numpy as np  # noqa: E402
 
 from tpukernels.autotune import db  # noqa: E402
 from tpukernels.autotune.estimator import client  # noqa: E402
-from tpukernels.bench.attention import attention_flops, attention_io_bytes, xla_floor_us  # noqa: E402  (shared with `tpukernels bench`)
+from tpukernels.bench.attention import attention_flops, attention_io_bytes  # noqa: E402  (shared with `tpukernels bench`)
 from tpukernels.library.attention import fa_backward_dkv, fa_backward_dq, fa_forward  # noqa: E402
 from tpukernels.lowering import lower  # noqa: E402
 from tpukernels.perf import model_time  # noqa: E402
@@ -113,41 +108,6 @@ def ours(chip: str, S: int, config: dict | None, *, hq=HQ, hkv=HKV, backward=Fal
         o = jax.ShapeDtypeStruct((B, hq, S, D), DT)
         total += _estimate(jax.jit(lambda a, b: jnp.sum(a.astype(jnp.float32) * b.astype(jnp.float32), -1)), [o, o], chip)
     return {"cycles": total, "config": used[0] if len(used) == 1 else used}
-
-
-def _mask(S):
-    i = jnp.arange(S)[:, None]
-    return jnp.arange(S)[None, :] <= i
-
-
-def xla(chip: str, S: int, *, backward=False, hq=HQ, hkv=HKV) -> int:
-    """XLA's attention: ``softmax(Q K^T * scale + causal mask) V`` in jnp (GQA by grouping query heads).
-
-    The forward is estimated as two XLA programs, (1) the masked softmax writing P in bf16 and (2) ``P V``,
-    and the cycles are added: libtpu 0.0.52's static profiler aborts (``llo_execution_graph.cc:46``) on
-    the single program (each part alone is fine). XLA materialises the S x S scores in HBM either way.
-    The backward is ``jax.vjp`` of the single program (forward + backward, one program)."""
-    g = hq // hkv
-
-    def probs(q, k):
-        qg = q.reshape(B, hkv, g, S, D)
-        s = jnp.einsum("bhgqd,bhkd->bhgqk", qg, k, preferred_element_type=jnp.float32) * D ** -0.5
-        s = jnp.where(_mask(S), s, -jnp.inf)
-        return jax.nn.softmax(s, axis=-1).astype(DT)
-
-    def pv(p, v):
-        return jnp.einsum("bhgqk,bhkd->bhgqd", p, v, preferred_element_type=jnp.float32).astype(DT).reshape(B, hq, S, D)
-
-    q = jax.ShapeDtypeStruct((B, hq, S, D), DT)
-    kv = jax.ShapeDtypeStruct((B, hkv, S, D), DT)
-    if not backward:
-        p = jax.ShapeDtypeStruct((B, hkv, g, S, S), DT)
-        return _estimate(jax.jit(probs), [q, kv], chip) + _estimate(jax.jit(pv), [p, kv], chip)
-
-    def fwd_bwd(q, k, v, do):
-        return jax.vjp(lambda q, k, v: pv(probs(q, k), v), q, k, v)[1](do)
-
-    return _estimate(jax.jit(fwd_bwd), [q, kv, kv, q], chip)
 
 
 def jax_pallas(chip: str, S: int, blocks: tuple | None, *, hq=HQ, backward=False) -> int:
@@ -265,25 +225,9 @@ def main(argv=None) -> int:
     ap.add_argument("--backward", action="store_true", help="also the backward pass")
     ap.add_argument("--write-defaults", action="store_true",
                     help="record the best tpukernels config per (chip, S, pass) of --results in the shipped DB")
-    ap.add_argument("--table", action="store_true", help="the comparison table (ours at its dispatch config, JAX "
-                    "at default blocks and at the best blocks of --results, XLA)")
-    ap.add_argument("--full-heads", action="store_true", help="table estimates at all 32 heads (slow) instead of "
-                    "1/8 of the heads scaled by 8")
-    ap.add_argument("--no-xla", action="store_true", help="skip the XLA reference")
     ap.add_argument("--check-scaling", action="store_true", help="verify: estimate(32 heads) ~= 8 x estimate(4)")
-    ap.add_argument("--print-table", action="store_true", help="print the table from the rows saved by --table")
     args = ap.parse_args(argv)
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    rows = []
-    if args.print_table:
-        with open(args.results.replace(".jsonl", "_table.jsonl")) as f:
-            saved = [json.loads(line) for line in f]
-        chips = args.chips.split(",")
-        rows = [r for r in saved if r["chip"] in chips]
-        for r in rows:
-            r.setdefault("xla_floor_us", round(xla_floor_us(r["chip"], r["S"], r["pass"] == "bwd"), 1))
-        args.chips, args.seqs = "", ""
-    rows = rows if args.print_table else []
     for chip in (c for c in args.chips.split(",") if c):
         for S in (int(s) for s in args.seqs.split(",") if s):
             for backward in ((False, True) if args.backward else (False,)):
@@ -300,51 +244,6 @@ def main(argv=None) -> int:
                     if cfg is not None:
                         for path in write_default(chip, S, cfg, t, backward):
                             log(f"  wrote {cfg} ({t} us) to {path}")
-                if not args.table:
-                    continue
-                div = 1 if args.full_heads else SWEEP_DIV
-                hq, hkv = HQ // div, HKV // div
-                r = {"chip": chip, "S": S, "pass": pas, "heads_div": div}
-
-                def attempt(name, fn):  # libtpu's static profiler aborts on some programs: record why
-                    try:
-                        r[name] = round(us(chip, fn() * div, S, backward), 1)
-                    except Exception as e:
-                        r[name] = None
-                        r[name + "_error"] = str(e)[:160]
-
-                o = {}
-                attempt("ours_us", lambda: o.setdefault("r", ours(chip, S, None, hq=hq, hkv=hkv, backward=backward))["cycles"])
-                r["ours_config"] = o["r"]["config"] if "r" in o else None
-                if not backward:  # JAX's 128-blocks backward at S=8192 takes too long to estimate
-                    attempt("jax_default_us", lambda: jax_pallas(chip, S, None, hq=hq, backward=backward))
-                jb, _ = best_from(args.results, chip, S, pas, "jax-pallas")
-                if jb is not None:
-                    r["jax_best_blocks"] = jb
-                    attempt("jax_best_us", lambda: jax_pallas(chip, S, jb, hq=hq, backward=backward))
-                if not args.no_xla:
-                    attempt("xla_us", lambda: xla(chip, S, backward=backward, hq=hq, hkv=hkv)
-                            - (xla(chip, S, hq=hq, hkv=hkv) if backward else 0))  # backward part only
-                    r["xla_floor_us"] = round(xla_floor_us(chip, S, backward), 1)
-                rows.append(r)
-                log(f"  {json.dumps(r)}")
-                with open(args.results.replace(".jsonl", "_table.jsonl"), "a") as f:
-                    f.write(json.dumps(r) + "\n")
-    if not rows:
-        return 0
-    print(f"\nModel estimates (libtpu static estimate -> tpukernels.perf.model_time), µs; B={B} Hq={HQ} Hkv={HKV} "
-          f"D={D} causal bf16; JAX's kernel gets K/V repeated to {HQ} heads (no GQA); estimated at 1/heads_div "
-          f"of the heads and scaled (linear: --check-scaling)")
-    print(f"{'chip':6} {'S':>5} {'pass':4} {'tpukernels':>11} {'jax best':>9} {'jax 128':>9} {'xla':>9} "
-          f"{'xla floor':>9} {'ours/jax':>8}  ours config / jax blocks")
-    def f(x):
-        return f"{x:9.1f}" if isinstance(x, (int, float)) else f"{'n/a':>9}"
-
-    for r in rows:
-        jb, ou = r.get("jax_best_us"), r.get("ours_us")
-        ratio = f"{ou / jb:8.3f}" if jb and ou else f"{'':8}"
-        print(f"{r['chip']:6} {r['S']:5d} {r['pass']:4} {f(ou):>11} {f(jb)} {f(r.get('jax_default_us'))} "
-              f"{f(r.get('xla_us'))} {f(r.get('xla_floor_us'))} {ratio}  {r.get('ours_config')} / {r.get('jax_best_blocks')}")
     return 0
 
 

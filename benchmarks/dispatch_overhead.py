@@ -1,4 +1,7 @@
-"""Per-call host overhead of a cached tiny op: torch op vs the jitted JAX function vs a naive round trip.
+"""Where the host time of a cached tiny op goes (a study): torch op vs the jitted JAX function vs a naive round trip.
+
+The published host costs of the library ops (BENCHMARKS.md) are ``tpukernels bench --family host``
+(:mod:`tpukernels.bench.host`, whose timer this study shares); this script breaks one example kernel's call down.
 
 Wall-clock measurement on this machine's CPU (not a model). The kernel is the example vector add on
 1024 float32 elements in fast interpret mode, so the kernel itself is a few microseconds; what differs

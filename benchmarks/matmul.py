@@ -1,25 +1,17 @@
-"""Matmul benchmark: libtpu static estimates (a MODEL, not measurements) of tpukernels' matmul vs XLA.
+"""Matmul block sweep (a study): libtpu static estimates (a MODEL, not measurements) of tpukernels' matmul
+at the configs of a small sweep per chip and bf16 problem; ``--write-defaults`` ships the best.
 
-For each chip and bf16 problem it compiles (compile-only, no TPU) and asks libtpu for its static
-``estimated_cycles``:
-
-* tpukernels: ``tk.compile_for(kernel, chip, ..., config=cfg, estimate_cycles=True)`` per candidate config;
-* XLA: ``jnp.dot(a, b, preferred_element_type=f32).astype(bf16)`` (``a @ w.T`` for the Linear shape)
-  through ``tpukernels.targets.compile_only.estimate_cycles_of``.
-
-Both become a model time with ``tpukernels.perf.model_time``: ``max(cycles / clock, bytes / HBM bandwidth,
-flops / peak)``. Bytes: XLA gets the unique bytes (``a + b + out``, a lower bound, in XLA's favour); the
-kernel gets its block traffic (``a`` re-read ``N / bn`` times and ``b`` ``M / bm`` times when K takes more
-than one block; see :func:`kernel_hbm_bytes`). "% of peak" = flops / (model time x bf16 peak FLOP/s).
-
-Reference point: JAX's Pallas TPU matmul guide measured XLA at 92.3% of v5e's bf16 peak for 8192^3
-(https://docs.jax.dev/en/latest/pallas/tpu/matmul.html, "XLA matmul" cell: 92.2960%).
+For each candidate: ``tk.compile_for(kernel, chip, ..., config=cfg, estimate_cycles=True)`` -> libtpu's static
+``estimated_cycles``, made a model time with ``tpukernels.perf.model_time``: ``max(cycles / clock, bytes / HBM
+bandwidth, flops / peak)``, with the kernel's block traffic as bytes (``a`` re-read ``N / bn`` times and ``b``
+``M / bm`` times when K takes more than one block; see :func:`kernel_hbm_bytes`). "% of peak" = flops / (model
+time x bf16 peak FLOP/s). The comparison with XLA and JAX's Pallas matmul (published in BENCHMARKS.md) is
+``tpukernels bench --family matmul``.
 
 Usage::
 
-    .venv/bin/python benchmarks/matmul.py                       # dispatch's config per chip vs XLA
-    .venv/bin/python benchmarks/matmul.py --sweep --write-defaults   # small sweep, ship the best
-    .venv/bin/python benchmarks/matmul.py --chips v5e --shapes 8192 --sweep
+    .venv/bin/python benchmarks/matmul.py --write-defaults      # the small sweep, ship the best
+    .venv/bin/python benchmarks/matmul.py --chips v5e --shapes 8192
 
 Estimates are cached (``--cache``, keyed by chip, shape, config, kernel source hash and libtpu version),
 so an interrupted sweep resumes. 8192^3 estimates take one to several minutes each on 2 CPU cores.
@@ -132,29 +124,6 @@ def save_cache(path, cache):
         os.replace(tmp, path)
 
 
-def xla_estimate(chip, shape, cache, cache_path):
-    import jax
-    import jax.numpy as jnp
-
-    from tpukernels.targets.compile_only import estimate_cycles_of
-
-    key = f"xla|{chip}|{shape}|{db.versions().get('libtpu')}"
-    if key not in cache:
-        layout, M, K, N = SHAPES[shape]
-        sa = jax.ShapeDtypeStruct((M, K), jnp.bfloat16)
-        if layout == "nt":
-            sb = jax.ShapeDtypeStruct((N, K), jnp.bfloat16)
-            fn = jax.jit(lambda a, w: jnp.dot(a, w.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
-        else:
-            sb = jax.ShapeDtypeStruct((K, N), jnp.bfloat16)
-            fn = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
-        t0 = time.perf_counter()
-        cycles = estimate_cycles_of(fn, chip, [sa, sb])
-        cache[key] = {"cycles": cycles, "seconds": round(time.perf_counter() - t0, 1)}
-        save_cache(cache_path, cache)
-    return cache[key]
-
-
 def kernel_estimate(chip, shape, config, cache, cache_path):
     layout, a, b = specs_for(shape)
     kernel = mm.KERNELS[layout]
@@ -182,26 +151,11 @@ def pct_peak(chip, shape, mt) -> float:
     return 100.0 * 2 * M * N * K / (mt.time_us * 1e-6) / perf.peak_flops(chip)
 
 
-def dispatch_config(chip, shape):
-    """The config a call of this shape gets on ``chip``: shipped/user DB entry, else the heuristic."""
-    layout, a, b = specs_for(shape)
-    kernel = mm.KERNELS[layout]
-    from tpukernels.targets.compile_only import parse_shape
-
-    sa, sb = parse_shape(a), parse_shape(b)
-    specs = (tk.TensorSpec(sa.shape, sa.dtype, "a"), tk.TensorSpec(sb.shape, sb.dtype, "b"), None)
-    statics = (("activation", None), ("out_dtype", None), ("reduce_batch", False))
-    got = db.lookup(kernel, chip, specs, statics)
-    if got is not None:
-        return dict(kernel.space.complete(got[0])), got[1]
-    return dict(kernel.space.complete(kernel.heuristic(*specs, **dict(statics)))), "heuristic"
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--chips", default=",".join(CHIPS))
     p.add_argument("--shapes", default=",".join(SHAPES))
-    p.add_argument("--sweep", action="store_true", help="evaluate the small sweep (else dispatch's config only)")
+    p.add_argument("--sweep", action="store_true", help="(the study always sweeps; kept for older command lines)")
     p.add_argument("--write-defaults", action="store_true", help="record the best swept config as shipped default")
     p.add_argument("--jobs", type=int, default=1, help="estimates run in parallel (each is a subprocess)")
     p.add_argument("--cache", default=os.path.join(db.user_cache_dir(), "bench", "matmul_estimates.json"))
@@ -213,16 +167,12 @@ def main(argv=None):
     jobs = []  # (chip, shape, config, source)
     for chip in chips:
         for shape in shapes:
-            if args.sweep:
-                layout = SHAPES[shape][0]
-                for c in sweep_configs(chip, shape):
-                    c = dict(c)
-                    if layout != "nt":
-                        c.pop("rhs", None)
-                    jobs.append((chip, shape, c, "sweep"))
-            else:
-                c, source = dispatch_config(chip, shape)
-                jobs.append((chip, shape, c, source))
+            layout = SHAPES[shape][0]
+            for c in sweep_configs(chip, shape):
+                c = dict(c)
+                if layout != "nt":
+                    c.pop("rhs", None)
+                jobs.append((chip, shape, c, "sweep"))
 
     def run(job):
         chip, shape, c, source = job
@@ -232,13 +182,6 @@ def main(argv=None):
         print(f"  [{time.perf_counter() - t0:6.1f}s] {chip} {shape} {c}: {what}", file=sys.stderr, flush=True)
         return job, est
 
-    xla = {}
-    for chip in chips:
-        for shape in shapes:
-            t0 = time.perf_counter()
-            xla[chip, shape] = xla_estimate(chip, shape, cache, args.cache)
-            print(f"  [{time.perf_counter() - t0:6.1f}s] {chip} {shape} XLA: {xla[chip, shape]['cycles']}",
-                  file=sys.stderr, flush=True)
     with cf.ThreadPoolExecutor(max(1, args.jobs)) as ex:
         results = list(ex.map(run, jobs))
 
@@ -253,24 +196,21 @@ def main(argv=None):
             best[chip, shape] = (c, source, mt, est)
 
     rows = []
-    head = (f"{'chip':6} {'shape':>7} {'config (bm,bk,bn)':>20} {'source':>18} {'cycles':>10} {'model us':>9} "
-            f"{'% peak':>7} {'XLA cycles':>10} {'XLA us':>8} {'XLA %':>6} {'XLA/ours':>8}")
+    head = (f"{'chip':6} {'shape':>7} {'best of sweep (bm,bk,bn)':>24} {'cycles':>10} {'model us':>9} {'% peak':>7} "
+            f"{'candidates':>10}")
     print("All figures are MODEL ESTIMATES (libtpu static estimated_cycles + rooflines), not measurements.")
     print(head)
     order = sorted(best.items(), key=lambda kv: (kv[0][0], list(SHAPES).index(kv[0][1])))
     for (chip, shape), (c, source, mt, est) in order:
         layout, M, K, N = SHAPES[shape]
-        xm = model(chip, shape, xla[chip, shape]["cycles"], (M * K + K * N + M * N) * 2)
         row = dict(chip=chip, shape=shape, layout=layout, M=M, K=K, N=N, config=c, source=source,
                    cycles=est["cycles"], model_us=round(mt.time_us, 2), bound=mt.bound,
-                   pct_peak=round(pct_peak(chip, shape, mt), 1), xla_cycles=xla[chip, shape]["cycles"],
-                   xla_model_us=round(xm.time_us, 2), xla_pct_peak=round(pct_peak(chip, shape, xm), 1),
-                   speedup_vs_xla=round(xm.time_us / mt.time_us, 3), vmem_bytes=est["vmem_estimate_bytes"])
+                   pct_peak=round(pct_peak(chip, shape, mt), 1), vmem_bytes=est["vmem_estimate_bytes"],
+                   candidates=sum(1 for (ch, sh, _, _), e in results if (ch, sh) == (chip, shape) and e["ok"]))
         rows.append(row)
         blk = f"{c['bm']},{c['bk']},{c['bn']}" + (f",{c['rhs']}" if "rhs" in c else "")
-        print(f"{chip:6} {shape:>7} {blk:>20} {source:>18} {est['cycles']:10d} {mt.time_us:9.1f} "
-              f"{row['pct_peak']:7.1f} {row['xla_cycles']:10d} {xm.time_us:8.1f} {row['xla_pct_peak']:6.1f} "
-              f"{row['speedup_vs_xla']:8.3f}")
+        print(f"{chip:6} {shape:>7} {blk:>24} {est['cycles']:10d} {mt.time_us:9.1f} {row['pct_peak']:7.1f} "
+              f"{row['candidates']:10d}")
     if args.csv:
         import csv
 
@@ -281,8 +221,6 @@ def main(argv=None):
                 w.writerow({**r, "config": json.dumps(r["config"], sort_keys=True)})
 
     if args.write_defaults:
-        if not args.sweep:
-            p.error("--write-defaults needs --sweep")
         from tpukernels.targets.compile_only import parse_shape
 
         for r in rows:
@@ -291,10 +229,9 @@ def main(argv=None):
             sa, sb = parse_shape(a), parse_shape(b)
             specs = (tk.TensorSpec(sa.shape, sa.dtype, "a"), tk.TensorSpec(sb.shape, sb.dtype, "b"), None)
             statics = (("activation", None), ("out_dtype", None), ("reduce_batch", False))
-            n_cand = sum(1 for (ch, sh, _, _), e in results if ch == r["chip"] and sh == r["shape"] and e["ok"])
             evidence = {"evaluator": "libtpu-static-estimate", "estimated_cycles": r["cycles"],
                         "model_time_us": r["model_us"], "pct_of_peak": r["pct_peak"],
-                        "xla_model_time_us": r["xla_model_us"], "candidates": n_cand,
+                        "candidates": r["candidates"],
                         "note": "model estimate (libtpu static cost model + rooflines), not a measurement"}
             path = db.record(kernel, r["chip"], specs, statics, r["config"], evidence,
                              path=db.shipped_db_path(kernel.qualname, r["chip"]))

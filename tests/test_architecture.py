@@ -180,3 +180,37 @@ def test_the_walk_sees_lazy_and_string_imports(tmp_path):
     assert layer_of("tpukernels.autotune.db")[1] == "tpukernels.autotune"
     assert find_cycle({m: set(e) for m, e in g.items()}) == [
         "tpukernels.low", "tpukernels.sub.high", "tpukernels.other", "tpukernels.low"]
+
+
+#: what computes or publishes a bench family's figures: a study (benchmarks/*.py) imports none of it
+_PUBLISHING = {"xla_fns", "xla_floor_us", "xla_impl", "_xla", "_xla_program", "save_result", "run_family",
+               "render", "update_readme", "combined_json"}
+
+
+def _study_problems(path: pathlib.Path) -> list[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    docs = {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef)) and n.body
+            and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    bad = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("tpukernels.bench"):
+            if n.module == "tpukernels.bench.report" or any(a.name == "report" for a in n.names):
+                bad.append(f"{path.name}:{n.lineno} imports the report")
+            bad += [f"{path.name}:{n.lineno} imports {a.name}" for a in n.names if a.name in _PUBLISHING]
+        elif (isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs
+              and ("benchmarks/results" in n.value or n.value.endswith("BENCHMARKS.md"))):
+            bad.append(f"{path.name}:{n.lineno} names {n.value!r}")
+    return bad
+
+
+def test_benchmark_studies_publish_no_figure(tmp_path):
+    """One home per figure (ARCHITECTURE.md): ``tpukernels bench`` computes and writes what is published; the
+    studies in benchmarks/ neither write ``benchmarks/results`` / BENCHMARKS.md nor reuse a family's baselines."""
+    studies = sorted((ROOT.parent / "benchmarks").glob("*.py"))
+    assert studies
+    bad = [p for s in studies for p in _study_problems(s)]
+    assert not bad, "\n".join(bad)
+    fake = tmp_path / "study.py"  # the check can fail
+    fake.write_text('"""doc: BENCHMARKS.md"""\nfrom tpukernels.bench.norms import xla_fns\nOUT = "benchmarks/results/x.json"\n')
+    assert _study_problems(fake) == ["study.py:2 imports xla_fns", "study.py:3 names 'benchmarks/results/x.json'"]
