@@ -195,7 +195,7 @@ def test_family_source_digest_covers_what_its_figures_depend_on(tmp_path):
 
     after = edit("cli.py")  # not in any family's figures
     assert after == before and core.source_digest(None, root) != whole
-    after = edit("library/norms.py")  # norms only
+    after = edit("library/norms/layer_norm.py")  # norms only (a file of the norms package)
     assert after["norms"] != before["norms"] and after["matmul"] == before["matmul"]
     before = after
     after = edit("library/matmul.py")  # matmul, and quantized_matmul (its bf16 comparison row)

@@ -130,8 +130,8 @@ def source_digest(family: str | None = None, root: str | None = None) -> str:
             return rel.startswith("data/autotuning/") and rel.rsplit("/", 1)[1] in data
         if rel in skip or any(rel.startswith(p) for p in skip if p.endswith("/")):
             return False
-        if rel.startswith("library/") and rel != "library/__init__.py":
-            return rel[len("library/"):-3] in libs
+        if rel.startswith("library/") and rel != "library/__init__.py":  # a module, or a package's files
+            return rel[len("library/"):].split("/")[0].removesuffix(".py") in libs
         return True
 
     h = hashlib.sha256()

@@ -1,8 +1,9 @@
 """Tuned kernel library (attention, matmul, normalization), all written with the tpukernels DSL.
 
-Each kernel family is one module (kernel bodies, launch, tunable space, defaults, float64 reference,
-registration) and may define ``STANDARD_CASES``: ``[(kernel, args, kwargs), ...]`` at the shapes its
-defaults are tuned for, used by ``tpukernels demo``, ``tpukernels autotune --library`` and benchmarks.
+Each kernel family is one module, or a package once it grows (``norms/``: one file per kernel), with its kernel
+bodies, launch, tunable space, defaults, float64 reference and registration, and may define ``STANDARD_CASES``:
+``[(kernel, args, kwargs), ...]`` at the shapes its defaults are tuned for, used by ``tpukernels demo``,
+``tpukernels autotune --library`` and benchmarks.
 """
 
 import sys as _sys
