@@ -214,3 +214,18 @@ def test_benchmark_studies_publish_no_figure(tmp_path):
     fake = tmp_path / "study.py"  # the check can fail
     fake.write_text('"""doc: BENCHMARKS.md"""\nfrom tpukernels.bench.norms import xla_fns\nOUT = "benchmarks/results/x.json"\n')
     assert _study_problems(fake) == ["study.py:2 imports xla_fns", "study.py:3 names 'benchmarks/results/x.json'"]
+
+
+def test_import_fills_every_registration_point_and_stays_light():
+    """``import tpukernels`` provides every point of :mod:`tpukernels.dsl.hooks` (so a kernel can be defined and
+    called) through lazy loaders: jax, Helion, the targets and ``torch.distributed.tensor`` are not imported."""
+    import subprocess
+    import sys
+
+    code = ("import sys, tpukernels\nfrom tpukernels.dsl import hooks\n"
+            "print(sorted(set(hooks.POINTS) - set(hooks._LOADERS)))\n"
+            "print(sorted(m for m in ('jax', 'helion', 'tpukernels.targets', 'tpukernels.torch_op', "
+            "'tpukernels.library', 'torch.distributed.tensor') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=ROOT.parent, check=True).stdout.split("\n")
+    assert out[:2] == ["[]", "[]"], out

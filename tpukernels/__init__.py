@@ -67,9 +67,11 @@ from .errors import (
 __version__ = "0.1.0"
 
 from . import _plugins  # noqa: E402
-from . import autotune  # noqa: E402  (registers the tuning-DB config resolver)
 
 _plugins.install()  # dispatch, torch ops, Helion, DTensor rules: registered into the dsl's hooks
+
+from . import autotune  # noqa: E402  (registers the tuning-DB config resolver)
+
 install_lazy_library_ops(_plugins.load_library)  # torch.ops.tpukernels.* load the library on first use
 
 
