@@ -13,13 +13,13 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import logging
-import os
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from ._env import env_flag
 from .chips import Chip, target_chip_from_env
 from .dsl.dtypes import check_jax_dtype
 from .dsl.kernel import CONFIG_RESOLVERS, Resolved, TpuKernel
@@ -29,7 +29,7 @@ from .dsl.validate import VmemEstimate, check_block, check_vmem, estimate_vmem, 
 from .errors import ArgumentError, KernelBodyError, LoweringError, TpuKernelError
 
 log = logging.getLogger("tpukernels.dispatch")
-if os.environ.get("TPUKERNELS_LOG_CONFIG") and not log.handlers:  # visible without any logging setup
+if env_flag("TPUKERNELS_LOG_CONFIG") and not log.handlers:  # visible without any logging setup
     _handler = logging.StreamHandler()
     _handler.setFormatter(logging.Formatter("tpukernels: %(message)s"))
     log.addHandler(_handler)
@@ -249,7 +249,7 @@ def resolve(kernel: TpuKernel, specs: tuple, statics: tuple, config: Mapping | N
     cfg, source = kernel.resolve_config(specs, statics, config, chip, resolvers)
     launch = kernel.make_launch(specs, statics, cfg)
     log.log(
-        logging.INFO if os.environ.get("TPUKERNELS_LOG_CONFIG") else logging.DEBUG,
+        logging.INFO if env_flag("TPUKERNELS_LOG_CONFIG") else logging.DEBUG,
         "%s: config %s from %s for %s",
         kernel.qualname, dict(cfg), source, [None if s is None else tuple(s.shape) for s in specs],
     )
