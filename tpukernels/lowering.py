@@ -25,7 +25,7 @@ from .dsl.dtypes import check_jax_dtype
 from .dsl.kernel import CONFIG_RESOLVERS, Resolved, TpuKernel
 from .dsl.modes import interpret_value
 from .dsl.spec import Config, TensorSpec
-from .dsl.validate import VmemEstimate, check_block, check_vmem, estimate_vmem, grid_is_empty
+from .dsl.validate import VmemEstimate, check_block, check_index_maps, check_vmem, estimate_vmem, grid_is_empty
 from .errors import ArgumentError, KernelBodyError, LoweringError, TpuKernelError
 
 log = logging.getLogger("tpukernels.dispatch")
@@ -134,6 +134,10 @@ def validate(kernel: TpuKernel, resolved: Resolved, chip: Chip | None) -> VmemEs
             f"{kernel.qualname}: dimension_semantics {tuple(launch.dimension_semantics)} has "
             f"{len(launch.dimension_semantics)} entries for a grid of rank {len(launch.grid)}"
         )
+    if not n_pref and launch.prefetch is None:  # block index maps vs extents: inputs read, outputs covered
+        check_index_maps(kernel.qualname, launch.grid, [(s.name, sp, s.shape) for sp, s in zip(in_specs, blocked)],
+                         [(i, sp, o.shape) for i, (sp, o) in enumerate(zip(out_specs, outs))],
+                         tuple(launch.input_output_aliases.values()))
     est = estimate_vmem(items, launch.scratch_shapes)
     if chip is not None:
         check_vmem(est, chip, launch.vmem_limit_bytes, kernel.qualname)

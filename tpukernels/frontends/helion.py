@@ -105,10 +105,12 @@ class HelionKernel(TpuKernel):
         def fn(*arrays):
             args = self._program_args(specs, statics, arrays)
             try:
-                if mode == "tpu":  # TPU-faithful interpreter (NaN memory, OOB and race checks)
+                if mode in ("tpu", "races"):  # TPU-faithful interpreter (NaN memory, OOB and race checks)
                     from jax.experimental.pallas import tpu as pltpu
 
-                    with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()), _quiet_codegen_log():
+                    from ..dsl.modes import interpret_value
+
+                    with pltpu.force_tpu_interpret_mode(interpret_value(mode)), _quiet_codegen_log():
                         out = hk.jax_fn(*args)
                 else:
                     with device_ctx(), _quiet_codegen_log():

@@ -30,7 +30,8 @@ import numpy as np
 from ..chips import Chip, MiB, get_chip
 from ..dsl.kernel import TpuKernel
 from ..dsl.spec import TensorSpec
-from ..errors import BackendUnavailableError, BlockShapeError, KernelBodyError, TpuKernelError, VmemError
+from ..errors import (BackendUnavailableError, BlockShapeError, KernelBodyError, TpuKernelError, UnwrittenOutputError,
+                      VmemError)
 from ..lowering import lower, specs_from_values
 
 AOT_HINT = "compile-only needs libtpu: pip install 'tpukernels[aot]' (libtpu 0.0.52 matches jax 0.10.2)"
@@ -372,7 +373,8 @@ def compile_for(
     try:
         low = lower(kernel, specs, statics, config, mode="mosaic", chip=chip)
     except (VmemError, BlockShapeError, KernelBodyError) as e:
-        res.error_kind = {VmemError: "vmem", BlockShapeError: "block_shape", KernelBodyError: "body"}[type(e)]
+        res.error_kind = next(v for k, v in ((UnwrittenOutputError, "unwritten_output"), (VmemError, "vmem"),
+                                             (BlockShapeError, "block_shape"), (KernelBodyError, "body")) if isinstance(e, k))
         res.error = str(e)
         res.vmem_estimate_bytes, res.vmem_limit_bytes = getattr(e, "estimate_bytes", None), getattr(e, "limit_bytes", None)
         try:  # the config that failed, for sweeps that read the result

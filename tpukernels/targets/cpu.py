@@ -89,11 +89,89 @@ def run_plan_cpu(plan: Plan, values: Sequence):
         if err is e:
             raise
         raise err from e
+    if low.mode != "fast":
+        _check_after_run(plan, values, outs)
     export = _dlpack_exporter()
     res = [export(o) for o in outs]
     if plan.n_rows is not None:
         res = [r[: plan.n_rows].clone() if rows else r for r, rows in zip(res, plan.row_outs)]
     return res[0] if plan.single else tuple(res)
+
+
+def _races_found() -> bool:
+    """Pallas's TPU interpreter flagged a data race in the kernel it ran last (mode ``"races"``)."""
+    try:
+        from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
+    except ImportError:  # another jax layout: no report to read
+        return False
+    races = getattr(ipc, "races", None)
+    return bool(getattr(races, "races_found", False))
+
+
+def _all_nan_block(out, block: tuple) -> "tuple | None":
+    """The first block (index tuple) of ``out`` whose in-bounds elements are all NaN, or None."""
+    import numpy as np
+
+    m = np.isnan(out)
+    if not m.any():
+        return None
+    if not block or len(block) != m.ndim:
+        return (0,) * m.ndim if m.all() else None
+    pad = [(0, -(-s // b) * b - s) for s, b in zip(m.shape, block)]
+    m = np.pad(m, pad, constant_values=True)
+    shaped = m.reshape([x for s, b in zip(m.shape, block) for x in (s // b, b)])
+    full = shaped.all(axis=tuple(range(1, 2 * m.ndim, 2)))
+    hit = np.argwhere(full)
+    return tuple(int(v) for v in hit[0]) if len(hit) else None
+
+
+def _check_after_run(plan: Plan, values: Sequence, outs) -> None:
+    """Checked interpret modes (``"tpu"``, ``"races"``): typed errors for what the TPU interpreter's run shows.
+
+    * ``"races"``: the interpreter's race detector fired -> :class:`KernelRaceError`.
+    * an output block whose every element is still NaN although every floating-point input is finite: the
+      interpreter poisons uninitialized memory with NaN, so no grid step wrote that block (a kernel that
+      computes NaN from finite inputs fills whole blocks with it only by a bug of its own) ->
+      :class:`UnwrittenOutputError` naming the kernel, the output and the block. Skipped when an input holds
+      NaN/inf (NaN results may then be right).
+    """
+    import numpy as np
+    import torch
+
+    from ..dsl.validate import block_dims
+    from ..errors import KernelRaceError, UnwrittenOutputError
+
+    low = plan.lowered
+    name = low.kernel.qualname
+    if low.mode == "races" and _races_found():
+        raise KernelRaceError(f"{name}: Pallas's TPU interpreter detected a data race (the report above names the "
+                              f"buffer and both accesses): order them with a DMA/semaphore wait or a barrier")
+    float_outs = [i for i, o in enumerate(outs) if np.issubdtype(np.dtype(o.dtype), np.floating) or
+                  np.dtype(o.dtype).name == "bfloat16"]
+    if not float_outs:
+        return
+    for i in plan.tensor_idx:
+        v = values[i]
+        if v.is_floating_point() and v.numel() and not bool(torch.isfinite(v).all()):
+            return
+    specs = low.resolved.launch.out_spec_list
+    aliased = set(low.input_output_aliases.values())
+    for i in float_outs:
+        if i in aliased:
+            continue
+        spec = specs[i] if i < len(specs) else None
+        bs = getattr(spec, "block_shape", None)
+        block = block_dims(bs) if bs is not None else ()
+        arr = np.asarray(outs[i].astype("float32")) if np.dtype(outs[i].dtype).name == "bfloat16" else np.asarray(outs[i])
+        if arr.size == 0:
+            continue
+        hit = _all_nan_block(arr, block)
+        if hit is not None:
+            raise UnwrittenOutputError(
+                f"{name}: output {i} {tuple(arr.shape)}: block {hit} (block shape {block or tuple(arr.shape)}) is "
+                f"still all NaN after the kernel ran on finite inputs: interpret mode 'tpu' fills uninitialized "
+                f"memory with NaN, so no grid step wrote it (a body that skips a store under pl.when, or an "
+                f"index_map that misses the block)", kernel=name, output=i, block=hit)
 
 
 def _runtime_error(plan: Plan, e: Exception) -> Exception:
