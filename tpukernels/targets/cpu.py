@@ -154,7 +154,8 @@ def _check_after_run(plan: Plan, values: Sequence, outs) -> None:
         v = values[i]
         if v.is_floating_point() and v.numel() and not bool(torch.isfinite(v).all()):
             return
-    specs = low.resolved.launch.out_spec_list
+    launch = low.resolved.launch  # None for front-ends that build their own BlockSpecs (Helion)
+    specs = launch.out_spec_list if launch is not None else ()
     aliased = set(low.input_output_aliases.values())
     for i in float_outs:
         if i in aliased:
