@@ -45,6 +45,13 @@ def env_flag(name: str, default: bool = False, env=None) -> bool:
     raise ArgumentError(f"environment variable {name}={raw!r} is not a boolean; use 1/true/yes/on or 0/false/no/off")
 
 
+def install_hint(extra: str) -> str:
+    """How to install tpukernels' optional ``extra`` (tpukernels is not on the package index): the line for a
+    source checkout and the line for a built wheel."""
+    return (f"from a tpukernels checkout: pip install -e '.[{extra}]'; from a built wheel: "
+            f"pip install 'tpukernels-<version>-py3-none-any.whl[{extra}]' (make the wheel with `python -m build`)")
+
+
 _GOOGLE_PCI_VENDOR = "0x1ae0"  # the PCI vendor id of TPU chips (what torch_tpu's hardware scan matches)
 
 

@@ -68,7 +68,9 @@ class KernelRuntimeError(TpuKernelError):
 
 class UnwrittenOutputError(KernelBodyError):
     """Part of a kernel output is written by no grid step (found from the out index maps before running),
-    or, in interpret mode ``"tpu"``, still holds the NaN poison after the kernel ran on finite inputs.
+    or, in interpret mode ``"tpu"``, a whole output block still holds the interpreter's NaN poison after the
+    kernel ran on finite inputs (never written, or computed from uninitialized memory such as an unmasked
+    partial tail block).
 
     Attributes: ``kernel`` (qualified name), ``output`` (output index), ``block`` (block index tuple, or
     None when unknown).

@@ -1,6 +1,6 @@
 """compile-only target: lower and compile a kernel for a TPU generation you do not have.
 
-With the ``libtpu`` wheel installed (``pip install 'tpukernels[aot]'``), jax's
+With the ``libtpu`` wheel installed (the ``aot`` extra: ``pip install -e '.[aot]'`` in a checkout), jax's
 ``topologies.get_topology_desc(topology_name="v5e:1x1", platform="tpu")`` yields TPU devices that can be
 compiled for but not run on. :func:`compile_for` runs the real Mosaic and XLA:TPU compilers for one chip
 and reports VMEM overflows and layout errors exactly as a TPU host would, translated into tpukernels
@@ -30,11 +30,12 @@ import numpy as np
 from ..chips import Chip, MiB, get_chip
 from ..dsl.kernel import TpuKernel
 from ..dsl.spec import TensorSpec
+from .._env import install_hint
 from ..errors import (BackendUnavailableError, BlockShapeError, KernelBodyError, TpuKernelError, UnwrittenOutputError,
                       VmemError)
 from ..lowering import lower, specs_from_values
 
-AOT_HINT = "compile-only needs libtpu: pip install 'tpukernels[aot]' (libtpu 0.0.52 matches jax 0.10.2)"
+AOT_HINT = f"compile-only needs libtpu (0.0.52 matches jax 0.10.2); install the aot extra: {install_hint('aot')}"
 
 _DTYPES = {"bf16": "bfloat16", "f32": "float32", "fp32": "float32", "f16": "float16", "fp16": "float16",
            "i32": "int32", "i8": "int8", "u8": "uint8", "bool": "bool"}

@@ -8,6 +8,7 @@ not portable).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Sequence
 
@@ -83,7 +84,11 @@ def run_plan_cpu(plan: Plan, values: Sequence):
     else:
         arrays = [to_jax(values[i]) for i in plan.tensor_idx]
     try:
-        outs = plan.runner(*arrays)
+        if low.mode == "fast":
+            outs = plan.runner(*arrays)
+        else:  # the TPU interpreter's checks raise inside io_callbacks: their tracebacks are not logged
+            with _quiet_io_callback_log():
+                outs = plan.runner(*arrays)
     except Exception as e:  # noqa: BLE001  (only the interpreter's out-of-bounds report is translated)
         err = _runtime_error(plan, e)
         if err is e:
@@ -96,6 +101,27 @@ def run_plan_cpu(plan: Plan, values: Sequence):
     if plan.n_rows is not None:
         res = [r[: plan.n_rows].clone() if rows else r for r, rows in zip(res, plan.row_outs)]
     return res[0] if plan.single else tuple(res)
+
+
+class _DropIoCallbackTraceback:
+    """Logging filter: drops jax's ``"jax.io_callback failed"`` record (a full traceback on stderr) while a
+    checked interpret run is in progress; the error itself still propagates and becomes a typed error."""
+
+    @staticmethod
+    def filter(record) -> bool:
+        return not str(record.msg).startswith("jax.io_callback failed")
+
+
+@contextlib.contextmanager
+def _quiet_io_callback_log():
+    import logging
+
+    logger = logging.getLogger("jax._src.callback")
+    logger.addFilter(_DropIoCallbackTraceback)
+    try:
+        yield
+    finally:
+        logger.removeFilter(_DropIoCallbackTraceback)
 
 
 def _races_found() -> bool:
@@ -130,8 +156,9 @@ def _check_after_run(plan: Plan, values: Sequence, outs) -> None:
 
     * ``"races"``: the interpreter's race detector fired -> :class:`KernelRaceError`.
     * an output block whose every element is still NaN although every floating-point input is finite: the
-      interpreter poisons uninitialized memory with NaN, so no grid step wrote that block (a kernel that
-      computes NaN from finite inputs fills whole blocks with it only by a bug of its own) ->
+      interpreter poisons uninitialized memory with NaN, so no grid step wrote that block, or it was computed
+      from uninitialized memory (an unmasked tail); a kernel that computes NaN from finite inputs fills a
+      whole block with it only by a bug of its own ->
       :class:`UnwrittenOutputError` naming the kernel, the output and the block. Skipped when an input holds
       NaN/inf (NaN results may then be right).
     """
@@ -171,8 +198,10 @@ def _check_after_run(plan: Plan, values: Sequence, outs) -> None:
             raise UnwrittenOutputError(
                 f"{name}: output {i} {tuple(arr.shape)}: block {hit} (block shape {block or tuple(arr.shape)}) is "
                 f"still all NaN after the kernel ran on finite inputs: interpret mode 'tpu' fills uninitialized "
-                f"memory with NaN, so no grid step wrote it (a body that skips a store under pl.when, or an "
-                f"index_map that misses the block)", kernel=name, output=i, block=hit)
+                f"memory with NaN, so either no grid step wrote the block (a store skipped under pl.when, an "
+                f"index_map that misses it) or what was written came from uninitialized memory (an unmasked "
+                f"partial tail block, scratch read before it was set; see tpukernels.mask_tail)",
+                kernel=name, output=i, block=hit)
 
 
 def _runtime_error(plan: Plan, e: Exception) -> Exception:
