@@ -225,8 +225,16 @@ def translate_error(e: BaseException, chip: Chip, limit: int) -> tuple[str, str]
         )
     if "divisible by 8 and 128" in msg or "rank 1 block" in msg:
         return "block_shape", msg.splitlines()[0]
-    first = next((ln for ln in msg.splitlines() if ln.strip()), msg)
-    return "compile", f"{type(e).__name__}: {first[:500]}"
+    lines = [ln.strip() for ln in msg.splitlines() if ln.strip()] or [msg]
+    # libtpu's own log prefixes (``F1203 12:00:00.000 ... ] Check failed``) and status codes: keep the text
+    # after them, say which chip's compiler failed, and how to look closer
+    cleaned = [re.sub(r"^[FEWI]\d{4} [\d:.]+\s+\d+\s+\S+\]\s*", "", ln) for ln in lines]
+    detail = next((ln for ln in cleaned if "index_map" in ln or "index map" in ln), cleaned[0])
+    if any(k in msg for k in ("Check failed", "INTERNAL", "libtpu", "Mosaic failed", "LLVM ERROR")):
+        return "compile", (f"libtpu's compiler failed on {chip.name}: {detail} (hint: run the kernel on cpu with "
+                           f"interpret='tpu' to check its blocks and indices, and `tpukernels compile ... --mlir PREFIX` "
+                           f"to see the Mosaic it was given)")
+    return "compile", f"{type(e).__name__}: {detail[:2000]}"
 
 
 #: what a keyword argument of a public function must look like to be read as a shape (see ``kernel_calls``)
@@ -579,8 +587,10 @@ def estimate_cycles_of(fn, chip: "str | Chip", structs, timeout_s: float = 600) 
         if proc.returncode != 0:
             from ..errors import LoweringError
 
-            tail = (proc.stderr or "").strip().splitlines()[-3:]
-            raise LoweringError(f"static estimate on {chip.name} failed: {' | '.join(tail)}")
+            tail = [ln for ln in (proc.stderr or "").strip().splitlines() if ln.strip()][-3:]
+            raise LoweringError(f"libtpu's static estimate on {chip.name} failed (exit {proc.returncode}): "
+                                f"{' | '.join(tail) or 'no output'} (hint: the compile itself may be fine; run "
+                                f"compile_for without estimate_cycles to check it)")
         return parse_llo_profiles(os.path.join(d, "llo"))
 
 
