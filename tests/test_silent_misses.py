@@ -111,3 +111,20 @@ def test_races_mode_passes_a_race_free_kernel():
     x = torch.randn(300, 260)
     torch.testing.assert_close(sm_add(x, x, interpret="races").double(), 2 * x.double(), rtol=0, atol=1e-6)
 
+
+
+def test_fast_mode_no_longer_clamps_a_data_dependent_out_of_bounds_read():
+    """Fast interpret mode used to clamp table[5] of a 4-row table to table[3] silently; the data-dependent
+    index map is now evaluated on the call's scalar-prefetch values first (mode "tpu" raised already)."""
+    import sys
+
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    import kernels_for_tests as K
+    from tpukernels.errors import KernelRuntimeError
+
+    table = torch.randn(4, 1, 128)
+    ok = torch.tensor([0, 3, 1], dtype=torch.int32)
+    torch.testing.assert_close(K.gather_rows(ok, table, interpret="fast"), 2 * table[[0, 3, 1]], rtol=0, atol=0)
+    for mode in ("fast", "tpu"):
+        with pytest.raises(KernelRuntimeError, match="gather_rows"):
+            K.gather_rows(torch.tensor([0, 5, 1], dtype=torch.int32), table, interpret=mode)

@@ -216,7 +216,7 @@ def cdiv(a: int, b: int) -> int:
 MAX_CHECKED_STEPS = 1 << 20
 
 
-def _block_indices(spec, grid: Sequence[int], coords) -> "np.ndarray | None":
+def _block_indices(spec, grid: Sequence[int], coords, extra=()) -> "np.ndarray | None":
     """``[steps, rank]`` block indices ``spec.index_map`` gives at every grid step (``coords``: ``[rank_g,
     steps]``), or None when the map cannot be evaluated on host arrays (data-dependent, traced-only ops)."""
     fn = getattr(spec, "index_map", None)
@@ -226,7 +226,7 @@ def _block_indices(spec, grid: Sequence[int], coords) -> "np.ndarray | None":
         import jax
 
         with jax.ensure_compile_time_eval():
-            got = fn(*list(coords))
+            got = fn(*list(coords), *extra)
         got = got if isinstance(got, (tuple, list)) else (got,)
         steps = coords.shape[1]
         cols = [np.broadcast_to(np.asarray(g, dtype=np.int64).reshape(-1), (steps,)) for g in got]
@@ -240,13 +240,17 @@ def _step(grid: Sequence[int], coords, k: int) -> tuple:
 
 
 def check_index_maps(qualname: str, grid: Sequence[int], inputs: Sequence, outputs: Sequence,
-                     aliased_outputs: Sequence[int] = ()) -> None:
+                     aliased_outputs: Sequence[int] = (), prefetch: Sequence = (), error=None) -> None:
     """Walk the grid and check every blocked operand's index map against the operand's extent.
 
     Args:
         inputs: ``(name, spec, shape)`` per blocked tensor input (scalar-prefetch operands excluded).
         outputs: ``(index, spec, shape)`` per output.
         aliased_outputs: outputs aliased to an input (``input_output_aliases``): they may be written in part.
+        prefetch: the scalar-prefetch operands' values (numpy arrays) when the index maps take them: the maps
+            are then evaluated on the data of this call (only the inputs are checked: which output blocks a
+            data-dependent map leaves alone is the kernel's business).
+        error: the error class for an input read past its end (default :class:`ArgumentError`).
 
     Raises:
         ArgumentError: an input block starts past the input's end at some grid step (the kernel would read
@@ -271,7 +275,7 @@ def check_index_maps(qualname: str, grid: Sequence[int], inputs: Sequence, outpu
     def idx_of(spec):
         key = id(spec.index_map)
         if key not in evaluated:
-            evaluated[key] = _block_indices(spec, grid, coords)
+            evaluated[key] = _block_indices(spec, grid, coords, prefetch)
         return evaluated[key]
 
     def blocked(spec, shape):
@@ -284,7 +288,8 @@ def check_index_maps(qualname: str, grid: Sequence[int], inputs: Sequence, outpu
         return bs if len(bs) == len(shape) else None
 
     out_tiling = []
-    for i, spec, shape in outputs:
+    error = error or ArgumentError
+    for i, spec, shape in outputs if not prefetch else ():
         shape = tuple(int(s) for s in shape)
         bs = blocked(spec, shape)
         idx = None if bs is None else idx_of(spec)
@@ -317,11 +322,12 @@ def check_index_maps(qualname: str, grid: Sequence[int], inputs: Sequence, outpu
         if bad.any():
             k = int(np.argmax(bad))
             d = int(np.argmax((start[k] >= np.asarray(shape)) | (idx[k] < 0)))
-            raise ArgumentError(
+            raise error(
                 f"{qualname}: argument {name!r} has shape {shape}, but at grid step {_step(grid, coords, k)} its "
                 f"BlockSpec {bs} reads block {tuple(int(v) for v in idx[k])}, whose dim {d} starts at element "
-                f"{int(start[k, d])}, past {name}'s size {shape[d]}: {name} is smaller than the grid {grid} "
-                f"covers (a tensor smaller than the others?)")
+                f"{int(start[k, d])}, past {name}'s size {shape[d]}: "
+                + (f"the block index comes from this call's scalar-prefetch values (an index out of range?)"
+                   if prefetch else f"{name} is smaller than the grid {grid} covers (a tensor smaller than the others?)"))
         for i, obs, oidx, oshape in out_tiling:
             if obs == bs and oidx.shape == idx.shape and np.array_equal(oidx, idx):
                 small = [d for d in range(len(shape)) if shape[d] < oshape[d]]

@@ -79,6 +79,9 @@ def run_plan_cpu(plan: Plan, values: Sequence):
     low = plan.lowered
     if plan.runner is None:
         plan.runner = low.compiled()
+    if low.mode == "fast" and low.resolved.launch is not None and low.resolved.launch.num_scalar_prefetch \
+            and low.resolved.launch.prefetch is None:
+        _check_prefetch_index_maps(plan, values)
     if plan.pad_idx:
         arrays = [to_jax(_pad_rows(values[i], plan.n_bucket) if i in plan.pad_idx else values[i]) for i in plan.tensor_idx]
     else:
@@ -122,6 +125,26 @@ def _quiet_io_callback_log():
         yield
     finally:
         logger.removeFilter(_DropIoCallbackTraceback)
+
+
+def _check_prefetch_index_maps(plan: Plan, values: Sequence) -> None:
+    """Fast interpret mode clamps an out-of-bounds block read silently (XLA's dynamic_slice), where mode
+    ``"tpu"`` raises: evaluate the data-dependent index maps on this call's scalar-prefetch values first and
+    raise :class:`KernelRuntimeError` naming the argument whose block would start past its end."""
+    from ..dsl.validate import check_index_maps
+    from ..errors import KernelRuntimeError
+
+    low = plan.lowered
+    launch = low.resolved.launch
+    n = launch.num_scalar_prefetch
+    present = [s for s in low.resolved.specs if s is not None]
+    pref = [values[i].detach().cpu().numpy() for i in plan.tensor_idx[:n]]
+    shapes = [tuple(values[i].shape) for i in plan.tensor_idx[n:]]
+    if plan.pad_idx:
+        shapes = [tuple(s.shape) for s in present[n:]]
+    check_index_maps(low.kernel.qualname, launch.grid, [(s.name, sp, shp) for sp, s, shp in
+                                                        zip(launch.in_specs, present[n:], shapes)], (),
+                     prefetch=pref, error=KernelRuntimeError)
 
 
 def _races_found() -> bool:
