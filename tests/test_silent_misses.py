@@ -128,3 +128,18 @@ def test_fast_mode_no_longer_clamps_a_data_dependent_out_of_bounds_read():
     for mode in ("fast", "tpu"):
         with pytest.raises(KernelRuntimeError, match="gather_rows"):
             K.gather_rows(torch.tensor([0, 5, 1], dtype=torch.int32), table, interpret=mode)
+
+
+def test_a_slow_interpret_call_says_so_once(monkeypatch, caplog):
+    import logging
+
+    from tpukernels.targets import cpu
+
+    monkeypatch.setattr(cpu, "SLOW_CALL_S", 0.0)
+    monkeypatch.setattr(cpu, "_SAID_SLOW", False)
+    x = torch.randn(8, 128)
+    with caplog.at_level(logging.WARNING, logger="tpukernels"):
+        sm_add(x, x)
+        sm_add(x, x)
+    said = [r for r in caplog.records if "interpret mode simulates" in r.getMessage()]
+    assert len(said) == 1 and "sm_add" in said[0].getMessage()

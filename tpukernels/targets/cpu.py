@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from collections.abc import Sequence
 
 from ..dsl.kernel import TpuKernel
@@ -86,6 +87,7 @@ def run_plan_cpu(plan: Plan, values: Sequence):
         arrays = [to_jax(_pad_rows(values[i], plan.n_bucket) if i in plan.pad_idx else values[i]) for i in plan.tensor_idx]
     else:
         arrays = [to_jax(values[i]) for i in plan.tensor_idx]
+    t0 = time.perf_counter()
     try:
         if low.mode == "fast":
             outs = plan.runner(*arrays)
@@ -97,6 +99,8 @@ def run_plan_cpu(plan: Plan, values: Sequence):
         if err is e:
             raise
         raise err from e
+    if not _SAID_SLOW and time.perf_counter() - t0 > SLOW_CALL_S:
+        _say_slow(low, time.perf_counter() - t0)
     if low.mode != "fast":
         _check_after_run(plan, values, outs)
     export = _dlpack_exporter()
@@ -125,6 +129,25 @@ def _quiet_io_callback_log():
         yield
     finally:
         logger.removeFilter(_DropIoCallbackTraceback)
+
+
+#: a cpu (interpret-mode) call longer than this, in seconds, gets the one-time "interpret mode is slow" note
+SLOW_CALL_S = 5.0
+_SAID_SLOW = False
+
+
+def _say_slow(low, seconds: float) -> None:
+    """Once per process: interpret mode simulates the TPU on the cpu, so big shapes take long (not a hang)."""
+    global _SAID_SLOW
+    import logging
+
+    _SAID_SLOW = True
+    hint = ("mode 'tpu' checks every access; mode 'fast' (TPUKERNELS_INTERPRET=fast) is several times quicker"
+            if low.mode != "fast" else "smaller shapes run proportionally faster")
+    logging.getLogger("tpukernels").warning(
+        "tpukernels: %s took %.1f s on the cpu: Pallas interpret mode simulates the TPU kernel step by step, so "
+        "large shapes are slow here (a TPU runs them in micro- to milliseconds); %s. Said once per process.",
+        low.kernel.qualname, seconds, hint)
 
 
 def _check_prefetch_index_maps(plan: Plan, values: Sequence) -> None:
