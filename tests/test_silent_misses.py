@@ -4,7 +4,6 @@ detectable (static checks before running in all modes; NaN-poison and race check
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from jax.experimental import pallas as pl
