@@ -142,3 +142,17 @@ def test_a_slow_interpret_call_says_so_once(monkeypatch, caplog):
         sm_add(x, x)
     said = [r for r in caplog.records if "interpret mode simulates" in r.getMessage()]
     assert len(said) == 1 and "sm_add" in said[0].getMessage()
+
+
+def test_checked_mode_takes_float8_inputs():
+    """The NaN-poison check reads float8 inputs (torch has no isfinite for them) instead of failing."""
+    from tpukernels.library import quantize_weight, quantized_matmul
+
+    x = torch.randn(16, 256)
+    w_q, w_scale = quantize_weight(torch.randn(128, 256), "float8_e4m3fn")
+    want = x.double() @ (w_q.double() * w_scale.double()[:, None]).T
+    got = quantized_matmul(x, w_q, w_scale)
+    with tk.interpret_mode("tpu"):
+        got_tpu = quantized_matmul(x, w_q, w_scale)
+    torch.testing.assert_close(got_tpu, got, rtol=0, atol=0)
+    torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2)

@@ -225,8 +225,10 @@ def _check_after_run(plan: Plan, values: Sequence, outs) -> None:
         return
     for i in plan.tensor_idx:
         v = values[i]
-        if v.is_floating_point() and v.numel() and not bool(torch.isfinite(v).all()):
-            return
+        if v.is_floating_point() and v.numel():
+            w = v if v.element_size() > 1 else v.float()  # torch has no isfinite for float8 dtypes
+            if not bool(torch.isfinite(w).all()):
+                return
     launch = low.resolved.launch  # None for front-ends that build their own BlockSpecs (Helion)
     specs = launch.out_spec_list if launch is not None else ()
     aliased = set(low.input_output_aliases.values())
