@@ -26,6 +26,7 @@ $(TORCH_TPU_WHEEL): $(STAMP)
 install: $(STAMP)
 
 demo: $(STAMP)
+	@echo "make demo: starting tpukernels demo (importing torch + jax takes a few seconds; first run ~10 min, later runs reuse cached estimates)"
 	$(VENV)/bin/tpukernels demo
 
 test: $(STAMP) $(TORCH_TPU_WHEEL)

@@ -19,10 +19,16 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 @pytest.fixture(params=["fast", "tpu"])
 def interpret(request):
-    """Run the test body in both cpu interpret modes ("tpu" poisons uninitialized memory with NaN)."""
-    import tpukernels as tk
+    """Run the test body in both cpu interpret modes ("tpu" poisons uninitialized memory with NaN).
 
-    with tk.interpret_mode(request.param):
+    Debug runs: ``TPUKERNELS_DETECT_RACES=1 make test`` (or pytest) runs the "tpu" half in mode "races"
+    (the interpreter's data-race detector on; a race fails the test with KernelRaceError).
+    """
+    import tpukernels as tk
+    from tpukernels._env import env_flag
+
+    mode = "races" if request.param == "tpu" and env_flag("TPUKERNELS_DETECT_RACES") else request.param
+    with tk.interpret_mode(mode):
         yield request.param
 
 

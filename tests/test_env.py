@@ -58,3 +58,47 @@ def test_tpu_present_reads_pci_vendor_ids(tmp_path, monkeypatch):
     assert not _env.tpu_present()
     (dev / "vendor").write_text("0x1ae0\n")
     assert _env.tpu_present()
+
+
+@pytest.mark.parametrize("value,expected", [("1", True), ("true", True), ("YES", True), (" on ", True),
+                                            ("0", False), ("false", False), ("No", False), ("off", False),
+                                            ("", False), (None, False)])
+def test_env_flag_one_parser(value, expected, monkeypatch):
+    """Every TPUKERNELS_* boolean flag goes through one parser: 0/false/no/off/"" are off."""
+    env = {} if value is None else {"TPUKERNELS_X": value}
+    assert _env.env_flag("TPUKERNELS_X", env=env) is expected
+
+
+def test_env_flag_rejects_garbage_naming_the_variable():
+    from tpukernels.errors import ArgumentError
+
+    with pytest.raises(ArgumentError, match="TPUKERNELS_X='maybe'"):
+        _env.env_flag("TPUKERNELS_X", env={"TPUKERNELS_X": "maybe"})
+
+
+def test_no_env_defaults_zero_means_defaults_apply(monkeypatch):
+    monkeypatch.setattr(_env, "tpu_present", lambda: False)
+    monkeypatch.setenv("TPUKERNELS_NO_ENV_DEFAULTS", "0")
+    assert _env.quiet_libtpu_defaults({}) == _env.COMPILE_ONLY_ENV
+    monkeypatch.setenv("TPUKERNELS_NO_ENV_DEFAULTS", "1")
+    assert _env.quiet_libtpu_defaults({}) == {}
+
+
+@pytest.mark.parametrize("value,logged", [("0", False), ("off", False), ("1", True)])
+def test_log_config_flag(value, logged, monkeypatch, caplog):
+    """TPUKERNELS_LOG_CONFIG=0 does not log the config choice at INFO; =1 does."""
+    import logging
+
+    import torch
+
+    from tpukernels.library import rms_norm
+
+    monkeypatch.setenv("TPUKERNELS_LOG_CONFIG", value)
+    from tpukernels.library.norms import rms_norm_fwd
+
+    rms_norm_fwd._entries.clear()
+    rms_norm_fwd._plans.clear()
+    with caplog.at_level(logging.INFO, logger="tpukernels.dispatch"):
+        rms_norm(torch.randn(8, 128))
+    hits = [r for r in caplog.records if r.levelno == logging.INFO and "config" in r.getMessage()]
+    assert bool(hits) is logged

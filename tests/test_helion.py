@@ -71,9 +71,13 @@ def test_unsupported_dtypes_name_the_feature():
         H.vector_add(torch.arange(8192), torch.arange(8192))
 
 
-def test_partial_tiles_give_a_clear_error_not_a_deep_traceback():
-    with pytest.raises(tk.LoweringError, match="cannot run partial tiles.*Pallas front-end"):
-        H.softmax(torch.randn(100, 256), config={"block_sizes": (32,)})
+def test_partial_tiles_are_padded_and_sliced():
+    """A row count (100) that is not a multiple of the row block (32) used to be refused; it now runs on
+    zero-padded rows and the result is sliced back."""
+    x = torch.randn(100, 256)
+    got = H.softmax(x, config={"block_sizes": (32,)})
+    assert got.shape == (100, 256)
+    torch.testing.assert_close(got.double(), torch.softmax(x.double(), -1), rtol=0, atol=1e-6)
 
 
 import helion.language as hl  # noqa: E402
@@ -113,13 +117,16 @@ def test_a_tile_indexed_dim_smaller_than_its_tile_extent_is_an_argument_error(mo
 
 
 @pytest.mark.parametrize("mode", ["fast", "tpu"])
-def test_partial_tiles_are_the_same_lowering_error_in_every_mode(mode):
+def test_partial_tiles_work_in_every_mode(mode):
     """interpret="tpu" used to raise a raw JaxRuntimeError (an out-of-bounds DMA in the interpreter) where fast
-    mode gave the LoweringError; the check now runs on Helion's launch plan before anything runs."""
+    mode gave a LoweringError; partial tiles are now padded to the block and the outputs sliced back, in
+    every mode, and the inputs are untouched."""
     x, b = torch.randn(100, 300), torch.randn(300)
-    with pytest.raises(tk.LoweringError, match=r"cannot run partial tiles.*x dim 0 \(100\) is not a multiple of "
-                                               r"its block 16"):
-        add_bias(x, b, interpret=mode)
+    x0, b0 = x.clone(), b.clone()
+    got = add_bias(x, b, interpret=mode)
+    assert got.shape == (100, 300)
+    torch.testing.assert_close(got.double(), x.double() + b.double(), rtol=0, atol=1e-6)
+    assert torch.equal(x, x0) and torch.equal(b, b0)
     # one block covering a whole dim is not a partial tile; K padded by Helion (_ds_pad_dims) is not either
     got = add_bias(x, b, interpret=mode, config={"block_sizes": (128, 512)})
     torch.testing.assert_close(got.double(), x.double() + b.double(), rtol=0, atol=1e-6)
@@ -157,3 +164,19 @@ def test_helion_decorator_misuse():
         tk.tpu_kernel(body, backend="helion")
     with pytest.raises(tk.KernelDefinitionError, match="backend must be"):
         tk.tpu_kernel(body, backend="triton")
+
+
+@tk.tpu_kernel(backend="helion", namespace="tktest_helion")
+def add_twice(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(x)
+    for tile in hl.tile(x.size()):
+        out[tile] = x[tile] + 2 * y[tile]
+    return out
+
+
+@pytest.mark.parametrize("mode", ["fast", "tpu"])
+def test_helion_tile_program_on_a_300x260_input(mode):
+    """The issue's example: Helion's default blocks do not divide 300x260; the tails now work in every mode."""
+    x, y = torch.randn(300, 260), torch.randn(300, 260)
+    got = add_twice(x, y, interpret=mode)
+    torch.testing.assert_close(got.double(), x.double() + 2 * y.double(), rtol=0, atol=1e-6)

@@ -18,6 +18,41 @@ COMPILE_ONLY_ENV = {
     "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
 }
 
+#: values of a boolean ``TPUKERNELS_*`` flag that mean "off" (case-insensitive, surrounding blanks ignored)
+FALSE_VALUES = ("", "0", "false", "no", "off", "n", "f")
+#: values that mean "on"
+TRUE_VALUES = ("1", "true", "yes", "on", "y", "t")
+
+
+def env_flag(name: str, default: bool = False, env=None) -> bool:
+    """The boolean environment flag ``name``: the one parser for every ``TPUKERNELS_*`` on/off variable.
+
+    Unset -> ``default``; ``1/true/yes/on`` -> True; ``0/false/no/off`` or empty -> False (case-insensitive).
+
+    Raises:
+        ArgumentError: any other value (e.g. ``TPUKERNELS_LOG_CONFIG=maybe``), naming the variable.
+    """
+    env = os.environ if env is None else env
+    raw = env.get(name)
+    if raw is None:
+        return default
+    v = raw.strip().lower()
+    if v in TRUE_VALUES:
+        return True
+    if v in FALSE_VALUES:
+        return False
+    from .errors import ArgumentError
+
+    raise ArgumentError(f"environment variable {name}={raw!r} is not a boolean; use 1/true/yes/on or 0/false/no/off")
+
+
+def install_hint(extra: str) -> str:
+    """How to install tpukernels' optional ``extra`` (tpukernels is not on the package index): the line for a
+    source checkout and the line for a built wheel."""
+    return (f"from a tpukernels checkout: pip install -e '.[{extra}]'; from a built wheel: "
+            f"pip install 'tpukernels-<version>-py3-none-any.whl[{extra}]' (make the wheel with `python -m build`)")
+
+
 _GOOGLE_PCI_VENDOR = "0x1ae0"  # the PCI vendor id of TPU chips (what torch_tpu's hardware scan matches)
 
 
@@ -38,7 +73,7 @@ def tpu_present() -> bool:
 def quiet_libtpu_defaults(env=None) -> dict:
     """Set :data:`COMPILE_ONLY_ENV` as defaults (``setdefault``) when no TPU is attached; returns ``env``."""
     env = os.environ if env is None else env
-    if os.environ.get("TPUKERNELS_NO_ENV_DEFAULTS") or tpu_present():
+    if env_flag("TPUKERNELS_NO_ENV_DEFAULTS") or tpu_present():
         return env
     for k, v in COMPILE_ONLY_ENV.items():
         env.setdefault(k, v)

@@ -122,8 +122,29 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def hoist_imports(argv) -> list:
+    """``argv`` with every ``--import X`` / ``--import=X`` moved before the subcommand, so it works on either
+    side of it (``tpukernels --import k.py list`` and ``tpukernels list --import k.py``)."""
+    argv, front, rest, i = list(argv), [], [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--":
+            rest.extend(argv[i:])
+            break
+        if a == "--import" and i + 1 < len(argv):
+            front += [a, argv[i + 1]]
+            i += 2
+            continue
+        if a.startswith("--import="):
+            front.append(a)
+        else:
+            rest.append(a)
+        i += 1
+    return front + rest
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(hoist_imports(sys.argv[1:] if argv is None else argv))
     try:
         return args.func(args)
     except TpuKernelError as e:

@@ -66,6 +66,26 @@ class KernelRuntimeError(TpuKernelError):
     the same access would read or write other memory)."""
 
 
+class UnwrittenOutputError(KernelBodyError):
+    """Part of a kernel output is written by no grid step (found from the out index maps before running),
+    or, in interpret mode ``"tpu"``, a whole output block still holds the interpreter's NaN poison after the
+    kernel ran on finite inputs (never written, or computed from uninitialized memory such as an unmasked
+    partial tail block).
+
+    Attributes: ``kernel`` (qualified name), ``output`` (output index), ``block`` (block index tuple, or
+    None when unknown).
+    """
+
+    def __init__(self, message: str, *, kernel: str | None = None, output: int | None = None, block=None):
+        super().__init__(message)
+        self.kernel, self.output, self.block = kernel, output, block
+
+
+class KernelRaceError(KernelRuntimeError):
+    """Pallas's TPU interpreter's race detector (interpret mode ``"races"``) found a data race: two accesses
+    to one buffer (a DMA and a load, two cores) not ordered by a semaphore wait or barrier."""
+
+
 class BackendUnavailableError(TpuKernelError, ImportError):
     """An optional backend (libtpu for compile-only, torch_tpu for TPU tensors) is not installed."""
 

@@ -13,23 +13,23 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import logging
-import os
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from ._env import env_flag
 from .chips import Chip, target_chip_from_env
 from .dsl.dtypes import check_jax_dtype
 from .dsl.kernel import CONFIG_RESOLVERS, Resolved, TpuKernel
 from .dsl.modes import interpret_value
 from .dsl.spec import Config, TensorSpec
-from .dsl.validate import VmemEstimate, check_block, check_vmem, estimate_vmem, grid_is_empty
+from .dsl.validate import VmemEstimate, check_block, check_index_maps, check_vmem, estimate_vmem, grid_is_empty
 from .errors import ArgumentError, KernelBodyError, LoweringError, TpuKernelError
 
 log = logging.getLogger("tpukernels.dispatch")
-if os.environ.get("TPUKERNELS_LOG_CONFIG") and not log.handlers:  # visible without any logging setup
+if env_flag("TPUKERNELS_LOG_CONFIG") and not log.handlers:  # visible without any logging setup
     _handler = logging.StreamHandler()
     _handler.setFormatter(logging.Formatter("tpukernels: %(message)s"))
     log.addHandler(_handler)
@@ -134,6 +134,10 @@ def validate(kernel: TpuKernel, resolved: Resolved, chip: Chip | None) -> VmemEs
             f"{kernel.qualname}: dimension_semantics {tuple(launch.dimension_semantics)} has "
             f"{len(launch.dimension_semantics)} entries for a grid of rank {len(launch.grid)}"
         )
+    if not n_pref and launch.prefetch is None:  # block index maps vs extents: inputs read, outputs covered
+        check_index_maps(kernel.qualname, launch.grid, [(s.name, sp, s.shape) for sp, s in zip(in_specs, blocked)],
+                         [(i, sp, o.shape) for i, (sp, o) in enumerate(zip(out_specs, outs))],
+                         tuple(launch.input_output_aliases.values()))
     est = estimate_vmem(items, launch.scratch_shapes)
     if chip is not None:
         check_vmem(est, chip, launch.vmem_limit_bytes, kernel.qualname)
@@ -249,7 +253,7 @@ def resolve(kernel: TpuKernel, specs: tuple, statics: tuple, config: Mapping | N
     cfg, source = kernel.resolve_config(specs, statics, config, chip, resolvers)
     launch = kernel.make_launch(specs, statics, cfg)
     log.log(
-        logging.INFO if os.environ.get("TPUKERNELS_LOG_CONFIG") else logging.DEBUG,
+        logging.INFO if env_flag("TPUKERNELS_LOG_CONFIG") else logging.DEBUG,
         "%s: config %s from %s for %s",
         kernel.qualname, dict(cfg), source, [None if s is None else tuple(s.shape) for s in specs],
     )

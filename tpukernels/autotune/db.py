@@ -77,7 +77,9 @@ def source_hash(kernel: TpuKernel) -> str:
 
 
 def entry_key(kernel: TpuKernel, specs, statics) -> dict:
-    """The lookup key of one call signature (JSON-able)."""
+    """The lookup key of one call signature (JSON-able); statics in the kernel's canonical form
+    (:meth:`~tpukernels.dsl.kernel.TpuKernel.canonical_statics`), so a default and its explicit value are one key."""
+    statics = kernel.canonical_statics(specs, statics) if hasattr(kernel, "canonical_statics") else tuple(statics)
     shapes, dtypes = [], []
     for s in specs:
         if s is None:

@@ -252,7 +252,9 @@ class RayExecutor(Executor):
         try:
             import ray  # noqa: F401
         except ImportError as e:
-            raise ImportError("the ray executor needs ray: pip install 'tpukernels[ray]'") from e
+            from .._env import install_hint
+
+            raise ImportError(f"the ray executor needs ray, the ray extra: {install_hint('ray')}") from e
         self.workers = None if workers is None else max(1, int(workers))
         self.address = address
         self.object_store_mb = object_store_mb

@@ -150,6 +150,29 @@ def check_static(qualname: str, p: "Param", v: Any) -> Any:
     raise ArgumentError(f"{qualname}: static argument {p.name!r} must be {typ.__name__}, got {v!r} ({type(v).__name__})")
 
 
+def dtype_default(static: str = "out_dtype", tensor: int = 0) -> Callable:
+    """A ``canonicalize=`` hook for the common case "``static=None`` means the dtype of tensor argument
+    number ``tensor``": an explicit value naming that dtype is keyed as ``None`` (the default).
+
+    Example: ``@tpu_kernel(body, canonicalize=dtype_default("out_dtype"))`` makes ``out_dtype="bfloat16"``
+    on bfloat16 inputs find the tuning entries recorded for ``out_dtype=None``.
+    """
+
+    def canonicalize(*specs, **statics):
+        value, s = statics.get(static), specs[tensor] if tensor < len(specs) else None
+        if value is None or s is None:
+            return statics
+        try:
+            name = value if isinstance(value, str) else np.dtype(value).name
+            same = np.dtype(s.dtype).name == name
+        except TypeError:
+            same = str(value).replace("torch.", "") == str(s.dtype).replace("torch.", "")
+        return {**statics, static: None} if same else statics
+
+    canonicalize.__qualname__ = f"dtype_default({static!r}, {tensor})"
+    return canonicalize
+
+
 def bucket(n: int) -> int:
     """Row bucket for ``n`` rows: n rounded up to a multiple of ``max(8, 2**(bit_length(n-1) - 2))``.
 
@@ -207,6 +230,9 @@ class TpuKernel:
 
     #: Pallas front-end: tunables are keyword-only launch parameters (Helion: config keys, not parameters).
     tunables_are_params = True
+    #: ``fn(*tensor_specs, **statics) -> {name: value}``: statics in canonical form for tuning keys (a
+    #: default and the explicit value it stands for, e.g. ``out_dtype=None`` and ``out_dtype=a.dtype``).
+    canonicalize: Callable | None = None
 
     def __init__(
         self,
@@ -224,6 +250,7 @@ class TpuKernel:
         reference: Callable | None = None,
         register: bool = True,
         sharding: Sequence | Callable | None = None,
+        canonicalize: Callable | None = None,
     ):
         if not callable(body):
             raise KernelDefinitionError(f"tpu_kernel: body must be a callable kernel on refs, got {body!r}")
@@ -249,6 +276,10 @@ class TpuKernel:
         self.has_keyword_only = any(p.keyword_only for p in self.params)
         self.rows = tuple(rows)
         self.sharding = sharding  # DTensor rule (tpukernels.distributed.sharding); None: derived from rows
+        if canonicalize is not None and not callable(canonicalize):
+            raise KernelDefinitionError(f"{self.qualname}: canonicalize= must be a callable "
+                                        f"fn(*tensor_specs, **statics) -> statics dict, got {canonicalize!r}")
+        self.canonicalize = canonicalize
         for r in self.rows:
             if r not in {p.name for p in self.tensor_params}:
                 raise KernelDefinitionError(f"{self.qualname}: rows names {r!r}, which is not a tensor parameter")
@@ -390,6 +421,28 @@ class TpuKernel:
                 values[i] = check_static(self.qualname, p, values[i])
         return values
 
+    def canonical_statics(self, specs: Sequence, statics: Sequence) -> tuple:
+        """``statics`` (``(name, value)`` pairs) in canonical form: the key a tuning table is looked up and
+        recorded under, so a call that spells a default out (``out_dtype="bfloat16"`` for bfloat16 operands)
+        finds the entry tuned for the default (``out_dtype=None``). Uses the kernel's ``canonicalize=`` hook;
+        without one, ``statics`` unchanged. Names and order are kept.
+
+        Raises:
+            KernelDefinitionError: the hook raised or returned something other than a mapping.
+        """
+        statics = tuple(statics)
+        if self.canonicalize is None or not statics:
+            return statics
+        try:
+            got = self.canonicalize(*specs, **dict(statics))
+        except TpuKernelError:
+            raise
+        except Exception as e:
+            raise KernelDefinitionError(f"{self.qualname}: canonicalize= raised {type(e).__name__}: {e}") from e
+        if not isinstance(got, Mapping):
+            raise KernelDefinitionError(f"{self.qualname}: canonicalize= must return a dict of statics, got {got!r}")
+        return tuple((k, got.get(k, v)) for k, v in statics)
+
     # ------------------------------------------------------------------ config + launch
     def resolve_config(self, specs: tuple, statics: tuple, config: Mapping | None, chip=None,
                        resolvers: bool = True) -> tuple[Config, str]:
@@ -523,6 +576,7 @@ def tpu_kernel(
     reference: Callable | None = None,
     config: Mapping | None = None,
     sharding: Sequence | Callable | None = None,
+    canonicalize: Callable | None = None,
 ) -> Callable[[Callable], TpuKernel]:
     """Decorate a launch function (Pallas) or a tile program (Helion) to make a :class:`TpuKernel`.
 
@@ -557,6 +611,9 @@ def tpu_kernel(
         sharding: Pallas: how DTensor inputs run on their shards, a list of
             :class:`tpukernels.distributed.Split` or ``fn(**args) -> [Split]``
             (see :mod:`tpukernels.distributed.sharding`); default: derived from ``rows=``, else replicate.
+        canonicalize: optional ``fn(*tensor_specs, **statics) -> {name: value}`` giving the statics' canonical
+            form for tuning-table keys: a default and the explicit value it stands for must be one key (e.g.
+            map ``out_dtype`` equal to the input dtype to ``None``). Must not change what the kernel computes.
 
     Raises:
         KernelDefinitionError: unannotated parameters, tunables that are not keyword-only, a name
@@ -592,6 +649,7 @@ def tpu_kernel(
             out_shape=out_shape,
             reference=reference,
             sharding=sharding,
+            canonicalize=canonicalize,
         )
 
     return deco

@@ -4,7 +4,11 @@
   array reads as whatever XLA's slicing gives (clamped), so it can hide tail bugs.
 * ``"tpu"``: ``pallas_call(interpret=pltpu.InterpretParams())`` — the TPU-faithful interpreter:
   uninitialized VMEM and out-of-bounds block rows are NaN, DMA/semaphore semantics and races are modelled.
-  Slower; use it in tests (tpukernels' own suite does).
+  Slower; use it in tests (tpukernels' own suite does). After each run, an output block that is still
+  all NaN although every input is finite raises :class:`~tpukernels.errors.UnwrittenOutputError`.
+* ``"races"``: ``"tpu"`` with the interpreter's data-race detector on
+  (``pltpu.InterpretParams(detect_races=True)``); a race raises :class:`~tpukernels.errors.KernelRaceError`.
+  Slower still; the test suite uses it for its ``"tpu"`` runs under ``TPUKERNELS_DETECT_RACES=1``.
 
 Precedence: per call (``kernel(..., interpret="tpu")`` or ``with interpret_mode("tpu")``) >
 ``set_interpret_mode`` > ``TPUKERNELS_INTERPRET`` env var > ``"fast"``.
@@ -18,7 +22,7 @@ import os
 
 from ..errors import ArgumentError
 
-MODES = ("fast", "tpu")
+MODES = ("fast", "tpu", "races")
 _global_mode: str | None = None
 _ctx_mode: contextvars.ContextVar[str | None] = contextvars.ContextVar("tpukernels_interpret", default=None)
 
@@ -66,4 +70,4 @@ def interpret_value(mode: str):
         return True
     from jax.experimental.pallas import tpu as pltpu
 
-    return pltpu.InterpretParams()
+    return pltpu.InterpretParams(detect_races=mode == "races")

@@ -226,7 +226,18 @@ class TunableSpace:
             if not isinstance(t, Tunable):
                 raise KernelDefinitionError(f"tunables[{k!r}] must be a tpukernels.Tunable, got {type(t).__name__}")
         self.tunables = dict(tunables)
-        self.constraints = tuple(constraints)
+        if callable(constraints):  # one constraint given bare: as good as a list of one
+            constraints = (constraints,)
+        try:
+            constraints = tuple(constraints or ())
+        except TypeError:
+            raise KernelDefinitionError(f"constraints= must be a list of callables fn(config) -> bool | str, got "
+                                        f"{constraints!r}") from None
+        for c in constraints:
+            if not callable(c):
+                raise KernelDefinitionError(f"constraints= entries must be callables fn(config) -> bool | str, got "
+                                            f"{c!r}")
+        self.constraints = constraints
 
     @property
     def names(self) -> tuple[str, ...]:

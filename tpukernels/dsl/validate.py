@@ -210,3 +210,131 @@ def cdiv(a: int, b: int) -> int:
     """Ceiling division ``ceil(a / b)`` for ints (and SymInts)."""
     return -(-a // b)
 
+
+
+#: grids with more steps than this are not walked by :func:`check_index_maps` (the check is skipped)
+MAX_CHECKED_STEPS = 1 << 20
+
+
+def _block_indices(spec, grid: Sequence[int], coords, extra=()) -> "np.ndarray | None":
+    """``[steps, rank]`` block indices ``spec.index_map`` gives at every grid step (``coords``: ``[rank_g,
+    steps]``), or None when the map cannot be evaluated on host arrays (data-dependent, traced-only ops)."""
+    fn = getattr(spec, "index_map", None)
+    if fn is None:
+        return None
+    try:
+        import jax
+
+        with jax.ensure_compile_time_eval():
+            got = fn(*list(coords), *extra)
+        got = got if isinstance(got, (tuple, list)) else (got,)
+        steps = coords.shape[1]
+        cols = [np.broadcast_to(np.asarray(g, dtype=np.int64).reshape(-1), (steps,)) for g in got]
+    except Exception:  # noqa: BLE001  (a map we cannot evaluate here is left to the interpreter's checks)
+        return None
+    return np.stack(cols, axis=1) if cols else np.zeros((steps, 0), np.int64)
+
+
+def _step(grid: Sequence[int], coords, k: int) -> tuple:
+    return tuple(int(c[k]) for c in coords) if len(grid) else ()
+
+
+def check_index_maps(qualname: str, grid: Sequence[int], inputs: Sequence, outputs: Sequence,
+                     aliased_outputs: Sequence[int] = (), prefetch: Sequence = (), error=None) -> None:
+    """Walk the grid and check every blocked operand's index map against the operand's extent.
+
+    Args:
+        inputs: ``(name, spec, shape)`` per blocked tensor input (scalar-prefetch operands excluded).
+        outputs: ``(index, spec, shape)`` per output.
+        aliased_outputs: outputs aliased to an input (``input_output_aliases``): they may be written in part.
+        prefetch: the scalar-prefetch operands' values (numpy arrays) when the index maps take them: the maps
+            are then evaluated on the data of this call (only the inputs are checked: which output blocks a
+            data-dependent map leaves alone is the kernel's business).
+        error: the error class for an input read past its end (default :class:`ArgumentError`).
+
+    Raises:
+        ArgumentError: an input block starts past the input's end at some grid step (the kernel would read
+            memory the argument does not have: garbage on a TPU, NaN or an error in interpret mode), or an
+            input tiled exactly like an output is smaller than that output (e.g. ``y`` with 300 rows
+            beside ``x`` and ``out`` with 512) — naming the argument, its shape and the grid step.
+        UnwrittenOutputError: some block of an output is the block of no grid step (it would keep whatever
+            the memory held: NaN in interpret mode ``"tpu"``, garbage on a TPU) — naming the output and block.
+
+    Index maps that need scalar-prefetch operands or cannot be evaluated on host arrays are skipped; so are
+    grids of more than :data:`MAX_CHECKED_STEPS` steps and blocks outside VMEM (``pl.ANY`` / SMEM).
+    """
+    from ..errors import ArgumentError, UnwrittenOutputError
+
+    grid = tuple(int(g) for g in grid)
+    n = int(np.prod(grid, dtype=np.int64)) if grid else 1
+    if n == 0 or n > MAX_CHECKED_STEPS:
+        return
+    coords = np.indices(grid, dtype=np.int32).reshape(len(grid), -1) if grid else np.zeros((0, 1), np.int32)
+    evaluated = {}
+
+    def idx_of(spec):
+        key = id(spec.index_map)
+        if key not in evaluated:
+            evaluated[key] = _block_indices(spec, grid, coords, prefetch)
+        return evaluated[key]
+
+    def blocked(spec, shape):
+        if spec is None or not is_vmem_block(spec) or getattr(spec, "block_shape", None) is None:
+            return None
+        if any(not (d is None or _is_static(d) or hasattr(d, "block_size")) and type(d).__name__ != "Squeezed"
+               for d in spec.block_shape):
+            return None  # Element / BoundedSlice blocks index elements, not blocks
+        bs = block_dims(spec.block_shape)
+        return bs if len(bs) == len(shape) else None
+
+    out_tiling = []
+    error = error or ArgumentError
+    for i, spec, shape in outputs if not prefetch else ():
+        shape = tuple(int(s) for s in shape)
+        bs = blocked(spec, shape)
+        idx = None if bs is None else idx_of(spec)
+        if idx is None or idx.shape[1] != len(shape):
+            continue
+        out_tiling.append((i, bs, idx, shape))
+        if i in aliased_outputs or any(s == 0 for s in shape):
+            continue
+        nblocks = [-(-s // b) for s, b in zip(shape, bs)]
+        inside = np.all((idx >= 0) & (idx < np.asarray(nblocks)), axis=1)
+        seen = np.unique(idx[inside], axis=0) if len(shape) else idx[inside][:1]
+        total = int(np.prod(nblocks, dtype=np.int64))
+        if len(seen) < total:
+            have = {tuple(int(v) for v in r) for r in seen}
+            missing = next(t for t in np.ndindex(*nblocks) if t not in have)
+            raise UnwrittenOutputError(
+                f"{qualname}: output {i} {shape} is tiled into {tuple(nblocks)} blocks of {bs}, but {total - len(seen)} "
+                f"of them are the block of no grid step (first: block {missing}, elements "
+                f"{tuple(f'{m * b}:{min((m + 1) * b, s)}' for m, b, s in zip(missing, bs, shape))}): the kernel "
+                f"never writes them, so they would hold uninitialized memory. Check the grid {grid} and the "
+                f"out_specs index_map", kernel=qualname, output=i, block=missing)
+    for name, spec, shape in inputs:
+        shape = tuple(int(s) for s in shape)
+        bs = blocked(spec, shape)
+        idx = None if bs is None else idx_of(spec)
+        if idx is None or idx.shape[1] != len(shape) or any(s == 0 for s in shape):
+            continue
+        start = idx * np.asarray(bs, dtype=np.int64)
+        bad = np.any((start >= np.asarray(shape)) | (idx < 0), axis=1)
+        if bad.any():
+            k = int(np.argmax(bad))
+            d = int(np.argmax((start[k] >= np.asarray(shape)) | (idx[k] < 0)))
+            raise error(
+                f"{qualname}: argument {name!r} has shape {shape}, but at grid step {_step(grid, coords, k)} its "
+                f"BlockSpec {bs} reads block {tuple(int(v) for v in idx[k])}, whose dim {d} starts at element "
+                f"{int(start[k, d])}, past {name}'s size {shape[d]}: "
+                + (f"the block index comes from this call's scalar-prefetch values (an index out of range?)"
+                   if prefetch else f"{name} is smaller than the grid {grid} covers (a tensor smaller than the others?)"))
+        for i, obs, oidx, oshape in out_tiling:
+            if obs == bs and oidx.shape == idx.shape and np.array_equal(oidx, idx):
+                small = [d for d in range(len(shape)) if shape[d] < oshape[d]]
+                if small:
+                    d = small[0]
+                    raise ArgumentError(
+                        f"{qualname}: argument {name!r} has shape {shape} but is tiled like output {i} {oshape} "
+                        f"(same blocks {bs}, same index_map): its dim {d} has {shape[d]} elements where the output "
+                        f"has {oshape[d]}, so output elements {shape[d]}..{oshape[d] - 1} would be computed from "
+                        f"memory past {name}'s end. Pass {name} with the output's shape")

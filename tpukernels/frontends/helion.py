@@ -15,11 +15,14 @@ Differences from the Pallas front-end (documented, not hidden):
 * Helion builds its own BlockSpecs, so tpukernels' pre-lowering block/VMEM checks do not apply; the
   compile-only target still reports real Mosaic errors and VMEM overflows.
 * Partial tiles: Helion 1.5.1's Pallas backend reads and writes whole tiles past the array end
-  (out-of-bounds DMAs in the TPU-faithful interpreter, a trace error in fast interpret mode), so a
-  grid-tiled dim must be a multiple of its block or fit in one block (dims Helion pads itself, such as
-  a matmul's K loop, are exempt). Before anything runs, in every mode, tpukernels reads Helion's launch
-  plan for the call (its generated host code run with a recording launcher) and reports a partial tile
-  as a :class:`LoweringError` naming the argument, the dim and the block, with the alternatives.
+  (out-of-bounds DMAs in the TPU-faithful interpreter, a trace error in fast interpret mode). Before
+  anything runs, in every mode, tpukernels reads Helion's launch plan for the call (its generated host
+  code run with a recording launcher); a grid-tiled input dim that is not a multiple of its block is
+  zero-padded up to one and the outputs are sliced back (as ``rows=`` does for the Pallas front-end), so
+  ``out[tile] = x[tile] + 2 * y[tile]`` works on a 300x260 input. Each tile computes its own elements, so
+  the padding reaches only output elements that are sliced away; a program that reduces *across* grid
+  tiles of a padded dim (atomics into one element) would see the zeros. What padding cannot fix (two dims
+  of different sizes padding to one size) is a :class:`LoweringError` naming the dims.
 * Input sizes: Helion does not check that a tensor indexed by a tile (``b[tn]``) is as long as the
   range the tile runs over; its Pallas backend then reads past the end and returns wrapped-around
   values silently. tpukernels checks every tile-indexed dim of the program's loads and stores against
@@ -105,10 +108,12 @@ class HelionKernel(TpuKernel):
         def fn(*arrays):
             args = self._program_args(specs, statics, arrays)
             try:
-                if mode == "tpu":  # TPU-faithful interpreter (NaN memory, OOB and race checks)
+                if mode in ("tpu", "races"):  # TPU-faithful interpreter (NaN memory, OOB and race checks)
                     from jax.experimental.pallas import tpu as pltpu
 
-                    with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()), _quiet_codegen_log():
+                    from ..dsl.modes import interpret_value
+
+                    with pltpu.force_tpu_interpret_mode(interpret_value(mode)), _quiet_codegen_log():
                         out = hk.jax_fn(*args)
                 else:
                     with device_ctx(), _quiet_codegen_log():
@@ -130,7 +135,7 @@ class HelionKernel(TpuKernel):
         return [static_vals[p.name] if p.kind == "static" else (None if s is None else next(it))
                 for p, s in zip(self.params, _expand(specs, kinds))]
 
-    def check_program(self, specs, statics, config: Config, mode: str, chip=None) -> None:
+    def check_program(self, specs, statics, config: Config, mode: str, chip=None, collect: bool = False) -> list:
         """Check the inputs against what Helion compiled for them, before anything runs (every mode alike).
 
         Binds the program (Helion's type propagation and device IR, the same ``BoundKernel`` that
@@ -142,7 +147,8 @@ class HelionKernel(TpuKernel):
           wrapped-around values silently) -> :class:`ArgumentError` naming the tensor, dim and tile;
         * a grid-tiled dim must be a multiple of its block (or fit in one block), unless Helion pads it
           (``_ds_pad_dims``): partial tiles fail in fast interpret mode, read out of bounds in the
-          TPU-faithful interpreter and on a TPU -> :class:`LoweringError`.
+          TPU-faithful interpreter and on a TPU -> :class:`LoweringError` (``collect=True``: returned as
+          ``(arg, shape, dim, block)`` tuples instead, for :meth:`padded_for_tiles`).
         """
         import jax
 
@@ -165,9 +171,50 @@ class HelionKernel(TpuKernel):
                     f"{tile!r}, which runs over {extent} elements, so {arg} would be read past its end (inputs "
                     f"{shapes}): its dim {d} must be at least {extent}. Declare shapes= on the kernel to check "
                     f"how its inputs' dims relate before anything is traced")
-        for arg, shape, d, block in _partial_tiles(launches, names):
+        partial = list(_partial_tiles(launches, names))
+        if collect:
+            return partial
+        for arg, shape, d, block in partial:
             raise self._partial_tile_error(specs, config, f"{arg} dim {d} ({shape[d]}) is not a multiple of its "
                                                           f"block {block}")
+        return []
+
+    def padded_for_tiles(self, specs, statics, config: Config, mode: str, chip=None):
+        """Partial tiles made whole: ``(specs, pads)`` where ``specs`` has every input dim that a grid tile
+        covers in part padded up to a multiple of its block, and ``pads`` maps ``padded size -> true size``
+        for the outputs' dims to slice back (empty when nothing is partial). The program then runs on
+        zero-padded inputs, exactly as ``rows=`` does for the Pallas front-end: each tile computes its own
+        elements, so the padding only produces output elements that are sliced away.
+
+        Raises:
+            LoweringError: the padded program still has partial tiles, or two dims of different sizes pad to
+                one size (their outputs could not be sliced back unambiguously).
+        """
+        from ..dsl.spec import TensorSpec
+
+        partial = self.check_program(specs, statics, config, mode, chip, collect=True)
+        if not partial:
+            return specs, {}
+        grow: dict = {}
+        for arg, shape, d, block in partial:
+            grow.setdefault(arg, {})[d] = max(grow.get(arg, {}).get(d, 0), -(-shape[d] // block) * block)
+        pads: dict = {}
+        new = []
+        for s in specs:
+            if s is None or s.name not in grow:
+                new.append(s)
+                continue
+            shape = list(int(d) for d in s.shape)
+            for d, p in grow[s.name].items():
+                if pads.get(p, shape[d]) != shape[d]:
+                    raise self._partial_tile_error(specs, config, f"dims of sizes {pads[p]} and {shape[d]} both pad "
+                                                                  f"to {p}")
+                pads[p] = shape[d]
+                shape[d] = p
+            new.append(TensorSpec(tuple(shape), s.dtype, s.name))
+        new = tuple(new)
+        self.check_program(new, statics, config, mode, chip)  # raises if tiles are still partial
+        return new, pads
 
     def _partial_tile_error(self, specs, config, detail: str = "") -> LoweringError:
         shapes = [tuple(s.shape) for s in specs if s is not None]
@@ -208,8 +255,10 @@ class HelionKernel(TpuKernel):
                 check_jax_dtype(s.dtype, f"{self.qualname} argument {s.name!r}")
         self.check_shapes(specs)
         cfg, source = self.resolve_config(specs, statics, config, chip)
-        self.check_program(specs, statics, cfg, mode, chip)
-        fn = self._jax_callable(specs, statics, cfg, mode, chip)
+        padded, pads = self.padded_for_tiles(specs, statics, cfg, mode, chip)
+        fn = self._jax_callable(padded, statics, cfg, mode, chip)
+        if pads:
+            fn = _pad_and_slice(fn, [s for s in specs if s is not None], [s for s in padded if s is not None], pads)
         arg_structs = tuple(jax.ShapeDtypeStruct(tuple(int(d) for d in s.shape), s.dtype) for s in specs if s is not None)
         try:
             out_structs = tuple(jax.eval_shape(fn, *arg_structs))
@@ -275,6 +324,21 @@ def _quiet_codegen_log():
         yield
     finally:
         logger.removeFilter(_DropCodegenErrorLog)
+
+
+def _pad_and_slice(fn, specs, padded, pads: dict):
+    """``fn`` (the program on ``padded`` shapes) as a function of arrays of the true ``specs`` shapes: inputs
+    zero-padded, every output dim whose size is a padded size sliced back to its true size (``pads``)."""
+    import jax.numpy as jnp
+
+    widths = [tuple((0, int(p) - int(d)) for d, p in zip(s.shape, ps.shape)) for s, ps in zip(specs, padded)]
+
+    def run(*arrays):
+        grown = [a if not any(w for _, w in wd) else jnp.pad(a, wd) for a, wd in zip(arrays, widths)]
+        outs = fn(*grown)
+        return tuple(o[tuple(slice(0, pads.get(int(n), int(n))) for n in o.shape)] for o in outs)
+
+    return run
 
 
 def _dry_run(hk, args: list):

@@ -838,6 +838,10 @@ def reference_tgmm_jnp(group_sizes, group_offset, x, y, num_groups, out_dtype=No
 
 
 # ----------------------------------------------------------------------------------------------- backward
+# out_dtype spelled out as the operand dtype (the backward does) is keyed as the tables' out_dtype=None
+grouped_matmul_fwd.canonicalize = grouped_matmul_tgmm.canonicalize = _dsl.dtype_default("out_dtype", 2)
+
+
 @grouped_matmul_fwd.def_backward
 def _fwd_backward(ctx, g):
     gs, go, lhs, rhs = ctx.args["group_sizes"], ctx.args["group_offset"], ctx.args["lhs"], ctx.args["rhs"]

@@ -537,7 +537,8 @@ def _define(layout: str):
     launch.__name__ = f"matmul_{layout}"
     launch.__doc__ = _OP_DOCS[layout]
     return _dsl.tpu_kernel(body, name=f"matmul_{layout}", namespace="tpukernels", tunables=tunables,
-                           heuristic=heur, out_shape=shape_fn, reference=_dsl.jax_reference(ref))(launch)
+                           heuristic=heur, out_shape=shape_fn, reference=_dsl.jax_reference(ref),
+                           canonicalize=_dsl.dtype_default("out_dtype", 0))(launch)
 
 
 _OP_DOC_COMMON = """

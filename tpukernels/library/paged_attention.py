@@ -639,7 +639,7 @@ def ragged_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, kv_lens: tor
         page_indices: int32 ``[S, pages_per_seq]``: the cache pages of each sequence, in order.
         cu_q_lens: int32 ``[S + 1]``: sequence ``s`` owns query rows ``[cu_q_lens[s], cu_q_lens[s+1])``;
             ``cu_q_lens[0] = 0``, non-decreasing, ``q_len <= kv_len``.
-        num_seqs: int32 ``[1]``: sequences in use (the rest of the ``S`` entries are ignored).
+        num_seqs: int32 ``[1]`` (or a Python int): sequences in use (the rest of the ``S`` entries are ignored).
         sm_scale: logit scale; ``None`` means ``1/sqrt(D)`` (JAX's kernel defaults to 1.0).
         sliding_window: query at key position ``pos`` sees keys ``pos - W < j <= pos`` (JAX's convention).
         soft_cap: ``soft_cap * tanh(s / soft_cap)`` on the scaled logits.
@@ -666,6 +666,8 @@ def ragged_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, kv_lens: tor
 
     cfg = None if config is None or (isinstance(config, Mapping) and not config) else \
         config_to_json(rpa_kernel, config)
+    if isinstance(num_seqs, int) and not isinstance(num_seqs, bool):  # a Python int: the [1] int32 tensor it means
+        num_seqs = torch.tensor([num_seqs], dtype=torch.int32, device=getattr(kv_lens, "device", None))
     args = (q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
             None if sm_scale is None else float(sm_scale), sliding_window,
             None if soft_cap is None else float(soft_cap), None if k_scale is None else float(k_scale),

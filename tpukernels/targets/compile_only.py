@@ -1,6 +1,6 @@
 """compile-only target: lower and compile a kernel for a TPU generation you do not have.
 
-With the ``libtpu`` wheel installed (``pip install 'tpukernels[aot]'``), jax's
+With the ``libtpu`` wheel installed (the ``aot`` extra: ``pip install -e '.[aot]'`` in a checkout), jax's
 ``topologies.get_topology_desc(topology_name="v5e:1x1", platform="tpu")`` yields TPU devices that can be
 compiled for but not run on. :func:`compile_for` runs the real Mosaic and XLA:TPU compilers for one chip
 and reports VMEM overflows and layout errors exactly as a TPU host would, translated into tpukernels
@@ -30,10 +30,12 @@ import numpy as np
 from ..chips import Chip, MiB, get_chip
 from ..dsl.kernel import TpuKernel
 from ..dsl.spec import TensorSpec
-from ..errors import BackendUnavailableError, BlockShapeError, KernelBodyError, TpuKernelError, VmemError
+from .._env import install_hint
+from ..errors import (BackendUnavailableError, BlockShapeError, KernelBodyError, TpuKernelError, UnwrittenOutputError,
+                      VmemError)
 from ..lowering import lower, specs_from_values
 
-AOT_HINT = "compile-only needs libtpu: pip install 'tpukernels[aot]' (libtpu 0.0.52 matches jax 0.10.2)"
+AOT_HINT = f"compile-only needs libtpu (0.0.52 matches jax 0.10.2); install the aot extra: {install_hint('aot')}"
 
 _DTYPES = {"bf16": "bfloat16", "f32": "float32", "fp32": "float32", "f16": "float16", "fp16": "float16",
            "i32": "int32", "i8": "int8", "u8": "uint8", "bool": "bool"}
@@ -223,8 +225,16 @@ def translate_error(e: BaseException, chip: Chip, limit: int) -> tuple[str, str]
         )
     if "divisible by 8 and 128" in msg or "rank 1 block" in msg:
         return "block_shape", msg.splitlines()[0]
-    first = next((ln for ln in msg.splitlines() if ln.strip()), msg)
-    return "compile", f"{type(e).__name__}: {first[:500]}"
+    lines = [ln.strip() for ln in msg.splitlines() if ln.strip()] or [msg]
+    # libtpu's own log prefixes (``F1203 12:00:00.000 ... ] Check failed``) and status codes: keep the text
+    # after them, say which chip's compiler failed, and how to look closer
+    cleaned = [re.sub(r"^[FEWI]\d{4} [\d:.]+\s+\d+\s+\S+\]\s*", "", ln) for ln in lines]
+    detail = next((ln for ln in cleaned if "index_map" in ln or "index map" in ln), cleaned[0])
+    if any(k in msg for k in ("Check failed", "INTERNAL", "libtpu", "Mosaic failed", "LLVM ERROR")):
+        return "compile", (f"libtpu's compiler failed on {chip.name}: {detail} (hint: run the kernel on cpu with "
+                           f"interpret='tpu' to check its blocks and indices, and `tpukernels compile ... --mlir PREFIX` "
+                           f"to see the Mosaic it was given)")
+    return "compile", f"{type(e).__name__}: {detail[:2000]}"
 
 
 #: what a keyword argument of a public function must look like to be read as a shape (see ``kernel_calls``)
@@ -372,7 +382,8 @@ def compile_for(
     try:
         low = lower(kernel, specs, statics, config, mode="mosaic", chip=chip)
     except (VmemError, BlockShapeError, KernelBodyError) as e:
-        res.error_kind = {VmemError: "vmem", BlockShapeError: "block_shape", KernelBodyError: "body"}[type(e)]
+        res.error_kind = next(v for k, v in ((UnwrittenOutputError, "unwritten_output"), (VmemError, "vmem"),
+                                             (BlockShapeError, "block_shape"), (KernelBodyError, "body")) if isinstance(e, k))
         res.error = str(e)
         res.vmem_estimate_bytes, res.vmem_limit_bytes = getattr(e, "estimate_bytes", None), getattr(e, "limit_bytes", None)
         try:  # the config that failed, for sweeps that read the result
@@ -576,8 +587,10 @@ def estimate_cycles_of(fn, chip: "str | Chip", structs, timeout_s: float = 600) 
         if proc.returncode != 0:
             from ..errors import LoweringError
 
-            tail = (proc.stderr or "").strip().splitlines()[-3:]
-            raise LoweringError(f"static estimate on {chip.name} failed: {' | '.join(tail)}")
+            tail = [ln for ln in (proc.stderr or "").strip().splitlines() if ln.strip()][-3:]
+            raise LoweringError(f"libtpu's static estimate on {chip.name} failed (exit {proc.returncode}): "
+                                f"{' | '.join(tail) or 'no output'} (hint: the compile itself may be fine; run "
+                                f"compile_for without estimate_cycles to check it)")
         return parse_llo_profiles(os.path.join(d, "llo"))
 
 

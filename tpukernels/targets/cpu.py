@@ -8,7 +8,9 @@ not portable).
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import time
 from collections.abc import Sequence
 
 from ..dsl.kernel import TpuKernel
@@ -78,22 +80,176 @@ def run_plan_cpu(plan: Plan, values: Sequence):
     low = plan.lowered
     if plan.runner is None:
         plan.runner = low.compiled()
+    if low.mode == "fast" and low.resolved.launch is not None and low.resolved.launch.num_scalar_prefetch \
+            and low.resolved.launch.prefetch is None:
+        _check_prefetch_index_maps(plan, values)
     if plan.pad_idx:
         arrays = [to_jax(_pad_rows(values[i], plan.n_bucket) if i in plan.pad_idx else values[i]) for i in plan.tensor_idx]
     else:
         arrays = [to_jax(values[i]) for i in plan.tensor_idx]
+    t0 = time.perf_counter()
     try:
-        outs = plan.runner(*arrays)
+        if low.mode == "fast":
+            outs = plan.runner(*arrays)
+        else:  # the TPU interpreter's checks raise inside io_callbacks: their tracebacks are not logged
+            with _quiet_io_callback_log():
+                outs = plan.runner(*arrays)
     except Exception as e:  # noqa: BLE001  (only the interpreter's out-of-bounds report is translated)
         err = _runtime_error(plan, e)
         if err is e:
             raise
         raise err from e
+    if not _SAID_SLOW and time.perf_counter() - t0 > SLOW_CALL_S:
+        _say_slow(low, time.perf_counter() - t0)
+    if low.mode != "fast":
+        _check_after_run(plan, values, outs)
     export = _dlpack_exporter()
     res = [export(o) for o in outs]
     if plan.n_rows is not None:
         res = [r[: plan.n_rows].clone() if rows else r for r, rows in zip(res, plan.row_outs)]
     return res[0] if plan.single else tuple(res)
+
+
+class _DropIoCallbackTraceback:
+    """Logging filter: drops jax's ``"jax.io_callback failed"`` record (a full traceback on stderr) while a
+    checked interpret run is in progress; the error itself still propagates and becomes a typed error."""
+
+    @staticmethod
+    def filter(record) -> bool:
+        return not str(record.msg).startswith("jax.io_callback failed")
+
+
+@contextlib.contextmanager
+def _quiet_io_callback_log():
+    import logging
+
+    logger = logging.getLogger("jax._src.callback")
+    logger.addFilter(_DropIoCallbackTraceback)
+    try:
+        yield
+    finally:
+        logger.removeFilter(_DropIoCallbackTraceback)
+
+
+#: a cpu (interpret-mode) call longer than this, in seconds, gets the one-time "interpret mode is slow" note
+SLOW_CALL_S = 5.0
+_SAID_SLOW = False
+
+
+def _say_slow(low, seconds: float) -> None:
+    """Once per process: interpret mode simulates the TPU on the cpu, so big shapes take long (not a hang)."""
+    global _SAID_SLOW
+    import logging
+
+    _SAID_SLOW = True
+    hint = ("mode 'tpu' checks every access; mode 'fast' (TPUKERNELS_INTERPRET=fast) is several times quicker"
+            if low.mode != "fast" else "smaller shapes run proportionally faster")
+    logging.getLogger("tpukernels").warning(
+        "tpukernels: %s took %.1f s on the cpu: Pallas interpret mode simulates the TPU kernel step by step, so "
+        "large shapes are slow here (a TPU runs them in micro- to milliseconds); %s. Said once per process.",
+        low.kernel.qualname, seconds, hint)
+
+
+def _check_prefetch_index_maps(plan: Plan, values: Sequence) -> None:
+    """Fast interpret mode clamps an out-of-bounds block read silently (XLA's dynamic_slice), where mode
+    ``"tpu"`` raises: evaluate the data-dependent index maps on this call's scalar-prefetch values first and
+    raise :class:`KernelRuntimeError` naming the argument whose block would start past its end."""
+    from ..dsl.validate import check_index_maps
+    from ..errors import KernelRuntimeError
+
+    low = plan.lowered
+    launch = low.resolved.launch
+    n = launch.num_scalar_prefetch
+    present = [s for s in low.resolved.specs if s is not None]
+    pref = [values[i].detach().cpu().numpy() for i in plan.tensor_idx[:n]]
+    shapes = [tuple(values[i].shape) for i in plan.tensor_idx[n:]]
+    if plan.pad_idx:
+        shapes = [tuple(s.shape) for s in present[n:]]
+    check_index_maps(low.kernel.qualname, launch.grid, [(s.name, sp, shp) for sp, s, shp in
+                                                        zip(launch.in_specs, present[n:], shapes)], (),
+                     prefetch=pref, error=KernelRuntimeError)
+
+
+def _races_found() -> bool:
+    """Pallas's TPU interpreter flagged a data race in the kernel it ran last (mode ``"races"``)."""
+    try:
+        from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
+    except ImportError:  # another jax layout: no report to read
+        return False
+    races = getattr(ipc, "races", None)
+    return bool(getattr(races, "races_found", False))
+
+
+def _all_nan_block(out, block: tuple) -> "tuple | None":
+    """The first block (index tuple) of ``out`` whose in-bounds elements are all NaN, or None."""
+    import numpy as np
+
+    m = np.isnan(out)
+    if not m.any():
+        return None
+    if not block or len(block) != m.ndim:
+        return (0,) * m.ndim if m.all() else None
+    pad = [(0, -(-s // b) * b - s) for s, b in zip(m.shape, block)]
+    m = np.pad(m, pad, constant_values=True)
+    shaped = m.reshape([x for s, b in zip(m.shape, block) for x in (s // b, b)])
+    full = shaped.all(axis=tuple(range(1, 2 * m.ndim, 2)))
+    hit = np.argwhere(full)
+    return tuple(int(v) for v in hit[0]) if len(hit) else None
+
+
+def _check_after_run(plan: Plan, values: Sequence, outs) -> None:
+    """Checked interpret modes (``"tpu"``, ``"races"``): typed errors for what the TPU interpreter's run shows.
+
+    * ``"races"``: the interpreter's race detector fired -> :class:`KernelRaceError`.
+    * an output block whose every element is still NaN although every floating-point input is finite: the
+      interpreter poisons uninitialized memory with NaN, so no grid step wrote that block, or it was computed
+      from uninitialized memory (an unmasked tail); a kernel that computes NaN from finite inputs fills a
+      whole block with it only by a bug of its own ->
+      :class:`UnwrittenOutputError` naming the kernel, the output and the block. Skipped when an input holds
+      NaN/inf (NaN results may then be right).
+    """
+    import numpy as np
+    import torch
+
+    from ..dsl.validate import block_dims
+    from ..errors import KernelRaceError, UnwrittenOutputError
+
+    low = plan.lowered
+    name = low.kernel.qualname
+    if low.mode == "races" and _races_found():
+        raise KernelRaceError(f"{name}: Pallas's TPU interpreter detected a data race (the report above names the "
+                              f"buffer and both accesses): order them with a DMA/semaphore wait or a barrier")
+    float_outs = [i for i, o in enumerate(outs) if np.issubdtype(np.dtype(o.dtype), np.floating) or
+                  np.dtype(o.dtype).name == "bfloat16"]
+    if not float_outs:
+        return
+    for i in plan.tensor_idx:
+        v = values[i]
+        if v.is_floating_point() and v.numel():
+            w = v if v.element_size() > 1 else v.float()  # torch has no isfinite for float8 dtypes
+            if not bool(torch.isfinite(w).all()):
+                return
+    launch = low.resolved.launch  # None for front-ends that build their own BlockSpecs (Helion)
+    specs = launch.out_spec_list if launch is not None else ()
+    aliased = set(low.input_output_aliases.values())
+    for i in float_outs:
+        if i in aliased:
+            continue
+        spec = specs[i] if i < len(specs) else None
+        bs = getattr(spec, "block_shape", None)
+        block = block_dims(bs) if bs is not None else ()
+        arr = np.asarray(outs[i].astype("float32")) if np.dtype(outs[i].dtype).name == "bfloat16" else np.asarray(outs[i])
+        if arr.size == 0:
+            continue
+        hit = _all_nan_block(arr, block)
+        if hit is not None:
+            raise UnwrittenOutputError(
+                f"{name}: output {i} {tuple(arr.shape)}: block {hit} (block shape {block or tuple(arr.shape)}) is "
+                f"still all NaN after the kernel ran on finite inputs: interpret mode 'tpu' fills uninitialized "
+                f"memory with NaN, so either no grid step wrote the block (a store skipped under pl.when, an "
+                f"index_map that misses it) or what was written came from uninitialized memory (an unmasked "
+                f"partial tail block, scratch read before it was set; see tpukernels.mask_tail)",
+                kernel=name, output=i, block=hit)
 
 
 def _runtime_error(plan: Plan, e: Exception) -> Exception:

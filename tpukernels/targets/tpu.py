@@ -30,12 +30,13 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from .._env import install_hint
 from ..chips import get_chip
 from ..dsl.kernel import TpuKernel
 from ..errors import BackendUnavailableError, ChipError
 from . import Plan, plan_for, signature_key
 
-INSTALL_HINT = "install TorchTPU on a TPU host: pip install 'tpukernels[tpu]'"
+INSTALL_HINT = f"install TorchTPU on a TPU host, the tpu extra: {install_hint('tpu')}"
 
 
 def jax_callable_class():

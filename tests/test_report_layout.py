@@ -1,0 +1,26 @@
+"""BENCHMARKS.md layout: a summary table first, short per-family tables, long reasons as numbered notes."""
+
+from tpukernels.bench.report import render
+
+REASON = "libtpu estimates this kernel VPU-bound " + "and explains why at length " * 40
+
+
+def _row(impl, us, chip="v6e", shape="8192x4096", reason=None):
+    return {"op": "rms_norm", "shape": shape, "chip": chip, "impl": impl, "kind": "ours" if impl == "tpukernels" else "other",
+            "model_us": us, "figure": "estimate", "credible": True, "pct_roofline": 80.0, "bound": "cycles",
+            "ours_speedup": None if impl == "tpukernels" else us / 10.0, "reason": reason, "config": "block_rows=64",
+            "flags": [], "error": None, "memory": {}}
+
+
+def test_summary_first_and_reasons_as_notes(tmp_path):
+    rows = [_row("tpukernels", 10.0, reason=REASON), _row("xla", 9.0),
+            _row("tpukernels", 10.0, shape="4096x4096"), _row("xla", 20.0, shape="4096x4096")]
+    versions = {"jax": "0.10.2"}
+    res = {"norms": {"rows": rows, "versions": versions, "kind": "model", "created": "now", "doc": "", "chips": ["v6e"]}}
+    text = render(res, str(tmp_path / "B.md"), "tpukernels bench --chips v6e", figures_dir=str(tmp_path))
+    assert text.index("## Summary") < text.index("## What the figures are") < text.index("## Where tpukernels is slower")
+    # per family and chip: ours 20 µs vs best other 29 µs over 2 compared cases, 1 faster / 1 slower
+    assert "| norms | v6e | 2 (2 compared) | 20.0 | 29.0 | 1.45× | 1 / 1 | 80% |" in text
+    table_lines = [ln for ln in text.splitlines() if ln.startswith("|")]
+    assert max(map(len, table_lines)) < 400 and all(REASON[:60] not in ln for ln in table_lines)
+    assert "| [1] |" in text and "\n1. " + REASON[:60] in text
