@@ -57,6 +57,9 @@ and the public op), :mod:`.reference` (:func:`attention_reference`).
 from .api import flash_attention  # noqa: E402
 from .backward import fa_backward_dkv, fa_backward_dq  # noqa: E402
 from .forward import fa_forward  # noqa: E402
+from .masked import fa_backward_dkv_masked, fa_backward_dq_masked, fa_forward_masked  # noqa: E402
+from .masks import (CausalMask, ChunkedCausalMask, FullMask, LocalMask, LogicalAnd, LogicalOr, Mask,  # noqa: E402
+                    MultiHeadMask, NumpyMask, mask_tables)
 from .plan import _CAUSAL, ALIGNMENTS, DECODE_FOLD_MAX_SQ, NAMESPACE, _make_plan, _Plan  # noqa: E402,F401
 from .reference import attention_reference  # noqa: E402
 
@@ -71,4 +74,6 @@ STANDARD_CASES = [
 ]
 
 __all__ = ["flash_attention", "attention_reference", "fa_forward", "fa_backward_dq", "fa_backward_dkv",
+           "fa_forward_masked", "fa_backward_dq_masked", "fa_backward_dkv_masked", "Mask", "CausalMask", "LocalMask",
+           "ChunkedCausalMask", "FullMask", "NumpyMask", "MultiHeadMask", "LogicalOr", "LogicalAnd", "mask_tables",
            "STANDARD_CASES", "DECODE_FOLD_MAX_SQ"]

@@ -32,6 +32,8 @@ def flash_attention(
     softcap: float | None = None,
     q_segment_ids: torch.Tensor | None = None,
     kv_segment_ids: torch.Tensor | None = None,
+    mask=None,
+    sinks: torch.Tensor | None = None,
     return_lse: bool = False,
     config: dict | None = None,
     interpret: str | None = None,
@@ -96,6 +98,14 @@ def flash_attention(
     dtypes = {q.dtype, k.dtype, v.dtype}
     if len(dtypes) != 1:
         raise DTypeError(f"flash_attention: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor):
+            raise ArgumentError(f"flash_attention: sinks must be a torch.Tensor [Hq], got {type(sinks).__name__}")
+        if not sinks.dtype.is_floating_point:
+            raise DTypeError(f"flash_attention: sinks must be a float tensor (logits), got {sinks.dtype}")
+        if q.dim() == 4 and tuple(sinks.shape) != (q.shape[1],):
+            raise ArgumentError(f"flash_attention: sinks must have shape [Hq] = ({q.shape[1]},) (one logit per query "
+                                f"head), got {tuple(sinks.shape)}")
     half = q.dtype == torch.float16
     if half:
         q, k, v = q.float(), k.float(), v.float()
@@ -109,11 +119,18 @@ def flash_attention(
                 want = (x.shape[0], x.shape[2]) if x.dim() == 4 else "[B, S]"
                 raise ArgumentError(f"flash_attention: {name} must have shape [B, S] = {want}, got {tuple(ids.shape)}")
         qs, ks = qs.unsqueeze(1), ks.unsqueeze(1)
-    out, lse = fa_forward(
-        q, k, v, qs, ks, causal=causal, causal_alignment=causal_alignment,
-        sm_scale=None if sm_scale is None else float(sm_scale), window_left=window[0], window_right=window[1],
-        softcap=None if softcap is None else float(softcap), config=config, interpret=interpret,
-    )
+    if mask is not None:
+        out, lse = _masked_forward(q, k, v, qs, ks, mask, causal=causal, causal_alignment=causal_alignment,
+                                   sm_scale=sm_scale, window=window, softcap=softcap, config=config,
+                                   interpret=interpret)
+    else:
+        out, lse = fa_forward(
+            q, k, v, qs, ks, causal=causal, causal_alignment=causal_alignment,
+            sm_scale=None if sm_scale is None else float(sm_scale), window_left=window[0], window_right=window[1],
+            softcap=None if softcap is None else float(softcap), config=config, interpret=interpret,
+        )
+    if sinks is not None:
+        out, lse = _apply_sinks(out, lse, sinks)
     if half:
         out = out.to(torch.float16)
     return (out, lse.squeeze(2)) if return_lse else out
@@ -132,3 +149,59 @@ _LIB.define("flash_attention(Tensor q, Tensor k, Tensor v, *, bool causal=False,
             "Tensor? q_segment_ids=None, Tensor? kv_segment_ids=None) -> Tensor")
 _LIB.impl("flash_attention", _flash_attention_op, "CompositeImplicitAutograd")
 
+
+
+#: Default block shape of the block-sparse masked kernels (smaller blocks find more empty / full blocks).
+MASK_BLOCK = 512
+
+
+def _masked_forward(q, k, v, qs, ks, mask, *, causal, causal_alignment, sm_scale, window, softcap, config, interpret):
+    """Run the block-sparse masked kernel: ``causal`` / ``window`` are folded into ``mask`` (intersection)."""
+    from .masked import _tensors, check_mask, fa_forward_masked
+    from .masks import LocalMask, mask_tables
+
+    if q.dim() != 4 or k.dim() != 4:
+        raise ArgumentError(f"flash_attention: q and k must have rank 4 [B, H, S, D], got {tuple(q.shape)}, "
+                            f"{tuple(k.shape)}")
+    Hq, Sq, Skv = int(q.shape[1]), int(q.shape[2]), int(k.shape[2])
+    check_mask(mask, Hq, Sq, Skv)
+    if causal_alignment not in ("top_left", "bottom_right"):
+        raise ArgumentError(f"flash_attention: causal_alignment must be 'top_left' or 'bottom_right', got "
+                            f"{causal_alignment!r}")
+    left, right = window
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    if left is not None or right is not None:
+        for name, w in (("window[0]", left), ("window[1]", right)):
+            if w is not None and w < 0:
+                raise ArgumentError(f"flash_attention: {name} must be an int >= 0 or None, got {w!r}")
+        off = Skv - Sq if causal_alignment == "bottom_right" else 0
+        mask = mask & LocalMask((Sq, Skv), (left, right), offset=off)
+    cfg = dict(config or {})
+    unknown = set(cfg) - {"block_q", "block_kv", "block_kv_compute"}
+    if unknown:
+        raise ArgumentError(f"flash_attention: config keys {sorted(unknown)} do not apply to masked attention "
+                            f"(block_q, block_kv, block_kv_compute)")
+    blocks = {}
+    for name in ("block_q", "block_kv"):
+        b = cfg.pop(name, MASK_BLOCK)
+        if isinstance(b, bool) or not isinstance(b, int) or b <= 0 or b % 128:
+            raise ArgumentError(f"flash_attention: config[{name!r}] must be a positive multiple of 128, got {b!r}")
+        blocks[name] = b
+    bq = Sq if 0 < Sq <= blocks["block_q"] else blocks["block_q"]
+    bkv = Skv if 0 < Skv <= blocks["block_kv"] else blocks["block_kv"]
+    ft, bt, mb, mbt = _tensors(mask_tables(mask, max(bq, 1), max(bkv, 1)))
+    return fa_forward_masked(ft, bt, q, k, v, mb, mbt, qs, ks, sm_scale=None if sm_scale is None else float(sm_scale),
+                             softcap=None if softcap is None else float(softcap), config=cfg or None,
+                             interpret=interpret)
+
+
+def _apply_sinks(out, lse, sinks):
+    """Attention sinks (gpt-oss): a per-head logit ``sink[h]`` joins every row's softmax denominator and
+    contributes no value. With ``l = sum_j exp(s_ij)`` the kernel's row sum, ``out' = out * l / (l + e^sink)
+    = out * sigmoid(lse - sink)`` and ``lse' = logaddexp(lse, sink)`` (exact; f32). Differentiable: autograd
+    carries d lse into the kernels' backward and gives the sinks' gradient. Rows that see no key: out 0,
+    lse = sink."""
+    s = sinks.float().view(1, -1, 1, 1)  # [1, Hq, 1, 1]
+    scale = torch.sigmoid(lse.transpose(2, 3) - s)  # lse [B, Hq, 1, Sq] -> [B, Hq, Sq, 1]
+    return (out.float() * scale).to(out.dtype), torch.logaddexp(lse, s)

@@ -21,8 +21,9 @@ from ...errors import ArgumentError
 from .forward import fa_forward
 from .plan import (NAMESPACE, _DOC_H, _STATIC_NAMES, _Plan, _bwd_heuristic, _check_args, _clip, _compute_divides, _cost,
                    _div, _dt, _make_plan, _min, _rem, _tunables, _vmem_estimate, _vmem_limit)
-from .tiles import (LOG2E, _NN, _NT, _common_specs, _dot, _head_stack, _kv_index_fn, _lanes, _load_cols_wide,
-                    _load_rows, _logits2, _row_to_col, _rows_of, _run_steps, _run_sub, _tile_iotas, _visible)
+from .tiles import (LOG2E, _NN, _NT, _and_block_mask, _common_specs, _dot, _head_stack, _kv_index_fn, _lanes,
+                    _load_cols_wide, _load_rows, _logits2, _mask_refs, _q_major_step, _row_to_col, _rows_of, _run_steps,
+                    _run_sub, _tile_iotas, _visible)
 
 
 def _ds(p: _Plan, pr, dp, di, s2):
@@ -39,6 +40,7 @@ def _dq_body(*refs, plan: _Plan):
     from jax.experimental import pallas as pl
 
     p = plan
+    refs, tabs, mb_ref = _mask_refs(refs, p, 6)
     if p.has_seg:
         q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, qs_ref, ks_ref, dq_ref, acc_sc, lse_sc, di_sc = refs
     else:
@@ -46,8 +48,7 @@ def _dq_body(*refs, plan: _Plan):
         qs_ref = ks_ref = None
     f32 = p.dtype == "float32"
     i, t = pl.program_id(2), pl.program_id(3)
-    j0, j1 = p.kv_range(i)
-    j = j0 + t
+    j, run, inner, full = _q_major_step(p, tabs, i, t)
 
     @pl.when(t == 0)
     def _init():
@@ -75,6 +76,7 @@ def _dq_body(*refs, plan: _Plan):
         if masked:
             vis = _visible(p, tiles, i * p.bq + r0, kbase, qseg, ks_ref[:, sl] if p.has_seg else None,
                            q_tail=False, kv_tail=p.kv_tail)
+            vis = _and_block_mask(vis, mb_ref, pl.ds(r0, nr), sl, full)
             pr = jnp.where(vis, pr, 0.0)
         dp = _dot(do, v, _NT, f32)  # (nr, bkvc)
         ds = _ds(p, pr, dp, _lanes(di, p.bkvc), s2)
@@ -101,7 +103,7 @@ def _dq_body(*refs, plan: _Plan):
                              lambda a=args: update(*a, False, None),
                              lambda a=args, qs_r=qs_r: update(*a, True, qs_r, tiles))
 
-    _run_steps(p, step, j <= j1, p.interior(i, j, q_tail_matters=False))
+    _run_steps(p, step, run, inner)
 
     @pl.when(t == p.kv_steps - 1)
     def _end():
@@ -113,6 +115,7 @@ def _dkv_body(*refs, plan: _Plan):
     from jax.experimental import pallas as pl
 
     p = plan
+    refs, tabs, mb_ref = _mask_refs(refs, p, 6, transposed=True)
     if p.has_seg:
         q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, qs_ref, ks_ref, dk_ref, dv_ref, dk_sc, dv_sc = refs
     else:
@@ -120,8 +123,16 @@ def _dkv_body(*refs, plan: _Plan):
         qs_ref = ks_ref = None
     f32 = p.dtype == "float32"
     j, t = pl.program_id(2), pl.program_id(3)
-    i0, i1 = p.q_range(j)
-    i = i0 + jax.lax.rem(t, p.q_steps)
+    if p.has_mask:  # the q block and its kind from the key-major table of this (q head, kv block)
+        tt = jax.lax.rem(t, p.q_steps)
+        hm = pl.program_id(1) * p.G + jax.lax.div(t, p.q_steps) if p.mask_heads > 1 else 0
+        i, kind = tabs[1][0, hm, j, tt], tabs[1][1, hm, j, tt]
+        run, full = kind != 0, kind == 2
+        inner = False if p.has_seg else full
+    else:
+        i0, i1 = p.q_range(j)
+        i = i0 + jax.lax.rem(t, p.q_steps)
+        run, inner, full = i <= i1, p.interior(i, j, q_tail_matters=True), None
 
     @pl.when(t == 0)
     def _init():
@@ -183,13 +194,14 @@ def _dkv_body(*refs, plan: _Plan):
             kseg = _row_to_col(ks_ref[:, sl]) if p.has_seg else None  # (bkvc, 1)
             vis = _visible(p, tiles, i * p.bq + r0, j * p.bkv + c * p.bkvc, qseg, kseg,
                            q_tail=p.q_tail, kv_tail=p.kv_tail)
+            vis = _and_block_mask(vis, mb_ref, sl, pl.ds(r0, ncol), full)
             pr = jnp.where(vis, pr, 0.0)
         dv_sc[sl, :] += _dot(pr.astype(do.dtype), do, _NN, f32)
         dp = _dot(v, do, _NT, f32)  # (bkvc, ncol)
         ds = _ds(p, pr, dp, di, s2)
         dk_sc[sl, :] += _dot(ds.astype(q.dtype), q, _NN, f32)
 
-    _run_steps(p, step, i <= i1, p.interior(i, j, q_tail_matters=True))
+    _run_steps(p, step, run, inner)
 
     @pl.when(t == (p.G // p.hb) * p.q_steps - 1)
     def _end():

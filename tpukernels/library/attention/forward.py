@@ -11,8 +11,9 @@ import torch
 from ... import Launch, OutSpec, tpu_kernel
 from .plan import (NAMESPACE, _DOC_H, _Plan, _check_args, _compute_divides, _cost, _heuristic, _make_plan, _tunables,
                    _vmem_estimate, _vmem_limit)
-from .tiles import (LN2, _NN, _NT, _common_specs, _dot, _head_stack, _kv_index_fn, _lanes, _logits2, _row_to_col,
-                    _rows_of, _run_steps, _run_sub, _store_rows, _tile_iotas, _visible)
+from .tiles import (LN2, _NN, _NT, _and_block_mask, _common_specs, _dot, _head_stack, _kv_index_fn, _lanes, _logits2,
+                    _mask_refs, _q_major_step, _row_to_col, _rows_of, _run_steps, _run_sub, _store_rows, _tile_iotas,
+                    _visible)
 
 
 def _fwd_body(*refs, plan: _Plan):
@@ -21,6 +22,7 @@ def _fwd_body(*refs, plan: _Plan):
     from jax.experimental import pallas as pl
 
     p = plan
+    refs, tabs, mb_ref = _mask_refs(refs, p, 3)
     if p.has_seg:
         q_ref, k_ref, v_ref, qs_ref, ks_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc = refs
     else:
@@ -28,9 +30,7 @@ def _fwd_body(*refs, plan: _Plan):
         qs_ref = ks_ref = None
     f32 = p.dtype == "float32"
     i, t = pl.program_id(2), pl.program_id(3)
-
-    j0, j1 = p.kv_range(i)
-    j = j0 + t
+    j, run, inner, full = _q_major_step(p, tabs, i, t)
 
     @pl.when(t == 0)
     def _init():
@@ -50,6 +50,7 @@ def _fwd_body(*refs, plan: _Plan):
         if masked:
             vis = _visible(p, tiles, i * p.bq + r0, kbase, qseg, ks_ref[:, sl] if p.has_seg else None,
                            q_tail=False, kv_tail=p.kv_tail)
+            vis = _and_block_mask(vis, mb_ref, pl.ds(r0, nr), sl, full)
             s = jnp.where(vis, s, -jnp.inf)
             if p.kv_tail:  # padding rows of V may be NaN: 0 * NaN = NaN, so select them away
                 kcol = jax.lax.broadcasted_iota(jnp.int32, (p.bkvc, 1), 0)
@@ -86,7 +87,7 @@ def _fwd_body(*refs, plan: _Plan):
                          lambda a=args: update(*a, False, None),
                          lambda a=args, qs_r=qs_r: update(*a, True, qs_r, tiles))
 
-    _run_steps(p, step, j <= j1, p.interior(i, j, q_tail_matters=False))
+    _run_steps(p, step, run, inner)
 
     @pl.when(t == p.kv_steps - 1)
     def _end():

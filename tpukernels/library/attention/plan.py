@@ -111,6 +111,11 @@ class _Plan:
     left: int | None  # visible iff i + off - left <= j <= i + off + right (None: unbounded)
     right: int | None
     has_seg: bool
+    # block-sparse mask tables (masked kernels, see .masks): heads of the tables (1: shared) and list lengths
+    has_mask: bool = False
+    mask_heads: int = 1
+    mask_kv_steps: int = 0
+    mask_q_steps: int = 0
 
     @property
     def G(self) -> int:
@@ -139,7 +144,7 @@ class _Plan:
     @property
     def masked(self) -> bool:
         """Whether any block can need a mask at all."""
-        return self.has_seg or self.left is not None or self.right is not None or self.kv_tail
+        return self.has_mask or self.has_seg or self.left is not None or self.right is not None or self.kv_tail
 
     # -- block ranges; ``i``/``j`` are Python ints (launch) or traced int32 scalars (index maps, bodies)
     def kv_range(self, i):
@@ -167,11 +172,15 @@ class _Plan:
     @functools.cached_property
     def kv_steps(self) -> int:
         """Length of the kv grid axis of the forward and dQ kernels (>= 1 so every q block is written)."""
+        if self.has_mask:
+            return max(1, self.mask_kv_steps)
         return max([1] + [j1 - j0 + 1 for j0, j1 in (self.kv_range(i) for i in range(self.nq))])
 
     @functools.cached_property
     def q_steps(self) -> int:
         """Query blocks per kv block in the dK/dV kernel (>= 1)."""
+        if self.has_mask:
+            return max(1, self.mask_q_steps)
         return max([1] + [i1 - i0 + 1 for i0, i1 in (self.q_range(j) for j in range(self.nk))])
 
     def interior(self, i, j, *, q_tail_matters: bool):
@@ -217,7 +226,7 @@ class _Plan:
     MIN_SUB = 512
 
     def _split(self, n: int) -> int:
-        if self.hb != 1 or self.bkvc < self.MIN_SUB or n % self.MIN_SUB:
+        if self.has_mask or self.hb != 1 or self.bkvc < self.MIN_SUB or n % self.MIN_SUB:
             return 1
         return max(1, min(4, n // self.MIN_SUB, 16 // (self.bkv // self.bkvc)))
 

@@ -218,3 +218,47 @@ def _kv_index_fn(p: _Plan):
         return _clip(_min(j0 + t, j1), 0, max(p.nk - 1, 0))
 
     return kv_index
+
+
+# ----------------------------------------------------------------------------------------------- block-sparse masks
+
+
+def _mask_refs(refs, p: _Plan, n_dense_inputs: int, *, transposed: bool = False):
+    """Split a body's refs of a masked kernel: (other refs, (fwd table, bwd table), element-mask block ref).
+
+    Masked kernels take two scalar-prefetch tables first and, after their ``n_dense_inputs`` dense inputs, the
+    partial blocks' element masks ``[n, bq, bkv]`` and their transposes ``[n, bkv, bq]`` (one of them blocked,
+    the other left in HBM, unused). Unmasked kernels: (refs, None, None)."""
+    if not p.has_mask:
+        return refs, None, None
+    tabs, rest = refs[:2], list(refs[2:])
+    mb, mbt = rest[n_dense_inputs], rest[n_dense_inputs + 1]
+    del rest[n_dense_inputs:n_dense_inputs + 2]
+    return rest, tabs, (mbt if transposed else mb)
+
+
+def _q_major_step(p: _Plan, tabs, i, t):
+    """Key block ``j`` of grid step ``(i, t)`` of the forward / dQ kernels, whether it runs, whether it is
+    interior (every pair visible: no element mask), and (masked kernels, else None) whether the mask table
+    calls it full (then its element-mask block index is stale: segment ids alone mask it). Masked kernels
+    read the forward table."""
+    from jax.experimental import pallas as pl
+
+    if p.has_mask:
+        hm = pl.program_id(1) if p.mask_heads > 1 else 0
+        j, kind = tabs[0][0, hm, i, t], tabs[0][1, hm, i, t]
+        return j, kind != 0, (False if p.has_seg else kind == 2), kind == 2
+    j0, j1 = p.kv_range(i)
+    j = j0 + t
+    return j, j <= j1, p.interior(i, j, q_tail_matters=False), None
+
+
+def _and_block_mask(vis, mb_ref, rows, cols, full):
+    """``vis`` (or None: all visible) and the element mask of the current partial block (masked kernels).
+    ``full``: traced bool, the table's kind is full (a masked step only because of segment ids)."""
+    import jax.numpy as jnp
+
+    if mb_ref is None:
+        return vis
+    m = jnp.logical_or(mb_ref[rows, cols] != 0, full)
+    return m if vis is None else jnp.logical_and(vis, m)
