@@ -419,3 +419,18 @@ def test_compiles_decode_segments_window_softcap():
         for kernel in (fa_backward_dq, fa_backward_dkv):
             r = tk.compile_for(kernel, "v6e", *args[:3], q, lse, lse, *args[3:], with_mlir=False, **st_)
             assert r.ok, r.summary()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_huge_sm_scale_stays_finite_like_sdpa(causal):
+    """sm_scale=1e30 (logits ~1e31, where one f32 ulp is ~1e24): torch SDPA float32 gives the row's argmax
+    value; so must we (before: NaN / rows wrongly empty), and the gradients stay finite."""
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(1, 2, 72, 64, generator=g).requires_grad_() for _ in range(3))
+    for scale in (1e30, 1e36):
+        out = flash_attention(q, k, v, sm_scale=scale, causal=causal, interpret="fast")
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=causal)
+        assert torch.isfinite(ref).all()
+        torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert all(torch.isfinite(x).all() for x in grads)

@@ -21,7 +21,7 @@ from ...errors import ArgumentError
 from .forward import fa_forward
 from .plan import (NAMESPACE, _DOC_H, _STATIC_NAMES, _Plan, _bwd_heuristic, _check_args, _clip, _compute_divides, _cost,
                    _div, _dt, _make_plan, _min, _rem, _tunables, _vmem_estimate, _vmem_limit)
-from .tiles import (LOG2E, _NN, _NT, _and_block_mask, _common_specs, _dot, _head_stack, _kv_index_fn, _lanes,
+from .tiles import (LOG2E, _NN, _NT, _and_block_mask, _exp2_le1, _common_specs, _dot, _head_stack, _kv_index_fn, _lanes,
                     _load_cols_wide, _load_rows, _logits2, _mask_refs, _q_major_step, _row_to_col, _rows_of, _run_steps,
                     _run_sub, _tile_iotas, _visible)
 
@@ -72,7 +72,7 @@ def _dq_body(*refs, plan: _Plan):
             k = jnp.where(kcol < p.Skv - kbase, k, jnp.zeros_like(k))
             v = jnp.where(kcol < p.Skv - kbase, v, jnp.zeros_like(v))
         s2 = _logits2(p, _dot(q, k, _NT, f32))  # (nr, bkvc)
-        pr = jnp.exp2(s2 - _lanes(lse2, p.bkvc))
+        pr = _exp2_le1(p, s2 - _lanes(lse2, p.bkvc))
         if masked:
             vis = _visible(p, tiles, i * p.bq + r0, kbase, qseg, ks_ref[:, sl] if p.has_seg else None,
                            q_tail=False, kv_tail=p.kv_tail)
@@ -189,7 +189,7 @@ def _dkv_body(*refs, plan: _Plan):
         k = k_ref[sl, :]
         v = v_ref[sl, :]
         s2 = _logits2(p, _dot(k, q, _NT, f32))  # (bkvc, ncol): keys in sublanes
-        pr = jnp.exp2(s2 - lse2)
+        pr = _exp2_le1(p, s2 - lse2)
         if masked:
             kseg = _row_to_col(ks_ref[:, sl]) if p.has_seg else None  # (bkvc, 1)
             vis = _visible(p, tiles, i * p.bq + r0, j * p.bkv + c * p.bkvc, qseg, kseg,

@@ -11,7 +11,7 @@ import torch
 from ... import Launch, OutSpec, tpu_kernel
 from .plan import (NAMESPACE, _DOC_H, _Plan, _check_args, _compute_divides, _cost, _heuristic, _make_plan, _tunables,
                    _vmem_estimate, _vmem_limit)
-from .tiles import (LN2, _NN, _NT, _and_block_mask, _common_specs, _dot, _head_stack, _kv_index_fn, _lanes, _logits2,
+from .tiles import (LN2, _NN, _NT, _and_block_mask, _exp_units, _common_specs, _dot, _head_stack, _kv_index_fn, _lanes, _logits2,
                     _mask_refs, _q_major_step, _row_to_col, _rows_of, _run_steps, _run_sub, _store_rows, _tile_iotas,
                     _visible)
 
@@ -45,7 +45,8 @@ def _fwd_body(*refs, plan: _Plan):
         rs = pl.ds(r0, nr)
         k = k_ref[sl, :]
         v = v_ref[sl, :]
-        s = _logits2(p, _dot(q, k, _NT, f32))  # (nr, bkvc) f32, base-2 logits
+        # (nr, bkvc) f32, base-2 logits; bounded_exp: the raw dot products (scaled after the max is taken)
+        s = _dot(q, k, _NT, f32) if p.bounded_exp else _logits2(p, _dot(q, k, _NT, f32))
         kbase = j * p.bkv + c * p.bkvc
         if masked:
             vis = _visible(p, tiles, i * p.bq + r0, kbase, qseg, ks_ref[:, sl] if p.has_seg else None,
@@ -60,8 +61,8 @@ def _fwd_body(*refs, plan: _Plan):
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
         # rows with nothing visible so far keep m = -inf; shift by 0 there so exp() gives 0, not NaN
         m_use = jnp.where(m_next == -jnp.inf, 0.0, m_next) if masked else m_next
-        pr = jnp.exp2(s - _lanes(m_use, p.bkvc))
-        alpha = jnp.exp2(m_prev - m_use)
+        pr = jnp.exp2(_exp_units(p, s - _lanes(m_use, p.bkvc)))
+        alpha = jnp.exp2(_exp_units(p, m_prev - m_use))
         l_sc[rs, :] = alpha * l_prev + jnp.sum(pr, axis=1, keepdims=True)
         m_sc[rs, :] = m_next
         pv = _dot(pr.astype(v.dtype), v, _NN, f32)  # (nr, Dv)
@@ -96,7 +97,7 @@ def _fwd_body(*refs, plan: _Plan):
         inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
         o = acc_sc[...] * _lanes(inv, p.Dv)
         o_ref[...] = o.reshape(p.hb, p.bq, p.Dv).astype(o_ref.dtype)
-        lse = jnp.where(empty, -jnp.inf, (m_sc[...] + jnp.log2(jnp.where(empty, 1.0, l))) * LN2)
+        lse = jnp.where(empty, -jnp.inf, (_exp_units(p, m_sc[...]) + jnp.log2(jnp.where(empty, 1.0, l))) * LN2)
         _store_rows(lse_ref, lse, p)
 
 def _fwd_out_shape(q, k, v, q_segment_ids=None, kv_segment_ids=None, **statics):

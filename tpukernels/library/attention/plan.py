@@ -118,6 +118,19 @@ class _Plan:
     mask_q_steps: int = 0
 
     @property
+    def bounded_exp(self) -> bool:
+        """Huge-scale safe softmax (``sm_scale > 1`` without a soft-cap). With a huge ``sm_scale`` the logits
+        reach magnitudes (1e31 at ``sm_scale=1e30``) where one ulp is ~1e24: a logit rounded differently from
+        the running max (a multiply recomputed in another fusion on the cpu interpreter, the saved lse round-
+        tripped through ln 2) makes ``s - m`` a huge number of either sign: exp2 gives inf (NaN output) or 0 for
+        every key (a row wrongly empty), where torch SDPA stays finite. The forward then keeps its running max
+        in raw dot-product units and scales ``raw - max`` (exactly 0 at the maximum); the backward clamps its
+        exponents at 0 (``P <= 1``; at such scales its recomputed P keeps f32's relative precision of the lse,
+        so the gradient is finite but approximate). Skipped elsewhere: ``|s| <= softcap * log2(e)`` with a
+        soft-cap, and with ``sm_scale <= 1`` trouble takes ``|q.k| >= 2^24``."""
+        return self.softcap is None and self.scale > 1.0
+
+    @property
     def G(self) -> int:
         return self.Hq // self.Hkv
 

@@ -220,6 +220,20 @@ def _kv_index_fn(p: _Plan):
     return kv_index
 
 
+def _exp_units(p: _Plan, x):
+    """Forward running max / logit differences -> base-2 exponent units. With :attr:`_Plan.bounded_exp` the
+    forward keeps the running max of the raw dot products, so ``raw - max`` is formed at the dot products'
+    magnitude (exactly 0 at the maximum, never positive) and only then scaled; else ``x`` already is."""
+    return x * (p.scale * LOG2E) if p.bounded_exp else x
+
+
+def _exp2_le1(p: _Plan, x):
+    """``exp2(x)`` for ``x`` that is ``<= 0`` in exact arithmetic (see :attr:`_Plan.bounded_exp`)."""
+    import jax.numpy as jnp
+
+    return jnp.exp2(jnp.minimum(x, 0.0)) if p.bounded_exp else jnp.exp2(x)
+
+
 # ----------------------------------------------------------------------------------------------- block-sparse masks
 
 
