@@ -57,6 +57,18 @@ def flash_attention(
         softcap: logit soft-cap ``softcap * tanh(s / softcap)`` on the scaled logits, before masking (Gemma 2).
         q_segment_ids: ``[B, Sq]``, kv_segment_ids: ``[B, Skv]`` integer ids (packed sequences): a query sees
             only keys of its own segment. Both or neither; converted to int32.
+        mask: a :mod:`tpukernels.library.attention.masks` mask (splash-attention API: ``CausalMask(shape,
+            offset)``, ``LocalMask(shape, window_size, offset)``, ``ChunkedCausalMask``, ``FullMask``,
+            ``NumpyMask(bool array or tensor [Sq, Skv])``, ``MultiHeadMask([... one per query head])``, combined
+            with ``|`` and ``&``), shape ``(Sq, Skv)``. Runs the block-sparse kernels: the mask is compiled once
+            per block shape into scalar-prefetched tables (cached by mask value); fully masked blocks are skipped
+            without DMA, full blocks run without an element mask. ``causal`` / ``window`` / segment ids are
+            intersected with it. ``config`` then takes ``block_q`` / ``block_kv`` (default 512, multiples of 128)
+            and ``block_kv_compute``; query heads are not folded (``block_h = 1``).
+        sinks: ``[Hq]`` float attention-sink logits (gpt-oss): each joins its head's softmax denominator as a
+            key with no value, ``out = sum_j e^{s_j} v_j / (sum_j e^{s_j} + e^{sink})``; differentiable (the
+            sinks get a gradient). Applied exactly as ``out * sigmoid(lse - sink)`` (f32) on the kernel's
+            output; the returned ``lse`` includes the sink.
         return_lse: also return ``lse`` ``[B, Hq, Sq]`` float32, the natural-log log-sum-exp of each row's
             visible logits (``-inf`` where nothing is visible); differentiable.
         config: tuning config for the forward kernel (keys ``block_q``, ``block_kv``, ``block_kv_compute``,
@@ -65,7 +77,8 @@ def flash_attention(
 
     Returns:
         ``out`` ``[B, Hq, Sq, Dv]`` in q's dtype, or ``(out, lse)``. A query row that sees no key (segments,
-        window, causal with ``Sq > Skv`` bottom-right, ``Skv = 0``) gives exactly 0 and zero gradients.
+        window, mask, causal with ``Sq > Skv`` bottom-right, ``Skv = 0``) gives exactly 0 and zero gradients
+        (as JAX's splash attention; ``lse`` is ``-inf``, or the sink with ``sinks``).
 
     Numerics: ``Q K^T`` and ``P V`` accumulate in float32 on the MXU (bf16 inputs are multiplied as bf16;
     float32 inputs at ``Precision.HIGHEST``); softmax statistics and the output accumulator are float32.
@@ -75,7 +88,10 @@ def flash_attention(
     Raises:
         ArgumentError: ranks, batch / head / length / head-dim mismatches, ``Hq % Hkv != 0``, only one of
             the segment ids, bad window / softcap / sm_scale / causal_alignment values.
-        DTypeError: q, k, v dtypes differ or are not bf16 / fp16 / f32; non-integer segment ids.
+            A ``mask`` whose shape is not ``(Sq, Skv)`` or whose head count is not ``Hq``, a raw array as
+            ``mask`` (wrap it: ``NumpyMask``), ``sinks`` not of shape ``[Hq]``.
+        DTypeError: q, k, v dtypes differ or are not bf16 / fp16 / f32; non-integer segment ids; a non-bool
+            mask array; non-float sinks.
 
     Sources: Dao, "FlashAttention-2" (arXiv:2307.08691); JAX ``pallas/ops/tpu/flash_attention.py`` and
     ``splash_attention`` (block skipping, compute sub-blocks, key-major dK/dV); FlashAttention 2.1 release
