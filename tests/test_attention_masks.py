@@ -203,3 +203,27 @@ def test_mask_bad_inputs_raise_typed_errors():
         LocalMask((4, 4), (1, -1))
     with pytest.raises(ArgumentError, match="shapes differ"):
         CausalMask((4, 4)) | CausalMask((4, 5))
+
+
+def test_hf_attention_interface_passes_gpt_oss_sinks_and_sliding_window():
+    """transformers' attention interface (gpt-oss calls it with ``s_aux=self.sinks`` and a sliding window):
+    the kernel path and the eager fallback (a mask the kernel cannot express) both honour the sinks."""
+    pytest.importorskip("transformers")
+    from tpukernels.integrations.transformers import attention_forward
+
+    class Layer(torch.nn.Module):
+        is_causal = True
+
+    Sq = 96
+    q, k, v = make(1, 4, 2, Sq, Sq, 32, seed=9)
+    sinks = torch.tensor([0.3, -0.5, 1.5, 0.0])
+    win = 16  # HF convention: query i sees keys i - 16 < j <= i
+    vis = local_np(Sq, Sq, win - 1, 0)[None]
+    ref, _ = reference(q, k, v, torch.as_tensor(vis), sinks=sinks)
+    hf_mask = torch.as_tensor(vis)[None]  # [B, 1, Sq, Skv] as transformers' mask builder gives sliding layers
+    out, _ = attention_forward(Layer(), q, k, v, hf_mask, scaling=None, sliding_window=win, s_aux=sinks)
+    torch.testing.assert_close(out.transpose(1, 2).double(), ref, atol=ATOL, rtol=ATOL)
+    odd = torch.as_tensor(vis & (np.arange(Sq)[None, :] % 5 != 1))[None]  # not causal x window x padding
+    ref2, _ = reference(q, k, v, odd[0], sinks=sinks)
+    out2, _ = attention_forward(Layer(), q, k, v, odd, scaling=None, s_aux=sinks)
+    torch.testing.assert_close(out2.transpose(1, 2).double(), ref2, atol=ATOL, rtol=ATOL)

@@ -22,7 +22,7 @@ from .forward import fa_forward
 from .plan import (NAMESPACE, _DOC_H, _STATIC_NAMES, _Plan, _bwd_heuristic, _check_args, _clip, _compute_divides, _cost,
                    _div, _dt, _make_plan, _min, _rem, _tunables, _vmem_estimate, _vmem_limit)
 from .tiles import (LOG2E, _NN, _NT, _and_block_mask, _exp2_le1, _common_specs, _dot, _head_stack, _kv_index_fn, _lanes,
-                    _load_cols_wide, _load_rows, _logits2, _mask_refs, _q_major_step, _row_to_col, _rows_of, _run_steps,
+                    _load_cols_wide, _load_rows, _logits2, _mask_refs, _q_major_step, _read_row, _row_to_col, _rows_of, _run_steps,
                     _run_sub, _tile_iotas, _visible)
 
 
@@ -53,9 +53,9 @@ def _dq_body(*refs, plan: _Plan):
     @pl.when(t == 0)
     def _init():
         acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
-        lse2 = _load_cols_wide(lse_ref, p) * LOG2E  # (rows, 128), lanes equal
+        lse2 = _load_cols_wide(lse_ref, p, i) * LOG2E  # (rows, 128), lanes equal
         lse_sc[...] = jnp.where(lse2 == -jnp.inf, jnp.inf, lse2)  # empty rows: P = exp2(s - inf) = 0
-        di_sc[...] = _load_cols_wide(di_ref, p)
+        di_sc[...] = _load_cols_wide(di_ref, p, i)
 
     def update(r0: int, nr: int, c: int, masked: bool, qseg, tiles=None):
         """Accumulate dQ of rows [r0, r0 + nr) from key sub-block c of the current K/V block."""
@@ -83,7 +83,7 @@ def _dq_body(*refs, plan: _Plan):
         acc_sc[pl.ds(r0, nr), :] += _dot(ds.astype(k.dtype), k, _NN, f32)
 
     def step(masked: bool):
-        qseg = _head_stack(_row_to_col(qs_ref[...]), p.hb, 0) if (masked and p.has_seg) else None
+        qseg = _head_stack(_row_to_col(_read_row(qs_ref, (), p, i)), p.hb, 0) if (masked and p.has_seg) else None
         R = p.row_split if masked else 1
         nr = p.rows // R
         C = p.bkv // p.bkvc
@@ -145,9 +145,9 @@ def _dkv_body(*refs, plan: _Plan):
         q = _rows_of(q_ref, p, r0, ncol, p.D)
         do = _rows_of(do_ref, p, r0, ncol, p.Dv)
         if p.hb == 1:
-            lse2, di = lse_ref[0, :, pl.ds(r0, ncol)], di_ref[0, :, pl.ds(r0, ncol)]  # (1, ncol)
+            lse2, di = _read_row(lse_ref, (0,), p, i, r0, ncol), _read_row(di_ref, (0,), p, i, r0, ncol)  # (1, ncol)
         else:
-            lse2, di = _load_rows(lse_ref, p), _load_rows(di_ref, p)
+            lse2, di = _load_rows(lse_ref, p, i), _load_rows(di_ref, p, i)
         lse2 = lse2 * LOG2E
         lse2 = jnp.where(lse2 == -jnp.inf, jnp.inf, lse2)
         if zero_tail:
@@ -163,7 +163,7 @@ def _dkv_body(*refs, plan: _Plan):
         return q, do, lse2, di
 
     def step(masked: bool):
-        qseg = _head_stack(qs_ref[...], p.hb, 1) if (masked and p.has_seg) else None  # (1, rows)
+        qseg = _head_stack(_read_row(qs_ref, (), p, i), p.hb, 1) if (masked and p.has_seg) else None  # (1, rows)
         R = p.col_split if masked else 1
         ncol = p.rows // R
         C = p.bkv // p.bkvc
@@ -267,10 +267,12 @@ def _launch_dkv(q, k, v, do, lse, di, qs, ks, statics, cfg) -> Launch:
 
     q_spec = pl.BlockSpec((None, p.hb, p.bq, p.D), lambda b, h, j, t: (b, head(h, t), q_index(j, t), 0))
     do_spec = pl.BlockSpec((None, p.hb, p.bq, p.Dv), lambda b, h, j, t: (b, head(h, t), q_index(j, t), 0))
-    row_spec = pl.BlockSpec((None, p.hb, 1, p.bq), lambda b, h, j, t: (b, head(h, t), 0, q_index(j, t)))
+    row_spec = pl.BlockSpec((None, p.hb, 1, p.row_width), lambda b, h, j, t: (b, head(h, t), 0, 0)) if p.rows_whole else \
+        pl.BlockSpec((None, p.hb, 1, p.bq), lambda b, h, j, t: (b, head(h, t), 0, q_index(j, t)))
     k_spec = pl.BlockSpec((None, None, p.bkv, p.D), lambda b, h, j, t: (b, h, j, 0))
     v_spec = pl.BlockSpec((None, None, p.bkv, p.Dv), lambda b, h, j, t: (b, h, j, 0))
-    qs_spec = pl.BlockSpec((None, 1, p.bq), lambda b, h, j, t: (b, 0, q_index(j, t)))
+    qs_spec = pl.BlockSpec((None, 1, p.row_width), lambda b, h, j, t: (b, 0, 0)) if p.rows_whole else \
+        pl.BlockSpec((None, 1, p.bq), lambda b, h, j, t: (b, 0, q_index(j, t)))
     ks_spec = pl.BlockSpec((None, 1, p.bkv), lambda b, h, j, t: (b, 0, j))
     in_specs = [q_spec, k_spec, v_spec, do_spec, row_spec, row_spec] + ([qs_spec, ks_spec] if p.has_seg else [])
     scratch = [pltpu.VMEM((p.bkv, p.D), np.float32), pltpu.VMEM((p.bkv, p.Dv), np.float32)]

@@ -12,7 +12,7 @@ from ... import Launch, OutSpec, tpu_kernel
 from .plan import (NAMESPACE, _DOC_H, _Plan, _check_args, _compute_divides, _cost, _heuristic, _make_plan, _tunables,
                    _vmem_estimate, _vmem_limit)
 from .tiles import (LN2, _NN, _NT, _and_block_mask, _exp_units, _common_specs, _dot, _head_stack, _kv_index_fn, _lanes, _logits2,
-                    _mask_refs, _q_major_step, _row_to_col, _rows_of, _run_steps, _run_sub, _store_rows, _tile_iotas,
+                    _mask_refs, _q_major_step, _read_row, _row_to_col, _rows_of, _run_steps, _run_sub, _store_rows, _tile_iotas,
                     _visible)
 
 
@@ -69,7 +69,7 @@ def _fwd_body(*refs, plan: _Plan):
         acc_sc[rs, :] = acc_sc[rs, :] * _lanes(alpha, p.Dv) + pv
 
     def step(masked: bool):
-        qseg = _head_stack(_row_to_col(qs_ref[...]), p.hb, 0) if (masked and p.has_seg) else None  # (rows, 1)
+        qseg = _head_stack(_row_to_col(_read_row(qs_ref, (), p, i)), p.hb, 0) if (masked and p.has_seg) else None
         R = p.row_split if masked else 1
         nr = p.rows // R
         tiles = _tile_iotas(p, (nr, p.bkvc), 0, q_tail=False, kv_tail=p.kv_tail) if masked else None
@@ -98,7 +98,7 @@ def _fwd_body(*refs, plan: _Plan):
         o = acc_sc[...] * _lanes(inv, p.Dv)
         o_ref[...] = o.reshape(p.hb, p.bq, p.Dv).astype(o_ref.dtype)
         lse = jnp.where(empty, -jnp.inf, (_exp_units(p, m_sc[...]) + jnp.log2(jnp.where(empty, 1.0, l))) * LN2)
-        _store_rows(lse_ref, lse, p)
+        _store_rows(lse_ref, lse, p, i)
 
 def _fwd_out_shape(q, k, v, q_segment_ids=None, kv_segment_ids=None, **statics):
     if statics:  # fake (meta) path: same typed errors as the real one
@@ -124,7 +124,7 @@ def _launch_fwd(q, k, v, q_segment_ids, kv_segment_ids, statics, cfg) -> Launch:
         out_specs=[o_spec, row_spec],
         out_shape=_fwd_out_shape(q, k, v),
         scratch_shapes=scratch,
-        dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
+        dimension_semantics=("parallel", "parallel", "arbitrary" if p.rows_whole else "parallel", "arbitrary"),
         vmem_limit_bytes=_vmem_limit(_vmem_estimate(p, n_q_side=2, n_kv_side=2, acc_rows=p.rows, work=3)),
         cost_estimate=_cost(p, 1),
         body_kwargs={"plan": p},

@@ -131,6 +131,21 @@ class _Plan:
         return self.softcap is None and self.scale > 1.0
 
     @property
+    def rows_whole(self) -> bool:
+        """Position-row operands (lse, di, q segment ids: ``[.., 1, Sq]``) move as one whole-``Sq`` block
+        when ``bq`` divides 128 and is less than ``Sq`` (a ``(1, bq)`` block would break the (8, 128) rule,
+        e.g. float32 ``block_q=64``); the kernels then read / write lanes ``[i * bq, (i + 1) * bq)`` of it
+        through aligned 128-lane windows, and the forward runs its query-block axis in order (the lse block
+        is revisited)."""
+        return self.bq % 128 != 0 and self.bq < self.Sq and 128 % self.bq == 0
+
+    @property
+    def row_width(self) -> int:
+        """Lanes of the whole-row block (:attr:`rows_whole`): ``nq * bq`` rounded up to 128 (one block,
+        overhanging ``Sq``: the last query block's lanes stay inside it)."""
+        return cdiv(self.nq * self.bq, 128) * 128
+
+    @property
     def G(self) -> int:
         return self.Hq // self.Hkv
 
@@ -324,6 +339,9 @@ def _make_plan(q, k, v, q_segment_ids, *, causal, causal_alignment, sm_scale, wi
     else:
         hb = _largest_divisor_at_most(G, block_h)
     bq = Sq if 0 < Sq <= block_q else block_q
+    if bq % 128 and 0 < bq < Sq and 128 % bq:
+        raise ArgumentError(f"flash_attention: block_q={bq} must be a multiple of 128, a divisor of 128 (8, 16, 32, "
+                            f"64) or >= Sq ({Sq}) (the lse / di rows are laid out in 128-lane windows)")
     bkv = Skv if 0 < Skv <= block_kv else block_kv
     bkvc = block_kv_compute if (block_kv_compute < bkv and bkv % block_kv_compute == 0) else bkv
     return _Plan(

@@ -55,8 +55,48 @@ def pl_ds(start: int, size: int):
 
     return pl.ds(start, size)
 
-def _store_rows(ref, col, p: _Plan) -> None:
+def _window(p: _Plan, i):
+    """With :attr:`_Plan.rows_whole`: the 128-aligned lane window holding query block ``i``'s lanes and
+    their offset inside it (``128 % bq == 0``, so a block never straddles two windows)."""
+    from jax.experimental import pallas as pl
+
+    start = i * p.bq
+    a = pl.multiple_of(_div(start, 128) * 128, 128)
+    return pl_ds(a, 128), start - a
+
+
+def _read_row(ref, lead: tuple, p: _Plan, i, r0: int = 0, n: int | None = None):
+    """Lanes of a position-row block (lse, di, q segment ids) for query rows ``[r0, r0 + n)`` of query
+    block ``i``, as ``(1, n)``; ``lead`` indexes the block's leading dims. The block is ``(.., bq)``, or with
+    :attr:`_Plan.rows_whole` a whole row: Mosaic needs 128-aligned dynamic lane offsets, so the aligned
+    128-lane window is read and rotated (``pltpu.roll``) to bring the block's lanes to lane 0."""
+    import jax
+    from jax.experimental.pallas import tpu as pltpu
+
+    n = p.bq if n is None else n
+    if not p.rows_whole:
+        return ref[(*lead, slice(None), slice(None) if (r0 == 0 and n == p.bq) else pl_ds(r0, n))]
+    assert r0 == 0 and n == p.bq
+    win, sh = _window(p, i)
+    w = ref[(*lead, slice(None), win)]
+    return pltpu.roll(w, jax.lax.rem(128 - sh, 128), 1)[:, :n]
+
+
+def _store_rows(ref, col, p: _Plan, i=None) -> None:
     """Store a per-row column ``(rows, c)`` (lanes equal) into a row-layout block ``(hb, 1, bq)``."""
+    if p.rows_whole:  # read-modify-write of the aligned 128-lane window (see _read_row)
+        import jax
+        import jax.numpy as jnp
+        from jax.experimental.pallas import tpu as pltpu
+
+        win, sh = _window(p, i)
+        lane = jax.lax.broadcasted_iota(jnp.int32, (1, 128), 1)
+        keep = jnp.logical_and(lane >= sh, lane < sh + p.bq)
+        for g in range(p.hb):
+            row = _col_to_row(col[g * p.bq:(g + 1) * p.bq])
+            wide = pltpu.roll(jnp.concatenate([row, jnp.zeros((1, 128 - p.bq), row.dtype)], axis=1), sh, 1)
+            ref[g, :, win] = jnp.where(keep, wide, ref[g, :, win])
+        return
     if p.hb == 1:
         ref[0] = _col_to_row(col)
     elif p.bq % 8 == 0:  # per head: aligned sublane slices
@@ -65,17 +105,17 @@ def _store_rows(ref, col, p: _Plan) -> None:
     else:  # decode fold (bq = Sq < 8): one small relayout
         ref[...] = _col_to_row(col).reshape(p.hb, 1, p.bq)
 
-def _load_rows(ref, p: _Plan):
+def _load_rows(ref, p: _Plan, i=None):
     """Row-layout block ``(hb, 1, bq)`` -> one row ``(1, rows)``."""
     import jax.numpy as jnp
 
     if p.hb == 1:
-        return ref[0]
-    if p.bq % 128 == 0:
-        return jnp.concatenate([ref[g] for g in range(p.hb)], axis=1)
+        return _read_row(ref, (0,), p, i)
+    if p.bq % 128 == 0 or p.rows_whole:
+        return jnp.concatenate([_read_row(ref, (g,), p, i) for g in range(p.hb)], axis=1)
     return ref[...].reshape(1, p.rows)
 
-def _load_cols_wide(ref, p: _Plan):
+def _load_cols_wide(ref, p: _Plan, i=None):
     """Row-layout block ``(hb, 1, bq)`` -> lane-replicated columns ``(rows, 128)``."""
     import jax.numpy as jnp
 
@@ -83,9 +123,9 @@ def _load_cols_wide(ref, p: _Plan):
         return jnp.transpose(jnp.broadcast_to(row, (128, row.shape[1])))
 
     if p.hb == 1:
-        return one(ref[0])
+        return one(_read_row(ref, (0,), p, i))
     if p.bq % 8 == 0:
-        return jnp.concatenate([one(ref[g]) for g in range(p.hb)], axis=0)
+        return jnp.concatenate([one(_read_row(ref, (g,), p, i)) for g in range(p.hb)], axis=0)
     return one(ref[...].reshape(1, p.rows))
 
 def _head_stack(x, hb: int, axis: int):
@@ -207,8 +247,10 @@ def _common_specs(p: _Plan, kv_index):
     q_spec = pl.BlockSpec((None, p.hb, p.bq, p.D), lambda b, h, i, t: (b, h, i, 0))
     k_spec = pl.BlockSpec((None, None, p.bkv, p.D), lambda b, h, i, t: (b, _div(h, G_blocks), kv_index(i, t), 0))
     v_spec = pl.BlockSpec((None, None, p.bkv, p.Dv), lambda b, h, i, t: (b, _div(h, G_blocks), kv_index(i, t), 0))
-    row_spec = pl.BlockSpec((None, p.hb, 1, p.bq), lambda b, h, i, t: (b, h, 0, i))
-    qs_spec = pl.BlockSpec((None, 1, p.bq), lambda b, h, i, t: (b, 0, i))
+    row_spec = pl.BlockSpec((None, p.hb, 1, p.row_width), lambda b, h, i, t: (b, h, 0, 0)) if p.rows_whole else \
+        pl.BlockSpec((None, p.hb, 1, p.bq), lambda b, h, i, t: (b, h, 0, i))
+    qs_spec = pl.BlockSpec((None, 1, p.row_width), lambda b, h, i, t: (b, 0, 0)) if p.rows_whole else \
+        pl.BlockSpec((None, 1, p.bq), lambda b, h, i, t: (b, 0, i))
     ks_spec = pl.BlockSpec((None, 1, p.bkv), lambda b, h, i, t: (b, 0, kv_index(i, t)))
     return q_spec, k_spec, v_spec, row_spec, qs_spec, ks_spec
 
