@@ -50,8 +50,9 @@ grid step multiplies ``(Hq/Hkv) * Sq`` query rows against each K/V block (the K/
 
 Package layout: :mod:`.plan` (argument checks, the static plan of a call, tunables, heuristics, VMEM budget),
 :mod:`.tiles` (in-kernel helpers and element masks), :mod:`.forward` (:data:`fa_forward`), :mod:`.backward`
-(:data:`fa_backward_dq`, :data:`fa_backward_dkv` and the autograd wiring), :mod:`.api` (:func:`flash_attention`
-and the public op), :mod:`.reference` (:func:`attention_reference`).
+(:data:`fa_backward_dq`, :data:`fa_backward_dkv` and the autograd wiring), :mod:`.masks` (splash-attention mask
+objects and their block-sparse tables), :mod:`.masked` (the block-sparse masked kernels, same bodies),
+:mod:`.api` (:func:`flash_attention`, sinks, the public op), :mod:`.reference` (:func:`attention_reference`).
 """
 
 from .api import flash_attention  # noqa: E402
