@@ -173,8 +173,8 @@ MASK_BLOCK = 512
 
 def _masked_forward(q, k, v, qs, ks, mask, *, causal, causal_alignment, sm_scale, window, softcap, config, interpret):
     """Run the block-sparse masked kernel: ``causal`` / ``window`` are folded into ``mask`` (intersection)."""
-    from .masked import _tensors, check_mask, fa_forward_masked
-    from .masks import LocalMask, mask_tables
+    from .masked import check_mask, fa_forward_masked
+    from .masks import LocalMask
 
     if q.dim() != 4 or k.dim() != 4:
         raise ArgumentError(f"flash_attention: q and k must have rank 4 [B, H, S, D], got {tuple(q.shape)}, "
@@ -206,7 +206,7 @@ def _masked_forward(q, k, v, qs, ks, mask, *, causal, causal_alignment, sm_scale
         blocks[name] = b
     bq = Sq if 0 < Sq <= blocks["block_q"] else blocks["block_q"]
     bkv = Skv if 0 < Skv <= blocks["block_kv"] else blocks["block_kv"]
-    ft, bt, mb, mbt = _tensors(mask_tables(mask, max(bq, 1), max(bkv, 1)))
+    ft, bt, mb, mbt = _table_tensors(mask, max(bq, 1), max(bkv, 1))
     return fa_forward_masked(ft, bt, q, k, v, mb, mbt, qs, ks, sm_scale=None if sm_scale is None else float(sm_scale),
                              softcap=None if softcap is None else float(softcap), config=cfg or None,
                              interpret=interpret)
@@ -221,3 +221,13 @@ def _apply_sinks(out, lse, sinks):
     s = sinks.float().view(1, -1, 1, 1)  # [1, Hq, 1, 1]
     scale = torch.sigmoid(lse.transpose(2, 3) - s)  # lse [B, Hq, 1, Sq] -> [B, Hq, Sq, 1]
     return (out.float() * scale).to(out.dtype), torch.logaddexp(lse, s)
+
+
+@torch.compiler.assume_constant_result
+def _table_tensors(mask, bq: int, bkv: int):
+    """The mask's block-sparse tables as torch tensors (built once per mask value and block shape, cached);
+    under ``torch.compile`` evaluated at trace time and kept as constants (host-side numpy work)."""
+    from .masked import _tensors
+    from .masks import mask_tables
+
+    return _tensors(mask_tables(mask, bq, bkv))
