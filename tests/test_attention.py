@@ -419,3 +419,51 @@ def test_compiles_decode_segments_window_softcap():
         for kernel in (fa_backward_dq, fa_backward_dkv):
             r = tk.compile_for(kernel, "v6e", *args[:3], q, lse, lse, *args[3:], with_mlir=False, **st_)
             assert r.ok, r.summary()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_huge_sm_scale_stays_finite_like_sdpa(causal):
+    """sm_scale=1e30 (logits ~1e31, where one f32 ulp is ~1e24): torch SDPA float32 gives the row's argmax
+    value; so must we (before: NaN / rows wrongly empty), and the gradients stay finite."""
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(1, 2, 72, 64, generator=g).requires_grad_() for _ in range(3))
+    for scale in (1e30, 1e36):
+        out = flash_attention(q, k, v, sm_scale=scale, causal=causal, interpret="fast")
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=causal)
+        assert torch.isfinite(ref).all()
+        torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert all(torch.isfinite(x).all() for x in grads)
+
+
+def test_float32_block_q_64_forward_backward():
+    """float32 with block_q=64 (< 128 and < Sq): the lse / di / segment rows move as whole-row blocks read
+    and written through aligned 128-lane windows (a (1, 64) block broke the (8, 128) rule); NaN-poisoned
+    interpreter, GQA heads folded (block_h=2), segments, causal; block_q=192 is a typed error."""
+    q, k, v = make(1, 4, 2, 200, 230, 64, torch.float32, seed=4)
+    qs, ks = segments(1, 200, 3, 1), segments(1, 230, 3, 2)
+    with tk.interpret_mode("tpu"):
+        check(q, k, v, config=dict(block_q=64, block_kv=128, block_kv_compute=128, block_h=2), causal=True,
+              qs=qs, ks=ks)
+    with pytest.raises(ArgumentError, match="block_q=192"):
+        flash_attention(q, k, v, config=dict(block_q=192, block_kv=128, block_kv_compute=128))
+
+
+@pytest.mark.aot
+def test_compiles_float32_block_q_64_and_masked_kernels():
+    """Mosaic accepts the whole-row lse windows (block_q=64, float32) and the block-sparse masked kernels."""
+    from tpukernels.library.attention import fa_backward_dkv_masked, fa_backward_dq_masked, fa_forward_masked
+
+    q, kv, rows = "1x4x1000x128:f32", "1x2x1000x128:f32", "1x4x1x1000:f32"
+    cfg = dict(block_q=64, block_kv=256, block_kv_compute=256, block_h=2)
+    for kernel, args in ((fa_forward, (q, kv, kv)), (fa_backward_dq, (q, kv, kv, q, rows, rows)),
+                         (fa_backward_dkv, (q, kv, kv, q, rows, rows))):
+        r = tk.compile_for(kernel, "v6e", *args, with_mlir=False, config=cfg, **STATICS_CAUSAL)
+        assert r.ok, r.summary()
+    q, kv, rows = "1x32x4096x128:bf16", "1x8x4096x128:bf16", "1x32x1x4096:f32"
+    tabs, mbs = ("3x1x8x8:i32", "3x1x8x8:i32"), ("1x512x512:i8", "1x512x512:i8")
+    for kernel, args in ((fa_forward_masked, (*tabs, q, kv, kv, *mbs)),
+                         (fa_backward_dq_masked, (*tabs, q, kv, kv, q, rows, rows, *mbs)),
+                         (fa_backward_dkv_masked, (*tabs, q, kv, kv, q, rows, rows, *mbs))):
+        r = tk.compile_for(kernel, "v6e", *args, with_mlir=False, sm_scale=None, softcap=None)
+        assert r.ok, r.summary()

@@ -102,7 +102,7 @@ def mask_to_spec(mask: Optional[torch.Tensor], sq: int, skv: int, *, is_causal: 
     return None
 
 
-def _eager(query, key, value, mask, scaling, softcap, dropout, training):
+def _eager(query, key, value, mask, scaling, softcap, dropout, training, sinks=None):
     group = query.shape[1] // key.shape[1]
     k = key.repeat_interleave(group, dim=1).float()
     v = value.repeat_interleave(group, dim=1).float()
@@ -111,7 +111,11 @@ def _eager(query, key, value, mask, scaling, softcap, dropout, training):
         s = softcap * torch.tanh(s / softcap)
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.float()
+    if sinks is not None:  # gpt-oss: a per-head logit joins the denominator, its column is dropped after
+        s = torch.cat([s, sinks.float().view(1, -1, 1, 1).expand(*s.shape[:3], 1)], dim=-1)
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    if sinks is not None:
+        p = p[..., :-1]
     p = torch.nn.functional.dropout(p, p=dropout, training=training)
     return (p @ v).to(query.dtype)
 
@@ -136,6 +140,7 @@ def attention_forward(
         query: ``[B, Hq, Sq, D]``; key, value: ``[B, Hkv, Skv, D]`` (GQA: Hq a multiple of Hkv).
         attention_mask: None or ``[B, 1, Sq, Skv]`` (bool or additive float), from transformers' SDPA mask.
         scaling: softmax scale (default ``1/sqrt(D)``). softcap: logit soft-cap. sliding_window: HF window.
+        s_aux (keyword, gpt-oss): ``[Hq]`` attention-sink logits, passed to ``flash_attention(sinks=)``.
 
     Returns:
         ``(attn_output [B, Sq, Hq, D], None)`` (attention weights are never materialized).
@@ -145,6 +150,7 @@ def attention_forward(
     causal_default = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     sliding_window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
     training = bool(getattr(module, "training", False))
+    sinks = kwargs.get("s_aux")
     spec = None
     if training and dropout > 0:
         _warn_once("dropout", f"attention dropout {dropout} in training mode is not supported by the kernel")
@@ -155,7 +161,7 @@ def attention_forward(
     if spec is None:
         if attention_mask is None and causal_default and sq > 1:
             attention_mask = _dense(query.shape[0], sq, skv, True, "top_left", None, None, query.device)[:, None]
-        out = _eager(query, key, value, attention_mask, scaling, softcap, dropout, training)
+        out = _eager(query, key, value, attention_mask, scaling, softcap, dropout, training, sinks)
         return out.transpose(1, 2).contiguous(), None
     from ..library.attention import flash_attention
 
@@ -170,7 +176,7 @@ def attention_forward(
     out = flash_attention(
         query, key, value,
         causal=spec["causal"], causal_alignment=spec["causal_alignment"], sm_scale=scaling,
-        window=(spec["window_left"], None), softcap=softcap, **seg,
+        window=(spec["window_left"], None), softcap=softcap, sinks=sinks, **seg,
     )
     return out.transpose(1, 2).contiguous(), None
 

@@ -1,0 +1,233 @@
+"""The public function :func:`flash_attention` (torch SDPA layout, differentiable) and the public op
+``torch.ops.tpukernels.flash_attention`` (CompositeImplicitAutograd).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...errors import ArgumentError, DTypeError
+from .forward import fa_forward
+from .plan import NAMESPACE
+
+
+def _to_int32_ids(ids, name: str):
+    if ids is None:
+        return None
+    if ids.dtype in (torch.int64, torch.int16, torch.int8, torch.uint8):
+        return ids.to(torch.int32)
+    if ids.dtype != torch.int32:
+        raise DTypeError(f"flash_attention: {name} must be an integer tensor (int32), got {ids.dtype}")
+    return ids
+
+def flash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    causal_alignment: str = "top_left",
+    sm_scale: float | None = None,
+    window: tuple[int | None, int | None] = (None, None),
+    softcap: float | None = None,
+    q_segment_ids: torch.Tensor | None = None,
+    kv_segment_ids: torch.Tensor | None = None,
+    mask=None,
+    sinks: torch.Tensor | None = None,
+    return_lse: bool = False,
+    config: dict | None = None,
+    interpret: str | None = None,
+):
+    """Flash attention on TPU (and cpu via Pallas interpret mode), differentiable, torch SDPA layout.
+
+    Args:
+        q: ``[B, Hq, Sq, D]``; k: ``[B, Hkv, Skv, D]``; v: ``[B, Hkv, Skv, Dv]``; one dtype of bfloat16,
+            float16 or float32. ``Hq`` must be a multiple of ``Hkv`` (GQA/MQA: query head ``h`` uses kv head
+            ``h // (Hq // Hkv)``; dK/dV are summed over each group). Any ``Sq, Skv >= 0`` (tails are masked);
+            tested head dims 64, 80, 96, 128, 256.
+        causal: mask keys after the query's diagonal (``window`` right bound 0).
+        causal_alignment: where the diagonal sits when ``Sq != Skv``; also anchors ``window``.
+            ``"top_left"`` (default, torch SDPA ``is_causal``): query ``i`` sees keys ``j <= i``.
+            ``"bottom_right"`` (FlashAttention >= 2.1; KV-cache prefill/decode): query ``i`` sees keys
+            ``j <= i + Skv - Sq``, so the last query sees every key.
+        sm_scale: logit scale; ``None`` means ``1 / sqrt(D)`` (JAX's Pallas kernel defaults to 1.0).
+        window: ``(left, right)`` sliding window, inclusive, ``None`` = unbounded: query ``i`` sees keys
+            ``i + off - left <= j <= i + off + right`` (``off`` from ``causal_alignment``). ``(None, 0)`` is
+            exactly ``causal=True``; ``(w, 0)`` is causal local attention over ``w + 1`` keys.
+        softcap: logit soft-cap ``softcap * tanh(s / softcap)`` on the scaled logits, before masking (Gemma 2).
+        q_segment_ids: ``[B, Sq]``, kv_segment_ids: ``[B, Skv]`` integer ids (packed sequences): a query sees
+            only keys of its own segment. Both or neither; converted to int32.
+        mask: a :mod:`tpukernels.library.attention.masks` mask (splash-attention API: ``CausalMask(shape,
+            offset)``, ``LocalMask(shape, window_size, offset)``, ``ChunkedCausalMask``, ``FullMask``,
+            ``NumpyMask(bool array or tensor [Sq, Skv])``, ``MultiHeadMask([... one per query head])``, combined
+            with ``|`` and ``&``), shape ``(Sq, Skv)``. Runs the block-sparse kernels: the mask is compiled once
+            per block shape into scalar-prefetched tables (cached by mask value); fully masked blocks are skipped
+            without DMA, full blocks run without an element mask. ``causal`` / ``window`` / segment ids are
+            intersected with it. ``config`` then takes ``block_q`` / ``block_kv`` (default 512, multiples of 128)
+            and ``block_kv_compute``; query heads are not folded (``block_h = 1``).
+        sinks: ``[Hq]`` float attention-sink logits (gpt-oss): each joins its head's softmax denominator as a
+            key with no value, ``out = sum_j e^{s_j} v_j / (sum_j e^{s_j} + e^{sink})``; differentiable (the
+            sinks get a gradient). Applied exactly as ``out * sigmoid(lse - sink)`` (f32) on the kernel's
+            output; the returned ``lse`` includes the sink.
+        return_lse: also return ``lse`` ``[B, Hq, Sq]`` float32, the natural-log log-sum-exp of each row's
+            visible logits (``-inf`` where nothing is visible); differentiable.
+        config: tuning config for the forward kernel (keys ``block_q``, ``block_kv``, ``block_kv_compute``,
+            ``block_h``); default: tuning DB, then a shape heuristic.
+        interpret: ``"fast"`` / ``"tpu"`` for cpu runs (see :mod:`tpukernels.dsl.modes`).
+
+    Returns:
+        ``out`` ``[B, Hq, Sq, Dv]`` in q's dtype, or ``(out, lse)``. A query row that sees no key (segments,
+        window, mask, causal with ``Sq > Skv`` bottom-right, ``Skv = 0``) gives exactly 0 and zero gradients
+        (as JAX's splash attention; ``lse`` is ``-inf``, or the sink with ``sinks``).
+
+    Numerics: ``Q K^T`` and ``P V`` accumulate in float32 on the MXU (bf16 inputs are multiplied as bf16;
+    float32 inputs at ``Precision.HIGHEST``); softmax statistics and the output accumulator are float32.
+    float16 inputs are computed in float32 (exact upcast; Mosaic takes no float16 kernel arguments) and the
+    output is cast back to float16.
+
+    Raises:
+        ArgumentError: ranks, batch / head / length / head-dim mismatches, ``Hq % Hkv != 0``, only one of
+            the segment ids, bad window / softcap / sm_scale / causal_alignment values.
+            A ``mask`` whose shape is not ``(Sq, Skv)`` or whose head count is not ``Hq``, a raw array as
+            ``mask`` (wrap it: ``NumpyMask``), ``sinks`` not of shape ``[Hq]``.
+        DTypeError: q, k, v dtypes differ or are not bf16 / fp16 / f32; non-integer segment ids; a non-bool
+            mask array; non-float sinks.
+
+    Sources: Dao, "FlashAttention-2" (arXiv:2307.08691); JAX ``pallas/ops/tpu/flash_attention.py`` and
+    ``splash_attention`` (block skipping, compute sub-blocks, key-major dK/dV); FlashAttention 2.1 release
+    notes (bottom-right causal alignment).
+    """
+    for name, val in (("causal", causal), ("return_lse", return_lse)):
+        if not isinstance(val, bool):  # bool("false") is True: never coerce a flag
+            raise ArgumentError(f"flash_attention: {name} must be a bool, got {val!r}")
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise ArgumentError(f"flash_attention: window must be a (left, right) pair, got {window!r}")
+    for name, val in (("sm_scale", sm_scale), ("softcap", softcap)):
+        if val is not None and (isinstance(val, bool) or not isinstance(val, (int, float))):
+            raise ArgumentError(f"flash_attention: {name} must be a float or None, got {val!r}")
+    for name, val in (("window[0]", window[0]), ("window[1]", window[1])):
+        if val is not None and (isinstance(val, bool) or not isinstance(val, int)):
+            raise ArgumentError(f"flash_attention: {name} must be an int >= 0 or None, got {val!r}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise ArgumentError(f"flash_attention: {name} must be a torch.Tensor, got {type(x).__name__}")
+    dtypes = {q.dtype, k.dtype, v.dtype}
+    if len(dtypes) != 1:
+        raise DTypeError(f"flash_attention: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor):
+            raise ArgumentError(f"flash_attention: sinks must be a torch.Tensor [Hq], got {type(sinks).__name__}")
+        if not sinks.dtype.is_floating_point:
+            raise DTypeError(f"flash_attention: sinks must be a float tensor (logits), got {sinks.dtype}")
+        if q.dim() == 4 and tuple(sinks.shape) != (q.shape[1],):
+            raise ArgumentError(f"flash_attention: sinks must have shape [Hq] = ({q.shape[1]},) (one logit per query "
+                                f"head), got {tuple(sinks.shape)}")
+    half = q.dtype == torch.float16
+    if half:
+        q, k, v = q.float(), k.float(), v.float()
+    qs = _to_int32_ids(q_segment_ids, "q_segment_ids")
+    ks = _to_int32_ids(kv_segment_ids, "kv_segment_ids")
+    if (qs is None) != (ks is None):
+        raise ArgumentError("flash_attention: q_segment_ids and kv_segment_ids must be given together (packed sequences)")
+    if qs is not None:
+        for name, ids, x in (("q_segment_ids", qs, q), ("kv_segment_ids", ks, k)):
+            if ids.dim() != 2 or q.dim() != 4 or tuple(ids.shape) != (x.shape[0], x.shape[2]):
+                want = (x.shape[0], x.shape[2]) if x.dim() == 4 else "[B, S]"
+                raise ArgumentError(f"flash_attention: {name} must have shape [B, S] = {want}, got {tuple(ids.shape)}")
+        qs, ks = qs.unsqueeze(1), ks.unsqueeze(1)
+    if mask is not None:
+        out, lse = _masked_forward(q, k, v, qs, ks, mask, causal=causal, causal_alignment=causal_alignment,
+                                   sm_scale=sm_scale, window=window, softcap=softcap, config=config,
+                                   interpret=interpret)
+    else:
+        out, lse = fa_forward(
+            q, k, v, qs, ks, causal=causal, causal_alignment=causal_alignment,
+            sm_scale=None if sm_scale is None else float(sm_scale), window_left=window[0], window_right=window[1],
+            softcap=None if softcap is None else float(softcap), config=config, interpret=interpret,
+        )
+    if sinks is not None:
+        out, lse = _apply_sinks(out, lse, sinks)
+    if half:
+        out = out.to(torch.float16)
+    return (out, lse.squeeze(2)) if return_lse else out
+
+def _flash_attention_op(q, k, v, *, causal=False, causal_alignment="top_left", sm_scale=None, window_left=None,
+                        window_right=None, softcap=None, q_segment_ids=None, kv_segment_ids=None):
+    return flash_attention(q, k, v, causal=causal, causal_alignment=causal_alignment, sm_scale=sm_scale,
+                           window=(window_left, window_right), softcap=softcap, q_segment_ids=q_segment_ids,
+                           kv_segment_ids=kv_segment_ids)
+
+
+# The public op means the public function (out only); the kernel op returning (out, lse) is flash_attention_fwd.
+_LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
+_LIB.define("flash_attention(Tensor q, Tensor k, Tensor v, *, bool causal=False, str causal_alignment=\"top_left\", "
+            "float? sm_scale=None, int? window_left=None, int? window_right=None, float? softcap=None, "
+            "Tensor? q_segment_ids=None, Tensor? kv_segment_ids=None) -> Tensor")
+_LIB.impl("flash_attention", _flash_attention_op, "CompositeImplicitAutograd")
+
+
+
+#: Default block shape of the block-sparse masked kernels (smaller blocks find more empty / full blocks).
+MASK_BLOCK = 512
+
+
+def _masked_forward(q, k, v, qs, ks, mask, *, causal, causal_alignment, sm_scale, window, softcap, config, interpret):
+    """Run the block-sparse masked kernel: ``causal`` / ``window`` are folded into ``mask`` (intersection)."""
+    from .masked import check_mask, fa_forward_masked
+    from .masks import LocalMask
+
+    if q.dim() != 4 or k.dim() != 4:
+        raise ArgumentError(f"flash_attention: q and k must have rank 4 [B, H, S, D], got {tuple(q.shape)}, "
+                            f"{tuple(k.shape)}")
+    Hq, Sq, Skv = int(q.shape[1]), int(q.shape[2]), int(k.shape[2])
+    check_mask(mask, Hq, Sq, Skv)
+    if causal_alignment not in ("top_left", "bottom_right"):
+        raise ArgumentError(f"flash_attention: causal_alignment must be 'top_left' or 'bottom_right', got "
+                            f"{causal_alignment!r}")
+    left, right = window
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    if left is not None or right is not None:
+        for name, w in (("window[0]", left), ("window[1]", right)):
+            if w is not None and w < 0:
+                raise ArgumentError(f"flash_attention: {name} must be an int >= 0 or None, got {w!r}")
+        off = Skv - Sq if causal_alignment == "bottom_right" else 0
+        mask = mask & LocalMask((Sq, Skv), (left, right), offset=off)
+    cfg = dict(config or {})
+    unknown = set(cfg) - {"block_q", "block_kv", "block_kv_compute"}
+    if unknown:
+        raise ArgumentError(f"flash_attention: config keys {sorted(unknown)} do not apply to masked attention "
+                            f"(block_q, block_kv, block_kv_compute)")
+    blocks = {}
+    for name in ("block_q", "block_kv"):
+        b = cfg.pop(name, MASK_BLOCK)
+        if isinstance(b, bool) or not isinstance(b, int) or b <= 0 or b % 128:
+            raise ArgumentError(f"flash_attention: config[{name!r}] must be a positive multiple of 128, got {b!r}")
+        blocks[name] = b
+    bq = Sq if 0 < Sq <= blocks["block_q"] else blocks["block_q"]
+    bkv = Skv if 0 < Skv <= blocks["block_kv"] else blocks["block_kv"]
+    ft, bt, mb, mbt = _table_tensors(mask, max(bq, 1), max(bkv, 1))
+    return fa_forward_masked(ft, bt, q, k, v, mb, mbt, qs, ks, sm_scale=None if sm_scale is None else float(sm_scale),
+                             softcap=None if softcap is None else float(softcap), config=cfg or None,
+                             interpret=interpret)
+
+
+def _apply_sinks(out, lse, sinks):
+    """Attention sinks (gpt-oss): a per-head logit ``sink[h]`` joins every row's softmax denominator and
+    contributes no value. With ``l = sum_j exp(s_ij)`` the kernel's row sum, ``out' = out * l / (l + e^sink)
+    = out * sigmoid(lse - sink)`` and ``lse' = logaddexp(lse, sink)`` (exact; f32). Differentiable: autograd
+    carries d lse into the kernels' backward and gives the sinks' gradient. Rows that see no key: out 0,
+    lse = sink."""
+    s = sinks.float().view(1, -1, 1, 1)  # [1, Hq, 1, 1]
+    scale = torch.sigmoid(lse.transpose(2, 3) - s)  # lse [B, Hq, 1, Sq] -> [B, Hq, Sq, 1]
+    return (out.float() * scale).to(out.dtype), torch.logaddexp(lse, s)
+
+
+@torch.compiler.assume_constant_result
+def _table_tensors(mask, bq: int, bkv: int):
+    """The mask's block-sparse tables as torch tensors (built once per mask value and block shape, cached);
+    under ``torch.compile`` evaluated at trace time and kept as constants (host-side numpy work)."""
+    from .masked import _tensors
+    from .masks import mask_tables
+
+    return _tensors(mask_tables(mask, bq, bkv))
