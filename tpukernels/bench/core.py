@@ -126,7 +126,7 @@ def source_digest(family: str | None = None, root: str | None = None) -> str:
         if rel in skip or any(rel.startswith(p) for p in skip if p.endswith("/")):
             return False
         if rel.startswith("library/") and rel != "library/__init__.py":
-            return rel[len("library/"):-3] in libs
+            return rel[len("library/"):-3].split("/")[0] in libs  # a module, or a package's files
         return True
 
     h = hashlib.sha256()
