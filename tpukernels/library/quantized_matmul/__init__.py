@@ -147,7 +147,9 @@ Layout of this package (every name above is importable from ``tpukernels.library
 ``common`` (dtypes, chip support), ``quantize`` (absmax quantization: reference, weights, per-token kernel),
 ``reference`` (float64 references, error bounds), ``w8a16`` (``quantized_matmul_kernel``, its streaming
 decode launch, ``quantized_matmul_bwd_dx``), ``w8a8`` (the fused w8a8 kernel), ``public`` (the op and
-``TPUQuantLinear``).
+``TPUQuantLinear``), ``blockwise`` (sub-channel scales along K: w4a16 int4 with zero points, block-scaled int8 /
+fp8; ``quantized_matmul_blockwise``, ``TPUBlockQuantLinear``; its own docstring has the layout, the padding
+rule and the error bound).
 
 Sources: JAX Pallas TPU matmul guide (blocked matmul, f32 scratch accumulator) and JAX's
 ``jax/experimental/pallas/ops/tpu/matmul.py``; tpu-inference's quantized matmul (int8 weights with
@@ -166,8 +168,13 @@ from .w8a16 import (STANDARD_CASES, STREAM_MAX_M, TUNABLES, WEIGHT_DMAS, heurist
 from .w8a8 import (QCHUNK, STANDARD_CASES_W8A8, TUNABLES_W8A8, _w8a8_heuristic, fused_plan, fused_vmem_bytes,
                    quantized_matmul_w8a8_kernel, vmem_budget)
 from .public import TPUQuantLinear, _canon_x_quant, _check_public, check_pair, quantized_matmul
+from .blockwise import (BLOCK_SIZES, WEIGHT_FORMATS, TPUBlockQuantLinear, dequantize_blockwise, error_bound_blockwise,
+                        k_block, pack_int4, pad_k, quantize_weight_blockwise, quantized_matmul_blockwise,
+                        quantized_matmul_blockwise_kernel, reference_blockwise, unpack_int4)
 
 __all__ = ["quantized_matmul", "quantize_weight", "quantize_per_token", "TPUQuantLinear", "reference",
            "quantize_reference", "error_bound", "supported_modes", "check_chip", "quantized_matmul_kernel",
            "quantize_per_token_kernel", "quantized_matmul_bwd_dx", "quantized_matmul_w8a8_kernel", "fused_plan",
-           "vmem_budget", "heuristic", "STANDARD_CASES", "STANDARD_CASES_W8A8"]
+           "vmem_budget", "heuristic", "STANDARD_CASES", "STANDARD_CASES_W8A8", "quantized_matmul_blockwise",
+           "quantized_matmul_blockwise_kernel", "TPUBlockQuantLinear", "quantize_weight_blockwise", "pack_int4",
+           "unpack_int4", "pad_k", "dequantize_blockwise", "reference_blockwise", "error_bound_blockwise"]
