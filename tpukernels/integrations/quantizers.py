@@ -186,6 +186,29 @@ def mark_quantized(model, weight_dtype: str, x_quant: Optional[str], modules) ->
     model.config.quantization_config = TpuKernelsConfig(weight_dtype, x_quant, list(dict.fromkeys([*prev, *modules])))
 
 
+class _LoadedCheckpoint(HfQuantizer):
+    """Attached to models that :mod:`tpukernels.integrations.checkpoints` loaded: not serializable, so
+    transformers' ``save_pretrained`` raises instead of writing tensors no loader would read back."""
+
+    def is_serializable(self, *args, **kwargs) -> bool:
+        return False
+
+    @property
+    def is_trainable(self) -> bool:
+        return False
+
+
+def refuse_saving(model, quantization_config) -> None:
+    """Make ``model.save_pretrained`` raise ValueError (a model loaded from a GPTQ / AWQ / compressed-tensors /
+    fp8 checkpoint into tpukernels modules: its ``config.quantization_config`` is kept for reference)."""
+    from types import SimpleNamespace
+
+    qc = quantization_config.to_dict() if hasattr(quantization_config, "to_dict") else dict(quantization_config)
+    model.config.quantization_config = qc
+    model.hf_quantizer = _LoadedCheckpoint(SimpleNamespace(quant_method=f"{qc.get('quant_method')} (loaded into "
+                                                                        f"tpukernels modules)"), pre_quantized=True)
+
+
 register()
 
 __all__ = ["TpuKernelsConfig", "TpuKernelsHfQuantizer", "register", "mark_quantized", "QUANT_METHOD"]

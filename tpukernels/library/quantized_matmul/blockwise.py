@@ -462,7 +462,8 @@ class TPUBlockQuantLinear(torch.nn.Module):
     """``nn.Linear`` with a frozen block-quantized weight: ``y = quantized_matmul_blockwise(x, ...) + bias``.
 
     Buffers: ``w_q`` (``[out, K_w]`` int8 / fp8 or ``[out, K_w/2]`` uint8 int4), ``w_scale [K_w/bs, 1, out]`` f32,
-    optional ``w_zero_point`` (same shape, int4), optional ``bias [out]``. ``in_features`` may be below ``K_w``
+    optional ``w_zero_point`` (same shape, int4), optional ``bias [out]``, optional ``in_perm [in]`` (act-order
+    checkpoints: ``x`` is gathered along K by it first). ``in_features`` may be below ``K_w``
     (the padding rule). Built by the checkpoint loaders (:mod:`tpukernels.integrations.checkpoints`) or
     :meth:`from_linear`. No gradient (inference).
     """
@@ -485,6 +486,8 @@ class TPUBlockQuantLinear(torch.nn.Module):
         self.register_buffer("w_scale", torch.zeros(G, 1, out_features, dtype=torch.float32))
         self.register_buffer("w_zero_point", torch.zeros(G, 1, out_features) if zero_point else None)
         self.register_buffer("bias", torch.zeros(out_features) if bias else None)
+        # act-order checkpoints (GPTQ g_idx): x's columns are gathered by in_perm [in_features] int64 first
+        self.register_buffer("in_perm", None)
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, block_size: int, fmt: str = "int4", asymmetric: bool = False):
@@ -503,7 +506,7 @@ class TPUBlockQuantLinear(torch.nn.Module):
 
     def _apply(self, fn, recurse=True):
         """Device moves only for the quantized buffers (as :class:`TPUQuantLinear`); ``bias`` follows casts."""
-        names = [n for n in ("w_q", "w_scale", "w_zero_point") if self._buffers.get(n) is not None]
+        names = [n for n in ("w_q", "w_scale", "w_zero_point", "in_perm") if self._buffers.get(n) is not None]
         keep = {n: self._buffers[n] for n in names}
         self._buffers.update(dict.fromkeys(keep))
         try:
@@ -515,6 +518,8 @@ class TPUBlockQuantLinear(torch.nn.Module):
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.in_perm is not None:
+            x = x.index_select(-1, self.in_perm)
         cast = x.dtype not in (torch.bfloat16, torch.float32)
         y = quantized_matmul_blockwise(x.float() if cast else x, self.w_q, self.w_scale, block_size=self.block_size,
                                        w_zero_point=self.w_zero_point)
