@@ -13,7 +13,7 @@ import importlib
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 import tpukernels.library  # noqa: F401
@@ -27,31 +27,54 @@ def _case(M, N, G, bs, fmt, asym, pad, seed, xdtype=torch.bfloat16):
     g = torch.Generator().manual_seed(seed)
     K_w = G * bs
     w = torch.randn(N, K_w, generator=g) * (1 + torch.rand(N, G, generator=g).repeat_interleave(bs, 1) * 4)
-    q, s, z = qmm.quantize_weight_blockwise(w, bs, "int4" if fmt == "int4" else "int8", asymmetric=asym)
+    q, s, z = qmm.quantize_weight_blockwise(w, bs, fmt if fmt in ("int4", "fp4") else "int8", asymmetric=asym)
     if fmt.startswith("float8"):
         q = (q.float() / 4).to(getattr(torch, fmt))
     x = torch.randn(M, K_w - pad, generator=g).to(xdtype)
     return x, q, s, z
 
 
-def _check(y, x, q, s, bs, z, out_dtype=None):
-    ref = qmm.reference_blockwise(x, q, s, bs, z)
-    bound = qmm.error_bound_blockwise(x, q, s, bs, z, out_dtype)
+def _check(y, x, q, s, bs, z, out_dtype=None, fmt=None):
+    ref = qmm.reference_blockwise(x, q, s, bs, z, fmt)
+    bound = qmm.error_bound_blockwise(x, q, s, bs, z, out_dtype, fmt)
     assert y.shape == ref.shape
     bad = (y.double() - ref).abs() > bound
     assert not bad.any(), f"{int(bad.sum())} elements outside the bound"
 
 
 @given(M=st.integers(1, 40), N=st.integers(1, 300), G=st.integers(1, 6), bs=st.sampled_from([32, 64, 128, 256]),
-       fmt=st.sampled_from(["int4", "int8", "float8_e4m3fn", "float8_e5m2"]), asym=st.booleans(),
+       fmt=st.sampled_from(["int4", "int8", "float8_e4m3fn", "float8_e5m2", "fp4"]), asym=st.booleans(),
        pad=st.integers(0, 31), f32=st.booleans())
+@example(M=9, N=136, G=3, bs=64, fmt="fp4", asym=False, pad=7, f32=False)
+@example(M=3, N=40, G=2, bs=32, fmt="int4", asym=True, pad=5, f32=True)
 def test_blockwise_within_bound(M, N, G, bs, fmt, asym, pad, f32):
     """Every format, zero points or not, K padded by the rule (``pad`` missing columns of x), tails in M / N,
     bf16 and f32 activations."""
     x, q, s, z = _case(M, N, G, bs, fmt, asym and fmt == "int4", pad, seed=M * 131 + N + G,
                        xdtype=torch.float32 if f32 else torch.bfloat16)
-    y = qmm.quantized_matmul_blockwise(x, q, s, block_size=bs, w_zero_point=z, config=SMALL)
-    _check(y, x, q, s, bs, z)
+    wf = "fp4" if fmt == "fp4" else None
+    y = qmm.quantized_matmul_blockwise(x, q, s, block_size=bs, w_zero_point=z, config=SMALL, weight_format=wf)
+    _check(y, x, q, s, bs, z, fmt=wf)
+
+
+def test_fp4_codes_and_quantizer():
+    """The 16 e2m1 codes decode to 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives, in the kernel too (a one-hot
+    x picks single weights); quantize_weight_blockwise('fp4') rounds to the nearest code value."""
+    codes = torch.arange(16, dtype=torch.uint8).repeat(2, 2)  # [2, 32]: one group of 32
+    w_q = qmm.pack_int4(codes, 32)
+    s = torch.ones(1, 1, 2)
+    want = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6],
+                        dtype=torch.float64).repeat(2, 2)
+    assert torch.equal(qmm.dequantize_blockwise(w_q, s, 32, None, "fp4"), want)
+    y = qmm.quantized_matmul_blockwise(torch.eye(32), w_q, s, block_size=32, weight_format="fp4")
+    assert torch.equal(y.double(), want.T)
+    w = torch.tensor([[0.26, -0.74, 2.4, 6.0] * 8])  # absmax 6: s = 1
+    q, sc, _ = qmm.quantize_weight_blockwise(w, 32, "fp4")
+    assert float(sc[0, 0, 0]) == 1.0
+    W = qmm.dequantize_blockwise(q, sc, 32, None, "fp4")
+    assert torch.equal(W[0, :4], torch.tensor([0.5, -0.5, 2.0, 6.0], dtype=torch.float64))
+    with pytest.raises(DTypeError, match="weight_format 'fp4' does not fit w_q of dtype int8"):
+        qmm.quantized_matmul_blockwise(torch.eye(32), codes.to(torch.int8), s, block_size=32, weight_format="fp4")
 
 
 def test_int4_interpret_modes(interpret):
@@ -138,7 +161,8 @@ def test_block_quant_linear_pads_k():
     ("16x4096:bf16", "14336x2048:u8", "32x1x14336:f32", "32x1x14336:f32", 128),  # w4a16 decode, zero points
     ("256x4096:bf16", "4096x4096:i8", "32x1x4096:f32", None, 128),  # block-scaled int8 prefill
     ("64x512:bf16", "256x256:u8", "16x1x256:f32", None, 32),  # 32-column groups
-], ids=["int4-zp", "int8", "int4-bs32"])
+    ("16x4096:bf16", "4096x2048:u8", "32x1x4096:f32", None, 128, None, "fp4"),  # e2m1 weights
+], ids=["int4-zp", "int8", "int4-bs32", "fp4"])
 def test_compile_only(chip, args):
     """Mosaic + XLA:TPU compile the block-wise kernel (in-VMEM nibble unpack, [G, 1, N] scale blocks)."""
     import tpukernels as tk

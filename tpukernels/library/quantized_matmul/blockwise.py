@@ -8,6 +8,9 @@ Layout (``K`` = in features, ``N`` = out features, ``bs`` = ``block_size``, ``G 
   ``n`` — the layout tpu-inference's block-wise ``quantized_matmul_kernel`` takes (``[n_in // block_size, 1,
   n_out]``), applied to each group's partial dot product (a row vector over the output block's lanes).
 * int8 / float8_e4m3fn / float8_e5m2 ``w_q [N, K]``: ``W[n, k] = w_q[n, k] * w_scale[k // bs, 0, n]``.
+* fp4 (e2m1, ``weight_format="fp4"``): ``w_q [N, K/2]`` uint8 packed as int4 below, each nibble an e2m1 code
+  (bit 3 sign, bits 2..1 exponent, bit 0 mantissa: ``0, 0.5, 1, 1.5, 2, 3, 4, 6``), ``W = e2m1(code) * s``;
+  decoded in VMEM with integer ops (``2v = m`` or ``(2 + m) << (e - 1)``), exact in bf16; no zero points.
 * int4 ``w_q [N, K/2]`` uint8, packed per group: byte ``j`` (``0 <= j < bs/2``) of group ``g`` of row ``n``
   holds column ``g*bs + j`` in its low nibble and column ``g*bs + bs/2 + j`` in its high nibble (so the kernel
   unpacks a group into two contiguous halves, no lane interleave); nibbles ``q`` are unsigned ``0..15`` and
@@ -35,8 +38,8 @@ dequantized only in VMEM; HBM holds the packed bytes.
 Error (``u`` = unit roundoff of the output dtype, ``u32 = 2^-24``), against the float64 product of the
 **dequantized** operands (:func:`reference_blockwise`), elementwise:
 ``|y - ref| <= u |ref| + (K_w + 2) u32 (|x| @ M^T)`` with ``M[n, k] = (|q' [n, k]| + |z'[g, n]|) * |s[g, n]|``,
-where ``q'`` is the integer fed to the MXU (int4: ``q - 8``; int8 / fp8: ``w_q``) and ``z' = z - 8`` (0 without
-zero points, so then ``M = |W|``). Derivation: the group products are exact in f32 (bf16 x small integer / 8-bit
+where ``q'`` is the value fed to the MXU (int4: ``q - 8``; int8 / fp8: ``w_q``; fp4: its e2m1 value) and
+``z' = z - 8`` (0 without zero points, so then ``M = |W|``). Derivation: the group products are exact in f32 (bf16 x small integer / 8-bit
 value), a group's f32 sum of ``bs`` terms errs by at most ``(bs - 1) u32`` times its absolute sum (Higham,
 "Accuracy and Stability of Numerical Algorithms", 2nd ed., eq. 3.5), the zero-point row sum likewise with
 ``|z'|``, the scale product adds one ``u32``, the sum of the ``G`` scaled groups ``(G - 1) u32``; ``bs + G + 2
@@ -72,12 +75,16 @@ from ... import dsl as _dsl
 from ...dsl.validate import padded_bytes
 from .._vmem import scoped_vmem_limit
 from ...errors import ArgumentError, DTypeError
-from .common import OUT_DTYPES, U32, WEIGHT_DTYPES, X_DTYPES, _clamp, _jnp, _name, _out_dtype, check_chip
+from .common import U32, WEIGHT_DTYPES, X_DTYPES, _clamp, _jnp, _name, _out_dtype, check_chip
 
 #: block sizes (group sizes along K) the kernel takes: multiples of 32 from 32 to 512
 BLOCK_SIZES = tuple(range(32, 513, 32))
-#: weight formats: the 8-bit dtypes of :data:`WEIGHT_DTYPES` and ``"int4"`` (uint8 ``w_q``, two per byte)
-WEIGHT_FORMATS = (*WEIGHT_DTYPES, "int4")
+#: weight formats: the 8-bit dtypes of :data:`WEIGHT_DTYPES`, ``"int4"`` and ``"fp4"`` (e2m1) (uint8 ``w_q``,
+#: two per byte, the same per-group packing)
+WEIGHT_FORMATS = (*WEIGHT_DTYPES, "int4", "fp4")
+PACKED = ("int4", "fp4")
+#: the e2m1 (OCP MX fp4) values of the codes 0..7 (sign bit 3): 0, 0.5, 1, 1.5, 2, 3, 4, 6
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 TUNABLES_BLOCK = {
     "bm": _dsl.Tunable([256, 128, 512, 1024], default=256, doc="rows of the output block (tokens)"),
@@ -88,11 +95,18 @@ TUNABLES_BLOCK = {
 
 
 # ----------------------------------------------------------------------------------------------- formats
-def weight_format(w_q: torch.Tensor, where: str) -> str:
-    """``"int4"`` for a uint8 ``w_q`` (packed), else its 8-bit dtype name; DTypeError otherwise."""
+def resolve_format(w_q: torch.Tensor, where: str, fmt: Optional[str] = None) -> str:
+    """The format of ``w_q``: ``fmt`` (``"int4"`` default, or ``"fp4"``) for a uint8 ``w_q`` (packed), else its
+    8-bit dtype name; DTypeError otherwise (a ``fmt`` that does not fit ``w_q``'s dtype included)."""
     name = _name(w_q.dtype)
+    if fmt is not None and fmt not in WEIGHT_FORMATS:
+        raise DTypeError(f"{where}: weight_format {fmt!r} is not one of {WEIGHT_FORMATS}")
     if name == "uint8":
-        return "int4"
+        if fmt not in (None, *PACKED):
+            raise DTypeError(f"{where}: weight_format {fmt!r} does not fit a uint8 (packed 4-bit) w_q")
+        return fmt or "int4"
+    if fmt is not None and fmt != name:
+        raise DTypeError(f"{where}: weight_format {fmt!r} does not fit w_q of dtype {name}")
     if name not in WEIGHT_DTYPES:
         raise DTypeError(f"{where}: w_q dtype {name} is not one of {WEIGHT_DTYPES} or uint8 (int4 packed two per byte)")
     return name
@@ -145,6 +159,13 @@ def quantize_weight_blockwise(w: torch.Tensor, block_size: int, dtype: str = "in
     G = K // block_size
     wg = w.detach().double().reshape(N, G, block_size)
     z = None
+    if dtype == "fp4":  # s = absmax / 6, nearest e2m1 value (ties to the lower magnitude code)
+        s = (wg.abs().amax(-1) / 6).float()
+        s = torch.where(s == 0, torch.ones_like(s), s)
+        v = wg / s.double()[..., None]
+        mag = (v.abs()[..., None] - torch.tensor(FP4_VALUES, dtype=torch.float64)).abs().argmin(-1)
+        q = (mag + 8 * (v < 0)).reshape(N, K)
+        return pack_int4(q.to(torch.uint8), block_size), s.T.reshape(G, 1, N).contiguous(), None
     if dtype == "int4" and asymmetric:
         lo, hi = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
         s = ((hi - lo) / 15).float()
@@ -164,10 +185,18 @@ def quantize_weight_blockwise(w: torch.Tensor, block_size: int, dtype: str = "in
     return w_q, s.T.reshape(G, 1, N).contiguous(), z
 
 
-def dequantize_blockwise(w_q, w_scale, block_size: int, w_zero_point=None) -> torch.Tensor:
-    """``W [N, K_w]`` float64 (exact) of the module docstring's formulas."""
-    fmt = weight_format(w_q, "dequantize_blockwise")
-    if fmt == "int4":
+def fp4_values(codes: torch.Tensor) -> torch.Tensor:
+    """float64 e2m1 values of 4-bit codes (bit 3 the sign, bits 2..1 the exponent, bit 0 the mantissa)."""
+    c = codes.long()
+    return torch.tensor(FP4_VALUES, dtype=torch.float64)[c & 7] * (1 - 2 * (c >> 3))
+
+
+def dequantize_blockwise(w_q, w_scale, block_size: int, w_zero_point=None, weight_format_=None) -> torch.Tensor:
+    """``W [N, K_w]`` float64 (exact) of the module docstring's formulas (``weight_format_="fp4"`` for e2m1)."""
+    fmt = resolve_format(w_q, "dequantize_blockwise", weight_format_)
+    if fmt == "fp4":
+        q = fp4_values(unpack_int4(w_q, block_size))
+    elif fmt == "int4":
         q = unpack_int4(w_q, block_size).double()
         z = 8.0 if w_zero_point is None else w_zero_point.double()[:, 0, :].T.repeat_interleave(block_size, 1)
         q = q - z
@@ -181,23 +210,26 @@ def _x_padded_double(x, K_w):
     return torch.nn.functional.pad(xd, (0, K_w - xd.shape[1]))
 
 
-def reference_blockwise(x, w_q, w_scale, block_size: int, w_zero_point=None) -> torch.Tensor:
+def reference_blockwise(x, w_q, w_scale, block_size: int, w_zero_point=None, weight_format_=None) -> torch.Tensor:
     """float64 ``x @ W^T`` (not rounded) of the dequantized weight; ``x [..., K_x]`` zero-padded to ``K_w``."""
-    W = dequantize_blockwise(w_q, w_scale, block_size, w_zero_point)
+    W = dequantize_blockwise(w_q, w_scale, block_size, w_zero_point, weight_format_)
     return (_x_padded_double(x, W.shape[1]) @ W.T).reshape(*x.shape[:-1], W.shape[0])
 
 
-def error_bound_blockwise(x, w_q, w_scale, block_size: int, w_zero_point=None, out_dtype=None) -> torch.Tensor:
+def error_bound_blockwise(x, w_q, w_scale, block_size: int, w_zero_point=None, out_dtype=None,
+                          weight_format_=None) -> torch.Tensor:
     """The elementwise bound of the module docstring on ``|y - reference_blockwise(...)|`` (float64)."""
     odt = out_dtype or x.dtype
     u = 2.0**-8 if odt == torch.bfloat16 else U32
-    ref = reference_blockwise(x, w_q, w_scale, block_size, w_zero_point)
-    fmt = weight_format(w_q, "error_bound_blockwise")
+    ref = reference_blockwise(x, w_q, w_scale, block_size, w_zero_point, weight_format_)
+    fmt = resolve_format(w_q, "error_bound_blockwise", weight_format_)
     s = w_scale.double()[:, 0, :].T.repeat_interleave(block_size, 1).abs()
     if fmt == "int4":
         qp = unpack_int4(w_q, block_size).double() - 8
         zp = 0.0 if w_zero_point is None else (w_zero_point.double()[:, 0, :].T - 8).repeat_interleave(block_size, 1)
         mag_w = (qp.abs() + (zp.abs() if torch.is_tensor(zp) else 0.0)) * s
+    elif fmt == "fp4":
+        mag_w = fp4_values(unpack_int4(w_q, block_size)).abs() * s
     else:
         mag_w = w_q.double().abs() * s
     K_w = mag_w.shape[1]
@@ -220,7 +252,17 @@ def k_block(K_w: int, block_size: int, bk: int, int4: bool) -> int:
     return best or K_w
 
 
-def _block_body(x_ref, w_ref, s_ref, *refs, bs, n_sub, n_k, int4, has_zp, dequant_to, precision):
+def _fp4_decode(n, dt):
+    """e2m1 codes (int32 ``0..15``) -> values in ``dt`` (exact): ``2 v = m`` (exponent 0) or ``(2 + m) << (e - 1)``."""
+    import jax.numpy as jnp
+
+    e, m = (n >> 1) & 3, n & 1
+    v2 = jnp.where(e == 0, m, jnp.left_shift(2 + m, jnp.maximum(e - 1, 0)))
+    v2 = jnp.where(n >= 8, -v2, v2)
+    return v2.astype(dt) * np.asarray(0.5, dtype=dt)
+
+
+def _block_body(x_ref, w_ref, s_ref, *refs, bs, n_sub, n_k, int4, has_zp, dequant_to, precision, fp4=False):
     """One output block, one K step of ``n_sub`` groups (module docstring); ``refs`` = ``[z_ref,] o_ref, acc_ref``."""
     import jax
     import jax.numpy as jnp
@@ -239,7 +281,10 @@ def _block_body(x_ref, w_ref, s_ref, *refs, bs, n_sub, n_k, int4, has_zp, dequan
         if int4:  # unpack the group's bytes in VMEM: low nibbles = first half of the group, high = second;
             # two dots against the two halves of x's group (slicing the small x, not relayouting the weights)
             b = w_ref[:, g * half:(g + 1) * half].astype(jnp.int32)
-            lo, hi = ((b & 15) - 8).astype(dequant_to), ((b >> 4) - 8).astype(dequant_to)
+            if fp4:
+                lo, hi = _fp4_decode(b & 15, dequant_to), _fp4_decode(b >> 4, dequant_to)
+            else:
+                lo, hi = ((b & 15) - 8).astype(dequant_to), ((b >> 4) - 8).astype(dequant_to)
             d = (jax.lax.dot_general(xg[:, :half], lo, dims, precision=precision, preferred_element_type=jnp.float32)
                  + jax.lax.dot_general(xg[:, half:], hi, dims, precision=precision,
                                        preferred_element_type=jnp.float32))
@@ -271,7 +316,7 @@ def _block_body(x_ref, w_ref, s_ref, *refs, bs, n_sub, n_k, int4, has_zp, dequan
         o_ref[...] = (acc_ref[...] + part).astype(o_ref.dtype)
 
 
-def _problem(x, w_q, w_scale, w_zero_point, block_size, where):
+def _problem(x, w_q, w_scale, w_zero_point, block_size, where, wfmt=None):
     """``(M, N, K_w, fmt)`` after checking every operand against the layout (typed errors naming the tensor)."""
     for t, n in ((x, "x"), (w_q, "w_q"), (w_scale, "w_scale")):
         if len(t.shape) != (3 if n == "w_scale" else 2):
@@ -279,13 +324,13 @@ def _problem(x, w_q, w_scale, w_zero_point, block_size, where):
                                 f"got shape {tuple(t.shape)}")
     if not isinstance(block_size, int) or block_size not in BLOCK_SIZES:
         raise ArgumentError(f"{where}: block_size {block_size!r} is not a multiple of 32 in 32..512")
-    fmt = weight_format(w_q, where)
+    fmt = resolve_format(w_q, where, wfmt)
     if _name(x.dtype) not in X_DTYPES:
         raise DTypeError(f"{where}: x dtype {_name(x.dtype)} is not one of {X_DTYPES}")
     N, cols = w_q.shape
-    if fmt == "int4":
+    if fmt in PACKED:
         if cols % (block_size // 2):
-            raise ArgumentError(f"{where}: w_q (int4, packed) has {cols} bytes per row: not a multiple of "
+            raise ArgumentError(f"{where}: w_q ({fmt}, packed) has {cols} bytes per row: not a multiple of "
                                 f"block_size / 2 = {block_size // 2} (each group of {block_size} columns is "
                                 f"{block_size // 2} bytes; an odd or partial packed dimension cannot be unpacked)")
         K_w = 2 * cols
@@ -315,18 +360,18 @@ def _problem(x, w_q, w_scale, w_zero_point, block_size, where):
     return M, N, K_w, fmt
 
 
-def _block_heuristic(x, w_q, w_scale, w_zero_point=None, block_size=128, out_dtype=None):
+def _block_heuristic(x, w_q, w_scale, w_zero_point=None, block_size=128, out_dtype=None, weight_format=None):
     M = x.shape[0]
     return dict(bm=256 if M > 128 else 128, bk=2048 if M <= 128 else 1024, bn=512 if M <= 128 else 1024)
 
 
-def _block_shape(x, w_q, w_scale, w_zero_point=None, block_size=128, out_dtype=None):
+def _block_shape(x, w_q, w_scale, w_zero_point=None, block_size=128, out_dtype=None, weight_format=None):
     where = "tpukernels::quantized_matmul_blockwise_kernel"
-    M, N, _, _ = _problem(x, w_q, w_scale, w_zero_point, block_size, where)
+    M, N, _, _ = _problem(x, w_q, w_scale, w_zero_point, block_size, where, weight_format)
     return _dsl.OutSpec((M, N), _out_dtype(out_dtype, x, where))
 
 
-def _ref_block(x, w_q, w_scale, w_zero_point=None, block_size=128, out_dtype=None):
+def _ref_block(x, w_q, w_scale, w_zero_point=None, block_size=128, out_dtype=None, weight_format=None):
     """jnp version of the kernel (autotuner correctness check): dequantize in f32, one dot."""
     import jax.numpy as jnp
     from jax import lax
@@ -334,9 +379,12 @@ def _ref_block(x, w_q, w_scale, w_zero_point=None, block_size=128, out_dtype=Non
     N = w_q.shape[0]
     if np.dtype(w_q.dtype) == np.uint8:
         b = w_q.astype(jnp.int32).reshape(N, -1, 1, block_size // 2)
-        q = jnp.concatenate([b & 15, b >> 4], axis=2).reshape(N, -1).astype(jnp.float32)
-        z = 8.0 if w_zero_point is None else jnp.repeat(w_zero_point[:, 0, :].T, block_size, axis=1)
-        q = q - z
+        c = jnp.concatenate([b & 15, b >> 4], axis=2).reshape(N, -1)
+        if weight_format == "fp4":
+            q = _fp4_decode(c, jnp.float32)
+        else:
+            z = 8.0 if w_zero_point is None else jnp.repeat(w_zero_point[:, 0, :].T, block_size, axis=1)
+            q = c.astype(jnp.float32) - z
     else:
         q = w_q.astype(jnp.float32)
     W = q * jnp.repeat(w_scale[:, 0, :].T, block_size, axis=1)
@@ -349,7 +397,8 @@ def _ref_block(x, w_q, w_scale, w_zero_point=None, block_size=128, out_dtype=Non
                  reference=_dsl.jax_reference(_ref_block))
 def quantized_matmul_blockwise_kernel(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                                       w_zero_point: Optional[torch.Tensor] = None, block_size: int = 128,
-                                      out_dtype: Optional[str] = None, *, bm: int, bk: int, bn: int) -> torch.Tensor:
+                                      out_dtype: Optional[str] = None, weight_format: Optional[str] = None, *,
+                                      bm: int, bk: int, bn: int) -> torch.Tensor:
     """``x [M, K_w] @ W^T`` with block-scaled weights (module docstring): ``w_q [N, K_w]`` int8 / fp8 or
     ``[N, K_w/2]`` uint8 (int4), ``w_scale [K_w/bs, 1, N]`` f32, ``w_zero_point`` (int4 only) same shape ->
     ``[M, N]`` in ``out_dtype`` (default ``x.dtype``).
@@ -364,11 +413,11 @@ def quantized_matmul_blockwise_kernel(x: torch.Tensor, w_q: torch.Tensor, w_scal
     from jax.experimental.pallas import tpu as pltpu
 
     where = "tpukernels::quantized_matmul_blockwise_kernel"
-    M, N, K_w, fmt = _problem(x, w_q, w_scale, w_zero_point, block_size, where)
+    M, N, K_w, fmt = _problem(x, w_q, w_scale, w_zero_point, block_size, where, weight_format)
     if fmt.startswith("float8"):
         check_chip(None, fmt, where=where)
     odt = _out_dtype(out_dtype, x, where)
-    int4 = fmt == "int4"
+    int4 = fmt in PACKED  # packed two per byte (int4 or fp4)
     bk_ = k_block(K_w, block_size, bk, int4)
     bm_, bn_ = _clamp(M, bm), _clamp(N, bn)
     gi, gj, gk = _dsl.cdiv(M, bm_), _dsl.cdiv(N, bn_), K_w // bk_
@@ -400,7 +449,7 @@ def quantized_matmul_blockwise_kernel(x: torch.Tensor, w_q: torch.Tensor, w_scal
         dimension_semantics=("parallel", "parallel", "arbitrary"),
         vmem_limit_bytes=scoped_vmem_limit(need),
         cost_estimate=cost,
-        body_kwargs=dict(bs=int(block_size), n_sub=int(n_sub), n_k=int(gk), int4=int4,
+        body_kwargs=dict(bs=int(block_size), n_sub=int(n_sub), n_k=int(gk), int4=int4, fp4=fmt == "fp4",
                          has_zp=w_zero_point is not None, dequant_to=dequant_to,
                          precision=lax.Precision.HIGHEST if f32 else None),
     )
@@ -409,7 +458,7 @@ def quantized_matmul_blockwise_kernel(x: torch.Tensor, w_q: torch.Tensor, w_scal
 # ----------------------------------------------------------------------------------------------- public
 def quantized_matmul_blockwise(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, *, block_size: int,
                                w_zero_point: Optional[torch.Tensor] = None, out_dtype=None,
-                               config: Optional[dict] = None) -> torch.Tensor:
+                               config: Optional[dict] = None, weight_format: Optional[str] = None) -> torch.Tensor:
     """``x @ W^T`` with sub-channel (block-wise along K) quantized weights ``W`` (module docstring: layout,
     padding rule, error bound).
 
@@ -421,6 +470,8 @@ def quantized_matmul_blockwise(x: torch.Tensor, w_q: torch.Tensor, w_scale: torc
         w_zero_point: int4 only: ``[K_w / block_size, 1, N]`` float32 zero points (grid units); None: symmetric.
         out_dtype: ``"bfloat16"`` / ``"float32"`` (or torch dtype); default ``x.dtype``.
         config: explicit ``{"bm", "bk", "bn"}`` (``bk`` an upper bound, see :func:`k_block`).
+        weight_format: for a uint8 ``w_q``: ``"int4"`` (default) or ``"fp4"`` (e2m1 codes, same packing, no zero
+            points; ``W = e2m1(code) * s``); must match ``w_q``'s dtype otherwise.
 
     Returns:
         ``[..., N]`` in ``out_dtype``.
@@ -451,8 +502,8 @@ def quantized_matmul_blockwise(x: torch.Tensor, w_q: torch.Tensor, w_scale: torc
                             f"detach x")
     if w_q.dim() != 2:
         raise ArgumentError(f"{where}: w_q must be 2-D, got shape {tuple(w_q.shape)}")
-    fmt = weight_format(w_q, where)
-    K_w = w_q.shape[1] * (2 if fmt == "int4" else 1)
+    fmt = resolve_format(w_q, where, weight_format)
+    K_w = w_q.shape[1] * (2 if fmt in PACKED else 1)
     K_x = x.shape[-1]
     if isinstance(block_size, int) and block_size in BLOCK_SIZES and not (K_w - block_size < K_x <= K_w):
         raise ArgumentError(f"{where}: x has K = {K_x} columns but w_q holds K_w = {K_w} (block_size {block_size}): "
@@ -463,10 +514,11 @@ def quantized_matmul_blockwise(x: torch.Tensor, w_q: torch.Tensor, w_scale: torc
         x2 = torch.nn.functional.pad(x2, (0, K_w - K_x))  # the padding rule: zero columns meet the padded weight
     kout = None if odt is None or odt == _name(x.dtype) else odt
     if x2.shape[0] == 0 or w_q.shape[0] == 0:
-        _problem(x2, w_q, w_scale, w_zero_point, block_size, where)
+        _problem(x2, w_q, w_scale, w_zero_point, block_size, where, weight_format)
         return torch.zeros(*lead, w_q.shape[0], dtype=getattr(torch, odt or _name(x.dtype)), device=x.device)
     kw = {} if config is None else dict(config=config)
-    y = quantized_matmul_blockwise_kernel(x2, w_q, w_scale, w_zero_point, int(block_size), kout, **kw)
+    y = quantized_matmul_blockwise_kernel(x2, w_q, w_scale, w_zero_point, int(block_size), kout,
+                                          None if fmt == "int4" or fmt not in PACKED else fmt, **kw)
     return y.reshape(*lead, w_q.shape[0])
 
 
@@ -490,7 +542,7 @@ class TPUBlockQuantLinear(torch.nn.Module):
         self.in_features, self.out_features, self.block_size, self.fmt = in_features, out_features, block_size, fmt
         K_w = math.ceil(in_features / block_size) * block_size
         G = K_w // block_size
-        if fmt == "int4":
+        if fmt in PACKED:
             w = torch.zeros(out_features, K_w // 2, dtype=torch.uint8)
         else:
             w = torch.zeros(out_features, K_w, dtype=getattr(torch, fmt))
@@ -534,7 +586,8 @@ class TPUBlockQuantLinear(torch.nn.Module):
             x = x.index_select(-1, self.in_perm)
         cast = x.dtype not in (torch.bfloat16, torch.float32)
         y = quantized_matmul_blockwise(x.float() if cast else x, self.w_q, self.w_scale, block_size=self.block_size,
-                                       w_zero_point=self.w_zero_point)
+                                       w_zero_point=self.w_zero_point,
+                                       weight_format="fp4" if self.fmt == "fp4" else None)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.to(x.dtype) if cast else y
