@@ -285,7 +285,8 @@ def test_compressed_tensors_w8a8_int8(tmp_path):
 
 def test_fp8_block_scaled(tmp_path):
     """quant_method fp8 (DeepSeek-V3 style): weight float8_e4m3fn [N, K], weight_scale_inv [N/bn, K/bk] f32 (the
-    dequantization multiplier), weight_block_size [32, 32] here (128 x 128 in DeepSeek-V3; 32 keeps K=64 in 2 blocks)."""
+    dequantization multiplier), weight_block_size [32, 32] here (128 x 128 in DeepSeek-V3; 32 keeps K=64 in two
+    blocks)."""
     def per_linear(name, g):
         w = (torch.randn(64, 64, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
         s = torch.rand(2, 2, generator=g) * 0.001 + 1e-4

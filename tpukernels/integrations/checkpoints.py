@@ -12,27 +12,24 @@ support), lets transformers load the model without it (every float tensor: embed
 ``lm_head``; the quantized linears' ``weight`` is reported missing), then replaces each quantized ``nn.Linear`` by
 a tpukernels module built from the checkpoint's tensors, repacked once into the kernels' layouts:
 
-=====================  ==================================================  ============================================
-format                 checkpoint tensors of linear ``p`` (``K`` in, N out)  tpukernels module
-=====================  ==================================================  ============================================
-GPTQ 4-bit             ``qweight [K/8, N]`` int32 (8 nibbles along K, nibble  :class:`TPUBlockQuantLinear` int4 + zero
-(``checkpoint_format``   ``i`` = row ``8r + i``), ``qzeros [G, N/8]`` int32    points; ``g_idx`` not ``k // group_size``
-``gptq`` / ``gptq_v2``)  (along N), ``scales [G, N]``, ``g_idx [K]``; v1      (act-order): K is permuted so groups are
-                       stores zeros minus one                                contiguous, ``x`` gathered by ``in_perm``
-AWQ 4-bit GEMM         ``qweight [K, N/8]`` int32 packed along N in AWQ's    same (no ``g_idx``)
-                       interleaved order (nibble ``i`` holds column
-                       ``8c + [0, 2, 4, 6, 1, 3, 5, 7][i]``), ``qzeros [G,
-                       N/8]`` (same order), ``scales [G, N]``
-compressed-tensors     ``weight_packed [N, K/8]`` int32 (nibble ``i`` = column  int4 (symmetric: zero point 8 — values are
-pack-quantized 4-bit   ``8c + i``, value + 8), ``weight_scale [N, G]``,        stored offset by 8); asymmetric: zero
-                       ``weight_zero_point [N/8, G]`` (asym., packed along N)  points from ``weight_zero_point``
-compressed-tensors     ``weight [N, K]`` int8 / float8_e4m3fn, ``weight_scale``  :class:`TPUQuantLinear` (per channel;
-int- / float-quantized  ``[N, 1]`` (channel) or ``[1]`` (tensor); block        ``x_quant`` from ``input_activations``:
-                       strategy: ``[N/bn, K/bk]``                             dynamic per token) or block-scaled fp8
-fp8 block              ``weight [N, K]`` float8_e4m3fn, ``weight_scale_inv``  :class:`TPUBlockQuantLinear` fp8,
-(``quant_method: fp8``)  ``[ceil(N/bn), ceil(K/bk)]`` f32 (the dequantization   ``block_size = bk``, scales repeated over
-                       multiplier, despite the name), ``weight_block_size``   the ``bn`` rows of each block
-=====================  ==================================================  ============================================
+Formats (checkpoint tensors of linear ``p`` with ``K`` in and ``N`` out features -> tpukernels module):
+
+* GPTQ 4-bit (``checkpoint_format`` ``"gptq"``, which stores zeros minus one, or ``"gptq_v2"``): ``qweight
+  [K/8, N]`` int32 (8 nibbles along K, nibble ``i`` = row ``8r + i``), ``qzeros [G, N/8]`` int32 (along N),
+  ``scales [G, N]``, ``g_idx [K]`` -> :class:`TPUBlockQuantLinear` int4 with zero points; a ``g_idx`` other
+  than ``k // group_size`` (act-order) permutes K so that groups are contiguous, and ``x`` is gathered by the
+  module's ``in_perm``.
+* AWQ 4-bit GEMM: ``qweight [K, N/8]`` int32 packed along N in AWQ's interleaved order (nibble ``i`` holds
+  column ``8c + [0, 2, 4, 6, 1, 3, 5, 7][i]``), ``qzeros [G, N/8]`` (same order), ``scales [G, N]`` -> the same.
+* compressed-tensors pack-quantized 4-bit: ``weight_packed [N, K/8]`` int32 (nibble ``i`` = column ``8c + i``,
+  value + 8), ``weight_scale [N, G]``, ``weight_zero_point [N/8, G]`` (asymmetric, packed along N) -> int4
+  (symmetric: zero point 8).
+* compressed-tensors int- / float-quantized 8-bit: ``weight [N, K]`` int8 / float8_e4m3fn, ``weight_scale
+  [N, 1]`` (channel) or ``[1]`` (tensor) -> :class:`TPUQuantLinear`, ``x_quant`` from ``input_activations``
+  (dynamic per token) or None; strategy ``block``: as fp8 block below.
+* fp8 block (``quant_method: fp8``, DeepSeek-V3): ``weight [N, K]`` float8_e4m3fn, ``weight_scale_inv
+  [ceil(N/bn), ceil(K/bk)]`` f32 (the dequantization multiplier, despite its name), ``weight_block_size
+  [bn, bk]`` -> :class:`TPUBlockQuantLinear` fp8, ``block_size = bk``, each scale repeated over its ``bn`` rows.
 
 The dequantized weights are exactly the formats' own (``W = (q - z) * s``, GPTQ v1 ``z = stored + 1``; ``W = q * s``
 for 8-bit), which the tests check bit for bit in float64 against dequantizations written from the formats'
@@ -326,7 +323,8 @@ def convert_linears(model: torch.nn.Module, tensors: dict, scheme: Scheme) -> li
         if not isinstance(child, torch.nn.Linear):
             raise ArgumentError(f"checkpoint: {name}.{marker} belongs to no nn.Linear of {type(model).__name__} "
                                 f"(got {type(child).__name__})")
-        t = {k[len(name) + 1:]: v for k, v in tensors.items() if k.startswith(name + ".") and "." not in k[len(name) + 1:]}
+        n0 = len(name) + 1
+        t = {k[n0:]: v for k, v in tensors.items() if k.startswith(name + ".") and "." not in k[n0:]}
         if scheme.method in ("gptq", "awq"):
             for key in ("qweight", "qzeros", "scales"):
                 if key not in t:

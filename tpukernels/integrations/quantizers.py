@@ -124,8 +124,9 @@ class TpuKernelsHfQuantizer(HfQuantizer):
             for t in ("w_q", "w_scale", "bias"):
                 buf = getattr(mod, t, None)
                 if buf is not None and not getattr(buf, "_is_hf_initialized", False):
-                    raise ArgumentError(f"from_pretrained: the checkpoint has no tensor {name}.{t} (quantization_config "
-                                        f"lists {name!r} as quantized); refusing to leave it uninitialised")
+                    raise ArgumentError(f"from_pretrained: the checkpoint has no tensor {name}.{t} "
+                                        f"(quantization_config lists {name!r} as quantized); refusing to leave it "
+                                        f"uninitialised")
         return model
 
     def is_serializable(self, *args, **kwargs) -> bool:

@@ -169,7 +169,8 @@ from .w8a8 import (QCHUNK, STANDARD_CASES_W8A8, TUNABLES_W8A8, _w8a8_heuristic, 
                    quantized_matmul_w8a8_kernel, vmem_budget)
 from .public import TPUQuantLinear, _canon_x_quant, _check_public, check_pair, quantized_matmul
 from .blockwise import (BLOCK_SIZES, FP4_VALUES, WEIGHT_FORMATS, TPUBlockQuantLinear, dequantize_blockwise,
-                        error_bound_blockwise, fp4_values, k_block, pack_int4, pad_k, quantize_weight_blockwise, quantized_matmul_blockwise,
+                        error_bound_blockwise, fp4_values, k_block, pack_int4, pad_k, quantize_weight_blockwise,
+                        quantized_matmul_blockwise,
                         quantized_matmul_blockwise_kernel, reference_blockwise, unpack_int4)
 
 __all__ = ["quantized_matmul", "quantize_weight", "quantize_per_token", "TPUQuantLinear", "reference",

@@ -1,6 +1,6 @@
-"""Block-wise (sub-channel) quantized weights: ``quantized_matmul_blockwise`` — w4a16 (int4 packed two per byte,
-optional zero points: GPTQ / AWQ / compressed-tensors W4A16) and block-scaled w8a16 (int8 / fp8, e.g. DeepSeek-V3's
-128x128 fp8 blocks expanded along N).
+"""Block-wise (sub-channel) quantized weights: ``quantized_matmul_blockwise`` — w4a16 (int4 with optional zero
+points: GPTQ / AWQ / compressed-tensors W4A16, or fp4 e2m1; both packed two per byte) and block-scaled w8a16
+(int8 / fp8, e.g. DeepSeek-V3's 128x128 fp8 blocks expanded along N).
 
 Layout (``K`` = in features, ``N`` = out features, ``bs`` = ``block_size``, ``G = K / bs`` groups along K):
 
@@ -39,11 +39,13 @@ Error (``u`` = unit roundoff of the output dtype, ``u32 = 2^-24``), against the 
 **dequantized** operands (:func:`reference_blockwise`), elementwise:
 ``|y - ref| <= u |ref| + (K_w + 2) u32 (|x| @ M^T)`` with ``M[n, k] = (|q' [n, k]| + |z'[g, n]|) * |s[g, n]|``,
 where ``q'`` is the value fed to the MXU (int4: ``q - 8``; int8 / fp8: ``w_q``; fp4: its e2m1 value) and
-``z' = z - 8`` (0 without zero points, so then ``M = |W|``). Derivation: the group products are exact in f32 (bf16 x small integer / 8-bit
-value), a group's f32 sum of ``bs`` terms errs by at most ``(bs - 1) u32`` times its absolute sum (Higham,
-"Accuracy and Stability of Numerical Algorithms", 2nd ed., eq. 3.5), the zero-point row sum likewise with
-``|z'|``, the scale product adds one ``u32``, the sum of the ``G`` scaled groups ``(G - 1) u32``; ``bs + G + 2
-<= K_w + 2``; then the final rounding to the output dtype (``u |ref|``). :func:`error_bound_blockwise`.
+``z' = z - 8`` (0 without zero points, so then ``M = |W|``). Derivation: the group products are exact in f32
+(bf16 times a small integer, an e2m1 or an 8-bit value), a group's f32 sum of ``bs`` terms (in any order, split
+in two halves or not) errs by at most ``(bs - 1) u32`` times its absolute sum (Higham, "Accuracy and Stability
+of Numerical Algorithms", 2nd ed., eq. 3.5), the zero-point row sum likewise with ``|z'|`` and two more
+roundings (its product, the subtraction), the scale product one, the sum of the ``G`` scaled groups across the
+K steps ``G - 1``: ``bs + G + 1 <= K_w + 2`` units of ``u32`` (to first order); then the final rounding to the
+output dtype (``u |ref|``). :func:`error_bound_blockwise`.
 
 Chips: the weight tile reaches the MXU as ``x.dtype`` (bf16 x bf16 everywhere; f32 at HIGHEST precision), so
 int4 and int8 run on every chip; fp8 weights need the chip to take the fp8 dtype at all (as
