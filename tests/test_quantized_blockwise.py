@@ -13,7 +13,7 @@ import importlib
 
 import pytest
 import torch
-from hypothesis import example, given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import tpukernels.library  # noqa: F401
@@ -45,6 +45,7 @@ def _check(y, x, q, s, bs, z, out_dtype=None, fmt=None):
 @given(M=st.integers(1, 40), N=st.integers(1, 300), G=st.integers(1, 6), bs=st.sampled_from([32, 64, 128, 256]),
        fmt=st.sampled_from(["int4", "int8", "float8_e4m3fn", "float8_e5m2", "fp4"]), asym=st.booleans(),
        pad=st.integers(0, 31), f32=st.booleans())
+@settings(max_examples=5)  # + 2 explicit examples; each draws a new kernel compile (~3 s on one core)
 @example(M=9, N=136, G=3, bs=64, fmt="fp4", asym=False, pad=7, f32=False)
 @example(M=3, N=40, G=2, bs=32, fmt="int4", asym=True, pad=5, f32=True)
 def test_blockwise_within_bound(M, N, G, bs, fmt, asym, pad, f32):
@@ -80,10 +81,10 @@ def test_fp4_codes_and_quantizer():
 def test_int4_interpret_modes(interpret):
     """Several K steps (bk=256 of bs=64: four groups per step), N and M tails; "tpu" mode poisons the padding
     of partial blocks with NaN: results stay within the bound (tails never reach valid outputs)."""
-    x, q, s, z = _case(70, 200, 8, 64, "int4", True, 0, seed=5)
+    x, q, s, z = _case(40, 136, 8, 64, "int4", True, 0, seed=5)
     y = qmm.quantized_matmul_blockwise(x[None], q, s, block_size=64, w_zero_point=z, out_dtype="float32",
-                                       config=dict(bm=64, bk=256, bn=128))
-    assert y.dtype == torch.float32 and y.shape == (1, 70, 200)
+                                       config=dict(bm=32, bk=256, bn=128))
+    assert y.dtype == torch.float32 and y.shape == (1, 40, 136)
     _check(y[0], x, q, s, 64, z, torch.float32)
 
 
@@ -156,13 +157,13 @@ def test_block_quant_linear_pads_k():
 
 
 @pytest.mark.aot
-@pytest.mark.parametrize("chip", ["v6e", "tpu7x"])
-@pytest.mark.parametrize("args", [
-    ("16x4096:bf16", "14336x2048:u8", "32x1x14336:f32", "32x1x14336:f32", 128),  # w4a16 decode, zero points
-    ("256x4096:bf16", "4096x4096:i8", "32x1x4096:f32", None, 128),  # block-scaled int8 prefill
-    ("64x512:bf16", "256x256:u8", "16x1x256:f32", None, 32),  # 32-column groups
-    ("16x4096:bf16", "4096x2048:u8", "32x1x4096:f32", None, 128, None, "fp4"),  # e2m1 weights
-], ids=["int4-zp", "int8", "int4-bs32", "fp4"])
+@pytest.mark.parametrize("chip,args", [
+    ("v6e", ("16x4096:bf16", "14336x2048:u8", "32x1x14336:f32", "32x1x14336:f32", 128)),  # w4a16 decode, zero points
+    ("tpu7x", ("16x4096:bf16", "14336x2048:u8", "32x1x14336:f32", "32x1x14336:f32", 128)),
+    ("v6e", ("256x4096:bf16", "4096x4096:i8", "32x1x4096:f32", None, 128)),  # block-scaled int8 prefill
+    ("v6e", ("64x512:bf16", "256x256:u8", "16x1x256:f32", None, 32)),  # 32-column groups
+    ("tpu7x", ("16x4096:bf16", "4096x2048:u8", "32x1x4096:f32", None, 128, None, "fp4")),  # e2m1 weights
+], ids=["int4-zp-v6e", "int4-zp-tpu7x", "int8-v6e", "int4-bs32-v6e", "fp4-tpu7x"])
 def test_compile_only(chip, args):
     """Mosaic + XLA:TPU compile the block-wise kernel (in-VMEM nibble unpack, [G, 1, N] scale blocks)."""
     import tpukernels as tk
