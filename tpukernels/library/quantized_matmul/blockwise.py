@@ -54,11 +54,13 @@ int4 and int8 run on every chip; fp8 weights need the chip to take the fp8 dtype
 
 Performance (libtpu 0.0.52 static estimate of the whole kernel, a MODEL, not a measurement; ``Estimator`` of
 ``tpukernels.bench.core`` on the heuristic blocks): w4a16 decode ``16x4096 @ (14336x4096)^T`` (group 128) on v6e
-80.6 µs, 24% of the HBM roofline of its bytes (19.4 µs) and 2.9x the int8 w8a16 streaming kernel (28.1 µs).
+80.6 µs, 24% of the HBM roofline of its bytes (19.4 µs) and 2.9x the int8 w8a16 streaming kernel (28.1 µs); on
+tpu7x 64.0 µs, 13% of its roofline (8.6 µs), 3.0x int8 w8a16 (21.0 µs).
 The unpack (uint8 -> int32, mask / shift, -8, -> bf16 per weight) is vector work of the order of the whole time
 and the weight stream does not hide it (feeding the two halves to two dots instead of concatenating them moved
-82.8 -> 80.6 µs): the issue's target (>= 85% of the roofline) is not met; cheaper unpacking (bf16 arithmetic,
-a packing along N that needs no lane shuffles) and a weight-streaming launch are the next steps.
+82.8 -> 80.6 µs): the issue's target (>= 85% of the roofline) is not met. Unpacking in bf16 arithmetic (a
+uint8 -> bf16 convert, /16, floor) made libtpu 0.0.52's estimator abort, so it was not kept; a packing along N
+that needs no lane shuffles and a weight-streaming launch are the next steps.
 
 Source: tpu-inference's ``kernels/quantized_matmul/blockwise_kernel.py`` (v0.32.0: the ``[G, 1, N]`` scale
 layout and the per-group dot then scale; read, not copied — it supports no zero points and no int4 packing);
