@@ -202,6 +202,9 @@ def test_family_source_digest_covers_what_its_figures_depend_on(tmp_path):
     assert after["matmul"] != before["matmul"] and after["quantized_matmul"] != before["quantized_matmul"]
     assert after["norms"] == before["norms"]
     before = after
+    after = edit("library/quantized_matmul/w8a16.py")  # a library package's file: its family only
+    assert after["quantized_matmul"] != before["quantized_matmul"] and after["matmul"] == before["matmul"]
+    before = after
     after = edit("data/autotuning/v6e/tpukernels.rms_norm_fwd.json")  # tuning data: its own family only
     assert after["norms"] != before["norms"] and after["matmul"] == before["matmul"]
     before = after

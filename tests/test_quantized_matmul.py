@@ -191,7 +191,7 @@ def test_stream_launch_equals_blocked(case, interpret, monkeypatch):
     blocks = cfg or qmm.heuristic(xv, w_q, ws, xs)
     assert qmm.stream_plan(M, N, K, blocks["bm"], blocks["bk"], blocks["bn"]) is not None
     y = qmm.quantized_matmul_kernel(xv, w_q, ws, xs, odt, config=cfg)
-    monkeypatch.setattr(qmm, "STREAM_MAX_M", 0)  # the blocked launch; bm=M+1 clamps to the same row block
+    monkeypatch.setattr(qmm.w8a16, "STREAM_MAX_M", 0)  # the blocked launch; bm=M+1 clamps to the same row block
     assert qmm.stream_plan(M, N, K, blocks["bm"], blocks["bk"], blocks["bn"]) is None
     blocked = qmm.quantized_matmul_kernel(xv, w_q, ws, xs, odt, config=dict(blocks, bm=M + 1))
     assert torch.equal(y, blocked)
@@ -276,7 +276,7 @@ def test_public_w8a8_routes_by_the_rule(monkeypatch):
                                        qmm.quantize_per_token_kernel(x, "int8")[1], None)
     real = qmm.quantize_per_token_kernel
     calls = []
-    monkeypatch.setattr(qmm, "quantize_per_token_kernel", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(qmm.public, "quantize_per_token_kernel", lambda *a, **k: calls.append(1) or real(*a, **k))
     assert torch.equal(qmm.quantized_matmul(x, w_q, w_s, x_quant="int8", config=dict(bm=32, bk=128, bn=128)), want)
     assert calls == []  # fused: 32 divides 96
     y = qmm.quantized_matmul(x[:90], w_q, w_s, x_quant="int8", config=dict(bm=32, bk=128, bn=128))
@@ -578,7 +578,7 @@ def test_public_full_size_calls_get_the_shipped_config(monkeypatch, chip):
     monkeypatch.setenv("TPUKERNELS_TARGET_CHIP", chip)
     calls = []
     for name in ("quantized_matmul_kernel", "quantized_matmul_w8a8_kernel", "quantize_per_token_kernel"):
-        monkeypatch.setattr(qmm, name, _Spy(getattr(qmm, name), calls))
+        monkeypatch.setattr(qmm.public, name, _Spy(getattr(qmm.public, name), calls))  # the names the op calls
     xq, wd = _w8a8_mode(chip)
     cases = [(None, a) for _, a, _ in qmm.STANDARD_CASES if len(a) == 3]
     cases += [(xq, a) for _, a, _ in qmm.STANDARD_CASES_W8A8 if qmm._name(_spec(a[1], "w").dtype) == wd]
@@ -589,7 +589,7 @@ def test_public_full_size_calls_get_the_shipped_config(monkeypatch, chip):
                                  torch.empty(w.shape, dtype=getattr(torch, qmm._name(w.dtype)), device="meta"),
                                  torch.empty(w.shape[0], device="meta"), x_quant=x_quant)
         assert y.shape == (x.shape[0], w.shape[0])
-        want = (qmm.quantized_matmul_kernel if x_quant is None else qmm.quantized_matmul_w8a8_kernel).kernel
+        want = (qmm.public.quantized_matmul_kernel if x_quant is None else qmm.public.quantized_matmul_w8a8_kernel).kernel
         assert [c[0] for c in calls] == [want], (chip, args, calls)
         kernel, cargs, _ = calls[0]
         tensors = [a for a in cargs if isinstance(a, torch.Tensor) or a is None][:4 if x_quant is None else 3]

@@ -30,6 +30,11 @@ import torch
 
 from ..errors import TpuKernelError
 
+try:  # registers quant_method "tpukernels": from_pretrained of a model saved after apply_tpukernels(quantize=...)
+    from . import quantizers as _quantizers  # noqa: F401
+except ImportError:  # transformers not installed
+    _quantizers = None
+
 NAME = "tpukernels"
 _warned: set = set()
 
@@ -276,7 +281,10 @@ def apply_tpukernels(
         quantize: ``"int8"`` / ``"float8_e4m3fn"`` / ``"float8_e5m2"`` (``"fp8"`` = e4m3fn): replace each
             ``nn.Linear`` with a :class:`tpukernels.library.quantized_matmul.TPUQuantLinear` holding its
             weight quantized per output channel (a new buffer: the float weight is dropped from the module,
-            so the state dict changes to ``w_q`` / ``w_scale``); takes precedence over ``linear``.
+            so the state dict changes to ``w_q`` / ``w_scale``); takes precedence over ``linear``. A transformers
+            model also gets ``config.quantization_config`` (quant_method ``"tpukernels"``, the quantized module
+            names): ``save_pretrained`` then ``from_pretrained`` gives back bit-identical ``w_q`` / ``w_scale`` /
+            ``bias`` (:mod:`tpukernels.integrations.quantizers`; loading needs this module imported).
         x_quant: with ``quantize``: None (w8a16) or ``"int8"`` / ``"fp8"`` (w8a8, per-token activations);
             ``"int8"`` goes with ``quantize="int8"``, ``"fp8"`` with the float8 ones. A mismatched pair, or
             ``x_quant`` without ``quantize``, raises (DTypeError / ArgumentError) before anything is patched.
@@ -314,6 +322,9 @@ def apply_tpukernels(
         ks = {c.in_features for p in model.modules() for n, c in p.named_children() if quantizable(n, c)}
         for k in sorted(ks):
             check_quant_pair(quantize, x_quant, k, f"apply_tpukernels(quantize={quantize!r}, x_quant={x_quant!r})")
+        from .quantizers import check_can_mark
+
+        check_can_mark(model, quantize, x_quant)
     counts = {"attention": False, "rms_norm": 0, "layer_norm": 0, "linear": 0}
     if quantize:
         counts["quantized"] = 0
@@ -324,7 +335,8 @@ def apply_tpukernels(
         else:
             model.config._attn_implementation = NAME
         counts["attention"] = True
-    for parent in list(model.modules()):
+    quantized = []  # dotted names of the linears replaced by TPUQuantLinear (the saved quantization_config)
+    for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
             new = None
             if rms_norm and _is_rms_norm(child):
@@ -344,11 +356,16 @@ def apply_tpukernels(
 
                 new = TPUQuantLinear.from_linear(child, quantize, x_quant)
                 counts["quantized"] += 1
+                quantized.append(f"{parent_name}.{child_name}" if parent_name else child_name)
             elif linear and type(child) is torch.nn.Linear:
                 new = TPULinear(child)
                 counts["linear"] += 1
             if new is not None:
                 setattr(parent, child_name, new)
+    if quantize:  # what save_pretrained writes as config.json's quantization_config (from_pretrained reads it)
+        from .quantizers import mark_quantized
+
+        mark_quantized(model, quantize, x_quant, quantized)
     counts["moe_experts"] = 0
     if moe and any(isinstance(getattr(m, "gate_up_proj", None), torch.nn.Parameter) for m in model.modules()):
         from .moe import apply_tpukernels_moe

@@ -1,0 +1,173 @@
+"""Block-wise (sub-channel) quantized matmul: w4a16 int4 (packed two per byte, optional zero points) and
+block-scaled int8 / fp8 weights (tpukernels.library.quantized_matmul.blockwise, issue 28).
+
+Accuracy criterion: elementwise against the float64 product of the dequantized operands (x zero-padded by the
+padding rule), ``|y - ref| <= error_bound_blockwise(...)`` (the module docstring's bound:
+``u |ref| + (K_w + 2) u32 (|x| @ M^T)``, ``M = (|q'| + |z'|) |s|``). ``test_bound_is_sharp`` shows the bound
+catches dequantizing the weight to bf16 before the dot.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+import tpukernels.library  # noqa: F401
+from tpukernels.errors import ArgumentError, DTypeError
+
+qmm = importlib.import_module("tpukernels.library.quantized_matmul")
+SMALL = dict(bm=128, bk=256, bn=128)
+
+
+def _case(M, N, G, bs, fmt, asym, pad, seed, xdtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    K_w = G * bs
+    w = torch.randn(N, K_w, generator=g) * (1 + torch.rand(N, G, generator=g).repeat_interleave(bs, 1) * 4)
+    q, s, z = qmm.quantize_weight_blockwise(w, bs, fmt if fmt in ("int4", "fp4") else "int8", asymmetric=asym)
+    if fmt.startswith("float8"):
+        q = (q.float() / 4).to(getattr(torch, fmt))
+    x = torch.randn(M, K_w - pad, generator=g).to(xdtype)
+    return x, q, s, z
+
+
+def _check(y, x, q, s, bs, z, out_dtype=None, fmt=None):
+    ref = qmm.reference_blockwise(x, q, s, bs, z, fmt)
+    bound = qmm.error_bound_blockwise(x, q, s, bs, z, out_dtype, fmt)
+    assert y.shape == ref.shape
+    bad = (y.double() - ref).abs() > bound
+    assert not bad.any(), f"{int(bad.sum())} elements outside the bound"
+
+
+@given(M=st.integers(1, 40), N=st.integers(1, 300), G=st.integers(1, 6), bs=st.sampled_from([32, 64, 128, 256]),
+       fmt=st.sampled_from(["int4", "int8", "float8_e4m3fn", "float8_e5m2", "fp4"]), asym=st.booleans(),
+       pad=st.integers(0, 31), f32=st.booleans())
+@settings(max_examples=5)  # + 2 explicit examples; each draws a new kernel compile (~3 s on one core)
+@example(M=9, N=136, G=3, bs=64, fmt="fp4", asym=False, pad=7, f32=False)
+@example(M=3, N=40, G=2, bs=32, fmt="int4", asym=True, pad=5, f32=True)
+def test_blockwise_within_bound(M, N, G, bs, fmt, asym, pad, f32):
+    """Every format, zero points or not, K padded by the rule (``pad`` missing columns of x), tails in M / N,
+    bf16 and f32 activations."""
+    x, q, s, z = _case(M, N, G, bs, fmt, asym and fmt == "int4", pad, seed=M * 131 + N + G,
+                       xdtype=torch.float32 if f32 else torch.bfloat16)
+    wf = "fp4" if fmt == "fp4" else None
+    y = qmm.quantized_matmul_blockwise(x, q, s, block_size=bs, w_zero_point=z, config=SMALL, weight_format=wf)
+    _check(y, x, q, s, bs, z, fmt=wf)
+
+
+def test_fp4_codes_and_quantizer():
+    """The 16 e2m1 codes decode to 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives, in the kernel too (a one-hot
+    x picks single weights); quantize_weight_blockwise('fp4') rounds to the nearest code value."""
+    codes = torch.arange(16, dtype=torch.uint8).repeat(2, 2)  # [2, 32]: one group of 32
+    w_q = qmm.pack_int4(codes, 32)
+    s = torch.ones(1, 1, 2)
+    want = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6],
+                        dtype=torch.float64).repeat(2, 2)
+    assert torch.equal(qmm.dequantize_blockwise(w_q, s, 32, None, "fp4"), want)
+    y = qmm.quantized_matmul_blockwise(torch.eye(32), w_q, s, block_size=32, weight_format="fp4")
+    assert torch.equal(y.double(), want.T)
+    w = torch.tensor([[0.26, -0.74, 2.4, 6.0] * 8])  # absmax 6: s = 1
+    q, sc, _ = qmm.quantize_weight_blockwise(w, 32, "fp4")
+    assert float(sc[0, 0, 0]) == 1.0
+    W = qmm.dequantize_blockwise(q, sc, 32, None, "fp4")
+    assert torch.equal(W[0, :4], torch.tensor([0.5, -0.5, 2.0, 6.0], dtype=torch.float64))
+    with pytest.raises(DTypeError, match="weight_format 'fp4' does not fit w_q of dtype int8"):
+        qmm.quantized_matmul_blockwise(torch.eye(32), codes.to(torch.int8), s, block_size=32, weight_format="fp4")
+
+
+def test_int4_interpret_modes(interpret):
+    """Several K steps (bk=256 of bs=64: four groups per step), N and M tails; "tpu" mode poisons the padding
+    of partial blocks with NaN: results stay within the bound (tails never reach valid outputs)."""
+    x, q, s, z = _case(40, 136, 8, 64, "int4", True, 0, seed=5)
+    y = qmm.quantized_matmul_blockwise(x[None], q, s, block_size=64, w_zero_point=z, out_dtype="float32",
+                                       config=dict(bm=32, bk=256, bn=128))
+    assert y.dtype == torch.float32 and y.shape == (1, 40, 136)
+    _check(y[0], x, q, s, 64, z, torch.float32)
+
+
+def test_bound_is_sharp():
+    """Rounding the dequantized weight to bf16 before a single dot (what a naive dequantize-then-matmul does)
+    breaks the bound; the kernel's per-group dot of exact integers does not."""
+    x, q, s, z = _case(16, 128, 4, 128, "int4", True, 0, seed=9, xdtype=torch.float32)
+    W = qmm.dequantize_blockwise(q, s, 128, z).float().bfloat16().double()
+    naive = x.double() @ W.T
+    bound = qmm.error_bound_blockwise(x, q, s, 128, z, torch.float32)
+    assert ((naive - qmm.reference_blockwise(x, q, s, 128, z)).abs() > bound).any()
+    y = qmm.quantized_matmul_blockwise(x, q, s, block_size=128, w_zero_point=z, config=SMALL)
+    _check(y, x, q, s, 128, z)
+
+
+def test_pack_unpack_and_layout():
+    """pack_int4's documented order: byte j of group g holds columns g*bs + j (low) and g*bs + bs/2 + j (high)."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (3, 128), generator=g, dtype=torch.uint8)
+    p = qmm.pack_int4(q, 64)
+    assert p.shape == (3, 64) and p.dtype == torch.uint8
+    assert torch.equal(qmm.unpack_int4(p, 64), q)
+    assert int(p[1, 64 // 2 + 5]) == int(q[1, 64 + 5]) | (int(q[1, 64 + 32 + 5]) << 4)
+    with pytest.raises(ArgumentError, match="0..15"):
+        qmm.pack_int4(q.to(torch.int16) + 1, 64)
+
+
+def test_bad_input_names_the_tensor():
+    x, q, s, z = _case(4, 64, 2, 64, "int4", True, 0, seed=1)
+    f = qmm.quantized_matmul_blockwise
+    with pytest.raises(ArgumentError, match="block_size 48"):
+        f(x, q, s, block_size=48, w_zero_point=z)
+    with pytest.raises(ArgumentError, match="w_q .*not a multiple of block_size / 2"):
+        f(x[:, :126], q[:, :63], s, block_size=64, w_zero_point=z)  # odd packed dimension
+    with pytest.raises(ArgumentError, match=r"w_scale must have shape \(K/block_size, 1, N\) = \(2, 1, 64\)"):
+        f(x, q, s.reshape(1, 2, 64), block_size=64, w_zero_point=z)
+    with pytest.raises(ArgumentError, match=r"w_scale must have shape .* = \(4, 1, 64\)"):
+        f(x, q, s, block_size=32, w_zero_point=z)  # block_size not what the scales were made for
+    with pytest.raises(ArgumentError, match="w_zero_point must have shape"):
+        f(x, q, s, block_size=64, w_zero_point=z[:1])
+    with pytest.raises(DTypeError, match="w_zero_point must be float32"):
+        f(x, q, s, block_size=64, w_zero_point=z.to(torch.uint8))
+    with pytest.raises(DTypeError, match="w_scale must be float32"):
+        f(x, q, s.bfloat16(), block_size=64)
+    with pytest.raises(ArgumentError, match="padding rule"):
+        f(x[:, :60], q, s, block_size=64)  # 60 <= 128 - 64: outside the rule
+    x8, q8, s8, _ = _case(4, 64, 3, 64, "int8", False, 0, seed=2)
+    with pytest.raises(ArgumentError, match="w_q has K = 160 columns, not a multiple of block_size = 64"):
+        f(x8[:, :160], q8[:, :160], s8[:2], block_size=64)
+    with pytest.raises(ArgumentError, match="w_zero_point is for int4"):
+        f(x8, q8, s8, block_size=64, w_zero_point=torch.zeros(3, 1, 64))
+    with pytest.raises(DTypeError, match="w_q dtype int16"):
+        f(x8, q8.to(torch.int16), s8, block_size=64)
+    with pytest.raises(ArgumentError, match="no gradient"):
+        f(x8.float().requires_grad_(), q8, s8, block_size=64)
+
+
+def test_block_quant_linear_pads_k():
+    """TPUBlockQuantLinear.from_linear with in_features not a multiple of the block: K padded by the rule."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(100, 48)
+    m = qmm.TPUBlockQuantLinear.from_linear(lin, 32, "int4", asymmetric=True)
+    assert m.w_q.shape == (48, 64) and m.w_scale.shape == (4, 1, 48)
+    x = torch.randn(3, 100)
+    with torch.no_grad():
+        y = m(x)
+    ref = qmm.reference_blockwise(x, m.w_q, m.w_scale, 32, m.w_zero_point) + lin.bias.double()
+    bound = qmm.error_bound_blockwise(x, m.w_q, m.w_scale, 32, m.w_zero_point, torch.float32)
+    assert ((y.double() - ref).abs() <= bound + 2 * 2.0**-24 * ref.abs()).all()  # + the f32 bias add
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("chip,args", [
+    ("v6e", ("16x4096:bf16", "14336x2048:u8", "32x1x14336:f32", "32x1x14336:f32", 128)),  # w4a16 decode, zero points
+    ("tpu7x", ("16x4096:bf16", "14336x2048:u8", "32x1x14336:f32", "32x1x14336:f32", 128)),
+    ("v6e", ("256x4096:bf16", "4096x4096:i8", "32x1x4096:f32", None, 128)),  # block-scaled int8 prefill
+    ("v6e", ("64x512:bf16", "256x256:u8", "16x1x256:f32", None, 32)),  # 32-column groups
+    ("tpu7x", ("16x4096:bf16", "4096x2048:u8", "32x1x4096:f32", None, 128, None, "fp4")),  # e2m1 weights
+], ids=["int4-zp-v6e", "int4-zp-tpu7x", "int8-v6e", "int4-bs32-v6e", "fp4-tpu7x"])
+def test_compile_only(chip, args):
+    """Mosaic + XLA:TPU compile the block-wise kernel (in-VMEM nibble unpack, [G, 1, N] scale blocks)."""
+    import tpukernels as tk
+
+    res = tk.compile_for(qmm.quantized_matmul_blockwise_kernel, chip, *args, with_mlir=False)
+    assert res.ok, res.summary()
+    assert res.vmem_estimate_bytes <= (res.vmem_limit_bytes or 32 * 2**20)

@@ -1,0 +1,215 @@
+"""Hugging Face ``save_pretrained`` / ``from_pretrained`` of tpukernels-quantized models.
+
+A model quantized with ``apply_tpukernels(model, quantize=...)`` holds :class:`TPUQuantLinear` modules whose
+state is ``w_q [out, in]`` (int8 / fp8), ``w_scale [out]`` float32 and an optional ``bias``. Stock transformers
+does not know these names: a checkpoint saved without a quantization config reloads as a float model whose
+``nn.Linear`` weights are missing, i.e. randomly initialised, with only a log line (silent data loss).
+
+This module registers, on import, a transformers quantization method ``"tpukernels"`` (transformers'
+``register_quantization_config`` / ``register_quantizer``, the extension points its own quantizers use):
+
+* :class:`TpuKernelsConfig` (``quant_method="tpukernels"``): ``weight_dtype``, ``x_quant`` and ``modules`` (the
+  dotted names of the quantized linears). ``apply_tpukernels(quantize=...)`` sets it as
+  ``model.config.quantization_config``, so ``save_pretrained`` writes it into ``config.json`` and the tensors
+  ``<module>.w_q`` / ``<module>.w_scale`` / ``<module>.bias`` into the safetensors file as they are (no cast).
+* :class:`TpuKernelsHfQuantizer`: on ``from_pretrained`` of such a checkpoint, replaces exactly those
+  ``nn.Linear`` modules with empty :class:`TPUQuantLinear` ones before the weights load (their buffers keep
+  their int8 / fp8 / float32 dtypes: transformers loads a tensor in its module's dtype), so the reloaded
+  ``w_q``, ``w_scale`` and ``bias`` are bit-identical to the saved ones whatever ``dtype=`` the load asks for;
+  after loading it checks that every one of them came from the checkpoint and raises
+  :class:`~tpukernels.errors.ArgumentError` naming the tensor otherwise (never a random weight).
+
+Loading needs this registration: import ``tpukernels.integrations.transformers`` (which imports this module)
+or this module before ``from_pretrained``. Without it transformers 5.x logs "Unknown quantization type" and
+loads the float model with random linears — the behaviour this module exists to prevent, which no code of
+ours can intercept. Quantizing a float checkpoint during ``from_pretrained`` (``quantization_config=
+TpuKernelsConfig(...)`` on an unquantized checkpoint) is not supported: load, then ``apply_tpukernels``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from transformers.quantizers.auto import (AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING,
+                                          register_quantization_config, register_quantizer)
+from transformers.quantizers.base import HfQuantizer
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+from ..errors import ArgumentError
+
+QUANT_METHOD = "tpukernels"
+#: the fields of a ``"tpukernels"`` quantization config (``config.json``); any other key raises
+CONFIG_KEYS = ("quant_method", "weight_dtype", "x_quant", "modules", "format_version")
+FORMAT_VERSION = 1
+
+
+class TpuKernelsConfig(QuantizationConfigMixin):
+    """``quantization_config`` of a model whose listed linears are :class:`TPUQuantLinear` (module docstring).
+
+    Args:
+        weight_dtype: ``"int8"``, ``"float8_e4m3fn"`` or ``"float8_e5m2"`` (``w_q``'s dtype).
+        x_quant: None (w8a16), ``"int8"`` or ``"fp8"`` (w8a8), as in ``quantized_matmul``.
+        modules: dotted module names (``"model.layers.0.mlp.up_proj"``) of the quantized linears.
+        format_version: layout version of the saved tensors (1: ``w_q [out, in]``, ``w_scale [out]``).
+
+    Raises:
+        ArgumentError: an unknown key (named), a format version other than 1, ``modules`` not a list of
+            names. DTypeError: an unknown ``weight_dtype`` or ``x_quant`` / weight mismatch.
+    """
+
+    def __init__(self, weight_dtype: str = "int8", x_quant: Optional[str] = None, modules=(),
+                 format_version: int = FORMAT_VERSION, **kwargs):
+        from ..library.quantized_matmul import _canon_x_quant, _weight_dtype, check_pair
+
+        kwargs.pop("quant_method", None)
+        if kwargs:
+            raise ArgumentError(f"quantization_config (quant_method={QUANT_METHOD!r}): unknown key "
+                                f"{sorted(kwargs)[0]!r}; the keys are {CONFIG_KEYS}")
+        if format_version != FORMAT_VERSION:
+            raise ArgumentError(f"quantization_config (quant_method={QUANT_METHOD!r}): format_version "
+                                f"{format_version!r} is not supported (this tpukernels reads {FORMAT_VERSION})")
+        if isinstance(modules, str) or not all(isinstance(m, str) for m in modules):
+            raise ArgumentError(f"quantization_config (quant_method={QUANT_METHOD!r}): modules must be a list of "
+                                f"module names, got {modules!r}")
+        self.quant_method = QUANT_METHOD
+        self.weight_dtype = _weight_dtype(weight_dtype, "quantization_config.weight_dtype")
+        self.x_quant = _canon_x_quant(x_quant)
+        check_pair(self.x_quant, self.weight_dtype, "quantization_config")
+        self.modules = list(modules)
+        self.format_version = FORMAT_VERSION
+
+    def to_dict(self) -> dict:
+        return {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in self.__dict__.items()}
+
+
+class TpuKernelsHfQuantizer(HfQuantizer):
+    """transformers quantizer for :class:`TpuKernelsConfig` checkpoints (module docstring)."""
+
+    requires_calibration = True  # pre-quantized checkpoints only (transformers raises for pre_quantized=False)
+
+    def validate_environment(self, *args, **kwargs):
+        if not self.pre_quantized:
+            raise ArgumentError(f"from_pretrained(quantization_config={QUANT_METHOD!r}): only tpukernels-quantized "
+                                f"checkpoints load this way; load the float model, then apply_tpukernels(quantize=...)")
+
+    def _process_model_before_weight_loading(self, model, **kwargs):
+        from ..library.quantized_matmul import TPUQuantLinear
+
+        cfg = self.quantization_config
+        for name in cfg.modules:
+            parent_name, _, child_name = name.rpartition(".")
+            try:
+                parent = model.get_submodule(parent_name) if parent_name else model
+                child = getattr(parent, child_name)
+            except AttributeError:
+                child = None
+            if type(child) is not torch.nn.Linear:
+                raise ArgumentError(f"quantization_config.modules: {name!r} is not an nn.Linear of this "
+                                    f"{type(model).__name__} (got {type(child).__name__}); the checkpoint does not "
+                                    f"match the model's architecture")
+            with torch.device(child.weight.device):
+                new = TPUQuantLinear(child.in_features, child.out_features, child.bias is not None,
+                                     cfg.weight_dtype, cfg.x_quant)
+                if child.bias is not None:
+                    new.bias = torch.zeros(child.out_features, dtype=child.bias.dtype)
+            setattr(parent, child_name, new)
+        return model
+
+    def _process_model_after_weight_loading(self, model, **kwargs):
+        # every tensor transformers loaded is marked _is_hf_initialized (core_model_loading.set_param_for_module);
+        # a buffer the checkpoint lacked was materialised from the meta device uninitialised: refuse it
+        for name in self.quantization_config.modules:
+            mod = model.get_submodule(name)
+            for t in ("w_q", "w_scale", "bias"):
+                buf = getattr(mod, t, None)
+                if buf is not None and not getattr(buf, "_is_hf_initialized", False):
+                    raise ArgumentError(f"from_pretrained: the checkpoint has no tensor {name}.{t} "
+                                        f"(quantization_config lists {name!r} as quantized); refusing to leave it "
+                                        f"uninitialised")
+        return model
+
+    def is_serializable(self, *args, **kwargs) -> bool:
+        return True
+
+    @property
+    def is_trainable(self) -> bool:
+        # w8a16 is differentiable in the activations (adapters on a frozen quantized base); w8a8 is not
+        return self.quantization_config.x_quant is None
+
+
+def register() -> None:
+    """Register ``"tpukernels"`` with transformers' quantizer registry (idempotent; done on import)."""
+    if AUTO_QUANTIZATION_CONFIG_MAPPING.get(QUANT_METHOD) is not TpuKernelsConfig:
+        AUTO_QUANTIZATION_CONFIG_MAPPING.pop(QUANT_METHOD, None)  # a reload of this module
+        register_quantization_config(QUANT_METHOD)(TpuKernelsConfig)
+    if AUTO_QUANTIZER_MAPPING.get(QUANT_METHOD) is not TpuKernelsHfQuantizer:
+        AUTO_QUANTIZER_MAPPING.pop(QUANT_METHOD, None)
+        register_quantizer(QUANT_METHOD)(TpuKernelsHfQuantizer)
+
+
+def _previous(model, weight_dtype: str, x_quant: Optional[str]) -> list:
+    """Module names of an earlier tpukernels quantization of ``model`` (``[]``: none); the errors of
+    :func:`mark_quantized`."""
+    old = getattr(getattr(model, "config", None), "quantization_config", None)
+    if old is None:
+        return []
+    if not isinstance(old, TpuKernelsConfig):
+        raise ArgumentError(f"apply_tpukernels(quantize=...): the model already has a quantization_config "
+                            f"(quant_method={getattr(old, 'quant_method', old)!r}); quantizing it again is not "
+                            f"supported")
+    if (old.weight_dtype, old.x_quant) != (weight_dtype, x_quant):
+        raise ArgumentError(f"apply_tpukernels(quantize={weight_dtype!r}, x_quant={x_quant!r}): the model is already "
+                            f"quantized with weight_dtype={old.weight_dtype!r}, x_quant={old.x_quant!r}; one "
+                            f"quantization_config describes one scheme")
+    return list(old.modules)
+
+
+def check_can_mark(model, weight_dtype: str, x_quant: Optional[str]) -> None:
+    """Raise what :func:`mark_quantized` would, before ``apply_tpukernels`` patches anything."""
+    _previous(model, weight_dtype, x_quant)
+
+
+def mark_quantized(model, weight_dtype: str, x_quant: Optional[str], modules) -> None:
+    """Record ``model``'s quantized linears as its ``config.quantization_config`` (what ``save_pretrained``
+    writes into ``config.json``). Called by ``apply_tpukernels(quantize=...)``; modules quantized by an earlier
+    call are kept in the list. Nothing else of the model changes (transformers' ``is_quantized`` flag, which
+    forbids ``.half()`` / ``.float()``, is set only by a quantized ``from_pretrained``, as for its own methods).
+    A model without ``config`` (not a transformers model) is left as is.
+
+    Raises:
+        ArgumentError: the model already has another quantization config, or a tpukernels one of another
+            ``weight_dtype`` / ``x_quant`` (one config describes one scheme).
+    """
+    if getattr(model, "config", None) is None:
+        return
+    prev = _previous(model, weight_dtype, x_quant)
+    model.config.quantization_config = TpuKernelsConfig(weight_dtype, x_quant, list(dict.fromkeys([*prev, *modules])))
+
+
+class _LoadedCheckpoint(HfQuantizer):
+    """Attached to models that :mod:`tpukernels.integrations.checkpoints` loaded: not serializable, so
+    transformers' ``save_pretrained`` raises instead of writing tensors no loader would read back."""
+
+    def is_serializable(self, *args, **kwargs) -> bool:
+        return False
+
+    @property
+    def is_trainable(self) -> bool:
+        return False
+
+
+def refuse_saving(model, quantization_config) -> None:
+    """Make ``model.save_pretrained`` raise ValueError (a model loaded from a GPTQ / AWQ / compressed-tensors /
+    fp8 checkpoint into tpukernels modules: its ``config.quantization_config`` is kept for reference)."""
+    from types import SimpleNamespace
+
+    qc = quantization_config.to_dict() if hasattr(quantization_config, "to_dict") else dict(quantization_config)
+    model.config.quantization_config = qc
+    model.hf_quantizer = _LoadedCheckpoint(SimpleNamespace(quant_method=f"{qc.get('quant_method')} (loaded into "
+                                                                        f"tpukernels modules)"), pre_quantized=True)
+
+
+register()
+
+__all__ = ["TpuKernelsConfig", "TpuKernelsHfQuantizer", "register", "mark_quantized", "QUANT_METHOD"]

@@ -1,0 +1,601 @@
+"""Block-wise (sub-channel) quantized weights: ``quantized_matmul_blockwise`` — w4a16 (int4 with optional zero
+points: GPTQ / AWQ / compressed-tensors W4A16, or fp4 e2m1; both packed two per byte) and block-scaled w8a16
+(int8 / fp8, e.g. DeepSeek-V3's 128x128 fp8 blocks expanded along N).
+
+Layout (``K`` = in features, ``N`` = out features, ``bs`` = ``block_size``, ``G = K / bs`` groups along K):
+
+* ``w_scale [G, 1, N]`` float32: the scale of group ``g`` (columns ``g*bs .. (g+1)*bs - 1``) of output channel
+  ``n`` — the layout tpu-inference's block-wise ``quantized_matmul_kernel`` takes (``[n_in // block_size, 1,
+  n_out]``), applied to each group's partial dot product (a row vector over the output block's lanes).
+* int8 / float8_e4m3fn / float8_e5m2 ``w_q [N, K]``: ``W[n, k] = w_q[n, k] * w_scale[k // bs, 0, n]``.
+* fp4 (e2m1, ``weight_format="fp4"``): ``w_q [N, K/2]`` uint8 packed as int4 below, each nibble an e2m1 code
+  (bit 3 sign, bits 2..1 exponent, bit 0 mantissa: ``0, 0.5, 1, 1.5, 2, 3, 4, 6``), ``W = e2m1(code) * s``;
+  decoded in VMEM with integer ops (``2v = m`` or ``(2 + m) << (e - 1)``), exact in bf16; no zero points.
+* int4 ``w_q [N, K/2]`` uint8, packed per group: byte ``j`` (``0 <= j < bs/2``) of group ``g`` of row ``n``
+  holds column ``g*bs + j`` in its low nibble and column ``g*bs + bs/2 + j`` in its high nibble (so the kernel
+  unpacks a group into two contiguous halves, no lane interleave); nibbles ``q`` are unsigned ``0..15`` and
+  ``W[n, k] = (q[n, k] - z) * w_scale[k // bs, 0, n]`` with ``z = w_zero_point[k // bs, 0, n]`` (float32,
+  ``[G, 1, N]``, in units of the grid: GPTQ / AWQ's asymmetric zero points) or ``z = 8`` without zero points
+  (symmetric signed int4 stored offset by 8, as compressed-tensors packs it). :func:`pack_int4` /
+  :func:`unpack_int4` convert from / to ``q [N, K]``; checkpoint loaders repack GPTQ / AWQ / compressed-tensors
+  orders into this one once, at load.
+
+Padding rule (K not a multiple of ``bs``): the weight side is padded, the activations are not. A checkpoint's
+weight with ``K`` in-features and ``K % bs != 0`` is stored with ``K_w = ceil(K / bs) * bs`` columns (the padded
+columns hold any finite value: int8 / fp8 zeros, int4 nibbles equal to the zero point) — :func:`pad_k` does
+this. ``x`` may then have ``K_x`` columns with ``K_w - bs < K_x <= K_w``; the op pads ``x`` with zero columns to
+``K_w`` (a copy of ``x`` in HBM, only then), so the padded weight columns contribute exactly nothing. Any other
+``K_x`` raises.
+
+What runs: ``quantized_matmul_blockwise_kernel``, grid ``(M/bm, N/bn, K_w/bk)`` with ``bk`` a multiple of
+``bs`` (no K tail: :func:`k_block`), f32 VMEM accumulator across K steps. Per K step, for each of the
+``bk / bs`` groups (a static loop): the group's weight tile is loaded from VMEM, unpacked (int4: ``b & 15``,
+``b >> 4``, each minus 8) and converted to ``x.dtype`` (exact: integers ``-8..7`` and 8-bit values are bf16
+values), multiplied on the MXU with the group's ``x`` columns accumulating in f32, then (zero points) corrected
+by ``- rowsum(x_group) * (z - 8)`` and multiplied by the group's scale row. The weights are unpacked and
+dequantized only in VMEM; HBM holds the packed bytes.
+
+Error (``u`` = unit roundoff of the output dtype, ``u32 = 2^-24``), against the float64 product of the
+**dequantized** operands (:func:`reference_blockwise`), elementwise:
+``|y - ref| <= u |ref| + (K_w + 2) u32 (|x| @ M^T)`` with ``M[n, k] = (|q' [n, k]| + |z'[g, n]|) * |s[g, n]|``,
+where ``q'`` is the value fed to the MXU (int4: ``q - 8``; int8 / fp8: ``w_q``; fp4: its e2m1 value) and
+``z' = z - 8`` (0 without zero points, so then ``M = |W|``). Derivation: the group products are exact in f32
+(bf16 times a small integer, an e2m1 or an 8-bit value), a group's f32 sum of ``bs`` terms (in any order, split
+in two halves or not) errs by at most ``(bs - 1) u32`` times its absolute sum (Higham, "Accuracy and Stability
+of Numerical Algorithms", 2nd ed., eq. 3.5), the zero-point row sum likewise with ``|z'|`` and two more
+roundings (its product, the subtraction), the scale product one, the sum of the ``G`` scaled groups across the
+K steps ``G - 1``: ``bs + G + 1 <= K_w + 2`` units of ``u32`` (to first order); then the final rounding to the
+output dtype (``u |ref|``). :func:`error_bound_blockwise`.
+
+Chips: the weight tile reaches the MXU as ``x.dtype`` (bf16 x bf16 everywhere; f32 at HIGHEST precision), so
+int4 and int8 run on every chip; fp8 weights need the chip to take the fp8 dtype at all (as
+:func:`~tpukernels.library.quantized_matmul.check_chip` for w8a16). No gradient: ``x`` must not require grad
+(ArgumentError), as the block-scaled weights are frozen and ``d_x`` is not implemented for this layout yet.
+
+Performance (libtpu 0.0.52 static estimate of the whole kernel, a MODEL, not a measurement; ``Estimator`` of
+``tpukernels.bench.core`` on the heuristic blocks): w4a16 decode ``16x4096 @ (14336x4096)^T`` (group 128) on v6e
+80.6 µs, 24% of the HBM roofline of its bytes (19.4 µs) and 2.9x the int8 w8a16 streaming kernel (28.1 µs); on
+tpu7x 64.0 µs, 13% of its roofline (8.6 µs), 3.0x int8 w8a16 (21.0 µs).
+The unpack (uint8 -> int32, mask / shift, -8, -> bf16 per weight) is vector work of the order of the whole time
+and the weight stream does not hide it (feeding the two halves to two dots instead of concatenating them moved
+82.8 -> 80.6 µs): the issue's target (>= 85% of the roofline) is not met. Unpacking in bf16 arithmetic (a
+uint8 -> bf16 convert, /16, floor) made libtpu 0.0.52's estimator abort, so it was not kept; a packing along N
+that needs no lane shuffles and a weight-streaming launch are the next steps.
+
+Source: tpu-inference's ``kernels/quantized_matmul/blockwise_kernel.py`` (v0.32.0: the ``[G, 1, N]`` scale
+layout and the per-group dot then scale; read, not copied — it supports no zero points and no int4 packing);
+GPTQ (Frantar et al., arXiv:2210.17323) / AWQ (Lin et al., arXiv:2306.00978) for asymmetric group-wise int4.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ... import dsl as _dsl
+from ...dsl.validate import padded_bytes
+from .._vmem import scoped_vmem_limit
+from ...errors import ArgumentError, DTypeError
+from .common import U32, WEIGHT_DTYPES, X_DTYPES, _clamp, _jnp, _name, _out_dtype, check_chip
+
+#: block sizes (group sizes along K) the kernel takes: multiples of 32 from 32 to 512
+BLOCK_SIZES = tuple(range(32, 513, 32))
+#: weight formats: the 8-bit dtypes of :data:`WEIGHT_DTYPES`, ``"int4"`` and ``"fp4"`` (e2m1) (uint8 ``w_q``,
+#: two per byte, the same per-group packing)
+WEIGHT_FORMATS = (*WEIGHT_DTYPES, "int4", "fp4")
+PACKED = ("int4", "fp4")
+#: the e2m1 (OCP MX fp4) values of the codes 0..7 (sign bit 3): 0, 0.5, 1, 1.5, 2, 3, 4, 6
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+TUNABLES_BLOCK = {
+    "bm": _dsl.Tunable([256, 128, 512, 1024], default=256, doc="rows of the output block (tokens)"),
+    "bk": _dsl.Tunable([1024, 512, 2048, 4096], default=1024,
+                       doc="contraction block (upper bound: the largest multiple of block_size tiling K, k_block)"),
+    "bn": _dsl.Tunable([512, 256, 1024, 2048], default=512, doc="columns of the output block (N)"),
+}
+
+
+# ----------------------------------------------------------------------------------------------- formats
+def resolve_format(w_q: torch.Tensor, where: str, fmt: Optional[str] = None) -> str:
+    """The format of ``w_q``: ``fmt`` (``"int4"`` default, or ``"fp4"``) for a uint8 ``w_q`` (packed), else its
+    8-bit dtype name; DTypeError otherwise (a ``fmt`` that does not fit ``w_q``'s dtype included)."""
+    name = _name(w_q.dtype)
+    if fmt is not None and fmt not in WEIGHT_FORMATS:
+        raise DTypeError(f"{where}: weight_format {fmt!r} is not one of {WEIGHT_FORMATS}")
+    if name == "uint8":
+        if fmt not in (None, *PACKED):
+            raise DTypeError(f"{where}: weight_format {fmt!r} does not fit a uint8 (packed 4-bit) w_q")
+        return fmt or "int4"
+    if fmt is not None and fmt != name:
+        raise DTypeError(f"{where}: weight_format {fmt!r} does not fit w_q of dtype {name}")
+    if name not in WEIGHT_DTYPES:
+        raise DTypeError(f"{where}: w_q dtype {name} is not one of {WEIGHT_DTYPES} or uint8 (int4 packed two per byte)")
+    return name
+
+
+def pack_int4(q: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Pack unsigned nibbles ``q [N, K]`` (integers ``0..15``, any integer dtype) into ``w_q [N, K/2]`` uint8 in
+    the per-group order of the module docstring. Raises ArgumentError for values outside ``0..15``, a ``K``
+    that is not a multiple of ``block_size`` (pad first: :func:`pad_k`) or an odd ``block_size``."""
+    if q.dim() != 2:
+        raise ArgumentError(f"pack_int4: q must be 2-D [N, K], got {tuple(q.shape)}")
+    N, K = q.shape
+    if block_size % 2 or block_size <= 0 or K % block_size:
+        raise ArgumentError(f"pack_int4: K = {K} of q must be a multiple of block_size = {block_size} (an even "
+                            f"number; pad K with pad_k)")
+    if q.numel() and (int(q.min()) < 0 or int(q.max()) > 15):
+        raise ArgumentError(f"pack_int4: q holds values outside 0..15 (min {int(q.min())}, max {int(q.max())})")
+    g = q.to(torch.uint8).reshape(N, K // block_size, 2, block_size // 2)
+    return (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(N, K // 2)
+
+
+def unpack_int4(w_q: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Inverse of :func:`pack_int4`: ``w_q [N, K/2]`` uint8 -> ``q [N, K]`` uint8 (``0..15``)."""
+    N, H = w_q.shape
+    g = w_q.reshape(N, (2 * H) // block_size, 1, block_size // 2)
+    return torch.cat([g & 15, g >> 4], dim=2).reshape(N, 2 * H)
+
+
+def pad_k(w: torch.Tensor, block_size: int, fill=0) -> torch.Tensor:
+    """``w [N, K]`` with columns ``fill`` appended up to a multiple of ``block_size`` (the padding rule)."""
+    K = w.shape[-1]
+    extra = -K % block_size
+    if not extra:
+        return w
+    return torch.cat([w, torch.full((*w.shape[:-1], extra), fill, dtype=w.dtype, device=w.device)], dim=-1)
+
+
+def quantize_weight_blockwise(w: torch.Tensor, block_size: int, dtype: str = "int4", *, asymmetric: bool = False):
+    """Quantize ``w [N, K]`` (``K % block_size == 0``) per (output channel, group of ``block_size`` along K).
+
+    ``dtype="int4"``: symmetric ``s = absmax / 7``, ``q = clip(round(w / s), -8, 7) + 8``; asymmetric (GPTQ /
+    AWQ style min-max) ``s = (max - min) / 15``, ``z = round(-min / s)``, ``q = clip(round(w / s) + z, 0, 15)``.
+    ``dtype="int8"``: symmetric ``s = absmax / 127``. Returns ``(w_q, w_scale [G, 1, N] f32, w_zero_point
+    [G, 1, N] f32 or None)`` in the module's layout (int4 packed). A group of zeros gets ``s = 1`` (any scale
+    gives 0). For tests and examples; real checkpoints bring their own scales (``integrations/checkpoints``).
+    """
+    N, K = w.shape
+    if K % block_size:
+        raise ArgumentError(f"quantize_weight_blockwise: K = {K} is not a multiple of block_size = {block_size}")
+    G = K // block_size
+    wg = w.detach().double().reshape(N, G, block_size)
+    z = None
+    if dtype == "fp4":  # s = absmax / 6, nearest e2m1 value (ties to the lower magnitude code)
+        s = (wg.abs().amax(-1) / 6).float()
+        s = torch.where(s == 0, torch.ones_like(s), s)
+        v = wg / s.double()[..., None]
+        mag = (v.abs()[..., None] - torch.tensor(FP4_VALUES, dtype=torch.float64)).abs().argmin(-1)
+        q = (mag + 8 * (v < 0)).reshape(N, K)
+        return pack_int4(q.to(torch.uint8), block_size), s.T.reshape(G, 1, N).contiguous(), None
+    if dtype == "int4" and asymmetric:
+        lo, hi = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
+        s = ((hi - lo) / 15).float()
+        s = torch.where(s == 0, torch.ones_like(s), s)
+        z = torch.round(-lo / s.double()).clamp(0, 15)
+        q = (torch.round(wg / s.double()[..., None]) + z[..., None]).clamp(0, 15)
+        z = z.float().T.reshape(G, 1, N)
+    else:
+        qm = 7 if dtype == "int4" else 127
+        s = (wg.abs().amax(-1) / qm).float()
+        s = torch.where(s == 0, torch.ones_like(s), s)
+        q = torch.round(wg / s.double()[..., None]).clamp(-qm - (dtype == "int4"), qm)
+        if dtype == "int4":
+            q = q + 8
+    q = q.reshape(N, K)
+    w_q = pack_int4(q.to(torch.uint8), block_size) if dtype == "int4" else q.to(torch.int8)
+    return w_q, s.T.reshape(G, 1, N).contiguous(), z
+
+
+def fp4_values(codes: torch.Tensor) -> torch.Tensor:
+    """float64 e2m1 values of 4-bit codes (bit 3 the sign, bits 2..1 the exponent, bit 0 the mantissa)."""
+    c = codes.long()
+    return torch.tensor(FP4_VALUES, dtype=torch.float64)[c & 7] * (1 - 2 * (c >> 3))
+
+
+def dequantize_blockwise(w_q, w_scale, block_size: int, w_zero_point=None, weight_format_=None) -> torch.Tensor:
+    """``W [N, K_w]`` float64 (exact) of the module docstring's formulas (``weight_format_="fp4"`` for e2m1)."""
+    fmt = resolve_format(w_q, "dequantize_blockwise", weight_format_)
+    if fmt == "fp4":
+        q = fp4_values(unpack_int4(w_q, block_size))
+    elif fmt == "int4":
+        q = unpack_int4(w_q, block_size).double()
+        z = 8.0 if w_zero_point is None else w_zero_point.double()[:, 0, :].T.repeat_interleave(block_size, 1)
+        q = q - z
+    else:
+        q = w_q.double()
+    return q * w_scale.double()[:, 0, :].T.repeat_interleave(block_size, 1)
+
+
+def _x_padded_double(x, K_w):
+    xd = x.reshape(-1, x.shape[-1]).double()
+    return torch.nn.functional.pad(xd, (0, K_w - xd.shape[1]))
+
+
+def reference_blockwise(x, w_q, w_scale, block_size: int, w_zero_point=None, weight_format_=None) -> torch.Tensor:
+    """float64 ``x @ W^T`` (not rounded) of the dequantized weight; ``x [..., K_x]`` zero-padded to ``K_w``."""
+    W = dequantize_blockwise(w_q, w_scale, block_size, w_zero_point, weight_format_)
+    return (_x_padded_double(x, W.shape[1]) @ W.T).reshape(*x.shape[:-1], W.shape[0])
+
+
+def error_bound_blockwise(x, w_q, w_scale, block_size: int, w_zero_point=None, out_dtype=None,
+                          weight_format_=None) -> torch.Tensor:
+    """The elementwise bound of the module docstring on ``|y - reference_blockwise(...)|`` (float64)."""
+    odt = out_dtype or x.dtype
+    u = 2.0**-8 if odt == torch.bfloat16 else U32
+    ref = reference_blockwise(x, w_q, w_scale, block_size, w_zero_point, weight_format_)
+    fmt = resolve_format(w_q, "error_bound_blockwise", weight_format_)
+    s = w_scale.double()[:, 0, :].T.repeat_interleave(block_size, 1).abs()
+    if fmt == "int4":
+        qp = unpack_int4(w_q, block_size).double() - 8
+        zp = 0.0 if w_zero_point is None else (w_zero_point.double()[:, 0, :].T - 8).repeat_interleave(block_size, 1)
+        mag_w = (qp.abs() + (zp.abs() if torch.is_tensor(zp) else 0.0)) * s
+    elif fmt == "fp4":
+        mag_w = fp4_values(unpack_int4(w_q, block_size)).abs() * s
+    else:
+        mag_w = w_q.double().abs() * s
+    K_w = mag_w.shape[1]
+    mag = (_x_padded_double(x, K_w).abs() @ mag_w.T).reshape(ref.shape)
+    return u * ref.abs() + (K_w + 2) * U32 * mag
+
+
+# ----------------------------------------------------------------------------------------------- kernel
+def k_block(K_w: int, block_size: int, bk: int, int4: bool) -> int:
+    """The K step of the kernel: the largest ``block_size * d`` (``d`` divides ``K_w / block_size``) up to
+    ``max(bk, block_size)`` whose weight tile is lane-aligned (a multiple of 256 columns for int4, whose packed
+    tile is half as wide; 128 otherwise), else all of ``K_w`` (one K step)."""
+    G = K_w // block_size
+    align = 256 if int4 else 128
+    best = None
+    for d in range(1, G + 1):
+        c = block_size * d
+        if G % d == 0 and c <= max(bk, block_size) and c % align == 0:
+            best = c
+    return best or K_w
+
+
+def _fp4_decode(n, dt):
+    """e2m1 codes (int32 ``0..15``) -> values in ``dt`` (exact): ``2 v = m`` (exponent 0) or ``(2 + m) << (e - 1)``."""
+    import jax.numpy as jnp
+
+    e, m = (n >> 1) & 3, n & 1
+    v2 = jnp.where(e == 0, m, jnp.left_shift(2 + m, jnp.maximum(e - 1, 0)))
+    v2 = jnp.where(n >= 8, -v2, v2)
+    return v2.astype(dt) * np.asarray(0.5, dtype=dt)
+
+
+def _block_body(x_ref, w_ref, s_ref, *refs, bs, n_sub, n_k, int4, has_zp, dequant_to, precision, fp4=False):
+    """One output block, one K step of ``n_sub`` groups (module docstring); ``refs`` = ``[z_ref,] o_ref, acc_ref``."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+
+    if has_zp:
+        z_ref, o_ref, acc_ref = refs
+    else:
+        z_ref, (o_ref, acc_ref) = None, refs
+    k = pl.program_id(2)
+    dims = (((1,), (1,)), ((), ()))
+    part = None
+    half = bs // 2
+    for g in range(n_sub):
+        xg = x_ref[:, g * bs:(g + 1) * bs]
+        if int4:  # unpack the group's bytes in VMEM: low nibbles = first half of the group, high = second;
+            # two dots against the two halves of x's group (slicing the small x, not relayouting the weights)
+            b = w_ref[:, g * half:(g + 1) * half].astype(jnp.int32)
+            if fp4:
+                lo, hi = _fp4_decode(b & 15, dequant_to), _fp4_decode(b >> 4, dequant_to)
+            else:
+                lo, hi = ((b & 15) - 8).astype(dequant_to), ((b >> 4) - 8).astype(dequant_to)
+            d = (jax.lax.dot_general(xg[:, :half], lo, dims, precision=precision, preferred_element_type=jnp.float32)
+                 + jax.lax.dot_general(xg[:, half:], hi, dims, precision=precision,
+                                       preferred_element_type=jnp.float32))
+        else:
+            w = w_ref[:, g * bs:(g + 1) * bs]
+            if dequant_to is not None:
+                w = w.astype(dequant_to)
+            d = jax.lax.dot_general(xg, w, dims, precision=precision, preferred_element_type=jnp.float32)
+        if z_ref is not None:  # x . (q - z)^T = x . (q - 8)^T - rowsum(x) (z - 8)
+            r = jnp.sum(xg.astype(jnp.float32), axis=1, keepdims=True)
+            d = d - r * (z_ref[g] - 8.0)
+        d = d * s_ref[g]
+        part = d if part is None else part + d
+
+    if n_k == 1:
+        o_ref[...] = part.astype(o_ref.dtype)
+        return
+
+    @pl.when(k == 0)
+    def _():
+        acc_ref[...] = part
+
+    @pl.when(jnp.logical_and(k > 0, k < n_k - 1))
+    def _():
+        acc_ref[...] += part
+
+    @pl.when(k == n_k - 1)
+    def _():
+        o_ref[...] = (acc_ref[...] + part).astype(o_ref.dtype)
+
+
+def _problem(x, w_q, w_scale, w_zero_point, block_size, where, wfmt=None):
+    """``(M, N, K_w, fmt)`` after checking every operand against the layout (typed errors naming the tensor)."""
+    for t, n in ((x, "x"), (w_q, "w_q"), (w_scale, "w_scale")):
+        if len(t.shape) != (3 if n == "w_scale" else 2):
+            raise ArgumentError(f"{where}: {n} must be {'3-D [K/block_size, 1, N]' if n == 'w_scale' else '2-D'}, "
+                                f"got shape {tuple(t.shape)}")
+    if not isinstance(block_size, int) or block_size not in BLOCK_SIZES:
+        raise ArgumentError(f"{where}: block_size {block_size!r} is not a multiple of 32 in 32..512")
+    fmt = resolve_format(w_q, where, wfmt)
+    if _name(x.dtype) not in X_DTYPES:
+        raise DTypeError(f"{where}: x dtype {_name(x.dtype)} is not one of {X_DTYPES}")
+    N, cols = w_q.shape
+    if fmt in PACKED:
+        if cols % (block_size // 2):
+            raise ArgumentError(f"{where}: w_q ({fmt}, packed) has {cols} bytes per row: not a multiple of "
+                                f"block_size / 2 = {block_size // 2} (each group of {block_size} columns is "
+                                f"{block_size // 2} bytes; an odd or partial packed dimension cannot be unpacked)")
+        K_w = 2 * cols
+    else:
+        if cols % block_size:
+            raise ArgumentError(f"{where}: w_q has K = {cols} columns, not a multiple of block_size = {block_size} "
+                                f"(pad the weight's K with pad_k: the padding rule)")
+        K_w = cols
+    G = K_w // block_size
+    if tuple(w_scale.shape) != (G, 1, N):
+        raise ArgumentError(f"{where}: w_scale must have shape (K/block_size, 1, N) = ({G}, 1, {N}), got "
+                            f"{tuple(w_scale.shape)}")
+    if _name(w_scale.dtype) != "float32":
+        raise DTypeError(f"{where}: w_scale must be float32, got {_name(w_scale.dtype)}")
+    if w_zero_point is not None:
+        if fmt != "int4":
+            raise ArgumentError(f"{where}: w_zero_point is for int4 weights (asymmetric); {fmt} weights are symmetric")
+        if tuple(w_zero_point.shape) != (G, 1, N):
+            raise ArgumentError(f"{where}: w_zero_point must have shape (K/block_size, 1, N) = ({G}, 1, {N}), got "
+                                f"{tuple(w_zero_point.shape)}")
+        if _name(w_zero_point.dtype) != "float32":
+            raise DTypeError(f"{where}: w_zero_point must be float32, got {_name(w_zero_point.dtype)}")
+    M, K = x.shape
+    if K != K_w:
+        raise ArgumentError(f"{where}: x has K = {K} columns, w_q holds K_w = {K_w} (kernel operands must agree; "
+                            f"the public op pads x)")
+    return M, N, K_w, fmt
+
+
+def _block_heuristic(x, w_q, w_scale, w_zero_point=None, block_size=128, out_dtype=None, weight_format=None):
+    M = x.shape[0]
+    return dict(bm=256 if M > 128 else 128, bk=2048 if M <= 128 else 1024, bn=512 if M <= 128 else 1024)
+
+
+def _block_shape(x, w_q, w_scale, w_zero_point=None, block_size=128, out_dtype=None, weight_format=None):
+    where = "tpukernels::quantized_matmul_blockwise_kernel"
+    M, N, _, _ = _problem(x, w_q, w_scale, w_zero_point, block_size, where, weight_format)
+    return _dsl.OutSpec((M, N), _out_dtype(out_dtype, x, where))
+
+
+def _ref_block(x, w_q, w_scale, w_zero_point=None, block_size=128, out_dtype=None, weight_format=None):
+    """jnp version of the kernel (autotuner correctness check): dequantize in f32, one dot."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    N = w_q.shape[0]
+    if np.dtype(w_q.dtype) == np.uint8:
+        b = w_q.astype(jnp.int32).reshape(N, -1, 1, block_size // 2)
+        c = jnp.concatenate([b & 15, b >> 4], axis=2).reshape(N, -1)
+        if weight_format == "fp4":
+            q = _fp4_decode(c, jnp.float32)
+        else:
+            z = 8.0 if w_zero_point is None else jnp.repeat(w_zero_point[:, 0, :].T, block_size, axis=1)
+            q = c.astype(jnp.float32) - z
+    else:
+        q = w_q.astype(jnp.float32)
+    W = q * jnp.repeat(w_scale[:, 0, :].T, block_size, axis=1)
+    z = jnp.matmul(x.astype(jnp.float32), W.T, precision=lax.Precision.HIGHEST)
+    return z.astype(_out_dtype(out_dtype, x, "quantized_matmul_blockwise_kernel"))
+
+
+@_dsl.tpu_kernel(_block_body, name="quantized_matmul_blockwise_kernel", namespace="tpukernels",
+                 tunables=TUNABLES_BLOCK, heuristic=_block_heuristic, out_shape=_block_shape,
+                 reference=_dsl.jax_reference(_ref_block))
+def quantized_matmul_blockwise_kernel(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                                      w_zero_point: Optional[torch.Tensor] = None, block_size: int = 128,
+                                      out_dtype: Optional[str] = None, weight_format: Optional[str] = None, *,
+                                      bm: int, bk: int, bn: int) -> torch.Tensor:
+    """``x [M, K_w] @ W^T`` with block-scaled weights (module docstring): ``w_q [N, K_w]`` int8 / fp8 or
+    ``[N, K_w/2]`` uint8 (int4), ``w_scale [K_w/bs, 1, N]`` f32, ``w_zero_point`` (int4 only) same shape ->
+    ``[M, N]`` in ``out_dtype`` (default ``x.dtype``).
+
+    Raises:
+        ArgumentError: ranks, block size, packed width, scale / zero-point shapes (each names the tensor).
+        DTypeError: dtypes. ChipError: fp8 weights on a chip whose MXU lacks that fp8 dtype.
+    """
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    where = "tpukernels::quantized_matmul_blockwise_kernel"
+    M, N, K_w, fmt = _problem(x, w_q, w_scale, w_zero_point, block_size, where, weight_format)
+    if fmt.startswith("float8"):
+        check_chip(None, fmt, where=where)
+    odt = _out_dtype(out_dtype, x, where)
+    int4 = fmt in PACKED  # packed two per byte (int4 or fp4)
+    bk_ = k_block(K_w, block_size, bk, int4)
+    bm_, bn_ = _clamp(M, bm), _clamp(N, bn)
+    gi, gj, gk = _dsl.cdiv(M, bm_), _dsl.cdiv(N, bn_), K_w // bk_
+    n_sub = bk_ // block_size
+    wcols = bk_ // 2 if int4 else bk_
+    in_specs = [pl.BlockSpec((bm_, bk_), lambda i, j, k: (i, k)),
+                pl.BlockSpec((bn_, wcols), lambda i, j, k: (j, k)),
+                pl.BlockSpec((n_sub, 1, bn_), lambda i, j, k: (k, 0, j))]
+    if w_zero_point is not None:
+        in_specs.append(pl.BlockSpec((n_sub, 1, bn_), lambda i, j, k: (k, 0, j)))
+    dequant_to = _jnp(_name(x.dtype))
+    acc_shape = (8, 128) if gk == 1 else (bm_, bn_)
+    need = (2 * (padded_bytes((bm_, bk_), x.dtype) + padded_bytes((bn_, wcols), w_q.dtype)
+                 + (1 + (w_zero_point is not None)) * n_sub * padded_bytes((1, bn_), "float32")
+                 + padded_bytes((bm_, bn_), odt))
+            + 2 * padded_bytes((bn_, block_size), dequant_to) + 3 * padded_bytes((bm_, bn_), "float32")
+            + padded_bytes(acc_shape, "float32"))
+    wbytes = N * K_w // (2 if int4 else 1)
+    cost = pl.CostEstimate(flops=2 * M * N * K_w, transcendentals=0,
+                           bytes_accessed=int(gj * M * K_w * np.dtype(x.dtype).itemsize + gi * wbytes
+                                              + M * N * np.dtype(odt).itemsize))
+    f32 = np.dtype(dequant_to) == np.dtype("float32")
+    return _dsl.Launch(
+        grid=(gi, gj, gk),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((bm_, bn_), lambda i, j, k: (i, j)),
+        out_shape=_dsl.OutSpec((M, N), odt),
+        scratch_shapes=[pltpu.VMEM(acc_shape, jnp.float32)],
+        dimension_semantics=("parallel", "parallel", "arbitrary"),
+        vmem_limit_bytes=scoped_vmem_limit(need),
+        cost_estimate=cost,
+        body_kwargs=dict(bs=int(block_size), n_sub=int(n_sub), n_k=int(gk), int4=int4, fp4=fmt == "fp4",
+                         has_zp=w_zero_point is not None, dequant_to=dequant_to,
+                         precision=lax.Precision.HIGHEST if f32 else None),
+    )
+
+
+# ----------------------------------------------------------------------------------------------- public
+def quantized_matmul_blockwise(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, *, block_size: int,
+                               w_zero_point: Optional[torch.Tensor] = None, out_dtype=None,
+                               config: Optional[dict] = None, weight_format: Optional[str] = None) -> torch.Tensor:
+    """``x @ W^T`` with sub-channel (block-wise along K) quantized weights ``W`` (module docstring: layout,
+    padding rule, error bound).
+
+    Args:
+        x: ``[..., K_x]`` bfloat16 / float32 activations, ``K_w - block_size < K_x <= K_w``.
+        w_q: ``[N, K_w]`` int8 / float8_e4m3fn / float8_e5m2, or ``[N, K_w / 2]`` uint8 (int4, :func:`pack_int4`).
+        w_scale: ``[K_w / block_size, 1, N]`` float32 (tpu-inference's block-wise layout).
+        block_size: group size along K, a multiple of 32 in 32..512.
+        w_zero_point: int4 only: ``[K_w / block_size, 1, N]`` float32 zero points (grid units); None: symmetric.
+        out_dtype: ``"bfloat16"`` / ``"float32"`` (or torch dtype); default ``x.dtype``.
+        config: explicit ``{"bm", "bk", "bn"}`` (``bk`` an upper bound, see :func:`k_block`).
+        weight_format: for a uint8 ``w_q``: ``"int4"`` (default) or ``"fp4"`` (e2m1 codes, same packing, no zero
+            points; ``W = e2m1(code) * s``); must match ``w_q``'s dtype otherwise.
+
+    Returns:
+        ``[..., N]`` in ``out_dtype``.
+
+    Raises:
+        ArgumentError: block size not a multiple of 32 in 32..512; ``w_q``'s K not a multiple of the block (int8 /
+            fp8) or its packed width not a multiple of ``block_size / 2`` (int4); ``x``'s K outside the padding
+            rule; ``w_scale`` / ``w_zero_point`` shapes; zero points with 8-bit weights; ``x`` requiring grad.
+        DTypeError: dtypes (``w_q``, ``x``, ``w_scale`` / ``w_zero_point`` not float32, ``out_dtype``).
+        DeviceError: operands on different devices. ChipError: fp8 weights the target chip cannot take.
+    """
+    from ...errors import DeviceError
+    from .public import _canon_out
+
+    where = "tpukernels::quantized_matmul_blockwise"
+    ts = [(x, "x"), (w_q, "w_q"), (w_scale, "w_scale")] + ([(w_zero_point, "w_zero_point")]
+                                                          if w_zero_point is not None else [])
+    for t, n in ts:
+        if not isinstance(t, torch.Tensor):
+            raise ArgumentError(f"{where}: {n} must be a torch.Tensor, got {type(t).__name__}")
+    if len({t.device for t, _ in ts}) > 1:
+        raise DeviceError(f"{where}: " + ", ".join(f"{n} on {t.device}" for t, n in ts) + ": must be one device")
+    if x.dim() < 1:
+        raise ArgumentError(f"{where}: x must have rank >= 1 ([..., K]), got a scalar")
+    odt = _canon_out(out_dtype)
+    if x.requires_grad and torch.is_grad_enabled():
+        raise ArgumentError(f"{where}: no gradient with block-scaled weights yet; run under torch.no_grad() or "
+                            f"detach x")
+    if w_q.dim() != 2:
+        raise ArgumentError(f"{where}: w_q must be 2-D, got shape {tuple(w_q.shape)}")
+    fmt = resolve_format(w_q, where, weight_format)
+    K_w = w_q.shape[1] * (2 if fmt in PACKED else 1)
+    K_x = x.shape[-1]
+    if isinstance(block_size, int) and block_size in BLOCK_SIZES and not (K_w - block_size < K_x <= K_w):
+        raise ArgumentError(f"{where}: x has K = {K_x} columns but w_q holds K_w = {K_w} (block_size {block_size}): "
+                            f"the padding rule allows K_w - block_size < K <= K_w")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K_x)
+    if K_x < K_w and K_x > K_w - block_size:
+        x2 = torch.nn.functional.pad(x2, (0, K_w - K_x))  # the padding rule: zero columns meet the padded weight
+    kout = None if odt is None or odt == _name(x.dtype) else odt
+    if x2.shape[0] == 0 or w_q.shape[0] == 0:
+        _problem(x2, w_q, w_scale, w_zero_point, block_size, where, weight_format)
+        return torch.zeros(*lead, w_q.shape[0], dtype=getattr(torch, odt or _name(x.dtype)), device=x.device)
+    kw = {} if config is None else dict(config=config)
+    y = quantized_matmul_blockwise_kernel(x2, w_q, w_scale, w_zero_point, int(block_size), kout,
+                                          None if fmt == "int4" or fmt not in PACKED else fmt, **kw)
+    return y.reshape(*lead, w_q.shape[0])
+
+
+class TPUBlockQuantLinear(torch.nn.Module):
+    """``nn.Linear`` with a frozen block-quantized weight: ``y = quantized_matmul_blockwise(x, ...) + bias``.
+
+    Buffers: ``w_q`` (``[out, K_w]`` int8 / fp8 or ``[out, K_w/2]`` uint8 int4), ``w_scale [K_w/bs, 1, out]`` f32,
+    optional ``w_zero_point`` (same shape, int4), optional ``bias [out]``, optional ``in_perm [in]`` (act-order
+    checkpoints: ``x`` is gathered along K by it first). ``in_features`` may be below ``K_w``
+    (the padding rule). Built by the checkpoint loaders (:mod:`tpukernels.integrations.checkpoints`) or
+    :meth:`from_linear`. No gradient (inference).
+    """
+
+    def __init__(self, in_features: int, out_features: int, block_size: int, fmt: str = "int4", bias: bool = False,
+                 zero_point: bool = False):
+        super().__init__()
+        if fmt not in WEIGHT_FORMATS:
+            raise DTypeError(f"TPUBlockQuantLinear: format {fmt!r} is not one of {WEIGHT_FORMATS}")
+        if block_size not in BLOCK_SIZES:
+            raise ArgumentError(f"TPUBlockQuantLinear: block_size {block_size!r} is not a multiple of 32 in 32..512")
+        self.in_features, self.out_features, self.block_size, self.fmt = in_features, out_features, block_size, fmt
+        K_w = math.ceil(in_features / block_size) * block_size
+        G = K_w // block_size
+        if fmt in PACKED:
+            w = torch.zeros(out_features, K_w // 2, dtype=torch.uint8)
+        else:
+            w = torch.zeros(out_features, K_w, dtype=getattr(torch, fmt))
+        self.register_buffer("w_q", w)
+        self.register_buffer("w_scale", torch.zeros(G, 1, out_features, dtype=torch.float32))
+        self.register_buffer("w_zero_point", torch.zeros(G, 1, out_features) if zero_point else None)
+        self.register_buffer("bias", torch.zeros(out_features) if bias else None)
+        # act-order checkpoints (GPTQ g_idx): x's columns are gathered by in_perm [in_features] int64 first
+        self.register_buffer("in_perm", None)
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, block_size: int, fmt: str = "int4", asymmetric: bool = False):
+        """Quantize ``linear.weight`` with :func:`quantize_weight_blockwise` (K padded by the padding rule)."""
+        m = cls(linear.in_features, linear.out_features, block_size, fmt, linear.bias is not None,
+                asymmetric and fmt == "int4")
+        w = pad_k(linear.weight.detach().float(), block_size)
+        q, s, z = quantize_weight_blockwise(w, block_size, fmt, asymmetric=asymmetric)
+        m.w_q.copy_(q)
+        m.w_scale.copy_(s)
+        if z is not None:
+            m.w_zero_point.copy_(z)
+        if linear.bias is not None:
+            m.bias = linear.bias.detach().clone()
+        return m
+
+    def _apply(self, fn, recurse=True):
+        """Device moves only for the quantized buffers (as :class:`TPUQuantLinear`); ``bias`` follows casts."""
+        names = [n for n in ("w_q", "w_scale", "w_zero_point", "in_perm") if self._buffers.get(n) is not None]
+        keep = {n: self._buffers[n] for n in names}
+        self._buffers.update(dict.fromkeys(keep))
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            for n, t in keep.items():
+                dev = fn(torch.empty(0, dtype=t.dtype, device=t.device)).device
+                self._buffers[n] = t if dev == t.device else t.to(dev)
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.in_perm is not None:
+            x = x.index_select(-1, self.in_perm)
+        cast = x.dtype not in (torch.bfloat16, torch.float32)
+        y = quantized_matmul_blockwise(x.float() if cast else x, self.w_q, self.w_scale, block_size=self.block_size,
+                                       w_zero_point=self.w_zero_point,
+                                       weight_format="fp4" if self.fmt == "fp4" else None)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.to(x.dtype) if cast else y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, block_size={self.block_size}, "
+                f"format={self.fmt}, zero_point={self.w_zero_point is not None}, bias={self.bias is not None}")
