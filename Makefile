@@ -23,12 +23,20 @@ $(TORCH_TPU_WHEEL): $(STAMP)
 	$(PY) -m pip download -q --no-deps torch-tpu==0.2.0 -d $(VENV)/torch_tpu_wheel
 	@touch $@
 
+# vLLM-TPU's tpu-inference (its RPA v3 kernel, reference and attention-backend registry) and the vllm modules it
+# imports, both --no-deps (their pins: jax 0.11, libtpu 0.0.48, torchax, flax, ... conflict with the tested set):
+# tests/test_vllm_tpu.py and the paged-attention parity tests run tpu-inference's own reference on CPU.
+VLLM_TPU := $(VENV)/.vllm-tpu-0.32.0
+$(VLLM_TPU): $(STAMP)
+	$(PY) -m pip install -q --no-deps -c constraints.txt tpu-inference==0.32.0 vllm==0.32.0
+	@touch $@
+
 install: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/tpukernels demo
 
-test: $(STAMP) $(TORCH_TPU_WHEEL)
+test: $(STAMP) $(TORCH_TPU_WHEEL) $(VLLM_TPU)
 	$(PY) -m pytest -n 2 -q
 
 # Every library kernel vs XLA and public Pallas kernels (libtpu model) + host costs -> BENCHMARKS.md
