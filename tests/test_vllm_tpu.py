@@ -107,6 +107,15 @@ def make_case(mod, q_lens, kv_lens, *, S, T, Hq, Hkv, D, ps, pps, P, dtype=jnp.f
             jnp.asarray(dist))
 
 
+def their(ref, *args, **kw):
+    """Their reference, unchanged, under one ``jax.jit`` with the int32 metadata closed over as numpy arrays
+    (its Python loops over sequences and pages need concrete values): one XLA program instead of eager ops
+    compiled per sequence shape (same values, same semantics; ~10x faster here)."""
+    meta = [np.asarray(a) for a in args[4:8]]
+    arrays = list(args[:4]) + list(args[8:])
+    return jax.jit(lambda q, k, v, c, *rest: ref(q, k, v, c, *meta, *rest, **kw))(*arrays)
+
+
 def _same(a, b) -> bool:
     a, b = np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32))
     return a.shape == b.shape and bool(np.array_equal(np.isnan(a), np.isnan(b))) and bool(
@@ -128,52 +137,53 @@ BATCHES = {
 }
 
 
-@pytest.mark.parametrize("batch", list(BATCHES))
-@pytest.mark.parametrize("D", [128, 96])
+@pytest.mark.parametrize("batch, D", [("decode", 128), ("mixed", 128), ("mixed", 96), ("chunked_prefill", 96)])
 def test_matches_tpu_inference_reference(rpa, batch, D):
-    """ours (interpret "tpu": NaN-poisoned VMEM) vs their reference: the same output and the same cache writes."""
+    """ours (jitted, interpret "tpu": NaN-poisoned VMEM) vs their reference: the same output and the same cache
+    writes; sliding window with soft cap. (One kernel compile serves all four: D = 96 runs padded to 128.)"""
     q_lens, kv_lens = BATCHES[batch]
-    T = 32
-    args = make_case(rpa, q_lens, kv_lens, S=6, T=T, Hq=4, Hkv=2, D=D, ps=8, pps=8, P=40, seed=len(batch) + D)
-    kw = dict(sm_scale=D ** -0.5, sliding_window=13 if batch == "mixed" else None,
-              soft_cap=5.0 if batch != "decode" else None)
-    ref_out, ref_cache = rpa.ref_ragged_paged_attention(*args, **kw)
-    out, cache = jax.jit(lambda *a: vt.ragged_paged_attention_v3(*a, **kw, config={"block_q": 8, "pages_per_block": 2},
-                                                                 interpret="tpu"))(*args)
+    args = make_case(rpa, q_lens, kv_lens, S=6, T=32, Hq=4, Hkv=2, D=D, ps=8, pps=8, P=40, seed=len(batch) + D)
+    kw = dict(sm_scale=0.1, sliding_window=13, soft_cap=5.0)
+    ref_out, ref_cache = their(rpa.ref_ragged_paged_attention, *args, **kw)
+    run = lambda *a: vt.ragged_paged_attention_v3(*a, **kw, config={"block_q": 8, "pages_per_block": 2},  # noqa: E731
+                                                  interpret="tpu")
+    # eager (the compiled kernel is reused across the six cases); one case also under jax.jit (trace-safe)
+    out, cache = (jax.jit(run) if (batch, D) == ("decode", 128) else run)(*args)
     assert _same(cache, ref_cache)  # our in-place write = their kernel's, bit for bit (NaN pages untouched)
     _check(out, ref_out, sum(q_lens), 2e-5)
 
 
-def test_bf16_and_fp8_kv_vs_their_reference(rpa):
-    """bf16 q + KV, and an fp8 (e4m3) cache with static k_scale / v_scale; their reference rounds the softmax
-    probabilities to the cache dtype (bf16 / fp8), ours keeps them in q's dtype: tolerances say so."""
+def test_fp8_kv_vs_their_reference(rpa):
+    """bf16 q with an fp8 (e4m3) cache and static k_scale / v_scale; their reference rounds the softmax
+    probabilities to the cache dtype (fp8), ours keeps them in q's dtype: the tolerance vs theirs says so, and
+    ours is held tightly to the float64 reference on the same quantized cache."""
     q_lens, kv_lens = BATCHES["mixed"]
-    for kv_dtype, kw, tol in ((jnp.bfloat16, {}, 3e-2), (jnp.float8_e4m3fn, dict(k_scale=0.5, v_scale=2.0), 0.15)):
+    for kv_dtype, kw, tol in ((jnp.float8_e4m3fn, dict(k_scale=0.5, v_scale=2.0), 0.15),):
         args = make_case(rpa, q_lens, kv_lens, S=6, T=32, Hq=8, Hkv=2, D=128, ps=8, pps=8, P=40,
                          dtype=jnp.bfloat16, kv_dtype=kv_dtype, seed=7)
         kw = dict(kw, sm_scale=128 ** -0.5)
-        ref_out, ref_cache = rpa.ref_ragged_paged_attention(*args, **kw)
+        ref_out, ref_cache = their(rpa.ref_ragged_paged_attention, *args, **kw)
         out, cache = vt.ragged_paged_attention_v3(*args, **kw, config={"block_q": 16, "pages_per_block": 4})
         assert _same(cache, ref_cache)
         _check(out, ref_out, sum(q_lens), tol)
         # and tightly vs the float64 reference on the same (quantized) cache
         view, _ = vt.kv_cache_view(cache, 2, 128)
         kl, pi, cu, ns = vt.metadata_view(*args[4:8])
-        want = pa.paged_attention_reference(*(torch.from_numpy(np.asarray(x.astype(jnp.float32))) for x in
-                                              (args[0], view)), *(torch.from_numpy(np.asarray(x)) for x in
+        want = pa.paged_attention_reference(*(torch.from_numpy(np.array(x.astype(jnp.float32))) for x in
+                                              (args[0], view)), *(torch.from_numpy(np.array(x)) for x in
                                                                   (kl, pi, cu, ns)), **kw)
         _check(out, want.numpy(), sum(q_lens), 1e-2)
 
 
-@pytest.mark.parametrize("batch", ["decode", "mixed"])
-def test_head_dim_64_with_sinks_vs_their_hd64_reference(hd64, batch):
-    """gpt-oss shapes: D = 64, per-head attention sinks, sliding window; their hd64 reference is the one
-    tpu-inference's kernel_hd64 ships (their only kernel with sinks)."""
-    q_lens, kv_lens = BATCHES[batch]
+def test_head_dim_64_with_sinks_vs_their_hd64_reference(hd64):
+    """gpt-oss shapes: D = 64, per-head attention sinks, sliding window, a mixed batch (decode rows, chunked
+    prefill, prefill); their hd64 reference is the one tpu-inference's kernel_hd64 ships (their only kernel
+    with sinks)."""
+    q_lens, kv_lens = BATCHES["mixed"]
     args = make_case(hd64, q_lens, kv_lens, S=6, T=32, Hq=8, Hkv=2, D=64, ps=8, pps=8, P=40, seed=11)
     sinks = jnp.asarray(np.random.default_rng(3).standard_normal(8) * 2, jnp.float32)
-    kw = dict(sm_scale=0.125, sliding_window=9 if batch == "mixed" else None)
-    ref_out, ref_cache = hd64.ref_ragged_paged_attention_hd64(*args, sinks, **kw)
+    kw = dict(sm_scale=0.125, sliding_window=9)
+    ref_out, ref_cache = their(hd64.ref_ragged_paged_attention_hd64, *args, sinks, **kw)
     out, cache = vt.ragged_paged_attention_v3(*args, sinks, **kw, config={"block_q": 8, "pages_per_block": 2},
                                               interpret="tpu")
     assert _same(cache, ref_cache)
@@ -215,7 +225,7 @@ def test_backend_through_the_registry_prefill_then_decode(rpa):
     Hq, Hkv, D, ps, pps, P, S = 4, 2, 128, 8, 4, 16, 2
     assert backend.get_kv_cache_shape(P, ps, Hkv, D, jnp.float32) == rpa.get_kv_cache_shape(P, ps, Hkv, D, jnp.float32)
     mesh = Mesh(np.array(jax.devices()[:1]), ("model",))
-    # step 1: prefill 5 + 3 tokens; step 2: one decode token each
+    # step 1: prefill 5 + 3 tokens; step 2: one decode token each (T = 8 both: padding tokens are NaN)
     pre = make_case(rpa, [5, 3], [5, 3], S=S, T=8, Hq=Hq, Hkv=Hkv, D=D, ps=ps, pps=pps, P=P, seed=21)
     kw = dict(head_dim_original=D, sm_scale=D ** -0.5, attention_chunk_size=None, q_scale=None, k_scale=None,
               v_scale=None, sinks=None, update_kv_cache=True, use_causal_mask=True, attn_logits_soft_cap=None,
@@ -223,17 +233,16 @@ def test_backend_through_the_registry_prefill_then_decode(rpa):
     cache_ours, cache_ref = pre[3], pre[3]
     steps = [pre]
     rng = np.random.default_rng(5)
-    dec_q = jnp.asarray(rng.standard_normal((4, Hq, D)), jnp.float32)
-    dec_k = jnp.asarray(rng.standard_normal((4, Hkv, D)), jnp.float32)
-    dec_v = jnp.asarray(rng.standard_normal((4, Hkv, D)), jnp.float32)
+    dec_q, dec_k, dec_v = (jnp.asarray(np.concatenate([rng.standard_normal((2, h, D)), np.full((6, h, D), np.nan)]),
+                                       jnp.float32) for h in (Hq, Hkv, Hkv))
     steps.append((dec_q, dec_k, dec_v, None, jnp.asarray([6, 4], jnp.int32), pre[5],
                   jnp.asarray([0, 1, 2], jnp.int32), jnp.asarray([2, 2, 2], jnp.int32)))
     for q, k, v, _, kv_lens, page_indices, cu, dist in steps:
         md = AttentionMetadata(input_positions=jnp.zeros(q.shape[0], jnp.int32), block_tables=page_indices,
                                seq_lens=kv_lens, query_start_loc=cu, request_distribution=dist)
         cache_ours, out = backend.attention(cache_ours, q, k, v, md, md, mesh, **kw)
-        ref_out, cache_ref = rpa.ref_ragged_paged_attention(q, k, v, cache_ref, kv_lens, page_indices, cu, dist,
-                                                            sm_scale=D ** -0.5)
+        ref_out, cache_ref = their(rpa.ref_ragged_paged_attention, q, k, v, cache_ref, kv_lens, page_indices, cu,
+                                   dist, sm_scale=D ** -0.5)
         assert _same(cache_ours, cache_ref)
         _check(out, ref_out, int(cu[-1]), 2e-5)
 
