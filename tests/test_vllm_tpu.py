@@ -247,6 +247,26 @@ def test_backend_through_the_registry_prefill_then_decode(rpa):
         _check(out, ref_out, int(cu[-1]), 2e-5)
 
 
+def test_kv_write_is_in_place_when_donated(rpa):
+    """Peak memory of one cache write under jax.jit (XLA's memory analysis of the compiled step): with the
+    cache donated, the output aliases it and no temporary holds a cache copy; the XLA-scatter fallback
+    (use_kernel=False) needs two cache-sized temporaries on this backend."""
+    P, ps, Hkv, D, S, pps, T = 256, 16, 2, 128, 4, 8, 8
+    cache = jnp.zeros(rpa.get_kv_cache_shape(P, ps, Hkv, D, jnp.bfloat16), jnp.bfloat16)
+    k = jnp.ones((T, Hkv, D), jnp.bfloat16)
+    meta = (jnp.asarray([3, 5, 0, 0], jnp.int32), jnp.arange(S * pps, dtype=jnp.int32),
+            jnp.asarray([0, 3, 8, 8, 8], jnp.int32), jnp.asarray([0, 0, 2], jnp.int32))
+
+    def analysis(use_kernel):
+        step = lambda c, k, v, *m: vt.write_kv(c, k, v, *vt.metadata_view(*m), use_kernel=use_kernel)  # noqa: E731
+        return jax.jit(step, donate_argnums=0).lower(cache, k, k, *meta).compile().memory_analysis()
+
+    m = analysis(True)
+    assert m.alias_size_in_bytes == cache.nbytes  # the new cache is the donated buffer
+    assert m.temp_size_in_bytes < cache.nbytes // 16, m.temp_size_in_bytes  # no cache copy anywhere
+    assert analysis(False).temp_size_in_bytes >= cache.nbytes  # the check can fail: a scatter copies here
+
+
 def test_entry_point_is_declared():
     import tomllib
 

@@ -118,9 +118,11 @@ def _slot_mapping(kv_lens, page_indices2d, cu_q_lens, num_seqs, T: int, ps: int,
     return jnp.where(live, page * ps + pos % ps, -1), live
 
 
-def write_kv(kv_cache, k, v, kv_lens, page_indices2d, cu_q_lens, num_seqs):
+def write_kv(kv_cache, k, v, kv_lens, page_indices2d, cu_q_lens, num_seqs, *, use_kernel: bool = True):
     """Write the new tokens' K/V (``[T, Hkv, D]``, the cache's dtype) into tpu-inference's 5-D cache; returns
-    the new cache (an XLA scatter: in place when the cache is donated)."""
+    the new cache. With ``use_kernel`` (default) tpukernels' ``update_kv_cache_kernel`` does it, its cache
+    operand aliased to its output: in place when the caller's jit donates the cache (no cache copy; see
+    tests/test_vllm_tpu.py::test_kv_write_is_in_place_when_donated); else an XLA scatter."""
     import jax.numpy as jnp
 
     P, ps = int(kv_cache.shape[0]), int(kv_cache.shape[1])
@@ -135,10 +137,17 @@ def write_kv(kv_cache, k, v, kv_lens, page_indices2d, cu_q_lens, num_seqs):
         h2 = _align(2 * Hkv, p)
         row = jnp.stack([k, v], axis=2).reshape(T, 2 * Hkv, D)
         row = jnp.pad(row, ((0, 0), (0, h2 - 2 * Hkv), (0, _align(D, 128) - D)))
-    row = row.reshape(T, *kv_cache.shape[2:]).astype(kv_cache.dtype)
-    safe = jnp.where(live, slots, P * ps)  # out of range: dropped by the scatter
-    flat = kv_cache.reshape(P * ps, *kv_cache.shape[2:])
-    return flat.at[safe].set(row, mode="drop").reshape(kv_cache.shape)
+    view, _ = kv_cache_view(kv_cache, Hkv, D)
+    row = row.reshape(T, *view.shape[2:]).astype(kv_cache.dtype)
+    if not use_kernel:
+        page = jnp.where(live, slots // ps, P)  # out of range: dropped by the scatter
+        return kv_cache.at[page, slots % ps].set(row.reshape(T, *kv_cache.shape[2:]), mode="drop")
+    from .. import jax_call
+    from ..library.paged_attention import update_kernel
+
+    # tpukernels' update kernel: one row DMA per token into the aliased cache (input_output_aliases), so a
+    # donated cache is written in place; slots < 0 (padding, pages out of range) are skipped
+    return jax_call(update_kernel, slots.astype(jnp.int32), row, view).reshape(kv_cache.shape)
 
 
 def ragged_paged_attention_v3(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution,
