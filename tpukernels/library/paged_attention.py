@@ -19,6 +19,8 @@ Layout::
 
     q             [T, Hq, D]              all sequences' query tokens concatenated (T may include padding)
     kv_cache      [P, page_size, 2*Hkv, D] K of kv head h at combined head 2h, V at 2h + 1
+    sinks         f32 [Hq] (optional)     per-head sink logit (gpt-oss)
+    k_scales      f32 [P, page_size] (opt) per-token K scale (v_scales likewise); int8 / fp8 caches
     kv_lens       int32 [S]               tokens in the cache per sequence (only the first num_seqs count)
     page_indices  int32 [S, pages_per_seq] page p of sequence s is kv_cache[page_indices[s, p]]
     cu_q_lens     int32 [S + 1]           sequence s owns query tokens [cu_q_lens[s], cu_q_lens[s + 1])
@@ -32,7 +34,8 @@ sees keys ``j`` with ``j <= pos`` and, with a sliding window ``W``, ``j > pos - 
 
     s[i, j] = sm_scale * q[i] . (k_scale * K[j])        (f32 accumulation)
     s[i, j] = soft_cap * tanh(s[i, j] / soft_cap)        (if soft_cap)
-    out[i]  = sum_j softmax_j(s[i, :]) * (v_scale * V[j])
+    out[i]  = sum_j exp(s[i, j]) * (v_scale * V[j]) / (exp(sinks[h]) + sum_j exp(s[i, j]))
+              (no sinks: the exp(sinks[h]) term is absent; K and V also times k_scales / v_scales per slot)
 
 Mixed batches (decode rows ``q_len = 1``, chunked prefill, prefill) go in one call. ``kv_lens = 0``
 sequences (then ``q_len = 0``) and ``num_seqs < S`` are legal; cache pages and slots past a sequence's
@@ -64,9 +67,17 @@ pages_per_block=16``: v6e 350 us (94% of the HBM roofline), tpu7x 168 us (87%), 
 cycles are below the HBM time there (HBM-bound), so configs differ only by grid-step overhead. The mixed
 batch is not tuned yet (heuristic ``block_q=64``).
 
-fp8 KV cache (float8_e4m3fn / float8_e5m2) with static ``k_scale`` / ``v_scale``: K/V are widened in
-VMEM to q's dtype (``(x.astype(f32) * scale).astype(q.dtype)``), so the cache moves half the bytes of bf16
-while the matmuls stay bf16/f32: it compiles for v5e, v6e and tpu7x (:data:`FP8_KV_CHIPS`, compile-only).
+Quantized KV caches (int8, float8_e4m3fn / float8_e5m2) with static ``k_scale`` / ``v_scale`` and / or
+per-token scales ``k_scales`` / ``v_scales`` ``[num_pages, page_size]`` (their pages DMA'd beside the K/V
+pages): K/V are widened in VMEM to q's dtype (``(x.astype(f32) * scales).astype(q.dtype)``), so the cache
+moves half (a quarter vs f32) the bytes of bf16 while the matmuls stay bf16/f32: it compiles for v5e, v6e
+and tpu7x (:data:`FP8_KV_CHIPS`, compile-only). Attention sinks ``sinks [Hq]`` (gpt-oss) initialise each
+row's running max to its head's sink logit and its running sum to 1 (``exp(sink - sink)``), so the sink
+enters the softmax denominator with no value. Head dims: any multiple of 32 (64, 96, 128, 256 compile-checked
+on v5e / v6e / tpu7x); rows narrower than 128 lanes are padded by Mosaic in VMEM, never in HBM.
+
+JAX: :func:`ragged_paged_attention_jax` (jax arrays or tracers, via :func:`tpukernels.jax_call`); vLLM-TPU:
+:mod:`tpukernels.integrations.vllm_tpu` maps tpu-inference's 5-D cache and metadata onto this kernel.
 """
 
 from __future__ import annotations
