@@ -27,7 +27,7 @@ $(TORCH_TPU_WHEEL): $(STAMP)
 # imports, and torchax, all --no-deps (their pins: jax 0.11, libtpu 0.0.48, flax, ... conflict with the tested set):
 # tests/test_vllm_tpu.py runs tpu-inference's own reference on CPU; tests/test_torchax_ops.py the torchax
 # lowering (torchax 0.0.13 imports on torch 2.13 through tpukernels.integrations.torchax_ops' shim).
-VLLM_TPU := $(VENV)/.vllm-tpu-0.32.0
+VLLM_TPU := $(VENV)/.vllm-tpu-0.32.0-torchax-0.0.13
 $(VLLM_TPU): $(STAMP)
 	$(PY) -m pip install -q --no-deps -c constraints.txt tpu-inference==0.32.0 vllm==0.32.0 torchax==0.0.13
 	@touch $@

@@ -3,10 +3,11 @@
 sinks) on random ragged batches in tpu-inference's 5-D cache layout, NaN in unused pages; the backend built
 through tpu-inference's registry.
 
-tpu-inference and vllm are installed --no-deps by the Makefile. One piece cannot import here and is stubbed
-for the head_dim-64 reference only: ``torchax`` (0.0.13 fails at import against torch 2.13: its amp table names
-named-tensor overloads such as ``aten.prod.dim_Dimname`` that torch 2.13 removed); tpu-inference imports it
-for ``torchax.ops.mappings`` dtype helpers its reference never calls.
+tpu-inference, vllm and torchax are installed --no-deps by the Makefile. torchax 0.0.13 fails at a plain import
+against torch 2.13 (its amp table names named-tensor overloads such as ``aten.prod.dim_Dimname`` that torch
+2.13 removed); the head_dim-64 module imports it (for dtype helpers its reference never calls) through
+``tpukernels.integrations.torchax_ops.import_torchax`` (the real torchax, shimmed), or a stub of those
+helpers where torchax is not installed.
 """
 
 from __future__ import annotations
@@ -65,7 +66,15 @@ def rpa():
 
 @pytest.fixture(scope="module")
 def hd64():
-    with _torchax_stub():
+    from tpukernels.errors import BackendUnavailableError
+    from tpukernels.integrations import torchax_ops
+
+    try:
+        torchax_ops.import_torchax()  # the real torchax 0.0.13, through tpukernels' shim for torch 2.13
+        ctx = contextlib.nullcontext()
+    except BackendUnavailableError:
+        ctx = _torchax_stub()  # torchax not installed: stub the dtype helpers tpu-inference imports
+    with ctx:
         from tpu_inference.kernels.ragged_paged_attention.v3 import kernel_hd64
     return kernel_hd64
 
