@@ -23,13 +23,22 @@ $(TORCH_TPU_WHEEL): $(STAMP)
 	$(PY) -m pip download -q --no-deps torch-tpu==0.2.0 -d $(VENV)/torch_tpu_wheel
 	@touch $@
 
+# vLLM-TPU's tpu-inference (its RPA v3 kernel, reference and attention-backend registry) and the vllm modules it
+# imports, and torchax, all --no-deps (their pins: jax 0.11, libtpu 0.0.48, flax, ... conflict with the tested set):
+# tests/test_vllm_tpu.py runs tpu-inference's own reference on CPU; tests/test_torchax_ops.py the torchax
+# lowering (torchax 0.0.13 imports on torch 2.13 through tpukernels.integrations.torchax_ops' shim).
+VLLM_TPU := $(VENV)/.vllm-tpu-0.32.0-torchax-0.0.13
+$(VLLM_TPU): $(STAMP)
+	$(PY) -m pip install -q --no-deps -c constraints.txt tpu-inference==0.32.0 vllm==0.32.0 torchax==0.0.13
+	@touch $@
+
 install: $(STAMP)
 
 demo: $(STAMP)
 	@echo "make demo: starting tpukernels demo (importing torch + jax takes a few seconds; first run ~10 min, later runs reuse cached estimates)"
 	$(VENV)/bin/tpukernels demo
 
-test: $(STAMP) $(TORCH_TPU_WHEEL)
+test: $(STAMP) $(TORCH_TPU_WHEEL) $(VLLM_TPU)
 	$(PY) -m pytest -n 2 -q
 
 # Every library kernel vs XLA and public Pallas kernels (libtpu model) + host costs -> BENCHMARKS.md

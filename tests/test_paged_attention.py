@@ -18,7 +18,7 @@ D = 128
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
 
 
-def make_batch(q_lens, kv_lens, *, S, T, Hq, Hkv, ps, pps, P, dtype=torch.float32, seed=0, kv_dtype=None):
+def make_batch(q_lens, kv_lens, *, S, T, Hq, Hkv, ps, pps, P, dtype=torch.float32, seed=0, kv_dtype=None, D=D):
     """A NaN-poisoned paged batch: unused pages, slots past kv_len and padding query rows are NaN;
     pages of each sequence are a random permutation of the cache's pages."""
     g = torch.Generator().manual_seed(seed)
@@ -116,6 +116,40 @@ def test_sweep_slow(ps, heads, window, soft_cap, dtype, bq, ppb, mode, batch):
     check(args, out, TOL[dtype], **kw)
 
 
+@pytest.mark.parametrize("hd, dtype, kv, with_sinks", [
+    (64, torch.float32, None, True),  # gpt-oss: head dim 64 with sinks
+    (96, torch.bfloat16, torch.int8, True),  # int8 cache, per-token scales, sinks, head dim 96
+    (128, torch.bfloat16, torch.float8_e4m3fn, False),  # fp8 cache, per-token x static scales
+])
+def test_sinks_per_token_scales_head_dims(hd, dtype, kv, with_sinks):
+    """Sinks (one extra logit per head, no value), int8 / fp8 caches quantized with one scale per token (NaN
+    scales in unused slots), head dims 64 / 96 vs the float64 reference; interpret "tpu" (NaN-poisoned)."""
+    args = list(make_batch([1, 7, 3], [20, 7, 30], S=4, T=16, Hq=4, Hkv=2, ps=8, pps=4, P=13, dtype=dtype, seed=hd,
+                           D=hd))
+    kw = dict(sliding_window=11, soft_cap=4.0)
+    g = torch.Generator().manual_seed(1)
+    if with_sinks:
+        kw["sinks"] = torch.randn(4, generator=g) * 2
+    if kv is not None:
+        cache = args[1].float()
+        amax = cache.nan_to_num(0.0).abs().amax(dim=(2, 3))  # [P, page_size]: per-token absmax
+        qmax = 127.0 if kv == torch.int8 else 448.0
+        scales = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+        q = (cache / scales[:, :, None, None])
+        q = q.round().clamp(-127, 127) if kv == torch.int8 else q
+        args[1] = q.nan_to_num(0.0).to(kv)
+        used = ~torch.isnan(cache[:, :, 0, 0])
+        scales = torch.where(used, scales, torch.full_like(scales, float("nan")))  # unused slots: NaN scales
+        kw.update(k_scales=scales, v_scales=scales.clone())
+        if kv == torch.float8_e4m3fn:
+            kw.update(k_scale=0.5, v_scale=2.0, k_scales=scales * 2, v_scales=scales / 2)
+    out = ragged_paged_attention(*args, config={"block_q": 8, "pages_per_block": 2}, interpret="tpu", **kw)
+    check(args, out, TOL[dtype], **kw)
+    if with_sinks:  # the sinks change the answer (a test that would pass without them is no test)
+        ref = pa.paged_attention_reference(*args, **{k: v for k, v in kw.items() if k != "sinks"})
+        assert (ref[:11] - out.double()[:11]).abs().max() > 10 * TOL[dtype]
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_fp8_kv_cache_with_scales(kv_dtype):
     args = list(make_batch([1, 7, 3], [20, 7, 30], S=3, T=16, Hq=4, Hkv=2, ps=8, pps=4, P=13, dtype=torch.bfloat16,
@@ -200,6 +234,19 @@ def test_bad_input_raises_before_running(mutate, err, words):
     assert words in str(e.value), str(e.value)
 
 
+@pytest.mark.parametrize("kw, err, words", [
+    ({"sinks": torch.zeros(3)}, ArgumentError, "sinks must have shape \\[Hq\\] = \\(4,\\)"),
+    ({"sinks": torch.zeros(4, dtype=torch.bfloat16)}, DTypeError, "sinks must be float32"),
+    ({"k_scales": torch.ones(6, 4)}, ArgumentError, "both k_scales and v_scales"),
+    ({"k_scales": torch.ones(6, 3), "v_scales": torch.ones(6, 3)}, ArgumentError, "k_scales must have shape"),
+    ({"k_scales": torch.ones(6, 4), "v_scales": torch.ones(6, 4, dtype=torch.float64)}, DTypeError,
+     "v_scales must be float32"),
+])
+def test_bad_sinks_and_scales(kw, err, words):
+    with pytest.raises(err, match=words):
+        ragged_paged_attention(*_good(), **kw)
+
+
 @pytest.mark.parametrize("kw, words", [({"sliding_window": 0}, "sliding_window"), ({"soft_cap": -1.0}, "soft_cap"),
                                        ({"k_scale": 0.0}, "k_scale"), ({"sm_scale": math.inf}, "sm_scale")])
 def test_bad_statics(kw, words):
@@ -271,6 +318,23 @@ def test_compile_only_fp8(chip, kv):
     args = args[:5] + (args[5].replace("bf16", kv),)
     r = tk.compile_for(kern, chip, *args, with_mlir=False, **dict(kw, k_scale=2.0, v_scale=0.5))
     assert r.ok == (chip in pa.FP8_KV_CHIPS), (chip, r.error)
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("chip, D, kv, extra", [("v5e", 64, "bf16", "sinks"), ("v6e", 128, "i8", "scales"),
+                                               ("tpu7x", 96, "bf16", ""), ("v6e", 256, "bf16", ""),
+                                               ("tpu7x", 128, "float8_e4m3fn", "scales+sinks")])
+def test_compile_only_head_dims_sinks_per_token_scales(chip, D, kv, extra):
+    """Mosaic (libtpu 0.0.52) compiles head dims 64 / 96 / 256 (rows narrower than 128 lanes padded in
+    VMEM), sinks (SMEM) and per-token scale pages (DMA'd beside the K/V pages)."""
+    import tpukernels as tk
+
+    S, pps, ps, P, T = 8, 8, 16, 64, 8
+    args = [f"{S}:i32", f"{S}x{pps}:i32", f"{S + 1}:i32", "1:i32", f"{T}x8x{D}:bf16", f"{P}x{ps}x4x{D}:{kv}",
+            "8:f32" if "sinks" in extra else None] + ([f"{P}x{ps}x1:f32"] * 2 if "scales" in extra else [None, None])
+    r = tk.compile_for(pa.rpa_kernel, chip, *args, with_mlir=False, sm_scale=None, sliding_window=None,
+                       soft_cap=None, k_scale=None, v_scale=None)
+    assert r.ok, r.error
 
 
 @pytest.mark.aot

@@ -82,6 +82,14 @@ def compile_for(kernel, chip, *args, **kwargs):
     return _compile_for(kernel, chip, *args, **kwargs)
 
 
+def jax_call(kernel, *arrays, config=None, interpret=None, **statics):
+    """Run ``kernel`` on jax arrays, trace-safe (``jax.jit`` / ``vmap`` / ``shard_map`` / ``grad``); see
+    :func:`tpukernels.targets.jax_entry.jax_call`."""
+    from .targets.jax_entry import jax_call as _jax_call
+
+    return _jax_call(kernel, *arrays, config=config, interpret=interpret, **statics)
+
+
 def lower(kernel, *args, config=None, mode="mosaic", **kwargs):
     """The :class:`tpukernels.lowering.Lowered` for example args (``.fn`` is the jitted JAX function)."""
     from .lowering import lower as _lower
@@ -94,7 +102,7 @@ def lower(kernel, *args, config=None, mode="mosaic", **kwargs):
 __all__ = [
     "CHIPS", "Chip", "get_chip", "REGISTRY", "BackwardContext", "Config", "Launch", "OutSpec", "TensorSpec",
     "TpuKernel", "Tunable", "TunableSpace", "bucket", "cdiv", "current_interpret_mode", "estimate_vmem",
-    "interpret_mode", "like", "mask_tail", "set_interpret_mode", "tail_valid", "tpu_kernel", "compile_for",
+    "interpret_mode", "like", "mask_tail", "set_interpret_mode", "tail_valid", "tpu_kernel", "compile_for", "jax_call",
     "lower", "ArgumentError", "BackendUnavailableError", "BlockShapeError", "ChipError", "ConfigError",
     "DeviceError", "DTypeError", "KernelBodyError", "KernelDefinitionError", "KernelRuntimeError", "LoweringError",
     "PerformanceWarning", "TpuKernelError", "VmemError", "__version__",

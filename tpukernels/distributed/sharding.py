@@ -162,12 +162,14 @@ def current_mesh_shape() -> tuple:
 def _ragged_paged(args: Mapping) -> list[Split]:
     """``q [T, Hq, D]``, ``kv_cache [P, page, 2*Hkv, D]`` (K of kv head h at 2h, V at 2h+1) -> ``[T, Hq, D]``:
     over heads, only when every shard gets whole (K, V) pairs (``Hkv`` divisible by the mesh); metadata
-    replicated. Tokens are not split: ``cu_q_lens`` index the global rows."""
+    replicated, per-head ``sinks [Hq]`` split with q's heads, per-token scales replicated. Tokens are not split:
+    ``cu_q_lens`` index the global rows."""
     q, kv = args.get("q"), args.get("kv_cache")
     n = int(math.prod(current_mesh_shape()) or 1)
     if not isinstance(kv, TensorMeta) or (kv.shape[2] // 2) % n:
         return []
-    return [Split({"q": 1, "kv_cache": 2}, (1,))] if isinstance(q, TensorMeta) else []
+    split = {"q": 1, "kv_cache": 2, **({"sinks": 0} if isinstance(args.get("sinks"), TensorMeta) else {})}
+    return [Split(split, (1,))] if isinstance(q, TensorMeta) else []
 
 
 #: Kernel op name (in the ``tpukernels`` namespace) -> rule ``fn(args by name) -> [Split]``. Norms need no

@@ -19,6 +19,8 @@ Layout::
 
     q             [T, Hq, D]              all sequences' query tokens concatenated (T may include padding)
     kv_cache      [P, page_size, 2*Hkv, D] K of kv head h at combined head 2h, V at 2h + 1
+    sinks         f32 [Hq] (optional)     per-head sink logit (gpt-oss)
+    k_scales      f32 [P, page_size] (opt) per-token K scale (v_scales likewise); int8 / fp8 caches
     kv_lens       int32 [S]               tokens in the cache per sequence (only the first num_seqs count)
     page_indices  int32 [S, pages_per_seq] page p of sequence s is kv_cache[page_indices[s, p]]
     cu_q_lens     int32 [S + 1]           sequence s owns query tokens [cu_q_lens[s], cu_q_lens[s + 1])
@@ -32,7 +34,8 @@ sees keys ``j`` with ``j <= pos`` and, with a sliding window ``W``, ``j > pos - 
 
     s[i, j] = sm_scale * q[i] . (k_scale * K[j])        (f32 accumulation)
     s[i, j] = soft_cap * tanh(s[i, j] / soft_cap)        (if soft_cap)
-    out[i]  = sum_j softmax_j(s[i, :]) * (v_scale * V[j])
+    out[i]  = sum_j exp(s[i, j]) * (v_scale * V[j]) / (exp(sinks[h]) + sum_j exp(s[i, j]))
+              (no sinks: the exp(sinks[h]) term is absent; K and V also times k_scales / v_scales per slot)
 
 Mixed batches (decode rows ``q_len = 1``, chunked prefill, prefill) go in one call. ``kv_lens = 0``
 sequences (then ``q_len = 0``) and ``num_seqs < S`` are legal; cache pages and slots past a sequence's
@@ -64,9 +67,17 @@ pages_per_block=16``: v6e 350 us (94% of the HBM roofline), tpu7x 168 us (87%), 
 cycles are below the HBM time there (HBM-bound), so configs differ only by grid-step overhead. The mixed
 batch is not tuned yet (heuristic ``block_q=64``).
 
-fp8 KV cache (float8_e4m3fn / float8_e5m2) with static ``k_scale`` / ``v_scale``: K/V are widened in
-VMEM to q's dtype (``(x.astype(f32) * scale).astype(q.dtype)``), so the cache moves half the bytes of bf16
-while the matmuls stay bf16/f32: it compiles for v5e, v6e and tpu7x (:data:`FP8_KV_CHIPS`, compile-only).
+Quantized KV caches (int8, float8_e4m3fn / float8_e5m2) with static ``k_scale`` / ``v_scale`` and / or
+per-token scales ``k_scales`` / ``v_scales`` ``[num_pages, page_size]`` (their pages DMA'd beside the K/V
+pages): K/V are widened in VMEM to q's dtype (``(x.astype(f32) * scales).astype(q.dtype)``), so the cache
+moves half (a quarter vs f32) the bytes of bf16 while the matmuls stay bf16/f32: it compiles for v5e, v6e
+and tpu7x (:data:`FP8_KV_CHIPS`, compile-only). Attention sinks ``sinks [Hq]`` (gpt-oss) initialise each
+row's running max to its head's sink logit and its running sum to 1 (``exp(sink - sink)``), so the sink
+enters the softmax denominator with no value. Head dims: any multiple of 32 (64, 96, 128, 256 compile-checked
+on v5e / v6e / tpu7x); rows narrower than 128 lanes are padded by Mosaic in VMEM, never in HBM.
+
+JAX: :func:`ragged_paged_attention_jax` (jax arrays or tracers, via :func:`tpukernels.jax_call`); vLLM-TPU:
+:mod:`tpukernels.integrations.vllm_tpu` maps tpu-inference's 5-D cache and metadata onto this kernel.
 """
 
 from __future__ import annotations
@@ -83,6 +94,8 @@ from ..errors import ArgumentError, DTypeError
 NAMESPACE = "tpukernels"
 _Q_DTYPES = ("bfloat16", "float32")
 _FP8 = ("float8_e4m3fn", "float8_e5m2")
+#: quantized KV-cache dtypes (widened to q's dtype in VMEM, with static and / or per-token scales)
+_QUANT_KV = _FP8 + ("int8",)
 #: Chips whose compile-only target (libtpu 0.0.52) compiles the fp8 KV cache path (``tests/
 #: test_paged_attention.py::test_compile_only_fp8``): all three, because K/V are widened to q's dtype in
 #: VMEM (fp8 -> f32 -> bf16/f32) and the MXU never sees fp8 (v5e/v6e have no e4m3 MXU path).
@@ -98,7 +111,7 @@ _TUNABLES = {
 }
 
 
-def _heuristic(kv_lens, page_indices, cu_q_lens, num_seqs, q, kv_cache, **statics):
+def _heuristic(kv_lens, page_indices, cu_q_lens, num_seqs, q, kv_cache, *extras, **statics):
     """Defaults when no tuning entry applies: decode-like batches (``T <= S``: mostly one token per sequence)
     take one-token query blocks (a visit then computes only its own rows: the softmax work per key is
     ``block_q * Hq/Hkv`` rows); long pages take fewer pages per block so a kv block stays near 512 keys."""
@@ -134,14 +147,14 @@ def _check_shapes(kv_lens, page_indices, cu_q_lens, num_seqs, q, kv_cache, *, wh
             raise DTypeError(f"{where}: {name} must be int32, got {_dt(x)}")
     if _dt(q) not in _Q_DTYPES:
         raise DTypeError(f"{where}: q dtype {_dt(q)} is not supported; use bfloat16 or float32")
-    if _dt(kv_cache) != _dt(q) and _dt(kv_cache) not in _FP8:
-        raise DTypeError(f"{where}: kv_cache dtype {_dt(kv_cache)} must equal q's ({_dt(q)}) or be an fp8 dtype "
-                         f"{_FP8} (with k_scale / v_scale)")
+    if _dt(kv_cache) != _dt(q) and _dt(kv_cache) not in _QUANT_KV:
+        raise DTypeError(f"{where}: kv_cache dtype {_dt(kv_cache)} must equal q's ({_dt(q)}) or be a quantized "
+                         f"dtype {_QUANT_KV} (with k_scale / v_scale or per-token k_scales / v_scales)")
     if Dk != D:
         raise ArgumentError(f"{where}: kv_cache head dim {Dk} must equal q head dim {D}")
-    if D == 0 or D % 128:
-        raise ArgumentError(f"{where}: head dim D = {D} must be a positive multiple of 128 (K/V rows are "
-                            f"lane-dense 128-wide vectors in the page buffers)")
+    if D == 0 or D % 32:
+        raise ArgumentError(f"{where}: head dim D = {D} must be a positive multiple of 32 (64, 96, 128, 256 "
+                            f"compile for v5e / v6e / tpu7x; rows narrower than 128 lanes are padded in VMEM)")
     if H2 == 0 or H2 % 2:
         raise ArgumentError(f"{where}: kv_cache dim 2 must be 2*Hkv (K and V interleaved), got {H2}")
     Hkv = H2 // 2
@@ -177,6 +190,26 @@ def _check_statics(sm_scale, sliding_window, soft_cap, k_scale, v_scale, kv_dtyp
             raise ArgumentError(f"{where}: {name} must be None or a finite float > 0, got {s!r}")
 
 
+def _check_extras(sinks, k_scales, v_scales, Hq: int, P: int, ps: int, where: str) -> None:
+    """sinks ``[Hq]`` float32; per-token scales ``[P, page_size, 1]`` float32, both or neither."""
+    if sinks is not None:
+        if tuple(sinks.shape) != (Hq,):
+            raise ArgumentError(f"{where}: sinks must have shape [Hq] = ({Hq},) (one logit per query head), got "
+                                f"{tuple(sinks.shape)}")
+        if _dt(sinks) != "float32":
+            raise DTypeError(f"{where}: sinks must be float32, got {_dt(sinks)}")
+    if (k_scales is None) != (v_scales is None):
+        raise ArgumentError(f"{where}: pass both k_scales and v_scales (per-token scales) or neither")
+    for name, t in (("k_scales", k_scales), ("v_scales", v_scales)):
+        if t is None:
+            continue
+        if tuple(t.shape) not in ((P, ps, 1), (P, ps)):
+            raise ArgumentError(f"{where}: {name} must have shape [num_pages, page_size] = ({P}, {ps}) (one scale "
+                                f"per cache slot), got {tuple(t.shape)}")
+        if _dt(t) != "float32":
+            raise DTypeError(f"{where}: {name} must be float32, got {_dt(t)}")
+
+
 def _is_tracing(t: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import is_fake
 
@@ -189,7 +222,12 @@ def _check_values(kv_lens, page_indices, cu_q_lens, num_seqs, T: int, P: int, ps
     ts = (kv_lens, page_indices, cu_q_lens, num_seqs)
     if any(t.device.type != "cpu" or _is_tracing(t) for t in ts):
         return
-    kl, pi, cu, ns = (t.numpy().astype(np.int64) for t in ts)
+    _check_value_arrays(*(t.numpy() for t in ts), T=T, P=P, ps=ps, where=where)
+
+
+def _check_value_arrays(kl, pi, cu, ns, *, T: int, P: int, ps: int, where: str) -> None:
+    """:func:`_check_values` on host numpy arrays (the JAX entry's concrete metadata)."""
+    kl, pi, cu, ns = (np.asarray(a).astype(np.int64) for a in (kl, pi, cu, ns))
     S, pps = pi.shape
     n = int(ns[0])
     if not 0 <= n <= S:
@@ -275,13 +313,20 @@ def _item_range(i, item_seq, item_blk, kv_lens, cu_q_lens, *, bq, bkv, max_kv, w
     return s, kv_len, kb_lo, kb_hi
 
 
-def _rpa_body(kv_lens, page_indices, cu_q_lens, num_seqs, item_seq, item_blk, q_ref, kv_hbm, o_ref,
-              kv_buf, sems, qf_ref, m_ref, l_ref, acc_ref, slot_ref, *, sm_scale, sliding_window, soft_cap,
-              k_scale, v_scale):
+def _rpa_body(*refs, sm_scale, sliding_window, soft_cap, k_scale, v_scale, has_sinks, has_scales):
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
+
+    refs = list(refs)
+    kv_lens, page_indices, cu_q_lens, num_seqs, item_seq, item_blk, q_ref, kv_hbm = refs[:8]
+    del num_seqs
+    rest = refs[8:]
+    sinks_ref = rest.pop(0) if has_sinks else None
+    ks_hbm, vs_hbm = (rest.pop(0), rest.pop(0)) if has_scales else (None, None)
+    o_ref, kv_buf, sems, qf_ref, m_ref, l_ref, acc_ref, slot_ref = rest[:8]
+    ks_buf, vs_buf = (rest[8], rest[9]) if has_scales else (None, None)
 
     bq, Hq, D = q_ref.shape
     _, ppb, ps, H2, _ = kv_buf.shape
@@ -303,6 +348,9 @@ def _rpa_body(kv_lens, page_indices, cu_q_lens, num_seqs, item_seq, item_blk, q_
             def _():
                 src = jnp.clip(page_indices[s, jnp.minimum(page, pps - 1)], 0, n_pages - 1)
                 fn(pltpu.make_async_copy(kv_hbm.at[src], kv_buf.at[slot, p], sems.at[slot]))
+                if has_scales:  # the page's per-token scales ride on the same semaphore
+                    fn(pltpu.make_async_copy(ks_hbm.at[src], ks_buf.at[slot, p], sems.at[slot]))
+                    fn(pltpu.make_async_copy(vs_hbm.at[src], vs_buf.at[slot, p], sems.at[slot]))
 
     start = lambda c: c.start()
     wait = lambda c: c.wait()
@@ -326,8 +374,17 @@ def _rpa_body(kv_lens, page_indices, cu_q_lens, num_seqs, item_seq, item_blk, q_
 
     @pl.when(first)
     def _():
-        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
-        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        if has_sinks:  # gpt-oss sinks: one extra logit per head in the softmax denominator, with no value
+            head = jax.lax.rem(jax.lax.broadcasted_iota(jnp.int32, (R, 128), 0), r)
+            for g in range(Hkv):
+                m0 = jnp.zeros((R, 128), jnp.float32)
+                for h in range(r):
+                    m0 = jnp.where(head == h, sinks_ref[g * r + h], m0)
+                m_ref[g] = m0
+            l_ref[...] = jnp.ones(l_ref.shape, jnp.float32)
+        else:
+            m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+            l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
         for g in range(Hkv):
             qf_ref[g] = q_ref[:, g * r:(g + 1) * r, :].astype(qdt).reshape(R, D)
@@ -366,9 +423,15 @@ def _rpa_body(kv_lens, page_indices, cu_q_lens, num_seqs, item_seq, item_blk, q_
             if sliding_window is not None:
                 vis = vis & (col > pos - sliding_window)
             vrow = (kb * bkv + jax.lax.broadcasted_iota(jnp.int32, (bkv, 1), 0)) < kv_len
+            if has_scales:  # per-token dequantization scales, [bkv, 1] f32
+                ksc = ks_buf[slot].reshape(bkv, 1)
+                vsc = vs_buf[slot].reshape(bkv, 1)
             for g in range(Hkv):
                 k = kv_buf[slot, :, :, 2 * g, :].reshape(bkv, D)
                 v = kv_buf[slot, :, :, 2 * g + 1, :].reshape(bkv, D)
+                if has_scales:
+                    k = k.astype(jnp.float32) * ksc
+                    v = v.astype(jnp.float32) * vsc
                 if k_scale is not None or k.dtype != cdt:
                     k = (k.astype(jnp.float32) * (1.0 if k_scale is None else k_scale)).astype(cdt)
                 if v_scale is not None or v.dtype != cdt:
@@ -418,7 +481,8 @@ def _vmem_limit(est_bytes: int) -> int | None:
     return int(min(40 << 20, 2 * est_bytes + (8 << 20)))
 
 
-def _launch_rpa(kv_lens, page_indices, cu_q_lens, num_seqs, q, kv_cache, statics, cfg) -> Launch:
+def _launch_rpa(kv_lens, page_indices, cu_q_lens, num_seqs, q, kv_cache, sinks, k_scales, v_scales, statics,
+                cfg) -> Launch:
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
@@ -427,6 +491,8 @@ def _launch_rpa(kv_lens, page_indices, cu_q_lens, num_seqs, q, kv_cache, statics
     T, Hq, D, P, ps, Hkv, S, pps = _check_shapes(kv_lens, page_indices, cu_q_lens, num_seqs, q, kv_cache, where=where)
     _check_statics(statics["sm_scale"], statics["sliding_window"], statics["soft_cap"], statics["k_scale"],
                    statics["v_scale"], _dt(kv_cache), where)
+    _check_extras(sinks, k_scales, v_scales, Hq, P, ps, where)
+    has_sinks, has_scales = sinks is not None, k_scales is not None
     bq, ppb = int(cfg["block_q"]), min(int(cfg["pages_per_block"]), pps)
     r = Hq // Hkv
     R = bq * r
@@ -444,13 +510,17 @@ def _launch_rpa(kv_lens, page_indices, cu_q_lens, num_seqs, q, kv_cache, statics
         pltpu.VMEM((Hkv, R, D), jnp.float32),  # output accumulator
         pltpu.SMEM((1,), jnp.int32),  # current buffer slot
     ]
+    if has_scales:  # per-token K / V scale pages, double-buffered like the cache pages
+        scratch += [pltpu.VMEM((2, ppb, ps, 1), jnp.float32), pltpu.VMEM((2, ppb, ps, 1), jnp.float32)]
+    extra_specs = ([pl.BlockSpec(memory_space=pltpu.SMEM)] if has_sinks else []) + \
+        ([pl.BlockSpec(memory_space=pl.ANY)] * 2 if has_scales else [])
     it, kit = np.dtype(q.dtype).itemsize, np.dtype(kv_cache.dtype).itemsize
     bkv = ppb * ps
     est = (4 * bq * Hq * D * it + 2 * bkv * 2 * Hkv * D * kit + Hkv * R * (D * (4 + 4) + 2 * 128 * 4)
            + 4 * R * bkv * 4)
     return Launch(
         grid=(G,),
-        in_specs=[qspec, pl.BlockSpec(memory_space=pl.ANY)],
+        in_specs=[qspec, pl.BlockSpec(memory_space=pl.ANY)] + extra_specs,
         out_specs=qspec,
         out_shape=OutSpec((T, Hq, D), q.dtype),
         scratch_shapes=scratch,
@@ -458,10 +528,12 @@ def _launch_rpa(kv_lens, page_indices, cu_q_lens, num_seqs, q, kv_cache, statics
         prefetch=lambda kl, pi, cu, ns: _schedule(kl, pi, cu, ns, T=T, S=S, bq=bq),
         dimension_semantics=("arbitrary",),
         vmem_limit_bytes=_vmem_limit(est),
+        body_kwargs=dict(has_sinks=has_sinks, has_scales=has_scales),
     )
 
 
-def _rpa_out_shape(kv_lens, page_indices, cu_q_lens, num_seqs, q, kv_cache, **statics):
+def _rpa_out_shape(kv_lens, page_indices, cu_q_lens, num_seqs, q, kv_cache, sinks=None, k_scales=None,
+                   v_scales=None, **statics):
     return OutSpec(tuple(q.shape), q.dtype)
 
 
@@ -474,6 +546,9 @@ def rpa_kernel(
     num_seqs: torch.Tensor,
     q: torch.Tensor,
     kv_cache: torch.Tensor,
+    sinks: Optional[torch.Tensor] = None,
+    k_scales: Optional[torch.Tensor] = None,
+    v_scales: Optional[torch.Tensor] = None,
     sm_scale: Optional[float] = None,
     sliding_window: Optional[int] = None,
     soft_cap: Optional[float] = None,
@@ -485,11 +560,12 @@ def rpa_kernel(
 ) -> torch.Tensor:
     """Kernel op ``torch.ops.tpukernels.ragged_paged_attention_kernel``: the scalar-prefetch operands
     (``kv_lens, page_indices, cu_q_lens, num_seqs``) first, then ``q [T, Hq, D]`` and
-    ``kv_cache [P, page_size, 2*Hkv, D]``; returns ``out [T, Hq, D]``. See :func:`ragged_paged_attention`."""
+    ``kv_cache [P, page_size, 2*Hkv, D]``, optional ``sinks`` f32 ``[Hq]`` and per-token scales ``k_scales``,
+    ``v_scales`` f32 ``[P, page_size, 1]``; returns ``out [T, Hq, D]``. See :func:`ragged_paged_attention`."""
     statics = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale,
                    v_scale=v_scale)
-    return _launch_rpa(kv_lens, page_indices, cu_q_lens, num_seqs, q, kv_cache, statics,
-                       dict(block_q=block_q, pages_per_block=pages_per_block))
+    return _launch_rpa(kv_lens, page_indices, cu_q_lens, num_seqs, q, kv_cache, sinks, k_scales, v_scales,
+                       statics, dict(block_q=block_q, pages_per_block=pages_per_block))
 
 
 # ----------------------------------------------------------------------------------------------- cache update
@@ -560,7 +636,7 @@ def update_kernel(slot_mapping: torch.Tensor, kv_new: torch.Tensor, kv_cache: to
 
 
 def _rpa_impl(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=None, sliding_window=None,
-              soft_cap=None, k_scale=None, v_scale=None, config=None):
+              soft_cap=None, k_scale=None, v_scale=None, sinks=None, k_scales=None, v_scales=None, config=None):
     where = "tpukernels::ragged_paged_attention"
     for name, t in (("q", q), ("kv_cache", kv_cache), ("kv_lens", kv_lens), ("page_indices", page_indices),
                     ("cu_q_lens", cu_q_lens), ("num_seqs", num_seqs)):
@@ -569,10 +645,13 @@ def _rpa_impl(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=
     T, Hq, D, P, ps, Hkv, S, pps = _check_shapes(kv_lens, page_indices, cu_q_lens, num_seqs, q, kv_cache,
                                                  where=where)
     _check_statics(sm_scale, sliding_window, soft_cap, k_scale, v_scale, _dt(kv_cache), where)
+    _check_extras(sinks, k_scales, v_scales, Hq, P, ps, where)
     _check_values(kv_lens, page_indices, cu_q_lens, num_seqs, T, P, ps, where)
+    if k_scales is not None:
+        k_scales, v_scales = k_scales.reshape(P, ps, 1), v_scales.reshape(P, ps, 1)  # views, no copy
     return torch.ops.tpukernels.ragged_paged_attention_kernel(
-        kv_lens, page_indices, cu_q_lens, num_seqs, q, kv_cache, sm_scale, sliding_window, soft_cap, k_scale,
-        v_scale, config=config)
+        kv_lens, page_indices, cu_q_lens, num_seqs, q, kv_cache, sinks, k_scales, v_scales, sm_scale,
+        sliding_window, soft_cap, k_scale, v_scale, config=config)
 
 
 def _update_impl(kv_cache, k, v, slot_mapping):
@@ -595,8 +674,9 @@ def _update_impl(kv_cache, k, v, slot_mapping):
                             f"{v.shape[0]}, {tuple(slot_mapping.shape)}")
     if slot_mapping.dtype != torch.int32:
         raise DTypeError(f"{where}: slot_mapping must be int32, got {_dt(slot_mapping)}")
-    if _dt(kv_cache) not in _Q_DTYPES + _FP8:
-        raise DTypeError(f"{where}: kv_cache dtype {_dt(kv_cache)} is not supported; use bfloat16, float32 or fp8")
+    if _dt(kv_cache) not in _Q_DTYPES + _QUANT_KV:
+        raise DTypeError(f"{where}: kv_cache dtype {_dt(kv_cache)} is not supported; use bfloat16, float32, int8 "
+                         f"or fp8")
     if slot_mapping.device.type == "cpu" and not _is_tracing(slot_mapping):
         sm = slot_mapping.numpy()
         bad = sm >= P * ps
@@ -616,7 +696,8 @@ def _update_impl(kv_cache, k, v, slot_mapping):
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
 _LIB.define("ragged_paged_attention(Tensor q, Tensor kv_cache, Tensor kv_lens, Tensor page_indices, "
             "Tensor cu_q_lens, Tensor num_seqs, float? sm_scale=None, int? sliding_window=None, "
-            "float? soft_cap=None, float? k_scale=None, float? v_scale=None, str? config=None) -> Tensor")
+            "float? soft_cap=None, float? k_scale=None, float? v_scale=None, Tensor? sinks=None, "
+            "Tensor? k_scales=None, Tensor? v_scales=None, str? config=None) -> Tensor")
 _LIB.impl("ragged_paged_attention", _rpa_impl, "CompositeImplicitAutograd")
 _LIB.define("update_kv_cache(Tensor kv_cache, Tensor k, Tensor v, Tensor slot_mapping) -> Tensor")
 _LIB.impl("update_kv_cache", _update_impl, "CompositeImplicitAutograd")
@@ -626,15 +707,17 @@ def ragged_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, kv_lens: tor
                            page_indices: torch.Tensor, cu_q_lens: torch.Tensor, num_seqs: torch.Tensor, *,
                            sm_scale: float | None = None, sliding_window: int | None = None,
                            soft_cap: float | None = None, k_scale: float | None = None,
-                           v_scale: float | None = None, config: dict | None = None,
-                           interpret: str | None = None) -> torch.Tensor:
+                           v_scale: float | None = None, sinks: torch.Tensor | None = None,
+                           k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+                           config: dict | None = None, interpret: str | None = None) -> torch.Tensor:
     """Ragged paged attention over a paged KV cache (mixed prefill + decode); ``torch.ops.tpukernels.ragged_paged_attention``.
 
     Args:
         q: ``[T, Hq, D]`` bfloat16 or float32, all sequences' query tokens concatenated.
         kv_cache: ``[num_pages, page_size, 2*Hkv, D]``: K of kv head ``h`` at combined head ``2h``, V at
-            ``2h+1``; q's dtype, or float8_e4m3fn / float8_e5m2 (then usually with ``k_scale`` / ``v_scale``).
-            ``D`` a multiple of 128; ``Hq`` a multiple of ``Hkv`` (GQA/MQA).
+            ``2h+1``; q's dtype, or int8 / float8_e4m3fn / float8_e5m2 (then with ``k_scale`` / ``v_scale``
+            and / or ``k_scales`` / ``v_scales``; widened to q's dtype in VMEM). ``D`` a multiple of 32 (64, 96,
+            128, 256 compile for v5e / v6e / tpu7x); ``Hq`` a multiple of ``Hkv`` (GQA/MQA).
         kv_lens: int32 ``[S]``: cached tokens per sequence, including this call's new tokens.
         page_indices: int32 ``[S, pages_per_seq]``: the cache pages of each sequence, in order.
         cu_q_lens: int32 ``[S + 1]``: sequence ``s`` owns query rows ``[cu_q_lens[s], cu_q_lens[s+1])``;
@@ -644,6 +727,11 @@ def ragged_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, kv_lens: tor
         sliding_window: query at key position ``pos`` sees keys ``pos - W < j <= pos`` (JAX's convention).
         soft_cap: ``soft_cap * tanh(s / soft_cap)`` on the scaled logits.
         k_scale, v_scale: static dequantization scales of the cache (``K = k_scale * cache_K``).
+        sinks: float32 ``[Hq]``: per-head attention-sink logits (gpt-oss): each row's softmax denominator
+            gets ``exp(sinks[h])``, with no value (``out = sum_j e^{s_j} V_j / (e^{sink} + sum_j e^{s_j})``).
+        k_scales, v_scales: float32 ``[num_pages, page_size]``: per-token (per cache slot) dequantization
+            scales, ``K[slot] = k_scales[slot] * cache_K[slot]`` (times ``k_scale`` if given too); for int8 /
+            fp8 caches written with one scale per token.
         config: ``{"block_q": .., "pages_per_block": ..}``; default: tuned per chip, else a heuristic.
         interpret: ``"fast"`` / ``"tpu"`` for cpu runs (see :mod:`tpukernels.dsl.modes`).
 
@@ -654,9 +742,11 @@ def ragged_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, kv_lens: tor
         ArgumentError: ranks / shapes (``kv_lens [S]``, ``cu_q_lens [S+1]``, ``num_seqs [1]``), head dims,
             ``Hq % Hkv``, bad statics; on host (cpu) tensors also the values: a page index out of
             ``[0, num_pages)``, ``kv_len > pages_per_seq * page_size``, ``cu_q_lens`` not monotone or past
-            ``T``, ``q_len > kv_len``, ``num_seqs`` out of ``[0, S]``. Device tensors are not synced to check
+            ``T``, ``q_len > kv_len``, ``num_seqs`` out of ``[0, S]``; ``sinks`` not ``[Hq]``, ``k_scales`` /
+            ``v_scales`` not ``[num_pages, page_size]`` or only one given. Device tensors are not synced to check
             values; the kernel clamps them (bad values give a defined, wrong, result; never an OOB access).
-        DTypeError: q not bf16/f32, kv_cache not q's dtype or fp8, index arrays not int32.
+        DTypeError: q not bf16/f32, kv_cache not q's dtype or int8 / fp8, index arrays not int32, sinks or
+            scales not float32.
         ConfigError: ``config`` is not a dict of JSON values, or names unknown tunables / breaks their rules.
     """
     from collections.abc import Mapping
@@ -671,7 +761,7 @@ def ragged_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, kv_lens: tor
     args = (q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
             None if sm_scale is None else float(sm_scale), sliding_window,
             None if soft_cap is None else float(soft_cap), None if k_scale is None else float(k_scale),
-            None if v_scale is None else float(v_scale), cfg)
+            None if v_scale is None else float(v_scale), sinks, k_scales, v_scales, cfg)
     if interpret:
         with interpret_mode(interpret):
             return torch.ops.tpukernels.ragged_paged_attention(*args)
@@ -702,12 +792,58 @@ def update_kv_cache(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sl
     return torch.ops.tpukernels.update_kv_cache(kv_cache, k, v, slot_mapping)
 
 
+# ----------------------------------------------------------------------------------------------- JAX entry
+
+
+def ragged_paged_attention_jax(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale=None,
+                               sliding_window=None, soft_cap=None, k_scale=None, v_scale=None, sinks=None,
+                               k_scales=None, v_scales=None, config=None, interpret=None):
+    """:func:`ragged_paged_attention` on jax arrays; trace-safe (``jax.jit``, ``shard_map``): built on
+    :func:`tpukernels.jax_call`, Mosaic when lowered for TPU, the interpreter on cpu.
+
+    Arguments, semantics and layouts are those of :func:`ragged_paged_attention` (jax arrays instead of torch
+    tensors; ``k_scales`` / ``v_scales`` ``[num_pages, page_size]`` float32).
+
+    Raises:
+        ArgumentError / DTypeError: as :func:`ragged_paged_attention`, before any kernel runs. The value rules
+            (page index in ``[0, num_pages)``, ``kv_len <= pages_per_seq * page_size``, ``cu_q_lens``
+            monotone and within ``T``, ``q_len <= kv_len``) are checked when the metadata is concrete (not a
+            tracer: eager calls, or metadata closed over); traced metadata is clamped by the kernel, which never
+            reads outside the cache (a bad value gives a defined, wrong result, never another sequence's pages
+            beyond the page table the caller gave).
+        ConfigError: a bad ``config``.
+    """
+    import jax
+
+    from .. import jax_call
+
+    where = "tpukernels::ragged_paged_attention"
+    for name, t in (("q", q), ("kv_cache", kv_cache), ("kv_lens", kv_lens), ("page_indices", page_indices),
+                    ("cu_q_lens", cu_q_lens), ("num_seqs", num_seqs)):
+        if isinstance(t, torch.Tensor) or not (hasattr(t, "shape") and hasattr(t, "dtype")):
+            raise ArgumentError(f"{where}: {name} must be a jax array, got {type(t).__name__} (torch tensors: use "
+                                f"ragged_paged_attention)")
+    T, Hq, D, P, ps, Hkv, S, pps = _check_shapes(kv_lens, page_indices, cu_q_lens, num_seqs, q, kv_cache,
+                                                 where=where)
+    _check_statics(sm_scale, sliding_window, soft_cap, k_scale, v_scale, _dt(kv_cache), where)
+    _check_extras(sinks, k_scales, v_scales, Hq, P, ps, where)
+    meta = (kv_lens, page_indices, cu_q_lens, num_seqs)
+    if not any(isinstance(t, jax.core.Tracer) for t in meta):
+        _check_value_arrays(*(np.asarray(t) for t in meta), T=T, P=P, ps=ps, where=where)
+    if k_scales is not None:
+        k_scales, v_scales = k_scales.reshape(P, ps, 1), v_scales.reshape(P, ps, 1)
+    return jax_call(rpa_kernel, kv_lens, page_indices, cu_q_lens, num_seqs, q, kv_cache, sinks, k_scales,
+                    v_scales, None if sm_scale is None else float(sm_scale), sliding_window,
+                    None if soft_cap is None else float(soft_cap), None if k_scale is None else float(k_scale),
+                    None if v_scale is None else float(v_scale), config=config, interpret=interpret)
+
+
 # ----------------------------------------------------------------------------------------------- reference
 
 
 def paged_attention_reference(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale=None,
-                              sliding_window=None, soft_cap=None, k_scale=None, v_scale=None,
-                              dtype=torch.float64) -> torch.Tensor:
+                              sliding_window=None, soft_cap=None, k_scale=None, v_scale=None, sinks=None,
+                              k_scales=None, v_scales=None, dtype=torch.float64) -> torch.Tensor:
     """Dense per-sequence attention with the semantics of :func:`ragged_paged_attention`, in ``dtype``
     (float64 by default), computed from the given (low-precision) inputs. Returns ``[T, Hq, D]`` in ``dtype``."""
     T, Hq, D = q.shape
@@ -725,6 +861,9 @@ def paged_attention_reference(q, kv_cache, kv_lens, page_indices, cu_q_lens, num
         kv = cache[pages].reshape(-1, H2, D)[:kl]
         k = kv[:, 0::2] * (1.0 if k_scale is None else k_scale)
         v = kv[:, 1::2] * (1.0 if v_scale is None else v_scale)
+        if k_scales is not None:
+            k = k * k_scales.to(dtype)[pages].reshape(-1)[:kl, None, None]
+            v = v * v_scales.to(dtype)[pages].reshape(-1)[:kl, None, None]
         k, v = k.repeat_interleave(r, 1), v.repeat_interleave(r, 1)  # [kl, Hq, D]
         qs = q[q0:q1].to(dtype)
         logits = torch.einsum("ihd,jhd->hij", qs, k) * scale
@@ -736,7 +875,11 @@ def paged_attention_reference(q, kv_cache, kv_lens, page_indices, cu_q_lens, num
         if sliding_window is not None:
             vis = vis & (j > pos - sliding_window)
         logits = logits.masked_fill(~vis, -math.inf)
-        p = torch.softmax(logits, -1).nan_to_num(0.0)  # rows that see nothing -> 0
+        if sinks is not None:  # one extra logit per head with no value
+            sink = sinks.to(dtype)[:, None, None].expand(Hq, q1 - q0, 1)
+            p = torch.softmax(torch.cat([sink, logits], -1), -1)[..., 1:]
+        else:
+            p = torch.softmax(logits, -1).nan_to_num(0.0)  # rows that see nothing -> 0
         out[q0:q1] = torch.einsum("hij,jhd->ihd", p, v)
     return out
 
@@ -760,5 +903,5 @@ STANDARD_CASES = [
     _case(1024, 64, 2048 // ps, ps, 64 * 2048 // ps) for ps in (16, 64)
 ]
 
-__all__ = ["ragged_paged_attention", "update_kv_cache", "paged_attention_reference", "rpa_kernel",
+__all__ = ["ragged_paged_attention", "ragged_paged_attention_jax", "update_kv_cache", "paged_attention_reference", "rpa_kernel",
            "update_kernel", "STANDARD_CASES", "FP8_KV_CHIPS"]

@@ -109,13 +109,10 @@ def _json_value(kernel: TpuKernel, key: str, v) -> str:
 
 
 def run_jax(kernel: TpuKernel, values: Sequence, config: Mapping | None):
-    """Run on jax arrays: Mosaic on TPU arrays, the current interpret mode otherwise."""
-    specs, statics = specs_from_values(kernel, values)
-    arrays = [v for v, s in zip(_tensor_values(kernel, values), specs) if s is not None]
-    on_tpu = any(getattr(d, "platform", "") == "tpu" for a in arrays for d in getattr(a, "devices", lambda: ())())
-    low = lower(kernel, specs, statics, config, mode="mosaic" if on_tpu else current_interpret_mode())
-    outs = low.fn(*arrays)
-    return outs if low.multiple_outputs else outs[0]
+    """Run on jax arrays or tracers (trace-safe): see :mod:`tpukernels.targets.jax_entry`."""
+    from .jax_entry import run_jax as _run_jax
+
+    return _run_jax(kernel, values, config)
 
 
 def _tensor_values(kernel: TpuKernel, values: Sequence) -> list:
