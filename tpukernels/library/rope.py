@@ -325,8 +325,13 @@ def _rope_impl(x, cos, sin, positions=None, interleaved=False, seq_dim=2):
     if r < d:  # pad the tables to D lanes (the pass-through lanes' values are never used)
         cos = torch.nn.functional.pad(cos, (0, d - r))
         sin = torch.nn.functional.pad(sin, (0, d - r))
-    y = torch.ops.tpukernels.rope_fwd(_widen(x), _widen(cos).contiguous(), _widen(sin).contiguous(), r,
-                                      bool(interleaved), int(seq_dim), False)
+    cos, sin = _widen(cos).contiguous(), _widen(sin).contiguous()
+    if seq_dim == 2 and not x.is_contiguous() and x.transpose(1, 2).is_contiguous():
+        # HF's q/k: ``proj(h).view(B, S, H, D).transpose(1, 2)``: run the [B, S, H, D] kernel on the storage
+        # as it is (no copy) and return the same kind of view
+        y = torch.ops.tpukernels.rope_fwd(_widen(x.transpose(1, 2)), cos, sin, r, bool(interleaved), 1, False)
+        return y.transpose(1, 2).to(x.dtype)
+    y = torch.ops.tpukernels.rope_fwd(_widen(x), cos, sin, r, bool(interleaved), int(seq_dim), False)
     return y.to(x.dtype)
 
 
