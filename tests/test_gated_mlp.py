@@ -27,7 +27,8 @@ def check(got, want, absolute, dtype, what=""):
     err = (got.double() - want).abs()
     bound = U[dtype] * want.abs() + absolute
     bad = ~(err <= bound)
-    assert not bad.any(), f"{what}: {int(bad.sum())}/{bad.numel()} out of tolerance, worst {(err - bound)[bad].max():.3g}"
+    worst = (err - bound)[bad].max() if bad.any() else 0
+    assert not bad.any(), f"{what}: {int(bad.sum())}/{bad.numel()} out of tolerance, worst excess {worst:.3g}"
 
 
 def f32_err(g, factor):

@@ -43,9 +43,7 @@ Interpret mode: on a host without a TPU the kernels run in Pallas interpret mode
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 

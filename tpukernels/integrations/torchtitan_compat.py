@@ -301,7 +301,8 @@ def llama3_debugmodel_cpu():
     config = llama3_debugmodel()
     from torchtitan.models.common.attention import FlexAttention, VarlenAttention
 
-    for fqn, node, parent, attr in list(config.model_spec.model.traverse((FlexAttention.Config, VarlenAttention.Config))):
+    inner = (FlexAttention.Config, VarlenAttention.Config)
+    for fqn, node, parent, attr in list(config.model_spec.model.traverse(inner)):
         new = eager.Config(window_size=tuple(getattr(node, "window_size", (-1, 0))))
         if isinstance(parent, list):
             parent[attr] = new

@@ -162,7 +162,8 @@ def _check_kernel_args(x, cos, sin, rotary_dim, seq_dim):
             raise DTypeError(f"{NAMESPACE}::rope_fwd: {t.name!r} has dtype {name}: use bfloat16 or float32 "
                              f"(the public op widens float16)")
     if seq_dim not in (1, 2):
-        raise ArgumentError(f"{NAMESPACE}::rope_fwd: seq_dim must be 1 ([B, S, H, D]) or 2 ([B, H, S, D]), got {seq_dim}")
+        raise ArgumentError(f"{NAMESPACE}::rope_fwd: seq_dim must be 1 ([B, S, H, D]) or 2 ([B, H, S, D]), "
+                            f"got {seq_dim}")
     if len(x.shape) != 4:
         raise ArgumentError(f"{NAMESPACE}::rope_fwd: x must be 4-D, got shape {tuple(x.shape)}")
     b, _, s, d = _dims(x, seq_dim)
@@ -260,7 +261,8 @@ def _check_public(x, cos, sin, positions, interleaved, seq_dim):
     op = "tpukernels.rope"
     if not isinstance(x, torch.Tensor) or x.dim() != 4:
         got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ArgumentError(f"{op}: x must be a 4-D tensor [B, H, S, D] (seq_dim=2) or [B, S, H, D] (seq_dim=1), got {got}")
+        raise ArgumentError(f"{op}: x must be a 4-D tensor [B, H, S, D] (seq_dim=2) or [B, S, H, D] (seq_dim=1), "
+                            f"got {got}")
     if seq_dim not in (1, 2):
         raise ArgumentError(f"{op}: seq_dim must be 1 ([B, S, H, D]) or 2 ([B, H, S, D]), got {seq_dim!r}")
     if x.dtype not in _SUPPORTED:
