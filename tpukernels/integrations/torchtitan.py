@@ -26,7 +26,7 @@ Two ways in:
 
 * ``--override.imports`` (no code): each swap is an ``@override`` factory here, e.g.
   ``--override.imports tpukernels.integrations.torchtitan.attention,tpukernels.integrations.torchtitan.rms_norm,...``
-  (:data:`OVERRIDES` lists all seven names).
+  (:data:`OVERRIDES` lists all eight).
 * :class:`TPUKernelsConverter` (a ``ModelConfigConverter``): ``llama3.model_registry("8B", converters=
   [TPUKernelsConverter.Config()])`` swaps the model's nodes and returns a report; on a model class it does not
   know (:data:`KNOWN_MODELS`) it raises, listing what it swapped and what it left, unless ``strict=False``.
