@@ -8,7 +8,7 @@ export JAX_PLATFORMS ?= cpu
 export TPU_ACCELERATOR_TYPE ?= v5litepod-1
 export TPU_WORKER_HOSTNAMES ?= localhost
 
-.PHONY: demo test test-slow install bench clean
+.PHONY: demo test test-slow install bench clean torchtitan
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -32,13 +32,24 @@ $(VLLM_TPU): $(STAMP)
 	$(PY) -m pip install -q --no-deps -c constraints.txt tpu-inference==0.32.0 vllm==0.32.0 torchax==0.0.13
 	@touch $@
 
+# torchtitan 0.3.0 (tpukernels.integrations.torchtitan) with --no-deps: its own requirements pull CUDA-only and
+# heavy packages (triton via torch nightlies, datasets, tensorboard, wandb); the CPU shims in
+# tpukernels/integrations/torchtitan_compat.py stand in for what it imports but does not need here.
+TORCHTITAN := $(VENV)/.torchtitan-$(shell grep -E '^(torchtitan|spmd-types|tyro|docstring-parser|typeguard|torchdata)==' constraints.txt | sha1sum | cut -c1-12)
+$(TORCHTITAN): $(STAMP)
+	$(PY) -m pip install -q --no-deps -c constraints.txt torchtitan spmd-types tyro docstring-parser typeguard torchdata
+	@rm -f $(VENV)/.torchtitan-*
+	@touch $@
+
+torchtitan: $(TORCHTITAN)
+
 install: $(STAMP)
 
 demo: $(STAMP)
 	@echo "make demo: starting tpukernels demo (importing torch + jax takes a few seconds; first run ~10 min, later runs reuse cached estimates)"
 	$(VENV)/bin/tpukernels demo
 
-test: $(STAMP) $(TORCH_TPU_WHEEL) $(VLLM_TPU)
+test: $(STAMP) $(TORCH_TPU_WHEEL) $(VLLM_TPU) $(TORCHTITAN)
 	$(PY) -m pytest -n 2 -q
 
 # Every library kernel vs XLA and public Pallas kernels (libtpu model) + host costs -> BENCHMARKS.md
@@ -46,7 +57,7 @@ bench: $(STAMP)
 	ALLOW_MULTIPLE_LIBTPU_LOAD=1 $(VENV)/bin/tpukernels bench --chips v5e,v6e,tpu7x \
 		--results-dir benchmarks/results --out BENCHMARKS.md --readme README.md
 
-test-slow: $(STAMP)
+test-slow: $(STAMP) $(TORCHTITAN)
 	$(PY) -m pytest -q -m slow
 
 clean:

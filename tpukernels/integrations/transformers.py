@@ -270,6 +270,8 @@ def apply_tpukernels(
     x_quant: Optional[str] = None,
     quantize_skip: tuple = ("lm_head", "gate", "shared_expert_gate"),
     moe: bool = True,
+    rope: bool = False,
+    gated_mlp: bool = False,
 ) -> dict:
     """Patch a transformers model in place to run on tpukernels ops.
 
@@ -296,10 +298,20 @@ def apply_tpukernels(
             ``grouped_matmul`` (:func:`tpukernels.integrations.moe.apply_tpukernels_moe`); models without
             experts are unaffected. Expert weights are not quantized by ``quantize`` (they are not
             ``nn.Linear``).
+        rope: route the model's ``apply_rotary_pos_emb`` through :func:`tpukernels.library.rope.apply_rotary_pos_emb`
+            (opt-in). HF calls it as a module global, so this patches the *modeling module* (every model of
+            that family in the process, as Liger-Kernel does); only modules whose function has the llama
+            signature ``(q, k, cos, sin, unsqueeze_dim=1)`` and a ``rotate_half`` are patched (cos/sin still
+            come from HF's rotary module: every ``rope_type`` works).
+        gated_mlp: replace ``*MLP`` modules with ``gate_proj`` / ``up_proj`` / ``down_proj`` and a SiLU / GELU
+            ``act_fn`` by :class:`tpukernels.library.gated_mlp.TPUGatedMLP` (the fused ``act(gate) * up``;
+            the same linear modules, so state dicts are unchanged). Opt-in; the activation is identified
+            by evaluating ``act_fn`` in float64, never by its name.
 
     Returns:
         ``{"attention": bool, "rms_norm": n, "layer_norm": n, "linear": n, "moe_experts": n}`` (plus
-        ``"quantized": n`` with ``quantize``) — what was patched. Parameters of norms and ``linear=True`` layers are shared with the
+        ``"quantized": n`` with ``quantize``; ``"rope"``: patched modeling modules, ``"gated_mlp"``: n with those
+        options) — what was patched. Parameters of norms and ``linear=True`` layers are shared with the
         original modules, so their state dicts and weight tying are unchanged.
     """
     from ..library.norms import TPULayerNorm, TPURMSNorm
@@ -366,12 +378,74 @@ def apply_tpukernels(
         from .quantizers import mark_quantized
 
         mark_quantized(model, quantize, x_quant, quantized)
+    if rope:
+        counts["rope"] = _patch_rope(model)
+    if gated_mlp:
+        counts["gated_mlp"] = _patch_gated_mlp(model)
     counts["moe_experts"] = 0
     if moe and any(isinstance(getattr(m, "gate_up_proj", None), torch.nn.Parameter) for m in model.modules()):
         from .moe import apply_tpukernels_moe
 
         counts["moe_experts"] = len(apply_tpukernels_moe(model))
     return counts
+
+
+def _patch_rope(model: torch.nn.Module) -> int:
+    """Point each modeling module of ``model`` whose ``apply_rotary_pos_emb`` is llama's at ours."""
+    import inspect
+    import sys
+
+    from ..library.rope import apply_rotary_pos_emb
+
+    patched = 0
+    for name in sorted({type(m).__module__ for m in model.modules()}):
+        mod = sys.modules.get(name)
+        fn = getattr(mod, "apply_rotary_pos_emb", None)
+        if fn is None or not hasattr(mod, "rotate_half"):
+            continue
+        if fn is not apply_rotary_pos_emb:
+            params = list(inspect.signature(fn).parameters)
+            if params[:4] != ["q", "k", "cos", "sin"] or "unsqueeze_dim" not in params:
+                continue
+            mod.apply_rotary_pos_emb = apply_rotary_pos_emb
+        patched += 1
+    return patched
+
+
+def _gated_activation_of(act_fn) -> Optional[str]:
+    """Which :data:`tpukernels.library.gated_mlp.ACTIVATIONS` ``act_fn`` computes (float64 probe), or None."""
+    t = torch.linspace(-6, 6, 97, dtype=torch.float64)
+    try:
+        with torch.no_grad():
+            got = act_fn(t)
+    except Exception:  # an activation that cannot run on a float64 cpu tensor: not one we know
+        return None
+    fns = {"silu": torch.nn.functional.silu, "gelu_tanh": lambda v: torch.nn.functional.gelu(v, approximate="tanh"),
+           "gelu": torch.nn.functional.gelu}
+    for name, f in fns.items():
+        if isinstance(got, torch.Tensor) and got.shape == t.shape and torch.allclose(got, f(t), rtol=1e-12, atol=1e-12):
+            return name
+    return None
+
+
+def _patch_gated_mlp(model: torch.nn.Module) -> int:
+    """Swap ``down(act(gate(x)) * up(x))`` MLP modules for :class:`TPUGatedMLP` (same linear children)."""
+    from ..library.gated_mlp import TPUGatedMLP
+
+    n = 0
+    for parent in list(model.modules()):
+        for child_name, child in list(parent.named_children()):
+            if not type(child).__name__.endswith("MLP") or isinstance(child, TPUGatedMLP):
+                continue
+            parts = [getattr(child, a, None) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")]
+            if any(p is None for p in parts):
+                continue
+            act = _gated_activation_of(parts[3])
+            if act is None:
+                continue
+            setattr(parent, child_name, TPUGatedMLP(*parts[:3], activation=act))
+            n += 1
+    return n
 
 
 def apply_tpukernels_to_llama(model, **kw) -> dict:

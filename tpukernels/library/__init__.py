@@ -15,6 +15,8 @@ from .matmul import matmul, matmul_nn, matmul_nt, matmul_tn  # noqa: E402,F401  
 from .quantized_matmul import TPUQuantLinear, quantize_weight, quantized_matmul  # noqa: E402,F401  (shadows the submodule name too)
 from .grouped_matmul import grouped_matmul, grouped_matmul_fwd, grouped_matmul_tgmm  # noqa: E402,F401  (shadows the submodule name too)
 from .linear_cross_entropy import linear_cross_entropy  # noqa: E402,F401  (shadows the submodule name too)
+from .rope import apply_rope, apply_rotary_pos_emb  # noqa: E402,F401
+from .gated_mlp import TPUGatedMLP, geglu, swiglu  # noqa: E402,F401
 from .paged_attention import paged_attention_reference, ragged_paged_attention, update_kv_cache  # noqa: E402,F401
 
 
