@@ -1,6 +1,7 @@
 """Context-parallel (ring) attention, tpukernels.distributed.ring_attention (issue 29 item 4).
 
-The mesh tests run tests/ring_attention_worker.py in a subprocess (a jax CPU mesh of N host devices needs
+The mesh tests run tests/ring_attention_worker.py (and, slow, tests/ring_attention_gloo_worker.py in two
+processes joined by jax.distributed over gloo) in a subprocess (a jax CPU mesh of N host devices needs
 ``--xla_force_host_platform_device_count`` before jax starts) and compare the ring's output and its
 gradients with a float64 numpy reference of the whole-sequence attention, and its output with single-device
 ``fa_forward`` on the whole sequence. Tolerance: float32 inputs, f32 kernels and f32 logsumexp merges over
@@ -126,3 +127,34 @@ def test_compile_only_v5e_2x2_forward_backward():
                     overlapped += any("custom-call" in b or "conditional(" in b for b in between)
                     break
     assert overlapped >= 1, "no kernel scheduled inside a K/V transfer"
+
+
+@pytest.mark.slow
+def test_two_process_gloo_group():
+    """Two processes (one CPU device each) joined by jax.distributed with gloo collectives: the ring's
+    ppermutes cross processes; each checks its own shards of out, dq, dk, dv against the float64 reference.
+    Bounded: 300 s per process, both killed on timeout."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu")
+    worker = os.path.join(ROOT, "tests", "ring_attention_gloo_worker.py")
+    procs = [subprocess.Popen([sys.executable, worker, str(i), "2", str(port)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env) for i in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=300)
+            outs.append((p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for rc, out, err in outs:
+        lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+        assert rc == 0 and len(lines) == 1 and "error" not in lines[0], (rc, out[-2000:], err[-3000:])
+        assert lines[0]["devices"] == 2
+        for name, e in lines[0]["err"].items():
+            assert e <= TOL, (lines[0]["process"], name, e)
