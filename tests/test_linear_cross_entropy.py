@@ -98,6 +98,88 @@ def _check_kernels(N, V, H, dtype, softcap, bn, bv, seed):
     _assert_grad(dW, rdW, dtype, "dW")
 
 
+@pytest.mark.parametrize("mode", ("fast", "tpu"))
+@settings(max_examples=3)
+@given(N=st.integers(1, 70), V=st.integers(1, 700), H=st.integers(1, 160),
+       dtype=st.sampled_from((torch.float32, torch.bfloat16)), softcap=st.sampled_from((None, 12.0)),
+       bn=st.sampled_from((16, 32)), bv=st.sampled_from((128, 256)), seed=st.integers(0, 99))
+def test_fwd_dh_matches_reference(mode, N, V, H, dtype, softcap, bn, bv, seed):
+    """The gradient-in-forward kernel: weighted loss, lse and dh = g * dloss/dh in one pass (online rescaled
+    accumulator, W[y] rows by DMA), tails in N and V, ignored rows, soft-cap, per-row weights g; both
+    interpret modes (NaN-poisoned padding and uncopied DMA rows in "tpu")."""
+    h, W, y = _data(N, V, H, dtype, seed)
+    g = torch.rand(N, 1, generator=torch.Generator().manual_seed(seed)) + 0.5
+    wy = W.index_select(0, y.clamp(0, V - 1))
+    with tk.interpret_mode(mode):
+        loss, lse, dh = OPS.linear_cross_entropy_fwd_dh(h, W, y.int().reshape(-1, 1), wy, g, -100, softcap,
+                                                        config=json.dumps(dict(bn=bn, bv=bv)))
+    ref, rdh, _ = _ref_grads(h, W, y, g[:, 0], softcap)
+    _assert_loss(loss[:, 0], ref * g[:, 0].double())
+    z = h.double() @ W.double().t()
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    _assert_loss(lse[:, 0], torch.logsumexp(z, 1))
+    assert bool((loss[y == -100] == 0).all()) and bool((dh[y == -100] == 0).all())
+    _assert_grad(dh, rdh, dtype, "dh")
+
+
+class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        if "tpukernels" in name:
+            self.ops.append(name.split(".")[-1])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("needs", ("h", "W", "both"))
+def test_backward_recomputes_logits_once(needs):
+    """With h requiring grad the public op runs the gradient-in-forward kernel and, for W, one dW kernel: the
+    logits are computed twice in all (8 N V H FLOPs), never the three times of fwd + bwd_dh + bwd_dw.
+    Gradients still match float64 autograd."""
+    h, W, y = _data(30, 260, 40, torch.float32, seed=7)
+    h.requires_grad_(needs in ("h", "both"))
+    W.requires_grad_(needs in ("W", "both"))
+    log = _OpLog()
+    with log:
+        out = tk.library.linear_cross_entropy(h, W, y)
+        out.backward()
+    want = {"h": ["linear_cross_entropy_fwd_dh"],
+            "W": ["linear_cross_entropy_fwd", "linear_cross_entropy_bwd_dw"],
+            "both": ["linear_cross_entropy_fwd_dh", "linear_cross_entropy_bwd_dw"]}[needs]
+    assert [o for o in log.ops if o.startswith("linear_cross_entropy_")] == want, log.ops
+    flops = {"linear_cross_entropy_fwd": 2, "linear_cross_entropy_fwd_dh": 4, "linear_cross_entropy_bwd_dw": 4}
+    assert sum(flops[o] for o in want) <= 8
+    hd, Wd = h.detach().double().requires_grad_(), W.detach().double().requires_grad_()
+    lce.reference(hd, Wd, y).backward()
+    _assert_loss(out.detach().reshape(1), lce.reference(h.detach(), W.detach(), y).reshape(1))
+    for t, r, n in ((h, hd, "dh"), (W, Wd, "dW")):
+        if t.requires_grad:
+            _assert_grad(t.grad, r.grad, torch.float32, n)
+        else:
+            assert t.grad is None
+
+
+def test_grad_path_all_ignored_and_no_grad_mode():
+    """The gradient-in-forward path keeps torch's edge results: every row ignored gives NaN ("mean", as
+    F.cross_entropy) or 0 ("sum") and zero gradients; under no_grad the plain forward runs (no dh)."""
+    h, W, _ = _data(9, 150, 30, torch.float32)
+    allign = torch.full((9,), -100)
+    hm = h.clone().requires_grad_()
+    assert torch.isnan(tk.library.linear_cross_entropy(hm, W, allign))
+    hs = h.clone().requires_grad_()
+    out = tk.library.linear_cross_entropy(hs, W, allign, reduction="sum")
+    out.backward()
+    assert out.item() == 0.0 and bool((hs.grad == 0).all())
+    log = _OpLog()
+    with log, torch.no_grad():
+        tk.library.linear_cross_entropy(hs, W, allign)
+    assert "linear_cross_entropy_fwd_dh" not in log.ops and "linear_cross_entropy_fwd" in log.ops
+
+
 def test_ignored_rows_get_no_gradient(interpret):
     """Rows with label == ignore_index (here 11, a valid class id) contribute nothing: loss and dh are exactly
     0 there and dW equals the reference gradient of the other rows alone."""

@@ -1,8 +1,9 @@
 """Linear + cross-entropy family: tpukernels' fused LM-head loss vs XLA's unfused ``logits -> cross-entropy``
 at the Llama-3-8B LM head (``h [8192, 4096]``, ``W [128256, 4096]`` bf16, int32 labels).
 
-* ``tpukernels``: ``linear_cross_entropy_fwd`` (forward) and ``+ linear_cross_entropy_bwd_dh +
-  linear_cross_entropy_bwd_dw`` (forward + backward), at the config a call gets on the chip;
+* ``tpukernels``: ``linear_cross_entropy_fwd`` (forward) and ``linear_cross_entropy_fwd_dh +
+  linear_cross_entropy_bwd_dw`` (forward + backward, as the public op runs when ``h`` requires grad: ``dh`` in
+  the forward pass, ``dW`` with one recompute of the logits), at the config a call gets on the chip;
 * ``xla unfused``: the unfused formulation in ``jax.numpy``, what ``F.cross_entropy(h @ W.T)`` lowers to:
   ``logits = dot(h, W^T)`` (bf16, f32 accumulation), ``lse = logsumexp(f32(logits))``, mean of
   ``lse - logits[label]``; the backward is ``jax.value_and_grad`` of it (XLA fuses what it can).
@@ -10,7 +11,8 @@ at the Llama-3-8B LM head (``h [8192, 4096]``, ``W [128256, 4096]`` bf16, int32 
 **Peak activation memory** (the ``peak_temp_MiB`` column, tpukernels / xla): the temporary HBM XLA allocates
 for the whole program compiled for the chip at the **full** problem (``compiled.memory_analysis()
 .temp_size_in_bytes``, compile-only, beyond arguments and outputs): for the unfused version the ``[N, V]``
-logits and their gradient, for tpukernels only the per-row ``loss``/``lse`` columns and the f32 ``g``. That
+logits and their gradient, for tpukernels the per-row ``loss``/``lse`` columns, the f32 ``g`` and (forward +
+backward) the gathered rows ``W[labels]`` (``[N, H]``, read by the forward's DMA). That
 is the activation memory the fusion saves (Liger-Kernel's headline figure). ``peak_MiB``: XLA's peak of all
 live buffers, arguments (``h``, ``W``: 1.07 GB) and outputs (``dh``, ``dW``) included
 (``peak_memory_in_bytes``).
@@ -22,7 +24,8 @@ host memory after ~460 s on tpukernels' forward at ``N/4`` rows; XLA's unfused p
 * tpukernels: each kernel at the full problem's shapes and config, its grid cut to ``OURS_STEPS`` = 64 steps
   by :func:`tpukernels.autotune.model.reduce_grid` (outer axes shrunk, the innermost reduction axis kept, as
   the autotuner's ``--estimate-steps``), cycles scaled by ``steps / 64`` (forward ``bn=bv=1024``: grid
-  ``(8, 126)`` -> ``(1, 64)``, x15.75; ``bwd_dw``, whose inner axis is N, keeps all of it: ``(8, 8)``).
+  ``(8, 126)`` -> ``(1, 64)``, x15.75; ``bwd_dw``, whose inner axis is N, keeps all of it: ``(8, 8)``). The
+  reduced grid never reaches the last V step (the V tail, which ``fwd_dh`` masks only there), 1 of 126.
 * XLA: the same program at ``N / 4`` rows and ``V / 4`` vocabulary (forward: ``h [2048, 4096]``,
   ``W [32064, 4096]``, x16) or ``V / 8`` (forward + backward: ``W [16032, 4096]``, x32), cycles scaled by
   ``N V / (n v)``: every op of the unfused program is linear in ``N V`` (its ``N H`` / ``V H`` parts are small
@@ -40,7 +43,7 @@ this machine's per-estimate budget, hence ``V/8`` for it. Each estimate here tak
 Where libtpu fails on XLA's program, its row is a **floor**: the larger of the MXU roofline of the work the
 op needs and the HBM time of the inputs plus writing and reading the bf16 ``[N, V]`` logits once. Where it
 fails on tpukernels', the row has no figure (a floor there would enter the ratios); its reason gives the MXU
-time of the matmuls the kernels execute (``2 N V H`` forward, ``10 N V H`` forward + backward). libtpu
+time of the matmuls the kernels execute (``2 N V H`` forward, ``8 N V H`` forward + backward). libtpu
 0.0.52 aborts (``llo_execution_graph.cc:149``) on every v5e XLA program tried (``N/4 x V/4``, ``N/4 x V/8``,
 ``N/8 x V/8``, ``1024 x 16384``, ``512 x 8016``), on tpu7x's forward + backward at ``N/4 x V/8`` and
 ``N/8 x V/8`` (it estimates ``512 x 8016``), on v5e's ``bwd_dh`` at ``bv >= 512``, and its static-profile
@@ -48,8 +51,8 @@ compile of tpukernels' tpu7x forward runs out of VMEM (see the reasons in the re
 
 Bytes: the inputs read once and the outputs written once (``h``, ``W``, labels; backward also ``dh``,
 ``dW``). FLOPs: ``2 N V H`` (forward) and ``6 N V H`` (forward + the two gradient matmuls): the work the op
-needs. tpukernels' backward recomputes the logits in both gradient kernels (``10 N V H`` executed), which
-its % of roofline shows.
+needs. tpukernels' forward + backward computes the logits twice (``8 N V H`` executed: ``fwd_dh`` 4, ``bwd_dw``
+4), which its % of roofline shows: at most 75% of it at a perfect MXU.
 """
 
 from __future__ import annotations
@@ -66,21 +69,21 @@ OURS_STEPS = 64
 XLA_DIV = {False: (4, 4), True: (4, 8)}
 
 _RECOMPUTE = (
-    "The backward recomputes the [N, V] logits in both gradient kernels (dh and dW): 10 N V H FLOPs executed "
-    "against the 6 N V H of the unfused version, which keeps its logits in HBM (~6 GiB of temporaries, the "
-    "peak_temp_MiB column) and reads them back; at equal MXU efficiency that alone is 0.6x. One fused backward "
-    "kernel (one recompute, 8 N V H) would have to accumulate one gradient across the outer grid axis in HBM "
-    "(an f32 [V, H] dW: +2 GiB of temporaries and N/bn read-modify-write passes over it), 0.75x at best: not "
-    "done. This is the fused loss's trade (Liger-Kernel, Cut Cross-Entropy): ~1500x less activation memory for "
-    "the recompute")
+    "One recompute: the forward kernel (fwd_dh) computes dh in the same pass as the loss (flash-attention style: "
+    "an f32 [bn, H] accumulator of exp(z - m) @ W_blk rescaled as the running max moves, W[labels] subtracted "
+    "at the end), the backward's dW kernel recomputes the logits once: 8 N V H FLOPs executed against the 6 N V H "
+    "of the unfused version, which keeps its [N, V] logits in HBM (~6 GiB of temporaries, the peak_temp_MiB "
+    "column) and reads them back. 8/6 of the work caps the ratio at 0.75x XLA's MXU efficiency (0.91x on v6e, "
+    "where XLA's unfused program reads 82% of its roofline, only at 100% MXU for ours). Fewer FLOPs would need "
+    "the logits stored (O(N V), or Liger-Kernel's [N/k, V] chunks plus k read-modify-write passes over an f32 "
+    "[V, H] dW): not done. Before this, dh and dW each recomputed the logits (10 N V H): 0.62x on v6e")
 REASONS = {
     ("v5e", "lce fwd"): "At 95% of the MXU roofline; XLA's unfused figure is only a floor (its MXU roofline): "
                         "libtpu 0.0.52 aborts (llo_execution_graph.cc:149) on every v5e XLA program tried, so "
                         "there is no estimate to compare with",
-    ("v5e", "lce fwd+bwd"): _RECOMPUTE + ". On v5e libtpu's profiler aborts on the shipped bwd_dh (bv=1024) and "
-                            "on every XLA program: no tpukernels figure (the MXU time of its 10 N V H is 218.5 "
-                            "ms) and a floor for XLA (131.1 ms); with bwd_dh at bv=256 (estimable, 80% of its "
-                            "roofline) tpukernels' forward + backward reads 239.5 ms",
+    ("v5e", "lce fwd+bwd"): _RECOMPUTE + ". On v5e libtpu's profiler aborts on every XLA program: its row is a "
+                            "floor (the MXU roofline of 6 N V H, 131.1 ms), against which 8 N V H can read at "
+                            "most 0.75x",
     ("v6e", "lce fwd"): "libtpu charges 21.5k cycles per 1024 x 1024 block step (16-step estimate) against 16.4k "
                         "for its matmul at the MXU peak (v5e: 70.2k vs 65.5k, 95%). Variants of the kernel "
                         "estimated the same way show the label compare and the V-tail mask are not it (-1.2% "
@@ -94,10 +97,8 @@ REASONS = {
                           "for the shipped bn=bv=1024 (and every bn*bv >= 1024*256; the ordinary compile fits); "
                           "its MXU roofline is 7.45 ms. At bn=bv=512, the largest estimable blocks, the forward "
                           "reads 12.5 ms (16-step estimate), slower than XLA's 9.7 ms",
-    ("tpu7x", "lce fwd+bwd"): _RECOMPUTE + ". On tpu7x neither is estimated (tpukernels: the forward's VMEM, "
-                              "see lce fwd; the MXU time of its 10 N V H is 37.3 ms; XLA: libtpu aborts at "
-                              "N/4 x V/8, a floor of 22.4 ms; its program at 512 x 8016 (x256) does estimate: "
-                              "29.0 ms)",
+    ("tpu7x", "lce fwd+bwd"): _RECOMPUTE + ". On tpu7x libtpu aborts on XLA's program at N/4 x V/8: its row is "
+                              "a floor (22.4 ms); XLA's program at 512 x 8016 (x256) does estimate: 29.0 ms",
 }
 
 
@@ -139,8 +140,10 @@ def unfused(h, w, y):
     return jnp.mean(lse - tgt)
 
 
-def _args(n: int = N, v: int = V, backward: bool = False) -> tuple:
+def _args(n: int = N, v: int = V, backward: bool = False, dh: bool = False) -> tuple:
     a = (f"{n}x{H}:bf16", f"{v}x{H}:bf16", f"{n}x1:i32")
+    if dh:  # fwd_dh: + wy = W[labels] [N, H], g [N, 1]
+        return (*a, f"{n}x{H}:bf16", f"{n}x1:f32")
     return (*a, f"{n}x1:f32", f"{n}x1:f32") if backward else a
 
 
@@ -155,13 +158,14 @@ def _ours_program(chip: str, backward: bool):
     fwd, fs, _, _ = kernel_program(lce.linear_cross_entropy_fwd, chip, _args(), _KW)
     if not backward:
         return (lambda h, w, y: fwd(h, w, y)[0].sum() / N), fs
-    dh, _, _, _ = kernel_program(lce.linear_cross_entropy_bwd_dh, chip, _args(backward=True), _KW)
+    fdh, _, _, _ = kernel_program(lce.linear_cross_entropy_fwd_dh, chip, _args(dh=True), _KW)
     dw, _, _, _ = kernel_program(lce.linear_cross_entropy_bwd_dw, chip, _args(backward=True), _KW)
 
-    def both(h, w, y):
-        loss, lse = fwd(h, w, y)
+    def both(h, w, y):  # as the public op with reduction="mean" and an upstream gradient of 1
         g = jnp.full((N, 1), 1.0 / N, jnp.float32)
-        return loss.sum() / N, dh(h, w, y, lse, g), dw(h, w, y, lse, g)
+        wy = jnp.take(w, y[:, 0], axis=0)
+        loss, lse, dh = fdh(h, w, y, wy, g)
+        return loss.sum(), dh, dw(h, w, y, lse, g)
 
     return both, fs
 
@@ -206,7 +210,7 @@ def _ours(kernels, backward: bool, max_steps: int = OURS_STEPS) -> Impl:
     def cycles(est, chip):
         total, parts = 0, []
         for k in kernels:
-            args = _args(backward=not k.name.endswith("_fwd"))
+            args = _args(backward=not k.name.endswith("_fwd"), dh=k.name.endswith("_fwd_dh"))
             cyc, cfg, source, grid, red = reduced_kernel_cycles(est, k, chip, args, _KW, max_steps)
             total += cyc
             cfgs = ",".join(f"{a}={b}" for a, b in sorted(cfg.items()))
@@ -260,14 +264,14 @@ def _xla(backward: bool) -> Impl:
 
 def cases(chips) -> list[Case]:
     lce = _lce()
-    fwd, dh, dw = lce.linear_cross_entropy_fwd, lce.linear_cross_entropy_bwd_dh, lce.linear_cross_entropy_bwd_dw
+    fwd, fdh, dw = lce.linear_cross_entropy_fwd, lce.linear_cross_entropy_fwd_dh, lce.linear_cross_entropy_bwd_dw
     shape = f"h {N}x{H} W {V}x{H}"
     out = []
     for chip in chips:
         out.append(Case(FAMILY, "lce fwd", shape, chip, hbm_bytes=_in_bytes(False), flops=2 * N * V * H,
                         impls=[_ours([fwd], False), _xla(False)]))
         out.append(Case(FAMILY, "lce fwd+bwd", shape, chip, hbm_bytes=_in_bytes(True), flops=6 * N * V * H,
-                        impls=[_ours([fwd, dh, dw], True), _xla(True)]))
+                        impls=[_ours([fdh, dw], True), _xla(True)]))
     return out
 
 

@@ -26,37 +26,50 @@ reduction=...)``. Gradients, with ``p = softmax(z)``, ``g[i]`` the incoming grad
     dz = g[:, None] * (p - onehot(labels))      ds = dz * (1 - (z / softcap)^2)   (softcap only)
     dh = ds @ W            dW = ds^T @ h
 
-Algorithm. Three Pallas TPU kernel ops, all with the full hidden size ``H`` in one block (so ``H`` needs no
+Algorithm. Four Pallas TPU kernel ops, all with the full hidden size ``H`` in one block (so ``H`` needs no
 tail handling and the ``h`` block stays in VMEM while the vocabulary streams past it):
 
-=======================================================  ===================  =================================
-op                                                        grid (inner last)   does
-=======================================================  ===================  =================================
-``tpukernels::linear_cross_entropy_fwd(h, w, labels)``   ``(N/bn, V/bv)``     online logsumexp over V blocks (f32 running
-                                                                               max / sum / target logit in VMEM
-                                                                               scratch) -> ``loss [N,1]``, ``lse [N,1]``
-``tpukernels::linear_cross_entropy_bwd_dh(...)``         ``(N/bn, V/bv)``     recompute ``s`` per block, ``dh += ds @ W_blk``
-``tpukernels::linear_cross_entropy_bwd_dw(...)``         ``(V/bv, N/bn)``     recompute ``s`` per block, ``dW += ds^T @ h_blk``
-=======================================================  ===================  =================================
+==========================================================  ================  ====================================
+op                                                          grid (inner last)  does
+==========================================================  ================  ====================================
+``tpukernels::linear_cross_entropy_fwd(h, w, labels)``      ``(N/bn, V/bv)``  online logsumexp over V blocks (f32
+                                                                              running max / sum / target logit in
+                                                                              VMEM scratch) -> ``loss``, ``lse [N,1]``
+``tpukernels::linear_cross_entropy_fwd_dh(h, w, labels,``   ``(N/bn, V/bv)``  the same, plus ``dh``: an f32 ``(bn,
+``wy, g)``                                                                    H)`` accumulator ``sum_j exp(z_j - m)
+                                                                              c_j W_j`` rescaled by ``exp(m_old -
+                                                                              m_new)`` (flash attention's output
+                                                                              with ``Q = h``, ``K = V = W``); last
+                                                                              step: ``dh = g (acc / l - c_y W[y])``
+``tpukernels::linear_cross_entropy_bwd_dw(...)``            ``(V/bv, N/bn)``  recompute ``s`` per block, ``dW +=
+                                                                              ds^T @ h_blk`` (f32 (bv, H) in VMEM)
+``tpukernels::linear_cross_entropy_bwd_dh(...)``            ``(N/bn, V/bv)``  recompute ``s``, ``dh += ds @ W_blk``
+                                                                              (kept for the kernel op's own backward)
+==========================================================  ================  ====================================
 
-The largest intermediate is one ``(bn, bv)`` f32 tile in VMEM: activation memory is ``O(N)`` (``lse``, the
-per-row loss) instead of the ``O(N V)`` logits (2 GiB of bf16 logits + 4 GiB of f32 log-probs at Llama-3-8B
-``N = 8192, V = 128256`` in the unfused ``F.cross_entropy(h @ W.T)``). The price is recomputation: the
-backward recomputes the logits twice (once per gradient kernel), 5 ``N V H`` matmuls in all instead of 3.
-Liger-Kernel's ``fused_linear_cross_entropy`` (``src/liger_kernel/ops/fused_linear_cross_entropy.py``)
-instead chunks over tokens and materialises ``[chunk, V]``; this file follows the vocabulary-chunked
-online-softmax scheme of FlashAttention-2 (Dao, arXiv:2307.08691) applied to the LM head (as in Wijmans
-et al., "Cut Your Losses in Large-Vocabulary Language Models", arXiv:2411.09009).
+The public op, when ``h`` requires grad (and grad mode is on), runs ``fwd_dh`` (gradient in the forward, as
+Liger-Kernel's ``fused_linear_cross_entropy`` does) with the reduction's per-row weight ``g`` (``1/n_valid``
+for "mean", else 1; 0 at ignored rows), so ``dh`` is final for an upstream gradient of 1 and the backward
+only scales it; ``dW`` is ``bwd_dw`` with ``g * upstream``. ``W[labels]`` (``wy``, gathered by the caller)
+stays in HBM (``pl.ANY``) and is copied by DMA into the ``dh`` output block during the last V step. Work:
+``fwd_dh`` 4 ``N V H`` + ``bwd_dw`` 4 = 8 ``N V H`` FLOPs (one recompute of the logits) against 6 for the
+unfused version and 10 for ``fwd`` + ``bwd_dh`` + ``bwd_dw`` (the previous backward). Why not one fused
+backward kernel making ``dh`` and ``dW`` from one tile: one of the two would accumulate across the outer grid
+axis, i.e. in HBM (read-modify-write of f32 blocks, ``N/bn * V * H * 8`` bytes = 34 GB at the Llama-3-8B head
+with ``bn = 1024``); ``fwd_dh`` keeps both accumulations in VMEM. Without grad (or when only ``W`` needs it)
+the plain ``fwd`` runs (``dW`` then by ``bwd_dw``).
 
-Why two recomputing backward kernels rather than one that produces ``dh`` and ``dW`` from the same tile:
-one of the two gradients would then accumulate across the *outer* grid axis, i.e. in HBM (read-modify-write
-of an f32 ``dW`` block per step): at the Llama-3-8B head with ``bn = 1024`` that is ``N/bn * V * H * 8``
-bytes = 34 GB of traffic: 41 / 20 / 9.1 ms at the HBM bandwidth of v5e / v6e / tpu7x, against 44 / 9.4 /
-7.5 ms for recomputing the logits (``2 N V H`` FLOPs at MXU peak; both rates from :mod:`tpukernels.perf`).
-Not a win on any of the three chips.
+Memory: the largest intermediate is one ``(bn, bv)`` f32 tile and the ``(bn, H)`` f32 accumulator in VMEM;
+in HBM ``O(N)`` (``lse``, the per-row loss) plus, while ``fwd_dh`` runs, ``wy [N, H]`` and the ``dh`` output,
+instead of the ``O(N V)`` logits (2 GiB of bf16 logits + 4 GiB of f32 log-probs at Llama-3-8B ``N = 8192,
+V = 128256`` in the unfused ``F.cross_entropy(h @ W.T)``). Liger-Kernel (``src/liger_kernel/ops/
+fused_linear_cross_entropy.py``) instead chunks over tokens and materialises ``[chunk, V]``; this file follows
+the vocabulary-chunked online-softmax scheme of FlashAttention-2 (Dao, arXiv:2307.08691) applied to the LM
+head (as in Wijmans et al., "Cut Your Losses in Large-Vocabulary Language Models", arXiv:2411.09009).
 
 Tails. A partial last V block reads undefined ``W`` rows (NaN in ``interpret="tpu"``): the forward sets
-those logit columns to ``-inf`` with ``jnp.where`` before the logsumexp, ``bwd_dh`` zeroes them (``ds``
+those logit columns to ``-inf`` with ``jnp.where`` before the logsumexp (``fwd_dh`` also zeroes those ``W``
+rows, only in its last V step), ``bwd_dh`` zeroes them (``ds``
 and the ``W`` rows, both with ``jnp.where``) before contracting over V; ``bwd_dw``'s rows past V are
 dropped. A partial last N block: forward / ``bwd_dh`` rows past N are dropped on write; ``bwd_dw`` (which
 reduces over N) zeroes ``ds`` and ``h`` there. ``H`` is whole, so never a tail.
@@ -76,17 +89,20 @@ head (``H = 4096, V = 128256, N = 8192``, :data:`STANDARD_CASES`), written by::
         --shape 128256x4096:bf16 --shape 8192x1:i32 --static ignore_index=-100 --strategy exhaustive \\
         --values bn=512,1024,2048 --values bv=256,512,1024 --workers 2 --write-db shipped
     # bwd_dh / bwd_dw: the same with two more shapes, --shape 8192x1:f32 --shape 8192x1:f32
+    # fwd_dh: --shape 8192x4096:bf16 --shape 8192x1:f32 after the first three (wy, g)
 
 Model results of the sweeps (libtpu 0.0.52 static estimate on a 16-step reduced grid + roofline, not
 measurements; re-swept with only candidates that libtpu could estimate ranked, since a candidate without an
 estimate gets the roofline-only model time and would win by default): forward ``bn=bv=1024`` on every chip:
 v5e 47.1 ms (93% of the MXU roofline), v6e 12.4 ms (76%); ``bwd_dh`` ``bn=512, bv=1024``: v6e 23.2 ms (81%),
 tpu7x 18.4 ms (81%); ``bwd_dw`` ``bn=1024, bv=512``: v5e 93.6 ms (93%), v6e 22.8 ms (82%), tpu7x 18.1 ms
-(83%). Two defaults libtpu cannot estimate on their chip and are taken from the sister chips' sweeps: tpu7x
-forward (the static-profile compile runs out of the 64 MiB VMEM for every ``bn * bv >= 1024 * 256``, though
-the ordinary compile fits; the largest estimable, ``bn=bv=512``, reads 12.5 ms, 60%) and v5e ``bwd_dh``
-(libtpu's profiler aborts for ``bv >= 512``; ``bv=256`` reads 108.8 ms, 80%, while on v6e ``bv=1024`` beats
-``bv=256`` 81% to 57%). Benchmarks against XLA's unfused version: ``tpukernels bench --family
+(83%); ``fwd_dh`` ``bn=512, bv=1024`` (of ``512 x {512, 1024}`` and ``1024 x 512``, the last over tpu7x's
+VMEM): v5e 92.9 ms (94%), v6e 22.8 ms (82%), tpu7x 17.9 ms (83%) for its ``4 N V H``. tpu7x forward:
+libtpu's static-profile compile runs out of the 64 MiB VMEM (101 MiB asked at ``bn=bv=1024``) for every
+``bn * bv >= 1024 * 256``, so it ships ``bn=bv=512`` (12.5 ms, 60%; ``bn=1024, bv=128``: 32.2 ms), the
+fastest config it can estimate. v5e ``bwd_dh`` is taken from v6e's sweep (libtpu's profiler aborts for
+``bv >= 512``; ``bv=256`` reads 108.8 ms, 80%, while on v6e ``bv=1024`` beats ``bv=256`` 81% to 57%).
+Benchmarks against XLA's unfused version: ``tpukernels bench --family
 linear_cross_entropy`` (:mod:`tpukernels.bench.linear_cross_entropy`).
 
 Validation (typed errors before any kernel runs): ranks and shapes, dtypes (float64 / integer operands,
@@ -187,6 +203,92 @@ def _fwd_body(h_ref, w_ref, y_ref, loss_ref, lse_ref, m_sc, l_sc, t_sc, *, n_v, 
         lse_ref[...] = lse
 
 
+def _fwd_dh_body(h_ref, w_ref, y_ref, wy_hbm, g_ref, loss_ref, lse_ref, dh_ref, m_sc, l_sc, t_sc, acc_sc, sem, *,
+                 n_v, v_size, bv, n_size, bn, softcap, ignore_index, precision):
+    """Forward with ``dh`` (gradient in the forward): the online logsumexp of :func:`_fwd_body` plus, as flash
+    attention's output, ``acc = sum_j exp(z_j - m) c_j W_j`` rescaled by ``exp(m_old - m_new)`` whenever the
+    running max moves (``c = 1 - tanh^2`` with softcap, else 1). Last V step: ``dh = g * (acc / l - c_y W[y])``
+    with ``W[y]`` (gathered rows, ``wy`` in HBM) copied by DMA into the ``dh`` output block, and
+    ``loss = g * (lse - z_y)``; both 0 at ignored rows. Grid ``(N/bn, V/bv)``, V innermost."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    i, j = pl.program_id(0), pl.program_id(1)
+    def _wy_copy(rows):
+        return pltpu.make_async_copy(wy_hbm.at[pl.ds(i * bn, rows)], dh_ref.at[pl.ds(0, rows)], sem.at[0])
+
+    n_last = n_size - (-(-n_size // bn) - 1) * bn  # rows of the last N block (static)
+    last_i = -(-n_size // bn) - 1
+
+    @pl.when(j == 0)
+    def _init():
+        m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, jnp.float32)
+        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+        t_sc[...] = jnp.zeros(t_sc.shape, jnp.float32)
+        acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+
+    # W[y] rows for the epilogue: fetched during the last V step (the dh block is free until then)
+    @pl.when(jnp.logical_and(j == n_v - 1, i != last_i))
+    def _fetch():
+        _wy_copy(bn).start()
+
+    @pl.when(jnp.logical_and(j == n_v - 1, i == last_i))
+    def _fetch_tail():
+        _wy_copy(n_last).start()
+
+    y = y_ref[...]  # (bn, 1) int32
+
+    def step(tail: bool):
+        w = w_ref[...]
+        z, tt = _capped(_logits(h_ref[...], w, precision), softcap)
+        col = j * bv + jax.lax.broadcasted_iota(jnp.int32, z.shape, 1)
+        if tail:  # V tail: undefined W rows -> -inf logits, and zero rows for the p @ W contraction
+            z = jnp.where(col < v_size, z, -jnp.inf)
+            w = _dsl.mask_tail(w, 0, j * bv, v_size)
+        t_sc[...] += jnp.sum(jnp.where(col == y, z, 0.0), axis=1, keepdims=True)
+        m_old = m_sc[...]
+        m_new = jnp.maximum(m_old, jnp.max(z, axis=1, keepdims=True))
+        alpha = jnp.exp(m_old - m_new)
+        p = jnp.exp(z - m_new)
+        l_sc[...] = l_sc[...] * alpha + jnp.sum(p, axis=1, keepdims=True)
+        m_sc[...] = m_new
+        if tt is not None:
+            p = p * (1.0 - tt * tt)
+            if tail:  # tanh of an undefined logit may be NaN, and 0 * NaN is NaN
+                p = jnp.where(col < v_size, p, 0.0)
+        acc_sc[...] = acc_sc[...] * alpha + jax.lax.dot_general(
+            p.astype(w.dtype), w, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
+
+    if v_size % bv:  # the masks only in the last V step (a select over the (bv, H) W block costs ~10%)
+        pl.when(j < n_v - 1)(lambda: step(False))
+        pl.when(j == n_v - 1)(lambda: step(True))
+    else:
+        step(False)
+
+    @pl.when(j == n_v - 1)
+    def _end():
+        @pl.when(i != last_i)
+        def _wait():
+            _wy_copy(bn).wait()
+
+        @pl.when(i == last_i)
+        def _wait_tail():
+            _wy_copy(n_last).wait()
+
+        lse = m_sc[...] + jnp.log(l_sc[...])
+        t = t_sc[...]
+        valid = y != ignore_index
+        g = g_ref[...]
+        loss_ref[...] = jnp.where(valid, g * (lse - t), 0.0)
+        lse_ref[...] = lse
+        cy = 1.0 if softcap is None else 1.0 - (t / softcap) ** 2
+        wy = dh_ref[...].astype(jnp.float32)  # rows past N (last block) are undefined and dropped on write
+        d = acc_sc[...] * (1.0 / l_sc[...]) - cy * wy
+        dh_ref[...] = jnp.where(valid, g * d, 0.0).astype(dh_ref.dtype)
+
+
 def _dz(h, w, y, lse, g, j, *, bv, v_size, softcap, ignore_index, precision):
     """``ds [bn, bv]`` f32 of one block (recomputed logits; module docstring), 0 at ignored rows."""
     import jax
@@ -270,7 +372,7 @@ def _dw_body(h_ref, w_ref, y_ref, lse_ref, g_ref, dw_ref, acc_ref, *, n_n, n_siz
 
 
 # ----------------------------------------------------------------------------------------------- checks + launch
-def _check_kernel_args(h, w, labels, lse=None, g=None, *, where: str):
+def _check_kernel_args(h, w, labels, lse=None, g=None, *, where: str, wy=None):
     """Shapes/dtypes of a kernel call. Returns ``(N, V, H)``.
 
     Raises:
@@ -291,6 +393,9 @@ def _check_kernel_args(h, w, labels, lse=None, g=None, *, where: str):
     if _dt(h) not in KERNEL_DTYPES:
         raise DTypeError(f"{where}: h dtype {_dt(h)} is not supported by the kernel; use {KERNEL_DTYPES} "
                          f"(tpukernels::linear_cross_entropy widens float16)")
+    if wy is not None and (tuple(wy.shape) != (N, H) or _dt(wy) != _dt(h)):
+        raise ArgumentError(f"{where}: wy must be [N, H] = ({N}, {H}) {_dt(h)} (the rows W[labels]), got "
+                            f"{tuple(wy.shape)} {_dt(wy)}")
     for x, n, dt in ((labels, "labels", "int32"), (lse, "lse", "float32"), (g, "g", "float32")):
         if x is None:
             continue
@@ -307,6 +412,9 @@ def vmem_bytes(kind: str, bn: int, bv: int, H: int, dtype, out_dtype=None) -> in
     tiles = 4 * bn * bv * 4
     if kind == "fwd":
         return 2 * (padded_bytes((bn, H), dtype) + padded_bytes((bv, H), dtype)) + 2 * rows + tiles
+    if kind == "fwd_dh":  # + the dh output block (double-buffered), the f32 acc and the f32 (bn, H) p @ W result
+        return (2 * (2 * padded_bytes((bn, H), dtype) + padded_bytes((bv, H), dtype)) + 2 * rows + tiles
+                + 2 * padded_bytes((bn, H), "float32"))
     out = padded_bytes((bn if kind == "dh" else bv, H), out_dtype or dtype)
     acc = padded_bytes((bn if kind == "dh" else bv, H), "float32")
     return 2 * (padded_bytes((bn, H), dtype) + padded_bytes((bv, H), dtype) + out) + 2 * rows + acc + tiles
@@ -355,6 +463,12 @@ def _fwd_out(h, w, labels, ignore_index=-100, softcap=None):
     return (_dsl.OutSpec((N, 1), np.float32), _dsl.OutSpec((N, 1), np.float32))
 
 
+def _fwd_dh_out(h, w, labels, wy, g, ignore_index=-100, softcap=None):
+    _check_kernel_args(h, w, labels, g=g, wy=wy, where="tpukernels::linear_cross_entropy_fwd_dh")
+    col = _dsl.OutSpec((h.shape[0], 1), np.float32)
+    return (col, col, _dsl.OutSpec(tuple(h.shape), h.dtype))
+
+
 def _dh_out(h, w, labels, lse, g, ignore_index=-100, softcap=None):
     _check_kernel_args(h, w, labels, lse, g, where="tpukernels::linear_cross_entropy_bwd_dh")
     return _dsl.OutSpec(tuple(h.shape), h.dtype)
@@ -393,6 +507,48 @@ def linear_cross_entropy_fwd(h: torch.Tensor, w: torch.Tensor, labels: torch.Ten
         vmem_limit_bytes=_limit(vmem_bytes("fwd", bn_, bv_, H, h.dtype)),
         cost_estimate=_cost(N, V, H, np.dtype(h.dtype).itemsize, 1, gi, 1),
         body_kwargs=dict(n_v=int(gj), v_size=V, bv=int(bv_), ignore_index=int(ignore_index), **_statics(h, softcap)),
+    )
+
+
+@_dsl.tpu_kernel(_fwd_dh_body, name="linear_cross_entropy_fwd_dh", namespace=NAMESPACE, tunables=TUNABLES,
+                 heuristic=_heuristic("fwd_dh"), rows=("h", "labels", "wy", "g"), out_shape=_fwd_dh_out)
+def linear_cross_entropy_fwd_dh(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, wy: torch.Tensor,
+                                g: torch.Tensor, ignore_index: int = -100, softcap: Optional[float] = None, *,
+                                bn: int, bv: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Forward that also returns ``dh`` (the gradient in the forward, one pass over the logits).
+
+    ``h [N, H]``, ``w [V, H]`` (bf16 | f32, one dtype), ``labels [N, 1]`` int32, ``wy [N, H]`` = ``w[labels]``
+    (h's dtype; any row where the label is ignore_index or out of range), ``g [N, 1]`` f32 per-row weights ->
+    ``(loss [N, 1] f32 = g * (lse - z_y), lse [N, 1] f32, dh [N, H] h's dtype = d loss / d h)``; loss and dh are
+    0 at ``ignore_index`` rows. ``g`` is the reduction's weight (``1 / n_valid`` for "mean", 1 for "sum" and
+    "none"), so ``dh`` is the final gradient when the upstream gradient of ``loss`` is 1. Its backward
+    (``dh * upstream``, and ``dW`` by :func:`linear_cross_entropy_bwd_dw` with ``g * upstream``) recomputes the
+    logits once.
+
+    Raises:
+        ArgumentError / DTypeError: see :func:`_check_kernel_args`.
+    """
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    N, V, H = _check_kernel_args(h, w, labels, g=g, wy=wy, where="tpukernels::linear_cross_entropy_fwd_dh")
+    bn_, bv_ = _clamp(N, bn), _clamp(V, bv)
+    gi, gj = _dsl.cdiv(N, bn_), _dsl.cdiv(V, bv_)
+    row = lambda i, j: (i, 0)  # noqa: E731
+    col = _dsl.OutSpec((N, 1), np.float32)
+    return _dsl.Launch(
+        grid=(gi, gj),
+        in_specs=[pl.BlockSpec((bn_, H), row), pl.BlockSpec((bv_, H), lambda i, j: (j, 0)), *_row_specs(bn_, row, 1),
+                  pl.BlockSpec(memory_space=pl.ANY), *_row_specs(bn_, row, 1)],
+        out_specs=(*_row_specs(bn_, row, 2), pl.BlockSpec((bn_, H), row)),
+        out_shape=(col, col, _dsl.OutSpec((N, H), h.dtype)),
+        scratch_shapes=[*(pltpu.VMEM((bn_, 1), np.float32) for _ in range(3)), pltpu.VMEM((bn_, H), np.float32),
+                        pltpu.SemaphoreType.DMA((1,))],
+        dimension_semantics=("parallel", "arbitrary"),
+        vmem_limit_bytes=_limit(vmem_bytes("fwd_dh", bn_, bv_, H, h.dtype)),
+        cost_estimate=_cost(N, V, H, np.dtype(h.dtype).itemsize, 2, gi, 3),
+        body_kwargs=dict(n_v=int(gj), v_size=V, bv=int(bv_), n_size=N, bn=int(bn_), ignore_index=int(ignore_index),
+                         **_statics(h, softcap)),
     )
 
 
@@ -449,7 +605,7 @@ def linear_cross_entropy_bwd_dw(h: torch.Tensor, w: torch.Tensor, labels: torch.
     )
 
 
-KERNELS = {"fwd": linear_cross_entropy_fwd, "bwd_dh": linear_cross_entropy_bwd_dh,
+KERNELS = {"fwd": linear_cross_entropy_fwd, "fwd_dh": linear_cross_entropy_fwd_dh, "bwd_dh": linear_cross_entropy_bwd_dh,
            "bwd_dw": linear_cross_entropy_bwd_dw}
 
 
@@ -467,6 +623,26 @@ def _fwd_backward(ctx, g_loss, g_lse=None):
         grads["h"] = torch.ops.tpukernels.linear_cross_entropy_bwd_dh(h, w, labels, lse, g, ii, cap)
     if ctx.needs_input_grad.get("w"):
         grads["w"] = torch.ops.tpukernels.linear_cross_entropy_bwd_dw(h, w, labels, lse, g, ii, cap)
+    return grads
+
+
+@linear_cross_entropy_fwd_dh.def_backward
+def _fwd_dh_backward(ctx, g_loss, g_lse=None, g_dh=None):
+    """``dh`` was computed in the forward for an upstream gradient of 1: scale it by the upstream gradient of
+    ``loss``; ``dW`` recomputes the logits once (:func:`linear_cross_entropy_bwd_dw`, per-row weight
+    ``g * upstream``). ``lse`` and ``dh`` carry no gradient (no double backward); ``wy``, ``g`` get none."""
+    h, w, labels, g = ctx.args["h"], ctx.args["w"], ctx.args["labels"], ctx.args["g"]
+    lse, dh = ctx.outputs[1], ctx.outputs[2]
+    if g_loss is None:
+        return {}
+    up = g_loss.float()
+    ii, cap = ctx.args["ignore_index"], ctx.args["softcap"]
+    grads = {}
+    if ctx.needs_input_grad.get("h"):
+        grads["h"] = (dh.float() * up).to(dh.dtype)
+    if ctx.needs_input_grad.get("w"):
+        grads["w"] = torch.ops.tpukernels.linear_cross_entropy_bwd_dw(h, w, labels, lse, (g * up).contiguous(), ii,
+                                                                      cap)
     return grads
 
 
@@ -542,9 +718,25 @@ def _lce_impl(h, W, labels, ignore_index=-100, reduction="mean", softcap=None):
         loss = (h.float() @ W.float().t()).sum(1)  # empty, but connected to h and W for autograd
     else:
         hk, wk = (h.float(), W.float()) if h.dtype == torch.float16 else (h, W)
+        hk, wk = hk.contiguous(), wk.contiguous()
         y = labels.to(torch.int32).reshape(-1, 1)
-        loss = torch.ops.tpukernels.linear_cross_entropy_fwd(hk.contiguous(), wk.contiguous(), y, ignore_index,
-                                                             softcap)[0].reshape(-1)
+        if torch.is_grad_enabled() and h.requires_grad:
+            # gradient in the forward: dh from the same pass as the loss, dW in the backward (one recompute)
+            n_valid = valid.sum()
+            if reduction == "mean":
+                g = valid.float() / n_valid.clamp_min(1)
+            else:
+                g = valid.float()
+            wy = wk.detach().index_select(0, labels.clamp(0, W.shape[0] - 1))
+            loss = torch.ops.tpukernels.linear_cross_entropy_fwd_dh(hk, wk, y, wy, g.reshape(-1, 1), ignore_index,
+                                                                    softcap)[0].reshape(-1)
+            if reduction == "none":
+                return loss
+            total = loss.sum()
+            if reduction == "mean":  # the weights already divide by n_valid; no valid row: NaN, as torch
+                total = torch.where(n_valid > 0, total, torch.full_like(total, float("nan")))
+            return total
+        loss = torch.ops.tpukernels.linear_cross_entropy_fwd(hk, wk, y, ignore_index, softcap)[0].reshape(-1)
     if reduction == "none":
         return loss
     if reduction == "sum":
@@ -602,9 +794,11 @@ def unfused(h, W, labels, ignore_index=-100, reduction="mean", softcap=None) -> 
 _LLAMA3 = ("8192x4096:bf16", "128256x4096:bf16", "8192x1:i32")
 STANDARD_CASES = [
     (linear_cross_entropy_fwd, _LLAMA3, {"ignore_index": -100, "softcap": None}),
+    (linear_cross_entropy_fwd_dh, (*_LLAMA3, "8192x4096:bf16", "8192x1:f32"), {"ignore_index": -100, "softcap": None}),
     (linear_cross_entropy_bwd_dh, (*_LLAMA3, "8192x1:f32", "8192x1:f32"), {"ignore_index": -100, "softcap": None}),
     (linear_cross_entropy_bwd_dw, (*_LLAMA3, "8192x1:f32", "8192x1:f32"), {"ignore_index": -100, "softcap": None}),
 ]
 
 __all__ = ["linear_cross_entropy", "reference", "unfused", "check_args", "linear_cross_entropy_fwd",
+           "linear_cross_entropy_fwd_dh",
            "linear_cross_entropy_bwd_dh", "linear_cross_entropy_bwd_dw", "KERNELS", "STANDARD_CASES"]
