@@ -348,7 +348,8 @@ def resolver(kernel: TpuKernel, specs, statics, chip=None):
 # ---------------------------------------------------------------------------------------------- sweep history
 # Every result of the sweeps stored with --write-db, so a learning strategy (``surrogate``) resumes instead of
 # evaluating them again: ``<user cache>/autotuning/<chip>/history/<namespace>.<name>.json``, version 1:
-# {"version": 1, "kernel": ..., "chip": ..., "runs": [{"key": entry_key, "evaluator": "<id>",
+# {"version": 1, "kernel": ..., "chip": ..., "runs": [{"key": entry_key, "problem": "<exact shapes, statics>",
+#  "evaluator": "<id>",
 #  "trials": [{"config": {...}, "time_us": 12.3 | null}]}]}  (null: failed, or ranked only by a bound)
 
 
@@ -356,9 +357,11 @@ def history_path(kernel_qualname: str, chip: str) -> str:
     return os.path.join(user_cache_dir(), "autotuning", chip, "history", file_name(kernel_qualname))
 
 
-def load_history(kernel: TpuKernel, chip: str, specs, statics, evaluator: str) -> list[tuple[dict, float | None]]:
-    """``(config, time_us or None)`` of every stored result for this kernel source, problem key, chip and
-    evaluator identity ``evaluator`` (a string: another evaluator's or option's times are not comparable).
+def load_history(kernel: TpuKernel, chip: str, specs, statics, evaluator: str,
+                 problem: str = "") -> list[tuple[dict, float | None]]:
+    """``(config, time_us or None)`` of every stored result for this kernel source, problem key, exact problem
+    ``problem`` (its description: a shape bucket holds several), chip and evaluator identity ``evaluator`` (a
+    string: another evaluator's or option's times are not comparable).
     A missing, unreadable or malformed file is no history (never an error)."""
     key = entry_key(kernel, specs, statics)
     try:
@@ -367,7 +370,7 @@ def load_history(kernel: TpuKernel, chip: str, specs, statics, evaluator: str) -
         runs = data["runs"] if isinstance(data, dict) and data.get("version") == VERSION else []
         out = []
         for run in runs:
-            if run.get("key") == key and run.get("evaluator") == evaluator:
+            if run.get("key") == key and run.get("evaluator") == evaluator and run.get("problem", "") == problem:
                 for t in run.get("trials", ()):
                     time_us = t.get("time_us")
                     if isinstance(t.get("config"), dict) and (time_us is None or isinstance(time_us, (int, float))):
@@ -378,7 +381,7 @@ def load_history(kernel: TpuKernel, chip: str, specs, statics, evaluator: str) -
         return []
 
 
-def record_history(kernel: TpuKernel, chip: str, specs, statics, evaluator: str, results) -> str:
+def record_history(kernel: TpuKernel, chip: str, specs, statics, evaluator: str, results, problem: str = "") -> str:
     """Add ``results`` (``(config, time_us or None)``) to the history (same key as :func:`load_history`; a
     config already there is replaced). Locked and atomic like :func:`record`; an unreadable file is set aside."""
     from filelock import FileLock
@@ -401,9 +404,10 @@ def record_history(kernel: TpuKernel, chip: str, specs, statics, evaluator: str,
                 warnings.warn(f"tpukernels: kept the unreadable tuning history as {aside} ({e})", RuntimeWarning,
                               stacklevel=2)
                 runs = []
-        run = next((r for r in runs if r.get("key") == key and r.get("evaluator") == evaluator), None)
+        run = next((r for r in runs if r.get("key") == key and r.get("evaluator") == evaluator
+                    and r.get("problem", "") == problem), None)
         if run is None:
-            run = {"key": key, "evaluator": evaluator, "trials": []}
+            run = {"key": key, "problem": problem, "evaluator": evaluator, "trials": []}
             runs.append(run)
         new = {json.dumps(c, sort_keys=True, default=str): {"config": dict(c), "time_us": t} for c, t in results}
         run["trials"] = [t for t in run["trials"]

@@ -212,7 +212,8 @@ class Surrogate(Strategy):
         self._optuna = optuna
         self.axes = {n: _axis_order(v) for n, v in space.values.items()}
         self.dists = {
-            n: IntDistribution(0, len(order) - 1) if _numeric(order) else CategoricalDistribution(tuple(range(len(order))))
+            n: IntDistribution(0, len(order) - 1) if _numeric(order)
+            else CategoricalDistribution(tuple(range(len(order))))
             for n, order in self.axes.items()
         }
         startup = n_startup_trials if n_startup_trials is not None else min(10, max(3, space.size() // 16))

@@ -150,8 +150,9 @@ def tune(
         *args, **kwargs: tensors, :class:`TensorSpec` or ``"8192x4096:bf16"`` strings, and static values.
         chip: the TPU generation (required for ``tpu-model``; ``measure`` uses the live device).
         evaluator: ``"tpu-model"``, ``"measure"`` or an :class:`Evaluator`.
-        strategy: ``"exhaustive"``, ``"random"``, ``"coordinate"``, ``"surrogate"`` (needs optuna), or a factory ``fn(space, seed)`` returning
-            a :class:`~tpukernels.autotune.strategies.Strategy` (a Strategy subclass works).
+        strategy: ``"exhaustive"``, ``"random"``, ``"coordinate"``, ``"surrogate"`` (needs optuna), or a factory
+            ``fn(space, seed)`` returning a :class:`~tpukernels.autotune.strategies.Strategy` (a Strategy
+            subclass works).
         budget: at most this many candidates evaluated (pruned ones are free). None: no limit.
         seconds: stop after this many seconds of wall-clock (in-flight candidates are abandoned).
         workers: parallel worker processes (``tpu-model`` only; ``measure`` runs serially: concurrent
@@ -168,7 +169,7 @@ def tune(
         progress: ``fn(done, total, trial, best)`` after each finished candidate.
         values: ``{tunable: [values]}`` to search instead of the declared ones (the baseline is always kept).
         resume: a strategy that learns (``surrogate``) is told the results earlier sweeps stored for this
-            kernel source, problem, chip and evaluator (:func:`~tpukernels.autotune.db.load_history`); they are
+            kernel source, exact problem, chip and evaluator (:func:`~tpukernels.autotune.db.load_history`); they are
             reported as trials with ``details["resumed"]``, not evaluated again and not counted in ``budget``.
             Sweeps with ``write_db`` add their results to that history.
 
@@ -205,7 +206,7 @@ def tune(
     exhausted = False
     ev_id = evaluator_id(ev)
     if resume and chip_name is not None:
-        prior = db.load_history(kernel, chip_name, problem.lowered_specs, problem.statics, ev_id)
+        prior = db.load_history(kernel, chip_name, problem.lowered_specs, problem.statics, ev_id, problem.describe())
         for config, time_us in (strat.resume(prior) if prior else ()):
             t = Trial(dict(config), "ok" if time_us is not None else "failed", time_us=time_us,
                       error_kind=None if time_us is not None else "resumed",
@@ -328,7 +329,8 @@ def tune(
                if t.status in ("ok", "failed", "wrong")]
         if new:
             try:
-                db.record_history(kernel, chip_name, problem.lowered_specs, problem.statics, ev_id, new)
+                db.record_history(kernel, chip_name, problem.lowered_specs, problem.statics, ev_id, new,
+                                  problem.describe())
             except OSError:  # the winner's write below reports an unwritable cache
                 pass
     if write_db and result.best is not None:
