@@ -13,7 +13,7 @@ export TPU_WORKER_HOSTNAMES ?= localhost
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[test,aot,demo,ray,diffusers]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,aot,demo,ray,tune,diffusers]'
 	@rm -f $(VENV)/.installed-*
 	@touch $(STAMP)
 

@@ -71,7 +71,8 @@ class SyntheticEvaluator(Evaluator):
     """time = 10 * (1 + sum over tunables of (log2(v) - log2(optimum))^2) µs; no compile, no device.
 
     ``fail`` / ``raise_for`` / ``crash`` / ``hang``: configs (as sorted item tuples) that come back failed,
-    raise, kill the worker process, or sleep ``hang_s``.
+    raise, kill the worker process, or sleep ``hang_s``. ``mark_dir``: each evaluation first creates
+    ``<mark_dir>/<a>-<b>-...-<pid>`` (who runs what, for tests that kill a worker mid-candidate).
     """
 
     chip: str = "v6e"
@@ -82,6 +83,7 @@ class SyntheticEvaluator(Evaluator):
     hang: tuple = ()
     hang_s: float = 60.0
     sleep_s: float = 0.0
+    mark_dir: str = ""
     name: str = "synthetic"
     label: str = "model"
 
@@ -90,6 +92,9 @@ class SyntheticEvaluator(Evaluator):
 
     def evaluate(self, problem, config):
         key = tuple(sorted(dict(config).items()))
+        if self.mark_dir:
+            name = "-".join(str(v) for _, v in key) + f"-{os.getpid()}"
+            open(os.path.join(self.mark_dir, name), "w").close()
         if self.sleep_s:
             time.sleep(self.sleep_s)
         if key in self.crash:

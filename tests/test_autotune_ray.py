@@ -138,3 +138,39 @@ def test_a_candidates_timeout_counts_from_its_start_or_the_startup_allowance():
     assert ex.running_since(pending, now - 10) is None  # importing: not yet timed
     since = ex.running_since(hung, now - 400)
     assert since == pytest.approx(now - 400 + 300)
+
+
+def test_a_sweep_survives_a_lost_worker(cluster, tmp_path):
+    """A Ray worker killed from outside mid-candidate (SIGKILL, as the OOM killer or a lost node would): Ray
+    re-runs its task on a fresh worker (task ``max_retries``), the sweep finishes and every candidate has its
+    result: none crashed, none lost, the same table as an undisturbed sweep."""
+    import concurrent.futures as cf
+    import signal
+
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    ev = SyntheticEvaluator(optimum=OPT, sleep_s=1.0, mark_dir=str(marks))
+    few = {"a": [8], "b": [256], "c": [2, 3]}  # with the defaults (16, 256, 1): 2 x 1 x 3 configs
+    t0 = time.monotonic()
+    with cf.ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(tune, tiles, "256x128:f32", evaluator=ev, strategy="exhaustive", values=few,
+                          executor=cluster, candidate_timeout_s=120)
+        victim = None
+        while victim is None and time.monotonic() - t0 < 120:  # the first candidate that starts
+            time.sleep(0.05)
+            started = sorted(marks.iterdir(), key=lambda p: p.stat().st_mtime)
+            if started:
+                victim = started[0].name
+        assert victim is not None, "no candidate started within 120 s"
+        pid = int(victim.rsplit("-", 1)[1])
+        assert pid != os.getpid()  # a worker of the cluster this test started, never this process
+        os.kill(pid, signal.SIGKILL)
+        r = fut.result(timeout=300)
+    assert time.monotonic() - t0 < 300
+    lost = victim.rsplit("-", 1)[0]
+    reruns = [p.name for p in marks.iterdir() if p.name.rsplit("-", 1)[0] == lost]
+    assert len(reruns) == 2 and str(pid) in {n.rsplit("-", 1)[1] for n in reruns}  # re-run on another worker
+    assert len(r.trials) == 6 and r.failures == {} and all(t.ok for t in r.trials)
+    undisturbed = tune(tiles, "256x128:f32", evaluator=SyntheticEvaluator(optimum=OPT), strategy="exhaustive",
+                       values=few, executor="inline")
+    assert _table(r) == _table(undisturbed) and r.best.config == {"a": 16, "b": 256, "c": 3}

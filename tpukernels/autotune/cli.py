@@ -1,7 +1,7 @@
 """``tpukernels autotune``: sweep a kernel's tunable space (or every library kernel) and store the winners.
 
     tpukernels [--import FILE] autotune KERNEL --chip v6e --shape 8192x4096:bf16 [--shape ...] [--static k=v]
-               [--strategy exhaustive|random|coordinate] [--budget N] [--seconds S] [--workers 2]
+               [--strategy exhaustive|random|coordinate|surrogate] [--budget N] [--seconds S] [--workers 2]
                [--evaluator tpu-model|measure] [--json] [--report DIR] [--write-db [user|shipped|PATH]]
     tpukernels autotune --library --chip v5e [--budget N] ...
 
@@ -35,7 +35,9 @@ def add_parser(subparsers) -> None:
                    help="search these values of one tunable instead of the declared ones (repeatable); the "
                         "baseline (the config a call gets today: tuning DB, else heuristic, else the declared "
                         "defaults) is always evaluated too, and can win")
-    s.add_argument("--strategy", default="coordinate", choices=["exhaustive", "random", "coordinate"])
+    s.add_argument("--strategy", default="coordinate", choices=["exhaustive", "random", "coordinate", "surrogate"],
+                   help="surrogate: optuna's TPE model learns from each result and resumes from the results "
+                        "earlier --write-db sweeps stored (needs tpukernels[tune])")
     s.add_argument("--budget", type=_positive(int), default=None,
                    help="max candidates evaluated per kernel (pruned ones are free); an int >= 1")
     s.add_argument("--seconds", type=_positive(float), default=None, help="wall-clock budget per kernel, seconds (> 0)")

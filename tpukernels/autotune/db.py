@@ -345,3 +345,83 @@ def resolver(kernel: TpuKernel, specs, statics, chip=None):
         return None
     cfg, source = got
     return cfg, f"{source}:{chip}"
+
+
+# ---------------------------------------------------------------------------------------------- sweep history
+# Every result of the sweeps stored with --write-db, so a learning strategy (``surrogate``) resumes instead of
+# evaluating them again: ``<user cache>/autotuning/<chip>/history/<namespace>.<name>.json``, version 1:
+# {"version": 1, "kernel": ..., "chip": ..., "runs": [{"key": entry_key, "problem": "<exact shapes, statics>",
+#  "evaluator": "<id>",
+#  "trials": [{"config": {...}, "time_us": 12.3 | null}]}]}  (null: failed, or ranked only by a bound)
+
+
+def history_path(kernel_qualname: str, chip: str) -> str:
+    return os.path.join(user_cache_dir(), "autotuning", chip, "history", file_name(kernel_qualname))
+
+
+def load_history(kernel: TpuKernel, chip: str, specs, statics, evaluator: str,
+                 problem: str = "") -> list[tuple[dict, float | None]]:
+    """``(config, time_us or None)`` of every stored result for this kernel source, problem key, exact problem
+    ``problem`` (its description: a shape bucket holds several), chip and evaluator identity ``evaluator`` (a
+    string: another evaluator's or option's times are not comparable).
+    A missing, unreadable or malformed file is no history (never an error)."""
+    key = entry_key(kernel, specs, statics)
+    try:
+        with open(history_path(kernel.qualname, chip)) as f:
+            data = json.load(f)
+        runs = data["runs"] if isinstance(data, dict) and data.get("version") == VERSION else []
+        out = []
+        for run in runs:
+            if run.get("key") == key and run.get("evaluator") == evaluator and run.get("problem", "") == problem:
+                for t in run.get("trials", ()):
+                    time_us = t.get("time_us")
+                    if isinstance(t.get("config"), dict) and (time_us is None or isinstance(time_us, (int, float))):
+                        out.append(({k: tuple(v) if isinstance(v, list) else v for k, v in t["config"].items()},
+                                    time_us))
+        return out
+    except (OSError, ValueError, TypeError, AttributeError, KeyError):
+        return []
+
+
+def record_history(kernel: TpuKernel, chip: str, specs, statics, evaluator: str, results, problem: str = "") -> str:
+    """Add ``results`` (``(config, time_us or None)``) to the history (same key as :func:`load_history`; a
+    config already there is replaced). Locked and atomic like :func:`record`; an unreadable file is set aside."""
+    from filelock import FileLock
+
+    path = history_path(kernel.qualname, chip)
+    folder = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    key = entry_key(kernel, specs, statics)
+    with FileLock(path + ".lock", timeout=60):
+        runs = []
+        if os.path.exists(path):
+            try:
+                with open(path) as f:
+                    data = json.load(f)
+                runs = data["runs"] if isinstance(data, dict) and isinstance(data.get("runs"), list) else None
+                if runs is None:
+                    raise ValueError("not a version-1 history file")
+            except (OSError, ValueError, KeyError) as e:
+                aside = _set_aside(path)
+                warnings.warn(f"tpukernels: kept the unreadable tuning history as {aside} ({e})", RuntimeWarning,
+                              stacklevel=2)
+                runs = []
+        run = next((r for r in runs if r.get("key") == key and r.get("evaluator") == evaluator
+                    and r.get("problem", "") == problem), None)
+        if run is None:
+            run = {"key": key, "problem": problem, "evaluator": evaluator, "trials": []}
+            runs.append(run)
+        new = {json.dumps(c, sort_keys=True, default=str): {"config": dict(c), "time_us": t} for c, t in results}
+        run["trials"] = [t for t in run["trials"]
+                         if json.dumps(t.get("config"), sort_keys=True, default=str) not in new] + list(new.values())
+        data = {"version": VERSION, "kernel": kernel.qualname, "chip": chip, "runs": runs}
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".tmp-{os.path.basename(path)}-", suffix=".json")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f, indent=1, sort_keys=True)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+    return path

@@ -116,6 +116,10 @@ class TpuModelEvaluator(Evaluator):
         estimate_timeout_s: give up on one static estimate after this long (the trial stays ok, with the
             roofline + overhead model and a note).
         step_overhead_us: per-grid-step overhead of the model, µs.
+        compile: compile each candidate with libtpu (a failing compile fails the candidate). False (with
+            ``cycles=False``): the model's roofline + step-overhead terms from the lowering alone, no libtpu
+            at all: seconds per candidate instead of minutes on a loaded host (strategy studies over whole
+            spaces, ``benchmarks/strategy_study.py``); a config Mosaic would reject still gets a time.
     """
 
     chip: str = "v5e"
@@ -123,6 +127,7 @@ class TpuModelEvaluator(Evaluator):
     estimate_steps: int | None = None
     estimate_timeout_s: float = 120.0
     step_overhead_us: float | None = None
+    compile: bool = True
     name = "tpu-model"
     label = "model"
 
@@ -150,12 +155,13 @@ class TpuModelEvaluator(Evaluator):
                     pending = _submit_static_cycles(problem.kernel, low, chip, cap)
             except Exception as e:  # invalid configs fail in compile_for below, with the reason
                 note = f"no static estimate ({type(e).__name__}: {e}); roofline + step overhead only"
-        args, kwargs = problem.call_args()
-        res = compile_for(problem.kernel, chip, *args, config=dict(config), with_mlir=False, **kwargs)
-        details["compile_seconds"] = round(res.compile_seconds, 3)
-        if not res.ok:
-            return Trial(dict(config), "failed", error_kind=res.error_kind, error=res.error, details=details)
-        details.update(vmem_estimate_bytes=res.vmem_estimate_bytes, code_size_bytes=res.code_size_bytes)
+        if self.compile:
+            args, kwargs = problem.call_args()
+            res = compile_for(problem.kernel, chip, *args, config=dict(config), with_mlir=False, **kwargs)
+            details["compile_seconds"] = round(res.compile_seconds, 3)
+            if not res.ok:
+                return Trial(dict(config), "failed", error_kind=res.error_kind, error=res.error, details=details)
+            details.update(vmem_estimate_bytes=res.vmem_estimate_bytes, code_size_bytes=res.code_size_bytes)
         low = lower(problem.kernel, specs, problem.statics, config, mode="mosaic", chip=chip)
         launch = low.resolved.launch
         steps = model.grid_steps(launch.grid)
@@ -167,7 +173,7 @@ class TpuModelEvaluator(Evaluator):
         if hbm is None:
             hbm = model.pipeline_traffic(launch, specs)
             hbm_src = "pipeline blocks x fetches" if hbm is not None else ""
-        if hbm is None:
+        if hbm is None and self.compile:
             hbm = _xla_bytes(low, chip)
             hbm_src = "xla cost_analysis" if hbm else ""
         if not hbm:

@@ -178,8 +178,8 @@ class _StartBoard:
     def __init__(self):
         self.started: list = []
 
-    def mark(self, job: int) -> None:
-        self.started.append(job)
+    def mark(self, job: int, pid: int = 0) -> None:
+        self.started.append((job, pid))
 
     def take(self) -> list:
         out, self.started = self.started, []
@@ -208,7 +208,7 @@ def _ray_task(board, job: int, imports: Sequence[str], env: dict, blob: bytes):
                 _RAY_IMPORT_ERRORS[spec] = f"importing {spec!r} on this Ray worker failed: {type(e).__name__}: {e}"
     # started = the candidate itself begins: a fresh worker's imports (torch, jax: tens of seconds on a loaded
     # machine, e.g. the worker that replaces a crashed one) are not charged to its timeout
-    board.mark.remote(job)
+    board.mark.remote(job, os.getpid())  # a retry (its first worker was lost) reports again, from another pid
     fn, args = pickle.loads(blob)
     out = fn(*args)
     if _RAY_IMPORT_ERRORS and getattr(out, "status", "ok") != "ok" and getattr(out, "error", None):
@@ -217,16 +217,20 @@ def _ray_task(board, job: int, imports: Sequence[str], env: dict, blob: bytes):
 
 
 class RayExecutor(Executor):
-    """Every job is one Ray task (``num_cpus=1``, no retries): on a local cluster or a user's.
+    """Every job is one Ray task (``num_cpus=1``, ``max_retries=retries``): on a local cluster or a user's.
 
     Without ``address`` this starts a local cluster of ``workers`` CPUs (``ray.init(num_cpus=workers,
     include_dashboard=False)``) and stops it on :meth:`shutdown`; with ``address`` (``"auto"``, or
     ``"ray://host:10001"``) it connects to a running cluster and leaves it running. If this process is
     already connected (``ray.is_initialized()``) that connection is used as is.
 
-    A task that dies (segfault, ``os._exit``, out of memory) fails with a Ray error that
-    :meth:`worker_died` recognises, and :meth:`cancel` kills just the worker of one hung task
-    (``ray.cancel(force=True)``): one bad candidate never costs the others their work, unlike a process pool.
+    A lost worker loses nothing: Ray re-runs a task whose worker process (or node) died, up to ``retries``
+    times (task ``max_retries``: system failures only; an exception the candidate raises is its result), on a
+    fresh worker, and the sweep gets that run's result. A candidate that kills its worker every time (segfault,
+    ``os._exit``, out of memory) then fails with a Ray error (``WorkerCrashedError``) that :meth:`worker_died`
+    recognises: only that candidate is recorded as crashed. :meth:`cancel` kills just the worker of one hung
+    task (``ray.cancel(force=True)``; a cancelled task is never retried): one bad candidate never costs the
+    others their work, unlike a process pool.
     Kernel modules given in ``imports`` (names or ``.py`` paths) must be importable on every node (on a
     local cluster they are). A candidate's timeout counts from when it starts (after its worker's imports;
     see ``startup_timeout_s``); :attr:`slots` (jobs in flight) defaults to the cluster's CPUs, so a submitted
@@ -240,15 +244,18 @@ class RayExecutor(Executor):
         address: a running cluster to connect to, or None for a local one.
         object_store_mb: object store size of a local cluster (jobs and trials are small).
         startup_timeout_s: a task's worker has this long (s) from submission to import ``imports`` and start
-            the candidate; a candidate's timeout counts from its start, or from the end of this allowance
-            when it never starts (hung imports).
+            the candidate; a candidate's timeout counts from its start (its latest, after a retry), or from the
+            end of this allowance when it never starts (hung imports).
+        retries: re-runs of a task whose worker died (Ray ``max_retries``), so a worker lost to the machine
+            (killed, evicted, its node gone) costs a re-run, not the candidate's result.
 
     Raises:
         ImportError: ray is not installed (``pip install 'tpukernels[ray]'``).
     """
 
     def __init__(self, workers: int | None = None, imports: Sequence[str] = (), env: dict | None = None,
-                 address: str | None = None, object_store_mb: int = 128, startup_timeout_s: float = 300.0):
+                 address: str | None = None, object_store_mb: int = 128, startup_timeout_s: float = 300.0,
+                 retries: int = 1):
         try:
             import ray  # noqa: F401
         except ImportError as e:
@@ -259,6 +266,7 @@ class RayExecutor(Executor):
         self.address = address
         self.object_store_mb = object_store_mb
         self.startup_timeout_s = float(startup_timeout_s)
+        self.retries = max(0, int(retries))
         self.imports = list(dict.fromkeys(imports))
         self.env = {**_WORKER_ENV, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"), **(env or {})}
         self._remote = None
@@ -270,7 +278,9 @@ class RayExecutor(Executor):
         self._board = None
         self._next_job = 0
         self._jobs: dict = {}  # future -> job id
-        self._started: dict = {}  # job id -> time.monotonic() this process first heard it started
+        self._started: dict = {}  # job id -> time.monotonic() this process first heard it started (latest attempt)
+        self._pids: dict = {}  # job id -> pid of the worker running its latest attempt
+        self._waiting: dict = {}  # job id -> since when a retried job waits for its new worker (local cluster)
         self._polled = 0.0
 
     @property
@@ -296,7 +306,7 @@ class RayExecutor(Executor):
                     ray.init(address=self.address, **kw)
             if self.workers is None:
                 self.capacity = max(1, int(ray.cluster_resources().get("CPU", 1)))
-            self._remote = ray.remote(_ray_task).options(num_cpus=1, max_retries=0, retry_exceptions=False)
+            self._remote = ray.remote(_ray_task).options(num_cpus=1, max_retries=self.retries, retry_exceptions=False)
             self._board = ray.remote(_StartBoard).options(num_cpus=0).remote()
         return self._remote
 
@@ -316,7 +326,10 @@ class RayExecutor(Executor):
 
     def _forget(self, fut) -> None:
         self._refs.pop(fut, None)
-        self._started.pop(self._jobs.pop(fut, None), None)
+        job = self._jobs.pop(fut, None)
+        self._started.pop(job, None)
+        self._pids.pop(job, None)
+        self._waiting.pop(job, None)
 
     def running_since(self, fut: cf.Future, submitted: float) -> float | None:
         import ray
@@ -325,15 +338,24 @@ class RayExecutor(Executor):
         if now - self._polled > 0.25:  # one actor call per sweep-loop turn at most, not one per job
             self._polled = now
             try:
-                for job in ray.get(self._board.take.remote(), timeout=10):
-                    self._started.setdefault(job, now)
+                for job, pid in ray.get(self._board.take.remote(), timeout=10):
+                    if self._pids.get(job) != pid:  # a first start, or a retry on another worker
+                        self._started[job], self._pids[job] = now, pid
+                        self._waiting.pop(job, None)
             except Exception:  # the board is unreachable: fall back to submission times
                 return submitted
-        started = self._started.get(self._jobs.get(fut))
-        if started is None and now - submitted > self.startup_timeout_s:
+            if self._owns:  # a local cluster: a job whose worker died is being retried (max_retries); its
+                for job, pid in list(self._pids.items()):  # timeout restarts when the new worker reports
+                    if job in self._started and not _alive(pid):
+                        del self._started[job]
+                        self._waiting[job] = now
+        job = self._jobs.get(fut)
+        started = self._started.get(job)
+        since = self._waiting.get(job, submitted)
+        if started is None and now - since > self.startup_timeout_s:
             # never reported a start: its worker's imports hang (jobs in flight never exceed the CPUs, so it
             # is not queued); its timeout then counts from the end of the start-up allowance
-            return submitted + self.startup_timeout_s
+            return since + self.startup_timeout_s
         return started
 
     def worker_died(self, exc: BaseException) -> bool:
@@ -371,6 +393,16 @@ class RayExecutor(Executor):
             ray.shutdown()
             self._owns = False
         self._remote = self._board = None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: a check, nothing is sent
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, not ours to signal
+        return True
+    return True
 
 
 class _SharedRay(Executor):

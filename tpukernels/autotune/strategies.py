@@ -13,6 +13,11 @@ no compile and no budget.
   as one batch, so workers run them in parallel; move the centre to the best of the batch; when the
   centre stays best, widen the step (2, 4, ... values away); when the widest step finds nothing better,
   restart from a random unexplored config (a new descent) until the budget or the space runs out.
+* ``surrogate``: a model of the objective learns from every result (optuna's TPE sampler: a Tree-structured
+  Parzen Estimator, Bergstra et al. 2011, "Algorithms for Hyper-Parameter Optimization"). The default first,
+  then a few seeded random configs, then the configs the model expects to be fastest. It resumes: results a
+  previous sweep of the same kernel source, problem, chip and evaluator stored (``--write-db``, see
+  :func:`tpukernels.autotune.db.load_history`) are told to the model and not evaluated again.
 """
 
 from __future__ import annotations
@@ -47,6 +52,12 @@ class Strategy(abc.ABC):
 
     def tell(self, config: Config, time_us: float | None) -> None:
         """``time_us`` None: the candidate failed."""
+
+    def resume(self, prior) -> list:
+        """Learn ``prior`` results (``(config, time_us or None)`` pairs from earlier sweeps) without evaluating
+        them again; returns the pairs taken (the sweep reports them as resumed trials). Default: none (the
+        strategy starts afresh)."""
+        return []
 
 
 class _IterStrategy(Strategy):
@@ -94,7 +105,7 @@ class RandomSearch(_IterStrategy):
 
 def _axis_order(values: tuple) -> list:
     """A tunable's values in search order: sorted by value when all numeric, else as declared."""
-    if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+    if _numeric(values):
         return sorted(values)
     return list(values)
 
@@ -165,7 +176,150 @@ class Coordinate(Strategy):
             self.local_best = (t, config)
 
 
-STRATEGIES = {"exhaustive": Exhaustive, "random": RandomSearch, "coordinate": Coordinate}
+class Surrogate(Strategy):
+    """optuna's TPE sampler over the space (module docstring). Deterministic for a seed when results arrive
+    in the same order (one worker; with several, the order results finish in steers the model).
+
+    Each tunable is one optuna parameter: an ordinal ``IntDistribution`` over the index of its sorted values
+    when they are all numbers (so the model sees that 256 lies between 128 and 512), else a categorical one.
+    A config the space prunes, a failed candidate and one ranked only by a bound are told as a penalty value
+    (worse than any time), so the model learns to avoid them; a proposal already evaluated is discarded
+    (optuna ``FAIL``: no new information) and after ``max_misses`` such proposals in a row the next
+    unexplored config of a seeded random order is evaluated instead, so the sweep never stalls.
+
+    Args:
+        space: the :class:`~tpukernels.autotune.space.Space`.
+        seed: the sampler's and the fallback order's seed.
+        n_startup_trials: random configs (after the baseline) before the model steers; default
+            ``clip(size // 16, 3, 10)``.
+        max_misses: proposals in a row that may be pruned or repeats before the random fallback.
+
+    Raises:
+        ImportError: optuna is not installed (``pip install 'tpukernels[tune]'``).
+    """
+
+    name = "surrogate"
+    PENALTY = 1e30
+
+    def __init__(self, space: Space, seed: int = 0, n_startup_trials: int | None = None, max_misses: int = 16):
+        super().__init__(space, seed)
+        try:
+            import optuna
+        except ImportError as e:
+            raise ImportError("the surrogate strategy needs optuna: pip install 'tpukernels[tune]'") from e
+        from optuna.distributions import CategoricalDistribution, IntDistribution
+
+        self._optuna = optuna
+        self.axes = {n: _axis_order(v) for n, v in space.values.items()}
+        self.dists = {
+            n: IntDistribution(0, len(order) - 1) if _numeric(order)
+            else CategoricalDistribution(tuple(range(len(order))))
+            for n, order in self.axes.items()
+        }
+        startup = n_startup_trials if n_startup_trials is not None else min(10, max(3, space.size() // 16))
+        # 64 candidates per proposal (optuna's default: 24): fewer evaluations to the best on the library's
+        # spaces (benchmarks/strategy_study.py: worst case 43 instead of 130 of 320 on grouped_matmul_fwd v6e)
+        sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup, n_ei_candidates=64,
+                                             multivariate=True, constant_liar=True)
+        with _quiet(optuna):
+            self.study = optuna.create_study(direction="minimize", sampler=sampler)
+        self.max_misses = max_misses
+        self.pending: dict = {}  # Config -> optuna trial
+        self.known: dict = {}  # Config -> time_us or None (failed / pruned / bound only)
+        self._fallback = RandomSearch(space, seed)._order()
+        self._baseline_asked = False
+
+    def _params(self, config: Config) -> dict | None:
+        try:
+            return {n: self.axes[n].index(config[n]) for n in self.axes}
+        except (KeyError, ValueError):  # a value outside this space (e.g. another --values)
+            return None
+
+    def _config(self, params: dict) -> Config:
+        return Config({n: self.axes[n][params[n]] for n in self.axes})
+
+    def _tell(self, trial, time_us: float | None) -> None:
+        with _quiet(self._optuna):
+            self.study.tell(trial, self.PENALTY if time_us is None else float(time_us))
+
+    def resume(self, prior) -> list:
+        from optuna.trial import create_trial
+
+        taken = []
+        for config, time_us in prior:
+            config = Config(config)
+            params = self._params(config)
+            if params is None or config in self.proposed or self.space.check(config) is not None:
+                continue
+            value = self.PENALTY if time_us is None else float(time_us)
+            self.study.add_trial(create_trial(params=params, distributions=self.dists, value=value))
+            self.proposed.add(config)
+            self.known[config] = time_us
+            taken.append((config, time_us))
+        return taken
+
+    def _next(self):
+        """An optuna trial for a config to evaluate (already checked), or None."""
+        if not self._baseline_asked:  # the baseline first (unless an earlier sweep evaluated it)
+            self._baseline_asked = True
+            if self._valid(self.space.default()):
+                self.study.enqueue_trial(self._params(self.space.default()))
+        for _ in range(self.max_misses):
+            trial = self.study.ask(self.dists)
+            config = self._config(trial.params)
+            if config in self.proposed:  # a repeat: nothing to learn, nothing to run
+                with _quiet(self._optuna):
+                    self.study.tell(trial, state=self._optuna.trial.TrialState.FAIL)
+                continue
+            if self.space.check(config) is not None:  # pruned: free, and the model learns to avoid it
+                self.proposed.add(config)
+                self.known[config] = None
+                self._tell(trial, None)
+                continue
+            return config, trial
+        config = next((c for c in self._fallback if self._valid(c)), None)
+        if config is None:
+            return None
+        self.study.enqueue_trial(self._params(config))
+        return config, self.study.ask(self.dists)
+
+    def ask(self) -> Config | None:
+        got = self._next()
+        if got is None:
+            if self.pending:
+                return None
+            raise StopIteration
+        config, trial = got
+        self.proposed.add(config)
+        self.pending[config] = trial
+        return config
+
+    def tell(self, config: Config, time_us: float | None) -> None:
+        trial = self.pending.pop(config, None)
+        self.known[config] = time_us
+        if trial is not None:
+            self._tell(trial, time_us)
+
+
+def _numeric(values) -> bool:
+    return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+
+
+class _quiet:
+    """optuna logs every trial at INFO; silence it for the strategy's calls only."""
+
+    def __init__(self, optuna):
+        self.logging = optuna.logging
+
+    def __enter__(self):
+        self.level = self.logging.get_verbosity()
+        self.logging.set_verbosity(self.logging.WARNING)
+
+    def __exit__(self, *exc):
+        self.logging.set_verbosity(self.level)
+
+
+STRATEGIES = {"exhaustive": Exhaustive, "random": RandomSearch, "coordinate": Coordinate, "surrogate": Surrogate}
 
 
 def make_strategy(name: str, space: Space, seed: int = 0) -> Strategy:

@@ -141,6 +141,7 @@ def tune(
     imports=(),
     progress: Callable | None = None,
     values: dict | None = None,
+    resume: bool = True,
     **kwargs,
 ) -> SweepResult:
     """Search ``kernel``'s tunable space for the call signature ``*args, **kwargs``.
@@ -149,8 +150,9 @@ def tune(
         *args, **kwargs: tensors, :class:`TensorSpec` or ``"8192x4096:bf16"`` strings, and static values.
         chip: the TPU generation (required for ``tpu-model``; ``measure`` uses the live device).
         evaluator: ``"tpu-model"``, ``"measure"`` or an :class:`Evaluator`.
-        strategy: ``"exhaustive"``, ``"random"``, ``"coordinate"``, or a factory ``fn(space, seed)`` returning
-            a :class:`~tpukernels.autotune.strategies.Strategy` (a Strategy subclass works).
+        strategy: ``"exhaustive"``, ``"random"``, ``"coordinate"``, ``"surrogate"`` (needs optuna), or a factory
+            ``fn(space, seed)`` returning a :class:`~tpukernels.autotune.strategies.Strategy` (a Strategy
+            subclass works).
         budget: at most this many candidates evaluated (pruned ones are free). None: no limit.
         seconds: stop after this many seconds of wall-clock (in-flight candidates are abandoned).
         workers: parallel worker processes (``tpu-model`` only; ``measure`` runs serially: concurrent
@@ -166,6 +168,10 @@ def tune(
         imports: extra modules / ``.py`` files worker processes import (the kernel's own module is added).
         progress: ``fn(done, total, trial, best)`` after each finished candidate.
         values: ``{tunable: [values]}`` to search instead of the declared ones (the baseline is always kept).
+        resume: a strategy that learns (``surrogate``) is told the results earlier sweeps stored for this
+            kernel source, exact problem, chip and evaluator (:func:`~tpukernels.autotune.db.load_history`); they are
+            reported as trials with ``details["resumed"]``, not evaluated again and not counted in ``budget``.
+            Sweeps with ``write_db`` add their results to that history.
 
     The baseline, evaluated first, is the config a call of this problem gets today on the chip (its tuning
     DB entry, else the heuristic, else the declared defaults: ``Space.default``), so ``speedup_vs_default``
@@ -198,6 +204,17 @@ def tune(
     suspects: list[Config] = []  # in flight when a worker crashed: re-run one at a time to find the culprit
     stopped = "space exhausted"
     exhausted = False
+    ev_id = evaluator_id(ev)
+    if resume and chip_name is not None:
+        prior = db.load_history(kernel, chip_name, problem.lowered_specs, problem.statics, ev_id, problem.describe())
+        for config, time_us in (strat.resume(prior) if prior else ()):
+            t = Trial(dict(config), "ok" if time_us is not None else "failed", time_us=time_us,
+                      error_kind=None if time_us is not None else "resumed",
+                      error=None if time_us is not None else "failed, or ranked only by a bound, in an earlier sweep",
+                      details={"resumed": True, **({"is_default": True} if config == default else {})})
+            t.index = len(trials)
+            trials.append(t)
+    n_resumed = len(trials)
 
     def finish(config: Config, trial: Trial) -> None:
         trial.index = len(trials)
@@ -211,7 +228,7 @@ def tune(
         strat.tell(config, trial.time_us if trial.ok and trial.ranked else None)
         if progress is not None:
             best = min((t for t in trials if t.ok), key=lambda t: t.rank_key, default=None)
-            progress(len(trials), max_evals, trial, best)
+            progress(len(trials) - n_resumed, max_evals, trial, best)
 
     def submit(config: Config) -> None:
         fut = ex.submit(run_job, ref, payload, dict(config), ev)
@@ -228,7 +245,7 @@ def tune(
                 if suspects:  # already counted against the budget when first submitted
                     submit(suspects.pop(0))
                     continue
-                if exhausted or (max_evals is not None and len(trials) + len(in_flight) >= max_evals):
+                if exhausted or (max_evals is not None and len(trials) - n_resumed + len(in_flight) >= max_evals):
                     break
                 try:
                     cfg = strat.ask()
@@ -239,7 +256,7 @@ def tune(
                     break
                 submit(cfg)
             if not in_flight:
-                if max_evals is not None and len(trials) >= max_evals:
+                if max_evals is not None and len(trials) - n_resumed >= max_evals:
                     stopped = "evaluation budget"
                 break
             wait_s = 1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))
@@ -307,11 +324,29 @@ def tune(
         trials=trials, pruned=space.pruned, elapsed_s=time.monotonic() - t_start, stopped=stopped,
         baseline_source=space.baseline_source,
     )
+    if write_db and chip_name is not None:
+        new = [(t.config, t.time_us if t.ok and t.ranked else None) for t in trials[n_resumed:]
+               if t.status in ("ok", "failed", "wrong")]
+        if new:
+            try:
+                db.record_history(kernel, chip_name, problem.lowered_specs, problem.statics, ev_id, new,
+                                  problem.describe())
+            except OSError:  # the winner's write below reports an unwritable cache
+                pass
     if write_db and result.best is not None:
         result.db_path, result.db_note = store(result, problem, write_db, force=force_db)
         if result.db_path:
             forget_dispatch_choices(kernel)
     return result
+
+
+def evaluator_id(ev: Evaluator) -> str:
+    """What makes two evaluators' times comparable: name, label and settings (timeouts aside), as JSON."""
+    import json
+
+    fields = {f.name: getattr(ev, f.name) for f in dataclasses.fields(ev)} if dataclasses.is_dataclass(ev) else {}
+    fields = {k: v for k, v in fields.items() if "timeout" not in k}
+    return json.dumps({"name": ev.name, "label": ev.label, **fields}, sort_keys=True, default=str)
 
 
 def forget_dispatch_choices(kernel: TpuKernel) -> None:

@@ -1,0 +1,104 @@
+"""Shipped tuning entries for chips without them (v4, v5p): every library kernel at its standard shapes.
+
+For each ``library.standard_cases()`` case without an exact shipped entry on ``--chip``, this runs the
+autotuner (``tpukernels.autotune.tuner.tune``, strategy ``exhaustive``) with the cheap model objective
+``TpuModelEvaluator(chip, cycles=False, compile=False)``: the tpu-model's ``max(HBM bytes / bandwidth + grid
+steps x 0.35 us, FLOPs / peak)`` over the whole space after its static pruning (constraints, block rules,
+VMEM over the chip's scoped limit) -- a MODEL, without libtpu's static cycle estimate (20-60 s per candidate on
+a loaded 2-core host). The best configs, in model order, are then compiled for the chip with libtpu
+(compile-only ``compile_for``) until one compiles (at most ``--tries``); that one is written to
+``tpukernels/data/autotuning/<chip>/`` with its evidence (objective, model time, compile result). A case where
+none compiles is printed with the compiler's reasons (record it in ``tpukernels/data/autotuning/coverage.json``).
+
+    nice -n 10 .venv/bin/python benchmarks/ship_tables.py --chip v4 [--kernel matmul_nn] [--force]
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+import warnings
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-1")
+os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # this checkout's tpukernels
+
+OBJECTIVE = ("tpu-model roofline + grid-step overhead over the whole space (exhaustive, no libtpu static "
+             "estimate); winner compile-checked with libtpu compile-only")
+
+
+def ship(chip: str, only: str | None, force: bool, tries: int) -> int:
+    from tpukernels import library
+    from tpukernels.autotune import db
+    from tpukernels.autotune.evaluators import TpuModelEvaluator
+    from tpukernels.autotune.space import Problem
+    from tpukernels.autotune.tuner import tune
+    from tpukernels.targets.compile_only import compile_for, compile_only_env
+
+    compile_only_env()
+    with open(os.path.join(os.path.dirname(os.path.dirname(db.shipped_db_path("x", chip))), "coverage.json")) as f:
+        reasons = {(m["kernel"], m["chip"], m["problem"]) for m in json.load(f)["missing"]}
+    missing = 0
+    slow = ("flash_attention", "ragged_paged")  # the longest compiles last: the cheap cases land first
+    cases = sorted(library.standard_cases(), key=lambda c: c[0].name.startswith(slow))
+    for kernel, args, kwargs in cases:
+        if only and kernel.name != only:
+            continue
+        problem = Problem.from_args(kernel, *args, **kwargs)
+        path = db.shipped_db_path(kernel.qualname, chip)
+        key = db.entry_key(kernel, problem.lowered_specs, problem.statics)
+        if not force and db.find(db.load(path), key)[1] == "exact":
+            continue
+        if (kernel.qualname, chip, problem.describe()) in reasons:  # no entry, by design (coverage.json)
+            continue
+        t0 = time.monotonic()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            r = tune(kernel, *args, evaluator=TpuModelEvaluator(chip=chip, cycles=False, compile=False),
+                     strategy="exhaustive", executor="inline", resume=False, **kwargs)
+        ranked = sorted(r.ok_trials, key=lambda t: t.rank_key)
+        print(f"  {kernel.name} {r.problem}: {len(r.trials)} configs modelled in {time.monotonic() - t0:.0f} s",
+              file=sys.stderr, flush=True)
+        call_args, call_kwargs = problem.call_args()
+        reasons = []
+        for i, t in enumerate(ranked[:tries]):
+            res = compile_for(kernel, chip, *call_args, config=dict(t.config), with_mlir=False, **call_kwargs)
+            if not res.ok:
+                reasons.append(f"{t.config}: {res.error_kind}: {(res.error or '')[:200]}")
+                continue
+            default = r.default
+            evidence = {
+                "evaluator": "tpu-model", "label": "model", "objective": OBJECTIVE, "time_us": round(t.time_us, 3),
+                "default_time_us": None if default is None or not default.ok else round(default.time_us, 3),
+                "strategy": "exhaustive", "evaluated": len(r.trials), "pruned": len(r.pruned), "problem": r.problem,
+                "model_rank": i + 1, "bound": t.details.get("bound"),
+                "compiled": f"ok (compile-only for {chip}, {res.compile_seconds:.1f} s)",
+                "vmem_estimate_bytes": res.vmem_estimate_bytes,
+            }
+            db.record(kernel, chip, problem.lowered_specs, problem.statics, t.config, evidence, path=path)
+            print(f"{chip} {kernel.name} {r.problem}: {t.config} {t.time_us:.1f} us (model, rank {i + 1} of "
+                  f"{len(ranked)}), compiled; {time.monotonic() - t0:.0f} s", flush=True)
+            break
+        else:
+            missing += 1
+            print(f"{chip} {kernel.name} {r.problem}: NO ENTRY ({len(ranked)} ok by the model); "
+                  + " | ".join(reasons), flush=True)
+    return missing
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--chip", required=True)
+    p.add_argument("--kernel", help="only this kernel (its short name)")
+    p.add_argument("--force", action="store_true", help="replace existing exact entries")
+    p.add_argument("--tries", type=int, default=3, help="compile at most this many of the model's best configs")
+    args = p.parse_args()
+    sys.exit(1 if ship(args.chip, args.kernel, args.force, args.tries) else 0)
+
+
+if __name__ == "__main__":
+    main()
