@@ -99,7 +99,8 @@ for run in runs:
     config_name, *extra = run.split("+")
     t0 = time.perf_counter()
     config = ConfigManager().parse_args(
-        ["--module", "tpukernels.integrations.torchtitan_compat", "--config", config_name, *common, *extra])
+        ["--module", "tpukernels.integrations." + ("torchtitan" if config_name.endswith("_tpukernels") else "torchtitan_compat"),
+         "--config", config_name, *common, *extra])
     trainer = config.build()
     losses = []
     step = trainer.forward_backward_step

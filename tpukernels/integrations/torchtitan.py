@@ -468,6 +468,15 @@ def apply_to_trainer_config(config, *, loss: bool = True, selective_ac: bool = T
 
 
 # ------------------------------------------------------------------------------------------ config registry
+def llama3_debugmodel_cpu_tpukernels():
+    """:func:`torchtitan_compat.llama3_debugmodel_cpu` (CPU, synthetic assets) with every tpukernels swap
+    (attention, RMSNorm, SwiGLU, RoPE, fused loss, selective-AC save list), through :func:`apply_to_trainer_config`
+    (``--module tpukernels.integrations.torchtitan --config llama3_debugmodel_cpu_tpukernels``)."""
+    config = _compat.llama3_debugmodel_cpu()
+    apply_to_trainer_config(config)
+    return config
+
+
 def llama3_debugmodel_tpukernels():
     """torchtitan's ``llama3_debugmodel`` Trainer config with every tpukernels swap
     (``--module tpukernels.integrations.torchtitan --config llama3_debugmodel_tpukernels``)."""

@@ -291,7 +291,7 @@ def __getattr__(name):  # these subclass torchtitan's classes: defined on first 
 def llama3_debugmodel_cpu():
     """torchtitan's ``llama3_debugmodel`` runnable on a CPU host without assets: synthetic tokenizer and
     documents (mean length 24), :class:`EagerDocumentAttention` for the CUDA/inductor-only inner attention,
-    no CUDA graphs. The reference for :func:`llama3_debugmodel_cpu_tpukernels`."""
+    no CUDA graphs. The reference for :func:`tpukernels.integrations.torchtitan.llama3_debugmodel_cpu_tpukernels`."""
     import sys as _sys
 
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
@@ -313,16 +313,6 @@ def llama3_debugmodel_cpu():
     config.dataloader = dl.Config(vocab_size=vocab, mean_doc_len=24)
     config.training.disable_cuda_graphs = True
     config.debug.seed = 0  # model init and data are the same in every run (the parity tests compare runs)
-    return config
-
-
-def llama3_debugmodel_cpu_tpukernels():
-    """:func:`llama3_debugmodel_cpu` with every tpukernels swap (attention, RMSNorm, SwiGLU, RoPE, fused loss,
-    selective-AC save list): :func:`tpukernels.integrations.torchtitan.apply_to_trainer_config`."""
-    from tpukernels.integrations.torchtitan import apply_to_trainer_config
-
-    config = llama3_debugmodel_cpu()
-    apply_to_trainer_config(config)
     return config
 
 

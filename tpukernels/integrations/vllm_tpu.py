@@ -142,7 +142,7 @@ def write_kv(kv_cache, k, v, kv_lens, page_indices2d, cu_q_lens, num_seqs, *, us
     if not use_kernel:
         page = jnp.where(live, slots // ps, P)  # out of range: dropped by the scatter
         return kv_cache.at[page, slots % ps].set(row.reshape(T, *kv_cache.shape[2:]), mode="drop")
-    from .. import jax_call
+    from ..targets.jax_entry import jax_call
     from ..library.paged_attention import update_kernel
 
     # tpukernels' update kernel: one row DMA per token into the aliased cache (input_output_aliases), so a

@@ -815,7 +815,7 @@ def ragged_paged_attention_jax(q, kv_cache, kv_lens, page_indices, cu_q_lens, nu
     """
     import jax
 
-    from .. import jax_call
+    from ..targets.jax_entry import jax_call
 
     where = "tpukernels::ragged_paged_attention"
     for name, t in (("q", q), ("kv_cache", kv_cache), ("kv_lens", kv_lens), ("page_indices", page_indices),
