@@ -337,13 +337,19 @@ def test_cli_library_uses_standard_cases(monkeypatch, capsys, tmp_cache):
     res = json.loads(capsys.readouterr().out)
     assert [r["kernel"] for r in res] == ["tktest::scale", "tktest_autotune::twice"]
     assert all(r["evaluated"] == 2 for r in res) and "alpha=3.0" in res[0]["problem"]
+    # --library KERNEL: that kernel's standard cases only (re-tune one shipped table)
+    assert main(["autotune", "--library", "twice", "--evaluator", "measure", "--budget", "2", "--repeats", "1",
+                 "--no-progress", "--json"]) == 0
+    assert [r["kernel"] for r in json.loads(capsys.readouterr().out)] == ["tktest_autotune::twice"]
+    assert main(["autotune", "--library", "add_mul", "--evaluator", "measure"]) == 2
+    assert "has no STANDARD_CASES" in capsys.readouterr().err
 
 
 def test_cli_errors_are_clean(capsys):
     assert main(["autotune", "scale", "--shape", "8x128:f32"]) == 2
     assert "--chip is required" in capsys.readouterr().err
-    assert main(["autotune", "--library", "scale", "--evaluator", "measure"]) == 2
-    assert "give no KERNEL" in capsys.readouterr().err
+    assert main(["autotune", "--library", "scale", "--shape", "8x128:f32", "--evaluator", "measure"]) == 2
+    assert "give no --shape" in capsys.readouterr().err
 
 
 def test_write_db_shipped_goes_to_package_data_path(tmp_path, tmp_cache, monkeypatch):

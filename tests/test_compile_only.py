@@ -123,7 +123,7 @@ def test_unknown_chip_and_missing_libtpu(monkeypatch):
         tk.compile_for(kernel, "v3000", "8x128:f32")
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "libtpu" else real(name, *a))
-    with pytest.raises(tk.BackendUnavailableError, match=r"pip install 'tpukernels\[aot\]'"):
+    with pytest.raises(tk.BackendUnavailableError, match=r"libtpu .*install the aot extra.*pip install -e '\.\[aot\]'"):
         tk.compile_for(kernel, "v5e", "8x128:f32")
 
 

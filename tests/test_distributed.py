@@ -163,3 +163,23 @@ def test_every_library_kernel_has_a_rule_and_new_ops_split_sensibly():
             "h": _meta(64, 128), "w": _meta(512, 128), "labels": _meta(64, 1, dtype=torch.int32),
             "lse": _meta(64, 1), "g": _meta(64, 1), "ignore_index": -100, "softcap": None})
         assert s.inputs == {"h": 0, "labels": 0, "lse": 0, "g": 0} and tuple(s.outputs) == (PARTIAL,)
+
+
+def test_rules_of_masked_attention_blockwise_matmul_and_rope():
+    import tpukernels.library  # noqa: F401
+    from tpukernels.dsl.kernel import REGISTRY
+
+    masked = REGISTRY["tpukernels::flash_attention_masked_fwd"]
+    base = {"q": _meta(2, 8, 256, 128), "k": _meta(2, 8, 256, 128), "v": _meta(2, 8, 256, 128),
+            "bwd_table": _meta(3, 1, 2, 2, dtype=torch.int32)}
+    one_head = splits_for(masked, {**base, "fwd_table": _meta(3, 1, 2, 2, dtype=torch.int32)})
+    assert Split({"q": 1, "k": 1, "v": 1}, (1, 1)) in one_head
+    multi = splits_for(masked, {**base, "fwd_table": _meta(3, 8, 2, 2, dtype=torch.int32)})
+    assert multi == [Split({"q": 0, "k": 0, "v": 0}, (0, 0))]  # per-head tables index the global head
+    bw = splits_for(REGISTRY["tpukernels::quantized_matmul_blockwise_kernel"], {
+        "x": _meta(64, 256), "w_q": _meta(512, 128, dtype=torch.uint8), "w_scale": _meta(2, 1, 512),
+        "w_zero_point": _meta(2, 1, 512), "block_size": 128})
+    assert bw == [Split({"x": 0}, (0,)), Split({"w_q": 0, "w_scale": 2, "w_zero_point": 2}, (1,))]  # never K
+    rope = splits_for(REGISTRY["tpukernels::rope_fwd"], {
+        "x": _meta(2, 16, 8, 64), "cos": _meta(1, 16, 64), "sin": _meta(1, 16, 64), "seq_dim": 1})
+    assert rope == [Split({"x": 2}, (2,)), Split({"x": 1, "cos": 1, "sin": 1}, (1,)), Split({"x": 0}, (0,))]

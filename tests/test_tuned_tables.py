@@ -122,12 +122,24 @@ def _lce(key):
 
     st = key["statics"]
     (h, w, *_), (dh, dw, *_) = key["shapes"], key["dtypes"]
-    bwd = "_bwd" in key["_kernel"]
+    bwd = "_bwd" in key["_kernel"] or key["_kernel"].endswith("_fwd_dh")  # fwd_dh: the forward when h needs grad
     labels = torch.zeros(h[0], dtype=torch.long)
     out = linear_cross_entropy(_e(h, dh, bwd), _e(w, dw, bwd), labels, ignore_index=st["ignore_index"],
                                softcap=st["softcap"])
     if bwd:
         _backward(out)
+    return out
+
+
+def _lce_kernel_op(key):
+    """``bwd_dh`` serves the kernel op ``torch.ops.tpukernels.linear_cross_entropy_fwd`` differentiated for ``h``
+    (the public op computes ``dh`` in its forward: ``fwd_dh``)."""
+    st = key["statics"]
+    (h, w, *_), (dh, dw, *_) = key["shapes"], key["dtypes"]
+    labels = torch.zeros(h[0], 1, dtype=torch.int32)
+    out = torch.ops.tpukernels.linear_cross_entropy_fwd(_e(h, dh, True), _e(w, dw), labels, st["ignore_index"],
+                                                         st["softcap"])
+    _backward(out[0])
     return out
 
 
@@ -187,7 +199,8 @@ PUBLIC = {
     "tpukernels::layer_norm_fwd": _layer, "tpukernels::layer_norm_bwd": _layer,
     "tpukernels::flash_attention_fwd": _attention, "tpukernels::flash_attention_bwd_dq": _attention,
     "tpukernels::flash_attention_bwd_dkv": _attention,
-    "tpukernels::linear_cross_entropy_fwd": _lce, "tpukernels::linear_cross_entropy_bwd_dh": _lce,
+    "tpukernels::linear_cross_entropy_fwd": _lce, "tpukernels::linear_cross_entropy_fwd_dh": _lce,
+    "tpukernels::linear_cross_entropy_bwd_dh": _lce_kernel_op,
     "tpukernels::linear_cross_entropy_bwd_dw": _lce,
     "tpukernels::grouped_matmul_fwd": _grouped, "tpukernels::grouped_matmul_tgmm": _grouped,
     "tpukernels::quantized_matmul_kernel": _quantized, "tpukernels::quantized_matmul_w8a8_kernel": _quantized,
@@ -241,7 +254,7 @@ def test_public_call_resolves_from_shipped_table(path, recording, monkeypatch):
     monkeypatch.setenv("TPUKERNELS_TARGET_CHIP", chip)
     for k in REGISTRY.values():  # fresh plans/lowerings: the chip is part of their keys, not of the plans'
         k._plans.clear()
-    with torch.no_grad() if not any(s in qualname for s in ("_bwd", "_tgmm")) else torch.enable_grad():
+    with torch.no_grad() if not any(s in qualname for s in ("_bwd", "_tgmm", "_fwd_dh")) else torch.enable_grad():
         PUBLIC.get(qualname, _kernel_call)(key)
     sources = recording.get(qualname)
     assert sources, f"the public call did not reach {qualname} (kernels reached: {sorted(recording)})"

@@ -26,7 +26,7 @@ def add_parser(subparsers) -> None:
                     "standard shapes) and optionally store the best config in the tuning DB.",
     )
     s.add_argument("kernel", nargs="?", help="kernel name: namespace::name or a unique name (omit with --library)")
-    s.add_argument("--library", action="store_true", help="tune every library kernel at its STANDARD_CASES shapes")
+    s.add_argument("--library", action="store_true", help="tune every library kernel (or the KERNEL named) at its STANDARD_CASES shapes")
     s.add_argument("--chip", help="TPU generation for tpu-model: v4, v5e, v5p, v6e, tpu7x (comma list: one sweep each)")
     s.add_argument("--shape", action="append", default=[],
                    help="one per tensor argument, in order: e.g. 8192x4096:bf16")
@@ -155,14 +155,19 @@ def _cases(args) -> list:
     from ..cli_common import _parse_kv, find_kernel, load_kernels
 
     if args.library:
-        if args.kernel or args.shape:
-            raise ArgumentError("--library tunes the library's standard cases: give no KERNEL and no --shape")
+        if args.shape:
+            raise ArgumentError("--library tunes the library's standard cases: give no --shape")
         load_kernels(args.imports)
         from .. import library
 
         cases = list(library.standard_cases())
         if not cases:
             raise ArgumentError("--library: no library module defines STANDARD_CASES yet")
+        if args.kernel:  # one kernel's standard cases (re-tune its shipped table after changing its source)
+            kernel = find_kernel(args.kernel, args.imports)
+            cases = [c for c in cases if c[0] is kernel]
+            if not cases:
+                raise ArgumentError(f"--library {args.kernel}: {kernel.qualname} has no STANDARD_CASES")
         return cases
     if not args.kernel:
         raise ArgumentError("autotune: name a KERNEL (or use --library)")

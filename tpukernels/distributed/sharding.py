@@ -17,7 +17,9 @@ is always appended (the fallback: inputs are gathered, every rank computes the w
   sum) only without bias and activation and for a float32 output, so the result is still rounded once.
 * grouped matmul (fwd over N, or K as a partial sum; tgmm over K or N: rows stay whole, the group sizes
   index them), quantized matmul (over M or N; its dx over M, K, or N as a partial sum), per-token
-  quantization (rows); linear cross-entropy derives its rule from ``rows=``; ragged paged attention over
+  quantization (rows); block-scaled quantized matmul (over M or N, never K); masked (block-sparse) flash
+  attention (batch; heads for a one-head mask); RoPE (heads, positions, batch); linear cross-entropy derives
+  its rule from ``rows=``; ragged paged attention over
   heads (when ``Hkv`` divides by the mesh: each shard keeps whole K/V pairs) and its cache update.
 * user kernels: ``@tpu_kernel(..., sharding=[Split(...), ...])`` or ``sharding=fn`` (called with the op's
   arguments by name, tensors as ``.shape``/``.dtype`` metadata, returning Splits); else derived from
@@ -151,6 +153,47 @@ def _quantized_dx(args: Mapping) -> list[Split]:
     return splits
 
 
+def _quantized_blockwise(args: Mapping) -> list[Split]:
+    """``x [M, K]`` . ``w_q [N, K_w]``^T with ``w_scale`` / ``w_zero_point [K/bs, 1, N]`` -> ``[M, N]``: over M
+    (x's rows) or N (the weight's rows with their scales' last dim). K is never split: a shard boundary inside a
+    scale block (or an int4 byte) would change which scale a column uses."""
+    over_n = {"w_q": 0, "w_scale": 2, **({"w_zero_point": 2} if isinstance(args.get("w_zero_point"), TensorMeta) else {})}
+    return [Split({"x": 0}, (0,)), Split(over_n, (1,))]
+
+
+def _masked_attention(n_out: int):
+    """Block-sparse masked attention (``fwd_table [3, Hm, nq, T]``, ``bwd_table [3, Hm, nk, Tq]``,
+    ``mask_blocks`` / ``mask_blocks_t`` shared partial blocks): over batch with the tables replicated; over heads
+    only for a one-head mask (``Hm == 1``: every shard's heads read the same tables; a multi-head mask's table
+    rows are indexed by the global head)."""
+
+    def rule(args: Mapping) -> list[Split]:
+        tensors = _present(args, ("q", "k", "v", "do", "lse", "di", "q_segment_ids", "kv_segment_ids"))
+        heads = [n for n in tensors if not n.endswith("segment_ids")]
+        splits = [Split({n: 0 for n in tensors}, (0,) * n_out)]
+        ft = args.get("fwd_table")
+        if isinstance(ft, TensorMeta) and ft.shape[1] == 1:
+            splits.append(Split({n: 1 for n in heads}, (1,) * n_out))
+        return splits
+
+    return rule
+
+
+def _rope(args: Mapping) -> list[Split]:
+    """``x [B, H, S, D]`` (``seq_dim=2``) or ``[B, S, H, D]`` (``seq_dim=1``) with ``cos`` / ``sin [Bc, S, D]``
+    (``Bc`` 1 or B): over heads (tables replicated), over positions (tables split with them), over batch (tables
+    split when ``Bc == B > 1``, else replicated)."""
+    x, cos = args.get("x"), args.get("cos")
+    if not isinstance(x, TensorMeta) or not isinstance(cos, TensorMeta):
+        return []
+    seq = int(args.get("seq_dim", 2))
+    head = 1 if seq == 2 else 2
+    per_batch = cos.shape[0] != 1
+    return [Split({"x": head}, (head,)),
+            Split({"x": seq, "cos": 1, "sin": 1}, (seq,)),
+            Split({"x": 0, **({"cos": 0, "sin": 0} if per_batch else {})}, (0,))]
+
+
 _MESH_SHAPE: contextvars.ContextVar = contextvars.ContextVar("tpukernels_mesh_shape", default=())
 
 
@@ -187,6 +230,11 @@ LIBRARY_RULES: dict[str, Callable[[Mapping], list[Split]]] = {
     # fused w8a8: per-token absmax over all of K inside the kernel, so over M or N only (never K)
     "quantized_matmul_w8a8_kernel": _quantized_matmul,
     "quantized_matmul_bwd_dx": _quantized_dx,
+    "quantized_matmul_blockwise_kernel": _quantized_blockwise,
+    "flash_attention_masked_fwd": _masked_attention(2),
+    "flash_attention_masked_bwd_dq": _masked_attention(1),
+    "flash_attention_masked_bwd_dkv": _masked_attention(2),
+    "rope_fwd": _rope,
     "quantize_per_token_kernel": lambda args: [Split({"x": 0}, (0, 0))],  # rows -> (x_q, x_scale [M, 1])
     # linear_cross_entropy_* declare rows= (h, labels, ...): derived, dW [V, D] as a partial sum
     "ragged_paged_attention_kernel": _ragged_paged,

@@ -130,7 +130,8 @@ KERNEL_DTYPES = ("bfloat16", "float32")
 PUBLIC_DTYPES = ("bfloat16", "float16", "float32")
 LABEL_DTYPES = (torch.int64, torch.int32)
 MiB = 1 << 20
-#: VMEM the heuristic aims for (every chip's capacity is >= 64 MiB; launches raise the scoped limit).
+#: VMEM the heuristic aims for on chips with >= 64 MiB (launches raise the scoped limit); smaller chips (v4:
+#: 16 MiB) get what fits under :func:`tpukernels.library._vmem.vmem_cap` (see :func:`_heuristic`).
 VMEM_TARGET = 40 * MiB
 
 TUNABLES = {
@@ -421,10 +422,14 @@ def vmem_bytes(kind: str, bn: int, bv: int, H: int, dtype, out_dtype=None) -> in
 
 
 def _limit(need: int) -> int | None:
-    """Scoped VMEM to request: above the smallest default (16 MiB) ask for need * 1.25 + 4 MiB, <= 64 MiB."""
+    """Scoped VMEM to request: above the smallest default (16 MiB) ask for need * 1.25 + 4 MiB, at least 32 MiB,
+    at most 64 MiB and :func:`~tpukernels.library._vmem.vmem_cap` of the launch chip (v4: 14 MiB)."""
+    from ._vmem import DEFAULT_SCOPED_VMEM, vmem_cap
+
     if need + 4 * MiB <= 16 * MiB:
         return None
-    return min(64 * MiB, max(32 * MiB, -(-(need * 5 // 4 + 4 * MiB) // MiB) * MiB))
+    limit = min(64 * MiB, vmem_cap(), max(32 * MiB, -(-(need * 5 // 4 + 4 * MiB) // MiB) * MiB))
+    return None if limit <= DEFAULT_SCOPED_VMEM else limit  # v4: its 16 MiB default is all there is
 
 
 def _cost(N, V, H, itemsize, matmuls: int, passes_w: int, passes_h: int):
@@ -443,9 +448,12 @@ def _statics(h, softcap):
 
 def _heuristic(kind: str):
     def heur(h, w, labels, *rest, **statics):
+        from ._vmem import vmem_cap
+
         N, V, H = _check_kernel_args(h, w, labels, where=f"tpukernels::linear_cross_entropy_{kind}")
+        target = min(VMEM_TARGET, (vmem_cap() - 4 * MiB) * 4 // 5)  # so that _limit(need) covers need
         for bn, bv in ((1024, 1024), (1024, 512), (512, 512), (512, 256), (256, 256), (256, 128), (128, 128)):
-            if vmem_bytes(kind, _clamp(N, bn), _clamp(V, bv), H, h.dtype) <= VMEM_TARGET:
+            if vmem_bytes(kind, _clamp(N, bn), _clamp(V, bv), H, h.dtype) <= target:
                 return dict(bn=bn, bv=bv)
         return dict(bn=128, bv=128)
 

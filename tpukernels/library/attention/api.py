@@ -223,7 +223,6 @@ def _apply_sinks(out, lse, sinks):
     return (out.float() * scale).to(out.dtype), torch.logaddexp(lse, s)
 
 
-@torch.compiler.assume_constant_result
 def _table_tensors(mask, bq: int, bkv: int):
     """The mask's block-sparse tables as torch tensors (built once per mask value and block shape, cached);
     under ``torch.compile`` evaluated at trace time and kept as constants (host-side numpy work)."""
@@ -231,3 +230,10 @@ def _table_tensors(mask, bq: int, bkv: int):
     from .masks import mask_tables
 
     return _tensors(mask_tables(mask, bq, bkv))
+
+
+# What ``torch.compiler.assume_constant_result`` does (torch/_dynamo/decorators.py sets this one attribute), done
+# without calling it: the decorator imports torch._dynamo, which loads FSDP and DTensor at ``import tpukernels``
+# (DTensor's sharding rules register lazily, tests/test_distributed.py). tests/test_attention_masks.py compiles a
+# masked call with fullgraph=True, so a torch that renames the marker fails there.
+_table_tensors._dynamo_marked_constant = True

@@ -397,10 +397,14 @@ def _bwd_heuristic(q, k, v, *rest, **statics):
 def _vmem_limit(est_bytes: int) -> int | None:
     """Scoped VMEM to request: None (chip default) for small footprints, else room for Mosaic's temporaries
     (logit / probability tiles). Capped at 40 MiB: tpu7x has 64 MiB per core and XLA needs some of it
-    around the kernel (48 MiB overflowed there, libtpu 0.0.52)."""
+    around the kernel (48 MiB overflowed there, libtpu 0.0.52); and at
+    :func:`~tpukernels.library._vmem.vmem_cap` of the launch chip (v4 has 16 MiB of VMEM: 14 MiB)."""
+    from .._vmem import DEFAULT_SCOPED_VMEM, vmem_cap
+
     if est_bytes <= 6 << 20:
         return None
-    return int(min(40 << 20, 2 * est_bytes + (16 << 20)))
+    limit = int(min(40 << 20, vmem_cap(), 2 * est_bytes + (16 << 20)))
+    return None if limit <= DEFAULT_SCOPED_VMEM else limit  # v4: its 16 MiB default is all there is
 
 def _vmem_estimate(p: _Plan, n_q_side: int, n_kv_side: int, acc_rows: int, work: int) -> int:
     it = np.dtype(p.dtype).itemsize
