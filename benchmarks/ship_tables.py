@@ -11,6 +11,7 @@ a loaded 2-core host). The best configs, in model order, are then compiled for t
 none compiles is printed with the compiler's reasons (record it in ``tpukernels/data/autotuning/coverage.json``).
 
     nice -n 10 .venv/bin/python benchmarks/ship_tables.py --chip v4 [--kernel matmul_nn] [--force]
+    .venv/bin/python benchmarks/ship_tables.py --chip v4 --prune-stale   # entries of an earlier kernel source
 """
 
 import argparse
@@ -90,13 +91,51 @@ def ship(chip: str, only: str | None, force: bool, tries: int) -> int:
     return missing
 
 
+def prune_stale(chip: str, only: str | None) -> int:
+    """Drop shipped entries keyed to an earlier source of their kernel (``source_hash`` != today's): a lookup
+    never matches them. Only package data; a user's tuning DB is never pruned. Returns the entries dropped."""
+    from filelock import FileLock
+
+    from tpukernels import library  # noqa: F401  (registers the library kernels)
+    from tpukernels.autotune import db
+    from tpukernels.dsl.kernel import REGISTRY
+
+    dropped = 0
+    for kernel in REGISTRY.values():
+        if kernel.namespace != "tpukernels" or (only and kernel.name != only):
+            continue
+        path = db.shipped_db_path(kernel.qualname, chip)
+        if not os.path.exists(path):
+            continue
+        with FileLock(path + ".lock", timeout=60):
+            with open(path) as f:
+                data = json.load(f)
+            keep = [e for e in data["entries"] if e["key"].get("source_hash") == db.source_hash(kernel)]
+            if len(keep) == len(data["entries"]):
+                continue
+            print(f"{chip} {kernel.name}: {len(data['entries']) - len(keep)} stale entries dropped, {len(keep)} kept")
+            dropped += len(data["entries"]) - len(keep)
+            data["entries"] = keep
+            with open(path + ".tmp", "w") as f:
+                json.dump(data, f, indent=1, sort_keys=True)
+            os.replace(path + ".tmp", path)
+        if os.path.exists(path + ".lock"):
+            os.unlink(path + ".lock")
+    return dropped
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--chip", required=True)
     p.add_argument("--kernel", help="only this kernel (its short name)")
     p.add_argument("--force", action="store_true", help="replace existing exact entries")
     p.add_argument("--tries", type=int, default=3, help="compile at most this many of the model's best configs")
+    p.add_argument("--prune-stale", action="store_true",
+                   help="only drop entries keyed to an earlier kernel source (no tuning)")
     args = p.parse_args()
+    if args.prune_stale:
+        prune_stale(args.chip, args.kernel)
+        sys.exit(0)
     sys.exit(1 if ship(args.chip, args.kernel, args.force, args.tries) else 0)
 
 

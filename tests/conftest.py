@@ -37,3 +37,15 @@ def tmp_cache(tmp_path, monkeypatch):
     """A private user tuning-cache directory."""
     monkeypatch.setenv("TPUKERNELS_CACHE_DIR", str(tmp_path / "cache"))
     return tmp_path / "cache"
+
+
+#: Test modules that import torchax: ``import torchax`` renames torch's PrivateUse1 backend to "jax" for the
+#: rest of the process, after which torch.compile fails on cpu ("PyTorch is not linked with support for jax
+#: devices", torch 2.13 + torchax 0.0.13). They run last, so no other test shares a process with torchax after
+#: it loads: pytest-xdist's load scheduling hands items out in collection order and each worker runs its items
+#: in the order it got them, so whatever a worker runs after one of these is one of these too.
+TORCHAX_MODULES = ("test_torchax_ops.py", "test_vllm_tpu.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.path.name in TORCHAX_MODULES)  # stable: the order is otherwise kept

@@ -392,7 +392,8 @@ STATICS_CAUSAL = dict(causal=True, causal_alignment="top_left", sm_scale=None, w
 
 
 @pytest.mark.aot
-@pytest.mark.parametrize("chip", ["v5e", "v6e", "tpu7x"])
+@pytest.mark.parametrize("chip", [pytest.param("v5e", marks=pytest.mark.slow), "v6e",
+                                  pytest.param("tpu7x", marks=pytest.mark.slow)])  # make test: v6e (~60 s each)
 def test_compiles_for_chip_forward_and_backward(chip):
     """B=1, Hq=32, Hkv=8, S=4096, D=128, causal, bf16: forward, dQ and dK/dV kernels compile with Mosaic."""
     q, kv = "1x32x4096x128:bf16", "1x8x4096x128:bf16"

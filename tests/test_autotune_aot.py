@@ -66,6 +66,7 @@ def test_tpu7x_cli_sweep_with_two_workers_within_budget(tmp_cache, monkeypatch, 
     assert matmul.resolve_config(specs, statics, None) == (tk.Config(res["best"]["config"]), "user-db:tpu7x")
 
 
+@pytest.mark.slow  # ~90 s of libtpu estimates
 def test_model_ranks_the_published_v5e_matmuls_in_published_order():
     from tpukernels.autotune.validation import validate
 

@@ -81,6 +81,7 @@ def test_concurrent_sweeps_share_the_cluster(cluster):
     assert cluster.slots == 2  # every handle closed
 
 
+@pytest.mark.slow  # ~45 s: the CLI's Ray path; the executor itself is tested above
 @pytest.mark.aot
 def test_cli_library_kernels_times_chips_on_ray(monkeypatch, tmp_cache, capsys):
     from tpukernels import library
@@ -111,6 +112,7 @@ def test_cli_refuses_ray_with_measure_and_address_without_ray(capsys):
     assert "--address names a Ray cluster" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # ~20 s
 def test_executor_bench_rows_and_report(cluster):
     from tpukernels.bench.executors import run
     from tpukernels.bench.report import _host_section

@@ -532,7 +532,7 @@ def test_op_schema_and_opcheck():
 
 # ----------------------------------------------------------------------------------------------- compile-only
 @pytest.mark.aot
-@pytest.mark.parametrize("chip", ["v5e", "v6e", "tpu7x"])
+@pytest.mark.parametrize("chip", [pytest.param("v5e", marks=pytest.mark.slow), "v6e", "tpu7x"])  # v5e: ~90 s
 @pytest.mark.parametrize("case", range(len(gm.STANDARD_CASES)))
 def test_compile_only_standard_cases(chip, case):
     """Mosaic + XLA:TPU compile the config dispatch picks (shipped default) for each chip at Mixtral shapes."""
