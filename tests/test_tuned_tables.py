@@ -178,7 +178,7 @@ def _paged(key):
     from tpukernels.library import ragged_paged_attention
 
     st = key["statics"]
-    (lens, pages, _cu, _n, q, kv), dts = key["shapes"], key["dtypes"]
+    (lens, pages, _cu, _n, q, kv, *_), dts = key["shapes"], key["dtypes"]  # + sinks, k_scales, v_scales (None)
     S, T = lens[0], q[0]
     per = T // S
     page_size = kv[1]
