@@ -50,3 +50,21 @@ def test_torch_imported_after_tpukernels_still_gets_lazy_library_ops():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["True", "False"]
+
+
+@pytest.mark.parametrize("columns", [80, 32])
+def test_list_fits_the_terminal(columns, monkeypatch, capsys):
+    """``tpukernels list`` with ``$COLUMNS`` set: every line fits, nothing is cut (each kernel's name,
+    signature and tunables are all there, wrapped)."""
+    from tpukernels.cli import main
+    from tpukernels.cli_common import load_kernels
+
+    monkeypatch.setenv("COLUMNS", str(columns))
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    long = [ln for ln in out.splitlines() if len(ln) > columns]
+    assert not long, f"{len(long)} lines over {columns} columns, e.g. {long[0]!r}"
+    joined = "".join(out.split())  # wrapping adds only blanks and newlines: the text is all there
+    for q, k in load_kernels().items():
+        assert q in joined
+        assert all(f"{p.name}:" in joined for p in k.params)
