@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+import tpukernels as tk
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 #: runs ``python -m tpukernels.cli ARGV...`` in this interpreter and prints, after argparse's SystemExit,
@@ -68,3 +70,71 @@ def test_list_fits_the_terminal(columns, monkeypatch, capsys):
     for q, k in load_kernels().items():
         assert q in joined
         assert all(f"{p.name}:" in joined for p in k.params)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_sweep_warns_once_not_once_per_candidate(workers, capfd):
+    """Every candidate of a 12-config sweep raises a PerformanceWarning (in this process, or in 2 worker
+    processes): the sweep shows one summary naming how many did, and keeps each one's on its trial."""
+    import warnings
+
+    from test_autotune_helpers import SyntheticEvaluator, tiles
+    from tpukernels.autotune.tuner import tune
+
+    ev = SyntheticEvaluator(optimum={"a": 32, "b": 512, "c": 4}, warn=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # count every emission: no registry dedup hides a repeat
+        r = tune(tiles, "256x128:f32", evaluator=ev, strategy="exhaustive", budget=12, workers=workers)
+    perf = [w for w in caught if issubclass(w.category, tk.PerformanceWarning)]
+    assert len(r.trials) == 12 and len(perf) == 1, [str(w.message) for w in perf]
+    msg = str(perf[0].message)
+    assert "12 of 12 candidates raised PerformanceWarning" in msg and "packs its blocks badly" in msg
+    assert "tktest_autotune::tiles" in msg
+    for t in r.trials:
+        assert t.details["warnings"] == [["tpukernels.errors.PerformanceWarning",
+                                          f"config {t.config} packs its blocks badly"]]
+    assert "packs its blocks badly" not in capfd.readouterr().err  # nor printed by the worker processes
+
+
+def test_warning_summaries_group_by_category():
+    from tpukernels.autotune.sweep_warnings import summaries
+
+    perf = "tpukernels.errors.PerformanceWarning"
+    items = [(f"a={i}", [[perf, f"rows {i}"]] + ([["RuntimeWarning", "slow"]] if i % 2 else [])) for i in range(6)]
+    got = dict(summaries("sweep", items, total=7))
+    assert set(got) == {tk.PerformanceWarning, RuntimeWarning}
+    assert got[tk.PerformanceWarning].startswith("sweep: 6 of 7 candidates raised PerformanceWarning "
+                                                 "(a=0, a=1, a=2, a=3, ... (2 more); 6 distinct messages")
+    assert got[RuntimeWarning] == ("sweep: 3 of 7 candidates raised RuntimeWarning (a=1, a=3, a=5; each one's "
+                                   "in --json); the first: slow")
+    assert summaries("sweep", [("a=1", None), ("a=2", [])], total=2) == []
+
+
+def test_a_bench_family_warns_once_not_once_per_case(tmp_path, monkeypatch):
+    """A bench family (a stand-in for norms) whose 5 cases each warn (from 2 threads): one summary per category
+    after the family, not a line per case."""
+    import types
+    import warnings
+
+    import tpukernels.bench as bench
+    from tpukernels.bench.core import Case, Impl
+
+    def cycles(est, chip, i):
+        warnings.warn(f"case {i}: rows 8 are not a multiple of 16", tk.PerformanceWarning)
+        return 1000 + i, None
+
+    fake = types.SimpleNamespace(
+        KIND="model", reason=lambda row: None,
+        cases=lambda chips: [Case("fake", "op", f"{i}", "v6e", 1 << 20, 1 << 20,
+                                  [Impl("tpukernels", "ours", lambda est, chip, i=i: cycles(est, chip, i))])
+                             for i in range(5)])
+    monkeypatch.setattr(bench, "family_module", lambda name: fake)
+    monkeypatch.setattr("tpukernels.targets.compile_only.require_libtpu", lambda: None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = bench.run_family("norms", ["v6e"], str(tmp_path), jobs=2, cache_path=str(tmp_path / "cache.json"),
+                               log=lambda m: None)
+    assert sorted(r["cycles"] for r in res["rows"]) == [1000, 1001, 1002, 1003, 1004]
+    perf = [str(w.message) for w in caught if issubclass(w.category, tk.PerformanceWarning)]
+    assert len(perf) == 1 and perf[0].startswith("tpukernels bench norms (5 cases): PerformanceWarning, once for "
+                                                 "the run; 5 distinct messages; the first: case "), perf

@@ -69,8 +69,10 @@ def run_family(name: str, chips, results_dir: str, *, jobs: int = 1, cache_path:
     est = Estimator(cache_path if cache_path is not None else default_cache_path(), timeout_s)
     cases = mod.cases(list(chips))
     log(f"== {name}: {len(cases)} cases x {len(cases[0].impls) if cases else 0} implementations on {', '.join(chips)}")
-    with cf.ThreadPoolExecutor(max(1, jobs)) as ex:
-        per_case = list(ex.map(lambda c: run_case(c, est, log), cases))
+    from ..autotune.sweep_warnings import once_per_run
+
+    with once_per_run(f"tpukernels bench {name} ({len(cases)} cases)"), cf.ThreadPoolExecutor(max(1, jobs)) as ex:
+        per_case = list(ex.map(lambda c: run_case(c, est, log), cases))  # warnings: one summary per category
     rows = attach_reasons(name, [r for rs in per_case for r in rs])
     extra = {"chips": list(chips), "seconds": round(time.perf_counter() - t0),
              "cache": {"hits": est.hits, "misses": est.misses}, "doc": (mod.__doc__ or "").strip()}
