@@ -130,11 +130,40 @@ def test_a_bench_family_warns_once_not_once_per_case(tmp_path, monkeypatch):
                              for i in range(5)])
     monkeypatch.setattr(bench, "family_module", lambda name: fake)
     monkeypatch.setattr("tpukernels.targets.compile_only.require_libtpu", lambda: None)
+    calls = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         res = bench.run_family("norms", ["v6e"], str(tmp_path), jobs=2, cache_path=str(tmp_path / "cache.json"),
-                               log=lambda m: None)
+                               log=lambda m: None, progress=lambda done, total: calls.append((done, total)))
     assert sorted(r["cycles"] for r in res["rows"]) == [1000, 1001, 1002, 1003, 1004]
+    assert calls == [(i, 5) for i in range(6)]  # the bench ETA's feed: 0 first, then one per finished case
     perf = [str(w.message) for w in caught if issubclass(w.category, tk.PerformanceWarning)]
     assert len(perf) == 1 and perf[0].startswith("tpukernels bench norms (5 cases): PerformanceWarning, once for "
                                                  "the run; 5 distinct messages; the first: case "), perf
+
+
+def test_bench_progress_shows_an_eta_on_a_terminal_only():
+    """``tpukernels bench``'s bar (cases done, elapsed, ETA) is drawn on a terminal; piped stderr or
+    ``--no-progress`` gets the plain log lines only."""
+    import io
+
+    from tpukernels.bench.cli import _Progress
+    from tpukernels.cli import build_parser
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    piped = io.StringIO()
+    for bar in (_Progress(True, piped), _Progress(False, Tty())):
+        with bar:
+            assert bar.bar is None and bar.family("norms") is None
+    tty = Tty()
+    with _Progress(True, tty) as bar:
+        cb = bar.family("norms")
+        cb(0, 4)
+        cb(3, 4)
+        bar.log("  v6e rms_norm ...")
+    out = tty.getvalue()
+    assert "bench norms" in out and "3/4" in out and "ETA" in out and "v6e rms_norm" in out
+    assert build_parser().parse_args(["bench", "--no-progress"]).no_progress
