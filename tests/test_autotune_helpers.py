@@ -72,8 +72,9 @@ class SyntheticEvaluator(Evaluator):
     """time = 10 * (1 + sum over tunables of (log2(v) - log2(optimum))^2) µs; no compile, no device.
 
     ``fail`` / ``raise_for`` / ``crash`` / ``hang``: configs (as sorted item tuples) that come back failed,
-    raise, kill the worker process, or sleep ``hang_s``; ``warn``: every evaluation raises a PerformanceWarning. ``mark_dir``: each evaluation first creates
-    ``<mark_dir>/<a>-<b>-...-<pid>`` (who runs what, for tests that kill a worker mid-candidate).
+    raise, kill the worker process, or sleep ``hang_s``; ``warn``: every evaluation raises a PerformanceWarning.
+    ``mark_dir``: each evaluation first creates ``<mark_dir>/<a>-<b>-...-<pid>`` (who runs what, for tests that
+    kill a worker mid-candidate).
     """
 
     chip: str = "v6e"

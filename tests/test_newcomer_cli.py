@@ -22,7 +22,8 @@ _HELP_PROBE = (
     "    code = 'returned'\n"
     "except SystemExit as e:\n"
     "    code = e.code\n"
-    "heavy = sorted(m for m in ('torch', 'jax', 'jaxlib', 'helion', 'libtpu', 'tpukernels.library') if m in sys.modules)\n"
+    "heavy = sorted(m for m in ('torch', 'jax', 'jaxlib', 'helion', 'libtpu', 'tpukernels.library')\n"
+    "               if m in sys.modules)\n"
     "print('PROBE', code, ','.join(heavy) or '-', file=sys.stderr)\n"
 )
 
