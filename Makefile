@@ -46,7 +46,7 @@ torchtitan: $(TORCHTITAN)
 install: $(STAMP)
 
 demo: $(STAMP)
-	@echo "make demo: starting tpukernels demo (importing torch + jax takes a few seconds; first run ~10 min, later runs reuse cached estimates)"
+	@echo "make demo: starting tpukernels demo (importing torch + jax takes a few seconds; about half a minute on 2 cores; later runs reuse cached libtpu estimates)"
 	$(VENV)/bin/tpukernels demo
 
 test: $(STAMP) $(TORCH_TPU_WHEEL) $(VLLM_TPU) $(TORCHTITAN)

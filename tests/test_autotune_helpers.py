@@ -7,6 +7,7 @@ import dataclasses
 import math
 import os
 import time
+import warnings
 
 import jax.numpy as jnp
 import torch
@@ -71,8 +72,9 @@ class SyntheticEvaluator(Evaluator):
     """time = 10 * (1 + sum over tunables of (log2(v) - log2(optimum))^2) µs; no compile, no device.
 
     ``fail`` / ``raise_for`` / ``crash`` / ``hang``: configs (as sorted item tuples) that come back failed,
-    raise, kill the worker process, or sleep ``hang_s``. ``mark_dir``: each evaluation first creates
-    ``<mark_dir>/<a>-<b>-...-<pid>`` (who runs what, for tests that kill a worker mid-candidate).
+    raise, kill the worker process, or sleep ``hang_s``; ``warn``: every evaluation raises a PerformanceWarning.
+    ``mark_dir``: each evaluation first creates ``<mark_dir>/<a>-<b>-...-<pid>`` (who runs what, for tests that
+    kill a worker mid-candidate).
     """
 
     chip: str = "v6e"
@@ -84,6 +86,7 @@ class SyntheticEvaluator(Evaluator):
     hang_s: float = 60.0
     sleep_s: float = 0.0
     mark_dir: str = ""
+    warn: bool = False  # every evaluation warns (a PerformanceWarning naming its config), as a badly packed block
     name: str = "synthetic"
     label: str = "model"
 
@@ -97,6 +100,8 @@ class SyntheticEvaluator(Evaluator):
             open(os.path.join(self.mark_dir, name), "w").close()
         if self.sleep_s:
             time.sleep(self.sleep_s)
+        if self.warn:
+            warnings.warn(f"config {dict(config)} packs its blocks badly", tk.PerformanceWarning, stacklevel=2)
         if key in self.crash:
             os._exit(3)
         if key in self.hang:

@@ -6,7 +6,9 @@ Nothing here overrides a variable the user has set.
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
+import sys
 from collections.abc import Callable
 
 #: libtpu environment for machines without a TPU (compile-only targets): without these, libtpu probes the
@@ -89,13 +91,47 @@ def install_lazy_library_ops(load_library: Callable[[], None]) -> None:
     which the package passes in: this module, below every other, does not import the library itself).
 
     The library costs the jax import (~1.5 s) and its op registrations, so ``import tpukernels`` does not
-    pay for it; the first ``torch.ops.tpukernels.rms_norm`` (or any other op lookup) does, once.
+    pay for it; the first ``torch.ops.tpukernels.rms_norm`` (or any other op lookup) does, once. Nor does
+    ``import tpukernels`` import torch (~1.4 s; ``tpukernels --help`` answers without it): when torch is not
+    loaded yet, the namespace is installed right after its first import (:class:`_AfterTorchImport`).
     """
+    global _LOAD_LIBRARY
+    _LOAD_LIBRARY = load_library
+    if "torch" in sys.modules:
+        _install_lazy_namespace()
+    elif not any(isinstance(f, _AfterTorchImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterTorchImport(_install_lazy_namespace))
+
+
+class _AfterTorchImport:
+    """A one-shot ``sys.meta_path`` finder: runs ``callback()`` once ``import torch`` has executed torch's
+    ``__init__`` (a post-import hook; the spec itself comes from the other finders, unchanged)."""
+
+    def __init__(self, callback: Callable[[], None]):
+        self.callback = callback
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "torch":
+            return None
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        spec = importlib.util.find_spec("torch")
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        exec_module, callback = spec.loader.exec_module, self.callback
+
+        def exec_then_install(module):
+            exec_module(module)
+            callback()
+
+        spec.loader.exec_module = exec_then_install  # this spec's own loader instance
+        return spec
+
+
+def _install_lazy_namespace() -> None:
     import torch
     from torch._ops import _OpNamespace
 
-    global _LOAD_LIBRARY
-    _LOAD_LIBRARY = load_library
     if getattr(torch.ops.__dict__.get("tpukernels"), "_tpukernels_lazy", False):
         return
 

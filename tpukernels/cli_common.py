@@ -132,7 +132,9 @@ def table(rows: list[list], header: list[str], width: int | None = None) -> str:
     ``column: value`` lines instead (like psql's expanded mode), so nothing is cut.
 
     ``width`` defaults to the terminal's width when stdout is a terminal (or ``$COLUMNS`` when set), and to
-    no limit otherwise: piped or redirected output (``| grep``, ``> file``) always gets one line per row."""
+    no limit otherwise: piped or redirected output (``| grep``, ``> file``) always gets one line per row.
+    Expanded blocks keep within ``width`` down to a 16-character value column (``tpukernels list`` in an
+    80-column terminal: no line over 80)."""
     import shutil
     import textwrap
 
@@ -149,7 +151,7 @@ def table(rows: list[list], header: list[str], width: int | None = None) -> str:
         for n, r in enumerate(cols[1:], 1):
             lines = [f"-[ {n} ]" + "-" * max(0, min(width, 40) - 6 - len(str(n)))]
             for h, v in zip(header, r):
-                lines.append(textwrap.fill(v, width=max(40, width), initial_indent=f"{h:<{name_w}}  ",
+                lines.append(textwrap.fill(v, width=max(name_w + 2 + 16, width), initial_indent=f"{h:<{name_w}}  ",
                                            subsequent_indent=" " * (name_w + 2), break_on_hyphens=False) or h)
             blocks.append("\n".join(lines))
         return "\n".join(blocks)

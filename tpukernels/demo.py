@@ -131,7 +131,7 @@ def chip_table_part(say, estimate: bool = True, cache_path: str | None = None) -
 
     Estimates come from libtpu's static cost model through :class:`tpukernels.bench.core.Estimator`, cached by
     program in ``cache_path`` (default: the bench estimate cache, ``$TPUKERNELS_CACHE_DIR/bench/estimates.json``),
-    so a second demo run only compiles (seconds) instead of re-estimating (minutes).
+    so a second demo run only compiles instead of re-estimating.
     """
     from .bench.core import EstimateError, Estimator, default_cache_path
     from .chips import get_chip
@@ -145,7 +145,7 @@ def chip_table_part(say, estimate: bool = True, cache_path: str | None = None) -
     est = Estimator(cache_path or default_cache_path()) if estimate else None
     total = len(sigs) * len(CHIPS)
     say(f"  {len(sigs)} kernel signatures x {len(CHIPS)} chips = {total} compiles"
-        + (f"; libtpu estimates cached in {est.cache_path} (a new one takes ~10-60 s, a cached one none)"
+        + (f"; libtpu estimates cached in {est.cache_path} (a new one takes seconds, a cached one none)"
            if est else ""))
     n = 0
     for kernel, specs, statics in sigs:
@@ -202,8 +202,9 @@ def run_demo(as_json: bool = False, estimate: bool = True) -> int:
 
     compile_only_env()
     say = _Progress(as_json)
-    say("tpukernels demo: 3 parts on cpu (Pallas interpret mode) + compile-only TPU chips; the first run takes "
-        "~10 min (libtpu estimates), later runs reuse the cached estimates (--no-estimate skips them)")
+    say("tpukernels demo: 3 parts on cpu (Pallas interpret mode) + compile-only TPU chips; about half a minute "
+        "on 2 CPU cores (the first run also makes a libtpu estimate per kernel signature and chip, ~0.2-3 s "
+        "each; later runs reuse them from the cache; --no-estimate skips them)")
     report = {}
     say("[1/3] sentence embeddings: all-MiniLM-L6-v2, stock vs tpukernels (cpu, interpret mode)")
     report["embeddings"] = embeddings_part(say)

@@ -476,14 +476,20 @@ def resolve_kernel(ref: "KernelRef | TpuKernel") -> TpuKernel:
 
 
 def run_job(ref: "KernelRef | TpuKernel", payload: dict, config: dict, evaluator: Evaluator) -> Trial:
-    """Evaluate one config (in this process or a worker); never raises for a bad candidate."""
+    """Evaluate one config (in this process or a worker); never raises for a bad candidate. The warnings it
+    raises are recorded in ``trial.details["warnings"]`` (``[[category, message], ...]``), not shown."""
+    from .sweep_warnings import recording
+
     t0 = time.perf_counter()
-    try:
-        kernel = resolve_kernel(ref)
-        trial = evaluator.evaluate(Problem.from_payload(kernel, payload), Config(config))
-    except Exception as e:
-        first = next((ln for ln in str(e).splitlines() if ln.strip()), "")
-        trial = Trial(dict(config), "failed", error_kind="error", error=f"{type(e).__name__}: {first[:800]}")
+    with recording() as found:  # shown once per sweep by tune(), not once per candidate
+        try:
+            kernel = resolve_kernel(ref)
+            trial = evaluator.evaluate(Problem.from_payload(kernel, payload), Config(config))
+        except Exception as e:
+            first = next((ln for ln in str(e).splitlines() if ln.strip()), "")
+            trial = Trial(dict(config), "failed", error_kind="error", error=f"{type(e).__name__}: {first[:800]}")
+    if found:
+        trial.details["warnings"] = found
     trial.seconds = time.perf_counter() - t0
     trial.details.setdefault("pid", os.getpid())
     return trial

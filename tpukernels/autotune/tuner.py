@@ -28,6 +28,7 @@ from .evaluators import Evaluator, KernelRef, MeasureEvaluator, TpuModelEvaluato
 from .executors import Executor, InlineExecutor, ProcessExecutor
 from .space import Problem, Space
 from .strategies import Strategy, make_strategy
+from .sweep_warnings import emit_summary
 
 
 @dataclasses.dataclass
@@ -124,6 +125,10 @@ def _make_executor(workers: int, evaluator: Evaluator, kernel: TpuKernel, import
     return ProcessExecutor(workers, imports=mods)
 
 
+def _config_label(config: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(config.items())) or "{}"
+
+
 def tune(
     kernel: TpuKernel,
     *args,
@@ -176,6 +181,10 @@ def tune(
     The baseline, evaluated first, is the config a call of this problem gets today on the chip (its tuning
     DB entry, else the heuristic, else the declared defaults: ``Space.default``), so ``speedup_vs_default``
     is the gain over what users already run.
+
+    Warnings the candidates raise (a :class:`~tpukernels.PerformanceWarning` per badly packed config, say) are
+    kept in each trial's ``details["warnings"]`` and shown once for the sweep, one summary per category,
+    when it ends (:mod:`.sweep_warnings`).
 
     Raises:
         ArgumentError: unknown evaluator or strategy, no chip for tpu-model, bad arguments.
@@ -318,6 +327,9 @@ def tune(
             for fut in in_flight:
                 ex.cancel(fut)
 
+    evaluated = trials[n_resumed:]
+    emit_summary(f"tpukernels autotune {kernel.qualname} ({problem.describe()}{', ' + chip_name if chip_name else ''})",
+                 [(_config_label(t.config), t.details.get("warnings")) for t in evaluated], len(evaluated))
     result = SweepResult(
         kernel=kernel.qualname, chip=chip_name, problem=problem.describe(), evaluator=ev.name, label=ev.label,
         strategy=strat_name, budget={"evaluations": max_evals, "seconds": seconds}, space_size=space.size(),

@@ -14,6 +14,7 @@ import concurrent.futures as cf
 import importlib
 import os
 import sys
+import threading
 import time
 
 from .core import (  # noqa: F401  (the family lists live in core, which this package's modules share)
@@ -54,8 +55,11 @@ def model_kind() -> str:
 
 
 def run_family(name: str, chips, results_dir: str, *, jobs: int = 1, cache_path: str | None = None,
-               timeout_s: float = 1800, log=None) -> dict:
-    """Run one family and save ``<results_dir>/<name>.json``; returns the result dict."""
+               timeout_s: float = 1800, log=None, progress=None) -> dict:
+    """Run one family and save ``<results_dir>/<name>.json``; returns the result dict.
+
+    ``progress(done, total)``, if given, is called with ``(0, cases)`` before the first case and after each
+    finished case (from the worker threads; ``tpukernels bench`` draws its bar and ETA from it)."""
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     mod = family_module(name)
     path = os.path.join(results_dir, f"{name}.json")
@@ -69,8 +73,23 @@ def run_family(name: str, chips, results_dir: str, *, jobs: int = 1, cache_path:
     est = Estimator(cache_path if cache_path is not None else default_cache_path(), timeout_s)
     cases = mod.cases(list(chips))
     log(f"== {name}: {len(cases)} cases x {len(cases[0].impls) if cases else 0} implementations on {', '.join(chips)}")
-    with cf.ThreadPoolExecutor(max(1, jobs)) as ex:
-        per_case = list(ex.map(lambda c: run_case(c, est, log), cases))
+    from ..autotune.sweep_warnings import once_per_run
+
+    done = [0]
+    lock = threading.Lock()
+
+    def one(case):
+        rows = run_case(case, est, log)
+        if progress is not None:
+            with lock:
+                done[0] += 1
+                progress(done[0], len(cases))
+        return rows
+
+    if progress is not None:
+        progress(0, len(cases))
+    with once_per_run(f"tpukernels bench {name} ({len(cases)} cases)"), cf.ThreadPoolExecutor(max(1, jobs)) as ex:
+        per_case = list(ex.map(one, cases))  # warnings: one summary per category
     rows = attach_reasons(name, [r for rs in per_case for r in rs])
     extra = {"chips": list(chips), "seconds": round(time.perf_counter() - t0),
              "cache": {"hits": est.hits, "misses": est.misses}, "doc": (mod.__doc__ or "").strip()}

@@ -34,7 +34,53 @@ def add_parser(subparsers) -> None:
                    help="estimates in parallel (each holds a libtpu; an 8192^3 matmul needs ~14 GB)")
     s.add_argument("--no-cache", action="store_true", help="ignore and do not write the estimate cache")
     s.add_argument("--timeout", type=float, default=1800, help="per-estimate limit, seconds")
+    s.add_argument("--no-progress", action="store_true",
+                   help="no progress bar / ETA (there is none either when stderr is not a terminal)")
     s.set_defaults(func=cmd_bench)
+
+
+class _Progress:
+    """A rich progress bar with an ETA on stderr, one task per family (cases done / total), while log lines
+    print above it; disabled (every method a no-op) with ``--no-progress`` or when stderr is not a terminal
+    (logs, CI), where the per-case log lines are the progress."""
+
+    def __init__(self, enabled: bool, stream=None):
+        stream = sys.stderr if stream is None else stream
+        self.bar = None
+        if enabled and getattr(stream, "isatty", lambda: False)():
+            from rich.console import Console
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                       TimeRemainingColumn)
+
+            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                                console=Console(file=stream), transient=False)
+
+    def __enter__(self):
+        if self.bar is not None:
+            self.bar.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.stop()
+
+    def log(self, message: str) -> None:
+        if self.bar is not None:
+            self.bar.console.print(message, markup=False, highlight=False)
+        else:
+            print(message, file=sys.stderr, flush=True)
+
+    def family(self, name: str):
+        """The ``progress(done, total)`` callback of one family (None when disabled)."""
+        if self.bar is None:
+            return None
+        task = self.bar.add_task(f"bench {name}", total=None)
+
+        def progress(done: int, total: int) -> None:
+            self.bar.update(task, completed=done, total=total)
+
+        return progress
 
 
 def _families(text: str) -> list[str]:
@@ -68,9 +114,10 @@ def cmd_bench(args) -> int:
         # refuse before hours of estimates if the kept families would not mix with the new ones
         kept = load_results(args.results_dir, [f for f in FAMILIES if f not in fams])
         check_versions({**{f"{f}.json": r["versions"] for f, r in kept.items()}, "this run": versions()})
-        for fam in fams:
-            run_family(fam, chips, args.results_dir, jobs=args.jobs, timeout_s=args.timeout,
-                       cache_path="" if args.no_cache else None, log=log)
+        with _Progress(not getattr(args, "no_progress", False)) as bar:
+            for fam in fams:
+                run_family(fam, chips, args.results_dir, jobs=args.jobs, timeout_s=args.timeout,
+                           cache_path="" if args.no_cache else None, log=bar.log, progress=bar.family(fam))
     results = load_results(args.results_dir, fams if args.report_only else FAMILIES)
     if not results:
         from ..errors import ArgumentError
