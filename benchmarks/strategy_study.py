@@ -176,21 +176,10 @@ def _save(data: dict) -> None:
 
 
 def markdown(data: dict) -> str:
-    lines = [f"Evaluations until the best so far is within {data['within']:.0%} of the exhaustive best (median / "
-             f"worst of {data['seeds']} seeds; % of the valid configs). Objective: {data['objective']}.", "",
-             "| kernel | chip | valid configs | " + " | ".join(STRATEGIES) + " |",
-             "|---|---|---:|" + "---:|" * len(STRATEGIES)]
-    for r in data["rows"]:
-        cells = []
-        for s in STRATEGIES:
-            m, w = r[s]["median"], r[s]["worst"]
-            cells.append(f"{m:g} / {w} ({100 * m / r['valid']:.0f}% / {100 * w / r['valid']:.0f}%)")
-        lines.append(f"| {r['kernel'].split('::')[-1]} | {r['chip']} | {r['valid']} | " + " | ".join(cells) + " |")
-    med = {s: statistics.median(100 * r[s]["median"] / r["valid"] for r in data["rows"]) for s in STRATEGIES}
-    worst = {s: max(100 * r[s]["worst"] / r["valid"] for r in data["rows"]) for s in STRATEGIES}
-    lines.append("| **median / worst over the rows** | | | " + " | ".join(
-        f"{med[s]:.0f}% / {worst[s]:.0f}%" for s in STRATEGIES) + " |")
-    return "\n".join(lines)
+    """The study's table (rendered by the package, which also puts it in BENCHMARKS.md)."""
+    from tpukernels.bench.report import strategy_table
+
+    return "\n".join(strategy_table(data))
 
 
 def main():

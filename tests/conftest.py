@@ -47,5 +47,37 @@ def tmp_cache(tmp_path, monkeypatch):
 TORCHAX_MODULES = ("test_torchax_ops.py", "test_vllm_tpu.py")
 
 
+def _sample_compile_only_chips(items):
+    """``make test`` compiles each compile-only case for ONE of its chips; ``make test-slow`` for all of them.
+
+    A test named ``test_compile_only*`` / ``test_compiles_for_chip*`` (marked ``aot``) parametrized over 3 or more
+    chips keeps, per combination of its other parameters, the chip ``sorted(chips)[crc32(case) % n]`` (a fixed
+    choice, so every chip is compiled for across the cases); the other chips' items are marked ``slow``. The
+    static checks of every shipped config on every chip (tests/test_shipped_tables.py) still run in make test.
+    """
+    import zlib
+
+    groups: dict = {}
+    for item in items:
+        spec = getattr(item, "callspec", None)
+        name = getattr(item, "originalname", item.name)
+        if (spec is None or "chip" not in spec.params or item.get_closest_marker("aot") is None
+                or not name.startswith(("test_compile_only", "test_compiles_for_chip"))):
+            continue
+        case = f"{item.path.name}::{name}[" + ",".join(
+            f"{k}={spec.params[k]!r}" for k in sorted(spec.params) if k != "chip") + "]"
+        groups.setdefault(case, []).append(item)
+    for case, group in groups.items():
+        chips = sorted({str(it.callspec.params["chip"]) for it in group})
+        if len(chips) < 3:
+            continue
+        keep = chips[zlib.crc32(case.encode()) % len(chips)]
+        for it in group:
+            if str(it.callspec.params["chip"]) != keep:
+                it.add_marker(pytest.mark.slow)
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's -m deselection reads the slow marks added here
 def pytest_collection_modifyitems(config, items):
+    _sample_compile_only_chips(items)
     items.sort(key=lambda item: item.path.name in TORCHAX_MODULES)  # stable: the order is otherwise kept

@@ -327,6 +327,45 @@ def _source_lines(results: dict[str, dict]) -> list[str]:
             "`tpukernels bench --family NAME`."]
 
 
+STRATEGIES = ("exhaustive", "random", "coordinate", "surrogate")
+
+
+def strategy_table(data: dict) -> list[str]:
+    """Markdown lines of ``benchmarks/strategy_study.py``'s results (``strategy_study.json``): evaluations each
+    tuner strategy needs to come within ``data["within"]`` of the exhaustive best, median / worst over seeds."""
+    import statistics
+
+    strategies = [s for s in STRATEGIES if all(s in r for r in data["rows"])]
+    lines = [f"Evaluations until the best so far is within {data['within']:.0%} of the exhaustive best (median / "
+             f"worst of {data['seeds']} seeds; % of the valid configs). Objective: {data['objective']}.", "",
+             "| kernel | chip | valid configs | " + " | ".join(strategies) + " |",
+             "|---|---|---:|" + "---:|" * len(strategies)]
+    for r in data["rows"]:
+        cells = []
+        for s in strategies:
+            m, w = r[s]["median"], r[s]["worst"]
+            cells.append(f"{m:g} / {w} ({100 * m / r['valid']:.0f}% / {100 * w / r['valid']:.0f}%)")
+        lines.append(f"| {r['kernel'].split('::')[-1]} | {r['chip']} | {r['valid']} | " + " | ".join(cells) + " |")
+    if data["rows"]:
+        med = {s: statistics.median(100 * r[s]["median"] / r["valid"] for r in data["rows"]) for s in strategies}
+        worst = {s: max(100 * r[s]["worst"] / r["valid"] for r in data["rows"]) for s in strategies}
+        lines.append("| **median / worst over the rows** | | | " + " | ".join(
+            f"{med[s]:.0f}% / {worst[s]:.0f}%" for s in strategies) + " |")
+    return lines
+
+
+def _strategy_section(results_dir: str) -> list[str]:
+    path = os.path.join(results_dir, "strategy_study.json")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        data = json.load(f)
+    return ["## Tuner strategies (model)", "",
+            f"_`benchmarks/strategy_study.py`, made {data.get('created', '?')}; one exhaustive table per kernel x "
+            "chip, then each strategy replayed over it (baseline: the declared defaults)._", "",
+            *strategy_table(data), ""]
+
+
 def render(results: dict[str, dict], out_path: str, command: str, figures_dir: str | None = None) -> str:
     """Write ``out_path`` (markdown) and ``<figures_dir>/<family>.png`` (default: ``benchmarks/results``
     beside ``out_path``); returns the markdown.
@@ -410,6 +449,7 @@ def render(results: dict[str, dict], out_path: str, command: str, figures_dir: s
             lines += [f"* {r['op']} {r['shape']} {r['chip']} {r['impl']}: "
                       + "; ".join(r["flags"] + ([_short(r["error"])] if r["error"] else [])) for r in flagged]
             lines.append("")
+    lines += _strategy_section(figures_dir or os.path.join(base, "benchmarks", "results"))
     if "host" in results:
         lines += _host_section(results["host"])
     text = "\n".join(lines) + "\n"
