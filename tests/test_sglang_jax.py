@@ -1,0 +1,351 @@
+"""tpukernels as an sglang-jax attention backend, vs sglang-jax's OWN reference semantics.
+
+sglang-jax (Python >= 3.12) cannot be installed here (Python 3.11), so its reference is ported:
+``ref_ragged_paged_attention`` of ``python/sgl_jax/srt/kernels/ragged_paged_attention/ragged_paged_attention_v3.py``
+and the cache row layout of ``merge_kv`` in ``python/sgl_jax/srt/mem_cache/memory_pool.py``, sglang-jax commit
+cddbf6f1cc33cbdd453bd8f36ff7051cf46ca176 (2026-08-21), re-expressed in numpy (float64 from the low-precision
+inputs; their reference computes the logits in float32, otherwise the same steps: per-sequence gather of the
+pages, GQA by repeating kv heads, ``sm_scale``, causal + sliding-window mask ``q_span - W >= kv_span``, soft
+cap before the additive ``mask_value``, the sink logit prepended to the softmax and dropped). The inputs are
+built as their ``python/sgl_jax/test/flashattention_common.py`` builds them: per-sequence page-aligned
+``cache_loc``; the reference's page table comes from ``cache_loc`` per sequence (their test's way), the
+backend's metadata from the flat ``page_indices`` + ``cu_kv_lens`` (their ``get_forward_metadata``'s way), so
+the two paths are independent.
+
+Stubbed (their classes cannot be imported here): ``RadixAttention`` (a namespace with the attributes the
+backend reads), ``ModelWorkerBatch`` / ``ForwardBatch`` (the fields read), the KV pool (``get_fused_kv_buffer``).
+"""
+
+from __future__ import annotations
+
+import enum
+import types
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from tpukernels.errors import ArgumentError, BackendUnavailableError, DTypeError
+from tpukernels.integrations import sglang_jax as sg
+
+DEFAULT_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+
+class ForwardMode(enum.IntEnum):  # their enum's two members used here
+    EXTEND = 1
+    DECODE = 2
+
+
+# ------------------------------------------------------------------------------------- their semantics, ported
+
+
+def ref_ragged_paged_attention(queries, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
+                               causal=True, sm_scale=1.0, sliding_window=None, soft_cap=None,
+                               mask_value=DEFAULT_MASK_VALUE, k_scale=None, v_scale=None, attention_sink=None):
+    """Port of their ``ref_ragged_paged_attention`` (see module doc); float64; returns ``[cu_q_lens[n], Hq, D]``."""
+    f = lambda a: np.asarray(jnp.asarray(a).astype(jnp.float32), np.float64)  # noqa: E731
+    queries, k_pages, v_pages = f(queries), f(k_pages), f(v_pages)
+    _, _, Hkv, D = k_pages.shape
+    Hq = queries.shape[1]
+    r = Hq // Hkv
+    outs = []
+    for i in range(int(num_seqs[0])):
+        q0, q1, kv_len = int(cu_q_lens[i]), int(cu_q_lens[i + 1]), int(kv_lens[i])
+        q_len = q1 - q0
+        k = k_pages[page_indices[i]].reshape(-1, Hkv, D)[:kv_len]
+        v = v_pages[page_indices[i]].reshape(-1, Hkv, D)[:kv_len]
+        if k_scale is not None:
+            k = k * k_scale
+        if v_scale is not None:
+            v = v * v_scale
+        k, v = np.repeat(k, r, axis=1), np.repeat(v, r, axis=1)
+        attn = np.einsum("qhd,khd->hqk", queries[q0:q1], k) * sm_scale
+        q_span = (kv_len - q_len) + np.arange(q_len)[None, :, None]
+        kv_span = np.arange(kv_len)[None, None, :]
+        mask = q_span < kv_span if causal else np.zeros(attn.shape, bool)
+        if sliding_window is not None:
+            mask = mask | (q_span - sliding_window >= kv_span)
+        if soft_cap is not None:
+            attn = soft_cap * np.tanh(attn / soft_cap)
+        attn = attn + np.where(mask, mask_value, 0.0)
+        if attention_sink is not None:
+            sink = np.broadcast_to(np.asarray(attention_sink, np.float64), (Hq,))
+            attn = np.concatenate([np.broadcast_to(sink[:, None, None], (Hq, q_len, 1)), attn], -1)
+        attn = np.exp(attn - attn.max(-1, keepdims=True))
+        attn = attn / attn.sum(-1, keepdims=True)
+        if attention_sink is not None:
+            attn = attn[..., 1:]
+        outs.append(np.einsum("hqk,khd->qhd", attn, v))
+    return np.concatenate(outs, 0)
+
+
+def merge_kv(k, v):
+    """Port of their ``memory_pool.merge_kv`` rows: ``[T, 2*Hkv'/packing, packing, align(D, 128)]``, K of head h
+    at combined head 2h, V at 2h + 1, zero padding."""
+    T, Hkv, D = k.shape
+    p = max(1, 4 // np.dtype(k.dtype).itemsize)
+    h2 = -(-2 * Hkv // p) * p
+    kv = jnp.stack([k, v], axis=2).reshape(T, 2 * Hkv, D)
+    kv = jnp.pad(kv, ((0, 0), (0, h2 - 2 * Hkv), (0, -(-D // 128) * 128 - D)))
+    return kv.reshape(T, h2 // p, p, -(-D // 128) * 128)
+
+
+# ------------------------------------------------------------------------------------- batches
+
+
+def make_batch(mode, lens, *, Hq, Hkv, D, ps, P, dtype=jnp.float32, T=None, pad_seqs=1, loc_pad=24, seed=0):
+    """Their test's construction with a random page allocation: ``lens = [(q_len, kv_len)]``; the fused cache
+    holds each sequence's first ``kv_len - q_len`` tokens (their ``merge_kv`` rows), the rest of it NaN (unused
+    pages, slots past kv_len); ``keys`` / ``values`` are the new tokens; padding tokens are NaN; ``pad_seqs``
+    sequences with seq_len 0 at the end and ``loc_pad`` zero entries after ``cache_loc`` (their bucket padding)."""
+    rng = np.random.default_rng(seed)
+    n = len(lens)
+    q_lens = [ql for ql, _ in lens]
+    kv_lens = [kl for _, kl in lens]
+    T = T or sum(q_lens) + 3
+    Dp = -(-D // 128) * 128
+    shape = sg.get_kv_cache_shape(P, ps, Hkv, D, dtype)
+    cache = np.full(shape, np.nan, np.float32)
+    k_pages = np.full((P, ps, Hkv, D), np.nan, np.float32)  # the reference's view: every token's K/V
+    v_pages = np.full((P, ps, Hkv, D), np.nan, np.float32)
+    perm = rng.permutation(P)
+    cache_loc, out_loc, used = [], [], 0
+    q = np.full((T, Hq, D), np.nan, np.float32)
+    k_new = np.full((T, Hkv, D), np.nan, np.float32)
+    v_new = np.full((T, Hkv, D), np.nan, np.float32)
+    t = 0
+    for ql, kl in lens:
+        npg = -(-kl // ps)
+        pages = perm[used: used + npg]
+        used += npg
+        locs = (pages[:, None] * ps + np.arange(ps)[None, :]).reshape(-1)  # page-contiguous, as their allocator
+        cache_loc += list(locs)
+        k = np.asarray(jnp.asarray(rng.standard_normal((kl, Hkv, D)), dtype).astype(jnp.float32))
+        v = np.asarray(jnp.asarray(rng.standard_normal((kl, Hkv, D)), dtype).astype(jnp.float32))
+        k_pages.reshape(-1, Hkv, D)[locs[:kl]] = k
+        v_pages.reshape(-1, Hkv, D)[locs[:kl]] = v
+        old = kl - ql
+        if old:
+            rows = np.asarray(merge_kv(jnp.asarray(k[:old], dtype), jnp.asarray(v[:old], dtype)).astype(jnp.float32))
+            cache.reshape(P * ps, *shape[2:])[locs[:old]] = rows
+        k_new[t: t + ql], v_new[t: t + ql] = k[old:], v[old:]
+        q[t: t + ql] = rng.standard_normal((ql, Hq, D))
+        out_loc += list(locs[old:kl])
+        t += ql
+    cache_loc = np.asarray(cache_loc + [0] * loc_pad, np.int32)
+    seq_lens = np.asarray(kv_lens + [0] * pad_seqs, np.int32)
+    batch = types.SimpleNamespace(
+        forward_mode=ForwardMode[mode], seq_lens=seq_lens, cache_loc=cache_loc,
+        extend_seq_lens=np.asarray(q_lens + [0] * pad_seqs, np.int32) if mode == "EXTEND" else None,
+        extend_prefix_lens=np.asarray([kl - ql for ql, kl in lens] + [0] * pad_seqs, np.int32),
+        out_cache_loc=np.asarray(out_loc, np.int32), dp_size=1, per_dp_bs_size=n + pad_seqs)
+    # the reference's page table, their test's way: cache_loc[start:start+seq_len] // page_size, per sequence
+    aligned = (seq_lens + ps - 1) // ps * ps
+    starts = np.concatenate([[0], np.cumsum(aligned)])
+    width = max(-(-kl // ps) for kl in kv_lens)
+    table = np.zeros((n, width), np.int32)
+    for s in range(n):
+        pg = list(dict.fromkeys((cache_loc[starts[s]: starts[s] + seq_lens[s]] // ps).tolist()))
+        table[s, : len(pg)] = pg
+    ref_in = dict(k_pages=k_pages, v_pages=v_pages, kv_lens=seq_lens[:n], page_indices=table,
+                  cu_q_lens=np.concatenate([[0], np.cumsum(q_lens)]), num_seqs=[n])
+    return (jnp.asarray(q, dtype), jnp.asarray(k_new, dtype), jnp.asarray(v_new, dtype), jnp.asarray(cache, dtype),
+            batch, ref_in, sum(q_lens))
+
+
+def expected_cache(cache, k_new, v_new, out_loc):
+    """The cache after their write path (``set_kv_buffer`` of ``merge_kv`` rows at ``out_cache_loc``)."""
+    c = np.asarray(cache.astype(jnp.float32)).copy()
+    n = len(out_loc)
+    rows = np.asarray(merge_kv(k_new[:n], v_new[:n]).astype(jnp.float32))
+    c.reshape(-1, *c.shape[2:])[out_loc] = rows
+    return c
+
+
+def _same(a, b) -> bool:
+    a, b = np.asarray(jnp.asarray(a).astype(jnp.float32)), np.asarray(b, np.float32)
+    return a.shape == b.shape and bool(np.array_equal(np.isnan(a), np.isnan(b))) and bool(
+        np.array_equal(np.nan_to_num(a), np.nan_to_num(b)))
+
+
+def _close(out, ref, n_tok, tol):
+    out = np.asarray(jnp.asarray(out).astype(jnp.float32), np.float64)[:n_tok]
+    assert out.shape[0] == ref.shape[0] and not np.isnan(out).any()
+    err = np.abs(out.reshape(ref.shape) - ref).max()
+    assert err <= tol * max(1.0, np.abs(ref).max()), err
+
+
+class Pool:
+    """Stub of their KV pool: the fused buffer of each layer."""
+
+    def __init__(self, cache):
+        self.kv_buffer = [cache]
+
+    def get_fused_kv_buffer(self, layer_id):
+        return self.kv_buffer[layer_id]
+
+
+def layer(D, *, scaling=None, sliding_window_size=0, logit_cap=0):
+    """Stub of their ``RadixAttention`` (the attributes a backend reads; 0 means off, as theirs)."""
+    return types.SimpleNamespace(layer_id=0, head_dim=D, scaling=scaling, sliding_window_size=sliding_window_size or None,
+                                 logit_cap=logit_cap or None, xai_temperature_len=-1, softmax_dtype=None,
+                                 attn_type=types.SimpleNamespace(value="decoder"))
+
+
+CFG = {"block_q": 8, "pages_per_block": 2}
+SHAPE = dict(Hq=4, Hkv=2, D=128, ps=8, P=40)
+BATCHES = {  # (mode, [(q_len, kv_len)]): decode-only; mixed = an EXTEND batch with decode rows, chunked prefill
+    "decode": ("DECODE", [(1, 37), (1, 5), (1, 64), (1, 17)]),
+    "mixed": ("EXTEND", [(1, 23), (1, 40), (6, 30), (9, 9), (12, 12)]),
+}
+
+
+@pytest.mark.parametrize("name", ["decode", "mixed"])
+def test_backend_matches_their_reference(name):
+    """The backend's ``__call__`` on a ForwardBatch (their metadata, their fused cache, GQA 4/2, sliding window +
+    soft cap + per-head sinks, NaN in unused pages and padding) vs their reference; the cache after the step
+    equals their write path's bit for bit (NaN pages untouched)."""
+    mode, lens = BATCHES[name]
+    q, k, v, cache, batch, ref_in, n_tok = make_batch(mode, lens, **SHAPE, T=32, pad_seqs=6 - len(lens), seed=len(name))
+    sinks = jnp.asarray(np.random.default_rng(3).standard_normal(4) * 2, jnp.float32)
+    be = sg.TpuKernelsFlashAttention(4, 2, 128, page_size=8, config=CFG, interpret="tpu")
+    be.forward_metadata = be.get_forward_metadata(batch)
+    lay = layer(128, scaling=0.1, sliding_window_size=13, logit_cap=5.0)
+    fb = types.SimpleNamespace(forward_mode=batch.forward_mode, spec_info=None)
+    out, new_cache = be(q.reshape(q.shape[0], -1), k.reshape(k.shape[0], -1), v.reshape(v.shape[0], -1), lay, fb,
+                        Pool(cache), attention_sink=sinks)
+    assert out.shape == (q.shape[0], 4 * 128)
+    ref = ref_ragged_paged_attention(q, **ref_in, sm_scale=0.1, sliding_window=13, soft_cap=5.0,
+                                     attention_sink=np.asarray(sinks))
+    _close(out, ref.reshape(n_tok, -1), n_tok, 2e-5)
+    assert _same(new_cache, expected_cache(cache, k, v, batch.out_cache_loc))
+
+
+def test_under_jit_with_traced_metadata():
+    """One step under ``jax.jit`` with the metadata traced and the cache donated (as their model step runs): the
+    static page-table width comes from ``max_context_len``."""
+    q, k, v, cache, batch, ref_in, n_tok = make_batch("EXTEND", BATCHES["mixed"][1], **SHAPE, seed=9)
+    be = sg.TpuKernelsFlashAttention(4, 2, 128, page_size=8, max_context_len=64, config=CFG)
+    assert be.pages_per_seq == 8
+    md = be.get_forward_metadata(batch)
+
+    @jax.jit
+    def step(q, k, v, cache, md):
+        be.forward_metadata = md
+        return be(q, k, v, layer(128), types.SimpleNamespace(forward_mode=batch.forward_mode), Pool(cache))
+
+    want_cache = expected_cache(cache, k, v, batch.out_cache_loc)
+    out, new_cache = step(q, k, v, cache, md)
+    _close(out, ref_ragged_paged_attention(q, **ref_in, sm_scale=128 ** -0.5).reshape(n_tok, -1), n_tok, 2e-5)
+    assert _same(new_cache, want_cache)
+
+
+def test_head_dim_96_fp8_cache_scalar_sink():
+    """D = 96 (their cache pads lanes to 128 with zeros; q is padded likewise) with an fp8 (e4m3) cache, bf16
+    queries, static k_scale / v_scale and a scalar attention sink (their reference broadcasts it); through the
+    kernel-level entry (their ``ragged_paged_attention`` signature)."""
+    lens = [(1, 20), (5, 14), (3, 3)]
+    q, k, v, cache, batch, ref_in, n_tok = make_batch("EXTEND", lens, Hq=4, Hkv=2, D=96, ps=8, P=16,
+                                                      dtype=jnp.float8_e4m3fn, seed=5)
+    q = q.astype(jnp.bfloat16)
+    md = sg.get_forward_metadata(batch, 8)
+    args = (q, k, v, cache, md.seq_lens, md.page_indices, md.cu_q_lens, md.cu_kv_lens, md.distribution)
+    kw = dict(sm_scale=96 ** -0.5, k_scale=0.5, v_scale=2.0)
+    out, new_cache = sg.ragged_paged_attention(*args, None, jnp.float32(0.7), **kw, config=CFG)
+    assert out.shape == (q.shape[0], 4, 96) and out.dtype == jnp.bfloat16
+    ref = ref_ragged_paged_attention(q, **ref_in, **kw, attention_sink=0.7)
+    _close(out, ref, n_tok, 3e-2)  # K/V widened to bf16 in VMEM, bf16 probabilities and output
+    assert _same(new_cache, expected_cache(cache, k, v, batch.out_cache_loc))
+    lanes = np.asarray(new_cache.astype(jnp.float32)).reshape(-1, 128)[:, 96:]
+    assert np.all((lanes == 0) | np.isnan(lanes))  # written rows keep zero pad lanes
+
+
+def test_cache_view_is_a_bit_exact_reshape():
+    """Their 5-D fused cache seen as ours is a reshape (same bytes in order), and their merge_kv rows land at
+    combined heads 2h (K) / 2h + 1 (V); fp8 with one kv head has padding heads (packing 4)."""
+    for D, dt, hkv in ((128, jnp.bfloat16, 2), (96, jnp.float32, 3), (64, jnp.bfloat16, 1), (128, jnp.float8_e4m3fn, 1)):
+        shape = sg.get_kv_cache_shape(5, 16, hkv, D, dt)
+        c = jnp.asarray(np.random.default_rng(0).integers(-100, 100, shape), dt)
+        view, hpad = sg.kv_cache_view(c, hkv, D)
+        assert view.shape == (5, 16, 2 * hpad, -(-D // 128) * 128)
+        assert np.array_equal(np.asarray(view.astype(jnp.float32)).reshape(-1), np.asarray(c.astype(jnp.float32)).reshape(-1))
+        k = jnp.asarray(np.random.default_rng(1).integers(-9, 9, (1, hkv, D)), dt)
+        v = jnp.asarray(np.random.default_rng(2).integers(-9, 9, (1, hkv, D)), dt)
+        row = np.asarray(merge_kv(k, v).astype(jnp.float32)).reshape(view.shape[2:])
+        for h in range(hkv):
+            assert np.array_equal(row[2 * h, :D], np.asarray(k.astype(jnp.float32))[0, h])
+            assert np.array_equal(row[2 * h + 1, :D], np.asarray(v.astype(jnp.float32))[0, h])
+
+
+def test_page_table_follows_cu_kv_lens():
+    """metadata_view's rows are each sequence's own pages (from the flat list at cdiv(cu_kv_lens[s], ps)), equal
+    to the page table their test derives from cache_loc; concrete metadata gets the power-of-two width."""
+    _, _, _, _, batch, ref_in, _ = make_batch("DECODE", BATCHES["decode"][1], **SHAPE, seed=2)
+    md = sg.get_forward_metadata(batch, 8)
+    kl, table, cu, ns = sg.metadata_view(md.seq_lens, md.page_indices, md.cu_q_lens, md.cu_kv_lens, md.distribution,
+                                         page_size=8)
+    assert int(ns[0]) == 4 and table.shape == (5, 8)
+    for s, row in enumerate(ref_in["page_indices"]):
+        npg = -(-int(ref_in["kv_lens"][s]) // 8)
+        assert np.array_equal(np.asarray(table[s, :npg]), row[:npg])
+
+
+def test_kv_write_is_in_place_when_donated():
+    """XLA's memory analysis of a jitted, cache-donated write: the output aliases the cache, no cache-sized
+    temporary (the check can fail: an XLA scatter of the same rows copies the cache on this backend)."""
+    P, ps, Hkv, D, T = 256, 16, 2, 128, 8
+    cache = jnp.zeros(sg.get_kv_cache_shape(P, ps, Hkv, D, jnp.bfloat16), jnp.bfloat16)
+    k = jnp.ones((T, Hkv, D), jnp.bfloat16)
+    meta = (jnp.asarray([3, 5, 0], jnp.int32), jnp.arange(24, dtype=jnp.int32), jnp.asarray([0, 3, 8, 8], jnp.int32),
+            jnp.asarray([0, 16, 32, 32], jnp.int32), jnp.asarray([0, 2, 2], jnp.int32))
+
+    def write(c, k, v, kl, pi, cu, ckv, dist):
+        kl, table, cu, ns = sg.metadata_view(kl, pi, cu, ckv, dist, page_size=ps, pages_per_seq=4)
+        return sg.write_kv(c, k, v, kl, table, cu, ns)
+
+    m = jax.jit(write, donate_argnums=0).lower(cache, k, k, *meta).compile().memory_analysis()
+    assert m.alias_size_in_bytes == cache.nbytes
+    assert m.temp_size_in_bytes < cache.nbytes // 16, m.temp_size_in_bytes
+    rows = jnp.ones((T,) + cache.shape[2:], jnp.bfloat16)
+    scatter = jax.jit(lambda c, r, pg: c.at[pg, 0].set(r, mode="drop"), donate_argnums=0)
+    assert scatter.lower(cache, rows, meta[1][:T]).compile().memory_analysis().temp_size_in_bytes >= cache.nbytes
+
+
+def test_bad_input_is_a_typed_error():
+    q, k, v, cache, batch, _, _ = make_batch("EXTEND", [(1, 4), (3, 6)], Hq=4, Hkv=2, D=128, ps=4, P=6, pad_seqs=0,
+                                             loc_pad=0)
+    md = sg.get_forward_metadata(batch, 4)
+    args = [q, k, v, cache, md.seq_lens, md.page_indices, md.cu_q_lens, md.cu_kv_lens, md.distribution]
+    call = lambda *a, **kw: sg.ragged_paged_attention(*a, **kw, config=CFG)  # noqa: E731
+    with pytest.raises(ArgumentError, match="sglang-jax's layout"):
+        call(*args[:3], cache[:, :, :, :, :64], *args[4:])  # a cache of another model config
+    bad = list(args)
+    bad[5] = bad[5].at[2].set(99)  # sequence 1's second page (its pages start at flat index 1)
+    with pytest.raises(ArgumentError, match=r"page_indices\[2\] = 99 \(page 1 of sequence 1\)"):
+        call(*bad)
+    bad = list(args)
+    bad[4] = jnp.asarray([9, 6], jnp.int32)  # kv_len beyond the slots cu_kv_lens leaves (the next sequence's)
+    with pytest.raises(ArgumentError, match="overlap the next sequence"):
+        call(*bad)
+    with pytest.raises(DTypeError, match="keys / values dtype"):
+        call(args[0], args[1].astype(jnp.bfloat16), *args[2:])
+    with pytest.raises(DTypeError, match="must be int32"):
+        call(*args[:4], args[4].astype(jnp.int16), *args[5:])
+    with pytest.raises(DTypeError, match="must be floating"):
+        call(*args[:3], args[3].astype(jnp.int8), *args[4:])
+    with pytest.raises(DTypeError, match="attention_sink must be float32"):
+        call(*args, None, jnp.zeros(4, jnp.float16))
+    with pytest.raises(ArgumentError, match="attention_sink must be a scalar or have shape"):
+        call(*args, None, jnp.zeros(3, jnp.float32))
+    with pytest.raises(ArgumentError, match="custom_mask"):
+        call(*args, jnp.ones(30, jnp.int32), causal=0)
+    with pytest.raises(ArgumentError, match="xai_temperature_len"):
+        call(*args, xai_temperature_len=64.0)
+    with pytest.raises(ArgumentError, match="softmax_dtype"):
+        call(*args, softmax_dtype=jnp.bfloat16)
+    with pytest.raises(ArgumentError, match="pages_per_seq = 1"):
+        call(*args, pages_per_seq=1)
+    with pytest.raises(BackendUnavailableError, match="Python >= 3.12"):
+        sg.install()
