@@ -19,10 +19,13 @@ backend reads), ``ModelWorkerBatch`` / ``ForwardBatch`` (the fields read), the K
 from __future__ import annotations
 
 import enum
+import functools
 import types
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import jax
 import jax.numpy as jnp
@@ -95,11 +98,13 @@ def merge_kv(k, v):
 # ------------------------------------------------------------------------------------- batches
 
 
-def make_batch(mode, lens, *, Hq, Hkv, D, ps, P, dtype=jnp.float32, T=None, pad_seqs=1, loc_pad=24, seed=0):
+def make_batch(mode, lens, *, Hq, Hkv, D, ps, P, dtype=jnp.float32, T=None, pad_seqs=1, loc_pad=24, seed=0,
+               data=True):
     """Their test's construction with a random page allocation: ``lens = [(q_len, kv_len)]``; the fused cache
     holds each sequence's first ``kv_len - q_len`` tokens (their ``merge_kv`` rows), the rest of it NaN (unused
     pages, slots past kv_len); ``keys`` / ``values`` are the new tokens; padding tokens are NaN; ``pad_seqs``
-    sequences with seq_len 0 at the end and ``loc_pad`` zero entries after ``cache_loc`` (their bucket padding)."""
+    sequences with seq_len 0 at the end and ``loc_pad`` zero entries after ``cache_loc`` (their bucket padding).
+    ``data=False``: metadata only (q, keys, values, cache stay NaN)."""
     rng = np.random.default_rng(seed)
     n = len(lens)
     q_lens = [ql for ql, _ in lens]
@@ -122,6 +127,9 @@ def make_batch(mode, lens, *, Hq, Hkv, D, ps, P, dtype=jnp.float32, T=None, pad_
         used += npg
         locs = (pages[:, None] * ps + np.arange(ps)[None, :]).reshape(-1)  # page-contiguous, as their allocator
         cache_loc += list(locs)
+        out_loc += list(locs[kl - ql:kl])
+        if not data:
+            continue
         k = np.asarray(jnp.asarray(rng.standard_normal((kl, Hkv, D)), dtype).astype(jnp.float32))
         v = np.asarray(jnp.asarray(rng.standard_normal((kl, Hkv, D)), dtype).astype(jnp.float32))
         k_pages.reshape(-1, Hkv, D)[locs[:kl]] = k
@@ -132,7 +140,6 @@ def make_batch(mode, lens, *, Hq, Hkv, D, ps, P, dtype=jnp.float32, T=None, pad_
             cache.reshape(P * ps, *shape[2:])[locs[:old]] = rows
         k_new[t: t + ql], v_new[t: t + ql] = k[old:], v[old:]
         q[t: t + ql] = rng.standard_normal((ql, Hq, D))
-        out_loc += list(locs[old:kl])
         t += ql
     cache_loc = np.asarray(cache_loc + [0] * loc_pad, np.int32)
     seq_lens = np.asarray(kv_lens + [0] * pad_seqs, np.int32)
@@ -189,7 +196,8 @@ class Pool:
 
 def layer(D, *, scaling=None, sliding_window_size=0, logit_cap=0):
     """Stub of their ``RadixAttention`` (the attributes a backend reads; 0 means off, as theirs)."""
-    return types.SimpleNamespace(layer_id=0, head_dim=D, scaling=scaling, sliding_window_size=sliding_window_size or None,
+    return types.SimpleNamespace(layer_id=0, head_dim=D, scaling=scaling,
+                                 sliding_window_size=sliding_window_size or None,
                                  logit_cap=logit_cap or None, xai_temperature_len=-1, softmax_dtype=None,
                                  attn_type=types.SimpleNamespace(value="decoder"))
 
@@ -226,19 +234,24 @@ def test_backend_matches_their_reference(name):
 def test_under_jit_with_traced_metadata():
     """One step under ``jax.jit`` with the metadata traced and the cache donated (as their model step runs): the
     static page-table width comes from ``max_context_len``."""
-    q, k, v, cache, batch, ref_in, n_tok = make_batch("EXTEND", BATCHES["mixed"][1], **SHAPE, seed=9)
-    be = sg.TpuKernelsFlashAttention(4, 2, 128, page_size=8, max_context_len=64, config=CFG)
+    q, k, v, cache, batch, ref_in, n_tok = make_batch("EXTEND", BATCHES["mixed"][1], **SHAPE, T=32, seed=9)
+    be = sg.TpuKernelsFlashAttention(4, 2, 128, page_size=8, max_context_len=64, config=CFG, interpret="tpu")
     assert be.pages_per_seq == 8
     md = be.get_forward_metadata(batch)
+    sinks = jnp.asarray(np.random.default_rng(4).standard_normal(4), jnp.float32)
+    lay = layer(128, scaling=0.1, sliding_window_size=13, logit_cap=5.0)
 
-    @jax.jit
-    def step(q, k, v, cache, md):
+    @functools.partial(jax.jit, donate_argnums=3)
+    def step(q, k, v, cache, md, sinks):
         be.forward_metadata = md
-        return be(q, k, v, layer(128), types.SimpleNamespace(forward_mode=batch.forward_mode), Pool(cache))
+        return be(q, k, v, lay, types.SimpleNamespace(forward_mode=batch.forward_mode), Pool(cache),
+                  attention_sink=sinks)
 
     want_cache = expected_cache(cache, k, v, batch.out_cache_loc)
-    out, new_cache = step(q, k, v, cache, md)
-    _close(out, ref_ragged_paged_attention(q, **ref_in, sm_scale=128 ** -0.5).reshape(n_tok, -1), n_tok, 2e-5)
+    out, new_cache = step(q, k, v, cache, md, sinks)
+    ref = ref_ragged_paged_attention(q, **ref_in, sm_scale=0.1, sliding_window=13, soft_cap=5.0,
+                                     attention_sink=np.asarray(sinks))
+    _close(out, ref.reshape(n_tok, -1), n_tok, 2e-5)
     assert _same(new_cache, want_cache)
 
 
@@ -265,31 +278,20 @@ def test_head_dim_96_fp8_cache_scalar_sink():
 def test_cache_view_is_a_bit_exact_reshape():
     """Their 5-D fused cache seen as ours is a reshape (same bytes in order), and their merge_kv rows land at
     combined heads 2h (K) / 2h + 1 (V); fp8 with one kv head has padding heads (packing 4)."""
-    for D, dt, hkv in ((128, jnp.bfloat16, 2), (96, jnp.float32, 3), (64, jnp.bfloat16, 1), (128, jnp.float8_e4m3fn, 1)):
+    cases = ((128, jnp.bfloat16, 2), (96, jnp.float32, 3), (64, jnp.bfloat16, 1), (128, jnp.float8_e4m3fn, 1))
+    for D, dt, hkv in cases:
         shape = sg.get_kv_cache_shape(5, 16, hkv, D, dt)
         c = jnp.asarray(np.random.default_rng(0).integers(-100, 100, shape), dt)
         view, hpad = sg.kv_cache_view(c, hkv, D)
         assert view.shape == (5, 16, 2 * hpad, -(-D // 128) * 128)
-        assert np.array_equal(np.asarray(view.astype(jnp.float32)).reshape(-1), np.asarray(c.astype(jnp.float32)).reshape(-1))
+        flat = lambda a: np.asarray(a.astype(jnp.float32)).reshape(-1)  # noqa: E731
+        assert np.array_equal(flat(view), flat(c))
         k = jnp.asarray(np.random.default_rng(1).integers(-9, 9, (1, hkv, D)), dt)
         v = jnp.asarray(np.random.default_rng(2).integers(-9, 9, (1, hkv, D)), dt)
         row = np.asarray(merge_kv(k, v).astype(jnp.float32)).reshape(view.shape[2:])
         for h in range(hkv):
             assert np.array_equal(row[2 * h, :D], np.asarray(k.astype(jnp.float32))[0, h])
             assert np.array_equal(row[2 * h + 1, :D], np.asarray(v.astype(jnp.float32))[0, h])
-
-
-def test_page_table_follows_cu_kv_lens():
-    """metadata_view's rows are each sequence's own pages (from the flat list at cdiv(cu_kv_lens[s], ps)), equal
-    to the page table their test derives from cache_loc; concrete metadata gets the power-of-two width."""
-    _, _, _, _, batch, ref_in, _ = make_batch("DECODE", BATCHES["decode"][1], **SHAPE, seed=2)
-    md = sg.get_forward_metadata(batch, 8)
-    kl, table, cu, ns = sg.metadata_view(md.seq_lens, md.page_indices, md.cu_q_lens, md.cu_kv_lens, md.distribution,
-                                         page_size=8)
-    assert int(ns[0]) == 4 and table.shape == (5, 8)
-    for s, row in enumerate(ref_in["page_indices"]):
-        npg = -(-int(ref_in["kv_lens"][s]) // 8)
-        assert np.array_equal(np.asarray(table[s, :npg]), row[:npg])
 
 
 def test_kv_write_is_in_place_when_donated():
@@ -349,3 +351,82 @@ def test_bad_input_is_a_typed_error():
         call(*args, pages_per_seq=1)
     with pytest.raises(BackendUnavailableError, match="Python >= 3.12"):
         sg.install()
+
+
+@settings(max_examples=8)
+@given(st.sampled_from([1, 4, 16]), st.lists(st.tuples(st.integers(1, 9), st.integers(0, 40)), min_size=1,
+                                             max_size=5), st.integers(0, 2), st.booleans())
+def test_metadata_and_write_slots_match_their_cache_loc(ps, raw, pad_seqs, decode):
+    """For random ragged batches and page sizes: the page table built from their flat page_indices + cu_kv_lens
+    holds each sequence's own pages (as their test derives from cache_loc), and the slots the new tokens are
+    written to are their out_cache_loc."""
+    lens = [(1 if decode else min(ql, kl + ql), kl + (1 if decode else min(ql, kl + ql))) for ql, kl in raw]
+    P = sum(-(-kl // ps) for _, kl in lens) + 3
+    _, _, _, _, batch, ref_in, n_tok = make_batch("DECODE" if decode else "EXTEND", lens, Hq=2, Hkv=1, D=128, ps=ps,
+                                                  P=P, pad_seqs=pad_seqs, loc_pad=5, T=sum(q for q, _ in lens) + 2,
+                                                  data=False)
+    md = sg.get_forward_metadata(batch, ps)
+
+    @jax.jit  # traced metadata: the page table is as wide as the flat list (always enough)
+    def mapped(kl, pi, cu, ckv, dist):
+        kl, table, cu, ns = sg.metadata_view(kl, pi, cu, ckv, dist, page_size=ps)
+        return table, ns, sg._slot_mapping(kl, table, cu, ns, n_tok + 2, ps, P)
+
+    table, ns, slots = mapped(md.seq_lens, md.page_indices, md.cu_q_lens, md.cu_kv_lens, md.distribution)
+    assert int(ns[0]) == len(lens) and table.shape[1] == md.page_indices.shape[0]
+    for s, row in enumerate(ref_in["page_indices"]):
+        npg = -(-int(ref_in["kv_lens"][s]) // ps)
+        assert np.array_equal(np.asarray(table[s, :npg]), row[:npg])
+    slots = np.asarray(slots)
+    assert np.array_equal(slots[:n_tok], batch.out_cache_loc) and np.all(slots[n_tok:] == -1)
+
+
+class _StubFlashAttention:
+    """Stand-in for their ``FlashAttention`` (not importable here): their constructor and attributes, their
+    ``__call__`` raising (it must be overridden), ``get_forward_metadata`` = our port of theirs."""
+
+    def __init__(self, num_attn_heads, num_kv_heads, head_dim, page_size=1, kv_partition_axis="tensor",
+                 attention_data_partition_axis="data", mesh=None):
+        self.num_heads, self.num_kv_heads, self.head_dim, self.page_size = num_attn_heads, num_kv_heads, head_dim, \
+            page_size
+        self.kv_partition_axis, self.attention_data_partition_axis, self.mesh = kv_partition_axis, \
+            attention_data_partition_axis, mesh
+        self.forward_metadata = sg.FlashAttentionMetadata()
+
+    def get_forward_metadata(self, batch):
+        return sg.get_forward_metadata(batch, self.page_size)
+
+    def __call__(self, *a, **k):
+        raise AssertionError("their kernel ran")
+
+
+def test_install_swaps_their_flash_attention(monkeypatch):
+    """install() replaces flashattention_backend.FlashAttention by a subclass of theirs whose __call__ is ours
+    (stubbed sgl_jax package: only the module path and the base class)."""
+    import sys
+
+    mods = {n: types.ModuleType(n) for n in ("sgl_jax", "sgl_jax.srt", "sgl_jax.srt.layers",
+                                             "sgl_jax.srt.layers.attention",
+                                             "sgl_jax.srt.layers.attention.flashattention_backend")}
+    fab = mods["sgl_jax.srt.layers.attention.flashattention_backend"]
+    fab.FlashAttention = _StubFlashAttention
+    mods["sgl_jax.srt.layers.attention"].flashattention_backend = fab
+    for n, m in mods.items():
+        monkeypatch.setitem(sys.modules, n, m)
+    monkeypatch.setattr(sg, "_CLASSES", {})
+    cls = sg.install(max_context_len=64)
+    assert fab.FlashAttention is cls and issubclass(cls, _StubFlashAttention)
+    assert sg.install(max_context_len=64) is cls  # idempotent
+    mode, lens = BATCHES["mixed"]
+    q, k, v, cache, batch, ref_in, n_tok = make_batch(mode, lens, **SHAPE, T=32, pad_seqs=1, seed=4)
+    be = fab.FlashAttention(4, 2, 128, page_size=8)  # what their model runner does for --attention-backend fa
+    assert be.pages_per_seq == 8
+    be.config, be.interpret = CFG, "tpu"
+    be.forward_metadata = be.get_forward_metadata(batch)
+    sinks = jnp.asarray(np.random.default_rng(3).standard_normal(4), jnp.float32)
+    out, new_cache = be(q, k, v, layer(128, scaling=0.1, sliding_window_size=13, logit_cap=5.0),
+                        types.SimpleNamespace(forward_mode=batch.forward_mode), Pool(cache), attention_sink=sinks)
+    ref = ref_ragged_paged_attention(q, **ref_in, sm_scale=0.1, sliding_window=13, soft_cap=5.0,
+                                     attention_sink=np.asarray(sinks))
+    _close(out, ref.reshape(n_tok, -1), n_tok, 2e-5)
+    assert _same(new_cache, expected_cache(cache, k, v, batch.out_cache_loc))

@@ -12,9 +12,16 @@ sglang-jax needs Python >= 3.12, so this module never imports it except in :func
 Selecting it. sglang-jax has no attention-backend registry or plugin entry point: ``ModelRunner.
 _get_attention_backend`` picks a class from ``--attention-backend`` (``fa``, ``fa_mha``, ``native``,
 ``dsa_sparse``; argparse ``choices``), importing ``FlashAttention`` from its module at call time. So the swap is
-one line, run before the model runner is built (e.g. at the top of the launch script)::
+one line, :func:`install`, run in every process that builds a model runner. sglang-jax starts its scheduler
+processes with ``multiprocessing`` "spawn", which re-imports the launching script (as ``__mp_main__``) in each
+child, so a launcher whose top level calls it covers them (not verified here: no Python 3.12)::
 
-    import tpukernels.integrations.sglang_jax as tk_sgl; tk_sgl.install()   # then --attention-backend fa
+    # serve_tpukernels.py; run: python serve_tpukernels.py --model-path ... --device tpu --attention-backend fa
+    import tpukernels.integrations.sglang_jax as tk_sgl
+    tk_sgl.install(max_context_len=8192)
+    if __name__ == "__main__":
+        from sgl_jax.launch_server import main
+        main()
 
 :func:`install` replaces ``sgl_jax.srt.layers.attention.flashattention_backend.FlashAttention`` by
 :func:`backend_class` (a subclass of their ``FlashAttention`` that keeps their host-side metadata builders,
