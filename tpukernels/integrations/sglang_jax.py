@@ -262,7 +262,8 @@ def ragged_paged_attention(queries, keys, values, kv_cache_fused, kv_lens, page_
 
     if causal != 1 or custom_mask is not None:
         raise ArgumentError(f"{_WHERE}: causal={causal!r} / custom_mask (speculative-decoding tree masks, encoder-only "
-                            f"layers) is not supported by tpukernels; use --attention-backend fa for those models")
+                            f"layers) is not supported by tpukernels; serve those models with sglang-jax's own backend "
+                            f"(without tpukernels.integrations.sglang_jax.install())")
     if xai_temperature_len is not None:
         raise ArgumentError(f"{_WHERE}: xai_temperature_len (Grok length-based temperature) is not supported")
     if q_scale is not None:
@@ -442,6 +443,9 @@ class _TpuKernelsCall:
         Raises: as :func:`ragged_paged_attention` (encoder-only layers and custom masks: ArgumentError)."""
         import jax
 
+        if token_to_kv_pool is None or forward_batch is None:
+            raise ArgumentError(f"{_WHERE}: forward_batch and token_to_kv_pool are required (the tpukernels backend "
+                                f"always reads and writes the paged KV cache)")
         md = self.forward_metadata
         head_dim = getattr(layer, "head_dim", self.head_dim)
         kv_cache_fused = token_to_kv_pool.get_fused_kv_buffer(layer.layer_id)
@@ -456,8 +460,9 @@ class _TpuKernelsCall:
         elif hasattr(token_to_kv_pool, "remap_cache_loc") and self.page_size == 1:
             page_indices = token_to_kv_pool.remap_cache_loc(page_indices, layer.layer_id)
         xai = getattr(layer, "xai_temperature_len", -1)
-        kw = dict(causal=causal, sm_scale=float(scale), sliding_window=window or None,
-                  soft_cap=getattr(layer, "logit_cap", None) or None,
+        cap = getattr(layer, "logit_cap", None)
+        kw = dict(causal=causal, sm_scale=float(scale), sliding_window=int(window) if window else None,
+                  soft_cap=float(cap) if cap else None,
                   xai_temperature_len=xai if xai is not None and xai > 0 else None,
                   softmax_dtype=getattr(layer, "softmax_dtype", None), pages_per_seq=self.pages_per_seq,
                   config=self.config, interpret=self.interpret)
