@@ -431,3 +431,49 @@ def test_install_swaps_their_flash_attention(monkeypatch):
                                      attention_sink=np.asarray(sinks))
     _close(out, ref.reshape(n_tok, -1), n_tok, 2e-5)
     assert _same(new_cache, expected_cache(cache, k, v, batch.out_cache_loc))
+
+
+_SHARDED = r"""
+import sys, types
+import numpy as np, jax, jax.numpy as jnp
+from jax.sharding import Mesh
+sys.path.insert(0, sys.argv[1])
+import test_sglang_jax as t
+from tpukernels.integrations import sglang_jax as sg
+
+assert len(jax.devices()) == 2
+mesh = Mesh(np.array(jax.devices()).reshape(1, 2), ("data", "tensor"))
+mode, lens = t.BATCHES["mixed"]
+q, k, v, cache, batch, ref_in, n_tok = t.make_batch(mode, lens, **t.SHAPE, T=32, pad_seqs=1, seed=8)
+be = sg.TpuKernelsFlashAttention(4, 2, 128, page_size=8, mesh=mesh, max_context_len=64, config=t.CFG)
+be.forward_metadata = be.get_forward_metadata(batch)
+sinks = jnp.asarray(np.random.default_rng(2).standard_normal(4), jnp.float32)
+lay = t.layer(128, scaling=0.1, sliding_window_size=13, logit_cap=5.0)
+seen, orig = [], sg.ragged_paged_attention
+sg.ragged_paged_attention = lambda *a, **kw: seen.append((a[0].shape, a[3].shape)) or orig(*a, **kw)
+out, new_cache = be(q, k, v, lay, types.SimpleNamespace(forward_mode=batch.forward_mode), t.Pool(cache),
+                    attention_sink=sinks)
+ref = t.ref_ragged_paged_attention(q, **ref_in, sm_scale=0.1, sliding_window=13, soft_cap=5.0,
+                                   attention_sink=np.asarray(sinks))
+t._close(out, ref.reshape(n_tok, -1), n_tok, 2e-5)
+assert t._same(new_cache, t.expected_cache(cache, k, v, batch.out_cache_loc))
+assert seen == [((32, 2, 128), (40, 8, 2, 1, 128))], seen  # each shard: 2 query heads, 1 kv head's K/V
+print("SHARDED OK")
+"""
+
+
+@pytest.mark.slow
+def test_tensor_parallel_shard_map_two_cpu_devices():
+    """Their shard_map specs (kv heads over "tensor") on 2 host devices: each shard runs our kernel on its half
+    of the kv heads / fused cache; same output and cache as their reference (a fresh process: the device count
+    is fixed at jax start)."""
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               PYTHONPATH=os.path.dirname(here))
+    proc = subprocess.run([sys.executable, "-c", _SHARDED, here], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert proc.returncode == 0 and "SHARDED OK" in proc.stdout, proc.stderr[-3000:]

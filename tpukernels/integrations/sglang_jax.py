@@ -52,8 +52,10 @@ Semantics differences and what raises :class:`~tpukernels.errors.ArgumentError` 
 ``causal=0`` / ``custom_mask`` (speculative-decoding tree masks and encoder-only layers),
 ``xai_temperature_len`` (Grok), ``q_scale``, ``mask_value`` above ``-1e9`` (tpukernels excludes masked keys
 exactly; theirs adds ``mask_value``: identical for any very negative value), ``softmax_dtype`` narrower than
-float32 (tpukernels' softmax is float32). Data parallelism (``dp_size > 1``) and multi-device meshes go through
-the same ``shard_map`` specs as theirs but are not verified here (one CPU device).
+float32 (tpukernels' softmax is float32). Multi-device meshes go through their ``shard_map`` specs (kv heads
+over ``"tensor"``, sequences over ``"data"``): tensor parallelism is checked on 2 host CPU devices
+(``tests/test_sglang_jax.py::test_tensor_parallel_shard_map_two_cpu_devices``, slow); data parallelism
+(``dp_size > 1``, per-rank metadata sections) is not verified.
 """
 
 from __future__ import annotations
@@ -473,7 +475,7 @@ class _TpuKernelsCall:
         mesh = getattr(self, "mesh", None)
         if mesh is None or math.prod(mesh.devices.shape) == 1:
             out, cache = ragged_paged_attention(*args, **kw)
-        else:  # their shard_map specs (not verified here: one CPU device)
+        else:  # their shard_map specs
             from jax.sharding import PartitionSpec as P
 
             d, h = self.attention_data_partition_axis, self.kv_partition_axis
