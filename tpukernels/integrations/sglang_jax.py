@@ -512,8 +512,12 @@ class TpuKernelsFlashAttention(_TpuKernelsCall):
         return get_forward_metadata(batch, self.page_size)
 
     @staticmethod
-    def get_max_running_reqests(max_context_len: int, page_size: int) -> int:  # their spelling
-        return max(1, 1024 * 1024 // 2 // -(-max_context_len // page_size) // 4)
+    def get_max_running_reqests(max_context_len: int, page_size: int) -> int:  # their name and rule
+        res = 1024 * 1024 // 2 // -(-max_context_len // page_size) // 4
+        if res <= 0:
+            raise ArgumentError(f"{_WHERE}: max running requests {res} must be > 0: increase page_size or decrease "
+                                f"max_context_len")
+        return res
 
 
 _CLASSES: dict = {}
