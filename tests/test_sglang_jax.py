@@ -13,7 +13,9 @@ backend's metadata from the flat ``page_indices`` + ``cu_kv_lens`` (their ``get_
 the two paths are independent.
 
 Stubbed (their classes cannot be imported here): ``RadixAttention`` (a namespace with the attributes the
-backend reads), ``ModelWorkerBatch`` / ``ForwardBatch`` (the fields read), the KV pool (``get_fused_kv_buffer``).
+backend reads), ``ModelWorkerBatch`` / ``ForwardBatch`` (the fields read), the KV pool (``get_fused_kv_buffer``),
+``ForwardMode`` (its two members used); for ``install()`` only, the ``sgl_jax...flashattention_backend`` module
+path and a base ``FlashAttention`` with their constructor. The 2-device tensor-parallel test is ``slow``.
 """
 
 from __future__ import annotations
