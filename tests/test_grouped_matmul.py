@@ -348,7 +348,7 @@ def test_tgmm_writes_are_used_exactly_where_they_apply(monkeypatch):
     assert slots(_tgmm_launch(300, 200, 384, 4, TGMM_WRITES)) == 0  # K tail: 200 % 128
     assert slots(_tgmm_launch(300, 256, 140, 4, TGMM_WRITES)) == 0  # N tail
     assert slots(_tgmm_launch(300, 100, 120, 4, TGMM_WRITES)) == 2  # one block: bk = K, bn = N
-    monkeypatch.setattr(gm, "vmem_cap", lambda chip=None: 1 << 20)
+    monkeypatch.setattr(gm.kernels, "vmem_cap", lambda chip=None: 1 << 20)
     assert slots(_tgmm_launch(300, 256, 384, 4, TGMM_WRITES)) == 1
 
 
@@ -375,7 +375,7 @@ def test_tgmm_writes_group_sizes(mode, slots, data):
     x, y = randn(M, K, dtype=torch.bfloat16, gen=g), randn(M, N, dtype=torch.bfloat16, gen=g)
     with pytest.MonkeyPatch.context() as mp:
         if slots == 1:
-            mp.setattr(gm, "vmem_cap", lambda chip=None: 1 << 20)
+            mp.setattr(gm.kernels, "vmem_cap", lambda chip=None: 1 << 20)
         with tk.interpret_mode(mode):
             out = OPS.grouped_matmul_tgmm(sizes, torch.zeros(1, dtype=torch.int32), x, y, G, "float32",
                                           config=json.dumps(TGMM_WRITES))
