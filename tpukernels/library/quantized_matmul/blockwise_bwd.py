@@ -21,8 +21,8 @@ broadcast, no transpose) rounded to ``g.dtype``; the group's weight tile ``[bn, 
 bytes, unpacked in VMEM into its two halves) converted exactly to ``g.dtype``; one MXU dot per half, f32
 accumulation; zero points: minus the row sum ``sum_n gs * z'`` (one ``[bm, 1]`` column per group). The weight
 is unpacked and dequantized only in VMEM; HBM holds the packed bytes (no bf16 weight is ever written). An N tail
-(``N % bn != 0``) is masked on the last N step on both operands (NaN-safe ``jnp.where``); M tails need nothing
-(rows are independent, writes past the end are dropped).
+(``N % bn != 0``) is masked on both operands (NaN-safe ``jnp.where``; at every N step, the mask all-true before the
+last, so the step is traced once); M tails need nothing (rows are independent, writes past the end are dropped).
 
 Error (``u`` = unit roundoff of the output dtype, ``u_g`` that of ``g.dtype`` (0 for float32 ``g``), ``u32 =
 2^-24``), against the float64 ``g @ W`` of the dequantized weight (:func:`reference_blockwise_dx`), elementwise:
@@ -160,26 +160,27 @@ def _dx_body(g_ref, w_ref, s_ref, *refs, bs, n_sub, n_n, n_size, blk_n, int4, fp
                 out.append((c0, w.shape[1], d))
         return out
 
+    # one traced copy of the step (the branches below only store): with an N tail every step masks (the mask is
+    # all-true before the last step), a few vector selects per element, only for N not a multiple of bn
+    ps = pieces(n_size % blk_n != 0)
     if n_n == 1:
-        for c0, wd, d in pieces(False):
+        for c0, wd, d in ps:
             o_ref[:, c0:c0 + wd] = d.astype(o_ref.dtype)
         return
 
-    tail = n_size % blk_n != 0
-
     @pl.when(j == 0)
     def _():
-        for c0, wd, d in pieces(False):
+        for c0, wd, d in ps:
             acc_ref[:, c0:c0 + wd] = d
 
     @pl.when(jnp.logical_and(j > 0, j < n_n - 1))
     def _():
-        for c0, wd, d in pieces(False):
+        for c0, wd, d in ps:
             acc_ref[:, c0:c0 + wd] += d
 
     @pl.when(j == n_n - 1)
     def _():
-        for c0, wd, d in pieces(tail):
+        for c0, wd, d in ps:
             o_ref[:, c0:c0 + wd] = (acc_ref[:, c0:c0 + wd] + d).astype(o_ref.dtype)
 
 
