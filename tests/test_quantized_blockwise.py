@@ -287,7 +287,8 @@ def test_blockwise_dx_torch_compile_and_opcheck():
 
 
 def test_blockwise_dx_bad_input_and_sharding():
-    """The d_x kernel's typed errors (g's N, g's dtype, scale shape) and its DTensor rule: over M, over K only
+    """The d_x kernel's typed errors (g's N, g's dtype, scale shape); empty problems (no kernel) still give a zero
+    d_x of x's shape; the DTensor rule of the d_x op: over M, over K only
     when the mesh divides the scale groups, over N as a partial sum for a float32 output."""
     from tpukernels.distributed.sharding import _MESH_SHAPE, PARTIAL, Split, TensorMeta, splits_for
 
@@ -299,6 +300,11 @@ def test_blockwise_dx_bad_input_and_sharding():
         k(torch.zeros(4, 64, dtype=torch.int32), q, s, z, 64)
     with pytest.raises(ArgumentError, match=r"w_scale must have shape \(K/block_size, 1, N\) = \(4, 1, 64\)"):
         k(torch.zeros(4, 64, dtype=torch.bfloat16), q, s, z, 32)
+    for xe, qe, se, ze in ((x[:0], q, s, z), (x, q[:0], s[..., :0], z[..., :0])):  # no rows / no outputs: no kernel
+        xe = xe.clone().requires_grad_()
+        y = qmm.quantized_matmul_blockwise(xe, qe, se, block_size=64, w_zero_point=ze)
+        y.sum().backward()
+        assert y.shape == (xe.shape[0], qe.shape[0]) and torch.equal(xe.grad, torch.zeros_like(xe))
     meta = {"g": TensorMeta((64, 512), torch.float32), "w_q": TensorMeta((512, 128), torch.uint8),
             "w_scale": TensorMeta((2, 1, 512), torch.float32), "w_zero_point": TensorMeta((2, 1, 512), torch.float32),
             "block_size": 128, "out_dtype": None, "weight_format": None}
