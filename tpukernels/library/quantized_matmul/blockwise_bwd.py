@@ -39,11 +39,18 @@ Gradients of the weight side: none. ``w_q`` is integer (or frozen fp8) data, and
 frozen with it: the backward returns ``None`` for ``w_q``, ``w_scale`` and ``w_zero_point`` even when they
 require grad (their ``.grad`` stays ``None``); train adapters (LoRA) next to the frozen layer instead.
 
-Performance: not measured and not tuned (no shipped table; :func:`_dx_heuristic` gives the blocks). The
-vector work per MXU multiply-accumulate is about ``3 / block_size`` (the ``g * s`` scaling, once per group) plus
-``~6 / bm`` (the weight unpack, once per row block): at ``bm >= 512`` and ``block_size = 128`` the scaling is the
-larger part. Scaling the weight tile instead would need the scales along the tile's sublanes (a transpose of the
-``[G, 1, N]`` rows); that is the next step if a profile shows the vector units bound the backward.
+Performance: not measured on hardware and not tuned (no shipped table; :func:`_dx_heuristic` gives the blocks).
+libtpu 0.0.52 static estimate (a MODEL, not a measurement; ``tpukernels.bench.core.Estimator`` of the kernel at
+the heuristic blocks ``bm=512, bk=1024, bn=512``), v6e, Llama-3-8B down-projection's ``d_x`` at 2048 tokens
+(``g [2048, 4096]``, ``W [4096, 14336]``, group 128): int4 with zero points 1556 µs, block-scaled int8 727 µs,
+against the bf16 MXU roofline of the product (``2 M N K / peak``: 261 µs) 17% and 36%; the int4 forward of the same
+layer (``quantized_matmul_blockwise_kernel`` at its heuristic blocks) is 1473 µs in the same model, so the backward
+costs about what the forward does. Both are vector-bound: per MXU multiply-accumulate the backward does about
+``3 / block_size`` vector operations for the ``g * s`` scaling (once per group) plus about the same again for the
+zero-point row sum, and ``~6 / bm`` for the weight unpack, where the MXU leaves room for roughly ``1 / 128``.
+Scaling the weight tile instead (``bn * bk`` elements per step instead of ``bm * bn * bk / block_size``) needs
+the scales along the tile's sublanes (a ``[G, N, 1]`` copy or an in-VMEM transpose of the ``[G, 1, N]`` rows):
+the next step.
 
 Source: the forward's layout (tpu-inference's block-wise ``[n_in // block_size, 1, n_out]`` scales); the
 per-channel ``quantized_matmul_bwd_dx`` of this package for the ``g * s`` then dot structure; QLoRA (Dettmers
