@@ -48,9 +48,12 @@ layer (``quantized_matmul_blockwise_kernel`` at its heuristic blocks) is 1473 µ
 costs about what the forward does. Both are vector-bound: per MXU multiply-accumulate the backward does about
 ``3 / block_size`` vector operations for the ``g * s`` scaling (once per group) plus about the same again for the
 zero-point row sum, and ``~6 / bm`` for the weight unpack, where the MXU leaves room for roughly ``1 / 128``.
-Scaling the weight tile instead (``bn * bk`` elements per step instead of ``bm * bn * bk / block_size``) needs
-the scales along the tile's sublanes (a ``[G, N, 1]`` copy or an in-VMEM transpose of the ``[G, 1, N]`` rows):
-the next step.
+Dequantizing the weight tile instead (``(q' - z') * s`` in f32 with the scales turned into columns by an exact
+one-hot MXU product, then ``g @ W`` unscaled: ``bn * bk`` elements of vector work per step instead of
+``bm * bn * bk / block_size``) was slower in the same model (int4 with zero points 1820 µs, int8 952 µs: the f32
+weight arithmetic and the per-group lane broadcasts of the scale columns cost more than the ``g`` scaling saved),
+so it was not kept. The int4 unpack alone is about half the int4 time (int4 without zero points 1468 µs vs int8
+727 µs); an unpack with fewer int32 operations (as for the forward) is the next step.
 
 Source: the forward's layout (tpu-inference's block-wise ``[n_in // block_size, 1, n_out]`` scales); the
 per-channel ``quantized_matmul_bwd_dx`` of this package for the ``g * s`` then dot structure; QLoRA (Dettmers
