@@ -29,8 +29,8 @@ Error (``u`` = unit roundoff of the output dtype, ``u_g`` that of ``g.dtype`` (0
 ``|d_x - ref| <= u |ref| + (u_g + u32) (|g| @ |W|) + (2 N + 2) u32 (|g| @ M)`` with ``M[n, k] = (|q'| + |z'|) |s|``.
 Derivation: ``gs`` carries relative error ``u32`` (the f32 product) plus ``u_g`` (the rounding to ``g.dtype``),
 which enters every term of ``g @ W`` alike: the second term. The products ``gs q'`` are exact in f32 for bf16
-``g`` (an 8-bit significand times an integer of at most 8 bits, an e2m1 or an 8-bit float), ``gs z'`` is one
-f32 rounding; the ``2 N`` terms (the dot's ``N`` and the zero-point sum's ``N``, split over the N steps, with one
+``g`` (an 8-bit significand times an integer of at most 8 bits, an e2m1 or an 8-bit float; one f32 rounding
+for float32 ``g``), ``gs z'`` is one f32 rounding; the ``2 N`` terms (the dot's ``N`` and the zero-point sum's ``N``, split over the N steps, with one
 subtraction per step) are summed in f32 in some order: ``(2 N - 1) u32`` times their absolute sum (Higham,
 "Accuracy and Stability of Numerical Algorithms", 2nd ed., eq. 3.5), ``+ 2`` for the product rounding and the
 second-order terms; the final rounding to the output dtype, ``u |ref|``. :func:`error_bound_blockwise_dx`.
@@ -46,14 +46,16 @@ the heuristic blocks ``bm=512, bk=1024, bn=512``), v6e, Llama-3-8B down-projecti
 against the bf16 MXU roofline of the product (``2 M N K / peak``: 261 µs) 17% and 36%; the int4 forward of the same
 layer (``quantized_matmul_blockwise_kernel`` at its heuristic blocks) is 1473 µs in the same model, so the backward
 costs about what the forward does. Both are vector-bound: per MXU multiply-accumulate the backward does about
-``3 / block_size`` vector operations for the ``g * s`` scaling (once per group) plus about the same again for the
-zero-point row sum, and ``~6 / bm`` for the weight unpack, where the MXU leaves room for roughly ``1 / 128``.
+``3 / block_size`` vector operations for the ``g * s`` scaling (once per group) and ``~6 / bm`` for the weight
+unpack, where the MXU leaves room for roughly ``1 / 128``; the zero-point row sum adds little (int4 without zero
+points: 1468 µs).
 Dequantizing the weight tile instead (``(q' - z') * s`` in f32 with the scales turned into columns by an exact
 one-hot MXU product, then ``g @ W`` unscaled: ``bn * bk`` elements of vector work per step instead of
 ``bm * bn * bk / block_size``) was slower in the same model (int4 with zero points 1820 µs, int8 952 µs: the f32
 weight arithmetic and the per-group lane broadcasts of the scale columns cost more than the ``g`` scaling saved),
-so it was not kept. The int4 unpack alone is about half the int4 time (int4 without zero points 1468 µs vs int8
-727 µs); an unpack with fewer int32 operations (as for the forward) is the next step.
+so it was not kept. The int4 unpack (uint8 -> int32, mask / shift, -8, -> bf16, two half-width dots) is about
+half the int4 time (int4 without zero points 1468 µs vs int8 727 µs), as in the forward (its docstring): a cheaper
+unpack for both is the next step.
 
 Source: the forward's layout (tpu-inference's block-wise ``[n_in // block_size, 1, n_out]`` scales); the
 per-channel ``quantized_matmul_bwd_dx`` of this package for the ``g * s`` then dot structure; QLoRA (Dettmers
