@@ -145,7 +145,8 @@ def test_bad_input_names_the_tensor():
 
 
 def test_block_quant_linear_pads_k():
-    """TPUBlockQuantLinear.from_linear with in_features not a multiple of the block: K padded by the rule."""
+    """TPUBlockQuantLinear.from_linear with in_features not a multiple of the block: K padded by the rule; its
+    input gradient (the padded columns dropped) within the d_x bound."""
     torch.manual_seed(0)
     lin = torch.nn.Linear(100, 48)
     m = qmm.TPUBlockQuantLinear.from_linear(lin, 32, "int4", asymmetric=True)
@@ -156,6 +157,11 @@ def test_block_quant_linear_pads_k():
     ref = qmm.reference_blockwise(x, m.w_q, m.w_scale, 32, m.w_zero_point) + lin.bias.double()
     bound = qmm.error_bound_blockwise(x, m.w_q, m.w_scale, 32, m.w_zero_point, torch.float32)
     assert ((y.double() - ref).abs() <= bound + 2 * 2.0**-24 * ref.abs()).all()  # + the f32 bias add
+    xg = x.clone().requires_grad_()  # differentiable in the input (QLoRA): d_x of the 100 real columns
+    gy = torch.randn(3, 48)
+    m(xg).backward(gy)
+    _check_dx(xg.grad, gy, m.w_q, m.w_scale, 32, m.w_zero_point)
+    assert m.w_scale.grad is None and lin.weight.grad is None
 
 
 @pytest.mark.aot
