@@ -327,14 +327,17 @@ def test_blockwise_dx_bad_input_and_sharding():
 
 
 @pytest.mark.aot
-@pytest.mark.parametrize("args", [
-    ("512x4000:bf16", "4000x2048:u8", "32x1x4000:f32", "32x1x4000:f32", 128),  # int4 zp, N tail (bn 512)
-    ("256x256:bf16", "256x256:u8", "16x1x256:f32", None, 32, None, "fp4"),  # 16-lane halves of 32-column groups
-], ids=["int4-zp-ntail", "fp4-bs32"])
-def test_blockwise_dx_compile_only(args):
-    """Mosaic + XLA:TPU compile the d_x kernel for v6e (g * s per group, in-VMEM unpack, lane-sliced stores)."""
+@pytest.mark.parametrize("chip,args", [
+    ("v6e", ("512x4000:bf16", "4000x2048:u8", "32x1x4000:f32", "32x1x4000:f32", 128)),  # int4 zp, N tail (bn 1024)
+    ("v6e", ("256x256:bf16", "256x256:u8", "16x1x256:f32", None, 32, None, "fp4")),  # 16-lane halves of 32-col groups
+    # float32 g at the heuristic's largest f32 blocks on v5e's 16 MiB default scoped VMEM (the f32 dot's bf16 parts
+    # are counted in the VMEM request: without them this overflowed)
+    ("v5e", ("512x1024:f32", "1024x7168:u8", "112x1x1024:f32", None, 128, None, "fp4")),
+], ids=["int4-zp-ntail-v6e", "fp4-bs32-v6e", "fp4-f32-v5e"])
+def test_blockwise_dx_compile_only(chip, args):
+    """Mosaic + XLA:TPU compile the d_x kernel (g * s per group, in-VMEM unpack, lane-sliced stores)."""
     import tpukernels as tk
 
-    res = tk.compile_for(qmm.quantized_matmul_blockwise_bwd_dx, "v6e", *args, with_mlir=False)
+    res = tk.compile_for(qmm.quantized_matmul_blockwise_bwd_dx, chip, *args, with_mlir=False)
     assert res.ok, res.summary()
     assert res.vmem_estimate_bytes <= (res.vmem_limit_bytes or 32 * 2**20)

@@ -41,7 +41,7 @@ require grad (their ``.grad`` stays ``None``); train adapters (LoRA) next to the
 
 Performance: not measured on hardware and not tuned (no shipped table; :func:`_dx_heuristic` gives the blocks).
 libtpu 0.0.52 static estimate (a MODEL, not a measurement; ``tpukernels.bench.core.Estimator`` of the kernel at
-the heuristic blocks ``bm=512, bk=1024, bn=512``), v6e, Llama-3-8B down-projection's ``d_x`` at 2048 tokens
+blocks ``bm=512, bk=1024, bn=512``; the heuristic's ``bn=1024`` takes 8% less), v6e, Llama-3-8B down-projection's ``d_x`` at 2048 tokens
 (``g [2048, 4096]``, ``W [4096, 14336]``, group 128): int4 with zero points 1556 µs, block-scaled int8 727 µs,
 against the bf16 MXU roofline of the product (``2 M N K / peak``: 261 µs) 17% and 36%; the int4 forward of the same
 layer (``quantized_matmul_blockwise_kernel`` at its heuristic blocks) is 1473 µs in the same model, so the backward
@@ -216,12 +216,14 @@ def _dx_problem(g, w_q, w_scale, w_zero_point, block_size, weight_format):
 
 
 def _dx_heuristic(g, w_q, w_scale, w_zero_point=None, block_size=128, out_dtype=None, weight_format=None):
-    """Not tuned (module docstring): large ``d_x`` blocks for training-size ``M``; f32 ``g`` halves ``bn``."""
+    """Not tuned (module docstring): large ``d_x`` blocks for training-size ``M``; f32 ``g`` halves ``bn``. The
+    ``bn = 1024`` of bf16 was the best of four blocks in libtpu's model (v6e, module docstring's d_x: ``bm, bk, bn``
+    = 512, 1024, 1024: 1430 µs; 512, 1024, 512: 1556; 1024, 1024, 512: 1497; 512, 2048, 512: 1486)."""
     M = g.shape[0]
     f32 = _name(g.dtype) == "float32"
     if M <= 128:
         return dict(bm=128, bk=2048, bn=512 if f32 else 1024)
-    return dict(bm=512, bk=1024, bn=256 if f32 else 512)
+    return dict(bm=512, bk=1024, bn=512 if f32 else 1024)
 
 
 def _dx_shape(g, w_q, w_scale, w_zero_point=None, block_size=128, out_dtype=None, weight_format=None):
@@ -292,7 +294,10 @@ def quantized_matmul_blockwise_bwd_dx(g: torch.Tensor, w_q: torch.Tensor, w_scal
                  + padded_bytes((bm_, bk_), odt))
             + padded_bytes((bm_, bn_), "float32") + padded_bytes((bm_, bn_), dot_dtype)  # g in f32, one gs
             + 2 * padded_bytes((bn_, block_size), dot_dtype) + padded_bytes((bm_, block_size), "float32")
-            + padded_bytes(acc_shape, "float32"))
+            + padded_bytes(acc_shape, "float32")
+            + 4 * padded_bytes((bn_, block_size), "int32"))  # the unpack's / decode's int32 temporaries
+    if np.dtype(dot_dtype) == np.dtype("float32"):  # HIGHEST: Mosaic splits both f32 operands into bf16 parts
+        need += 3 * (padded_bytes((bm_, bn_), "bfloat16") + padded_bytes((bn_, block_size), "bfloat16"))
     wbytes = N * K_w // (2 if int4 else 1)
     cost = pl.CostEstimate(flops=2 * M * N * K_w, transcendentals=0,
                            bytes_accessed=int(gk * M * N * np.dtype(g.dtype).itemsize + gi * wbytes
