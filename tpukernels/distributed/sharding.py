@@ -17,7 +17,8 @@ is always appended (the fallback: inputs are gathered, every rank computes the w
   sum) only without bias and activation and for a float32 output, so the result is still rounded once.
 * grouped matmul (fwd over N, or K as a partial sum; tgmm over K or N: rows stay whole, the group sizes
   index them), quantized matmul (over M or N; its dx over M, K, or N as a partial sum), per-token
-  quantization (rows); block-scaled quantized matmul (over M or N, never K); masked (block-sparse) flash
+  quantization (rows); block-scaled quantized matmul (over M or N, never K; its dx over M, over K
+  when the mesh divides the scale groups, or N as a partial sum); masked (block-sparse) flash
   attention (batch; heads for a one-head mask); RoPE (heads, positions, batch); linear cross-entropy derives
   its rule from ``rows=``; ragged paged attention over
   heads (when ``Hkv`` divides by the mesh: each shard keeps whole K/V pairs) and its cache update.
@@ -161,6 +162,22 @@ def _quantized_blockwise(args: Mapping) -> list[Split]:
     return [Split({"x": 0}, (0,)), Split(over_n, (1,))]
 
 
+def _quantized_blockwise_dx(args: Mapping) -> list[Split]:
+    """``g [M, N]`` . ``W [N, K_w]`` (block-quantized: ``w_q``, ``w_scale`` / ``w_zero_point [G, 1, N]``) ->
+    ``d_x [M, K_w]``: over M (g's rows); over K (the output's columns: ``w_q``'s columns with the scales' groups)
+    only when every shard gets whole groups (``G`` divisible by the mesh: a scale block or an int4 byte never
+    straddles shards); over N a partial sum (float32 output only, so the result is still rounded once)."""
+    g, ws = args.get("g"), args.get("w_scale")
+    zp = isinstance(args.get("w_zero_point"), TensorMeta)
+    splits = [Split({"g": 0}, (0,))]
+    n = int(math.prod(current_mesh_shape()) or 1)
+    if isinstance(ws, TensorMeta) and ws.shape[0] % n == 0:
+        splits.append(Split({"w_q": 1, "w_scale": 0, **({"w_zero_point": 0} if zp else {})}, (1,)))
+    if isinstance(g, TensorMeta) and _is_f32(args.get("out_dtype") or g.dtype):
+        splits.append(Split({"g": 1, "w_q": 0, "w_scale": 2, **({"w_zero_point": 2} if zp else {})}, (PARTIAL,)))
+    return splits
+
+
 def _masked_attention(n_out: int):
     """Block-sparse masked attention (``fwd_table [3, Hm, nq, T]``, ``bwd_table [3, Hm, nk, Tq]``,
     ``mask_blocks`` / ``mask_blocks_t`` shared partial blocks): over batch with the tables replicated; over heads
@@ -231,6 +248,7 @@ LIBRARY_RULES: dict[str, Callable[[Mapping], list[Split]]] = {
     "quantized_matmul_w8a8_kernel": _quantized_matmul,
     "quantized_matmul_bwd_dx": _quantized_dx,
     "quantized_matmul_blockwise_kernel": _quantized_blockwise,
+    "quantized_matmul_blockwise_bwd_dx": _quantized_blockwise_dx,
     "flash_attention_masked_fwd": _masked_attention(2),
     "flash_attention_masked_bwd_dq": _masked_attention(1),
     "flash_attention_masked_bwd_dkv": _masked_attention(2),

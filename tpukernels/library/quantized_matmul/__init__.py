@@ -149,7 +149,8 @@ Layout of this package (every name above is importable from ``tpukernels.library
 decode launch, ``quantized_matmul_bwd_dx``), ``w8a8`` (the fused w8a8 kernel), ``public`` (the op and
 ``TPUQuantLinear``), ``blockwise`` (sub-channel scales along K: w4a16 int4 with zero points, block-scaled int8 /
 fp8; ``quantized_matmul_blockwise``, ``TPUBlockQuantLinear``; its own docstring has the layout, the padding
-rule and the error bound).
+rule and the error bound), ``blockwise_bwd`` (its ``d_x`` kernel ``quantized_matmul_blockwise_bwd_dx``: the
+backward with respect to the activations, weights frozen; formula and error bound there).
 
 Sources: JAX Pallas TPU matmul guide (blocked matmul, f32 scratch accumulator) and JAX's
 ``jax/experimental/pallas/ops/tpu/matmul.py``; tpu-inference's quantized matmul (int8 weights with
@@ -172,10 +173,13 @@ from .blockwise import (BLOCK_SIZES, FP4_VALUES, WEIGHT_FORMATS, TPUBlockQuantLi
                         error_bound_blockwise, fp4_values, k_block, pack_int4, pad_k, quantize_weight_blockwise,
                         quantized_matmul_blockwise,
                         quantized_matmul_blockwise_kernel, reference_blockwise, unpack_int4)
+from .blockwise_bwd import (error_bound_blockwise_dx, quantized_matmul_blockwise_bwd_dx,
+                            reference_blockwise_dx)
 
 __all__ = ["quantized_matmul", "quantize_weight", "quantize_per_token", "TPUQuantLinear", "reference",
            "quantize_reference", "error_bound", "supported_modes", "check_chip", "quantized_matmul_kernel",
            "quantize_per_token_kernel", "quantized_matmul_bwd_dx", "quantized_matmul_w8a8_kernel", "fused_plan",
            "vmem_budget", "heuristic", "STANDARD_CASES", "STANDARD_CASES_W8A8", "quantized_matmul_blockwise",
            "quantized_matmul_blockwise_kernel", "TPUBlockQuantLinear", "quantize_weight_blockwise", "pack_int4",
-           "unpack_int4", "pad_k", "dequantize_blockwise", "reference_blockwise", "error_bound_blockwise"]
+           "unpack_int4", "pad_k", "dequantize_blockwise", "reference_blockwise", "error_bound_blockwise",
+           "quantized_matmul_blockwise_bwd_dx", "reference_blockwise_dx", "error_bound_blockwise_dx"]

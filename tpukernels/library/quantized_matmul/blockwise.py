@@ -49,8 +49,9 @@ output dtype (``u |ref|``). :func:`error_bound_blockwise`.
 
 Chips: the weight tile reaches the MXU as ``x.dtype`` (bf16 x bf16 everywhere; f32 at HIGHEST precision), so
 int4 and int8 run on every chip; fp8 weights need the chip to take the fp8 dtype at all (as
-:func:`~tpukernels.library.quantized_matmul.check_chip` for w8a16). No gradient: ``x`` must not require grad
-(ArgumentError), as the block-scaled weights are frozen and ``d_x`` is not implemented for this layout yet.
+:func:`~tpukernels.library.quantized_matmul.check_chip` for w8a16). Gradient: differentiable in ``x`` (``d_x = g @ W``,
+the kernel ``quantized_matmul_blockwise_bwd_dx`` of :mod:`.blockwise_bwd`, dequantizing in VMEM like this one);
+``w_q``, ``w_scale`` and ``w_zero_point`` are frozen and get no gradient (``None``).
 
 Performance (libtpu 0.0.52 static estimate of the whole kernel, a MODEL, not a measurement; ``Estimator`` of
 ``tpukernels.bench.core`` on the heuristic blocks): w4a16 decode ``16x4096 @ (14336x4096)^T`` (group 128) on v6e
@@ -478,12 +479,13 @@ def quantized_matmul_blockwise(x: torch.Tensor, w_q: torch.Tensor, w_scale: torc
             points; ``W = e2m1(code) * s``); must match ``w_q``'s dtype otherwise.
 
     Returns:
-        ``[..., N]`` in ``out_dtype``.
+        ``[..., N]`` in ``out_dtype``. Differentiable in ``x`` (QLoRA-style: the weight side is frozen, its
+        tensors get no gradient; :mod:`.blockwise_bwd` has the backward kernel and its error bound).
 
     Raises:
         ArgumentError: block size not a multiple of 32 in 32..512; ``w_q``'s K not a multiple of the block (int8 /
             fp8) or its packed width not a multiple of ``block_size / 2`` (int4); ``x``'s K outside the padding
-            rule; ``w_scale`` / ``w_zero_point`` shapes; zero points with 8-bit weights; ``x`` requiring grad.
+            rule; ``w_scale`` / ``w_zero_point`` shapes; zero points with 8-bit weights.
         DTypeError: dtypes (``w_q``, ``x``, ``w_scale`` / ``w_zero_point`` not float32, ``out_dtype``).
         DeviceError: operands on different devices. ChipError: fp8 weights the target chip cannot take.
     """
@@ -501,9 +503,6 @@ def quantized_matmul_blockwise(x: torch.Tensor, w_q: torch.Tensor, w_scale: torc
     if x.dim() < 1:
         raise ArgumentError(f"{where}: x must have rank >= 1 ([..., K]), got a scalar")
     odt = _canon_out(out_dtype)
-    if x.requires_grad and torch.is_grad_enabled():
-        raise ArgumentError(f"{where}: no gradient with block-scaled weights yet; run under torch.no_grad() or "
-                            f"detach x")
     if w_q.dim() != 2:
         raise ArgumentError(f"{where}: w_q must be 2-D, got shape {tuple(w_q.shape)}")
     fmt = resolve_format(w_q, where, weight_format)
@@ -519,7 +518,9 @@ def quantized_matmul_blockwise(x: torch.Tensor, w_q: torch.Tensor, w_scale: torc
     kout = None if odt is None or odt == _name(x.dtype) else odt
     if x2.shape[0] == 0 or w_q.shape[0] == 0:
         _problem(x2, w_q, w_scale, w_zero_point, block_size, where, weight_format)
-        return torch.zeros(*lead, w_q.shape[0], dtype=getattr(torch, odt or _name(x.dtype)), device=x.device)
+        # an empty product (no kernel); a linear with an empty operand keeps autograd's graph (d_x = 0)
+        y = torch.nn.functional.linear(x2, x2.new_zeros(w_q.shape[0], K_w))
+        return y.to(getattr(torch, odt or _name(x.dtype))).reshape(*lead, w_q.shape[0])
     kw = {} if config is None else dict(config=config)
     y = quantized_matmul_blockwise_kernel(x2, w_q, w_scale, w_zero_point, int(block_size), kout,
                                           None if fmt == "int4" or fmt not in PACKED else fmt, **kw)
@@ -533,7 +534,8 @@ class TPUBlockQuantLinear(torch.nn.Module):
     optional ``w_zero_point`` (same shape, int4), optional ``bias [out]``, optional ``in_perm [in]`` (act-order
     checkpoints: ``x`` is gathered along K by it first). ``in_features`` may be below ``K_w``
     (the padding rule). Built by the checkpoint loaders (:mod:`tpukernels.integrations.checkpoints`) or
-    :meth:`from_linear`. No gradient (inference).
+    :meth:`from_linear`. Differentiable in the input (the quantized buffers are frozen: QLoRA-style adapters train
+    around it).
     """
 
     def __init__(self, in_features: int, out_features: int, block_size: int, fmt: str = "int4", bias: bool = False,
