@@ -24,3 +24,21 @@ def test_summary_first_and_reasons_as_notes(tmp_path):
     table_lines = [ln for ln in text.splitlines() if ln.startswith("|")]
     assert max(map(len, table_lines)) < 400 and all(REASON[:60] not in ln for ln in table_lines)
     assert "| [1] |" in text and "\n1. " + REASON[:60] in text
+
+
+def test_strategy_study_table_in_the_report(tmp_path):
+    """BENCHMARKS.md gets the tuner-strategy study (python -m tpukernels.bench.strategy_study) from its JSON."""
+    import json
+
+    from tpukernels.bench.report import _strategy_section
+
+    row = {"kernel": "tpukernels::matmul_nt", "chip": "v6e", "valid": 200, "space_size": 210,
+           "exhaustive": {"median": 150, "worst": 150}, "random": {"median": 8, "worst": 40},
+           "coordinate": {"median": 16, "worst": 16}, "surrogate": {"median": 10, "worst": 24}}
+    (tmp_path / "strategy_study.json").write_text(json.dumps(
+        {"created": "2026-12-03T00:00:00Z", "objective": "a model", "within": 0.03, "seeds": 10, "rows": [row]}))
+    lines = _strategy_section(str(tmp_path))
+    assert lines[0] == "## Tuner strategies (model)"
+    assert "| matmul_nt | v6e | 200 | 150 / 150 (75% / 75%) | 8 / 40 (4% / 20%) | 16 / 16 (8% / 8%) | " \
+           "10 / 24 (5% / 12%) |" in lines
+    assert _strategy_section(str(tmp_path / "none")) == []  # no study run: no section

@@ -119,7 +119,7 @@ class TpuModelEvaluator(Evaluator):
         compile: compile each candidate with libtpu (a failing compile fails the candidate). False (with
             ``cycles=False``): the model's roofline + step-overhead terms from the lowering alone, no libtpu
             at all: seconds per candidate instead of minutes on a loaded host (strategy studies over whole
-            spaces, ``benchmarks/strategy_study.py``); a config Mosaic would reject still gets a time.
+            spaces, ``tpukernels.bench.strategy_study``); a config Mosaic would reject still gets a time.
     """
 
     chip: str = "v5e"

@@ -218,7 +218,7 @@ class Surrogate(Strategy):
         }
         startup = n_startup_trials if n_startup_trials is not None else min(10, max(3, space.size() // 16))
         # 64 candidates per proposal (optuna's default: 24): fewer evaluations to the best on the library's
-        # spaces (benchmarks/strategy_study.py: worst case 43 instead of 130 of 320 on grouped_matmul_fwd v6e)
+        # spaces (tpukernels.bench.strategy_study: worst case 43 instead of 130 of 320 on grouped_matmul_fwd v6e)
         sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup, n_ei_candidates=64,
                                              multivariate=True, constant_liar=True)
         with _quiet(optuna):

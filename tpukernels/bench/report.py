@@ -331,7 +331,7 @@ STRATEGIES = ("exhaustive", "random", "coordinate", "surrogate")
 
 
 def strategy_table(data: dict) -> list[str]:
-    """Markdown lines of ``benchmarks/strategy_study.py``'s results (``strategy_study.json``): evaluations each
+    """Markdown lines of :mod:`tpukernels.bench.strategy_study`'s results (``strategy_study.json``): evaluations each
     tuner strategy needs to come within ``data["within"]`` of the exhaustive best, median / worst over seeds."""
     import statistics
 
@@ -361,7 +361,7 @@ def _strategy_section(results_dir: str) -> list[str]:
     with open(path) as f:
         data = json.load(f)
     return ["## Tuner strategies (model)", "",
-            f"_`benchmarks/strategy_study.py`, made {data.get('created', '?')}; one exhaustive table per kernel x "
+            f"_`python -m tpukernels.bench.strategy_study`, made {data.get('created', '?')}; one exhaustive table per kernel x "
             "chip, then each strategy replayed over it (baseline: the declared defaults)._", "",
             *strategy_table(data), ""]
 

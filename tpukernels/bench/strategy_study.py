@@ -15,10 +15,11 @@ For five library kernels (the first standard case of each) on two chips, this
 The study's baseline (every strategy's first point) is the kernel's declared defaults, i.e. a chip without
 tuning data (a shipped table's config would make every strategy's first evaluation the answer).
 
-    .venv/bin/python benchmarks/strategy_study.py              # tables (cached in the JSON) + replays
-    .venv/bin/python benchmarks/strategy_study.py --markdown   # print the table from the saved JSON
+    .venv/bin/python -m tpukernels.bench.strategy_study              # tables (cached in the JSON) + replays
+    .venv/bin/python -m tpukernels.bench.strategy_study --markdown   # print the table from the saved JSON
 
-Writes ``benchmarks/results/strategy_study.json``.
+Writes ``benchmarks/results/strategy_study.json`` (``--out``); ``tpukernels bench`` renders it into BENCHMARKS.md
+("Tuner strategies"). In the package, not in ``benchmarks/``: it computes a published figure (ARCHITECTURE.md).
 """
 
 import argparse
@@ -28,18 +29,15 @@ import statistics
 import sys
 import time
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-1")
-os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+from .report import STRATEGIES as _REPORT_STRATEGIES
+from .report import strategy_table
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))  # this checkout's tpukernels
-OUT = os.path.join(HERE, "results", "strategy_study.json")
+#: Where the study's results live by default (``tpukernels bench --results-dir`` reads them from there too).
+DEFAULT_OUT = os.path.join("benchmarks", "results", "strategy_study.json")
 KERNELS = ["tpukernels::matmul_nt", "tpukernels::quantized_matmul_kernel", "tpukernels::grouped_matmul_fwd",
            "tpukernels::flash_attention_fwd", "tpukernels::ragged_paged_attention_kernel"]
 CHIPS = ["v5e", "v6e"]
-STRATEGIES = ["exhaustive", "random", "coordinate", "surrogate"]
+STRATEGIES = list(_REPORT_STRATEGIES)
 WITHIN = 0.03
 OBJECTIVE = ("tpu-model roofline + grid-step overhead, no libtpu compile or static estimate "
              "(TpuModelEvaluator(cycles=False, compile=False)); a model, not a measurement")
@@ -50,14 +48,14 @@ def _key(config) -> str:
 
 
 def _case(name):
-    from tpukernels import library
+    from .. import library
 
     return next((k, a, kw) for k, a, kw in library.standard_cases() if k.qualname == name)
 
 
 def _space(kernel, args, kwargs, chip):
-    from tpukernels.autotune.space import Problem, Space
-    from tpukernels.chips import get_chip
+    from ..autotune.space import Problem, Space
+    from ..chips import get_chip
 
     space = Space(Problem.from_args(kernel, *args, **kwargs), get_chip(chip))
     space.baseline, space.baseline_source = kernel.space.default(), "default"  # a chip without tuning data
@@ -68,8 +66,8 @@ def table(name: str, chip: str) -> dict:
     """The exhaustive sweep of one kernel x chip with the study's objective."""
     import warnings
 
-    from tpukernels.autotune.evaluators import TpuModelEvaluator
-    from tpukernels.autotune.tuner import tune
+    from ..autotune.evaluators import TpuModelEvaluator
+    from ..autotune.tuner import tune
 
     kernel, args, kwargs = _case(name)
     space = _space(kernel, args, kwargs, chip)
@@ -90,7 +88,7 @@ class _Fixed:
     name = "exhaustive"
 
     def __init__(self, _space, space):
-        from tpukernels.autotune.strategies import Exhaustive
+        from ..autotune.strategies import Exhaustive
 
         self._s = Exhaustive(space)
 
@@ -106,7 +104,7 @@ class _Fixed:
 
 def replay(strategy: str, space, times: dict, seed: int, target: float) -> int | None:
     """Evaluations until the best so far <= target (None: never)."""
-    from tpukernels.autotune.strategies import make_strategy
+    from ..autotune.strategies import make_strategy
 
     s = make_strategy(strategy, space, seed)
     best, n = float("inf"), 0
@@ -126,10 +124,11 @@ def replay(strategy: str, space, times: dict, seed: int, target: float) -> int |
             return n
 
 
-def study(seeds: int, log) -> dict:
+def study(seeds: int, log, out: str = DEFAULT_OUT) -> dict:
+    """Tables (cached in ``out``) and the replays (module docstring); returns the data written to ``out``."""
     data = {"objective": OBJECTIVE, "within": WITHIN, "seeds": seeds, "tables": [], "rows": []}
-    if os.path.exists(OUT):
-        with open(OUT) as f:
+    if os.path.exists(out):
+        with open(out) as f:
             old = json.load(f)
         if old.get("objective") == OBJECTIVE:
             data["tables"] = old.get("tables", [])
@@ -140,7 +139,7 @@ def study(seeds: int, log) -> dict:
                 log(f"table {name} {chip} ...")
                 data["tables"].append(table(name, chip))
                 log(f"  {data['tables'][-1]['evaluated']} configs in {data['tables'][-1]['seconds']} s")
-    _save(data)  # the tables are the expensive part: keep them before the replays
+    _save(data, out)  # the tables are the expensive part: keep them before the replays
     import warnings
 
     for tab in data["tables"]:
@@ -165,34 +164,35 @@ def study(seeds: int, log) -> dict:
     return data
 
 
-def _save(data: dict) -> None:
-    from tpukernels.autotune.db import versions
+def _save(data: dict, out: str) -> None:
+    from ..autotune.db import versions
 
     data["created"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     data["versions"] = versions()
-    os.makedirs(os.path.dirname(OUT), exist_ok=True)
-    with open(OUT, "w") as f:
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
         json.dump(data, f, indent=1, sort_keys=True)
 
 
 def markdown(data: dict) -> str:
-    """The study's table (rendered by the package, which also puts it in BENCHMARKS.md)."""
-    from tpukernels.bench.report import strategy_table
-
+    """The study's table (the same lines BENCHMARKS.md gets)."""
     return "\n".join(strategy_table(data))
 
 
-def main():
+def main(argv=None):
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=DEFAULT_OUT, help="the study's JSON (default: %(default)s)")
     p.add_argument("--seeds", type=int, default=10)
     p.add_argument("--markdown", action="store_true", help="print the markdown table of the saved results only")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.markdown:
-        with open(OUT) as f:
+        with open(args.out) as f:
             print(markdown(json.load(f)))
         return
-    data = study(args.seeds, lambda m: print(m, file=sys.stderr, flush=True))
-    _save(data)
+    data = study(args.seeds, lambda m: print(m, file=sys.stderr, flush=True), args.out)
+    _save(data, args.out)
     print(markdown(data))
 
 
