@@ -159,3 +159,31 @@ def table(rows: list[list], header: list[str], width: int | None = None) -> str:
     lines = [fmt.format(*header), fmt.format(*["-" * w for w in widths])]
     lines += [fmt.format(*r).rstrip() for r in cols[1:]]
     return "\n".join(lines)
+
+
+class RichProgress:
+    """A rich progress bar as a context manager (``self.bar`` is None when disabled): description, bar,
+    done / total, elapsed, and with ``eta=True`` the time remaining. ``stream`` None: stderr, looked up at each
+    write (pytest's capture swaps it)."""
+
+    def __init__(self, enabled: bool, stream=None, eta: bool = False):
+        self.bar = None
+        if enabled:
+            from rich.console import Console
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                       TimeRemainingColumn)
+
+            columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+            if eta:
+                columns += [TextColumn("ETA"), TimeRemainingColumn()]
+            console = Console(stderr=True) if stream is None else Console(file=stream)
+            self.bar = Progress(*columns, console=console, transient=False)
+
+    def __enter__(self):
+        if self.bar is not None:
+            self.bar.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.stop()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import sys
 
+from ..cli_common import RichProgress
 from ..errors import ArgumentError
 
 
@@ -177,26 +178,8 @@ def _cases(args) -> list:
     return [(kernel, tuple(args.shape), _parse_kv(args.static))]
 
 
-class _Progress:
+class _Progress(RichProgress):
     """A rich progress bar on stderr (one task per sweep)."""
-
-    def __init__(self, enabled: bool):
-        self.bar = None
-        if enabled:
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                TimeElapsedColumn(), console=Console(stderr=True), transient=False)
-
-    def __enter__(self):
-        if self.bar is not None:
-            self.bar.start()
-        return self
-
-    def __exit__(self, *exc):
-        if self.bar is not None:
-            self.bar.stop()
 
     def callback(self, title: str, total: int | None, unit: str):
         if self.bar is None:

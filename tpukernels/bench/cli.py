@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import sys
 
+from ..cli_common import RichProgress
+
 
 def add_parser(subparsers) -> None:
     """Register the ``bench`` subcommand on the ``tpukernels`` parser's subparsers."""
@@ -39,31 +41,14 @@ def add_parser(subparsers) -> None:
     s.set_defaults(func=cmd_bench)
 
 
-class _Progress:
+class _Progress(RichProgress):
     """A rich progress bar with an ETA on stderr, one task per family (cases done / total), while log lines
     print above it; disabled (every method a no-op) with ``--no-progress`` or when stderr is not a terminal
     (logs, CI), where the per-case log lines are the progress."""
 
     def __init__(self, enabled: bool, stream=None):
         stream = sys.stderr if stream is None else stream
-        self.bar = None
-        if enabled and getattr(stream, "isatty", lambda: False)():
-            from rich.console import Console
-            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                                       TimeRemainingColumn)
-
-            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-                                console=Console(file=stream), transient=False)
-
-    def __enter__(self):
-        if self.bar is not None:
-            self.bar.start()
-        return self
-
-    def __exit__(self, *exc):
-        if self.bar is not None:
-            self.bar.stop()
+        super().__init__(enabled and getattr(stream, "isatty", lambda: False)(), stream, eta=True)
 
     def log(self, message: str) -> None:
         if self.bar is not None:

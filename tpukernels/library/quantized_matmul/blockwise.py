@@ -376,10 +376,10 @@ def _block_shape(x, w_q, w_scale, w_zero_point=None, block_size=128, out_dtype=N
     return _dsl.OutSpec((M, N), _out_dtype(out_dtype, x, where))
 
 
-def _ref_block(x, w_q, w_scale, w_zero_point=None, block_size=128, out_dtype=None, weight_format=None):
-    """jnp version of the kernel (autotuner correctness check): dequantize in f32, one dot."""
+def dequantize_f32_jnp(w_q, w_scale, w_zero_point=None, block_size=128, weight_format=None):
+    """The block-scaled weight ``W [N, K_w]`` in float32 (jnp; the kernels' references): int4 / fp4 nibbles
+    unpacked (low nibble first), ``(q - z) * s`` per block of ``block_size`` columns."""
     import jax.numpy as jnp
-    from jax import lax
 
     N = w_q.shape[0]
     if np.dtype(w_q.dtype) == np.uint8:
@@ -392,7 +392,15 @@ def _ref_block(x, w_q, w_scale, w_zero_point=None, block_size=128, out_dtype=Non
             q = c.astype(jnp.float32) - z
     else:
         q = w_q.astype(jnp.float32)
-    W = q * jnp.repeat(w_scale[:, 0, :].T, block_size, axis=1)
+    return q * jnp.repeat(w_scale[:, 0, :].T, block_size, axis=1)
+
+
+def _ref_block(x, w_q, w_scale, w_zero_point=None, block_size=128, out_dtype=None, weight_format=None):
+    """jnp version of the kernel (autotuner correctness check): dequantize in f32, one dot."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    W = dequantize_f32_jnp(w_q, w_scale, w_zero_point, block_size, weight_format)
     z = jnp.matmul(x.astype(jnp.float32), W.T, precision=lax.Precision.HIGHEST)
     return z.astype(_out_dtype(out_dtype, x, "quantized_matmul_blockwise_kernel"))
 

@@ -74,8 +74,8 @@ from ... import dsl as _dsl
 from ...dsl.validate import padded_bytes
 from .._vmem import scoped_vmem_limit
 from ...errors import ArgumentError, DTypeError
-from .blockwise import (PACKED, _fp4_decode, _problem, dequantize_blockwise, k_block, quantized_matmul_blockwise_kernel,
-                        resolve_format)
+from .blockwise import (PACKED, _fp4_decode, _problem, dequantize_blockwise, dequantize_f32_jnp, k_block,
+                        quantized_matmul_blockwise_kernel, resolve_format)
 from .common import U32, X_DTYPES, _clamp, _jnp, _name, _out_dtype, check_chip
 
 WHERE = "tpukernels::quantized_matmul_blockwise_bwd_dx"
@@ -236,18 +236,7 @@ def _ref_dx(g, w_q, w_scale, w_zero_point=None, block_size=128, out_dtype=None, 
     import jax.numpy as jnp
     from jax import lax
 
-    N = w_q.shape[0]
-    if np.dtype(w_q.dtype) == np.uint8:
-        b = w_q.astype(jnp.int32).reshape(N, -1, 1, block_size // 2)
-        c = jnp.concatenate([b & 15, b >> 4], axis=2).reshape(N, -1)
-        if weight_format == "fp4":
-            q = _fp4_decode(c, jnp.float32)
-        else:
-            z = 8.0 if w_zero_point is None else jnp.repeat(w_zero_point[:, 0, :].T, block_size, axis=1)
-            q = c.astype(jnp.float32) - z
-    else:
-        q = w_q.astype(jnp.float32)
-    W = q * jnp.repeat(w_scale[:, 0, :].T, block_size, axis=1)
+    W = dequantize_f32_jnp(w_q, w_scale, w_zero_point, block_size, weight_format)
     z = jnp.matmul(g.astype(jnp.float32), W, precision=lax.Precision.HIGHEST)
     return z.astype(_out_dtype(out_dtype, g, WHERE))
 
