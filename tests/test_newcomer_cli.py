@@ -168,3 +168,14 @@ def test_bench_progress_shows_an_eta_on_a_terminal_only():
     out = tty.getvalue()
     assert "bench norms" in out and "3/4" in out and "ETA" in out and "v6e rms_norm" in out
     assert build_parser().parse_args(["bench", "--no-progress"]).no_progress
+
+
+def test_list_into_a_closed_pipe_is_quiet():
+    """``tpukernels list | head -1``: the reader leaves early; no BrokenPipeError traceback, exit status 0. The
+    read end closes before the listing is written (importing takes a second), so every write hits the closed pipe."""
+    p = subprocess.Popen([sys.executable, "-m", "tpukernels.cli", "list"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env={**os.environ, "COLUMNS": "32"})
+    p.stdout.close()  # as head does once it has its lines
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=300) == 0, err
+    assert "BrokenPipeError" not in err and "Traceback" not in err, err

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from .cli_common import _import, _parse_kv, find_kernel, load_kernels, table  # noqa: F401  (also this module's API)
@@ -150,6 +151,12 @@ def main(argv=None) -> int:
     except TpuKernelError as e:
         print(f"tpukernels: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `tpukernels list | head`: the reader left; not an error of ours
+        # Python's documented recipe (library/signal.html, "Note on SIGPIPE"): point stdout at devnull so the
+        # interpreter's final flush does not raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":
