@@ -119,8 +119,6 @@ def prune_stale(chip: str, only: str | None) -> int:
             with open(path + ".tmp", "w") as f:
                 json.dump(data, f, indent=1, sort_keys=True)
             os.replace(path + ".tmp", path)
-        if os.path.exists(path + ".lock"):
-            os.unlink(path + ".lock")
     return dropped
 
 
