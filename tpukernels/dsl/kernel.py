@@ -176,12 +176,17 @@ def dtype_default(static: str = "out_dtype", tensor: int = 0) -> Callable:
 def bucket(n: int) -> int:
     """Row bucket for ``n`` rows: n rounded up to a multiple of ``max(8, 2**(bit_length(n-1) - 2))``.
 
-    Four buckets per power of two, so padding wastes at most 25% (e.g. 1025..1280 -> 1280).
+    Four buckets per power of two, so padding wastes at most 25% (e.g. 1025..1280 -> 1280). Comparisons and
+    integer arithmetic only, so a torch SymInt ``n`` (``torch.compile(dynamic=True)``) gives a symbolic bucket
+    guarded by ``n``'s power-of-two range (library wrappers that pad, e.g. attention and matmul, rely on it).
     """
     if n <= 8:
         return 8
-    step = max(8, 1 << max(0, (n - 1).bit_length() - 3))
-    return -(-n // step) * step
+    b = 4  # b = bit_length(n - 1), found by comparisons (n > 8, so b >= 4)
+    while n > (1 << b):
+        b += 1
+    step = max(8, 1 << (b - 3))
+    return ((n + step - 1) // step) * step
 
 
 class BackwardContext:
