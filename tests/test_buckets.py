@@ -168,7 +168,7 @@ def test_eight_lengths_in_one_bucket_lower_the_attention_kernels_once():
     ``bucket=False`` lowers per length (the counter can fail)."""
     kernels = (A.fa_forward, A.fa_backward_dq, A.fa_backward_dkv)
     torch.manual_seed(0)
-    q0, k0, v0 = (torch.randn(1, 2, 72, 64) for _ in range(3))
+    q0, k0, v0 = (torch.randn(1, 2, 72, 96) for _ in range(3))  # head dim 96: no other test lowers this program
     before = [len(kk._entries) for kk in kernels]
     for n in range(65, 73):
         q, k, v = (x[:, :, :n].clone().requires_grad_() for x in (q0, k0, v0))
@@ -195,7 +195,7 @@ def test_eight_lengths_in_one_bucket_one_graph_and_one_lowering_under_dynamic_co
 
     fn = torch.compile(f, fullgraph=True, dynamic=True, backend=counter)
     torch.manual_seed(1)
-    q0, k0, v0 = torch.randn(1, 2, 72, 64), torch.randn(1, 1, 80, 64), torch.randn(1, 1, 80, 64)
+    q0, k0, v0 = torch.randn(1, 2, 72, 80), torch.randn(1, 1, 80, 80), torch.randn(1, 1, 80, 80)  # D=80: a fresh program
     before = len(A.fa_forward._entries)
     for n in range(65, 73):  # Sq = n, Skv = n + 3 (both in bucket 80)
         q, k, v = q0[:, :, :n], k0[:, :, :n + 3], v0[:, :, :n + 3]
@@ -258,3 +258,19 @@ def test_matmul_rows_under_dynamic_compile_one_graph_one_lowering():
         torch.testing.assert_close(fn(a).double(), a.double() @ w.double() + 1, atol=1e-4, rtol=1e-4)
     assert counter.frame_count == 1
     assert len(matmul_nn._entries) - before == 1
+
+
+def test_bad_inputs_at_padded_lengths_raise_typed_errors_naming_the_argument():
+    """Padding never hides a caller's mistake: checks run on the caller's shapes."""
+    from tpukernels.errors import ArgumentError
+
+    q, k, v = (x.detach() for x in make(1, 2, 1, 70, 70, 64))
+    with pytest.raises(ArgumentError, match="k and v must have the same length, got 70 and 69"):
+        flash_attention(q, k, v[:, :, :69])
+    with pytest.raises(ArgumentError, match=r"kv_segment_ids must have shape \[B, S\] = \(1, 70\)"):
+        flash_attention(q, k, v, q_segment_ids=torch.zeros(1, 70, dtype=torch.int32),
+                        kv_segment_ids=torch.zeros(1, 69, dtype=torch.int32))
+    with pytest.raises(ArgumentError, match="bucket must be a bool"):
+        flash_attention(q, k, v, bucket=1)
+    with pytest.raises(ArgumentError, match="bucket must be a bool"):
+        matmul(torch.randn(70, 8), torch.randn(8, 8), bucket="no")

@@ -756,9 +756,11 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, a
 
     Raises:
         ArgumentError: rank < 2, ``a.shape[-1] != b.shape[-2]``, batch dims that do not broadcast, bias not
-            ``[N]``, unknown activation.
+            ``[N]``, unknown activation, a non-bool ``bucket``.
         DTypeError: float64 / integer operands, ``a`` and ``b`` of different dtypes, bad ``out_dtype``.
     """
+    if not isinstance(bucket, bool):  # the op's schema would reject it with an untyped cast error
+        raise ArgumentError(f"tpukernels::matmul: bucket must be a bool, got {bucket!r}")
     return torch.ops.tpukernels.matmul(a, b, bias, activation, canonical_out_dtype(out_dtype), bucket=bucket)
 
 

@@ -99,7 +99,7 @@ def flash_attention(
 
     Raises:
         ArgumentError: ranks, batch / head / length / head-dim mismatches, ``Hq % Hkv != 0``, only one of
-            the segment ids, bad window / softcap / sm_scale / causal_alignment values.
+            the segment ids, bad window / softcap / sm_scale / causal_alignment values, a non-bool ``bucket``.
             A ``mask`` whose shape is not ``(Sq, Skv)`` or whose head count is not ``Hq``, a raw array as
             ``mask`` (wrap it: ``NumpyMask``), ``sinks`` not of shape ``[Hq]``.
         DTypeError: q, k, v dtypes differ or are not bf16 / fp16 / f32; non-integer segment ids; a non-bool
@@ -198,28 +198,46 @@ def _check_lengths(k, v):
 
 def _dense_forward(q, k, v, qs, ks, *, causal, causal_alignment, sm_scale, window, softcap, config, interpret,
                    bucket):
-    """The dense kernels; with ``bucket``, ``Sq`` / ``Skv`` padded to their buckets and the padding hidden by
-    segment ids (see :mod:`.buckets`)."""
+    """The dense kernels; with ``bucket``, through :func:`_dense_bucketed` (as the op
+    ``tpukernels::flash_attention_bucketed`` when no ``config`` / ``interpret`` is given, so that
+    ``torch.compile`` traces the padding with symbolic lengths: one graph for every length)."""
     kw = dict(causal=causal, causal_alignment=causal_alignment, sm_scale=None if sm_scale is None else float(sm_scale),
               window_left=window[0], window_right=window[1], softcap=None if softcap is None else float(softcap))
     if bucket and _bucketable(q, k, v, qs, ks):
-        Sq, Skv = q.shape[2], k.shape[2]
-        Sq_b, Skv_b = bucket_len(Sq), bucket_len(Skv)
-        if Sq_b != Sq or Skv_b != Skv:
-            _check_lengths(k, v)
-            front = causal_alignment == "bottom_right"  # keeps j <= i + Skv - Sq exact (module docstring)
-            if qs is None:
-                B = q.shape[0]
-                qs = torch.zeros(B, 1, Sq, dtype=torch.int32, device=q.device)
-                ks = torch.zeros(B, 1, Skv, dtype=torch.int32, device=k.device)
-                fill = 1
-            else:
-                fill = absent_id(qs)
-            out, lse = fa_forward(pad_len(q, 2, Sq_b, front), pad_len(k, 2, Skv_b, front),
-                                  pad_len(v, 2, Skv_b, front), pad_ids(qs, Sq_b, front, fill),
-                                  pad_ids(ks, Skv_b, front, fill), **kw, config=config, interpret=interpret)
-            return slice_len(out, 2, Sq, front), slice_len(lse, 3, Sq, front)
+        _check_lengths(k, v)
+        if config is None and interpret is None:
+            return torch.ops.tpukernels.flash_attention_bucketed(q, k, v, qs, ks, **kw)
+        return _dense_bucketed(q, k, v, qs, ks, **kw, config=config, interpret=interpret)
     return fa_forward(q, k, v, qs, ks, **kw, config=config, interpret=interpret)
+
+
+def _dense_bucketed(q, k, v, qs, ks, *, causal, causal_alignment, sm_scale, window_left, window_right, softcap,
+                    config=None, interpret=None):
+    """``(out, lse)`` of the dense kernels on ``Sq`` / ``Skv`` padded to their buckets, the padding hidden by
+    segment ids (see :mod:`.buckets`); lengths equal to their buckets run unpadded."""
+    kw = dict(causal=causal, causal_alignment=causal_alignment, sm_scale=sm_scale, window_left=window_left,
+              window_right=window_right, softcap=softcap, config=config, interpret=interpret)
+    Sq, Skv = q.shape[2], k.shape[2]
+    Sq_b, Skv_b = bucket_len(Sq), bucket_len(Skv)
+    if Sq_b == Sq and Skv_b == Skv:
+        return fa_forward(q, k, v, qs, ks, **kw)
+    front = causal_alignment == "bottom_right"  # keeps j <= i + Skv - Sq exact (module docstring of .buckets)
+    if qs is None:
+        B = q.shape[0]
+        qs = torch.zeros(B, 1, Sq, dtype=torch.int32, device=q.device)
+        ks = torch.zeros(B, 1, Skv, dtype=torch.int32, device=k.device)
+        fill = 1
+    else:
+        fill = absent_id(qs)
+    out, lse = fa_forward(pad_len(q, 2, Sq_b, front), pad_len(k, 2, Skv_b, front), pad_len(v, 2, Skv_b, front),
+                          pad_ids(qs, Sq_b, front, fill), pad_ids(ks, Skv_b, front, fill), **kw)
+    return slice_len(out, 2, Sq, front), slice_len(lse, 3, Sq, front)
+
+# The bucketed dense path as an op: torch.compile traces its padding with symbolic lengths (dynamo sees one call).
+_LIB.define("flash_attention_bucketed(Tensor q, Tensor k, Tensor v, Tensor? q_segment_ids, Tensor? kv_segment_ids, *, "
+            "bool causal, str causal_alignment, float? sm_scale, int? window_left, int? window_right, "
+            "float? softcap) -> (Tensor, Tensor)")
+_LIB.impl("flash_attention_bucketed", _dense_bucketed, "CompositeImplicitAutograd")
 
 
 def _masked_forward(q, k, v, qs, ks, mask, *, causal, causal_alignment, sm_scale, window, softcap, config, interpret,
