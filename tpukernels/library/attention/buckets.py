@@ -3,9 +3,10 @@ with runtime data, so every length in a bucket runs one lowered program.
 
 The bucket of a length ``n > 16`` is :func:`tpukernels.dsl.kernel.bucket` (``rows=`` kernels' rule: a multiple
 of ``max(8, 2**(bit_length(n - 1) - 3))``, four buckets per power of two, at most 25% padding); lengths
-``<= 16`` (decode steps, tiny prompts) are kept. :func:`bucket_len` computes it from comparisons and integer
-arithmetic only, so under ``torch.compile(dynamic=True)`` a symbolic length gives a symbolic padded length
-(guards: the power-of-two range of ``n``), not one graph per length.
+``<= 16`` (decode steps, tiny prompts) are kept. Under ``torch.compile(dynamic=True)`` the dense path is the
+op ``tpukernels::flash_attention_bucketed`` (CompositeImplicitAutograd), which AOT traces with symbolic lengths:
+:func:`tpukernels.dsl.kernel.bucket` then builds a symbolic bucket (``torch.sym_ite``), so one graph serves
+every length and each bucket's program is lowered once at run time.
 
 How the padding is hidden (the kernel bodies are unchanged; the lowered program depends on the padded
 lengths only):
