@@ -157,6 +157,43 @@ def test_backend_function_masks(case):
         assert (plain - ref).abs().max().item() > 1e-2  # the mask is really exercised
 
 
+@pytest.mark.parametrize("case", ["bidir_bool", "bidir_additive", "bidir_heads_repeated", "bidir_cross_3d",
+                                  "key_padding_1d"])
+def test_bidirectional_padding_masks_match_native(case):
+    """Query-and-key padding masks as Diffusers models build them (Chroma: ``m[:, None, None, :] * m[:, None, :,
+    None]``; HunyuanVideo 1.5: the same repeated over ``Sq`` and AND-ed with its transpose) and the 1-D / 3-D
+    forms SDPA broadcasts (1-D: Diffusers' varlen backends' key padding), vs the native backend (padded query
+    rows: 0 in both)."""
+    sq, skv = 12, 20 if case == "bidir_cross_3d" else 12
+    q, k, v = _qkv(sq=sq, skv=skv)
+    B = q.shape[0]
+    valid = torch.ones(B, sq, dtype=torch.bool)
+    valid[0, 9:] = False
+    valid[1, 5:] = False
+    if case == "bidir_bool":
+        mask = valid[:, None, None, :] * valid[:, None, :, None]
+    elif case == "bidir_additive":
+        mask = torch.where(valid[:, None, None, :] & valid[:, None, :, None], 0.0, float("-inf"))
+    elif case == "bidir_heads_repeated":
+        m1 = valid.view(B, 1, 1, sq).repeat(1, 4, sq, 1)
+        mask = m1 & m1.transpose(2, 3)
+    elif case == "bidir_cross_3d":  # [1, Sq, Skv]: SDPA lines the first dim up with the heads
+        kv = torch.arange(skv) < 15
+        mask = (valid[1, :, None] & kv[None, :])[None]
+    else:
+        mask = torch.arange(skv) < 7
+    tkd._warned.discard("mask")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback
+        got = tkd.attention(q, k, v, attn_mask=mask)
+    # SDPA takes no 1-D mask (Diffusers' varlen backends read it as [Skv] key padding): compare with [1, 1, 1, Skv]
+    ref = ad._native_attention(q, k, v, attn_mask=mask.view(1, 1, 1, -1) if mask.dim() == 1 else mask)
+    assert got.shape == ref.shape and not got.isnan().any()
+    _close(got, ref, case)
+    plain = ad._native_attention(q, k, v)
+    assert (plain - ref).abs().max().item() > 1e-2  # the mask is really exercised
+
+
 @pytest.mark.parametrize("kind", ["random_bool", "additive_bias"])
 def test_unexpressible_mask_falls_back_with_warning(kind):
     q, k, v = _qkv()

@@ -176,8 +176,17 @@ def dtype_default(static: str = "out_dtype", tensor: int = 0) -> Callable:
 def bucket(n: int) -> int:
     """Row bucket for ``n`` rows: n rounded up to a multiple of ``max(8, 2**(bit_length(n-1) - 2))``.
 
-    Four buckets per power of two, so padding wastes at most 25% (e.g. 1025..1280 -> 1280).
+    Four buckets per power of two, so padding wastes at most 25% (e.g. 1025..1280 -> 1280). A torch SymInt
+    ``n`` (``torch.compile(dynamic=True)`` tracing a library wrapper that pads, e.g. attention and matmul) gives
+    a symbolic bucket built with ``torch.sym_ite`` (no guard on ``n``, so one graph serves every size).
     """
+    if not isinstance(n, (int, np.integer)):
+        import torch
+
+        step = n * 0 + 8  # a SymInt: sym_ite needs both branches of one type
+        for b in range(6, 48):  # n in (2**b, 2**(b+1)]: bit_length(n - 1) = b + 1, step 2**(b - 2)
+            step = torch.sym_ite(n > (1 << b), n * 0 + (1 << (b - 2)), step)
+        return torch.sym_max(((n + step - 1) // step) * step, n * 0 + 8)
     if n <= 8:
         return 8
     step = max(8, 1 << max(0, (n - 1).bit_length() - 3))

@@ -25,9 +25,11 @@ The backend receives Diffusers' ``[B, S, H, D]`` tensors and calls
 ``Hkv``). Masks are mapped with the transformers integration's verified mapping
 (:func:`tpukernels.integrations.transformers.mask_to_spec`): ``None`` (full or ``is_causal``), boolean or
 additive (0 / -inf) masks of shape ``[B, Skv]``, ``[B, 1, 1, Skv]`` or ``[B, 1|H, Sq, Skv]`` that are key
-padding (-> segment ids), causal or both. Anything else (a real additive bias, per-head masks, dropout > 0,
+padding (-> segment ids), causal or both. Bidirectional padding masks ``q_valid[i] & kv_valid[j]`` (boolean or
+additive, ``[B|1, 1|H, Sq, Skv]`` as Chroma and HunyuanVideo 1.5 build them; 1-3-D masks broadcast as SDPA
+broadcasts them) map to segment ids too: a padded query sees no key and gives 0. Anything else (a real additive bias, per-head masks, dropout > 0,
 context parallelism, ``return_lse``) runs Diffusers' native SDPA backend with a one-time warning — never
-silently wrong. A query row whose keys are all masked gives 0 (SDPA: NaN).
+silently wrong. A query row whose keys are all masked gives 0 (as torch 2.13's SDPA does).
 """
 
 from __future__ import annotations
@@ -70,7 +72,9 @@ def attention(
 
     Args:
         query: ``[B, Sq, Hq, D]``; key: ``[B, Skv, Hkv, D]``; value: ``[B, Skv, Hkv, Dv]`` (one float dtype).
-        attn_mask: None, ``[B, Skv]``, or a 4-D ``[B, 1|H, Sq|1, Skv]`` boolean (True = attend) or additive mask.
+        attn_mask: None, ``[B, Skv]`` (key padding), or a mask SDPA broadcasts to ``[B, H, Sq, Skv]`` (1-D to
+            4-D), boolean (True = attend) or additive (0 / -inf); mapped when it is key padding, query-and-key
+            padding (``q_valid[i] & kv_valid[j]``), causal or causal with key padding.
         is_causal: top-left causal mask (torch SDPA semantics). scale: softmax scale (default ``1/sqrt(D)``).
 
     Returns:
@@ -87,13 +91,16 @@ def attention(
     skv, hkv = key.shape[1], key.shape[2]
     if hkv == 0 or hq % hkv:
         return _native(**kw)  # SDPA raises the error the user expects
-    mask = attn_mask
-    if mask is not None and mask.dim() == 2 and tuple(mask.shape) == (B, skv):
-        mask = mask[:, None, None, :]
+    mask = _as_4d(attn_mask, B, skv)
     key_padding = _key_padding(mask, B, skv) if not is_causal else None
     if key_padding is not None:  # [B|1, 1, 1, Skv]: a key-padding mask by construction, no dense check needed
         return _flash(query, key, value, scale, dict(causal=False, causal_alignment="top_left", window_left=None,
                                                      kv_valid=key_padding))
+    padding = _bidirectional_padding(mask, B, sq, skv) if not is_causal else None
+    if padding is not None:  # query and key padding (Chroma, HunyuanVideo 1.5: valid[i] & valid[j])
+        q_valid, kv_valid = padding
+        return _flash(query, key, value, scale, dict(causal=False, causal_alignment="top_left", window_left=None,
+                                                     kv_valid=kv_valid, q_valid=q_valid))
     if mask is not None and mask.dim() == 4 and mask.shape[2] == 1 and sq != 1:
         mask = mask.expand(mask.shape[0], mask.shape[1], sq, skv)
     if mask is not None and mask.dim() == 4 and mask.shape[0] != B:
@@ -107,6 +114,47 @@ def attention(
         _warn_once("mask", f"attention mask of shape {tuple(attn_mask.shape)} is not key-padding / causal")
         return _native(**kw)
     return _flash(query, key, value, scale, spec)
+
+
+def _as_4d(mask, B: int, skv: int):
+    """A Diffusers mask as the 4-D ``[B|1, H|1, Sq|1, Skv]`` mask SDPA sees: ``[B, Skv]`` is key padding (the
+    native backend reshapes exactly this form); other 1-3-D masks broadcast as SDPA broadcasts them (leading
+    dims of 1; a 3-D mask's first dim lines up with the heads)."""
+    if mask is None or mask.dim() >= 4:
+        return mask
+    if mask.dim() == 2 and tuple(mask.shape) == (B, skv):
+        return mask[:, None, None, :]
+    return mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+
+
+def _as_bool(mask):
+    """A boolean view of a boolean or 0 / -inf additive mask (True = attend), else None (a real bias)."""
+    if mask.dtype == torch.bool:
+        return mask
+    if not mask.dtype.is_floating_point:
+        return None
+    neg = mask <= torch.finfo(mask.dtype).min / 2
+    return ~neg if bool(((mask == 0) | neg).all()) else None
+
+
+def _bidirectional_padding(mask, B: int, sq: int, skv: int):
+    """``(q_valid [B, Sq], kv_valid [B, Skv])`` bool when a 4-D mask is exactly ``q_valid[i] & kv_valid[j]`` for
+    every head (padding of queries and keys, a bidirectional mask as Chroma / HunyuanVideo 1.5 build it), else
+    None. Checked densely (one host sync)."""
+    if mask is None or mask.dim() != 4 or mask.shape[0] not in (1, B) or mask.shape[-1] != skv:
+        return None
+    m = _as_bool(mask)
+    if m is None:
+        return None
+    if m.shape[1] != 1:
+        if not bool((m == m[:, :1]).all()):
+            return None  # per-head masks
+        m = m[:, :1]
+    m = m[:, 0].expand(B, sq, skv)
+    q_valid, kv_valid = m.any(-1), m.any(-2)
+    if not torch.equal(m, q_valid[:, :, None] & kv_valid[:, None, :]):
+        return None
+    return q_valid, kv_valid
 
 
 def _key_padding(mask, B: int, skv: int):
@@ -130,7 +178,11 @@ def _flash(query, key, value, scale, spec):
     B, sq = query.shape[:2]
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))
     seg = {}
-    if spec["kv_valid"] is not None:
+    q_valid = spec.get("q_valid")
+    if q_valid is not None:  # valid queries (1) see valid keys (1); padded queries (0) see nothing (keys -1)
+        seg = dict(q_segment_ids=q_valid.to(torch.int32),
+                   kv_segment_ids=torch.where(spec["kv_valid"], 1, -1).to(torch.int32))
+    elif spec["kv_valid"] is not None:
         seg = dict(q_segment_ids=torch.ones(B, sq, dtype=torch.int32, device=query.device),
                    kv_segment_ids=spec["kv_valid"].to(torch.int32))
     out = flash_attention(q, k, v, causal=spec["causal"], causal_alignment=spec["causal_alignment"], sm_scale=scale,

@@ -691,7 +691,7 @@ def _check_public(a, b, bias, activation, out_dtype):
     return canonical_out_dtype(out_dtype) or _dtype_name(a.dtype)
 
 
-def _matmul_impl(a, b, bias=None, activation=None, out_dtype=None):
+def _matmul_impl(a, b, bias=None, activation=None, out_dtype=None, *, bucket=True):
     """The public op (CompositeImplicitAutograd: autograd and torch.compile see the kernel ops)."""
     odt = _check_public(a, b, bias, activation, out_dtype)
     batch_shape = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
@@ -701,28 +701,42 @@ def _matmul_impl(a, b, bias=None, activation=None, out_dtype=None):
     if bias is not None and bias.dtype == torch.float16:
         bias = bias.float()
     kdt = "float32" if odt == "float16" else odt
+    if not isinstance(bucket, bool):
+        raise ArgumentError(f"tpukernels::matmul: bucket must be a bool, got {bucket!r}")
     if K == 0 and bias is not None:  # no K steps run: z = 0 + bias, epilogue here (f32)
-        z = plan_and_run(a, b, None, None, "float32", batch_shape, M, N)
+        z = plan_and_run(a, b, None, None, "float32", batch_shape, M, N, bucket=bucket)
         return activation_torch(z + bias.float(), activation).to(getattr(torch, odt))
-    out = plan_and_run(a, b, None if bias is None else bias.reshape(1, N), activation, kdt, batch_shape, M, N)
+    out = plan_and_run(a, b, None if bias is None else bias.reshape(1, N), activation, kdt, batch_shape, M, N,
+                       bucket=bucket)
     return out if odt == kdt else out.to(getattr(torch, odt))
 
 
-def plan_and_run(a, b, bias2, activation, kdt, batch_shape, M, N):
+def plan_and_run(a, b, bias2, activation, kdt, batch_shape, M, N, bucket=False):
+    """Run the kernel :func:`plan` picks; with ``bucket``, its rows (``M``, or ``batch * M`` when folded) padded
+    with zeros to :func:`tpukernels.dsl.kernel.bucket` and the output rows sliced back (rows are independent:
+    exact; padded rows get zero gradients and add nothing to ``dB`` / ``dbias``)."""
     layout, x, y, folded = plan(a, b)
+    rdim = 2 if layout == "tn" else 1  # tn stores a transposed: its rows are the last dim
+    rows = x.shape[rdim]
+    rows_b = _dsl.bucket(rows) if bucket and rows > 0 else rows
+    if rows_b != rows:
+        x = torch.nn.functional.pad(x, [0, 0, 0, rows_b - rows] if rdim == 1 else [0, rows_b - rows])
     out = _op(layout)(x, y, bias2, activation, kdt, False)
+    if rows_b != rows:
+        out = out.narrow(1, 0, rows)
     if not folded and out.shape[0] == 1 and math.prod(batch_shape) != 1:  # both operands batch-broadcast
         return out.expand(math.prod(batch_shape), M, N).contiguous().reshape(*batch_shape, M, N)
     return out.reshape(*batch_shape, M, N)
 
 
 _LIB = torch.library.Library("tpukernels", "FRAGMENT")
-_LIB.define("matmul(Tensor a, Tensor b, Tensor? bias=None, str? activation=None, str? out_dtype=None) -> Tensor")
+_LIB.define("matmul(Tensor a, Tensor b, Tensor? bias=None, str? activation=None, str? out_dtype=None, *, "
+            "bool bucket=True) -> Tensor")
 _LIB.impl("matmul", _matmul_impl, "CompositeImplicitAutograd")
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, activation: str | None = None,
-           out_dtype=None) -> torch.Tensor:
+           out_dtype=None, *, bucket: bool = True) -> torch.Tensor:
     """``act(a @ b + bias)`` rounded once to ``out_dtype``; ``torch.ops.tpukernels.matmul`` (differentiable).
 
     Args:
@@ -731,16 +745,23 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, a
         bias: optional ``[N]`` (any of the three dtypes), added in f32.
         activation: None, ``"gelu_tanh"``, ``"silu"`` or ``"relu"``, applied in f32 (module docstring).
         out_dtype: result dtype (torch dtype or name); default ``a.dtype``.
+        bucket: pad the kernel's rows (``M``; ``batch * M`` when ``b`` has no batch) with zeros to their shape
+            bucket, so every row count in a bucket runs one lowered program (default True; ``False``: one
+            program per exact ``M``). Bucket: a multiple of ``max(8, 2**(bit_length(M - 1) - 3))``, four per
+            power of two, at most 25% padding (:func:`tpukernels.bucket`, the ``rows=`` kernels' rule;
+            1025..1280 -> 1280). Exact (rows are independent); costs a zero-padded copy of ``a``.
 
     Returns:
         ``[*broadcast(a.shape[:-2], b.shape[:-2]), M, N]`` in ``out_dtype``.
 
     Raises:
         ArgumentError: rank < 2, ``a.shape[-1] != b.shape[-2]``, batch dims that do not broadcast, bias not
-            ``[N]``, unknown activation.
+            ``[N]``, unknown activation, a non-bool ``bucket``.
         DTypeError: float64 / integer operands, ``a`` and ``b`` of different dtypes, bad ``out_dtype``.
     """
-    return torch.ops.tpukernels.matmul(a, b, bias, activation, canonical_out_dtype(out_dtype))
+    if not isinstance(bucket, bool):  # the op's schema would reject it with an untyped cast error
+        raise ArgumentError(f"tpukernels::matmul: bucket must be a bool, got {bucket!r}")
+    return torch.ops.tpukernels.matmul(a, b, bias, activation, canonical_out_dtype(out_dtype), bucket=bucket)
 
 
 def reference(a, b, bias=None, activation=None) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 Public API: :func:`flash_attention` (torch tensors, torch SDPA layout) and the op of the same meaning,
 ``torch.ops.tpukernels.flash_attention(q, k, v, *, causal, causal_alignment, sm_scale, window_left,
-window_right, softcap, q_segment_ids, kv_segment_ids) -> out`` (CompositeImplicitAutograd: autograd and
+window_right, softcap, q_segment_ids, kv_segment_ids, bucket) -> out`` (CompositeImplicitAutograd: autograd and
 ``torch.compile`` see the kernel ops). The kernel-level ops, named as such:
 
 * ``torch.ops.tpukernels.flash_attention_fwd`` (kernel :data:`fa_forward`) -> ``(out, lse)``;

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ...errors import ArgumentError, DTypeError
+from .buckets import absent_id, bucket_len, pad_ids, pad_len, pad_tables, slice_len
 from .forward import fa_forward
 from .plan import NAMESPACE
 
@@ -37,6 +38,7 @@ def flash_attention(
     return_lse: bool = False,
     config: dict | None = None,
     interpret: str | None = None,
+    bucket: bool = True,
 ):
     """Flash attention on TPU (and cpu via Pallas interpret mode), differentiable, torch SDPA layout.
 
@@ -74,6 +76,16 @@ def flash_attention(
         config: tuning config for the forward kernel (keys ``block_q``, ``block_kv``, ``block_kv_compute``,
             ``block_h``); default: tuning DB, then a shape heuristic.
         interpret: ``"fast"`` / ``"tpu"`` for cpu runs (see :mod:`tpukernels.dsl.modes`).
+        bucket: pad ``Sq`` and ``Skv`` to their shape bucket so that every length in a bucket runs one lowered
+            program (default True; ``False``: one program per exact length). Bucket of ``n``: ``n`` if
+            ``n <= 16``, else ``n`` rounded up to a multiple of ``max(8, 2**(bit_length(n - 1) - 3))`` (the
+            ``rows=`` kernels' rule: four buckets per power of two, at most 25% padding; 1025..1280 -> 1280).
+            Results are those of the unpadded call: the padding is hidden with runtime data (a segment id no
+            real query has; bottom-right alignment pads at the front so the diagonal stays at
+            ``j = i + Skv - Sq`` of the true lengths; with ``mask=`` the mask's block tables mask it), and
+            outputs, ``lse`` and gradients of padded positions are sliced away. A length equal to its bucket
+            runs unpadded (the dense kernels then run without the segment-id element mask, which padded calls
+            pay on every block). See :mod:`tpukernels.library.attention.buckets`.
 
     Returns:
         ``out`` ``[B, Hq, Sq, Dv]`` in q's dtype, or ``(out, lse)``. A query row that sees no key (segments,
@@ -87,7 +99,7 @@ def flash_attention(
 
     Raises:
         ArgumentError: ranks, batch / head / length / head-dim mismatches, ``Hq % Hkv != 0``, only one of
-            the segment ids, bad window / softcap / sm_scale / causal_alignment values.
+            the segment ids, bad window / softcap / sm_scale / causal_alignment values, a non-bool ``bucket``.
             A ``mask`` whose shape is not ``(Sq, Skv)`` or whose head count is not ``Hq``, a raw array as
             ``mask`` (wrap it: ``NumpyMask``), ``sinks`` not of shape ``[Hq]``.
         DTypeError: q, k, v dtypes differ or are not bf16 / fp16 / f32; non-integer segment ids; a non-bool
@@ -97,7 +109,7 @@ def flash_attention(
     ``splash_attention`` (block skipping, compute sub-blocks, key-major dK/dV); FlashAttention 2.1 release
     notes (bottom-right causal alignment).
     """
-    for name, val in (("causal", causal), ("return_lse", return_lse)):
+    for name, val in (("causal", causal), ("return_lse", return_lse), ("bucket", bucket)):
         if not isinstance(val, bool):  # bool("false") is True: never coerce a flag
             raise ArgumentError(f"flash_attention: {name} must be a bool, got {val!r}")
     if not isinstance(window, (tuple, list)) or len(window) != 2:
@@ -138,13 +150,11 @@ def flash_attention(
     if mask is not None:
         out, lse = _masked_forward(q, k, v, qs, ks, mask, causal=causal, causal_alignment=causal_alignment,
                                    sm_scale=sm_scale, window=window, softcap=softcap, config=config,
-                                   interpret=interpret)
+                                   interpret=interpret, bucket=bucket)
     else:
-        out, lse = fa_forward(
-            q, k, v, qs, ks, causal=causal, causal_alignment=causal_alignment,
-            sm_scale=None if sm_scale is None else float(sm_scale), window_left=window[0], window_right=window[1],
-            softcap=None if softcap is None else float(softcap), config=config, interpret=interpret,
-        )
+        out, lse = _dense_forward(q, k, v, qs, ks, causal=causal, causal_alignment=causal_alignment,
+                                  sm_scale=sm_scale, window=window, softcap=softcap, config=config,
+                                  interpret=interpret, bucket=bucket)
     if sinks is not None:
         out, lse = _apply_sinks(out, lse, sinks)
     if half:
@@ -152,17 +162,17 @@ def flash_attention(
     return (out, lse.squeeze(2)) if return_lse else out
 
 def _flash_attention_op(q, k, v, *, causal=False, causal_alignment="top_left", sm_scale=None, window_left=None,
-                        window_right=None, softcap=None, q_segment_ids=None, kv_segment_ids=None):
+                        window_right=None, softcap=None, q_segment_ids=None, kv_segment_ids=None, bucket=True):
     return flash_attention(q, k, v, causal=causal, causal_alignment=causal_alignment, sm_scale=sm_scale,
                            window=(window_left, window_right), softcap=softcap, q_segment_ids=q_segment_ids,
-                           kv_segment_ids=kv_segment_ids)
+                           kv_segment_ids=kv_segment_ids, bucket=bucket)
 
 
 # The public op means the public function (out only); the kernel op returning (out, lse) is flash_attention_fwd.
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
 _LIB.define("flash_attention(Tensor q, Tensor k, Tensor v, *, bool causal=False, str causal_alignment=\"top_left\", "
             "float? sm_scale=None, int? window_left=None, int? window_right=None, float? softcap=None, "
-            "Tensor? q_segment_ids=None, Tensor? kv_segment_ids=None) -> Tensor")
+            "Tensor? q_segment_ids=None, Tensor? kv_segment_ids=None, bool bucket=True) -> Tensor")
 _LIB.impl("flash_attention", _flash_attention_op, "CompositeImplicitAutograd")
 
 
@@ -171,8 +181,69 @@ _LIB.impl("flash_attention", _flash_attention_op, "CompositeImplicitAutograd")
 MASK_BLOCK = 512
 
 
-def _masked_forward(q, k, v, qs, ks, mask, *, causal, causal_alignment, sm_scale, window, softcap, config, interpret):
-    """Run the block-sparse masked kernel: ``causal`` / ``window`` are folded into ``mask`` (intersection)."""
+def _bucketable(*xs) -> bool:
+    """Padding applies to well-formed calls (rank 4, kernel dtypes); others go unpadded to the kernels, whose
+    checks raise the typed errors."""
+    q, k, v, qs, ks = xs
+    return (all(x.dim() == 4 and x.dtype in (torch.bfloat16, torch.float32) for x in (q, k, v))
+            and all(x is None or (x.dim() == 3 and x.dtype == torch.int32) for x in (qs, ks)))
+
+
+def _check_lengths(k, v):
+    """The one check padding would hide (k and v are padded to one length); every other rule is checked by the
+    kernels on the padded call with the same outcome."""
+    if k.shape[2] != v.shape[2]:
+        raise ArgumentError(f"flash_attention: k and v must have the same length, got {k.shape[2]} and {v.shape[2]}")
+
+
+def _dense_forward(q, k, v, qs, ks, *, causal, causal_alignment, sm_scale, window, softcap, config, interpret,
+                   bucket):
+    """The dense kernels; with ``bucket``, through :func:`_dense_bucketed` (as the op
+    ``tpukernels::flash_attention_bucketed`` when no ``config`` / ``interpret`` is given, so that
+    ``torch.compile`` traces the padding with symbolic lengths: one graph for every length)."""
+    kw = dict(causal=causal, causal_alignment=causal_alignment, sm_scale=None if sm_scale is None else float(sm_scale),
+              window_left=window[0], window_right=window[1], softcap=None if softcap is None else float(softcap))
+    if bucket and _bucketable(q, k, v, qs, ks):
+        _check_lengths(k, v)
+        if config is None and interpret is None:
+            return torch.ops.tpukernels.flash_attention_bucketed(q, k, v, qs, ks, **kw)
+        return _dense_bucketed(q, k, v, qs, ks, **kw, config=config, interpret=interpret)
+    return fa_forward(q, k, v, qs, ks, **kw, config=config, interpret=interpret)
+
+
+def _dense_bucketed(q, k, v, qs, ks, *, causal, causal_alignment, sm_scale, window_left, window_right, softcap,
+                    config=None, interpret=None):
+    """``(out, lse)`` of the dense kernels on ``Sq`` / ``Skv`` padded to their buckets, the padding hidden by
+    segment ids (see :mod:`.buckets`); lengths equal to their buckets run unpadded."""
+    kw = dict(causal=causal, causal_alignment=causal_alignment, sm_scale=sm_scale, window_left=window_left,
+              window_right=window_right, softcap=softcap, config=config, interpret=interpret)
+    Sq, Skv = q.shape[2], k.shape[2]
+    Sq_b, Skv_b = bucket_len(Sq), bucket_len(Skv)
+    if Sq_b == Sq and Skv_b == Skv:
+        return fa_forward(q, k, v, qs, ks, **kw)
+    front = causal_alignment == "bottom_right"  # keeps j <= i + Skv - Sq exact (module docstring of .buckets)
+    if qs is None:
+        B = q.shape[0]
+        qs = torch.zeros(B, 1, Sq, dtype=torch.int32, device=q.device)
+        ks = torch.zeros(B, 1, Skv, dtype=torch.int32, device=k.device)
+        fill = 1
+    else:
+        fill = absent_id(qs)
+    out, lse = fa_forward(pad_len(q, 2, Sq_b, front), pad_len(k, 2, Skv_b, front), pad_len(v, 2, Skv_b, front),
+                          pad_ids(qs, Sq_b, front, fill), pad_ids(ks, Skv_b, front, fill), **kw)
+    return slice_len(out, 2, Sq, front), slice_len(lse, 3, Sq, front)
+
+# The bucketed dense path as an op: torch.compile traces its padding with symbolic lengths (dynamo sees one call).
+_LIB.define("flash_attention_bucketed(Tensor q, Tensor k, Tensor v, Tensor? q_segment_ids, Tensor? kv_segment_ids, *, "
+            "bool causal, str causal_alignment, float? sm_scale, int? window_left, int? window_right, "
+            "float? softcap) -> (Tensor, Tensor)")
+_LIB.impl("flash_attention_bucketed", _dense_bucketed, "CompositeImplicitAutograd")
+
+
+def _masked_forward(q, k, v, qs, ks, mask, *, causal, causal_alignment, sm_scale, window, softcap, config, interpret,
+                    bucket):
+    """Run the block-sparse masked kernel: ``causal`` / ``window`` are folded into ``mask`` (intersection);
+    with ``bucket``, on ``Sq`` / ``Skv`` padded at the end to their buckets (the tables mask the padding)."""
     from .masked import check_mask, fa_forward_masked
     from .masks import LocalMask
 
@@ -204,12 +275,24 @@ def _masked_forward(q, k, v, qs, ks, mask, *, causal, causal_alignment, sm_scale
         if isinstance(b, bool) or not isinstance(b, int) or b <= 0 or b % 128:
             raise ArgumentError(f"flash_attention: config[{name!r}] must be a positive multiple of 128, got {b!r}")
         blocks[name] = b
-    bq = Sq if 0 < Sq <= blocks["block_q"] else blocks["block_q"]
-    bkv = Skv if 0 < Skv <= blocks["block_kv"] else blocks["block_kv"]
-    ft, bt, mb, mbt = _table_tensors(mask, max(bq, 1), max(bkv, 1))
-    return fa_forward_masked(ft, bt, q, k, v, mb, mbt, qs, ks, sm_scale=None if sm_scale is None else float(sm_scale),
-                             softcap=None if softcap is None else float(softcap), config=cfg or None,
-                             interpret=interpret)
+    Sq_b, Skv_b = (bucket_len(Sq), bucket_len(Skv)) if bucket else (Sq, Skv)
+    bq = Sq_b if 0 < Sq_b <= blocks["block_q"] else blocks["block_q"]
+    bkv = Skv_b if 0 < Skv_b <= blocks["block_kv"] else blocks["block_kv"]
+    padded = (Sq_b, Skv_b) != (Sq, Skv) and _bucketable(q, k, v, qs, ks)
+    if padded:
+        _check_lengths(k, v)
+        q, k, v = pad_len(q, 2, Sq_b, False), pad_len(k, 2, Skv_b, False), pad_len(v, 2, Skv_b, False)
+        if qs is not None:  # any id: the tables mask the padding
+            qs, ks = pad_ids(qs, Sq_b, False, 0), pad_ids(ks, Skv_b, False, 0)
+    nq, nk = -(-Sq_b // max(bq, 1)), -(-Skv_b // max(bkv, 1))
+    ft, bt, mb, mbt = _table_tensors(mask, max(bq, 1), max(bkv, 1), nq if bucket else None, nk if bucket else None)
+    out, lse = fa_forward_masked(ft, bt, q, k, v, mb, mbt, qs, ks,
+                                 sm_scale=None if sm_scale is None else float(sm_scale),
+                                 softcap=None if softcap is None else float(softcap), config=cfg or None,
+                                 interpret=interpret)
+    if padded:
+        out, lse = slice_len(out, 2, Sq, False), slice_len(lse, 3, Sq, False)
+    return out, lse
 
 
 def _apply_sinks(out, lse, sinks):
@@ -223,13 +306,22 @@ def _apply_sinks(out, lse, sinks):
     return (out.float() * scale).to(out.dtype), torch.logaddexp(lse, s)
 
 
-def _table_tensors(mask, bq: int, bkv: int):
+def _table_tensors(mask, bq: int, bkv: int, nq_pad: int | None = None, nk_pad: int | None = None):
     """The mask's block-sparse tables as torch tensors (built once per mask value and block shape, cached);
-    under ``torch.compile`` evaluated at trace time and kept as constants (host-side numpy work)."""
+    under ``torch.compile`` evaluated at trace time and kept as constants (host-side numpy work). With
+    ``nq_pad`` / ``nk_pad`` (bucketing): padded to those block counts, list lengths and partial-block count
+    bucketed (:func:`.buckets.pad_tables`; cached per padding)."""
     from .masked import _tensors
     from .masks import mask_tables
 
-    return _tensors(mask_tables(mask, bq, bkv))
+    tables = mask_tables(mask, bq, bkv)
+    if nq_pad is None:
+        return _tensors(tables)
+    cache = tables.__dict__.setdefault("_padded", {})
+    key = (nq_pad, nk_pad)
+    if key not in cache:
+        cache[key] = tuple(torch.from_numpy(a) for a in pad_tables(tables, nq_pad, nk_pad))
+    return cache[key]
 
 
 # What ``torch.compiler.assume_constant_result`` does (torch/_dynamo/decorators.py sets this one attribute), done
