@@ -114,6 +114,14 @@ TUNABLES_QUANT_DX = {
 
 
 # ----------------------------------------------------------------------------------------------- checks
+def _resolve(rhs, where, weight_format):
+    """The blockwise quantized matmul's :func:`resolve_format`, its messages naming ``rhs`` (its ``w_q``)."""
+    try:
+        return resolve_format(rhs, where, weight_format)
+    except DTypeError as e:
+        raise DTypeError(str(e).replace("w_q", "rhs")) from None
+
+
 def quant_dims(group_sizes, group_offset, a, rhs, rhs_scale, rhs_zero_point, transpose_rhs, weight_format,
                where, *, dx: bool = False):
     """``(M, K_w, N, G, block_size, fmt, per_channel)`` of a kernel call after checking every operand (typed
@@ -121,7 +129,7 @@ def quant_dims(group_sizes, group_offset, a, rhs, rhs_scale, rhs_zero_point, tra
     if len(rhs.shape) != 3:
         raise ArgumentError(f"{where}: rhs must be 3-D [G, {'N, K' if transpose_rhs else 'K, N'}] (K halved for "
                             f"packed 4-bit), got shape {tuple(rhs.shape)}")
-    fmt = resolve_format(rhs, where, weight_format)
+    fmt = _resolve(rhs, where, weight_format)
     G, d1, d2 = rhs.shape
     kc, N = (d2, d1) if transpose_rhs else (d1, d2)
     packed = fmt in PACKED
@@ -137,13 +145,13 @@ def quant_dims(group_sizes, group_offset, a, rhs, rhs_scale, rhs_zero_point, tra
                             f"block size K_w / num_blocks must be a whole number (pad the weight's K to a multiple "
                             f"of the block: the padding rule)")
     bs = K_w // nb
+    if packed and kc % nb:
+        raise ArgumentError(f"{where}: rhs ({fmt}, packed two per byte along K) has {kc} bytes along K, which "
+                            f"rhs_scale's {nb} blocks do not split into whole bytes: an odd or partial packed block "
+                            f"cannot be unpacked (each block of block_size K indices is block_size / 2 bytes)")
     if nb > 1 and bs not in BLOCK_SIZES:
         raise ArgumentError(f"{where}: rhs_scale's block size K_w / num_blocks = {K_w} / {nb} = {bs} is not a "
                             f"multiple of 32 in 32..512")
-    if packed and kc % max(bs // 2, 1) or packed and bs % 2:
-        raise ArgumentError(f"{where}: rhs ({fmt}, packed two per byte along K) has {kc} bytes along K: an odd or "
-                            f"partial packed block cannot be unpacked (each block of {bs} K indices is {bs // 2} "
-                            f"bytes)")
     if rhs_zero_point is not None:
         if fmt != "int4":
             raise ArgumentError(f"{where}: rhs_zero_point is for int4 weights (asymmetric); {fmt} weights are "
@@ -554,7 +562,7 @@ def grouped_matmul_quantized(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: 
     odt = canonical_out_dtype(out_dtype, where)
     go = group_offset if group_offset is not None else torch.zeros((), dtype=torch.int32, device=lhs.device)
     if len(rhs.shape) == 3 and len(rhs_scale.shape) == 4:
-        fmt = resolve_format(rhs, where, weight_format)
+        fmt = _resolve(rhs, where, weight_format)
         kc = rhs.shape[2] if transpose_rhs else rhs.shape[1]
         K_w = 2 * kc if fmt in PACKED else kc
         nb = max(rhs_scale.shape[1], 1)
