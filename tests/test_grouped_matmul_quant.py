@@ -149,3 +149,22 @@ def test_zero_rows_and_padding_rule_without_kernel():
     a = gq.pack_int4_experts(q, 64, transpose_rhs=True)
     b = gq.pack_int4_experts(q.transpose(1, 2), 64, transpose_rhs=False)
     assert torch.equal(a[1], qmm.pack_int4(q[1], 64)) and torch.equal(b, a.transpose(1, 2))
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("chip", ["v5e", "v6e", "tpu7x"])
+@pytest.mark.parametrize("kernel, args", [
+    # int4 with zero points, [G, N, K/2] (nibble halves sliced along lanes), Mixtral up projection, 2048 rows
+    ("grouped_matmul_quant_fwd", ("8:i32", "1:i32", "2048x4096:bf16", "8x14336x2048:u8", "8x32x1x14336:f32",
+                                  "8x32x1x14336:f32", True)),
+    # d_lhs of int4 [G, K/2, N] (halves sliced along sublanes of the unpacked int32 tile)
+    ("grouped_matmul_quant_dx", ("8:i32", "1:i32", "2048x14336:bf16", "8x2048x14336:u8", "8x32x1x14336:f32", None,
+                                 False)),
+], ids=["fwd-int4-zp", "dx-int4"])
+def test_compile_only_quantized_experts(chip, kernel, args):
+    """Mosaic + XLA:TPU compile the heuristic blocks (libtpu compile-only; the scoped VMEM request covers them)."""
+    import tpukernels as tk
+
+    res = tk.compile_for(getattr(gq, kernel), chip, *args, with_mlir=False)
+    assert res.ok, res.summary()
+    assert res.vmem_estimate_bytes <= (res.vmem_limit_bytes or 32 * 2**20)
