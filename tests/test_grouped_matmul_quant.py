@@ -90,7 +90,8 @@ def test_quantized_experts_within_bound(gm, N, nb, spec, tr, asym, pad, f32):
     _check_fwd_bwd(x, rhs, torch.tensor(sizes, dtype=torch.int32), s, z, tr, fmt)
 
 
-def test_quantized_experts_interpret_modes(interpret):
+@pytest.mark.parametrize("interpret", ["tpu"], indirect=True)  # the "fast" mode is the hypothesis test's
+def test_quantized_experts_nan_poisoned_interpret(interpret):
     """NaN-poisoned interpret mode ("tpu": uninitialised VMEM / output memory holds NaN): a shard
     (``group_offset``) whose first and last groups' rows are zero, a group boundary inside a tile, an empty group,
     a K tail (per-channel scales, ``bk`` not dividing K) in the forward and an N tail in ``d_lhs``; the scale given
@@ -168,3 +169,63 @@ def test_compile_only_quantized_experts(chip, kernel, args):
     res = tk.compile_for(getattr(gq, kernel), chip, *args, with_mlir=False)
     assert res.ok, res.summary()
     assert res.vmem_estimate_bytes <= (res.vmem_limit_bytes or 32 * 2**20)
+
+
+def _quantized_mixtral():
+    """A tiny HF Mixtral with int4 experts (zero points, 32-column blocks) and its twin running stock
+    transformers' eager experts whose weights are the (float64-exact, float32-representable) dequantized ones."""
+    import copy
+
+    pytest.importorskip("transformers")
+    from tpukernels.integrations.moe import quantize_moe_experts
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                        max_position_embeddings=64)
+    torch.manual_seed(0)
+    float_model = MixtralForCausalLM(cfg).eval()
+    ours = copy.deepcopy(float_model)
+    assert quantize_moe_experts(ours, dtype="int4", block_size=32, asymmetric=True) == [
+        "model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    stock = copy.deepcopy(float_model)
+    stock.config._experts_implementation = "eager"
+    for (_, e), (_, q) in zip(((n, m) for n, m in stock.named_modules() if n.endswith("experts")),
+                              ((n, m) for n, m in ours.named_modules() if n.endswith("experts"))):
+        assert e.gate_up_proj is not None and q.gate_up_proj is None and q.gate_up_proj_q.dtype == torch.uint8
+        for proj in ("gate_up_proj", "down_proj"):
+            W = gq.dequantize_experts(getattr(q, f"{proj}_q"), getattr(q, f"{proj}_scale"),
+                                      getattr(q, f"{proj}_zero_point"), transpose_rhs=True)
+            getattr(e, proj).data.copy_(W.float())
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    return float_model, stock, ours, ids
+
+
+def test_moe_quantized_experts_match_dequantized_mixtral():
+    """``quantize_moe_experts`` on a tiny HF Mixtral (:func:`_quantized_mixtral`): logits match the stock twin.
+    Tolerance: both float32 with different summation orders (and the zero-point row-sum split): 1e-4 of the
+    largest |logit|; rounding the weights to the int4 grid moves the logits by far more (the float model)."""
+    float_model, stock, ours, ids = _quantized_mixtral()
+    with torch.no_grad():
+        ref, out = stock(ids).logits, ours(ids).logits
+        tol = 1e-4 * ref.abs().max()
+        assert (out - ref).abs().max() <= tol
+        assert (float_model(ids).logits - ref).abs().max() > 10 * tol  # the quantization itself is visible
+    with pytest.raises(ArgumentError, match="already quantized"):
+        from tpukernels.integrations.moe import quantize_moe_experts
+
+        quantize_moe_experts(ours, dtype="int8")
+
+
+@pytest.mark.slow  # ~40 s on one core (two more kernel compiles and HF's eager backward)
+def test_moe_quantized_experts_gradients_match_dequantized_mixtral():
+    """Gradients of the non-expert parameters (through ``d_lhs`` of both projections) match the stock twin
+    within 1e-3 of the largest entry; the quantized experts hold no parameters (frozen buffers)."""
+    _, stock, ours, ids = _quantized_mixtral()
+    stock(ids).logits.square().mean().backward()
+    ours(ids).logits.square().mean().backward()
+    theirs = {n: p for n, p in stock.named_parameters() if "experts" not in n}
+    assert not [n for n, _ in ours.named_parameters() if "experts" in n]
+    for n, p in ours.named_parameters():
+        if theirs[n].grad is not None:
+            assert (p.grad - theirs[n].grad).abs().max() <= 1e-3 * theirs[n].grad.abs().max(), n

@@ -617,6 +617,11 @@ def quantize_experts(w: torch.Tensor, block_size: Optional[int] = None, dtype: s
     :func:`grouped_matmul_quantized` with the given ``transpose_rhs`` (``False``: ``rhs [G, K, N]``)."""
     from ..quantized_matmul.quantize import quantize_weight
 
+    if w.dim() != 3:
+        raise ArgumentError(f"quantize_experts: w must be 3-D [G, N, K], got {tuple(w.shape)}")
+    if block_size is not None and dtype not in ("int8", "int4", "fp4"):
+        raise DTypeError(f"quantize_experts: block scales take dtype int8, int4 or fp4, got {dtype!r} (fp8 weights: "
+                         f"per channel, block_size=None)")
     G, N, K = w.shape
     qs, ss, zs = [], [], []
     for g in range(G):
