@@ -66,7 +66,17 @@ every chip; fp8 weights need the target chip's MXU to take that fp8 dtype at all
 ``tpu_info.is_matmul_supported`` (:func:`~tpukernels.library.quantized_matmul.check_chip`): ChipError before any
 kernel runs (the target chip: the live TPU, ``tk.compile_for``'s, or ``TPUKERNELS_TARGET_CHIP`` on cpu).
 
-Performance: not measured, not tuned (no shipped table; :func:`heuristic_quant` / :func:`heuristic_quant_dx`).
+Performance: not measured on hardware and not tuned (no shipped table; :func:`heuristic_quant` /
+:func:`heuristic_quant_dx`). libtpu 0.0.52 static estimates (a MODEL, not measurements; one reduced problem of
+``tpukernels.bench.grouped_matmul``: v6e, Mixtral up projection at 2048 rows over 8 experts, one 2048-column
+output block, int8 experts with per-channel scales): ``bm, bk, bn = 256, 4096 (= K), 1024`` 87.2 µs, ``256,
+1024, 1024`` 123.6 µs, ``512, 4096, 2048`` 117.6 µs, against 37.3 µs of MXU roofline for the rows once. The static
+model reads the work-item table as zeros, so it charges all ``T = 15`` items for 8 row tiles (1.9x the ideal
+MXU work at this size; amortised at full size, 71 items for 64 tiles); the rest is the int8 -> bf16
+conversion of each ``[bn, K]`` weight tile, vector work per item. The int4 estimate (``bk = K``, 32 blocks of
+128 with zero points) exceeded 150 s and was abandoned: the per-block half-width dots (64-deep) and the unpack
+are the known cost of the blockwise kernels (:mod:`~tpukernels.library.quantized_matmul.blockwise`: the same
+unpack). All heuristic configs compile for v5e / v6e / tpu7x at Mixtral shapes (tests, aot).
 
 Source: tpu-inference 0.32.0 ``kernels/megablox/gmm.py`` (the ``rhs_scale [G, num_blocks, 1, n]`` layout and the
 per-quant-block dot then scale; read, not copied: it takes no zero points, no 4-bit packing and no transposed
@@ -425,8 +435,12 @@ def _ref_dx(group_sizes, group_offset, g, rhs, rhs_scale, rhs_zero_point=None, t
 
 def heuristic_quant(group_sizes, group_offset, lhs, rhs, rhs_scale, rhs_zero_point=None, transpose_rhs=False,
                     out_dtype=None, weight_format=None) -> dict:
-    """Not tuned: ``bm=256, bk=1024, bn=1024`` (bf16; float32 ``bn=512``): a few MiB of VMEM on every chip."""
-    return dict(bm=256, bk=1024, bn=512 if _dtype_name(lhs.dtype) == "float32" else 1024)
+    """Not tuned: ``bm=256, bn=1024`` and ``bk = K`` up to 4096 (one K step: consecutive tiles of a group keep
+    the expert's weight block resident, as the bf16 forward's heuristic; else 1024); float32 ``bn=512``. In
+    libtpu's static model (v6e, up projection at 2048 rows, one 2048-column block, int8 per channel) ``bk = K``
+    took 87.2 µs against 123.6 µs at ``bk=1024`` (module docstring)."""
+    K = lhs.shape[1]
+    return dict(bm=256, bk=4096 if K <= 4096 else 1024, bn=512 if _dtype_name(lhs.dtype) == "float32" else 1024)
 
 
 def heuristic_quant_dx(group_sizes, group_offset, g, rhs, rhs_scale, rhs_zero_point=None, transpose_rhs=False,
