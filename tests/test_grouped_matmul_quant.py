@@ -106,6 +106,19 @@ def test_quantized_experts_nan_poisoned_interpret(interpret):
     assert s.grad is None
 
 
+def test_native_fp8_feed_on_a_chip_that_takes_it(monkeypatch):
+    """With a target chip whose MXU takes ``(bfloat16, float8_e4m3fn)`` natively (tpu7x, jax's tpu_info), the fp8
+    tile is fed to the dot unconverted (``conv=None``): forward and ``d_lhs`` stay within the bounds (block scales,
+    ``[G, K, N]``)."""
+    monkeypatch.setenv("TPUKERNELS_TARGET_CHIP", "tpu7x")
+    from tpukernels.library.quantized_matmul.common import _native_fp8
+
+    assert _native_fp8("bfloat16", "float8_e4m3fn")
+    rhs, s, _ = _case("float8_e4m3fn", 64, 2, 136, 256, False, False, seed=9)
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    _check_fwd_bwd(x, rhs, torch.tensor([15, 20], dtype=torch.int32), s, None, False, "float8_e4m3fn")
+
+
 def _bad(match, exc=ArgumentError, **over):
     rhs, s, z = _case("int4", 64, 2, 128, 256, True, True, seed=0)
     args = dict(lhs=torch.zeros(8, 256, dtype=torch.bfloat16), rhs=rhs,
@@ -155,13 +168,12 @@ def test_zero_rows_and_padding_rule_without_kernel():
 @pytest.mark.aot
 @pytest.mark.parametrize("chip", ["v5e", "v6e", "tpu7x"])
 @pytest.mark.parametrize("kernel, args", [
-    # int4 with zero points, [G, N, K/2] (nibble halves sliced along lanes), Mixtral up projection, 2048 rows
-    ("grouped_matmul_quant_fwd", ("8:i32", "1:i32", "2048x4096:bf16", "8x14336x2048:u8", "8x32x1x14336:f32",
-                                  "8x32x1x14336:f32", True)),
-    # d_lhs of int4 [G, K/2, N] (halves sliced along sublanes of the unpacked int32 tile)
+    # d_lhs of int4 [G, K/2, N] (nibble halves sliced along sublanes of the unpacked int32 tile), Mixtral up
+    # projection's weights, 2048 rows (the forward's lane-sliced [G, N, K/2] unpack is the blockwise kernel's,
+    # compile-checked there; every format / layout / direction compiled on all three chips when written)
     ("grouped_matmul_quant_dx", ("8:i32", "1:i32", "2048x14336:bf16", "8x2048x14336:u8", "8x32x1x14336:f32", None,
                                  False)),
-], ids=["fwd-int4-zp", "dx-int4"])
+], ids=["dx-int4"])
 def test_compile_only_quantized_experts(chip, kernel, args):
     """Mosaic + XLA:TPU compile the heuristic blocks (libtpu compile-only; the scoped VMEM request covers them)."""
     import tpukernels as tk
