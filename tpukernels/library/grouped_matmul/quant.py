@@ -590,8 +590,6 @@ def grouped_matmul_quantized(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: 
                                 f"allows {rule}")
         if bs is not None and K_x < K_w:
             lhs = torch.nn.functional.pad(lhs, (0, K_w - K_x))  # zero columns meet the padded weight
-    else:
-        K_x = lhs.shape[1]
     M, K_w, N, G, bs, fmt, _ = quant_dims(group_sizes, go.reshape(1) if go.dim() == 0 else go, lhs, rhs, rhs_scale,
                                           rhs_zero_point, transpose_rhs, weight_format, where)
     if fmt.startswith("float8"):
