@@ -155,6 +155,27 @@ def test_bad_inputs_raise_typed_errors_naming_the_tensor(monkeypatch):
     _bad(r"float8_e4m3fn .* not supported on v5e", ChipError, rhs=f8, rhs_scale=s8, rhs_zero_point=None)
 
 
+def test_quantize_moe_experts_refuses_what_it_cannot_do():
+    """Typed errors before touching the model: 4-bit without a block size, a block size not dividing a projection's
+    K, block-scaled fp8 (the blockwise quantizer has no fp8 grid), a model without experts."""
+    pytest.importorskip("transformers")
+    from tpukernels.integrations.moe import quantize_moe_experts
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(vocab_size=32, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=2, num_experts_per_tok=1)
+    model = MixtralForCausalLM(cfg)
+    with pytest.raises(ArgumentError, match="int4 weights need a block_size"):
+        quantize_moe_experts(model, dtype="int4")
+    with pytest.raises(ArgumentError, match="gate_up_proj has K = 64 in-features, not a multiple of block_size = 128"):
+        quantize_moe_experts(model, dtype="int8", block_size=128)
+    with pytest.raises(DTypeError, match="block scales take dtype int8, int4 or fp4"):
+        quantize_moe_experts(model, dtype="float8_e4m3fn", block_size=32)
+    with pytest.raises(ArgumentError, match="no 3-D experts modules"):
+        quantize_moe_experts(torch.nn.Linear(4, 4))
+    assert isinstance(model.model.layers[0].mlp.experts.gate_up_proj, torch.nn.Parameter)  # untouched
+
+
 def test_zero_rows_and_padding_rule_without_kernel():
     """``M = 0`` returns ``[0, N]`` without a kernel; ``pack_int4_experts`` is ``pack_int4`` per expert in both
     layouts (the non-transposed one is its transpose)."""
@@ -244,3 +265,30 @@ def test_moe_quantized_experts_gradients_match_dequantized_mixtral():
     for n, p in ours.named_parameters():
         if theirs[n].grad is not None:
             assert (p.grad - theirs[n].grad).abs().max() <= 1e-3 * theirs[n].grad.abs().max(), n
+
+
+@pytest.mark.slow  # importing tpu-inference takes ~13 s
+@pytest.mark.parametrize("nb", [1, 2], ids=["per-channel", "block-64"])
+def test_same_layout_and_values_as_tpu_inference_gmm(nb):
+    """The public anchor: tpu-inference 0.32.0's megablox ``gmm`` (interpret mode) takes the same ``rhs [G, K, N]``
+    int8 experts and ``rhs_scale [G, num_blocks, 1, N]`` unchanged, and both results lie within this module's
+    forward bound of the float64 reference (float32 outputs, so the bound is sharp)."""
+    pytest.importorskip("tpu_inference")
+    import jax.numpy as jnp
+    import numpy as np
+    from tpu_inference.kernels.megablox.gmm import gmm
+
+    G, N, K = 3, 256, 128
+    rhs, s, _ = _case("int8", None if nb == 1 else K // nb, G, N, K, False, False, seed=11)
+    assert tuple(s.shape) == (G, nb, 1, N)
+    x = torch.randn(48, K, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    gs = torch.tensor([13, 0, 30], dtype=torch.int32)
+    ours = gq.grouped_matmul_quantized(x, rhs, gs, s, config=CFG, out_dtype=torch.float32)
+    theirs = gmm(jnp.asarray(x.float().numpy()).astype(jnp.bfloat16), jnp.asarray(rhs.numpy()),
+                 jnp.asarray(gs.numpy()), preferred_element_type=jnp.float32, rhs_scale=jnp.asarray(s.numpy()),
+                 tiling=(16, 128, 128), interpret=True)
+    theirs = torch.from_numpy(np.array(theirs)[:43]).double()  # rows past sum(group_sizes): not written there
+    ref = gq.reference_quantized(x, rhs, gs, s)
+    bound = gq.error_bound_quantized(x, rhs, gs, s, out_dtype=torch.float32)
+    assert ((ours.double() - ref).abs() <= bound).all()
+    assert ((theirs - ref[:43]).abs() <= bound[:43]).all()

@@ -161,7 +161,7 @@ def quantize_moe_experts(model: torch.nn.Module, *, dtype: str = "int8", block_s
 
     if dtype in ("int4", "fp4") and block_size is None:
         raise ArgumentError(f"quantize_moe_experts: {dtype} weights need a block_size (block scales along K)")
-    names = []
+    found = []
     for name, module in model.named_modules():
         if not _is_experts(module):
             continue
@@ -171,18 +171,29 @@ def quantize_moe_experts(model: torch.nn.Module, *, dtype: str = "int8", block_s
         if why:
             raise ArgumentError(f"quantize_moe_experts: {name} ({type(module).__name__}) has {why}, not supported")
         for proj in ("gate_up_proj", "down_proj"):
+            K = getattr(module, proj).shape[2]
+            if block_size is not None and K % block_size:
+                raise ArgumentError(f"quantize_moe_experts: {name}.{proj} has K = {K} in-features, not a multiple "
+                                    f"of block_size = {block_size}")
+        found.append((name, module))
+    # quantize everything first, then swap: an error (e.g. from the quantizers) leaves the model unchanged
+    done = []
+    for name, module in found:
+        qs = {}
+        for proj in ("gate_up_proj", "down_proj"):
             w = getattr(module, proj).detach()
-            if block_size is not None and w.shape[2] % block_size:
-                raise ArgumentError(f"quantize_moe_experts: {name}.{proj} has K = {w.shape[2]} in-features, not a "
-                                    f"multiple of block_size = {block_size}")
-            rhs, s, z = quantize_experts(w.float(), block_size, dtype, asymmetric=asymmetric, transpose_rhs=True)
+            qs[proj] = [t if t is None else t.to(w.device) for t in
+                        quantize_experts(w.float(), block_size, dtype, asymmetric=asymmetric, transpose_rhs=True)]
+        done.append((module, qs))
+    names = [n for n, _ in found]
+    for module, qs in done:
+        for proj, (rhs, s, z) in qs.items():
             del module._parameters[proj]
             module.register_parameter(proj, None)
-            module.register_buffer(f"{proj}_q", rhs.to(w.device))
-            module.register_buffer(f"{proj}_scale", s.to(w.device))
-            module.register_buffer(f"{proj}_zero_point", None if z is None else z.to(w.device))
+            module.register_buffer(f"{proj}_q", rhs)
+            module.register_buffer(f"{proj}_scale", s)
+            module.register_buffer(f"{proj}_zero_point", z)
         module.tpukernels_weight_format = "fp4" if dtype == "fp4" else None
-        names.append(name)
     if not names:
         raise ArgumentError("quantize_moe_experts: the model has no 3-D experts modules (gate_up_proj [E, 2I, H])")
     apply_tpukernels_moe(model)
