@@ -56,6 +56,18 @@ tpu7x (86 MiB of 64 at its 36 MiB config). Our tgmm used to time out (> 300 s pe
 while its all-zero work-item table read as every item being its group's first and last (a d_W-block zero-fill
 and store per step); with only ``COMPUTE`` stored complemented a reduced estimate takes ~15-30 s.
 
+**Quantized experts** (``grouped_matmul_quantized``, kernel ``grouped_matmul_quant_fwd``; :data:`QUANT_CASES`): the
+up projection with int8 experts and per-channel scales (w8a16) and with int4 experts, 128-column block scales
+and zero points (w4a16), HF's ``[G, N, K]`` layout; ours only (tpu-inference's megablox ``gmm``, which takes
+8-bit ``[G, K, N]`` experts with ``rhs_scale``, is not estimated here; the bf16 rows above are the unquantized
+comparison), fitted from the same reduced problems (rhs and scales cut to the reduced output columns), bytes
+with 1-byte (int8) or half-byte (int4) weights plus the f32 scales. These rows were added without being
+estimated in full here: one reduced problem of the int8 row on v6e took 87.2 µs of cycles against 37.3 µs of
+MXU roofline (the quantized module's docstring), the int4 one more than 150 s (stopped; not attempted by the
+bench, ``QUANT_NOT_ESTIMABLE``: its row is the roofline floor). The kernel compiles for
+v5e / v6e / tpu7x at this shape (``tests/test_grouped_matmul_quant.py``, aot); the figures come from the next
+``tpukernels bench --family grouped_matmul`` run.
+
 Group sizes do not enter the model: every program is estimated statically, ours at its static bound of
 ``ceil(M / bm) + G - 1`` work items all computing (an upper bound; real runs skip padding items), megablox
 at ``tiles_m + G - 1``. What the data changes is in each tpukernels row's ``reason`` (:func:`data_cost`:
@@ -275,9 +287,27 @@ def _blocks(M, K, N, tgmm: bool, cols: int = N_EST, kdim: int = K_EST_TGMM) -> i
     return nb * -(-K // min(K, kdim)) if tgmm else nb
 
 
-def _ours(kernel, args, kwargs, roofline_us, chip: str) -> Impl:
+def _reduced_quant_args(args, kwargs, rows: int, blocks: int, cols: int = N_EST, kdim: int = K_EST_TGMM):
+    """:func:`_reduced_args` of a quantized-expert case (``gs, go, lhs, rhs, rhs_scale, rhs_zero_point``): ``rhs``,
+    ``rhs_scale`` and ``rhs_zero_point`` cut to ``blocks`` reduced output blocks of ``cols`` columns."""
+    a = list(args)
+    tr = bool(kwargs.get("transpose_rhs"))
+    _, K = _shape(a[2])
+    G, d1, d2 = _shape(a[3])
+    n = min(d1 if tr else d2, cols) * blocks
+    wdt = a[3].split(":")[1]
+    a[2] = f"{rows}x{K}:bf16"
+    a[3] = f"{G}x{n}x{d2}:{wdt}" if tr else f"{G}x{d1}x{n}:{wdt}"
+    nb = _shape(a[4])[1]
+    a[4] = f"{G}x{nb}x1x{n}:f32"
+    if len(a) > 5 and a[5] is not None:
+        a[5] = a[4]
+    return tuple(a)
+
+
+def _ours(kernel, args, kwargs, roofline_us, chip: str, reduce=None, skip: str | None = None) -> Impl:
     """Ours on ``chip`` at the config a full-size call gets there (known before estimating, so a row whose
-    estimate fails still names it)."""
+    estimate fails still names it). ``reduce``: the reduced-problem builder (default :func:`_reduced_args`)."""
     gm = _gm()
     tgmm = kernel is gm.grouped_matmul_tgmm
     (M, K) = _shape(args[2])
@@ -290,8 +320,9 @@ def _ours(kernel, args, kwargs, roofline_us, chip: str) -> Impl:
     kdim = max(K_EST_TGMM, min(K, int(cfg.get("bk", K_EST_TGMM)))) if tgmm else K_EST_TGMM
 
     def program(chip, rows, blocks):
-        return _ours_split(kernel, _reduced_args(kernel, args, kwargs, rows, blocks, cols, kdim), kwargs,
-                           state[chip], chip)[0]
+        small = (reduce(args, kwargs, rows, blocks, cols, kdim) if reduce else
+                 _reduced_args(kernel, args, kwargs, rows, blocks, cols, kdim))
+        return _ours_split(kernel, small, kwargs, state[chip], chip)[0]
 
     def meta(chip):
         return _ours_split(kernel, args, kwargs, state[chip], chip)[1]
@@ -299,9 +330,9 @@ def _ours(kernel, args, kwargs, roofline_us, chip: str) -> Impl:
     fit = _Fitted(program, meta, M, _blocks(M, K, N, tgmm, cols, kdim))
 
     def cycles(est, chip):
-        skip = NOT_ESTIMABLE.get((kernel.name, chip))
-        if skip:
-            raise EstimateError(f"not attempted: {skip}")
+        why = skip or NOT_ESTIMABLE.get((kernel.name, chip))
+        if why:
+            raise EstimateError(f"not attempted: {why}")
         return fit.cycles(est, chip), dict(cfg, source=source)
 
     return Impl("tpukernels", "ours", cycles, config=dict(cfg, source=source), floor_us=fit.floor_us(roofline_us))
@@ -441,6 +472,48 @@ def cases(chips) -> list[Case]:
         for chip in chips:
             out.append(Case(FAMILY, op, shape, chip, hbm_bytes=hbm, flops=flops,
                             impls=[_ours(kernel, args, kwargs, roofline_us, chip), *others]))
+    return out + quant_cases(chips)
+
+
+_R = 16384
+#: quantized-expert rows (module docstring): (op, kernel args, weight bytes per element), Mixtral up projection
+QUANT_CASES = [
+    ("gmm w8a16 int8 x @ W[g].T, per-channel scales",
+     ("8:i32", "1:i32", f"{_R}x4096:bf16", "8x14336x4096:i8", "8x1x1x14336:f32", None), 1.0),
+    ("gmm w4a16 int4 x @ W[g].T, block 128 + zero points",
+     ("8:i32", "1:i32", f"{_R}x4096:bf16", "8x14336x2048:u8", "8x32x1x14336:f32", "8x32x1x14336:f32"), 0.5),
+]
+#: quantized rows whose estimate is not attempted (op -> why; timeouts are not cached, so each run would spend them)
+QUANT_NOT_ESTIMABLE = {
+    QUANT_CASES[1][0]: ("libtpu 0.0.52's static estimate of one reduced problem (2048 rows, one 2048-column block, "
+                        "bm=256, bk=4096, bn=1024) exceeded 150 s on v6e (tried 2026-12-03): the per-block int4 "
+                        "unpack and half-width dots; the figure is the roofline floor"),
+}
+
+
+def quant_cases(chips) -> list[Case]:
+    """The :data:`QUANT_CASES` rows on ``chips`` (ours only, fitted from reduced problems)."""
+    from ..perf import model_time
+
+    _gm()  # registers the library
+    kernel = importlib.import_module("tpukernels.library.grouped_matmul.quant").grouped_matmul_quant_fwd
+    kwargs = {"transpose_rhs": True}
+    out = []
+    for op, args, wb in QUANT_CASES:
+        G, nb = _shape(args[4])[0], _shape(args[4])[1]
+        M, K = _shape(args[2])
+        N = _shape(args[3])[1]
+        shape = f"{M}x{K} @ ({G}x{N}x{K}).T"
+        scales = G * nb * N * 4 * (1 + (args[5] is not None))
+        hbm, flops = int(M * K * 2 + G * K * N * wb + scales + M * N * 2), 2 * M * K * N
+
+        def roofline_us(chip, hbm=hbm, flops=flops):
+            return model_time(chip, None, hbm, flops, "bfloat16").roofline_us
+
+        for chip in chips:
+            out.append(Case(FAMILY, op, shape, chip, hbm_bytes=hbm, flops=flops,
+                            impls=[_ours(kernel, args, kwargs, roofline_us, chip, reduce=_reduced_quant_args,
+                                         skip=QUANT_NOT_ESTIMABLE.get(op))]))
     return out
 
 
@@ -507,8 +580,8 @@ def reason(row: dict) -> str | None:
     if row.get("kind") != "ours":
         return None
     parts = [REASONS.get((row["chip"], row["op"], row["shape"]))]
-    if row.get("model_us") is not None:
-        parts.append(_analytic(row))
+    if row.get("model_us") is not None and not any(q in row["op"] for q in ("w8a16", "w4a16")):
+        parts.append(_analytic(row))  # the bf16 kernels' schedule model (quantized rows: bytes differ)
     return ". ".join(p for p in parts if p) or None
 
 

@@ -20,6 +20,16 @@ The same computation as HF's eager loop over experts (each token's top-k expert 
 summed), in one grouped matmul per projection; differentiable (the kernel's backward). Supported:
 gated, concatenated, non-transposed, bias-free experts without expert parallelism (Mixtral, Qwen2/3-MoE
 experts); others raise :class:`tpukernels.errors.ArgumentError` naming the unsupported feature.
+
+Quantized experts (:func:`quantize_moe_experts`): each experts module's ``gate_up_proj`` / ``down_proj`` is
+quantized once with this library's quantizers
+(:func:`tpukernels.library.grouped_matmul.quant.quantize_experts`: int8 / fp8 per output channel, or int8 / int4
+(optionally asymmetric) / fp4 with block scales along K), stored as buffers ``<name>_q`` (``[E, N, K]``, or
+``[E, N, K/2]`` uint8 for 4-bit), ``<name>_scale`` (``[E, num_blocks, 1, N]`` float32) and ``<name>_zero_point``,
+and the float parameters are dropped (set to ``None``). The forward then runs both projections through
+:func:`~tpukernels.library.grouped_matmul.quant.grouped_matmul_quantized` (dequantized in VMEM), in the
+activations' dtype (bf16 / f32; other dtypes go through f32); differentiable with respect to the activations, the
+experts frozen (their buffers get no gradient).
 """
 
 from __future__ import annotations
@@ -29,6 +39,17 @@ import torch
 from ..errors import ArgumentError
 
 IMPLEMENTATION = "tpukernels"
+
+
+def _quantized(module) -> bool:
+    return getattr(module, "gate_up_proj_q", None) is not None
+
+
+def _is_experts(module) -> bool:
+    """An HF experts module: 3-D ``gate_up_proj`` (a parameter, or quantized buffers) and a config."""
+    w = getattr(module, "gate_up_proj_q", None) if _quantized(module) else getattr(module, "gate_up_proj", None)
+    ok = isinstance(w, torch.nn.Parameter) or (_quantized(module) and isinstance(w, torch.Tensor))
+    return ok and w.dim() == 3 and hasattr(module, "config")
 
 
 def _unsupported(module) -> str | None:
@@ -52,6 +73,7 @@ def tpukernels_experts_forward(self, hidden_states: torch.Tensor, top_k_index: t
     """HF experts forward (``hidden_states [T, H]``, ``top_k_index [T, k]``, ``top_k_weights [T, k]``) ->
     ``[T, H]`` through two grouped matmuls (module docstring)."""
     from ..library.grouped_matmul import grouped_matmul
+    from ..library.grouped_matmul.quant import grouped_matmul_quantized
 
     why = _unsupported(self)
     if why:
@@ -64,10 +86,23 @@ def tpukernels_experts_forward(self, hidden_states: torch.Tensor, top_k_index: t
     sizes = torch.zeros(self.num_experts, dtype=torch.int32, device=expert_ids.device).scatter_add_(
         0, expert_ids, torch.ones_like(expert_ids, dtype=torch.int32))
     x = hidden_states[token]
-    gate_up = grouped_matmul(x, self.gate_up_proj, sizes, transpose_rhs=True)
+    if _quantized(self):
+        cdt = hidden_states.dtype if hidden_states.dtype in (torch.bfloat16, torch.float32) else torch.float32
+        x = x.to(cdt)
+
+        def mm(a, name):
+            return grouped_matmul_quantized(
+                a.to(cdt), getattr(self, f"{name}_q"), sizes, getattr(self, f"{name}_scale"),
+                rhs_zero_point=getattr(self, f"{name}_zero_point", None), transpose_rhs=True,
+                weight_format=getattr(self, "tpukernels_weight_format", None))
+    else:
+        def mm(a, name):
+            w = getattr(self, name)
+            return grouped_matmul(a.to(w.dtype), w, sizes, transpose_rhs=True)
+    gate_up = mm(x, "gate_up_proj")
     h = self._apply_gate(gate_up) if hasattr(self, "_apply_gate") else (
         self.act_fn(gate_up.chunk(2, dim=-1)[0]) * gate_up.chunk(2, dim=-1)[1])
-    y = grouped_matmul(h.to(self.down_proj.dtype), self.down_proj, sizes, transpose_rhs=True)
+    y = mm(h, "down_proj")
     y = y * top_k_weights.reshape(-1)[order, None].to(y.dtype)
     return torch.zeros_like(hidden_states).index_add_(0, token, y.to(hidden_states.dtype))
 
@@ -92,8 +127,7 @@ def apply_tpukernels_moe(model: torch.nn.Module) -> list[str]:
     register()
     patched = []
     for name, module in model.named_modules():
-        if not (isinstance(getattr(module, "gate_up_proj", None), torch.nn.Parameter)
-                and getattr(module, "gate_up_proj").dim() == 3 and hasattr(module, "config")):
+        if not _is_experts(module):
             continue
         why = _unsupported(module)
         if why:
@@ -105,4 +139,65 @@ def apply_tpukernels_moe(model: torch.nn.Module) -> list[str]:
     return patched
 
 
-__all__ = ["apply_tpukernels_moe", "tpukernels_experts_forward", "register", "IMPLEMENTATION"]
+def quantize_moe_experts(model: torch.nn.Module, *, dtype: str = "int8", block_size: int | None = None,
+                         asymmetric: bool = False) -> list[str]:
+    """Quantize every supported experts module's weights in place and route it through
+    ``grouped_matmul_quantized`` (module docstring); returns the patched module names.
+
+    Args:
+        model: an HF MoE model (experts with ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``).
+        dtype: ``"int8"``, ``"float8_e4m3fn"`` / ``"float8_e5m2"`` (per channel only), ``"int4"`` or ``"fp4"``
+            (block scales only).
+        block_size: None: one scale per (expert, output channel); else block scales along K (a multiple of 32 in
+            32..512 dividing both ``H`` and ``I``).
+        asymmetric: int4 with zero points (GPTQ / AWQ style min-max).
+
+    Raises:
+        ArgumentError: no experts modules, an unsupported feature (as :func:`apply_tpukernels_moe`), a block
+            size that does not divide a projection's K, a 4-bit dtype without ``block_size``, already quantized.
+        DTypeError: an unknown ``dtype`` (from the quantizers).
+    """
+    from ..library.grouped_matmul.quant import quantize_experts
+
+    if dtype in ("int4", "fp4") and block_size is None:
+        raise ArgumentError(f"quantize_moe_experts: {dtype} weights need a block_size (block scales along K)")
+    found = []
+    for name, module in model.named_modules():
+        if not _is_experts(module):
+            continue
+        if _quantized(module):
+            raise ArgumentError(f"quantize_moe_experts: {name} is already quantized")
+        why = _unsupported(module)
+        if why:
+            raise ArgumentError(f"quantize_moe_experts: {name} ({type(module).__name__}) has {why}, not supported")
+        for proj in ("gate_up_proj", "down_proj"):
+            K = getattr(module, proj).shape[2]
+            if block_size is not None and K % block_size:
+                raise ArgumentError(f"quantize_moe_experts: {name}.{proj} has K = {K} in-features, not a multiple "
+                                    f"of block_size = {block_size}")
+        found.append((name, module))
+    # quantize everything first, then swap: an error (e.g. from the quantizers) leaves the model unchanged
+    done = []
+    for name, module in found:
+        qs = {}
+        for proj in ("gate_up_proj", "down_proj"):
+            w = getattr(module, proj).detach()
+            qs[proj] = [t if t is None else t.to(w.device) for t in
+                        quantize_experts(w.float(), block_size, dtype, asymmetric=asymmetric, transpose_rhs=True)]
+        done.append((module, qs))
+    names = [n for n, _ in found]
+    for module, qs in done:
+        for proj, (rhs, s, z) in qs.items():
+            del module._parameters[proj]
+            module.register_parameter(proj, None)
+            module.register_buffer(f"{proj}_q", rhs)
+            module.register_buffer(f"{proj}_scale", s)
+            module.register_buffer(f"{proj}_zero_point", z)
+        module.tpukernels_weight_format = "fp4" if dtype == "fp4" else None
+    if not names:
+        raise ArgumentError("quantize_moe_experts: the model has no 3-D experts modules (gate_up_proj [E, 2I, H])")
+    apply_tpukernels_moe(model)
+    return names
+
+
+__all__ = ["apply_tpukernels_moe", "quantize_moe_experts", "tpukernels_experts_forward", "register", "IMPLEMENTATION"]

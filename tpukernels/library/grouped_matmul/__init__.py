@@ -168,7 +168,10 @@ Package layout (every name above, and the schedule constants the tests and studi
 work-item table: fields, flag bits, group bounds, the forward and tgmm schedules), :mod:`.kernels` (tunables,
 the kernel bodies and their argument checks, the launches ``grouped_matmul_fwd`` / ``grouped_matmul_tgmm``,
 heuristics, the autograd wiring), :mod:`.reference` (float64 and jax references), :mod:`.public` (the op
-``grouped_matmul``, its ``torch.library`` registration, ``STANDARD_CASES``, ``skewed_group_sizes``). Kernel
+``grouped_matmul``, its ``torch.library`` registration, ``STANDARD_CASES``, ``skewed_group_sizes``), :mod:`.quant`
+(quantized experts: ``grouped_matmul_quantized`` with int8 / fp8 / int4 / fp4 weights and per-channel or block
+scales in tpu-inference's ``rhs_scale [G, num_blocks, 1, N]`` layout, dequantized in VMEM by its own kernels
+``grouped_matmul_quant_fwd`` / ``grouped_matmul_quant_dx``; layout, error bounds and gradients in its docstring). Kernel
 bodies and launch functions are kept verbatim across moves: the tuning database keys entries by a hash of
 their source text.
 """
@@ -185,6 +188,13 @@ from .kernels import (TUNABLES, TUNABLES_TGMM, _check_meta, _fwd_backward, _gmm_
                       grouped_matmul_tgmm, heuristic, heuristic_tgmm, tgmm_dims)
 from .public import (MIXTRAL, STANDARD_CASES, _check_public, _grouped_matmul_impl, _is_tracing,  # noqa: F401
                      grouped_matmul, skewed_group_sizes)
+from .quant import (TUNABLES_QUANT, TUNABLES_QUANT_DX, dequantize_experts, error_bound_quantized,  # noqa: F401
+                    error_bound_quantized_dx, grouped_matmul_quant_dx, grouped_matmul_quant_fwd,
+                    grouped_matmul_quantized, heuristic_quant, heuristic_quant_dx, pack_int4_experts, quant_dims,
+                    quantize_experts, reference_quantized, reference_quantized_dx)
 
 __all__ = ["grouped_matmul", "grouped_matmul_fwd", "grouped_matmul_tgmm", "reference", "reference_tgmm",
-           "heuristic", "heuristic_tgmm", "skewed_group_sizes", "STANDARD_CASES", "MIXTRAL"]
+           "heuristic", "heuristic_tgmm", "skewed_group_sizes", "STANDARD_CASES", "MIXTRAL",
+           "grouped_matmul_quantized", "grouped_matmul_quant_fwd", "grouped_matmul_quant_dx", "quantize_experts",
+           "pack_int4_experts", "dequantize_experts", "reference_quantized", "error_bound_quantized",
+           "reference_quantized_dx", "error_bound_quantized_dx"]

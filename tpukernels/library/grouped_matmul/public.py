@@ -33,7 +33,14 @@ def _check_public(lhs, rhs, group_sizes, transpose_rhs, group_offset, out_dtype)
     if group_offset is None and Gt != G:
         raise ArgumentError(f"{where}: rhs has {G} groups but group_sizes has {Gt}; pass group_offset for a shard")
     canonical_out_dtype(out_dtype, where)
-    # value checks: only where the values are on the host and concrete (module docstring)
+    _check_values(group_sizes, go, M, G, where)
+    return go.reshape(1)
+
+
+def _check_values(group_sizes, go, M: int, G: int, where: str) -> None:
+    """Value checks of the group metadata, only where the values are on the host and concrete (package
+    docstring): no negative size, ``sum(group_sizes) <= M``, ``0 <= group_offset <= G_total - G``."""
+    Gt = group_sizes.shape[0]
     if group_sizes.device.type == "cpu" and not _is_tracing(group_sizes):
         sizes = group_sizes.numpy()
         if (sizes < 0).any():
@@ -47,7 +54,6 @@ def _check_public(lhs, rhs, group_sizes, transpose_rhs, group_offset, out_dtype)
         if not 0 <= off <= Gt - G:
             raise ArgumentError(f"{where}: group_offset {off} must be in [0, len(group_sizes) - rhs.shape[0]] = "
                                 f"[0, {Gt - G}]")
-    return go.reshape(1)
 
 
 def _grouped_matmul_impl(lhs, rhs, group_sizes, transpose_rhs=False, group_offset=None, out_dtype=None, config=None):
