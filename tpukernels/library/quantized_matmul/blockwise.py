@@ -471,20 +471,27 @@ def quantized_matmul_blockwise_kernel(x: torch.Tensor, w_q: torch.Tensor, w_scal
 # ----------------------------------------------------------------------------------------------- public
 def quantized_matmul_blockwise(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, *, block_size: int,
                                w_zero_point: Optional[torch.Tensor] = None, out_dtype=None,
-                               config: Optional[dict] = None, weight_format: Optional[str] = None) -> torch.Tensor:
+                               config: Optional[dict] = None, weight_format: Optional[str] = None,
+                               x_quant: Optional[str] = None) -> torch.Tensor:
     """``x @ W^T`` with sub-channel (block-wise along K) quantized weights ``W`` (module docstring: layout,
     padding rule, error bound).
 
     Args:
         x: ``[..., K_x]`` bfloat16 / float32 activations, ``K_w - block_size < K_x <= K_w``.
         w_q: ``[N, K_w]`` int8 / float8_e4m3fn / float8_e5m2, or ``[N, K_w / 2]`` uint8 (int4, :func:`pack_int4`).
-        w_scale: ``[K_w / block_size, 1, N]`` float32 (tpu-inference's block-wise layout).
+        w_scale: ``[K_w / block_size, 1, N]`` float32 (tpu-inference's block-wise layout), or 2-D
+            ``[ceil(N / block_size), K_w / block_size]``: square ``block_size x block_size`` blocks (DeepSeek-V3's
+            ``weight_scale_inv``), expanded along N by :func:`~.blockwise_a8.expand_block_scale` before the kernel.
         block_size: group size along K, a multiple of 32 in 32..512.
         w_zero_point: int4 only: ``[K_w / block_size, 1, N]`` float32 zero points (grid units); None: symmetric.
         out_dtype: ``"bfloat16"`` / ``"float32"`` (or torch dtype); default ``x.dtype``.
         config: explicit ``{"bm", "bk", "bn"}`` (``bk`` an upper bound, see :func:`k_block`).
         weight_format: for a uint8 ``w_q``: ``"int4"`` (default) or ``"fp4"`` (e2m1 codes, same packing, no zero
             points; ``W = e2m1(code) * s``); must match ``w_q``'s dtype otherwise.
+        x_quant: None (weights dequantized in VMEM, ``x`` as is), ``"fp8"`` (``x`` quantized per token per
+            ``1 x block_size`` block to ``w_q``'s fp8 dtype, fp8 x fp8 on the MXU: DeepSeek-V3's scheme) or
+            ``"int8"`` (the same to int8 with int8 or int4 weights: w8a8 / w4a8, int32 group sums);
+            :mod:`.blockwise_a8` has the formulas and the error bound. No gradient with ``x_quant``.
 
     Returns:
         ``[..., N]`` in ``out_dtype``. Differentiable in ``x`` (QLoRA-style: the weight side is frozen, its
@@ -495,10 +502,11 @@ def quantized_matmul_blockwise(x: torch.Tensor, w_q: torch.Tensor, w_scale: torc
             fp8) or its packed width not a multiple of ``block_size / 2`` (int4); ``x``'s K outside the padding
             rule; ``w_scale`` / ``w_zero_point`` shapes; zero points with 8-bit weights.
         DTypeError: dtypes (``w_q``, ``x``, ``w_scale`` / ``w_zero_point`` not float32, ``out_dtype``).
-        DeviceError: operands on different devices. ChipError: fp8 weights the target chip cannot take.
+        DeviceError: operands on different devices. ChipError: fp8 weights the target chip cannot take; an
+            ``x_quant`` pair its MXU does not multiply natively (names the chip and the modes it supports).
     """
     from ...errors import DeviceError
-    from .public import _canon_out
+    from .public import _QuantizedInputHasNoGradient, _canon_out, _canon_x_quant
 
     where = "tpukernels::quantized_matmul_blockwise"
     ts = [(x, "x"), (w_q, "w_q"), (w_scale, "w_scale")] + ([(w_zero_point, "w_zero_point")]
@@ -511,10 +519,19 @@ def quantized_matmul_blockwise(x: torch.Tensor, w_q: torch.Tensor, w_scale: torc
     if x.dim() < 1:
         raise ArgumentError(f"{where}: x must have rank >= 1 ([..., K]), got a scalar")
     odt = _canon_out(out_dtype)
+    _canon_x_quant(x_quant)
     if w_q.dim() != 2:
         raise ArgumentError(f"{where}: w_q must be 2-D, got shape {tuple(w_q.shape)}")
     fmt = resolve_format(w_q, where, weight_format)
     K_w = w_q.shape[1] * (2 if fmt in PACKED else 1)
+    if w_scale.dim() == 2 and isinstance(block_size, int) and block_size in BLOCK_SIZES:
+        from .blockwise_a8 import expand_block_scale
+
+        if w_scale.shape[1] != K_w // block_size:
+            raise ArgumentError(f"{where}: w_scale (square blocks, 2-D) must have shape (ceil(N / block_size), "
+                                f"K_w / block_size) = ({-(-w_q.shape[0] // block_size)}, {K_w // block_size}), got "
+                                f"{tuple(w_scale.shape)}")
+        w_scale = expand_block_scale(w_scale, w_q.shape[0], block_size)
     K_x = x.shape[-1]
     if isinstance(block_size, int) and block_size in BLOCK_SIZES and not (K_w - block_size < K_x <= K_w):
         raise ArgumentError(f"{where}: x has K = {K_x} columns but w_q holds K_w = {K_w} (block_size {block_size}): "
@@ -529,6 +546,15 @@ def quantized_matmul_blockwise(x: torch.Tensor, w_q: torch.Tensor, w_scale: torc
         # an empty product (no kernel); a linear with an empty operand keeps autograd's graph (d_x = 0)
         y = torch.nn.functional.linear(x2, x2.new_zeros(w_q.shape[0], K_w))
         return y.to(getattr(torch, odt or _name(x.dtype))).reshape(*lead, w_q.shape[0])
+    if x_quant is not None:
+        from .blockwise_a8 import quantized_matmul_blockwise_a8
+
+        # rounding x has no gradient: the forward runs (inference without no_grad), a backward raises
+        guard = x.requires_grad and torch.is_grad_enabled()
+        _problem(x2, w_q, w_scale, w_zero_point, block_size, where, weight_format)
+        y = quantized_matmul_blockwise_a8(x2.detach() if guard else x2, w_q, w_scale, w_zero_point, int(block_size),
+                                          fmt, x_quant, odt or _name(x.dtype), config).reshape(*lead, w_q.shape[0])
+        return _QuantizedInputHasNoGradient.apply(x, y, x_quant) if guard else y
     kw = {} if config is None else dict(config=config)
     y = quantized_matmul_blockwise_kernel(x2, w_q, w_scale, w_zero_point, int(block_size), kout,
                                           None if fmt == "int4" or fmt not in PACKED else fmt, **kw)
