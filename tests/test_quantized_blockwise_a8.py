@@ -92,8 +92,9 @@ def test_quantize_kernel_matches_reference(dtype):
 
 
 def test_a8_interpret_modes(interpret):
-    """Several K steps (int4 bk=256 of bs=128, two K steps: the dynamic lane pick of x_scale's column), N and M tails, f32 output; "tpu" mode poisons
-    the padding of partial blocks (and of x_scale's block rows past M) with NaN: results stay within the bound."""
+    """Two K steps (int4, bk=256 of bs=128: the dynamic lane pick of x_scale's column), N and M tails, f32 output;
+    "tpu" mode poisons the padding of partial blocks (and of x_scale's block rows past M) with NaN: results stay
+    within the bound."""
     q, s, z = _weights(136, 4, 128, "int4", True, seed=5)
     x = torch.randn(2, 20, 4 * 128, generator=torch.Generator().manual_seed(2)).bfloat16()
     y = qmm.quantized_matmul_blockwise(x, q, s, block_size=128, w_zero_point=z, out_dtype="float32",
@@ -117,7 +118,8 @@ def test_square_block_scales_deepseek_layout():
     y3 = qmm.quantized_matmul_blockwise(x, w_q, s3, block_size=128, x_quant="fp8")
     assert torch.equal(y2, y3)
     _check(y2, x, w_q, s3, 128, None, "float8_e4m3fn")
-    with pytest.raises(ArgumentError, match=r"w_scale \(square blocks, 2-D\) must have shape .* = \(2, 2\), got \(2, 1\)"):
+    with pytest.raises(ArgumentError, match=r"w_scale \(square blocks, 2-D\) must have shape .* = \(2, 2\), got "
+                                            r"\(2, 1\)"):
         qmm.quantized_matmul_blockwise(x, w_q, inv[:, :1], block_size=128, x_quant="fp8")
     with pytest.raises(ArgumentError, match=r"w_scale \(square 128x128 blocks\) has 1 rows"):
         qmm.quantized_matmul_blockwise(x, w_q, inv[:1], block_size=128, x_quant="fp8")
