@@ -83,7 +83,10 @@ of its bytes), tpu7x 64.0 µs (13% of 8.6 µs), v5e 94.4 µs. Levers, v6e unless
   so a cost probe only): 33.3 µs on v6e (58%), 25.8 µs on tpu7x (33%). Using it needs the nibbles packed along
   N (output rows) so that the bitcast rows come out in order: a weight format change, not done.
 
-So the issue's target (>= 85% of the HBM roofline on v6e and tpu7x) is not met: v6e 35%, tpu7x 22%. On tpu7x
+At 64 tokens (``64x4096 @ (14336x4096)^T``; bench rows) the decode form is past its row limit and the kernel is
+74.3 µs on v6e (28%: the bf16 matmul's 73.0) and 56.4 µs on tpu7x (16%; the bf16 matmul 34.2): no gain over bf16
+weights there yet (the form with ``bk=512``, 256 rows: v6e 75.2, tpu7x 59.4 µs).
+So the issue's target (>= 85% of the HBM roofline on v6e and tpu7x) is not met: v6e 35%, tpu7x 22% at 16 tokens. On tpu7x
 no bf16-fed form can meet it (its MXU takes ~22 µs to ingest these 58.7M weights as bf16, the w8a16 analysis in
 the package docstring); it needs the weights fed as fp8 (native bf16 x fp8), which libtpu 0.0.52 cannot estimate.
 
