@@ -325,3 +325,39 @@ def reason(row: dict) -> str | None:
     if row["op"].startswith("fp8 block"):
         return _FP8_BLOCK
     return REASONS.get((row["chip"], row["op"], row["shape"]))
+
+
+def merge_rows(prefixes, chips, results_dir: str = "benchmarks/results", log=print) -> int:
+    """Estimate only the cases whose op starts with one of ``prefixes`` and merge their rows into
+    ``<results_dir>/quantized_matmul.json`` (rows of the same chip / op / shape / implementation replaced; the file is
+    rewritten after each case, so an interrupted run keeps what it has). The other rows and the file's header
+    (versions, source digest, date) are left as they were: a full ``tpukernels bench --family quantized_matmul``
+    remakes them. Returns the number of rows written. Estimates come from the shared cache like the CLI's."""
+    import json
+    import os
+
+    from . import attach_reasons
+    from .core import Estimator, _atomic_write_json, default_cache_path, run_case
+
+    path = os.path.join(results_dir, f"{FAMILY}.json")
+    with open(path) as f:
+        res = json.load(f)
+    est = Estimator(default_cache_path())
+    todo = [c for p in prefixes for c in cases(list(chips)) if c.op.startswith(p)]
+    n = 0
+    for c in todo:
+        rows = attach_reasons(FAMILY, run_case(c, est, log))
+        keys = {(r["chip"], r["op"], r["shape"], r["impl"]) for r in rows}
+        res["rows"] = [r for r in res["rows"] if (r["chip"], r["op"], r["shape"], r["impl"]) not in keys] + rows
+        _atomic_write_json(path, res)
+        n += len(rows)
+    return n
+
+
+if __name__ == "__main__":  # python -m tpukernels.bench.quantized_matmul OP_PREFIXES [CHIPS]
+    import sys
+
+    import tpukernels.library  # noqa: F401
+
+    print(merge_rows(sys.argv[1].split(","), (sys.argv[2] if len(sys.argv) > 2 else "v5e,v6e,tpu7x").split(",")),
+          "rows merged")
