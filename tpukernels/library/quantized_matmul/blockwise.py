@@ -115,6 +115,9 @@ BLOCK_SIZES = tuple(range(32, 513, 32))
 #: two per byte, the same per-group packing)
 WEIGHT_FORMATS = (*WEIGHT_DTYPES, "int4", "fp4")
 PACKED = ("int4", "fp4")
+#: ``quantized_matmul_blockwise``'s ``x_quant`` path: ``blockwise_a8.quantized_matmul_blockwise_a8``, set when that
+#: module (which builds on this one) is imported — the package's ``__init__`` imports it
+_X_QUANT_PATH = None
 #: the e2m1 (OCP MX fp4) values of the codes 0..7 (sign bit 3): 0, 0.5, 1, 1.5, 2, 3, 4, 6
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
@@ -235,6 +238,28 @@ def dequantize_blockwise(w_q, w_scale, block_size: int, w_zero_point=None, weigh
     else:
         q = w_q.double()
     return q * w_scale.double()[:, 0, :].T.repeat_interleave(block_size, 1)
+
+
+def expand_block_scale(weight_scale_inv: torch.Tensor, n_out: int, block_size: int) -> torch.Tensor:
+    """Square-block weight scales ``[ceil(N / bs), G]`` (DeepSeek-V3's ``weight_scale_inv``: one scale per
+    ``bs x bs`` block of ``w_q [N, K_w]``, multiplied into the weight: ``W = w_q * s``) -> the kernels'
+    ``[G, 1, N]`` float32 layout (each row repeated ``bs`` times along N, the last block cut at ``N``).
+
+    Raises:
+        ArgumentError: not 2-D or the row count is not ``ceil(N / bs)``. DTypeError: not floating.
+    """
+    where = "expand_block_scale"
+    if not isinstance(weight_scale_inv, torch.Tensor) or weight_scale_inv.dim() != 2:
+        raise ArgumentError(f"{where}: w_scale (square blocks) must be a 2-D [ceil(N / block_size), K / block_size] "
+                            f"tensor, got {getattr(weight_scale_inv, 'shape', type(weight_scale_inv).__name__)}")
+    nb = -(-n_out // block_size)
+    if weight_scale_inv.shape[0] != nb:
+        raise ArgumentError(f"{where}: w_scale (square {block_size}x{block_size} blocks) has "
+                            f"{weight_scale_inv.shape[0]} rows; N = {n_out} needs ceil(N / {block_size}) = {nb}")
+    if not weight_scale_inv.dtype.is_floating_point:
+        raise DTypeError(f"{where}: w_scale must be floating, got {_name(weight_scale_inv.dtype)}")
+    s = weight_scale_inv.float().repeat_interleave(block_size, 0)[:n_out]  # [N, G]
+    return s.T.unsqueeze(1).contiguous()
 
 
 def _x_padded_double(x, K_w):
@@ -574,7 +599,7 @@ def quantized_matmul_blockwise(x: torch.Tensor, w_q: torch.Tensor, w_scale: torc
         w_q: ``[N, K_w]`` int8 / float8_e4m3fn / float8_e5m2, or ``[N, K_w / 2]`` uint8 (int4, :func:`pack_int4`).
         w_scale: ``[K_w / block_size, 1, N]`` float32 (tpu-inference's block-wise layout), or 2-D
             ``[ceil(N / block_size), K_w / block_size]``: square ``block_size x block_size`` blocks (DeepSeek-V3's
-            ``weight_scale_inv``), expanded along N by :func:`~.blockwise_a8.expand_block_scale` before the kernel.
+            ``weight_scale_inv``), expanded along N by :func:`expand_block_scale` before the kernel.
         block_size: group size along K, a multiple of 32 in 32..512.
         w_zero_point: int4 only: ``[K_w / block_size, 1, N]`` float32 zero points (grid units); None: symmetric.
         out_dtype: ``"bfloat16"`` / ``"float32"`` (or torch dtype); default ``x.dtype``.
@@ -618,8 +643,6 @@ def quantized_matmul_blockwise(x: torch.Tensor, w_q: torch.Tensor, w_scale: torc
     fmt = resolve_format(w_q, where, weight_format)
     K_w = w_q.shape[1] * (2 if fmt in PACKED else 1)
     if w_scale.dim() == 2 and isinstance(block_size, int) and block_size in BLOCK_SIZES:
-        from .blockwise_a8 import expand_block_scale
-
         if w_scale.shape[1] != K_w // block_size:
             raise ArgumentError(f"{where}: w_scale (square blocks, 2-D) must have shape (ceil(N / block_size), "
                                 f"K_w / block_size) = ({-(-w_q.shape[0] // block_size)}, {K_w // block_size}), got "
@@ -640,12 +663,10 @@ def quantized_matmul_blockwise(x: torch.Tensor, w_q: torch.Tensor, w_scale: torc
         y = torch.nn.functional.linear(x2, x2.new_zeros(w_q.shape[0], K_w))
         return y.to(getattr(torch, odt or _name(x.dtype))).reshape(*lead, w_q.shape[0])
     if x_quant is not None:
-        from .blockwise_a8 import quantized_matmul_blockwise_a8
-
         # rounding x has no gradient: the forward runs (inference without no_grad), a backward raises
         guard = x.requires_grad and torch.is_grad_enabled()
         _problem(x2, w_q, w_scale, w_zero_point, block_size, where, weight_format)
-        y = quantized_matmul_blockwise_a8(x2.detach() if guard else x2, w_q, w_scale, w_zero_point, int(block_size),
+        y = _X_QUANT_PATH(x2.detach() if guard else x2, w_q, w_scale, w_zero_point, int(block_size),
                                           fmt, x_quant, odt or _name(x.dtype), config).reshape(*lead, w_q.shape[0])
         return _QuantizedInputHasNoGradient.apply(x, y, x_quant) if guard else y
     kw = {} if config is None else dict(config=config)

@@ -69,7 +69,8 @@ from ... import dsl as _dsl
 from ...dsl.validate import padded_bytes
 from .._vmem import MiB, scoped_vmem_limit
 from ...errors import ArgumentError, ChipError, DTypeError
-from .blockwise import BLOCK_SIZES, PACKED, _problem, k_block
+from . import blockwise as _blockwise
+from .blockwise import BLOCK_SIZES, _problem, expand_block_scale, k_block  # noqa: F401  (re-exported)
 from .common import U32, X_DTYPES, _clamp, _describe, _jnp, _name, _out_dtype, _target_chip, check_chip, qmax
 from .quantize import _quantize_values, _reciprocal
 
@@ -104,28 +105,6 @@ def check_chip_a8(x_quant: str, fmt: str, where: str, chip=None) -> None:
                         f"supported on {chip.name}: jax's tpu_info.is_matmul_supported says its MXU does not take "
                         f"(int8, int8) natively; supported on {chip.name}: {_describe(modes)}, and w4a16 (int4 "
                         f"weights, x_quant=None) everywhere")
-
-
-def expand_block_scale(weight_scale_inv: torch.Tensor, n_out: int, block_size: int) -> torch.Tensor:
-    """Square-block weight scales ``[ceil(N / bs), G]`` (DeepSeek-V3's ``weight_scale_inv``: one scale per
-    ``bs x bs`` block of ``w_q [N, K_w]``, multiplied into the weight: ``W = w_q * s``) -> the kernels'
-    ``[G, 1, N]`` float32 layout (each row repeated ``bs`` times along N, the last block cut at ``N``).
-
-    Raises:
-        ArgumentError: not 2-D or the row count is not ``ceil(N / bs)``. DTypeError: not floating.
-    """
-    where = "expand_block_scale"
-    if not isinstance(weight_scale_inv, torch.Tensor) or weight_scale_inv.dim() != 2:
-        raise ArgumentError(f"{where}: w_scale (square blocks) must be a 2-D [ceil(N / block_size), K / block_size] "
-                            f"tensor, got {getattr(weight_scale_inv, 'shape', type(weight_scale_inv).__name__)}")
-    nb = -(-n_out // block_size)
-    if weight_scale_inv.shape[0] != nb:
-        raise ArgumentError(f"{where}: w_scale (square {block_size}x{block_size} blocks) has "
-                            f"{weight_scale_inv.shape[0]} rows; N = {n_out} needs ceil(N / {block_size}) = {nb}")
-    if not weight_scale_inv.dtype.is_floating_point:
-        raise DTypeError(f"{where}: w_scale must be floating, got {_name(weight_scale_inv.dtype)}")
-    s = weight_scale_inv.float().repeat_interleave(block_size, 0)[:n_out]  # [N, G]
-    return s.T.unsqueeze(1).contiguous()
 
 
 # ----------------------------------------------------------------------------------------------- quantization
@@ -431,3 +410,8 @@ def quantized_matmul_blockwise_a8(x2: torch.Tensor, w_q, w_scale, w_zero_point, 
     xq, xs = quantize_per_block_kernel(x2, qdt, int(block_size))
     kw = {} if config is None else dict(config=config)
     return quantized_matmul_blockwise_a8_kernel(xq, xs, w_q, w_scale, w_zero_point, int(block_size), out_dtype, **kw)
+
+
+# the public op's x_quant path (quantized_matmul_blockwise lives in .blockwise, which this module builds on: it
+# reaches this function through the hook instead of importing this module back)
+_blockwise._X_QUANT_PATH = quantized_matmul_blockwise_a8
