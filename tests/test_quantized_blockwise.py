@@ -341,3 +341,28 @@ def test_blockwise_dx_compile_only(chip, args):
     res = tk.compile_for(qmm.quantized_matmul_blockwise_bwd_dx, chip, *args, with_mlir=False)
     assert res.ok, res.summary()
     assert res.vmem_estimate_bytes <= (res.vmem_limit_bytes or 32 * 2**20)
+
+
+def test_decode_form_block_diagonal(interpret, monkeypatch):
+    """Decode (one row block, bm * bk / bs <= diag_rows): every group's partial product from one dot with a
+    block-diagonal x (blockwise._diag_part, traced: spied), two K steps (bk=256 of bs=64), an N tail, zero points
+    (and fp4 in the fast mode); within the bound. 8 rows with diag_rows forced to 0 take the per-group form
+    (not traced), within the bound too. "tpu" mode poisons the padding of the N tail with NaN."""
+    bw = importlib.import_module("tpukernels.library.quantized_matmul.blockwise")
+    calls = []
+    real = bw._diag_part
+    monkeypatch.setattr(bw, "_diag_part", lambda *a, **k: calls.append(k["n_sub"]) or real(*a, **k))
+    cfg = dict(bm=128, bk=256, bn=128)
+    for fmt, asym in [("int4", True)] + ([("fp4", False)] if interpret == "fast" else []):
+        x, q, s, z = _case(16, 200, 8, 64, fmt, asym, 3, seed=11)
+        wf = "fp4" if fmt == "fp4" else None
+        calls.clear()
+        y = qmm.quantized_matmul_blockwise(x, q, s, block_size=64, w_zero_point=z, config=cfg, weight_format=wf)
+        assert calls and set(calls) == {4}
+        _check(y, x, q, s, 64, z, fmt=wf)
+    monkeypatch.setattr(bw, "DIAG_ROWS", 0)
+    calls.clear()
+    x, q, s, z = _case(8, 200, 8, 64, "int4", True, 3, seed=12)
+    y2 = qmm.quantized_matmul_blockwise(x, q, s, block_size=64, w_zero_point=z, config=cfg)
+    assert not calls
+    _check(y2, x, q, s, 64, z)

@@ -722,6 +722,10 @@ def test_bench_cases_and_peaks():
     ops = {(c.chip, c.op) for c in cs}
     assert ("v5e", "w8a8 int8") in ops and ("tpu7x", "w8a8 float8_e4m3fn") in ops
     assert ("tpu7x", "w8a8 int8") not in ops
+    # block-scaled rows: w4a16 at the decode shapes everywhere, fp8 blocks with the chip's fp8 pair (tpu_info)
+    assert {("v5e", "w4a16 int4 g128"), ("tpu7x", "w4a16 int4 g128"), ("v5e", "fp8 block float8_e5m2 1x128/128x128"),
+            ("tpu7x", "fp8 block float8_e4m3fn 1x128/128x128")} <= ops
+    assert all(c.shape.startswith(("16x", "64x")) for c in cs if c.op.startswith("w4a16"))
     assert all([i.name for i in c.impls][:1] == ["tpukernels"] and len(c.impls) == 3 for c in cs)
     for chip in CHIPS:
         info = get_chip(chip).info

@@ -30,6 +30,13 @@ HBM-bound decode shapes (half the weight bytes).
 
 Bytes: ``x`` once (2 B), ``w_q`` once (1 B), scales, output once (2 B); FLOPs ``2*M*N*K``.
 
+Block-scaled rows (``quantized_matmul_blockwise``, group 128): ``w4a16 int4 g128`` at the decode shapes on every
+chip (int4 weights, 0.5 B each, symmetric, f32 scales ``[K/128, 1, N]``; XLA: unpack, dequantize to bf16, one
+dot), and ``fp8 block <dtype> 1x128/128x128`` at the prefill shapes (DeepSeek-V3's scheme: ``x_quant="fp8"``,
+the chip's fp8 pair — float8_e4m3fn where jax's tpu_info has it, else float8_e5m2; ours is
+``quantize_per_block_kernel`` + ``quantized_matmul_blockwise_a8_kernel``, the quantize pass at its HBM roofline
+where libtpu cannot estimate its fp8 pack; XLA: the same quantization in jnp, dequantized operands, one bf16 dot).
+
 Prefill cases (8192 tokens) are estimated at 2048 tokens and scaled by 4 for every implementation (the
 token axis is an independent, uniform parallel grid axis; tpukernels keeps the config a full-size call gets),
 which makes the family ~4x cheaper to estimate on 2 cores — except the fused w8a8 kernel, estimated at full
@@ -70,6 +77,26 @@ _DECODE_7X = ("decode on tpu7x: 75-77% of the HBM roofline (XLA's figure is that
 _DECODE = ("decode: the weight-streaming launch (w_q copied by the kernel, two DMAs in flight per tile) is below the "
            "HBM roofline in libtpu's cycles, so the model time is the roofline, as XLA's; the blocked launch (one DMA "
            "in flight) was 0.93-0.95x XLA: libtpu left a third of its weight DMA time exposed")
+
+_W4A16 = ("w4a16 decode: vector-bound, not HBM-bound. Every weight is unpacked in VMEM (uint8 -> int32, mask / "
+          "shift, -8, -> bf16: one element per 32-bit lane; dropping the mask / shift / -8 changes nothing, 80.3 vs "
+          "80.6 µs on v6e at 16 tokens, so the widening and the conversions are the cost) and each 128-column group "
+          "needs its own scaled partial sum. Levers (v6e, 16 tokens, libtpu estimates): larger tiles bk=4096 / "
+          "bn=1024 80.6 -> 70.5 µs; the decode form (all groups' partial sums from one dot with a block-diagonal x, "
+          "kept where bm * bk / 128 <= peak FLOP/s / HBM B/s) 54.8 µs (tpu7x 64.0 -> 39.0 µs); one dot per K step "
+          "without per-group scaling (wrong values, a floor of the group structure) 42.5 µs; a SWAR unpack (packed "
+          "bytes bitcast to int32 words, nibbles placed into bf16 bit patterns 0x4300 | q, one bf16 subtract; rows "
+          "permuted, a cost probe) 33.3 µs on v6e, 25.8 µs on tpu7x: it needs a weight packing along N (a format "
+          "change), not done. tpu7x's bf16-fed MXU takes ~22 µs for these weights whatever the unpack (the w8a16 "
+          "rows' reason), so 85% of its 8.6 µs roofline needs the weights fed as fp8 (bf16 x fp8 is native there), "
+          "whose f32 -> fp8 pack libtpu 0.0.52's estimator cannot model (it aborts). At 64 tokens the decode form "
+          "does not apply (64 x 4096 / 128 rows is past its limit; with bk=512 it is no faster: v6e 75.2, tpu7x "
+          "59.4 µs), and the kernel is about the bf16 matmul's speed on v6e and slower on tpu7x: not yet a win "
+          "there. XLA's figure is its roofline, a floor: libtpu aborts on XLA's unpack + dot program")
+_FP8_BLOCK = ("fp8 block-scaled prefill (1x128 activations, 128x128 weights): one dot per 128-column group (its "
+              "partial sum scaled by x_scale[m, g] * w_scale[g, n]), so the MXU contracts 128 deep per pass and the "
+              "f32 scaling is vector work per group; the per-block activation quantization is a separate kernel "
+              "(x read once as bf16, x_q written once, 3 B per activation)")
 
 #: why tpukernels is slower where it is (from the estimates; see the module docstring)
 REASONS: dict = {
@@ -220,8 +247,117 @@ def cases(chips) -> list[Case]:
                     hbm_bytes=M * K * 2 + N * K + M * N * 2 + 4 * (N + M), flops=2 * M * N * K, dtype=dtype,
                     impls=[ours_impl(parts, scale=scale if xq is None else own_scale, extra=extra), xla,
                            bf16_impl(M, K, N)]))
+        for chip in chips:
+            out.extend(_block_cases(qmm, M, K, N, prefill, scale, chip, bf16_impl, quantize_cycles))
     return out
 
 
+#: group (block) size of the block-scaled rows: 128 (GPTQ / AWQ's common group size; DeepSeek-V3's block)
+BS = 128
+
+
+def _block_cases(qmm, M, K, N, prefill, scale, chip, bf16_impl, quantize_cycles):
+    """Rows of the block-scaled kernels (``quantized_matmul_blockwise``): w4a16 (int4, symmetric, group 128) at the
+    decode shapes on every chip; fp8 x fp8 with 1x128 activation / 128x128 weight blocks (``x_quant="fp8"``) at the
+    prefill shapes with the chip's fp8 pair (float8_e4m3fn where jax's tpu_info has it, else float8_e5m2)."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    from ..perf import model_time
+
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    G = K // BS
+
+    def roof(hbm_bytes, dtype):  # XLA's figure where libtpu aborts on its program: the roofline, a floor
+        return lambda ch: model_time(ch, None, hbm_bytes, 2 * M * N * K, dtype).roofline_us
+
+    Me = M // scale
+    shape = f"{M}x{K} @ ({N}x{K}).T"
+    if not prefill:
+        def xla_w4a16(x, w, s):  # unpack (the library's per-group layout), dequantize to bf16, one dot
+            b = w.astype(jnp.int32).reshape(N, G, 1, BS // 2)
+            q = jnp.concatenate([b & 15, b >> 4], axis=2).reshape(N, K).astype(f32) - 8
+            W = (q * jnp.repeat(s[:, 0, :].T, BS, axis=1)).astype(bf16)
+            return lax.dot_general(x, W, (((1,), (1,)), ((), ())), preferred_element_type=f32).astype(bf16)
+
+        structs = [jax.ShapeDtypeStruct((M, K), bf16), jax.ShapeDtypeStruct((N, K // 2), jnp.uint8),
+                   jax.ShapeDtypeStruct((G, 1, N), f32)]
+        part = (qmm.quantized_matmul_blockwise_kernel, (f"{M}x{K}:bf16", f"{N}x{K // 2}:u8", f"{G}x1x{N}:f32", None),
+                {"block_size": BS})
+        hb = M * K * 2 + N * K // 2 + 4 * G * N + M * N * 2
+        return [Case(FAMILY, "w4a16 int4 g128", shape, chip, hbm_bytes=hb, flops=2 * M * N * K, dtype="bfloat16",
+                     impls=[ours_impl([part]), xla_impl(jax.jit(xla_w4a16), structs, name="xla int4 dequant + dot",
+                                                        floor_us=roof(hb, "bfloat16")),
+                            bf16_impl(M, K, N)])]
+    modes = qmm.supported_modes(chip)
+    f8 = next((d for d in ("float8_e4m3fn", "float8_e5m2") if ("fp8", d) in modes), None)
+    if f8 is None:
+        return []
+    fdt = getattr(jnp, f8)
+
+    def xla_fp8_block(x, w, s):  # per-block quantization of x, dequantized operands, one bf16 dot
+        x3 = x.astype(f32).reshape(Me, G, BS)
+        xs = jnp.max(jnp.abs(x3), axis=2, keepdims=True) * jnp.float32(1.0 / qmm.qmax(f8))
+        xq = jnp.clip(x3 * jnp.where(xs == 0, 0.0, 1.0 / jnp.where(xs == 0, 1.0, xs)), -qmm.qmax(f8), qmm.qmax(f8))
+        xd = (xq.astype(fdt).astype(f32) * xs).reshape(Me, K).astype(bf16)
+        W = (w.astype(f32) * jnp.repeat(jnp.repeat(s, BS, axis=0)[:N], BS, axis=1)).astype(bf16)
+        return lax.dot_general(xd, W, (((1,), (1,)), ((), ())), preferred_element_type=f32).astype(bf16)
+
+    structs = [jax.ShapeDtypeStruct((Me, K), bf16), jax.ShapeDtypeStruct((N, K), fdt),
+               jax.ShapeDtypeStruct((N // BS, G), f32)]
+    w_s, s_s = f"{N}x{K}:{f8}", f"{G}x1x{N}:f32"
+    parts = [(qmm.quantized_matmul_blockwise_a8_kernel, (f"{Me}x{K}:{f8}", f"{Me}x{G}:f32", w_s, s_s, None),
+              {"block_size": BS}, (f"{M}x{K}:{f8}", f"{M}x{G}:f32", w_s, s_s, None))]
+    extra = quantize_cycles((qmm.quantize_per_block_kernel, (f"{Me}x{K}:bf16", f8, BS), {},
+                             (f"{M}x{K}:bf16", f8, BS)), Me, K)
+    hb = M * K * 2 + N * K + 4 * G * N + M * N * 2
+    return [Case(FAMILY, f"fp8 block {f8} 1x128/128x128", shape, chip, hbm_bytes=hb, flops=2 * M * N * K, dtype=f8,
+                 impls=[ours_impl(parts, scale=scale, extra=extra),
+                        xla_impl(jax.jit(xla_fp8_block), structs, name="xla fp8 dequant + dot", scale=scale,
+                                 floor_us=roof(hb, f8)),
+                        bf16_impl(M, K, N)])]
+
+
 def reason(row: dict) -> str | None:
+    if row["op"].startswith("w4a16"):
+        return _W4A16
+    if row["op"].startswith("fp8 block"):
+        return _FP8_BLOCK
     return REASONS.get((row["chip"], row["op"], row["shape"]))
+
+
+def merge_rows(prefixes, chips, results_dir: str = "benchmarks/results", log=print) -> int:
+    """Estimate only the cases whose op starts with one of ``prefixes`` and merge their rows into
+    ``<results_dir>/quantized_matmul.json`` (rows of the same chip / op / shape / implementation replaced; the file is
+    rewritten after each case, so an interrupted run keeps what it has). The other rows and the file's header
+    (versions, source digest, date) are left as they were: a full ``tpukernels bench --family quantized_matmul``
+    remakes them. Returns the number of rows written. Estimates come from the shared cache like the CLI's."""
+    import json
+    import os
+
+    from . import attach_reasons
+    from .core import Estimator, _atomic_write_json, default_cache_path, run_case
+
+    path = os.path.join(results_dir, f"{FAMILY}.json")
+    with open(path) as f:
+        res = json.load(f)
+    est = Estimator(default_cache_path())
+    todo = [c for p in prefixes for c in cases(list(chips)) if c.op.startswith(p)]
+    n = 0
+    for c in todo:
+        rows = attach_reasons(FAMILY, run_case(c, est, log))
+        keys = {(r["chip"], r["op"], r["shape"], r["impl"]) for r in rows}
+        res["rows"] = [r for r in res["rows"] if (r["chip"], r["op"], r["shape"], r["impl"]) not in keys] + rows
+        _atomic_write_json(path, res)
+        n += len(rows)
+    return n
+
+
+if __name__ == "__main__":  # python -m tpukernels.bench.quantized_matmul OP_PREFIXES [CHIPS]
+    import sys
+
+    import tpukernels.library  # noqa: F401
+
+    print(merge_rows(sys.argv[1].split(","), (sys.argv[2] if len(sys.argv) > 2 else "v5e,v6e,tpu7x").split(",")),
+          "rows merged")

@@ -249,6 +249,10 @@ LIBRARY_RULES: dict[str, Callable[[Mapping], list[Split]]] = {
     "quantized_matmul_bwd_dx": _quantized_dx,
     "quantized_matmul_blockwise_kernel": _quantized_blockwise,
     "quantized_matmul_blockwise_bwd_dx": _quantized_blockwise_dx,
+    # block-quantized activations: x_q and its x_scale [M, K/bs] split by rows together; N as the weight-only kernel
+    "quantized_matmul_blockwise_a8_kernel": lambda args: [Split({"x_q": 0, "x_scale": 0}, (0,)),
+                                                          *_quantized_blockwise(args)[1:]],
+    "quantize_per_block_kernel": lambda args: [Split({"x": 0}, (0, 0))],  # rows -> (x_q, x_scale [M, K/bs])
     "flash_attention_masked_fwd": _masked_attention(2),
     "flash_attention_masked_bwd_dq": _masked_attention(1),
     "flash_attention_masked_bwd_dkv": _masked_attention(2),

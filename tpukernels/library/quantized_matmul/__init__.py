@@ -149,7 +149,10 @@ Layout of this package (every name above is importable from ``tpukernels.library
 decode launch, ``quantized_matmul_bwd_dx``), ``w8a8`` (the fused w8a8 kernel), ``public`` (the op and
 ``TPUQuantLinear``), ``blockwise`` (sub-channel scales along K: w4a16 int4 with zero points, block-scaled int8 /
 fp8; ``quantized_matmul_blockwise``, ``TPUBlockQuantLinear``; its own docstring has the layout, the padding
-rule and the error bound), ``blockwise_bwd`` (its ``d_x`` kernel ``quantized_matmul_blockwise_bwd_dx``: the
+rule and the error bound), ``blockwise_a8`` (block-quantized 8-bit activations: fp8 1x128 activations with
+128x128 fp8 weight blocks, w4a8 / w8a8 int8 with per-block activation scales; ``quantize_per_block_kernel``,
+``quantized_matmul_blockwise_a8_kernel``; reached by ``quantized_matmul_blockwise(..., x_quant=...)``),
+``blockwise_bwd`` (its ``d_x`` kernel ``quantized_matmul_blockwise_bwd_dx``: the
 backward with respect to the activations, weights frozen; formula and error bound there).
 
 Sources: JAX Pallas TPU matmul guide (blocked matmul, f32 scratch accumulator) and JAX's
@@ -175,6 +178,9 @@ from .blockwise import (BLOCK_SIZES, FP4_VALUES, WEIGHT_FORMATS, TPUBlockQuantLi
                         quantized_matmul_blockwise_kernel, reference_blockwise, unpack_int4)
 from .blockwise_bwd import (error_bound_blockwise_dx, quantized_matmul_blockwise_bwd_dx,
                             reference_blockwise_dx)
+from .blockwise_a8 import (XQ_DTYPES, check_chip_a8, error_bound_blockwise_a8, expand_block_scale,
+                           quantize_per_block_kernel, quantize_per_block_reference,
+                           quantized_matmul_blockwise_a8_kernel, reference_blockwise_a8)
 
 __all__ = ["quantized_matmul", "quantize_weight", "quantize_per_token", "TPUQuantLinear", "reference",
            "quantize_reference", "error_bound", "supported_modes", "check_chip", "quantized_matmul_kernel",
@@ -182,4 +188,6 @@ __all__ = ["quantized_matmul", "quantize_weight", "quantize_per_token", "TPUQuan
            "vmem_budget", "heuristic", "STANDARD_CASES", "STANDARD_CASES_W8A8", "quantized_matmul_blockwise",
            "quantized_matmul_blockwise_kernel", "TPUBlockQuantLinear", "quantize_weight_blockwise", "pack_int4",
            "unpack_int4", "pad_k", "dequantize_blockwise", "reference_blockwise", "error_bound_blockwise",
-           "quantized_matmul_blockwise_bwd_dx", "reference_blockwise_dx", "error_bound_blockwise_dx"]
+           "quantized_matmul_blockwise_bwd_dx", "reference_blockwise_dx", "error_bound_blockwise_dx",
+           "quantize_per_block_kernel", "quantize_per_block_reference", "quantized_matmul_blockwise_a8_kernel",
+           "reference_blockwise_a8", "error_bound_blockwise_a8", "expand_block_scale", "check_chip_a8"]

@@ -53,15 +53,42 @@ int4 and int8 run on every chip; fp8 weights need the chip to take the fp8 dtype
 the kernel ``quantized_matmul_blockwise_bwd_dx`` of :mod:`.blockwise_bwd`, dequantizing in VMEM like this one);
 ``w_q``, ``w_scale`` and ``w_zero_point`` are frozen and get no gradient (``None``).
 
-Performance (libtpu 0.0.52 static estimate of the whole kernel, a MODEL, not a measurement; ``Estimator`` of
-``tpukernels.bench.core`` on the heuristic blocks): w4a16 decode ``16x4096 @ (14336x4096)^T`` (group 128) on v6e
-80.6 µs, 24% of the HBM roofline of its bytes (19.4 µs) and 2.9x the int8 w8a16 streaming kernel (28.1 µs); on
-tpu7x 64.0 µs, 13% of its roofline (8.6 µs), 3.0x int8 w8a16 (21.0 µs).
-The unpack (uint8 -> int32, mask / shift, -8, -> bf16 per weight) is vector work of the order of the whole time
-and the weight stream does not hide it (feeding the two halves to two dots instead of concatenating them moved
-82.8 -> 80.6 µs): the issue's target (>= 85% of the roofline) is not met. Unpacking in bf16 arithmetic (a
-uint8 -> bf16 convert, /16, floor) made libtpu 0.0.52's estimator abort, so it was not kept; a packing along N
-that needs no lane shuffles and a weight-streaming launch are the next steps.
+Decode form (packed int4 / fp4 weights, one row block, ``bm * bk / bs <= diag_rows(chip)``: ``min(256, bf16 peak
+FLOP/s / HBM bytes/s)`` from jax's tpu_info, 240 on v5e, 256 on v6e and tpu7x): the weight tile is unpacked once,
+whole, and every group's partial product comes from one pair of dots (low / high nibbles) with a block-diagonal
+``x`` of ``n_sub * bm`` rows — row block ``g`` is ``x`` with the other groups' columns zeroed (exact zeros, so each
+row block's sum is exactly that group's terms, and the bound above is unchanged) — then each row block is scaled
+(and zero-point corrected) and summed. It spends ``n_sub``-fold MXU work to replace ``2 n_sub`` dots of ``bs / 2``
+columns by two of ``bk / 2``, worth it only while the MXU has room next to the weight stream (hence the rule).
+
+Performance (libtpu 0.0.52 static estimate of the whole kernel, a MODEL, not a measurement; w4a16 decode
+``16x4096 @ (14336x4096)^T``, group 128, at the heuristic's blocks; bench rows ``w4a16 int4 g128`` of
+``tpukernels bench --family quantized_matmul``). Before this round: v6e 80.6 µs (24% of the 19.4 µs HBM roofline
+of its bytes), tpu7x 64.0 µs (13% of 8.6 µs), v5e 94.4 µs. Levers, v6e unless said:
+
+* decode tiles ``bk=4096, bn=1024`` (were 2048 / 512): 70.5 µs (tpu7x 55.6, v5e 90.0); ``bk=1024, bn=2048`` 76.0,
+  ``bk=4096, bn=256`` 78.9;
+* the decode form above at ``bk=2048, bn=1024`` (the heuristic for ``M <= 16``): 54.8 µs, 35% (tpu7x 39.0 µs,
+  22%); on v5e it loses (256 rows: 162.8 µs, 128 rows: 93.4 µs vs 90.0: its MXU has no room), hence the rule;
+* not the cost: the nibble arithmetic (no mask / shift / -8: 80.3 vs 80.6 µs), unpacking before widening (80.4);
+  int8 vector arithmetic is rejected by Mosaic (only i16 / i32 vectors); unpacking the whole tile, then per-group
+  dots: 70.5 (the same as per group);
+* unpacking to float8_e5m2 (``-8..7`` exact; bf16 x e5m2 is native on v5e, v6e and tpu7x per tpu_info) instead of
+  bf16: 80.6 -> 68.6 µs, 70.5 -> 58.1 at the larger tiles, but libtpu's estimator aborts on the f32 -> fp8 pack
+  on tpu7x (``vpack.c.f32.eXmY``, as for the fp8 w8a8 rows), so it was not kept;
+* the floor of the group structure (one dot per K step, no per-group scaling, wrong values): 42.5 µs — the
+  unpack (uint8 -> int32 -> bf16, one element per 32-bit lane) is what is left;
+* a SWAR unpack probe (the packed bytes bitcast to int32 words, two nibbles per word placed into bf16 bit
+  patterns ``0x4300 | q`` = ``128 + q`` with shifts and masks, one bf16 subtract of 136; rows come out permuted,
+  so a cost probe only): 33.3 µs on v6e (58%), 25.8 µs on tpu7x (33%). Using it needs the nibbles packed along
+  N (output rows) so that the bitcast rows come out in order: a weight format change, not done.
+
+At 64 tokens (``64x4096 @ (14336x4096)^T``; bench rows) the decode form is past its row limit and the kernel is
+74.3 µs on v6e (28%: the bf16 matmul's 73.0) and 56.4 µs on tpu7x (16%; the bf16 matmul 34.2): no gain over bf16
+weights there yet (the form with ``bk=512``, 256 rows: v6e 75.2, tpu7x 59.4 µs).
+So the issue's target (>= 85% of the HBM roofline on v6e and tpu7x) is not met: v6e 35%, tpu7x 22% at 16 tokens. On tpu7x
+no bf16-fed form can meet it (its MXU takes ~22 µs to ingest these 58.7M weights as bf16, the w8a16 analysis in
+the package docstring); it needs the weights fed as fp8 (native bf16 x fp8), which libtpu 0.0.52 cannot estimate.
 
 Source: tpu-inference's ``kernels/quantized_matmul/blockwise_kernel.py`` (v0.32.0: the ``[G, 1, N]`` scale
 layout and the per-group dot then scale; read, not copied — it supports no zero points and no int4 packing);
@@ -80,7 +107,7 @@ from ... import dsl as _dsl
 from ...dsl.validate import padded_bytes
 from .._vmem import scoped_vmem_limit
 from ...errors import ArgumentError, DTypeError
-from .common import U32, WEIGHT_DTYPES, X_DTYPES, _clamp, _jnp, _name, _out_dtype, check_chip
+from .common import U32, WEIGHT_DTYPES, X_DTYPES, _clamp, _jnp, _name, _out_dtype, _target_chip, check_chip
 
 #: block sizes (group sizes along K) the kernel takes: multiples of 32 from 32 to 512
 BLOCK_SIZES = tuple(range(32, 513, 32))
@@ -88,6 +115,9 @@ BLOCK_SIZES = tuple(range(32, 513, 32))
 #: two per byte, the same per-group packing)
 WEIGHT_FORMATS = (*WEIGHT_DTYPES, "int4", "fp4")
 PACKED = ("int4", "fp4")
+#: ``quantized_matmul_blockwise``'s ``x_quant`` path: ``blockwise_a8.quantized_matmul_blockwise_a8``, set when that
+#: module (which builds on this one) is imported — the package's ``__init__`` imports it
+_X_QUANT_PATH = None
 #: the e2m1 (OCP MX fp4) values of the codes 0..7 (sign bit 3): 0, 0.5, 1, 1.5, 2, 3, 4, 6
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
@@ -210,6 +240,28 @@ def dequantize_blockwise(w_q, w_scale, block_size: int, w_zero_point=None, weigh
     return q * w_scale.double()[:, 0, :].T.repeat_interleave(block_size, 1)
 
 
+def expand_block_scale(weight_scale_inv: torch.Tensor, n_out: int, block_size: int) -> torch.Tensor:
+    """Square-block weight scales ``[ceil(N / bs), G]`` (DeepSeek-V3's ``weight_scale_inv``: one scale per
+    ``bs x bs`` block of ``w_q [N, K_w]``, multiplied into the weight: ``W = w_q * s``) -> the kernels'
+    ``[G, 1, N]`` float32 layout (each row repeated ``bs`` times along N, the last block cut at ``N``).
+
+    Raises:
+        ArgumentError: not 2-D or the row count is not ``ceil(N / bs)``. DTypeError: not floating.
+    """
+    where = "expand_block_scale"
+    if not isinstance(weight_scale_inv, torch.Tensor) or weight_scale_inv.dim() != 2:
+        raise ArgumentError(f"{where}: w_scale (square blocks) must be a 2-D [ceil(N / block_size), K / block_size] "
+                            f"tensor, got {getattr(weight_scale_inv, 'shape', type(weight_scale_inv).__name__)}")
+    nb = -(-n_out // block_size)
+    if weight_scale_inv.shape[0] != nb:
+        raise ArgumentError(f"{where}: w_scale (square {block_size}x{block_size} blocks) has "
+                            f"{weight_scale_inv.shape[0]} rows; N = {n_out} needs ceil(N / {block_size}) = {nb}")
+    if not weight_scale_inv.dtype.is_floating_point:
+        raise DTypeError(f"{where}: w_scale must be floating, got {_name(weight_scale_inv.dtype)}")
+    s = weight_scale_inv.float().repeat_interleave(block_size, 0)[:n_out]  # [N, G]
+    return s.T.unsqueeze(1).contiguous()
+
+
 def _x_padded_double(x, K_w):
     xd = x.reshape(-1, x.shape[-1]).double()
     return torch.nn.functional.pad(xd, (0, K_w - xd.shape[1]))
@@ -267,7 +319,42 @@ def _fp4_decode(n, dt):
     return v2.astype(dt) * np.asarray(0.5, dtype=dt)
 
 
-def _block_body(x_ref, w_ref, s_ref, *refs, bs, n_sub, n_k, int4, has_zp, dequant_to, precision, fp4=False):
+def _diag_part(x_ref, w_ref, s_ref, z_ref, *, bs, n_sub, fp4, dequant_to, precision):
+    """Decode form of one K step for packed weights (module docstring, "Decode"): the tile unpacked once, every
+    group's partial product from one pair of dots with a block-diagonal ``x`` (``n_sub * bm`` rows; row block
+    ``g`` is ``x`` with the columns of the other groups zeroed: exact zeros), then scaled per group."""
+    import jax
+    import jax.numpy as jnp
+
+    dims = (((1,), (1,)), ((), ()))
+    half = bs // 2
+    bm = x_ref.shape[0]
+    xl = jnp.concatenate([x_ref[:, g * bs:g * bs + half] for g in range(n_sub)], axis=1)  # [bm, bk/2]
+    xh = jnp.concatenate([x_ref[:, g * bs + half:(g + 1) * bs] for g in range(n_sub)], axis=1)
+    grp = jax.lax.broadcasted_iota(jnp.int32, xl.shape, 1) // half
+    zero = jnp.zeros((), xl.dtype)
+    XL = jnp.concatenate([jnp.where(grp == g, xl, zero) for g in range(n_sub)], axis=0)  # [n_sub * bm, bk/2]
+    XH = jnp.concatenate([jnp.where(grp == g, xh, zero) for g in range(n_sub)], axis=0)
+    b = w_ref[...].astype(jnp.int32)
+    if fp4:
+        lo, hi = _fp4_decode(b & 15, dequant_to), _fp4_decode(b >> 4, dequant_to)
+    else:
+        lo, hi = ((b & 15) - 8).astype(dequant_to), ((b >> 4) - 8).astype(dequant_to)
+    Z = (jax.lax.dot_general(XL, lo, dims, precision=precision, preferred_element_type=jnp.float32)
+         + jax.lax.dot_general(XH, hi, dims, precision=precision, preferred_element_type=jnp.float32))
+    part = None
+    for g in range(n_sub):
+        d = Z[g * bm:(g + 1) * bm]
+        if z_ref is not None:
+            r = jnp.sum(x_ref[:, g * bs:(g + 1) * bs].astype(jnp.float32), axis=1, keepdims=True)
+            d = d - r * (z_ref[g] - 8.0)
+        d = d * s_ref[g]
+        part = d if part is None else part + d
+    return part
+
+
+def _block_body(x_ref, w_ref, s_ref, *refs, bs, n_sub, n_k, int4, has_zp, dequant_to, precision, fp4=False,
+                diag=False):
     """One output block, one K step of ``n_sub`` groups (module docstring); ``refs`` = ``[z_ref,] o_ref, acc_ref``."""
     import jax
     import jax.numpy as jnp
@@ -281,6 +368,10 @@ def _block_body(x_ref, w_ref, s_ref, *refs, bs, n_sub, n_k, int4, has_zp, dequan
     dims = (((1,), (1,)), ((), ()))
     part = None
     half = bs // 2
+    if diag:
+        part = _diag_part(x_ref, w_ref, s_ref, z_ref, bs=bs, n_sub=n_sub, fp4=fp4, dequant_to=dequant_to,
+                          precision=precision)
+        n_sub = 0  # the per-group loop below has nothing left to do
     for g in range(n_sub):
         xg = x_ref[:, g * bs:(g + 1) * bs]
         if int4:  # unpack the group's bytes in VMEM: low nibbles = first half of the group, high = second;
@@ -365,9 +456,31 @@ def _problem(x, w_q, w_scale, w_zero_point, block_size, where, wfmt=None):
     return M, N, K_w, fmt
 
 
+#: the most rows of the decode form's block-diagonal ``x`` (``bm * bk / block_size``; module docstring, "Decode")
+DIAG_ROWS = 256
+
+
+def diag_rows(chip=None) -> int:
+    """Most rows of the decode form's block-diagonal ``x`` on ``chip``: ``min(DIAG_ROWS, bf16 peak FLOP/s / HBM
+    bytes/s)`` from jax's tpu_info (the extra MXU work must stay small next to the weight stream: v5e 240, v6e and
+    tpu7x 256); :data:`DIAG_ROWS` with no target chip (cpu interpret)."""
+    if chip is None:
+        return DIAG_ROWS
+    from ...perf import hbm_bandwidth, peak_flops
+
+    return int(min(DIAG_ROWS, peak_flops(chip, "bfloat16") / hbm_bandwidth(chip)))
+
+
 def _block_heuristic(x, w_q, w_scale, w_zero_point=None, block_size=128, out_dtype=None, weight_format=None):
+    """Prefill ``bm=256, bk=1024, bn=1024``; decode (``M <= 128``: one row block) ``bk=4096, bn=1024``: fewer,
+    larger weight tiles (libtpu estimate, w4a16 ``16x4096 @ (14336x4096)^T``, group 128, against the earlier
+    ``bk=2048, bn=512``: v5e 94.4 -> 90.0 µs, v6e 80.6 -> 70.5 µs, tpu7x 64.0 -> 55.6 µs; a model)."""
     M = x.shape[0]
-    return dict(bm=256 if M > 128 else 128, bk=2048 if M <= 128 else 1024, bn=512 if M <= 128 else 1024)
+    if M <= 16:  # the decode form (block-diagonal x of 16 * bk / block_size rows)
+        return dict(bm=128, bk=2048, bn=1024)
+    if M <= 128:
+        return dict(bm=128, bk=4096, bn=1024)
+    return dict(bm=256, bk=1024, bn=1024)
 
 
 def _block_shape(x, w_q, w_scale, w_zero_point=None, block_size=128, out_dtype=None, weight_format=None):
@@ -443,11 +556,16 @@ def quantized_matmul_blockwise_kernel(x: torch.Tensor, w_q: torch.Tensor, w_scal
         in_specs.append(pl.BlockSpec((n_sub, 1, bn_), lambda i, j, k: (k, 0, j)))
     dequant_to = _jnp(_name(x.dtype))
     acc_shape = (8, 128) if gk == 1 else (bm_, bn_)
+    # decode form (module docstring): packed weights, one row block whose block-diagonal x has <= DIAG_ROWS rows
+    diag = int4 and gi == 1 and bm_ % 8 == 0 and bm_ * n_sub <= diag_rows(_target_chip())
     need = (2 * (padded_bytes((bm_, bk_), x.dtype) + padded_bytes((bn_, wcols), w_q.dtype)
                  + (1 + (w_zero_point is not None)) * n_sub * padded_bytes((1, bn_), "float32")
                  + padded_bytes((bm_, bn_), odt))
             + 2 * padded_bytes((bn_, block_size), dequant_to) + 3 * padded_bytes((bm_, bn_), "float32")
             + padded_bytes(acc_shape, "float32"))
+    if diag:  # the whole unpacked tile (int32 and x.dtype halves), the block-diagonal x and the dots' result
+        need += (padded_bytes((bn_, wcols), "int32") + 2 * padded_bytes((bn_, wcols), dequant_to)
+                 + 2 * padded_bytes((bm_ * n_sub, wcols), x.dtype) + padded_bytes((bm_ * n_sub, bn_), "float32"))
     wbytes = N * K_w // (2 if int4 else 1)
     cost = pl.CostEstimate(flops=2 * M * N * K_w, transcendentals=0,
                            bytes_accessed=int(gj * M * K_w * np.dtype(x.dtype).itemsize + gi * wbytes
@@ -462,7 +580,7 @@ def quantized_matmul_blockwise_kernel(x: torch.Tensor, w_q: torch.Tensor, w_scal
         dimension_semantics=("parallel", "parallel", "arbitrary"),
         vmem_limit_bytes=scoped_vmem_limit(need),
         cost_estimate=cost,
-        body_kwargs=dict(bs=int(block_size), n_sub=int(n_sub), n_k=int(gk), int4=int4, fp4=fmt == "fp4",
+        body_kwargs=dict(bs=int(block_size), n_sub=int(n_sub), n_k=int(gk), int4=int4, fp4=fmt == "fp4", diag=diag,
                          has_zp=w_zero_point is not None, dequant_to=dequant_to,
                          precision=lax.Precision.HIGHEST if f32 else None),
     )
@@ -471,20 +589,27 @@ def quantized_matmul_blockwise_kernel(x: torch.Tensor, w_q: torch.Tensor, w_scal
 # ----------------------------------------------------------------------------------------------- public
 def quantized_matmul_blockwise(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, *, block_size: int,
                                w_zero_point: Optional[torch.Tensor] = None, out_dtype=None,
-                               config: Optional[dict] = None, weight_format: Optional[str] = None) -> torch.Tensor:
+                               config: Optional[dict] = None, weight_format: Optional[str] = None,
+                               x_quant: Optional[str] = None) -> torch.Tensor:
     """``x @ W^T`` with sub-channel (block-wise along K) quantized weights ``W`` (module docstring: layout,
     padding rule, error bound).
 
     Args:
         x: ``[..., K_x]`` bfloat16 / float32 activations, ``K_w - block_size < K_x <= K_w``.
         w_q: ``[N, K_w]`` int8 / float8_e4m3fn / float8_e5m2, or ``[N, K_w / 2]`` uint8 (int4, :func:`pack_int4`).
-        w_scale: ``[K_w / block_size, 1, N]`` float32 (tpu-inference's block-wise layout).
+        w_scale: ``[K_w / block_size, 1, N]`` float32 (tpu-inference's block-wise layout), or 2-D
+            ``[ceil(N / block_size), K_w / block_size]``: square ``block_size x block_size`` blocks (DeepSeek-V3's
+            ``weight_scale_inv``), expanded along N by :func:`expand_block_scale` before the kernel.
         block_size: group size along K, a multiple of 32 in 32..512.
         w_zero_point: int4 only: ``[K_w / block_size, 1, N]`` float32 zero points (grid units); None: symmetric.
         out_dtype: ``"bfloat16"`` / ``"float32"`` (or torch dtype); default ``x.dtype``.
         config: explicit ``{"bm", "bk", "bn"}`` (``bk`` an upper bound, see :func:`k_block`).
         weight_format: for a uint8 ``w_q``: ``"int4"`` (default) or ``"fp4"`` (e2m1 codes, same packing, no zero
             points; ``W = e2m1(code) * s``); must match ``w_q``'s dtype otherwise.
+        x_quant: None (weights dequantized in VMEM, ``x`` as is), ``"fp8"`` (``x`` quantized per token per
+            ``1 x block_size`` block to ``w_q``'s fp8 dtype, fp8 x fp8 on the MXU: DeepSeek-V3's scheme) or
+            ``"int8"`` (the same to int8 with int8 or int4 weights: w8a8 / w4a8, int32 group sums);
+            :mod:`.blockwise_a8` has the formulas and the error bound. No gradient with ``x_quant``.
 
     Returns:
         ``[..., N]`` in ``out_dtype``. Differentiable in ``x`` (QLoRA-style: the weight side is frozen, its
@@ -495,10 +620,11 @@ def quantized_matmul_blockwise(x: torch.Tensor, w_q: torch.Tensor, w_scale: torc
             fp8) or its packed width not a multiple of ``block_size / 2`` (int4); ``x``'s K outside the padding
             rule; ``w_scale`` / ``w_zero_point`` shapes; zero points with 8-bit weights.
         DTypeError: dtypes (``w_q``, ``x``, ``w_scale`` / ``w_zero_point`` not float32, ``out_dtype``).
-        DeviceError: operands on different devices. ChipError: fp8 weights the target chip cannot take.
+        DeviceError: operands on different devices. ChipError: fp8 weights the target chip cannot take; an
+            ``x_quant`` pair its MXU does not multiply natively (names the chip and the modes it supports).
     """
     from ...errors import DeviceError
-    from .public import _canon_out
+    from .public import _QuantizedInputHasNoGradient, _canon_out, _canon_x_quant
 
     where = "tpukernels::quantized_matmul_blockwise"
     ts = [(x, "x"), (w_q, "w_q"), (w_scale, "w_scale")] + ([(w_zero_point, "w_zero_point")]
@@ -511,10 +637,17 @@ def quantized_matmul_blockwise(x: torch.Tensor, w_q: torch.Tensor, w_scale: torc
     if x.dim() < 1:
         raise ArgumentError(f"{where}: x must have rank >= 1 ([..., K]), got a scalar")
     odt = _canon_out(out_dtype)
+    _canon_x_quant(x_quant)
     if w_q.dim() != 2:
         raise ArgumentError(f"{where}: w_q must be 2-D, got shape {tuple(w_q.shape)}")
     fmt = resolve_format(w_q, where, weight_format)
     K_w = w_q.shape[1] * (2 if fmt in PACKED else 1)
+    if w_scale.dim() == 2 and isinstance(block_size, int) and block_size in BLOCK_SIZES:
+        if w_scale.shape[1] != K_w // block_size:
+            raise ArgumentError(f"{where}: w_scale (square blocks, 2-D) must have shape (ceil(N / block_size), "
+                                f"K_w / block_size) = ({-(-w_q.shape[0] // block_size)}, {K_w // block_size}), got "
+                                f"{tuple(w_scale.shape)}")
+        w_scale = expand_block_scale(w_scale, w_q.shape[0], block_size)
     K_x = x.shape[-1]
     if isinstance(block_size, int) and block_size in BLOCK_SIZES and not (K_w - block_size < K_x <= K_w):
         raise ArgumentError(f"{where}: x has K = {K_x} columns but w_q holds K_w = {K_w} (block_size {block_size}): "
@@ -529,6 +662,13 @@ def quantized_matmul_blockwise(x: torch.Tensor, w_q: torch.Tensor, w_scale: torc
         # an empty product (no kernel); a linear with an empty operand keeps autograd's graph (d_x = 0)
         y = torch.nn.functional.linear(x2, x2.new_zeros(w_q.shape[0], K_w))
         return y.to(getattr(torch, odt or _name(x.dtype))).reshape(*lead, w_q.shape[0])
+    if x_quant is not None:
+        # rounding x has no gradient: the forward runs (inference without no_grad), a backward raises
+        guard = x.requires_grad and torch.is_grad_enabled()
+        _problem(x2, w_q, w_scale, w_zero_point, block_size, where, weight_format)
+        y = _X_QUANT_PATH(x2.detach() if guard else x2, w_q, w_scale, w_zero_point, int(block_size),
+                                          fmt, x_quant, odt or _name(x.dtype), config).reshape(*lead, w_q.shape[0])
+        return _QuantizedInputHasNoGradient.apply(x, y, x_quant) if guard else y
     kw = {} if config is None else dict(config=config)
     y = quantized_matmul_blockwise_kernel(x2, w_q, w_scale, w_zero_point, int(block_size), kout,
                                           None if fmt == "int4" or fmt not in PACKED else fmt, **kw)

@@ -1,0 +1,221 @@
+"""Block-quantized 8-bit activations (tpukernels.library.quantized_matmul.blockwise_a8, issue 28): fp8 x fp8 with
+1 x bs activation blocks and bs x bs (DeepSeek-V3 128 x 128) weight blocks, w4a8 (int4 unpacked to int8) and w8a8
+int8 with per-block activation scales, through ``quantized_matmul_blockwise(..., x_quant=...)``.
+
+Accuracy criterion: elementwise against the float64 product of the dequantized operands (``x' = x_q * x_scale``
+with the kernel's own ``x_q, x_scale``, which equal ``quantize_per_block_reference`` bit for bit in interpret
+mode, checked), ``|y - ref| <= error_bound_blockwise_a8(...)`` (the module docstring's bound).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+import tpukernels as tk
+import tpukernels.library  # noqa: F401
+from tpukernels.errors import ArgumentError, ChipError, DTypeError
+
+qmm = importlib.import_module("tpukernels.library.quantized_matmul")
+SMALL = dict(bm=128, bk=256, bn=128)
+
+
+@pytest.fixture(autouse=True)
+def _no_target_chip(monkeypatch):
+    monkeypatch.delenv("TPUKERNELS_TARGET_CHIP", raising=False)
+
+
+def _weights(N, G, bs, fmt, asym, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(N, G * bs, generator=g) * (1 + torch.rand(N, G, generator=g).repeat_interleave(bs, 1) * 4)
+    q, s, z = qmm.quantize_weight_blockwise(w, bs, "int4" if fmt == "int4" else "int8", asymmetric=asym)
+    if fmt.startswith("float8"):
+        q = (q.float() / 4).to(getattr(torch, fmt))
+    return q, s, z
+
+
+def _check(y, x, q, s, bs, z, fmt, out_dtype=torch.bfloat16):
+    """y against the float64 reference of the dequantized operands; x quantized by the reference quantizer (the
+    kernel's, bit for bit: test_quantize_kernel_matches_reference)."""
+    K_w = s.shape[0] * bs
+    xp = torch.nn.functional.pad(x.reshape(-1, x.shape[-1]).float(), (0, K_w - x.shape[-1]))
+    xq, xs = qmm.quantize_per_block_reference(xp, "int8" if fmt in ("int8", "int4") else fmt, bs)
+    ref = qmm.reference_blockwise_a8(xq, xs, q, s, bs, z)
+    bound = qmm.error_bound_blockwise_a8(xq, xs, q, s, bs, z, out_dtype)
+    y2 = y.reshape(ref.shape).double()
+    assert torch.isfinite(y2).all()
+    bad = (y2 - ref).abs() > bound
+    assert not bad.any(), f"{int(bad.sum())} elements outside the bound"
+    return ref
+
+
+@given(M=st.integers(1, 40), N=st.integers(1, 300), G=st.integers(1, 5), bs=st.sampled_from([32, 64, 128, 256]),
+       fmt=st.sampled_from(["float8_e4m3fn", "float8_e5m2", "int8", "int4"]), asym=st.booleans(),
+       pad=st.integers(0, 31), f32=st.booleans())
+@settings(max_examples=2)  # + 2 explicit examples; each draws two kernel compiles (~2-4 s)
+@example(M=9, N=136, G=3, bs=128, fmt="float8_e4m3fn", asym=False, pad=7, f32=False)
+@example(M=3, N=40, G=4, bs=64, fmt="int4", asym=True, pad=5, f32=True)
+def test_a8_within_bound(M, N, G, bs, fmt, asym, pad, f32):
+    """Every pair, int4 zero points or not, K padded by the rule (``pad`` missing columns of x: zero columns
+    before quantization), tails in M / N, several K steps (bk=256), bf16 / f32 activations and outputs."""
+    q, s, z = _weights(N, G, bs, fmt, asym and fmt == "int4", seed=M * 131 + N + G)
+    x = torch.randn(M, G * bs - pad, generator=torch.Generator().manual_seed(M + N)) * 3
+    x = x.float() if f32 else x.bfloat16()
+    xq = "int8" if fmt in ("int8", "int4") else "fp8"
+    y = qmm.quantized_matmul_blockwise(x, q, s, block_size=bs, w_zero_point=z, config=SMALL, x_quant=xq)
+    assert y.dtype == x.dtype and y.shape == (M, N)
+    _check(y, x, q, s, bs, z, fmt, x.dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2", "int8"])
+def test_quantize_kernel_matches_reference(dtype):
+    """quantize_per_block_kernel == quantize_per_block_reference bit for bit (cpu interpret), a zero block gets
+    s = 0 and q = 0, and the per-block dequantization error is within half a grid step (int8) / 2^-4 (e4m3fn) or
+    2^-3 (e5m2) relative to the block's absmax."""
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(37, 384, generator=g) * torch.logspace(-3, 3, 384)).bfloat16()
+    x[5, 128:256] = 0
+    q, s = qmm.quantize_per_block_kernel(x, dtype, 128)
+    qr, sr = qmm.quantize_per_block_reference(x.float(), dtype, 128)
+    assert q.dtype == getattr(torch, dtype) and s.shape == (37, 3)
+    assert torch.equal(s, sr) and torch.equal(q.float(), qr.float())
+    assert s[5, 1] == 0 and (q[5, 128:256].float() == 0).all()
+    deq = q.double() * s.double().repeat_interleave(128, 1)
+    amax = x.double().abs().reshape(37, 3, 128).amax(-1).repeat_interleave(128, 1)
+    tol = {"int8": amax / 127 * (0.5 + 2**-14), "float8_e4m3fn": amax * 2.0**-4,
+           "float8_e5m2": amax * 2.0**-3}[dtype]
+    assert ((deq - x.double()).abs() <= tol).all()
+
+
+def test_a8_interpret_modes(interpret):
+    """Two K steps (int4, bk=256 of bs=128: the dynamic lane pick of x_scale's column), N and M tails, f32 output;
+    "tpu" mode poisons the padding of partial blocks (and of x_scale's block rows past M) with NaN: results stay
+    within the bound."""
+    q, s, z = _weights(136, 4, 128, "int4", True, seed=5)
+    x = torch.randn(2, 20, 4 * 128, generator=torch.Generator().manual_seed(2)).bfloat16()
+    y = qmm.quantized_matmul_blockwise(x, q, s, block_size=128, w_zero_point=z, out_dtype="float32",
+                                       config=dict(bm=32, bk=256, bn=128), x_quant="int8")
+    assert y.dtype == torch.float32 and y.shape == (2, 20, 136)
+    _check(y, x, q, s, 128, z, "int4", torch.float32)
+
+
+def test_square_block_scales_deepseek_layout():
+    """A 2-D w_scale [ceil(N/128), K/128] (DeepSeek-V3's weight_scale_inv, N not a multiple of 128) means one scale
+    per 128 x 128 block: the same result as the expanded [G, 1, N] layout, within the bound of that weight."""
+    g = torch.Generator().manual_seed(3)
+    N, K = 200, 256
+    inv = torch.rand(2, 2, generator=g) + 0.1
+    w_q = (torch.randn(N, K, generator=g) * 50).to(torch.float8_e4m3fn)
+    x = torch.randn(7, K, generator=g).bfloat16()
+    y2 = qmm.quantized_matmul_blockwise(x, w_q, inv, block_size=128, x_quant="fp8")
+    s3 = qmm.expand_block_scale(inv, N, 128)
+    assert s3.shape == (2, 1, N) and float(s3[1, 0, 199]) == float(inv[1, 1]) and float(s3[0, 0, 127]) == float(
+        inv[0, 0])
+    y3 = qmm.quantized_matmul_blockwise(x, w_q, s3, block_size=128, x_quant="fp8")
+    assert torch.equal(y2, y3)
+    _check(y2, x, w_q, s3, 128, None, "float8_e4m3fn")
+    with pytest.raises(ArgumentError, match=r"w_scale \(square blocks, 2-D\) must have shape .* = \(2, 2\), got "
+                                            r"\(2, 1\)"):
+        qmm.quantized_matmul_blockwise(x, w_q, inv[:, :1], block_size=128, x_quant="fp8")
+    with pytest.raises(ArgumentError, match=r"w_scale \(square 128x128 blocks\) has 1 rows"):
+        qmm.quantized_matmul_blockwise(x, w_q, inv[:1], block_size=128, x_quant="fp8")
+
+
+def test_bound_is_sharp():
+    """Scaling each group's partial sum by one per-token scale (the whole row's absmax instead of the block's:
+    what a per-token w8a8 path computes) misses the per-block reference by more than the bound."""
+    q, s, _ = _weights(64, 4, 128, "float8_e5m2", False, seed=8)
+    x = torch.randn(16, 512, generator=torch.Generator().manual_seed(4)) * torch.tensor([1e-3, 1, 1e2, 1e-1]
+                                                                                        ).repeat_interleave(128)
+    xq, xs = qmm.quantize_per_block_reference(x, "float8_e5m2", 128)
+    q_tok, s_tok = qmm.quantize_reference(x, "float8_e5m2")  # one scale per token
+    naive = (q_tok.double() * s_tok.double()[:, None]) @ qmm.dequantize_blockwise(q, s, 128).T
+    bound = qmm.error_bound_blockwise_a8(xq, xs, q, s, 128)
+    ref = qmm.reference_blockwise_a8(xq, xs, q, s, 128)
+    assert ((naive - ref).abs() > bound).any()
+    y = qmm.quantized_matmul_blockwise(x, q, s, block_size=128, x_quant="fp8")
+    assert not ((y.double() - ref).abs() > bound).any()
+
+
+def test_a8_bad_input_typed_errors():
+    q8, s8, _ = _weights(64, 2, 128, "int8", False, seed=1)
+    q4, s4, z4 = _weights(64, 2, 128, "int4", True, seed=1)
+    qf, sf, _ = _weights(64, 2, 128, "float8_e5m2", False, seed=1)
+    x = torch.randn(4, 256).bfloat16()
+    with pytest.raises(DTypeError, match="x_quant='fp8' needs float8 w_q, got int8"):
+        qmm.quantized_matmul_blockwise(x, q8, s8, block_size=128, x_quant="fp8")
+    with pytest.raises(DTypeError, match="x_quant='int8' needs int8 or int4 w_q, got float8_e5m2"):
+        qmm.quantized_matmul_blockwise(x, qf, sf, block_size=128, x_quant="int8")
+    with pytest.raises(DTypeError, match="got fp4"):
+        qmm.quantized_matmul_blockwise(x, q4, s4, block_size=128, weight_format="fp4", x_quant="int8")
+    with pytest.raises(ArgumentError, match="x_quant 'int4' is not one of"):
+        qmm.quantized_matmul_blockwise(x, q8, s8, block_size=128, x_quant="int4")
+    xq, xs = qmm.quantize_per_block_reference(x.float(), "int8", 128)
+    with pytest.raises(ArgumentError, match=r"x_scale must have shape \(M, K/block_size\) = \(4, 2\)"):
+        qmm.quantized_matmul_blockwise_a8_kernel(xq, xs[:, :1], q8, s8, None, 128)
+    with pytest.raises(DTypeError, match="x_scale must be float32"):
+        qmm.quantized_matmul_blockwise_a8_kernel(xq, xs.bfloat16(), q8, s8, None, 128)
+    with pytest.raises(DTypeError, match="x_q dtype bfloat16 is not one of"):
+        qmm.quantized_matmul_blockwise_a8_kernel(x, xs, q8, s8, None, 128)
+    with pytest.raises(DTypeError, match="int8 x_q needs int8 or int4 w_q, got float8_e5m2"):
+        qmm.quantized_matmul_blockwise_a8_kernel(xq, xs, qf, sf, None, 128)
+    with pytest.raises(ArgumentError, match=r"w_zero_point must have shape"):
+        qmm.quantized_matmul_blockwise_a8_kernel(xq, xs, q4, s4, z4[:1], 128)
+    with pytest.raises(ArgumentError, match="not a multiple of block_size = 128"):
+        qmm.quantize_per_block_kernel(x[:, :200], "int8", 128)
+    # the K padding rule holds with x_quant too
+    with pytest.raises(ArgumentError, match="padding rule"):
+        qmm.quantized_matmul_blockwise(x[:, :100], q8, s8, block_size=128, x_quant="int8")
+
+
+@pytest.mark.parametrize("chip,fmt,x_quant", [("tpu7x", "int4", "int8"), ("tpu7x", "int8", "int8"),
+                                              ("v6e", "float8_e4m3fn", "fp8")])
+def test_pair_the_chip_lacks_raises_chip_error(monkeypatch, chip, fmt, x_quant):
+    """jax's tpu_info: tpu7x has no (int8, int8) MXU pair (so no w4a8 / w8a8), v6e no float8_e4m3fn: ChipError
+    naming the chip and what it supports, before any kernel runs."""
+    monkeypatch.setenv("TPUKERNELS_TARGET_CHIP", chip)
+    q, s, z = _weights(64, 2, 128, fmt, False, seed=1)
+    want = {"int4": r"int4 weights \(w4a8", "int8": "int8 weights", "float8_e4m3fn": "float8_e4m3fn weights"}[fmt]
+    with pytest.raises(ChipError, match=rf"{want}.*not supported on {chip}.*supported on {chip}: "):
+        qmm.quantized_matmul_blockwise(torch.randn(4, 256), q, s, block_size=128, x_quant=x_quant)
+
+
+def test_no_gradient_through_quantized_x():
+    """The forward runs with x.requires_grad (inference without no_grad); a backward that reaches it raises."""
+    q, s, _ = _weights(64, 2, 128, "int8", False, seed=1)
+    x = torch.randn(4, 256, requires_grad=True)
+    y = qmm.quantized_matmul_blockwise(x, q, s, block_size=128, x_quant="int8")
+    _check(y.detach(), x.detach(), q, s, 128, None, "int8", torch.float32)
+    with pytest.raises(ArgumentError, match="has no gradient"):
+        y.sum().backward()
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("chip", ["v5e", "v6e", "tpu7x"])
+def test_compile_only_a8(chip):
+    """Mosaic + XLA:TPU compile the a8 kernel and the per-block quantization for each pair the chip has (decode
+    16 x 4096 -> 14336; int4 with zero points), and refuse the others with ChipError."""
+    kern = qmm.quantized_matmul_blockwise_a8_kernel
+    modes = qmm.supported_modes(chip)
+    cases = [("float8_e4m3fn", "fp8"), ("float8_e5m2", "fp8"), ("int8", "int8"), ("u8", "int8")]
+    for wd, xq in cases:
+        xd = "i8" if xq == "int8" else wd
+        ok = ((xq, "int8") if wd == "u8" else (xq, "int8" if wd == "int8" else wd)) in modes
+        for M, N in ((16, 14336),):
+            wcols = 2048 if wd == "u8" else 4096
+            args = [f"{M}x4096:{xd}", f"{M}x32:f32", f"{N}x{wcols}:{'i8' if wd == 'int8' else wd}", f"32x1x{N}:f32"]
+            if wd == "u8":
+                args.append(f"32x1x{N}:f32")
+            if not ok:
+                with pytest.raises(ChipError, match=chip):
+                    tk.compile_for(kern, chip, *args, with_mlir=False)
+                continue
+            res = tk.compile_for(kern, chip, *args, with_mlir=False)
+            assert res.ok, res.summary()
+            assert res.vmem_estimate_bytes <= (res.vmem_limit_bytes or 0)
+    res = tk.compile_for(qmm.quantize_per_block_kernel, chip, "1024x4096:bf16", "int8", 128, with_mlir=False)
+    assert res.ok, res.summary()

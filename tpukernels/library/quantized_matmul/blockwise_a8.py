@@ -1,0 +1,417 @@
+"""Block-scaled 8-bit activations times block-scaled weights: fp8 x fp8 with 1x128 activation blocks and 128x128
+weight blocks (DeepSeek-V3's scheme), and w4a8 (int4 weights unpacked to int8, int8 activations) and w8a8 int8
+with the same per-block activation scales. Public path: ``quantized_matmul_blockwise(..., x_quant="fp8" | "int8")``
+(:mod:`.blockwise`).
+
+Layout (``bs`` = ``block_size``, ``G = K_w / bs``):
+
+* activations: ``x`` is quantized per token and per block of ``bs`` columns (``1 x bs``; ``1 x 128`` in DeepSeek-V3)
+  by ``quantize_per_block_kernel``: ``x_q [M, K_w]`` (int8 or the weight's fp8 dtype) and ``x_scale [M, G]``
+  float32, ``x ~= x_q[m, k] * x_scale[m, k // bs]``. The formula is the package's per-token one applied to each
+  block (symmetric absmax: ``s = max|v| * f32(1 / qmax)``, ``r = f32(1 / s)`` or 0, ``q = round_half_even(v * r)``
+  clipped to ``+-127`` for int8, ``fp8(clip(v * r, +-qmax))`` for fp8; a zero block gets ``s = 0, q = 0``).
+  :func:`quantize_per_block_reference` is the same in torch (bit for bit in cpu interpret mode).
+* weights: as :mod:`.blockwise` (``w_q [N, K_w]`` int8 / fp8, or ``[N, K_w / 2]`` uint8 packed int4, optional int4
+  zero points) with ``w_scale [G, 1, N]`` float32 (tpu-inference's block-wise layout). A 2-D ``w_scale`` given to
+  the public op is the square-block layout of DeepSeek-V3 checkpoints (``weight_scale_inv [ceil(N / bs), G]``: one
+  scale per ``bs x bs`` block): :func:`expand_block_scale` repeats each row ``bs`` times along N into
+  ``[G, 1, N]`` (4 bytes per ``bs`` weights, ``N K_w / 32`` bytes for ``bs = 128``: 1/32 of the fp8 weight's bytes;
+  :class:`~.blockwise.TPUBlockQuantLinear` stores the expanded form once, at load).
+
+What runs: ``quantized_matmul_blockwise_a8_kernel(x_q, x_scale, w_q, w_scale, w_zero_point?, block_size,
+out_dtype, weight_format)``, grid ``(M/bm, N/bn, K_w/bk)`` with ``bk`` a multiple of ``bs``
+(:func:`~.blockwise.k_block`), f32 VMEM accumulator. Per K step, for each of its ``bk / bs`` groups (static loop):
+one MXU dot of the group's ``x_q`` columns with the group's weight tile in the quantized dtypes themselves —
+fp8 x fp8 accumulating in f32, int8 x int8 (int4 nibbles unpacked in VMEM to int8 ``q - 8``: two half-width
+dots) accumulating exactly in int32 — then ``partial * x_scale[:, g] * w_scale[g]`` in f32 (a ``[bm, 1]``
+column times a ``[1, bn]`` row), added to the accumulator; int4 zero points subtract ``rowsum(x_q) * (z - 8)``
+(the row sum exact in int32) before the scaling. The ``x_scale`` block is the row block's whole ``[bm, G]`` (fetched
+once per row block); the group's column is taken by a static lane slice (one K step) or a one-hot masked lane sum
+(exact: one nonzero term) at the step's group index.
+
+Chips: the pair must be native on the MXU (jax ``tpu_info.is_matmul_supported``, as
+:func:`~tpukernels.library.quantized_matmul.supported_modes`): fp8 x fp8 for ``x_quant="fp8"`` (libtpu 0.0.52:
+float8_e4m3fn on tpu7x only, float8_e5m2 on v5e, v6e and tpu7x), ``(int8, int8)`` for ``x_quant="int8"`` with int8
+or int4 weights (v5e, v6e; not tpu7x). Elsewhere :class:`~tpukernels.errors.ChipError` naming the chip and the
+modes it supports (:func:`check_chip_a8`).
+
+Error (``u`` = unit roundoff of the output dtype, ``u32 = 2^-24``), against the float64 product of the
+**dequantized** operands ``x' = x_q * x_scale`` and ``W`` (:func:`reference_blockwise_a8`), elementwise:
+``|y - ref| <= u |ref| + (bs + G + 2) u32 (|x'| @ M^T) + (K_w + 2) 2^-52 (|x'| @ M^T)`` with ``M[n, k] = (|q'| +
+|z'|) |s|`` as in :mod:`.blockwise` (``M = |W|`` without zero points). Derivation: int8 x int8 group sums are exact
+in int32 and stay exact in f32 (``|sum| <= 127^2 * 512 < 2^24``); fp8 x fp8 products are exact in f32 (4-bit x
+4-bit significands), their f32 sum of ``bs`` terms errs by at most ``(bs - 1) u32`` times the absolute sum (Higham,
+"Accuracy and Stability of Numerical Algorithms", 2nd ed., eq. 3.5); the zero-point product and subtraction, the
+two scale products and the ``G - 1`` additions across groups add ``G + 3`` roundings; then the output rounding.
+The last term is the float64 reference's own rounding. The bound is on the quantized values the kernel used: the
+activation quantization error itself (half a grid step of each block, ``x_scale / 2`` for int8) is the scheme's,
+not the kernel's. :func:`error_bound_blockwise_a8`.
+
+Padding rule: the public op pads ``x`` with zero columns to ``K_w`` before quantizing (:mod:`.blockwise`), so the
+last block's absmax is that of its real columns. No gradient: the forward runs with ``x.requires_grad``, a
+backward reaching it raises ArgumentError (rounding ``x`` has derivative zero almost everywhere).
+
+Source: DeepSeek-V3 technical report (arXiv:2412.19437, section 3.3.2: 1x128 activation tiles, 128x128 weight
+blocks, per-group scaling of the partial sums in the higher-precision accumulation); tpu-inference's
+``kernels/quantized_matmul/blockwise_kernel.py`` (v0.32.0: ``[n_in // block_size, 1, n_out]`` weight scales, a dot
+per block in the quantized dtypes, ``* lhs_scale * rhs_scale`` per block; read, not copied).
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ... import dsl as _dsl
+from ...dsl.validate import padded_bytes
+from .._vmem import MiB, scoped_vmem_limit
+from ...errors import ArgumentError, ChipError, DTypeError
+from . import blockwise as _blockwise
+from .blockwise import BLOCK_SIZES, _problem, expand_block_scale, k_block  # noqa: F401  (re-exported)
+from .common import U32, X_DTYPES, _clamp, _describe, _jnp, _name, _out_dtype, _target_chip, check_chip, qmax
+from .quantize import _quantize_values, _reciprocal
+
+#: activation dtypes of the a8 kernel
+XQ_DTYPES = ("int8", "float8_e4m3fn", "float8_e5m2")
+
+TUNABLES_A8 = {
+    "bm": _dsl.Tunable([256, 128, 512, 1024], default=256, doc="rows of the output block (tokens)"),
+    "bk": _dsl.Tunable([1024, 512, 2048, 4096], default=1024,
+                       doc="contraction block (upper bound: the largest multiple of block_size tiling K, k_block)"),
+    "bn": _dsl.Tunable([512, 256, 1024, 2048], default=512, doc="columns of the output block (N)"),
+}
+TUNABLES_QB = {
+    "bm": _dsl.Tunable([256, 32, 64, 128, 512], default=256, doc="rows per block (the block holds whole rows)"),
+}
+
+
+# ----------------------------------------------------------------------------------------------- chips, scales
+def check_chip_a8(x_quant: str, fmt: str, where: str, chip=None) -> None:
+    """ChipError unless the target chip (None: unchecked) multiplies the pair natively: ``(int8, int8)`` for
+    ``x_quant="int8"`` (int8 or int4 weights: w8a8 / w4a8), ``(fp8, fp8)`` for ``"fp8"``."""
+    if fmt != "int4":
+        return check_chip(x_quant, fmt, chip=chip, where=where)
+    from .common import supported_modes
+
+    chip = _target_chip() if chip is None else chip
+    if chip is None:
+        return
+    modes = supported_modes(chip)
+    if ("int8", "int8") not in modes:
+        raise ChipError(f"{where}: x_quant='int8' with int4 weights (w4a8: nibbles unpacked to int8 in VMEM) is not "
+                        f"supported on {chip.name}: jax's tpu_info.is_matmul_supported says its MXU does not take "
+                        f"(int8, int8) natively; supported on {chip.name}: {_describe(modes)}, and w4a16 (int4 "
+                        f"weights, x_quant=None) everywhere")
+
+
+# ----------------------------------------------------------------------------------------------- quantization
+def quantize_per_block_reference(x: torch.Tensor, dtype: str, block_size: int):
+    """torch version of ``quantize_per_block_kernel``: ``x [M, K]`` (``K % block_size == 0``) ->
+    ``(x_q [M, K] dtype, x_scale [M, K / block_size] float32)`` (module docstring formula)."""
+    from .quantize import quantize_reference
+
+    M, K = x.shape
+    q, s = quantize_reference(x.reshape(M * (K // block_size), block_size), dtype)
+    return q.reshape(M, K), s.reshape(M, K // block_size)
+
+
+def _qb_body(x_ref, q_ref, s_ref, *, bs, n_groups, qm, is_int):
+    import jax.numpy as jnp
+
+    inv = np.float32(1.0 / qm)
+    for g in range(n_groups):
+        v = x_ref[:, g * bs:(g + 1) * bs]
+        s = jnp.max(jnp.abs(v), axis=1, keepdims=True).astype(jnp.float32) * inv
+        q_ref[:, g * bs:(g + 1) * bs] = _quantize_values(v, _reciprocal(s), qm, is_int, q_ref.dtype)
+        s_ref[:, g:g + 1] = s
+
+
+def _qb_check(x, dtype, block_size, where):
+    if len(x.shape) != 2:
+        raise ArgumentError(f"{where}: x must be 2-D [M, K], got {tuple(x.shape)}")
+    if _name(x.dtype) not in X_DTYPES:
+        raise DTypeError(f"{where}: x dtype {_name(x.dtype)} is not one of {X_DTYPES}")
+    if dtype not in XQ_DTYPES:
+        raise DTypeError(f"{where}: dtype {dtype!r} is not one of {XQ_DTYPES}")
+    if not isinstance(block_size, int) or block_size not in BLOCK_SIZES:
+        raise ArgumentError(f"{where}: block_size {block_size!r} is not a multiple of 32 in 32..512")
+    if x.shape[1] % block_size:
+        raise ArgumentError(f"{where}: x has K = {x.shape[1]} columns, not a multiple of block_size = {block_size} "
+                            f"(the public op pads x with zero columns first)")
+    return x.shape[0], x.shape[1]
+
+
+def _qb_shape(x, dtype="float8_e4m3fn", block_size=128):
+    M, K = _qb_check(x, dtype, block_size, "tpukernels::quantize_per_block_kernel")
+    return (_dsl.OutSpec((M, K), _jnp(dtype)), _dsl.OutSpec((M, K // block_size), _jnp("float32")))
+
+
+def _qb_heuristic(x, dtype="float8_e4m3fn", block_size=128):
+    K = max(1, x.shape[1])
+    rows = (4 * MiB) // (K * 4)  # the f32 copy of a block within ~4 MiB
+    return dict(bm=max(32, min(512, 1 << max(0, rows.bit_length() - 1))))
+
+
+@_dsl.tpu_kernel(_qb_body, name="quantize_per_block_kernel", namespace="tpukernels", tunables=TUNABLES_QB,
+                 heuristic=_qb_heuristic, out_shape=_qb_shape)
+def quantize_per_block_kernel(x: torch.Tensor, dtype: str = "float8_e4m3fn", block_size: int = 128, *,
+                              bm: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token, per-block (``1 x block_size``) absmax quantization of ``x [M, K]`` (bf16 / f32, ``K`` a multiple
+    of ``block_size``) to ``dtype`` (int8 / fp8): ``(x_q [M, K], x_scale [M, K / block_size] float32)`` (module
+    docstring). Blocks hold whole rows; grid ``(M / bm,)``.
+
+    Raises:
+        ArgumentError: rank, block size, K not a multiple of it. DTypeError: dtypes.
+    """
+    from jax.experimental import pallas as pl
+
+    where = "tpukernels::quantize_per_block_kernel"
+    M, K = _qb_check(x, dtype, block_size, where)
+    G = K // block_size
+    bm_ = _clamp(M, bm)
+    need = (2 * (padded_bytes((bm_, K), x.dtype) + padded_bytes((bm_, K), _jnp(dtype))
+                 + padded_bytes((bm_, G), "float32")) + 3 * padded_bytes((bm_, block_size), "float32"))
+    return _dsl.Launch(
+        grid=(_dsl.cdiv(M, bm_),),
+        in_specs=[pl.BlockSpec((bm_, K), lambda i: (i, 0))],
+        out_specs=[pl.BlockSpec((bm_, K), lambda i: (i, 0)), pl.BlockSpec((bm_, G), lambda i: (i, 0))],
+        out_shape=_qb_shape(x, dtype, block_size),
+        dimension_semantics=("parallel",),
+        vmem_limit_bytes=scoped_vmem_limit(need),
+        cost_estimate=pl.CostEstimate(flops=4 * M * K, transcendentals=0,
+                                      bytes_accessed=int(M * K * (np.dtype(x.dtype).itemsize + 1) + 4 * M * G)),
+        body_kwargs=dict(bs=int(block_size), n_groups=int(G), qm=qmax(dtype), is_int=dtype == "int8"),
+    )
+
+
+# ----------------------------------------------------------------------------------------------- references
+def _mag_w(w_q, w_scale, block_size, w_zero_point, fmt):
+    from .blockwise import unpack_int4
+
+    s = w_scale.double()[:, 0, :].T.repeat_interleave(block_size, 1).abs()
+    if fmt == "int4":
+        qp = unpack_int4(w_q, block_size).double() - 8
+        zp = 0.0 if w_zero_point is None else (w_zero_point.double()[:, 0, :].T - 8).abs().repeat_interleave(
+            block_size, 1)
+        return (qp.abs() + zp) * s
+    return w_q.double().abs() * s
+
+
+def _x_dequant(x_q, x_scale, block_size):
+    return x_q.double() * x_scale.double().repeat_interleave(block_size, 1)
+
+
+def reference_blockwise_a8(x_q, x_scale, w_q, w_scale, block_size: int, w_zero_point=None) -> torch.Tensor:
+    """float64 ``x' @ W^T`` (not rounded) of the dequantized operands ``x' = x_q * x_scale`` (per block) and ``W``
+    (:func:`~.blockwise.dequantize_blockwise`); ``x_q [M, K_w]``, ``x_scale [M, K_w / bs]``."""
+    from .blockwise import dequantize_blockwise
+
+    W = dequantize_blockwise(w_q, w_scale, block_size, w_zero_point)
+    return _x_dequant(x_q, x_scale, block_size) @ W.T
+
+
+def error_bound_blockwise_a8(x_q, x_scale, w_q, w_scale, block_size: int, w_zero_point=None,
+                             out_dtype=torch.bfloat16) -> torch.Tensor:
+    """The elementwise bound of the module docstring on ``|y - reference_blockwise_a8(...)|`` (float64)."""
+    from .blockwise import resolve_format
+
+    fmt = resolve_format(w_q, "error_bound_blockwise_a8")
+    u = 2.0**-8 if out_dtype == torch.bfloat16 else U32
+    ref = reference_blockwise_a8(x_q, x_scale, w_q, w_scale, block_size, w_zero_point)
+    mw = _mag_w(w_q, w_scale, block_size, w_zero_point, fmt)
+    K_w = mw.shape[1]
+    G = K_w // block_size
+    mag = _x_dequant(x_q, x_scale, block_size).abs() @ mw.T
+    return u * ref.abs() + (block_size + G + 2) * U32 * mag + (K_w + 2) * 2.0**-52 * mag
+
+
+# ----------------------------------------------------------------------------------------------- kernel
+def _a8_body(x_ref, xs_ref, w_ref, s_ref, *refs, bs, n_sub, n_k, int4, has_zp, acc_int):
+    """One output block, one K step of ``n_sub`` groups (module docstring); ``refs`` = ``[z_ref,] o_ref, acc_ref``."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+
+    if has_zp:
+        z_ref, o_ref, acc_ref = refs
+    else:
+        z_ref, (o_ref, acc_ref) = None, refs
+    k = pl.program_id(2)
+    dims = (((1,), (1,)), ((), ()))
+    pref = jnp.int32 if acc_int else jnp.float32
+    half = bs // 2
+    xs_all = xs_ref[...]
+    lane = None if n_k == 1 else jax.lax.broadcasted_iota(jnp.int32, xs_all.shape, 1)
+    part = None
+    for g in range(n_sub):
+        if n_k == 1:
+            xsg = xs_all[:, g:g + 1]
+        else:  # the group's scale column at a dynamic lane: a one-hot masked lane sum (one nonzero term: exact)
+            xsg = jnp.sum(jnp.where(lane == k * n_sub + g, xs_all, 0.0), axis=1, keepdims=True)
+        xg = x_ref[:, g * bs:(g + 1) * bs]
+        if int4:  # unpack in VMEM to int8 q - 8: low nibbles = first half of the group, high = second half
+            b = w_ref[:, g * half:(g + 1) * half].astype(jnp.int32)
+            lo, hi = ((b & 15) - 8).astype(jnp.int8), ((b >> 4) - 8).astype(jnp.int8)
+            d = (jax.lax.dot_general(xg[:, :half], lo, dims, preferred_element_type=pref)
+                 + jax.lax.dot_general(xg[:, half:], hi, dims, preferred_element_type=pref))
+        else:
+            d = jax.lax.dot_general(xg, w_ref[:, g * bs:(g + 1) * bs], dims, preferred_element_type=pref)
+        d = d.astype(jnp.float32)
+        if z_ref is not None:  # x . (q - z)^T = x . (q - 8)^T - rowsum(x) (z - 8); the row sum exact in int32
+            r = jnp.sum(xg.astype(jnp.int32), axis=1, keepdims=True).astype(jnp.float32)
+            d = d - r * (z_ref[g] - 8.0)
+        d = (d * xsg) * s_ref[g]
+        part = d if part is None else part + d
+
+    if n_k == 1:
+        o_ref[...] = part.astype(o_ref.dtype)
+        return
+
+    @pl.when(k == 0)
+    def _():
+        acc_ref[...] = part
+
+    @pl.when(jnp.logical_and(k > 0, k < n_k - 1))
+    def _():
+        acc_ref[...] += part
+
+    @pl.when(k == n_k - 1)
+    def _():
+        o_ref[...] = (acc_ref[...] + part).astype(o_ref.dtype)
+
+
+def _a8_problem(x_q, x_scale, w_q, w_scale, w_zero_point, block_size, where):
+    """``(M, N, K_w, fmt, x_quant)`` after the checks (typed errors naming the tensor)."""
+    if len(x_q.shape) != 2:
+        raise ArgumentError(f"{where}: x_q must be 2-D [M, K_w], got {tuple(x_q.shape)}")
+    xd = _name(x_q.dtype)
+    if xd not in XQ_DTYPES:
+        raise DTypeError(f"{where}: x_q dtype {xd} is not one of {XQ_DTYPES} (quantize x with "
+                         f"quantize_per_block_kernel)")
+    # the weight side's checks (block size, packing, w_scale / w_zero_point shapes) on a stand-in bf16 x
+    stand_in = types.SimpleNamespace(shape=tuple(x_q.shape), dtype=np.dtype("float32"))
+    M, N, K_w, fmt = _problem(stand_in, w_q, w_scale, w_zero_point, block_size, where)
+    if fmt == "fp4":
+        raise DTypeError(f"{where}: fp4 weights take bf16 activations only (x_quant=None); no fp4 x 8-bit MXU pair")
+    if xd == "int8" and fmt not in ("int8", "int4"):
+        raise DTypeError(f"{where}: int8 x_q needs int8 or int4 w_q, got {fmt} (x_quant='fp8' for fp8 weights)")
+    if xd != "int8" and fmt != xd:
+        raise DTypeError(f"{where}: {xd} x_q needs w_q of the same fp8 dtype, got {fmt}")
+    G = K_w // block_size
+    if tuple(x_scale.shape) != (M, G):
+        raise ArgumentError(f"{where}: x_scale must have shape (M, K/block_size) = ({M}, {G}), got "
+                            f"{tuple(x_scale.shape)}")
+    if _name(x_scale.dtype) != "float32":
+        raise DTypeError(f"{where}: x_scale must be float32, got {_name(x_scale.dtype)}")
+    return M, N, K_w, fmt, "int8" if xd == "int8" else "fp8"
+
+
+def _a8_heuristic(x_q, x_scale, w_q, w_scale, w_zero_point=None, block_size=128, out_dtype=None):
+    M = x_q.shape[0]
+    if M <= 128:  # decode: one row block, large weight tiles
+        return dict(bm=128, bk=2048, bn=512)
+    return dict(bm=512, bk=1024, bn=1024)
+
+
+def _a8_shape(x_q, x_scale, w_q, w_scale, w_zero_point=None, block_size=128, out_dtype=None):
+    where = "tpukernels::quantized_matmul_blockwise_a8_kernel"
+    M, N, _, _, _ = _a8_problem(x_q, x_scale, w_q, w_scale, w_zero_point, block_size, where)
+    return _dsl.OutSpec((M, N), _out_dtype(out_dtype, x_q, where))
+
+
+def _ref_a8(x_q, x_scale, w_q, w_scale, w_zero_point=None, block_size=128, out_dtype=None):
+    """jnp version (autotuner correctness check): dequantize both operands in f32, one dot."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    from .blockwise import dequantize_f32_jnp
+
+    W = dequantize_f32_jnp(w_q, w_scale, w_zero_point, block_size)
+    xd = x_q.astype(jnp.float32) * jnp.repeat(x_scale, block_size, axis=1)
+    z = jnp.matmul(xd, W.T, precision=lax.Precision.HIGHEST)
+    return z.astype(_out_dtype(out_dtype, x_q, "quantized_matmul_blockwise_a8_kernel"))
+
+
+@_dsl.tpu_kernel(_a8_body, name="quantized_matmul_blockwise_a8_kernel", namespace="tpukernels", tunables=TUNABLES_A8,
+                 heuristic=_a8_heuristic, out_shape=_a8_shape, reference=_dsl.jax_reference(_ref_a8))
+def quantized_matmul_blockwise_a8_kernel(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor,
+                                         w_scale: torch.Tensor, w_zero_point: Optional[torch.Tensor] = None,
+                                         block_size: int = 128, out_dtype: Optional[str] = None, *,
+                                         bm: int, bk: int, bn: int) -> torch.Tensor:
+    """``x' @ W^T`` with block-quantized activations and weights (module docstring): ``x_q [M, K_w]`` int8 / fp8,
+    ``x_scale [M, K_w / bs]`` f32, ``w_q [N, K_w]`` (same fp8 dtype as ``x_q``; int8) or ``[N, K_w / 2]`` uint8
+    (int4, with int8 ``x_q``), ``w_scale [K_w / bs, 1, N]`` f32, ``w_zero_point`` (int4) same shape -> ``[M, N]``
+    in ``out_dtype`` (default bfloat16).
+
+    Raises:
+        ArgumentError: ranks, block size, packed width, scale / zero-point shapes (each names the tensor).
+        DTypeError: dtypes and pairs. ChipError: the target chip's MXU lacks the pair (:func:`check_chip_a8`).
+    """
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    where = "tpukernels::quantized_matmul_blockwise_a8_kernel"
+    M, N, K_w, fmt, x_quant = _a8_problem(x_q, x_scale, w_q, w_scale, w_zero_point, block_size, where)
+    check_chip_a8(x_quant, fmt, where)
+    odt = _out_dtype(out_dtype, x_q, where)
+    int4 = fmt == "int4"
+    bk_ = k_block(K_w, block_size, bk, int4)
+    bm_, bn_ = _clamp(M, bm), _clamp(N, bn)
+    gi, gj, gk = _dsl.cdiv(M, bm_), _dsl.cdiv(N, bn_), K_w // bk_
+    G = K_w // block_size
+    n_sub = bk_ // block_size
+    wcols = bk_ // 2 if int4 else bk_
+    in_specs = [pl.BlockSpec((bm_, bk_), lambda i, j, k: (i, k)),
+                pl.BlockSpec((bm_, G), lambda i, j, k: (i, 0)),
+                pl.BlockSpec((bn_, wcols), lambda i, j, k: (j, k)),
+                pl.BlockSpec((n_sub, 1, bn_), lambda i, j, k: (k, 0, j))]
+    if w_zero_point is not None:
+        in_specs.append(pl.BlockSpec((n_sub, 1, bn_), lambda i, j, k: (k, 0, j)))
+    acc_shape = (8, 128) if gk == 1 else (bm_, bn_)
+    need = (2 * (padded_bytes((bm_, bk_), x_q.dtype) + padded_bytes((bm_, G), "float32")
+                 + padded_bytes((bn_, wcols), w_q.dtype)
+                 + (1 + (w_zero_point is not None)) * n_sub * padded_bytes((1, bn_), "float32")
+                 + padded_bytes((bm_, bn_), odt))
+            + 2 * padded_bytes((bn_, block_size), "int32") + 3 * padded_bytes((bm_, bn_), "float32")
+            + padded_bytes(acc_shape, "float32"))
+    wbytes = N * K_w // (2 if int4 else 1)
+    cost = pl.CostEstimate(flops=2 * M * N * K_w, transcendentals=0,
+                           bytes_accessed=int(gj * M * (K_w + 4 * G) + gi * wbytes + M * N * np.dtype(odt).itemsize))
+    return _dsl.Launch(
+        grid=(gi, gj, gk),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((bm_, bn_), lambda i, j, k: (i, j)),
+        out_shape=_dsl.OutSpec((M, N), odt),
+        scratch_shapes=[pltpu.VMEM(acc_shape, jnp.float32)],
+        dimension_semantics=("parallel", "parallel", "arbitrary"),
+        vmem_limit_bytes=scoped_vmem_limit(need),
+        cost_estimate=cost,
+        body_kwargs=dict(bs=int(block_size), n_sub=int(n_sub), n_k=int(gk), int4=int4,
+                         has_zp=w_zero_point is not None, acc_int=x_quant == "int8"),
+    )
+
+
+def quantized_matmul_blockwise_a8(x2: torch.Tensor, w_q, w_scale, w_zero_point, block_size: int, fmt: str,
+                                  x_quant: str, out_dtype: str, config=None) -> torch.Tensor:
+    """``x2 [M, K_w]`` (bf16 / f32, already padded to ``K_w``) quantized per ``1 x block_size`` block, then the a8
+    kernel; the public op's ``x_quant`` path (:func:`~.blockwise.quantized_matmul_blockwise`)."""
+    where = "tpukernels::quantized_matmul_blockwise"
+    if x_quant == "fp8" and not fmt.startswith("float8"):
+        raise DTypeError(f"{where}: x_quant='fp8' needs float8 w_q, got {fmt} (x_quant='int8' for int8 / int4)")
+    if x_quant == "int8" and fmt not in ("int8", "int4"):
+        raise DTypeError(f"{where}: x_quant='int8' needs int8 or int4 w_q, got {fmt} (x_quant='fp8' for fp8 weights;"
+                         f" fp4 takes x_quant=None)")
+    check_chip_a8(x_quant, fmt, where)
+    qdt = "int8" if x_quant == "int8" else fmt
+    xq, xs = quantize_per_block_kernel(x2, qdt, int(block_size))
+    kw = {} if config is None else dict(config=config)
+    return quantized_matmul_blockwise_a8_kernel(xq, xs, w_q, w_scale, w_zero_point, int(block_size), out_dtype, **kw)
+
+
+# the public op's x_quant path (quantized_matmul_blockwise lives in .blockwise, which this module builds on: it
+# reaches this function through the hook instead of importing this module back)
+_blockwise._X_QUANT_PATH = quantized_matmul_blockwise_a8
