@@ -107,7 +107,7 @@ def _put(env, op, fn, *, jax_function: bool) -> None:
 def _kernel_lowering(kernel):
     """A kernel op's lowering: its arguments as jax arrays (and Python statics) through
     :func:`tpukernels.jax_call` (Mosaic for arrays on a TPU or a program lowered for TPU, else the interpreter)."""
-    from .. import jax_call
+    from ..targets.jax_entry import jax_call
 
     def lowering(*args, config=None, **kwargs):
         return jax_call(kernel, *args, config=config, **kwargs)
