@@ -42,7 +42,11 @@ consulted by v3; ``RPA_V3_*_BLOCK_SIZES`` unset), ``sm_scale=1/sqrt(D)``, its KV
 ``vmem_limit_bytes`` is ``min(3/4 of VMEM, VMEM - 24 MiB)`` (96 MiB on v5e / v6e, 40 MiB on tpu7x) instead
 of its default (the whole VMEM), with which XLA's own ops beside the kernel (its q / KV packing, ~19 MiB of
 VMEM here) do not fit and the compile fails (v6e: "Used 146.92M of 127.94M vmem"; tpu7x at 48 MiB: "Used
-67.04M of 63.94M"; the v6e estimate at 64 MiB and 100 MiB is the same).
+67.04M of 63.94M"; the v6e estimate at 64 MiB and 100 MiB is the same). Its mixed-batch program
+(``T = 1024``) does not compile at these limits with libtpu 0.0.52 (v6e at 96 MiB: "Used 148.04M of
+127.94M vmem", XLA's ops beside it take ~52 MiB there; tpu7x at 40 MiB: its default mixed blocks exceed the
+scoped VMEM), so the mixed rows have no tpu-inference figure; a smaller limit on v6e (64 MiB) would likely
+compile (not run: each such estimate takes ~15 minutes on this host).
 
 JAX's kernel runs at ``num_kv_pages_per_block`` = our ``pages_per_block`` and ``num_queries_per_block=32``
 (its tuned table has no entry for these shapes and its lookup needs a live TPU; 32 is its default),
