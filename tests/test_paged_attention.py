@@ -384,3 +384,144 @@ def test_torch_compile_fullgraph():
     args = make_batch([1, 3], [4, 6], S=2, T=8, Hq=4, Hkv=2, ps=4, pps=2, P=6)
     f = torch.compile(lambda *a: torch.ops.tpukernels.ragged_paged_attention(*a), backend="aot_eager", fullgraph=True)
     check(args, f(*args), TOL[torch.float32])
+
+
+# ------------------------------------------------------------------------------------------ in-place update
+def _expect_update(cache, k, v, slots):
+    ps = cache.shape[1]
+    expect = cache.clone()
+    for t, sl in enumerate(slots.tolist()):
+        if sl >= 0:
+            expect[sl // ps, sl % ps, 0::2] = k[t]
+            expect[sl // ps, sl % ps, 1::2] = v[t]
+    return expect
+
+
+@pytest.mark.parametrize("mode", ["fast", "tpu"])
+def test_update_kv_cache_in_place(mode, monkeypatch):
+    """update_kv_cache_ writes the slots into the caller's cache (same storage), skips negative slots, and
+    runs the kernel on the touched pages only (never on a whole-cache operand)."""
+    from tpukernels.library.paged_attention import update_kv_cache_
+    from tpukernels.targets import cpu
+
+    g = torch.Generator().manual_seed(3)
+    cache = torch.randn(16, 4, 4, D, generator=g)
+    k, v = torch.randn(5, 2, D, generator=g), torch.randn(5, 2, D, generator=g)
+    slots = torch.tensor([61, -1, 2, 3, 40], dtype=torch.int32)
+    expect = _expect_update(cache, k, v, slots)
+    seen, orig = [], cpu.run_torch_cpu
+
+    def spy(kernel, values, config):
+        seen.append(tuple(values[2].shape))
+        return orig(kernel, values, config)
+
+    monkeypatch.setattr(cpu, "run_torch_cpu", spy)
+    ptr = cache.data_ptr()
+    assert update_kv_cache_(cache, k, v, slots, interpret=mode) is cache
+    assert cache.data_ptr() == ptr and torch.equal(cache, expect)
+    assert seen == [(3, 4, 4, D)]  # pages 15, 0 and 10: the kernel's cache operand is those 3 pages
+    # the op schema declares the mutation
+    assert "Tensor(a!) kv_cache" in str(torch.ops.tpukernels.update_kv_cache_.default._schema)
+
+
+def test_update_kv_cache_in_place_validation():
+    from tpukernels.library.paged_attention import update_kv_cache_
+
+    cache = torch.zeros(2, 4, 2, D)
+    k = torch.ones(2, 1, D)
+    with pytest.raises(ArgumentError, match="slot_mapping\\[1\\] = 8"):
+        update_kv_cache_(cache, k, k, torch.tensor([0, 8], dtype=torch.int32))
+    with pytest.raises(ArgumentError, match="contiguous"):
+        update_kv_cache_(torch.zeros(4, 2, 2, D).transpose(0, 1), k, k, torch.tensor([0, 1], dtype=torch.int32))
+    assert cache.eq(0).all()  # nothing written before the errors
+
+
+_PEAK_SCRIPT = r"""
+import json, sys, torch
+from tpukernels.library.paged_attention import update_kv_cache, update_kv_cache_
+
+def rss(key):
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith(key))
+
+def peak_of(fn):
+    with open("/proc/self/clear_refs", "w") as f:  # resets VmHWM (the peak) to the current RSS
+        f.write("5")
+    before = rss("VmRSS:")
+    fn()
+    return rss("VmHWM:") - before
+
+P, ps, H2, D = 1024, 16, 8, 128                      # float32: 64 MiB
+cache = torch.zeros(P, ps, H2, D)
+cache.fill_(1.0)                                      # touch every page
+k = torch.randn(8, H2 // 2, D); v = torch.randn(8, H2 // 2, D)
+slots = torch.arange(8, dtype=torch.int32) * 997
+update_kv_cache_(cache, k, v, slots)                  # compile the small kernel first
+ptr = cache.data_ptr()
+inplace = peak_of(lambda: update_kv_cache_(cache, k, v, slots + 1))
+ok = cache.data_ptr() == ptr and torch.equal(cache[997 // ps, 997 % ps + 1, 0::2], k[1])
+warm = update_kv_cache(cache, k, v, slots)            # compile the functional one at the full cache
+keep = []                                             # results stay alive: no buffer reuse hides a copy
+functional = peak_of(lambda: keep.append(update_kv_cache(cache, k, v, slots + 2)))
+print(json.dumps({"cache": cache.nbytes, "inplace": inplace, "functional": functional, "ok": bool(ok)}))
+"""
+
+
+def test_update_kv_cache_in_place_peak_memory():
+    """Peak resident memory of one in-place step (a fresh process; VmHWM reset before the step) is far below
+    one cache copy, while the functional op's step costs at least one copy (the measurement sees copies)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    if not os.path.exists("/proc/self/clear_refs"):
+        pytest.skip("needs Linux /proc/self/clear_refs to reset the peak RSS")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", TPUKERNELS_INTERPRET="fast")
+    res = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT], capture_output=True, text=True, env=env,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    r = json.loads(res.stdout.strip().splitlines()[-1])
+    assert r["ok"]
+    assert r["inplace"] < r["cache"] / 16, r
+    assert r["functional"] > r["cache"] / 2, r
+
+
+def test_update_kv_cache_in_place_on_torch_tpu_donates_the_callers_cache(monkeypatch):
+    """The tpu branch against torch-tpu's real pallas.py: the caller's cache itself is donated (not a clone);
+    a runtime that reuses the donated buffer leaves nothing to copy, one that returns another buffer gets it
+    copied into the cache."""
+    import real_torch_tpu
+
+    from tpukernels.library import paged_attention as pa
+
+    try:
+        _, registry = real_torch_tpu.install(monkeypatch)
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    pa.update_kernel._plans.clear()
+    monkeypatch.setattr(pa.update_kernel, "_plans", {})
+    g = torch.Generator().manual_seed(5)
+    k, v = torch.randn(3, 2, D, generator=g), torch.randn(3, 2, D, generator=g)
+    slots = torch.tensor([9, -1, 0], dtype=torch.int32)
+    kv_new = torch.stack([k, v], dim=2).reshape(3, 4, D)
+
+    for reuse in (True, False):
+        cache = torch.randn(4, 4, 4, D, generator=g)
+        expect, ptr = _expect_update(cache, k, v, slots), cache.data_ptr()
+
+        def run(name, inputs, outs, reuse=reuse):  # the device: writes the slots of the donated cache
+            sl, new, c = inputs
+            assert c.data_ptr() == ptr  # the caller's buffer was donated, not a clone
+            res = c if reuse else c.clone()
+            for t, s in enumerate(sl.tolist()):
+                if s >= 0:
+                    res[s // 4, s % 4] = new[t]
+            if not reuse:
+                c.fill_(float("nan"))  # a donated buffer's old contents are gone
+            return [res]
+
+        registry.runner = run
+        pa._update_inplace_tpu(cache, kv_new, slots)
+        assert registry.calls[-1]["donate_argnums"] == [2]
+        assert cache.data_ptr() == ptr and torch.equal(cache, expect)

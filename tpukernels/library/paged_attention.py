@@ -14,6 +14,8 @@ tpu-inference, so either can be swapped for this one):
       out = ragged_paged_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=...)
 
   The price of functional semantics is one copy of the cache per update (XLA copies the aliased input).
+* :func:`update_kv_cache_` = ``torch.ops.tpukernels.update_kv_cache_`` (schema ``Tensor(a!) kv_cache``): the
+  same write **in place**, with no whole-cache copy (the serving path: ``update_kv_cache_(kv_cache, ...)``).
 
 Layout::
 
@@ -654,8 +656,8 @@ def _rpa_impl(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=
         sliding_window, soft_cap, k_scale, v_scale, config=config)
 
 
-def _update_impl(kv_cache, k, v, slot_mapping):
-    where = "tpukernels::update_kv_cache"
+def _check_update(kv_cache, k, v, slot_mapping, where: str):
+    """The update ops' checks (typed errors before any kernel runs); returns ``kv_new [T, 2*Hkv, D]``."""
     for name, t in (("kv_cache", kv_cache), ("k", k), ("v", v), ("slot_mapping", slot_mapping)):
         if not isinstance(t, torch.Tensor):
             raise ArgumentError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -687,10 +689,51 @@ def _update_impl(kv_cache, k, v, slot_mapping):
         live = sm[sm >= 0]
         if len(np.unique(live)) != len(live):
             raise ArgumentError(f"{where}: slot_mapping writes one slot twice (the result would depend on DMA order)")
+    return torch.stack([k, v], dim=2).reshape(k.shape[0], H2, D)
+
+
+def _update_impl(kv_cache, k, v, slot_mapping):
+    kv_new = _check_update(kv_cache, k, v, slot_mapping, "tpukernels::update_kv_cache")
     if k.shape[0] == 0:
         return kv_cache.clone()
-    kv_new = torch.stack([k, v], dim=2).reshape(k.shape[0], H2, D)
     return torch.ops.tpukernels.update_kv_cache_kernel(slot_mapping, kv_new, kv_cache)
+
+
+def _update_inplace_impl(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """``torch.ops.tpukernels.update_kv_cache_`` (schema ``Tensor(a!) kv_cache``): see :func:`update_kv_cache_`."""
+    where = "tpukernels::update_kv_cache_"
+    kv_new = _check_update(kv_cache, k, v, slot_mapping, where)
+    if k.shape[0] == 0:
+        return
+    if not kv_cache.is_contiguous():
+        raise ArgumentError(f"{where}: kv_cache must be contiguous to be updated in place, got strides "
+                            f"{tuple(kv_cache.stride())}")
+    dev = kv_cache.device.type
+    if dev == "cpu":
+        # the interpreter would materialise the aliased output as a new buffer (a whole-cache copy): run the
+        # kernel on the pages this step touches only, then write those pages back in place
+        ps = kv_cache.shape[1]
+        live = slot_mapping >= 0
+        slots = slot_mapping[live].long()
+        if slots.numel() == 0:
+            return
+        pages = torch.unique(slots // ps)  # sorted
+        local = (torch.searchsorted(pages, slots // ps) * ps + slots % ps).to(torch.int32)
+        block = torch.ops.tpukernels.update_kv_cache_kernel(local, kv_new[live].contiguous(), kv_cache[pages])
+        kv_cache.index_copy_(0, pages, block)
+        return
+    _update_inplace_tpu(kv_cache, kv_new, slot_mapping)
+
+
+def _update_inplace_tpu(kv_cache, kv_new, slot_mapping) -> None:
+    """torch_tpu: the caller's cache is donated to the kernel's aliased output (no clone; no copy when the
+    runtime reuses the donated buffer, as XLA does); a runtime that hands back another buffer gets one copy
+    into the cache."""
+    from ..targets import tpu
+
+    out = tpu.run_torch_tpu(update_kernel, [slot_mapping, kv_new, kv_cache], None, donate_inputs=True)
+    if out.data_ptr() != kv_cache.data_ptr():
+        kv_cache.copy_(out)
 
 
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
@@ -701,6 +744,10 @@ _LIB.define("ragged_paged_attention(Tensor q, Tensor kv_cache, Tensor kv_lens, T
 _LIB.impl("ragged_paged_attention", _rpa_impl, "CompositeImplicitAutograd")
 _LIB.define("update_kv_cache(Tensor kv_cache, Tensor k, Tensor v, Tensor slot_mapping) -> Tensor")
 _LIB.impl("update_kv_cache", _update_impl, "CompositeImplicitAutograd")
+_LIB.define("update_kv_cache_(Tensor(a!) kv_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()")
+_LIB.impl("update_kv_cache_", _update_inplace_impl, "CPU")
+_LIB.impl("update_kv_cache_", _update_inplace_impl, "PrivateUse1")
+_LIB.impl("update_kv_cache_", lambda kv_cache, k, v, slot_mapping: None, "Meta")
 
 
 def ragged_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, kv_lens: torch.Tensor,
@@ -790,6 +837,35 @@ def update_kv_cache(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sl
         with interpret_mode(interpret):
             return torch.ops.tpukernels.update_kv_cache(kv_cache, k, v, slot_mapping)
     return torch.ops.tpukernels.update_kv_cache(kv_cache, k, v, slot_mapping)
+
+
+def update_kv_cache_(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, *,
+                     interpret: str | None = None) -> torch.Tensor:
+    """Write new K/V tokens into their cache slots **in place**; returns ``kv_cache`` (the same tensor).
+
+    ``torch.ops.tpukernels.update_kv_cache_`` (schema ``update_kv_cache_(Tensor(a!) kv_cache, Tensor k,
+    Tensor v, Tensor slot_mapping) -> ()``: the mutation is declared, so torch.compile functionalizes it).
+    No copy of the whole cache per step:
+
+    * tpu (TorchTPU): ``update_kv_cache_kernel`` with the caller's cache donated to its aliased output
+      (``input_output_aliases={2: 0}``, torch_tpu's ``donate_argnums``; not cloned as the functional op does);
+      if the runtime hands back a buffer other than the donated one, that output is copied into ``kv_cache``
+      (one copy; XLA reuses donated buffers, so none is expected);
+    * cpu: Pallas interpret mode would return the aliased output as a new buffer, so the kernel runs on the
+      pages this step touches (gathered: at most ``T`` pages) and those pages are written back with
+      ``index_copy_``: memory and time scale with ``T``, not with the cache.
+
+    Same slot semantics, arguments and errors as :func:`update_kv_cache`; also ArgumentError when
+    ``kv_cache`` is not contiguous.
+    """
+    from ..dsl.modes import interpret_mode
+
+    if interpret:
+        with interpret_mode(interpret):
+            torch.ops.tpukernels.update_kv_cache_(kv_cache, k, v, slot_mapping)
+    else:
+        torch.ops.tpukernels.update_kv_cache_(kv_cache, k, v, slot_mapping)
+    return kv_cache
 
 
 # ----------------------------------------------------------------------------------------------- JAX entry
@@ -903,5 +979,5 @@ STANDARD_CASES = [
     _case(1024, 64, 2048 // ps, ps, 64 * 2048 // ps) for ps in (16, 64)
 ]
 
-__all__ = ["ragged_paged_attention", "ragged_paged_attention_jax", "update_kv_cache", "paged_attention_reference", "rpa_kernel",
+__all__ = ["ragged_paged_attention", "ragged_paged_attention_jax", "update_kv_cache", "update_kv_cache_", "paged_attention_reference", "rpa_kernel",
            "update_kernel", "STANDARD_CASES", "FP8_KV_CHIPS"]

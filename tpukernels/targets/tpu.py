@@ -156,8 +156,11 @@ def make_callable(plan: Plan, part: Partition | None = None):
     return cls(name=low.kernel.name, jit_fn=fn, trace_key=key, **kw)
 
 
-def run_torch_tpu(kernel: TpuKernel, values: Sequence, config_json: str | None):
-    """Run ``kernel`` on TorchTPU tensors (Mosaic lowering, VMEM checked against the live chip)."""
+def run_torch_tpu(kernel: TpuKernel, values: Sequence, config_json: str | None, donate_inputs: bool = False):
+    """Run ``kernel`` on TorchTPU tensors (Mosaic lowering, VMEM checked against the live chip).
+
+    ``donate_inputs``: the caller's own tensors are donated to the aliased outputs (an op that declares the
+    mutation, e.g. ``update_kv_cache_``); by default they are cloned first (functional ops)."""
     import torch
 
     part = _PARTITION.get()
@@ -176,7 +179,7 @@ def run_torch_tpu(kernel: TpuKernel, values: Sequence, config_json: str | None):
         t = v.contiguous()
         if i in plan.pad_idx:  # one allocation: zero rows after the data
             t = torch.nn.functional.pad(t, (0, 0) * (t.dim() - 1) + (0, plan.n_bucket - t.shape[0]))
-        elif pos in donated and t.data_ptr() == v.data_ptr():
+        elif pos in donated and t.data_ptr() == v.data_ptr() and not donate_inputs:
             t = t.clone()  # donated to the kernel's output: never the caller's buffer
         tensors.append(t)
     out = plan.runner(*tensors)
