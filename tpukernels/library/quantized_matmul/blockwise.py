@@ -353,6 +353,29 @@ def _diag_part(x_ref, w_ref, s_ref, z_ref, *, bs, n_sub, fp4, dequant_to, precis
     return part
 
 
+def accumulate_k_step(part, k, n_k: int, acc_ref, o_ref) -> None:
+    """Add K step ``k``'s f32 partial product ``part`` to the output block: written at once when ``n_k == 1``,
+    else kept in ``acc_ref`` (f32 VMEM) and rounded into ``o_ref`` at the last K step."""
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+
+    if n_k == 1:
+        o_ref[...] = part.astype(o_ref.dtype)
+        return
+
+    @pl.when(k == 0)
+    def _():
+        acc_ref[...] = part
+
+    @pl.when(jnp.logical_and(k > 0, k < n_k - 1))
+    def _():
+        acc_ref[...] += part
+
+    @pl.when(k == n_k - 1)
+    def _():
+        o_ref[...] = (acc_ref[...] + part).astype(o_ref.dtype)
+
+
 def _block_body(x_ref, w_ref, s_ref, *refs, bs, n_sub, n_k, int4, has_zp, dequant_to, precision, fp4=False,
                 diag=False):
     """One output block, one K step of ``n_sub`` groups (module docstring); ``refs`` = ``[z_ref,] o_ref, acc_ref``."""
@@ -395,21 +418,7 @@ def _block_body(x_ref, w_ref, s_ref, *refs, bs, n_sub, n_k, int4, has_zp, dequan
         d = d * s_ref[g]
         part = d if part is None else part + d
 
-    if n_k == 1:
-        o_ref[...] = part.astype(o_ref.dtype)
-        return
-
-    @pl.when(k == 0)
-    def _():
-        acc_ref[...] = part
-
-    @pl.when(jnp.logical_and(k > 0, k < n_k - 1))
-    def _():
-        acc_ref[...] += part
-
-    @pl.when(k == n_k - 1)
-    def _():
-        o_ref[...] = (acc_ref[...] + part).astype(o_ref.dtype)
+    accumulate_k_step(part, k, n_k, acc_ref, o_ref)
 
 
 def _problem(x, w_q, w_scale, w_zero_point, block_size, where, wfmt=None):

@@ -70,7 +70,7 @@ from ...dsl.validate import padded_bytes
 from .._vmem import MiB, scoped_vmem_limit
 from ...errors import ArgumentError, ChipError, DTypeError
 from . import blockwise as _blockwise
-from .blockwise import BLOCK_SIZES, _problem, expand_block_scale, k_block  # noqa: F401  (re-exported)
+from .blockwise import BLOCK_SIZES, _problem, accumulate_k_step, expand_block_scale, k_block  # noqa: F401  (re-exported)
 from .common import U32, X_DTYPES, _clamp, _describe, _jnp, _name, _out_dtype, _target_chip, check_chip, qmax
 from .quantize import _quantize_values, _reciprocal
 
@@ -266,21 +266,7 @@ def _a8_body(x_ref, xs_ref, w_ref, s_ref, *refs, bs, n_sub, n_k, int4, has_zp, a
         d = (d * xsg) * s_ref[g]
         part = d if part is None else part + d
 
-    if n_k == 1:
-        o_ref[...] = part.astype(o_ref.dtype)
-        return
-
-    @pl.when(k == 0)
-    def _():
-        acc_ref[...] = part
-
-    @pl.when(jnp.logical_and(k > 0, k < n_k - 1))
-    def _():
-        acc_ref[...] += part
-
-    @pl.when(k == n_k - 1)
-    def _():
-        o_ref[...] = (acc_ref[...] + part).astype(o_ref.dtype)
+    accumulate_k_step(part, k, n_k, acc_ref, o_ref)
 
 
 def _a8_problem(x_q, x_scale, w_q, w_scale, w_zero_point, block_size, where):
