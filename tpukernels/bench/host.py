@@ -9,8 +9,8 @@
    ``JAX_COMPILATION_CACHE_DIR``). Tracing the Pallas kernel still happens warm; only XLA's compile is
    cached.
 3. Recompiles under ``torch.compile(dynamic=True)`` over 8 sequence lengths: dynamo frames and tpukernels
-   lowerings (``rms_norm`` buckets rows: 4 buckets per power of two; ``flash_attention`` specialises on
-   the sequence lengths).
+   lowerings (``rms_norm`` buckets rows, ``flash_attention`` its sequence lengths: 4 buckets per power of
+   two, one lowering per bucket).
 4. Autotune executors: candidates per second of inline, process and Ray sweeps
    (:mod:`tpukernels.bench.executors`).
 """

@@ -293,8 +293,8 @@ def _host_section(res: dict) -> list[str]:
     if rc:
         out += [f"`torch.compile(dynamic=True)` over {len(rc[0]['lengths'])} lengths {rc[0]['lengths']}: dynamo "
                 "frames (1 = one graph for all lengths, no recompiles) and tpukernels lowerings (one per distinct "
-                "kernel signature: `rms_norm` buckets rows, 4 buckets per power of two; `flash_attention` "
-                "specialises on the sequence lengths, so one per length):", "",
+                "kernel signature: `rms_norm` buckets rows and `flash_attention` buckets Sq / Skv, 4 buckets per power of "
+                "two, so one per bucket):", "",
                 "| kernel | varying | dynamo frames | tpukernels lowerings |", "|---|---|---|---|"]
         out += [f"| {r['kernel']} | {r['varying']} | {r['dynamo_frames']} | {r['kernel_lowerings']} |" for r in rc]
         out.append("")
