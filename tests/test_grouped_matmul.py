@@ -475,8 +475,8 @@ def test_tgmm_schedule_flags_and_the_all_zero_table():
      "rhs must be 3-D"),
     (lambda: (torch.randn(4, 8), torch.randn(2, 7, 3), torch.tensor([2, 2], dtype=torch.int32)), ArgumentError,
      "contraction dims differ"),
-    (lambda: (torch.randn(4, 8), torch.randn(2, 8, 3).bfloat16(), torch.tensor([2, 2], dtype=torch.int32)),
-     DTypeError, "lhs is float32 but rhs is bfloat16"),
+    (lambda: (torch.randn(4, 8), torch.randn(2, 8, 3).half(), torch.tensor([2, 2], dtype=torch.int32)),
+     DTypeError, "lhs is float32 but rhs is float16"),
     (lambda: (torch.randn(4, 8).double(), torch.randn(2, 8, 3).double(), torch.tensor([2, 2], dtype=torch.int32)),
      DTypeError, "float64 is not supported"),
     (lambda: (torch.randn(4, 8), torch.randn(2, 8, 3), torch.tensor([2, 2])), DTypeError, "group_sizes must be int32"),
@@ -493,6 +493,31 @@ def test_bad_inputs_raise_typed_errors(make, exc, match):
     lhs, rhs, sizes = make()
     with pytest.raises(exc, match=match):
         gm.grouped_matmul(lhs, rhs, sizes)
+
+
+@pytest.mark.parametrize("wide", ("lhs", "rhs"))
+def test_mixed_bf16_f32_operands_compute_the_f32_product_with_gradients_in_each_dtype(wide):
+    """megablox takes f32 x bf16: the bf16 operand is widened exactly, so the result is the f32 kernel's product
+    of the same values (float64 reference of the given values), and each gradient comes back in its own dtype
+    and equals the f32 kernel's gradient rounded to it."""
+    g = torch.Generator().manual_seed(7)
+    lhs, rhs = randn(60, 40, gen=g), randn(3, 40, 24, gen=g)
+    if wide == "lhs":
+        rhs = rhs.bfloat16()
+    else:
+        lhs = lhs.bfloat16()
+    sizes = torch.tensor([25, 0, 30], dtype=torch.int32)
+    lhs.requires_grad_(True)
+    rhs.requires_grad_(True)
+    out = gm.grouped_matmul(lhs, rhs, sizes, config=SMALL)
+    assert out.dtype == torch.float32
+    assert_within_bound(out.detach(), lhs.detach().float(), rhs.detach().float(), sizes, out_dtype=torch.float32)
+    dO = randn(60, 24, gen=g)
+    out.backward(dO)
+    assert lhs.grad.dtype == lhs.dtype and rhs.grad.dtype == rhs.dtype
+    lf, rf = lhs.detach().float().requires_grad_(True), rhs.detach().float().requires_grad_(True)
+    gm.grouped_matmul(lf, rf, sizes, config=SMALL).backward(dO)
+    assert torch.equal(lhs.grad, lf.grad.to(lhs.dtype)) and torch.equal(rhs.grad, rf.grad.to(rhs.dtype))
 
 
 def test_bad_group_offset_and_out_dtype():

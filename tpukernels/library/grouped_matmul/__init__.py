@@ -19,7 +19,8 @@ Semantics are those of ``jax.lax.ragged_dot`` and JAX's megablox ``gmm``
 * ``group_offset`` (megablox): ``rhs`` holds only the groups ``[group_offset, group_offset + G)`` of the
   ``G_total = len(group_sizes)`` groups (an expert-parallel shard); rows of the other groups are zero.
   Default 0 (then ``G`` must equal ``G_total``).
-* dtypes: ``lhs`` and ``rhs`` bfloat16 or float32 (one dtype); products accumulate in float32 (an f32 VMEM
+* dtypes: ``lhs`` and ``rhs`` bfloat16 or float32 (the public op widens a bfloat16 operand beside a float32 one
+  to float32, exactly; the kernels take one dtype); products accumulate in float32 (an f32 VMEM
   scratch); the result is rounded once to ``out_dtype`` (default: the operand dtype, as ``ragged_dot``;
   megablox defaults to float32). float32 operands use ``precision=HIGHEST``.
 

@@ -56,7 +56,19 @@ def _check_values(group_sizes, go, M: int, G: int, where: str) -> None:
                                 f"[0, {Gt - G}]")
 
 
+def _widen_mixed(lhs, rhs):
+    """Mixed bfloat16 / float32 operands (megablox ``gmm`` accepts them): the bfloat16 one is widened to float32
+    (exact), so the product is the float32 one (``precision=HIGHEST``). Costs a float32 copy of that operand in
+    HBM; the kernels then see one dtype. Anything else is left for the dtype checks."""
+    names = {lhs.dtype, rhs.dtype}
+    if names == {torch.bfloat16, torch.float32}:
+        return lhs.float(), rhs.float()
+    return lhs, rhs
+
+
 def _grouped_matmul_impl(lhs, rhs, group_sizes, transpose_rhs=False, group_offset=None, out_dtype=None, config=None):
+    if isinstance(lhs, torch.Tensor) and isinstance(rhs, torch.Tensor):
+        lhs, rhs = _widen_mixed(lhs, rhs)
     go = _check_public(lhs, rhs, group_sizes, transpose_rhs, group_offset, out_dtype)
     return torch.ops.tpukernels.grouped_matmul_fwd(group_sizes, go, lhs, rhs, transpose_rhs,
                                                    canonical_out_dtype(out_dtype), config=config)
@@ -76,13 +88,17 @@ def grouped_matmul(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tens
 
     Args:
         lhs: ``[M, K]`` bfloat16 or float32 (cpu: Pallas interpret; tpu: TorchTPU).
-        rhs: ``[G, K, N]``, or ``[G, N, K]`` with ``transpose_rhs=True``; same dtype as ``lhs``.
+        rhs: ``[G, K, N]``, or ``[G, N, K]`` with ``transpose_rhs=True``; bfloat16 or float32. With one
+            operand bfloat16 and the other float32 (as megablox ``gmm`` accepts), the bfloat16 one is widened
+            to float32 (exact; a float32 copy of it in HBM) and the product is the float32 one; the gradient
+            of each operand comes back in its own dtype.
         group_sizes: int32 ``[G_total]``: rows per group, contiguous in group order; ``sum <= M`` (the rest
             of the rows are zero in the result). Zeros allowed.
         transpose_rhs: ``rhs`` is stored ``[G, N, K]`` (contracted on its last dim, no copy).
         group_offset: int or int32 scalar tensor: ``rhs`` holds groups ``[group_offset, group_offset + G)``
             of ``G_total`` (a shard); rows of other groups are zero. Default 0 (``G == G_total``).
-        out_dtype: result dtype (torch dtype or name, bfloat16 / float32); default ``lhs.dtype``.
+        out_dtype: result dtype (torch dtype or name, bfloat16 / float32); default ``lhs.dtype`` (float32
+            for mixed operands).
         config: tuning config of the forward kernel (``{"bm": 256, ...}``); default: tuned/heuristic.
 
     Returns:
@@ -93,7 +109,7 @@ def grouped_matmul(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tens
             ``group_offset`` not an int / int32 scalar tensor, its shape or range,
             negative sizes or ``sum(group_sizes) > M`` (value checks on host cpu tensors only; see the
             module docstring for what is clamped on device instead).
-        DTypeError: operands of different or unsupported dtypes (float16, float64, ints), ``group_sizes``
+        DTypeError: operands of unsupported dtypes (float16, float64, ints), ``group_sizes``
             / ``group_offset`` not int32, bad ``out_dtype``.
         DeviceError: tensors on different devices.
         ConfigError: ``config`` is not a dict, or names unknown tunables / breaks their rules.
