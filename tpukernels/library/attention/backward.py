@@ -176,7 +176,8 @@ def _dkv_body(*refs, plan: _Plan):
                 elif R == 1:  # the block-level checks decided: one masked region for the whole block
                     update(*args, True, qs_r, tiles)
                 else:
-                    _run_sub(*p.sub_visibility(i, j, r * ncol, ncol, c * p.bkvc, p.bkvc, q_tail_matters=True),
+                    qa, ka = i * p.bq + r * ncol, j * p.bkv + c * p.bkvc
+                    _run_sub(p.any_visible(qa, ncol, ka, p.bkvc), p.all_visible(qa, ncol, ka, p.bkvc, q_tail_matters=True),
                              lambda a=args: update(*a, False, None),
                              lambda a=args, qs_r=qs_r: update(*a, True, qs_r, tiles))
 

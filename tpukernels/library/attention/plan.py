@@ -271,7 +271,9 @@ class _Plan:
         every ``i``: plain causal, top-left aligned (``off = 0``), ``block_q == block_kv``, no window, tails,
         segments, mask tables or head stacking. The kernels then decide each sub-block of a boundary block
         statically (skipped / unmasked / masked, no runtime ``pl.when`` per sub-block; libtpu's static estimate
-        charges every region a sub-block's runtime checks emit)."""
+        charges every region a sub-block's runtime checks emit). Used by the forward and dQ kernels; dK/dV
+        keeps its runtime checks: there the static form modelled at -12% on v6e but +23% on tpu7x (libtpu
+        0.0.52 static estimate, S=4096 causal, block_q = block_kv = 2048, block_kv_compute = 512)."""
         return (self.right == 0 and self.left is None and self.off == 0 and self.bq == self.bkv
                 and not (self.has_mask or self.has_seg or self.q_tail or self.kv_tail) and self.hb == 1)
 
