@@ -12,6 +12,13 @@ none compiles is printed with the compiler's reasons (record it in ``tpukernels/
 
     nice -n 10 .venv/bin/python benchmarks/ship_tables.py --chip v4 [--kernel matmul_nn] [--force]
     .venv/bin/python benchmarks/ship_tables.py --chip v4 --prune-stale   # entries of an earlier kernel source
+    .venv/bin/python benchmarks/ship_tables.py --chip v6e --kernel K --rekey  # keep a changed kernel's configs
+
+``--rekey`` is for a kernel whose source changed without changing what its tunables mean (e.g. control flow
+decided statically that was decided at run time): each standard case's config from the newest entry keyed to an
+earlier source (same chip, dtypes and statics) is compiled for the chip with the current source and, if it
+compiles, written under the current source's key; its evidence says so, and its figures stay labelled as the
+earlier source's.
 """
 
 import argparse
@@ -122,6 +129,53 @@ def prune_stale(chip: str, only: str | None) -> int:
     return dropped
 
 
+def rekey(chip: str, only: str) -> int:
+    """Re-key ``only``'s stale shipped entries on ``chip`` to its current source (module docstring). Returns
+    the number of standard cases left without an exact entry."""
+    from tpukernels import library
+    from tpukernels.autotune import db
+    from tpukernels.autotune.space import Problem
+    from tpukernels.targets.compile_only import compile_for, compile_only_env
+
+    compile_only_env()
+    missing = 0
+    for kernel, args, kwargs in library.standard_cases():
+        if kernel.name != only:
+            continue
+        problem = Problem.from_args(kernel, *args, **kwargs)
+        path = db.shipped_db_path(kernel.qualname, chip)
+        key = db.entry_key(kernel, problem.lowered_specs, problem.statics)
+        entries = db.load(path)
+        if db.find(entries, key)[1] == "exact":
+            continue
+        same = {k: v for k, v in key.items() if k != "source_hash"}
+        stale = [e for e in entries if e["key"].get("source_hash") != key["source_hash"]
+                 and {k: v for k, v in e["key"].items() if k != "source_hash"} == same]
+        if not stale:
+            print(f"{chip} {kernel.name} {problem.describe()}: no earlier entry to re-key", flush=True)
+            missing += 1
+            continue
+        old = max(stale, key=lambda e: e.get("evidence", {}).get("date", ""))
+        call_args, call_kwargs = problem.call_args()
+        res = compile_for(kernel, chip, *call_args, config=dict(old["config"]), with_mlir=False, **call_kwargs)
+        if not res.ok:
+            print(f"{chip} {kernel.name} {problem.describe()}: {old['config']} does not compile: "
+                  f"{res.error_kind}: {(res.error or '')[:200]}", flush=True)
+            missing += 1
+            continue
+        ev = dict(old.get("evidence", {}))
+        evidence = {k: v for k, v in ev.items() if k not in ("date", "versions", "compiled", "vmem_estimate_bytes")}
+        evidence.update({
+            "rekeyed": f"config of the entry for the earlier kernel source {old['key'].get('source_hash')} "
+                       f"({ev.get('date', '?')}); its figures are that source's",
+            "compiled": f"ok (compile-only for {chip}, {res.compile_seconds:.1f} s, current source)",
+            "vmem_estimate_bytes": res.vmem_estimate_bytes,
+        })
+        db.record(kernel, chip, problem.lowered_specs, problem.statics, old["config"], evidence, path=path)
+        print(f"{chip} {kernel.name} {problem.describe()}: {old['config']} re-keyed (compiled)", flush=True)
+    return missing
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--chip", required=True)
@@ -130,7 +184,13 @@ def main():
     p.add_argument("--tries", type=int, default=3, help="compile at most this many of the model's best configs")
     p.add_argument("--prune-stale", action="store_true",
                    help="only drop entries keyed to an earlier kernel source (no tuning)")
+    p.add_argument("--rekey", action="store_true",
+                   help="with --kernel: re-key the kernel's entries of an earlier source (compile-checked)")
     args = p.parse_args()
+    if args.rekey:
+        if not args.kernel:
+            p.error("--rekey needs --kernel")
+        sys.exit(1 if rekey(args.chip, args.kernel) else 0)
     if args.prune_stale:
         prune_stale(args.chip, args.kernel)
         sys.exit(0)

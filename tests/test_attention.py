@@ -135,6 +135,8 @@ CASES = {
     "compute-subblocks-d80": (1, 2, 2, 200, 300, 80, 80, dict(causal=True), dict(block_q=128, block_kv=256, block_kv_compute=128)),
     # 1024-blocks split into 2 x 2 (query x key) 512-sub-blocks: each skipped / mask-free / masked on its own
     "subblock-split-causal": (1, 2, 1, 1100, 1100, 64, 64, dict(causal=True), SPLIT),
+    # no tails, block_q == block_kv: the diagonal blocks' sub-blocks are decided statically (diagonal_only)
+    "subblock-split-causal-diagonal": (1, 2, 1, 2048, 2048, 64, 64, dict(causal=True), SPLIT),
     "subblock-split-segments-window": (1, 2, 1, 1030, 1100, 64, 64,
                                        dict(window=(300, 40), causal_alignment="bottom_right", softcap=4.0, segments=3),
                                        SPLIT),
@@ -292,6 +294,37 @@ def test_causal_runs_about_half_the_blocks_and_windows_shrink_the_grid():
     assert local.kv_steps == 3 and _blocks_run(local) == 3 * 16 - 3
     # dK/dV side: each kv block only walks the query blocks that can see it
     assert local.q_steps == 3 and causal.q_steps == 16
+
+
+def test_plain_causal_boundary_blocks_are_diagonal_and_their_sub_blocks_static():
+    """Under ``diagonal_only`` the kernels decide a boundary block's sub-blocks from their offsets alone: the
+    boundary blocks must be exactly ``j == i`` and each static decision must equal the general (traced)
+    rule at every diagonal block."""
+    def plan(Sq, Skv, bq, bkv, bkvc, **kw):
+        statics = dict(causal=True, causal_alignment="top_left", sm_scale=None, window_left=None,
+                       window_right=None, softcap=None)
+        statics.update(kw)
+        q = tk.TensorSpec((1, 8, Sq, 128), np.dtype("bfloat16"))
+        k = tk.TensorSpec((1, 2, Skv, 128), np.dtype("bfloat16"))
+        return A._make_plan(q, k, k, None, **statics, block_q=bq, block_kv=bkv, block_kv_compute=bkvc, block_h=1)
+
+    p = plan(8192, 8192, 2048, 2048, 512)
+    assert p.diagonal_only and p.row_split == 4
+    for i in range(p.nq):
+        j0, j1 = p.kv_range(i)
+        for j in range(j0, j1 + 1):
+            assert (not p.interior(i, j, q_tail_matters=True)) == (i == j), (i, j)
+        nr = p.rows // p.row_split
+        for r0 in range(0, p.bq, nr):
+            for c0 in range(0, p.bkv, p.bkvc):
+                qa, ka = i * p.bq + r0, i * p.bkv + c0
+                want = (p.any_visible(qa, nr, ka, p.bkvc), p.all_visible(qa, nr, ka, p.bkvc, q_tail_matters=True))
+                assert p.sub_visibility(i, i, r0, nr, c0, p.bkvc, q_tail_matters=True) == want, (i, r0, c0)
+    # anything else keeps the runtime checks
+    assert not plan(8192, 8192, 2048, 1024, 512).diagonal_only  # block_q != block_kv
+    assert not plan(8000, 8000, 2048, 2048, 512).diagonal_only  # tails
+    assert not plan(4096, 8192, 2048, 2048, 512, causal_alignment="bottom_right").diagonal_only  # offset
+    assert not plan(8192, 8192, 2048, 2048, 512, causal=False, window_left=1000, window_right=0).diagonal_only
 
 
 def test_decode_folds_the_group_into_query_rows():

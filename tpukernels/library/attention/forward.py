@@ -83,8 +83,7 @@ def _fwd_body(*refs, plan: _Plan):
                 if R == 1:  # the block-level checks decided: one masked region for the whole block
                     update(*args, True, qs_r, tiles)
                     continue
-                qa, ka = i * p.bq + r * nr, j * p.bkv + c * p.bkvc
-                _run_sub(p.any_visible(qa, nr, ka, p.bkvc), p.all_visible(qa, nr, ka, p.bkvc, q_tail_matters=False),
+                _run_sub(*p.sub_visibility(i, j, r * nr, nr, c * p.bkvc, p.bkvc, q_tail_matters=False),
                          lambda a=args: update(*a, False, None),
                          lambda a=args, qs_r=qs_r: update(*a, True, qs_r, tiles))
 
