@@ -145,6 +145,13 @@ def test_every_library_kernel_has_a_rule_and_new_ops_split_sensibly():
             "lhs": _meta(256, 128, dtype=torch.bfloat16), "rhs": _meta(4, 128, 256, dtype=torch.bfloat16),
             "transpose_rhs": False, "out_dtype": None})
         assert got == [Split({"rhs": 2}, (1,))]  # never over rows (group sizes index the global rows)
+    if "tpukernels::grouped_matmul_quant_fwd" in lib:  # quantized experts: over N with the scales, never K
+        got = splits_for(lib["tpukernels::grouped_matmul_quant_fwd"], {
+            "group_sizes": _meta(4, dtype=torch.int32), "group_offset": _meta(dtype=torch.int32),
+            "lhs": _meta(256, 256, dtype=torch.bfloat16), "rhs": _meta(4, 512, 128, dtype=torch.uint8),
+            "rhs_scale": _meta(4, 2, 1, 512), "rhs_zero_point": _meta(4, 2, 1, 512), "transpose_rhs": True,
+            "out_dtype": None, "weight_format": "int4"})
+        assert got == [Split({"rhs": 1, "rhs_scale": 3, "rhs_zero_point": 3}, (1,))]
     if "tpukernels::ragged_paged_attention_kernel" in lib:
         from tpukernels.distributed.sharding import _MESH_SHAPE
 

@@ -139,6 +139,16 @@ def _grouped_tgmm(args: Mapping) -> list[Split]:
     return [Split({"x": 1}, (1,)), Split({"y": 1}, (2,))]
 
 
+def _grouped_quant_fwd(args: Mapping) -> list[Split]:
+    """Quantized experts ``lhs [M, K]`` x ``rhs`` (``[G, K_w, N]``, ``[G, N, K_w]`` transposed) with ``rhs_scale``
+    / ``rhs_zero_point [G, num_blocks, 1, N]`` -> ``[M, N]``: over N only (the weight's N dim with its scales').
+    Rows: ``group_sizes`` index the global rows; K: packed two per byte and cut into scale blocks."""
+    split = {"rhs": 1 if bool(args.get("transpose_rhs")) else 2, "rhs_scale": 3}
+    if isinstance(args.get("rhs_zero_point"), TensorMeta):
+        split["rhs_zero_point"] = 3
+    return [Split(split, (1,))]
+
+
 def _quantized_matmul(args: Mapping) -> list[Split]:
     """``x [M, K]`` . ``w_q [N, K]``^T * ``w_scale [1, N]`` [* ``x_scale [M, 1]``] -> ``[M, N]``: over M or N."""
     return [Split({"x": 0, "x_scale": 0} if isinstance(args.get("x_scale"), TensorMeta) else {"x": 0}, (0,)),
@@ -243,6 +253,9 @@ LIBRARY_RULES: dict[str, Callable[[Mapping], list[Split]]] = {
     "matmul_tn": _matmul("tn"),
     "grouped_matmul_fwd": _grouped_fwd,
     "grouped_matmul_tgmm": _grouped_tgmm,
+    "grouped_matmul_quant_fwd": _grouped_quant_fwd,
+    # d_lhs [M, K]: rows index the global groups, K is packed / blocked, N is the contraction: replicated
+    "grouped_matmul_quant_dx": lambda args: [],
     "quantized_matmul_kernel": _quantized_matmul,
     # fused w8a8: per-token absmax over all of K inside the kernel, so over M or N only (never K)
     "quantized_matmul_w8a8_kernel": _quantized_matmul,

@@ -219,7 +219,10 @@ def _dense_bucketed(q, k, v, qs, ks, *, causal, causal_alignment, sm_scale, wind
               window_right=window_right, softcap=softcap, config=config, interpret=interpret)
     Sq, Skv = q.shape[2], k.shape[2]
     Sq_b, Skv_b = bucket_len(Sq), bucket_len(Skv)
-    if Sq_b == Sq and Skv_b == Skv:
+    # the unpadded shortcut only for concrete lengths: on SymInts (torch.compile(dynamic=True)) the test would
+    # guard the graph on "length == bucket" and trace a second one; padding by 0 gives the same values
+    symbolic = isinstance(Sq, torch.SymInt) or isinstance(Skv, torch.SymInt)
+    if not symbolic and Sq_b == Sq and Skv_b == Skv:
         return fa_forward(q, k, v, qs, ks, **kw)
     front = causal_alignment == "bottom_right"  # keeps j <= i + Skv - Sq exact (module docstring of .buckets)
     if qs is None:
