@@ -52,7 +52,8 @@ Package layout: :mod:`.plan` (argument checks, the static plan of a call, tunabl
 :mod:`.tiles` (in-kernel helpers and element masks), :mod:`.forward` (:data:`fa_forward`), :mod:`.backward`
 (:data:`fa_backward_dq`, :data:`fa_backward_dkv` and the autograd wiring), :mod:`.masks` (splash-attention mask
 objects and their block-sparse tables), :mod:`.masked` (the block-sparse masked kernels, same bodies),
-:mod:`.api` (:func:`flash_attention`, sinks, the public op), :mod:`.reference` (:func:`attention_reference`).
+:mod:`.api` (:func:`flash_attention`, sinks, the public op), :mod:`.reference` (:func:`attention_reference`),
+:mod:`.rope_fused` (:data:`fa_forward_rope`: RoPE fused into the forward's q load).
 """
 
 from .api import flash_attention  # noqa: E402
@@ -63,6 +64,7 @@ from .masks import (CausalMask, ChunkedCausalMask, FullMask, LocalMask, LogicalA
                     MultiHeadMask, NumpyMask, mask_tables)
 from .plan import _CAUSAL, ALIGNMENTS, DECODE_FOLD_MAX_SQ, NAMESPACE, _make_plan, _Plan  # noqa: E402,F401
 from .reference import attention_reference  # noqa: E402
+from .rope_fused import fa_forward_rope  # noqa: E402
 
 #: The shapes the shipped defaults are tuned for (``benchmarks/attention.py``, ``tpukernels autotune
 #: --library``): Llama-3-8B-like attention (32 query heads, 8 kv heads, D=128), causal, bf16.
@@ -75,6 +77,6 @@ STANDARD_CASES = [
 ]
 
 __all__ = ["flash_attention", "attention_reference", "fa_forward", "fa_backward_dq", "fa_backward_dkv",
-           "fa_forward_masked", "fa_backward_dq_masked", "fa_backward_dkv_masked", "Mask", "CausalMask", "LocalMask",
+           "fa_forward_rope", "fa_forward_masked", "fa_backward_dq_masked", "fa_backward_dkv_masked", "Mask", "CausalMask", "LocalMask",
            "ChunkedCausalMask", "FullMask", "NumpyMask", "MultiHeadMask", "LogicalOr", "LogicalAnd", "mask_tables",
            "STANDARD_CASES", "DECODE_FOLD_MAX_SQ"]
