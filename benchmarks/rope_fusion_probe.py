@@ -5,9 +5,12 @@ Shape: the attention benchmark's forward, causal, B=1, Hq=32, Hkv=8, S=4096, D=1
 ``[S, 128]`` (llama rotate-half, full rotary). Compared, per chip:
 
 * ``separate``: ``rope_fwd`` on q (``[1, 32, S, D]``) and on k (``[1, 8, S, D]``) + today's ``fa_forward``;
-* ``fused q+k``: a forward kernel taking un-rotated q and k plus cos/sin; it rotates the q block once per
-  query block (first kv step, into a VMEM scratch) and each K block at every kv step (into a scratch);
-* ``fused q``: the same kernel rotating only q; k goes through ``rope_fwd`` (K is 4x smaller under GQA 32/8).
+* ``prototype: fused q+k``: a forward kernel taking un-rotated q and k plus cos/sin; it rotates the q block once
+  per query block (first kv step, into a VMEM scratch) and each K block at every kv step (into a scratch);
+* ``prototype: fused q (scratch) + rope k``: the same rotating only q; k goes through ``rope_fwd`` (K is 4x
+  smaller under GQA 32/8);
+* ``library fa_forward_rope + rope k``: the shipped form (:mod:`tpukernels.library.attention.rope_fused`): q
+  rotated into the resident ``q_rot`` output block (written back: the backward's rotated q), k via ``rope_fwd``.
 
 The fused kernels wrap today's forward body unchanged (:func:`tpukernels.library.attention.forward._fwd_body`
 reads q / k through the scratch refs). Attention kernels are estimated at 1/8 of the heads (Hq=4, Hkv=1) at the
@@ -35,9 +38,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from tpukernels.dsl import Launch, OutSpec, tpu_kernel  # noqa: E402
+from tpukernels.dsl import Launch, tpu_kernel  # noqa: E402
 from tpukernels.library.attention import plan as _pl  # noqa: E402
 from tpukernels.library.attention.forward import _fwd_body, _fwd_out_shape  # noqa: E402
+from tpukernels.library.attention.rope_fused import fa_forward_rope  # noqa: E402
 from tpukernels.library.attention.tiles import _common_specs, _kv_index_fn, _q_major_step  # noqa: E402
 
 S, HQ, HKV, D, DIV = 4096, 32, 8, 128, 8
@@ -64,29 +68,22 @@ def _rotate(x, cos, sin, rotary_dim: int):
     return x * c + pltpu.roll(x, d - s, ax) * a + pltpu.roll(x, s, ax) * b
 
 
-def _rotate_into(dst, src, cos_ref, sin_ref, rotary_dim: int, mult: float | None, chunk: int = 256, save=None):
-    """``dst[..., r, :] = rope(src[..., r, :]) * mult`` in row chunks (bounded float32 temporaries); ``save``:
-    also store the unscaled rotation there (an output block: the backward's rotated q)."""
+def _rotate_into(dst, src, cos_ref, sin_ref, rotary_dim: int, chunk: int = 256):
+    """``dst[..., r, :] = rope(src[..., r, :])`` in row chunks (bounded float32 temporaries)."""
     from jax.experimental import pallas as pl
 
     n = src.shape[-2]
     for r0 in range(0, n, chunk):
         rows = pl.ds(r0, min(chunk, n - r0))
         y = _rotate(src[..., rows, :], cos_ref[rows, :], sin_ref[rows, :], rotary_dim)
-        if save is not None:
-            save[..., rows, :] = y.astype(save.dtype)
-        dst[..., rows, :] = (y if mult is None else y * mult).astype(dst.dtype)
+        dst[..., rows, :] = y.astype(dst.dtype)
 
 
-def _rope_fwd_body(*refs, plan, rotary_dim: int, fuse_k: bool, save_q: bool = False):
+def _rope_fwd_body(*refs, plan, rotary_dim: int, fuse_k: bool):
     from jax.experimental import pallas as pl
 
     p = plan
-    qr_ref = None
-    if save_q:
-        q_ref, k_ref, v_ref, cq, sq, o_ref, lse_ref, qr_ref, m_sc, l_sc, acc_sc, q_sc = refs
-        k_sc = k_ref
-    elif fuse_k:
+    if fuse_k:
         q_ref, k_ref, v_ref, cq, sq, ck, sk, o_ref, lse_ref, m_sc, l_sc, acc_sc, q_sc, k_sc = refs
     else:
         q_ref, k_ref, v_ref, cq, sq, o_ref, lse_ref, m_sc, l_sc, acc_sc, q_sc = refs
@@ -96,24 +93,21 @@ def _rope_fwd_body(*refs, plan, rotary_dim: int, fuse_k: bool, save_q: bool = Fa
 
     @pl.when(t == 0)
     def _rot_q():
-        _rotate_into(q_sc, q_ref, cq, sq, rotary_dim, p.q_scale if p.q_prescaled else None, save=qr_ref)
+        _rotate_into(q_sc, q_ref, cq, sq, rotary_dim)
 
     if fuse_k:
         @pl.when(run)
         def _rot_k():
-            _rotate_into(k_sc, k_ref, ck, sk, rotary_dim, None)
+            _rotate_into(k_sc, k_ref, ck, sk, rotary_dim)
 
     _fwd_body(q_sc, k_sc, v_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc, plan=p)
 
 
-def _launch(q, k, v, cos, sin, statics, cfg, fuse_k: bool, prescale: bool, save_q: bool = False) -> Launch:
-    import dataclasses
-
+def _launch(q, k, v, cos, sin, statics, cfg, fuse_k: bool) -> Launch:
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
 
     p = _pl._make_plan(q, k, v, None, **statics, **cfg)
-    p = dataclasses.replace(p, q_prescaled=prescale and not p.bounded_exp)
     kv_index = _kv_index_fn(p)
     q_spec, k_spec, v_spec, row_spec, _, _ = _common_specs(p, kv_index)
     tq = pl.BlockSpec((p.bq, p.D), lambda b, h, i, t: (i, 0))
@@ -128,12 +122,11 @@ def _launch(q, k, v, cos, sin, statics, cfg, fuse_k: bool, prescale: bool, save_
     est += p.rows * p.D * 2 + 2 * p.bq * p.D * 2 * 2 + (3 * p.bkv * p.D * 2 if fuse_k else 0)
     return Launch(
         grid=(p.B, p.Hq // p.hb, p.nq, p.kv_steps),
-        in_specs=in_specs, out_specs=[o_spec, row_spec] + ([q_spec] if save_q else []),
-        out_shape=_fwd_out_shape(q, k, v) + ((OutSpec(tuple(q.shape), q.dtype),) if save_q else ()),
+        in_specs=in_specs, out_specs=[o_spec, row_spec], out_shape=_fwd_out_shape(q, k, v),
         scratch_shapes=scratch,
         dimension_semantics=("parallel", "parallel", "arbitrary" if p.rows_whole else "parallel", "arbitrary"),
         vmem_limit_bytes=_pl._vmem_limit(est), cost_estimate=_pl._cost(p, 1),
-        body_kwargs={"plan": p, "rotary_dim": int(cos.shape[-1]), "fuse_k": fuse_k, "save_q": save_q},
+        body_kwargs={"plan": p, "rotary_dim": int(cos.shape[-1]), "fuse_k": fuse_k},
     )
 
 
@@ -146,12 +139,12 @@ _T = _pl._tunables(_pl._DOC_H)
 def fa_rope_qk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_q: torch.Tensor, sin_q: torch.Tensor,
                cos_k: torch.Tensor, sin_k: torch.Tensor, *, causal: bool = True, causal_alignment: str = "top_left",
                sm_scale: Optional[float] = None, window_left: Optional[int] = None, window_right: Optional[int] = None, softcap: Optional[float] = None,
-               prescale: bool = False, block_q: int, block_kv: int, block_kv_compute: int, block_h: int) -> tuple[torch.Tensor, torch.Tensor]:
+               block_q: int, block_kv: int, block_kv_compute: int, block_h: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Prototype: flash forward rotating q (once per query block) and K (every kv step) in VMEM."""
     statics = dict(causal=causal, causal_alignment=causal_alignment, sm_scale=sm_scale, window_left=window_left,
                    window_right=window_right, softcap=softcap)
     return _launch(q, k, v, cos_q, sin_q, statics, dict(block_q=block_q, block_kv=block_kv,
-                   block_kv_compute=block_kv_compute, block_h=block_h), True, prescale)
+                   block_kv_compute=block_kv_compute, block_h=block_h), True)
 
 
 @tpu_kernel(_rope_fwd_body, name="probe_flash_rope_q_fwd", namespace="tpukernels_probe", tunables=_T,
@@ -160,27 +153,12 @@ def fa_rope_qk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_q: torch.T
 def fa_rope_q(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_q: torch.Tensor, sin_q: torch.Tensor, *,
               causal: bool = True, causal_alignment: str = "top_left", sm_scale: Optional[float] = None,
               window_left: Optional[int] = None, window_right: Optional[int] = None, softcap: Optional[float] = None,
-              prescale: bool = False, block_q: int, block_kv: int, block_kv_compute: int, block_h: int) -> tuple[torch.Tensor, torch.Tensor]:
+              block_q: int, block_kv: int, block_kv_compute: int, block_h: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Prototype: flash forward rotating q once per query block in VMEM (k already rotated)."""
     statics = dict(causal=causal, causal_alignment=causal_alignment, sm_scale=sm_scale, window_left=window_left,
                    window_right=window_right, softcap=softcap)
     return _launch(q, k, v, cos_q, sin_q, statics, dict(block_q=block_q, block_kv=block_kv,
-                   block_kv_compute=block_kv_compute, block_h=block_h), False, prescale)
-
-
-@tpu_kernel(_rope_fwd_body, name="probe_flash_rope_q_save_fwd", namespace="tpukernels_probe", tunables=_T,
-            constraints=[_pl._compute_divides], heuristic=_pl._heuristic,
-            out_shape=lambda q, k, v, *a, **s: _fwd_out_shape(q, k, v) + (OutSpec(tuple(q.shape), q.dtype),))
-def fa_rope_q_save(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_q: torch.Tensor, sin_q: torch.Tensor, *,
-                   causal: bool = True, causal_alignment: str = "top_left", sm_scale: Optional[float] = None,
-                   window_left: Optional[int] = None, window_right: Optional[int] = None,
-                   softcap: Optional[float] = None, prescale: bool = False, block_q: int, block_kv: int,
-                   block_kv_compute: int, block_h: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Prototype: as :data:`fa_rope_q`, also writing the rotated q (what the backward needs)."""
-    statics = dict(causal=causal, causal_alignment=causal_alignment, sm_scale=sm_scale, window_left=window_left,
-                   window_right=window_right, softcap=softcap)
-    return _launch(q, k, v, cos_q, sin_q, statics, dict(block_q=block_q, block_kv=block_kv,
-                   block_kv_compute=block_kv_compute, block_h=block_h), False, prescale, True)
+                   block_kv_compute=block_kv_compute, block_h=block_h), False)
 
 
 def check_numerics(seed: int = 0) -> float:
@@ -201,13 +179,12 @@ def check_numerics(seed: int = 0) -> float:
     cfg = dict(block_q=128, block_kv=128, block_kv_compute=128, block_h=1)
     from tpukernels.library.rope import apply_rope
     worst = 0.0
-    for pre in (False, True):
-        out_qk, _ = fa_rope_qk(q, k, v, cos, sin, cos, sin, prescale=pre, config=cfg)
-        out_q, _ = fa_rope_q(q, apply_rope(k, cos, sin), v, cos, sin, prescale=pre, config=cfg)
-        out_s, _, q_rot = fa_rope_q_save(q, apply_rope(k, cos, sin), v, cos, sin, prescale=pre, config=cfg)
-        worst = max(worst, float((q_rot.double() - qr).abs().max()) / 0.05)  # within bf16 rounding of |q| ~ 4
-        for o in (out_qk, out_q, out_s):
-            worst = max(worst, float((o.double() - ref).abs().max()))
+    out_qk, _ = fa_rope_qk(q, k, v, cos, sin, cos, sin, config=cfg)
+    out_q, _ = fa_rope_q(q, apply_rope(k, cos, sin), v, cos, sin, config=cfg)
+    out_l, _, q_rot = fa_forward_rope(q, apply_rope(k, cos, sin), v, cos, sin, rotary_dim=d, causal=True, config=cfg)
+    worst = max(worst, float((q_rot.double() - qr).abs().max()) / 0.05)  # q_rot within bf16 rounding of |q| <~ 6
+    for o in (out_qk, out_q, out_l):
+        worst = max(worst, float((o.double() - ref).abs().max()))
     return worst
 
 
@@ -271,19 +248,18 @@ def main(argv=None) -> None:
         sep = attn + rq + rk
         print(f"{chip} (libtpu static estimate, a model): attention fwd {attn:.1f} us, rope q {rq:.1f} us, "
               f"rope k {rk:.1f} us; separate (rope q + rope k + fwd) = {sep:.1f} us", flush=True)
-        variants = (("fused q+k", fa_rope_qk, tabs4, 0.0), ("fused q + rope k", fa_rope_q, tabs2, rk),
-                    ("fused q (saves q_rot) + rope k", fa_rope_q_save, tabs2, rk))
-        for label, kern, tabs, extra_k in variants[args.first:]:
-            for pre in (False, True):
-                try:
-                    n = DIV * cyc(kern, (q_sm, kv_sm, kv_sm) + tabs, {"prescale": pre}, CFG)
-                except Exception as e:  # noqa: BLE001  (e.g. VMEM overflow on a chip: reported, the rest goes on)
-                    print(f"{chip}   {label:30} prescale={pre!s:5}: {type(e).__name__}: {str(e)[:160]}", flush=True)
-                    continue
-                extra_io = len(tabs) * S * D * 2 + (HQ * S * D * 2 if kern is fa_rope_q_save else 0)
-                t = model_time(chip, n, io + extra_io, flops).time_us + extra_k
-                print(f"{chip}   {label:30} prescale={pre!s:5} = {t:8.1f} us  (separate / fused = {sep / t:.3f}x)",
-                      flush=True)
+        variants = (("prototype: fused q+k", fa_rope_qk, tabs4, {}, 0.0),
+                    ("prototype: fused q (scratch) + rope k", fa_rope_q, tabs2, {}, rk),
+                    ("library fa_forward_rope + rope k", fa_forward_rope, tabs2, {"rotary_dim": D}, rk))
+        for label, kern, tabs, kw, extra_k in variants[args.first:]:
+            try:
+                n = DIV * cyc(kern, (q_sm, kv_sm, kv_sm) + tabs, dict(_CAUSAL, **kw) if kw else {}, CFG)
+            except Exception as e:  # noqa: BLE001  (e.g. VMEM overflow on a chip: reported, the rest goes on)
+                print(f"{chip}   {label:38}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+                continue
+            extra_io = len(tabs) * S * D * 2 + (HQ * S * D * 2 if kern is fa_forward_rope else 0)
+            t = model_time(chip, n, io + extra_io, flops).time_us + extra_k
+            print(f"{chip}   {label:38} = {t:8.1f} us  (separate / fused = {sep / t:.3f}x)", flush=True)
 
 
 if __name__ == "__main__":
