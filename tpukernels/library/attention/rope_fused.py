@@ -15,8 +15,8 @@ forward, causal, B=1, Hq=32, Hkv=8, S=4096, D=128, bf16, at the shipped attentio
   that reads it: +14% of the forward's cycles on v6e against ~3% for the separate kernel (and the v6e-sized
   blocks then overflow tpu7x's 64 MiB VMEM).
 
-Model result (probe): separate RoPE on q and k + forward vs this kernel + RoPE on k: v6e 645.8 vs 624.8 µs
-(1.034x), tpu7x 492.5 vs 475.1 µs (1.037x). The separate RoPE kernel cannot be estimated by libtpu (its static
+Model result (probe): separate RoPE on q and k + forward vs this kernel + RoPE on k: v6e 645.8 vs 621.8 µs
+(1.039x), tpu7x 492.5 vs 472.2 µs (1.043x), v5e 1135.8 vs 1084.0 µs (1.048x). The separate RoPE kernel cannot be estimated by libtpu (its static
 profiler aborts); it is modelled as the autotuner models it, HBM roofline + 0.35 µs per grid step.
 """
 
