@@ -51,24 +51,27 @@ def reference(q, k, v, cos, sin, *, interleaved, causal=False, causal_alignment=
                                q_segment_ids=qs, kv_segment_ids=ks, dtype=torch.float64)
 
 
-def check(q, k, v, cos, sin, *, interleaved=False, config=None, grad_tables=False, **kw):
-    """Forward + backward through autograd vs the float64 reference (q, k, v and, optionally, cos / sin)."""
+def check(q, k, v, cos, sin, *, interleaved=False, config=None, grad_tables=False, lse_grad=False, **kw):
+    """Forward + backward through autograd vs the float64 reference (q, k, v and, optionally, cos / sin; the
+    gradient flows in through out and, with ``lse_grad``, through lse too)."""
     out, lse = flash_attention(q, k, v, rope_cos=cos, rope_sin=sin, rope_interleaved=interleaved, return_lse=True,
                                config=config, **kw)
     assert out.dtype == q.dtype and out.shape == (*q.shape[:3], v.shape[3])
     g = torch.Generator().manual_seed(7)
     do = torch.randn(out.shape, generator=g).to(out.dtype)
+    dl = torch.randn(lse.shape, generator=g) if lse_grad else None
     wrt = (q, k, v) + ((cos, sin) if grad_tables else ())
-    grads = torch.autograd.grad((out,), wrt, (do,))
+    grads = torch.autograd.grad((out, lse) if lse_grad else (out,), wrt, (do, dl) if lse_grad else (do,))
     w64 = [x.detach().double().requires_grad_() for x in wrt]
     q64, k64, v64 = w64[:3]
     c64, s64 = (w64[3], w64[4]) if grad_tables else (cos.double(), sin.double())
     qs, ks = kw.pop("q_segment_ids", None), kw.pop("kv_segment_ids", None)
     r_out, r_lse = reference(q64, k64, v64, c64, s64, interleaved=interleaved, qs=qs, ks=ks, **kw)
-    r_grads = torch.autograd.grad((r_out,), w64, (do.double(),))
+    finite = torch.isfinite(r_lse)
+    r_grads = torch.autograd.grad((r_out, r_lse) if lse_grad else (r_out,), w64,
+                                  (do.double(), torch.where(finite, dl.double(), 0.0)) if lse_grad else (do.double(),))
     (oa, orr), (ga, gr) = TOL[q.dtype]
     torch.testing.assert_close(out.double(), r_out, atol=oa, rtol=orr)
-    finite = torch.isfinite(r_lse)
     assert torch.equal(torch.isneginf(lse), ~finite)
     torch.testing.assert_close(lse[finite].double(), r_lse[finite], atol=oa, rtol=orr)
     for name, a, r in zip(("q", "k", "v", "cos", "sin"), grads, r_grads):
@@ -106,7 +109,7 @@ def test_interpret_modes_gqa_tails_segments_partial(interpret):
     qs = torch.tensor([[0] * 60 + [1] * 76])
     ks = torch.tensor([[0] * 124 + [1] * 76])
     check(q, k, v, cos, sin, config=B128, causal=True, causal_alignment="bottom_right", q_segment_ids=qs,
-          kv_segment_ids=ks)
+          kv_segment_ids=ks, lse_grad=True)
 
 
 def test_table_gradients_and_softcap():
@@ -211,3 +214,13 @@ def test_opcheck():
                           dict(rotary_dim=32, interleaved=False, causal=True, causal_alignment="bottom_right",
                                sm_scale=None, window_left=None, window_right=None, softcap=None),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+def test_sharding_rule_splits_batch_or_heads_and_replicates_the_tables():
+    from tpukernels.distributed.sharding import Split, TensorMeta, splits_for
+
+    m = lambda *s: TensorMeta(s, torch.bfloat16)  # noqa: E731
+    args = {"q": m(2, 8, 64, 64), "k": m(2, 2, 64, 64), "v": m(2, 2, 64, 64), "cos": m(64, 64), "sin": m(64, 64),
+            "q_segment_ids": None, "kv_segment_ids": None, "rotary_dim": 64, "interleaved": False, "causal": True}
+    assert splits_for(fa_forward_rope, args) == [Split({"q": 0, "k": 0, "v": 0}, (0, 0, 0)),
+                                                 Split({"q": 1, "k": 1, "v": 1}, (1, 1, 1))]

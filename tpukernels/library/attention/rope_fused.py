@@ -128,8 +128,18 @@ def _launch_rope_fwd(q, k, v, cos, sin, q_segment_ids, kv_segment_ids, statics, 
     )
 
 
+def _rope_sharding(**args):
+    """DTensor rule: over the batch or the heads as the plain forward (GQA: kv heads split with their query
+    heads); the ``[Sq, D]`` tables are replicated."""
+    from ...distributed.sharding import Split, TensorMeta
+
+    tensors = [n for n in ("q", "k", "v", "q_segment_ids", "kv_segment_ids") if isinstance(args.get(n), TensorMeta)]
+    heads = [n for n in ("q", "k", "v") if n in tensors]
+    return [Split({n: 0 for n in tensors}, (0, 0, 0)), Split({n: 1 for n in heads}, (1, 1, 1))]
+
+
 @tpu_kernel(_rope_fwd_body, name="flash_attention_rope_fwd", namespace=NAMESPACE, tunables=_tunables(_DOC_H),
-            constraints=[_compute_divides], heuristic=_heuristic, out_shape=_rope_out_shape)
+            constraints=[_compute_divides], heuristic=_heuristic, out_shape=_rope_out_shape, sharding=_rope_sharding)
 def fa_forward_rope(
     q: torch.Tensor,
     k: torch.Tensor,
