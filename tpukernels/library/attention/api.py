@@ -95,8 +95,9 @@ def flash_attention(
             ``i`` takes row ``i`` (top-left) or ``i + Skv - Sq`` (bottom-right alignment). ``R`` (even,
             ``2 <= R <= D``) lanes rotate, the rest pass through (partial rotary). dtype: q's or float32. k goes
             through the RoPE kernel; q is rotated inside the attention kernel as it is loaded
-            (:mod:`tpukernels.library.attention.rope_fused`: the forward is 4-5% faster than with q rotated
-            separately in the libtpu static model on v5e / v6e / tpu7x at S=4096, causal GQA 32/8). Differentiable in q, k, v and the
+            (:mod:`tpukernels.library.attention.rope_fused`: in the libtpu static model at S=4096, causal GQA
+            32/8, 4-5% faster than rotating q by the separate kernel on v5e / v6e / tpu7x; against that kernel's
+            bare HBM floor, a tie on v6e / tpu7x and 2.7% faster on v5e). Differentiable in q, k, v and the
             tables. Not with ``mask=`` (rotate first with ``apply_rope``).
         rope_interleaved: False: llama / GPT-NeoX rotate-half; True: GPT-J pairs ``(2i, 2i + 1)``.
 

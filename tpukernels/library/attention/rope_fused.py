@@ -16,8 +16,11 @@ forward, causal, B=1, Hq=32, Hkv=8, S=4096, D=128, bf16, at the shipped attentio
   blocks then overflow tpu7x's 64 MiB VMEM).
 
 Model result (probe): separate RoPE on q and k + forward vs this kernel + RoPE on k: v6e 645.8 vs 621.8 µs
-(1.039x), tpu7x 492.5 vs 472.2 µs (1.043x), v5e 1135.8 vs 1084.0 µs (1.048x). The separate RoPE kernel cannot be estimated by libtpu (its static
-profiler aborts); it is modelled as the autotuner models it, HBM roofline + 0.35 µs per grid step.
+(1.039x), tpu7x 492.5 vs 472.2 µs (1.043x), v5e 1135.8 vs 1084.0 µs (1.048x). libtpu's static profiler aborts
+on the separate RoPE kernel, so it is modelled as the autotuner models it: HBM roofline + 0.35 µs per grid step
+(64 steps for q at its shipped ``block_s=64``). With both RoPE kernels at their bare HBM floor instead (no step
+cost) the comparison is a tie on v6e (1.003x) and tpu7x (0.996x) and a gain on v5e (1.027x): what fusion saves
+is a pass over q, and on v6e / tpu7x the in-kernel rotation costs about what that pass's HBM time does.
 """
 
 from __future__ import annotations
