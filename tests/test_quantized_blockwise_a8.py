@@ -219,3 +219,46 @@ def test_compile_only_a8(chip):
             assert res.vmem_estimate_bytes <= (res.vmem_limit_bytes or 0)
     res = tk.compile_for(qmm.quantize_per_block_kernel, chip, "1024x4096:bf16", "int8", 128, with_mlir=False)
     assert res.ok, res.summary()
+
+
+@pytest.mark.parametrize("fmt,out_dtype", [("float8_e4m3fn", "bfloat16"), ("float8_e5m2", "float32")])
+def test_a8_dequant_form(interpret, fmt, out_dtype):
+    """The fp8 prefill form (``form="dequant"``: both tiles dequantized to bf16 in VMEM, one dot per K step): two K
+    steps (the dynamic lane pick of x_scale's columns), M and N tails, NaN-poisoned padding in "tpu" mode. Within its
+    own bound, and outside the group form's tighter one somewhere (it really rounds the operands to bf16)."""
+    q, s, _ = _weights(200, 4, 128, fmt, False, seed=11)
+    x = torch.randn(150, 4 * 128, generator=torch.Generator().manual_seed(6)).bfloat16() * 4
+    y = qmm.quantized_matmul_blockwise(x, q, s, block_size=128, out_dtype=out_dtype, x_quant="fp8",
+                                       config=dict(bm=64, bk=256, bn=128, form="dequant"))
+    xq, xs = qmm.quantize_per_block_reference(x.float(), fmt, 128)
+    ref = qmm.reference_blockwise_a8(xq, xs, q, s, 128)
+    odt = getattr(torch, out_dtype)
+    err = (y.double() - ref).abs()
+    assert torch.isfinite(y.double()).all()
+    assert not (err > qmm.error_bound_blockwise_a8(xq, xs, q, s, 128, None, odt, form="dequant")).any()
+    assert (err > qmm.error_bound_blockwise_a8(xq, xs, q, s, 128, None, odt, form="groups")).any()
+
+
+def test_a8_prefill_heuristic_picks_dequant_for_fp8(monkeypatch):
+    """Prefill (M > 128): fp8 takes the dequant form at bm=1024, bk=512, bn=4096 on a 128 MiB-VMEM chip (v6e) and
+    bn=2048 on tpu7x (64 MiB); int8 keeps the group form; decode keeps the group form."""
+    from tpukernels.library.quantized_matmul import blockwise_a8 as a8
+
+    f8 = torch.empty(1024, 512, dtype=torch.float8_e5m2)
+    i8 = torch.empty(1024, 512, dtype=torch.int8)
+    for chip, bn in (("v6e", 4096), ("tpu7x", 2048)):
+        monkeypatch.setattr(a8, "_target_chip", lambda c=chip: tk.get_chip(c))  # what a launch for chip sees
+        assert a8._a8_heuristic(f8, None, None, None) == dict(bm=1024, bk=512, bn=bn, form="dequant")
+        assert a8._a8_heuristic(i8, None, None, None)["form"] == "groups"
+        assert a8._a8_heuristic(f8[:16], None, None, None)["form"] == "groups"
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("chip", ["v6e", "tpu7x"])
+def test_a8_dequant_form_compiles(chip):
+    """The dequant form at the prefill heuristic's blocks compiles (libtpu compile-only: real Mosaic) within the
+    chip's VMEM: bn=4096 on v6e, 2048 on tpu7x."""
+    r = tk.compile_for(qmm.quantized_matmul_blockwise_a8_kernel, chip, "2048x1024:float8_e5m2", "2048x8:f32",
+                       "4096x1024:float8_e5m2", "8x1x4096:f32", with_mlir=False)
+    assert r.ok, r.summary()
+    assert r.config["form"] == "dequant" and r.config["bn"] == (4096 if chip == "v6e" else 2048)

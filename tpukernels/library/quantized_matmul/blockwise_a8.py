@@ -29,6 +29,18 @@ column times a ``[1, bn]`` row), added to the accumulator; int4 zero points subt
 once per row block); the group's column is taken by a static lane slice (one K step) or a one-hot masked lane sum
 (exact: one nonzero term) at the step's group index.
 
+Prefill form (``form="dequant"``, fp8 only; the heuristic's choice for ``M > 128``): per K step both tiles are
+dequantized in VMEM (``x_q * x_scale`` per ``1 x bs`` block, ``w_q * w_scale`` per group, in f32, rounded to
+bf16) and multiplied by one MXU dot accumulating in f32. The group form's ``bk / bs`` scaled partial products cost
+three f32 vector operations per output element and group, which bounds it on the VPU at prefill sizes; the
+dequant form's vector work is per input element, amortized over the other operand's block. v6e's fp8 peak equals its
+bf16 peak (jax's tpu_info, 9.2e14), so the bf16 MXU gives nothing away there; on tpu7x (fp8 2x bf16) this form
+is capped at half of the fp8 peak. Model (libtpu 0.0.52 static estimate, prefill ``8192x4096 @ (14336x4096)^T``
+e5m2, estimated at M/4 x 4): v6e group form 2,634 us, dequant form at ``bm=1024, bn=4096, bk=512`` 1,180 us (89%
+of the 1,046 us fp8 roofline); ``bn=2048`` 1,591 us (hence 4096, which needs the 128 MiB VMEM of v5e / v6e).
+int8 keeps the group form (its int8 x int8 MXU pair runs at twice the bf16 rate). Its error bound adds the two
+bf16 roundings (below).
+
 Chips: the pair must be native on the MXU (jax ``tpu_info.is_matmul_supported``, as
 :func:`~tpukernels.library.quantized_matmul.supported_modes`): fp8 x fp8 for ``x_quant="fp8"`` (libtpu 0.0.52:
 float8_e4m3fn on tpu7x only, float8_e5m2 on v5e, v6e and tpu7x), ``(int8, int8)`` for ``x_quant="int8"`` with int8
@@ -43,7 +55,12 @@ in int32 and stay exact in f32 (``|sum| <= 127^2 * 512 < 2^24``); fp8 x fp8 prod
 4-bit significands), their f32 sum of ``bs`` terms errs by at most ``(bs - 1) u32`` times the absolute sum (Higham,
 "Accuracy and Stability of Numerical Algorithms", 2nd ed., eq. 3.5); the zero-point product and subtraction, the
 two scale products and the ``G - 1`` additions across groups add ``G + 3`` roundings; then the output rounding.
-The last term is the float64 reference's own rounding. The bound is on the quantized values the kernel used: the
+The last term is the float64 reference's own rounding. The prefill form (fp8, ``form="dequant"``) rounds each
+dequantized operand to bf16 (``(1 + 2^-8)(1 + u32)``), so each product errs by at most ``2^-7 + 2^-16 + 5 u32``
+relative, its bf16 products are exact in f32 and their sum errs by ``(K_w + 2) u32`` relative: ``|y - ref| <=
+u |ref| + 1.01 (2^-7 + 2^-16 + 5 u32 + 1.02 (K_w + 2) u32) (|x'| @ M^T) + (K_w + 2) 2^-52 (|x'| @ M^T)``
+(``form="dequant"`` of :func:`error_bound_blockwise_a8`; the default ``form=None`` gives the larger of the two,
+what a call with the heuristic's choice is within). The bound is on the quantized values the kernel used: the
 activation quantization error itself (half a grid step of each block, ``x_scale / 2`` for int8) is the scheme's,
 not the kernel's. :func:`error_bound_blockwise_a8`.
 
@@ -81,7 +98,10 @@ TUNABLES_A8 = {
     "bm": _dsl.Tunable([256, 128, 512, 1024], default=256, doc="rows of the output block (tokens)"),
     "bk": _dsl.Tunable([1024, 512, 2048, 4096], default=1024,
                        doc="contraction block (upper bound: the largest multiple of block_size tiling K, k_block)"),
-    "bn": _dsl.Tunable([512, 256, 1024, 2048], default=512, doc="columns of the output block (N)"),
+    "bn": _dsl.Tunable([512, 256, 1024, 2048, 4096], default=512, doc="columns of the output block (N)"),
+    "form": _dsl.Tunable(["groups", "dequant"], default="groups",
+                         doc="fp8 only: 'groups' = one fp8 x fp8 dot per group, scaled in f32; 'dequant' = both tiles "
+                             "dequantized to bf16 in VMEM, one dot per K step (module docstring, 'Prefill form')"),
 }
 TUNABLES_QB = {
     "bm": _dsl.Tunable([256, 32, 64, 128, 512], default=256, doc="rows per block (the block holds whole rows)"),
@@ -214,8 +234,10 @@ def reference_blockwise_a8(x_q, x_scale, w_q, w_scale, block_size: int, w_zero_p
 
 
 def error_bound_blockwise_a8(x_q, x_scale, w_q, w_scale, block_size: int, w_zero_point=None,
-                             out_dtype=torch.bfloat16) -> torch.Tensor:
-    """The elementwise bound of the module docstring on ``|y - reference_blockwise_a8(...)|`` (float64)."""
+                             out_dtype=torch.bfloat16, form: Optional[str] = None) -> torch.Tensor:
+    """The elementwise bound of the module docstring on ``|y - reference_blockwise_a8(...)|`` (float64).
+
+    ``form``: ``"groups"``, ``"dequant"`` (fp8 only) or None (fp8: the larger of the two, int8: groups)."""
     from .blockwise import resolve_format
 
     fmt = resolve_format(w_q, "error_bound_blockwise_a8")
@@ -225,11 +247,32 @@ def error_bound_blockwise_a8(x_q, x_scale, w_q, w_scale, block_size: int, w_zero
     K_w = mw.shape[1]
     G = K_w // block_size
     mag = _x_dequant(x_q, x_scale, block_size).abs() @ mw.T
-    return u * ref.abs() + (block_size + G + 2) * U32 * mag + (K_w + 2) * 2.0**-52 * mag
+    groups = u * ref.abs() + (block_size + G + 2) * U32 * mag + (K_w + 2) * 2.0**-52 * mag
+    if form == "groups" or _name(x_q.dtype) == "int8":
+        return groups
+    dequant = (u * ref.abs() + 1.01 * (2.0**-7 + 2.0**-16 + 5 * U32 + 1.02 * (K_w + 2) * U32) * mag
+               + (K_w + 2) * 2.0**-52 * mag)
+    return dequant if form == "dequant" else torch.maximum(groups, dequant)
 
 
 # ----------------------------------------------------------------------------------------------- kernel
-def _a8_body(x_ref, xs_ref, w_ref, s_ref, *refs, bs, n_sub, n_k, int4, has_zp, acc_int):
+def _a8_dequant_part(x_ref, w_ref, s_ref, xs_cols, *, bs, n_sub):
+    """Prefill form of one K step (module docstring): ``x_q`` and ``w_q`` tiles dequantized group by group in f32
+    (``x_q * x_scale`` per ``1 x bs`` block, ``w_q * w_scale`` per row of each group), rounded to bf16, one MXU dot
+    accumulating in f32."""
+    import jax
+    import jax.numpy as jnp
+
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    ws_t = s_ref[...].reshape(n_sub, s_ref.shape[-1]).T  # [bn, n_sub]: each group's scales as a column
+    xd = jnp.concatenate([(x_ref[:, g * bs:(g + 1) * bs].astype(f32) * xs_cols[g]).astype(bf16)
+                          for g in range(n_sub)], axis=1)
+    wd = jnp.concatenate([(w_ref[:, g * bs:(g + 1) * bs].astype(f32) * ws_t[:, g:g + 1]).astype(bf16)
+                          for g in range(n_sub)], axis=1)
+    return jax.lax.dot_general(xd, wd, (((1,), (1,)), ((), ())), preferred_element_type=f32)
+
+
+def _a8_body(x_ref, xs_ref, w_ref, s_ref, *refs, bs, n_sub, n_k, int4, has_zp, acc_int, dequant=False):
     """One output block, one K step of ``n_sub`` groups (module docstring); ``refs`` = ``[z_ref,] o_ref, acc_ref``."""
     import jax
     import jax.numpy as jnp
@@ -245,12 +288,20 @@ def _a8_body(x_ref, xs_ref, w_ref, s_ref, *refs, bs, n_sub, n_k, int4, has_zp, a
     half = bs // 2
     xs_all = xs_ref[...]
     lane = None if n_k == 1 else jax.lax.broadcasted_iota(jnp.int32, xs_all.shape, 1)
+
+    def xs_col(g):
+        if n_k == 1:
+            return xs_all[:, g:g + 1]
+        # the group's scale column at a dynamic lane: a one-hot masked lane sum (one nonzero term: exact)
+        return jnp.sum(jnp.where(lane == k * n_sub + g, xs_all, 0.0), axis=1, keepdims=True)
+
+    if dequant:
+        part = _a8_dequant_part(x_ref, w_ref, s_ref, [xs_col(g) for g in range(n_sub)], bs=bs, n_sub=n_sub)
+        accumulate_k_step(part, k, n_k, acc_ref, o_ref)
+        return
     part = None
     for g in range(n_sub):
-        if n_k == 1:
-            xsg = xs_all[:, g:g + 1]
-        else:  # the group's scale column at a dynamic lane: a one-hot masked lane sum (one nonzero term: exact)
-            xsg = jnp.sum(jnp.where(lane == k * n_sub + g, xs_all, 0.0), axis=1, keepdims=True)
+        xsg = xs_col(g)
         xg = x_ref[:, g * bs:(g + 1) * bs]
         if int4:  # unpack in VMEM to int8 q - 8: low nibbles = first half of the group, high = second half
             b = w_ref[:, g * half:(g + 1) * half].astype(jnp.int32)
@@ -296,10 +347,16 @@ def _a8_problem(x_q, x_scale, w_q, w_scale, w_zero_point, block_size, where):
 
 
 def _a8_heuristic(x_q, x_scale, w_q, w_scale, w_zero_point=None, block_size=128, out_dtype=None):
+    """Decode (``M <= 128``): one row block, large weight tiles. Prefill: fp8 takes the dequant form at
+    ``bm=1024, bk=512`` and ``bn=4096`` (2048 where the chip has < 128 MiB of VMEM: tpu7x), int8 the group form."""
     M = x_q.shape[0]
-    if M <= 128:  # decode: one row block, large weight tiles
-        return dict(bm=128, bk=2048, bn=512)
-    return dict(bm=512, bk=1024, bn=1024)
+    if M <= 128:
+        return dict(bm=128, bk=2048, bn=512, form="groups")
+    if _name(x_q.dtype).startswith("float8"):
+        chip = _target_chip()
+        big = chip is None or chip.vmem_capacity_bytes >= 128 * MiB
+        return dict(bm=1024, bk=512, bn=4096 if big else 2048, form="dequant")
+    return dict(bm=512, bk=1024, bn=1024, form="groups")
 
 
 def _a8_shape(x_q, x_scale, w_q, w_scale, w_zero_point=None, block_size=128, out_dtype=None):
@@ -326,7 +383,7 @@ def _ref_a8(x_q, x_scale, w_q, w_scale, w_zero_point=None, block_size=128, out_d
 def quantized_matmul_blockwise_a8_kernel(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor,
                                          w_scale: torch.Tensor, w_zero_point: Optional[torch.Tensor] = None,
                                          block_size: int = 128, out_dtype: Optional[str] = None, *,
-                                         bm: int, bk: int, bn: int) -> torch.Tensor:
+                                         bm: int, bk: int, bn: int, form: str = "groups") -> torch.Tensor:
     """``x' @ W^T`` with block-quantized activations and weights (module docstring): ``x_q [M, K_w]`` int8 / fp8,
     ``x_scale [M, K_w / bs]`` f32, ``w_q [N, K_w]`` (same fp8 dtype as ``x_q``; int8) or ``[N, K_w / 2]`` uint8
     (int4, with int8 ``x_q``), ``w_scale [K_w / bs, 1, N]`` f32, ``w_zero_point`` (int4) same shape -> ``[M, N]``
@@ -358,12 +415,17 @@ def quantized_matmul_blockwise_a8_kernel(x_q: torch.Tensor, x_scale: torch.Tenso
     if w_zero_point is not None:
         in_specs.append(pl.BlockSpec((n_sub, 1, bn_), lambda i, j, k: (k, 0, j)))
     acc_shape = (8, 128) if gk == 1 else (bm_, bn_)
-    need = (2 * (padded_bytes((bm_, bk_), x_q.dtype) + padded_bytes((bm_, G), "float32")
-                 + padded_bytes((bn_, wcols), w_q.dtype)
-                 + (1 + (w_zero_point is not None)) * n_sub * padded_bytes((1, bn_), "float32")
-                 + padded_bytes((bm_, bn_), odt))
-            + 2 * padded_bytes((bn_, block_size), "int32") + 3 * padded_bytes((bm_, bn_), "float32")
-            + padded_bytes(acc_shape, "float32"))
+    dequant = form == "dequant" and x_quant == "fp8"  # int8 keeps the group form (its MXU pair is 2x bf16's rate)
+    io = 2 * (padded_bytes((bm_, bk_), x_q.dtype) + padded_bytes((bm_, G), "float32")
+              + padded_bytes((bn_, wcols), w_q.dtype)
+              + (1 + (w_zero_point is not None)) * n_sub * padded_bytes((1, bn_), "float32")
+              + padded_bytes((bm_, bn_), odt))
+    if dequant:  # the dequantized tiles (f32 group slices, bf16 tiles) and one f32 dot result
+        work = (padded_bytes((bm_ + bn_, block_size), "float32") + padded_bytes((bm_ + bn_, bk_), "bfloat16")
+                + padded_bytes((bm_, bn_), "float32"))
+    else:
+        work = 2 * padded_bytes((bn_, block_size), "int32") + 3 * padded_bytes((bm_, bn_), "float32")
+    need = io + work + padded_bytes(acc_shape, "float32")
     wbytes = N * K_w // (2 if int4 else 1)
     cost = pl.CostEstimate(flops=2 * M * N * K_w, transcendentals=0,
                            bytes_accessed=int(gj * M * (K_w + 4 * G) + gi * wbytes + M * N * np.dtype(odt).itemsize))
@@ -377,7 +439,7 @@ def quantized_matmul_blockwise_a8_kernel(x_q: torch.Tensor, x_scale: torch.Tenso
         vmem_limit_bytes=scoped_vmem_limit(need),
         cost_estimate=cost,
         body_kwargs=dict(bs=int(block_size), n_sub=int(n_sub), n_k=int(gk), int4=int4,
-                         has_zp=w_zero_point is not None, acc_int=x_quant == "int8"),
+                         has_zp=w_zero_point is not None, acc_int=x_quant == "int8", dequant=dequant),
     )
 
 
