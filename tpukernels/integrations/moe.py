@@ -30,6 +30,12 @@ and the float parameters are dropped (set to ``None``). The forward then runs bo
 :func:`~tpukernels.library.grouped_matmul.quant.grouped_matmul_quantized` (dequantized in VMEM), in the
 activations' dtype (bf16 / f32; other dtypes go through f32); differentiable with respect to the activations, the
 experts frozen (their buffers get no gradient).
+
+Saving and loading: ``quantize_moe_experts`` records each quantized module's scheme in
+``model.config.quantization_config`` (a :class:`tpukernels.integrations.quantizers.TpuKernelsConfig`, field
+``experts``), so ``save_pretrained`` writes it with the buffers as they are, and ``from_pretrained`` (with
+:mod:`tpukernels.integrations.quantizers` imported) rebuilds the quantized modules before the weights load
+(:func:`prepare_quantized_experts`): every buffer reloads bit-identical, a missing one raises ArgumentError.
 """
 
 from __future__ import annotations
@@ -139,6 +145,68 @@ def apply_tpukernels_moe(model: torch.nn.Module) -> list[str]:
     return patched
 
 
+def _swap_in_buffers(module, bufs: dict, weight_format) -> None:
+    """Replace ``module``'s float ``gate_up_proj`` / ``down_proj`` by quantized buffers ``{proj: (q, scale,
+    zero_point)}`` (the parameters become None)."""
+    for proj, (rhs, s, z) in bufs.items():
+        del module._parameters[proj]
+        module.register_parameter(proj, None)
+        module.register_buffer(f"{proj}_q", rhs)
+        module.register_buffer(f"{proj}_scale", s)
+        module.register_buffer(f"{proj}_zero_point", z)
+    module.tpukernels_weight_format = weight_format
+
+
+def prepare_quantized_experts(model: torch.nn.Module, experts: dict) -> None:
+    """``from_pretrained`` of a checkpoint with quantized experts (called by the tpukernels HF quantizer before the
+    weights load): each listed experts module (``{name: {"dtype", "block_size", "asymmetric"}}``) gets empty
+    quantized buffers of the saved shapes and dtypes in place of its float parameters
+    (:func:`tpukernels.integrations.quantizers.expert_buffers`), on the parameters' device (meta while loading).
+
+    Raises:
+        ArgumentError: a listed name that is no supported float experts module of ``model``, a block size not
+            dividing a projection's K (the checkpoint does not match the architecture).
+    """
+    from .quantizers import expert_buffers
+
+    plan = []
+    for name, spec in experts.items():
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            module = None
+        if module is None or not _is_experts(module) or _quantized(module):
+            raise ArgumentError(f"quantization_config.experts: {name!r} is not a float experts module "
+                                f"(gate_up_proj [E, 2I, H]) of this {type(model).__name__} (got "
+                                f"{type(module).__name__}); the checkpoint does not match the model's architecture")
+        why = _unsupported(module)
+        if why:
+            raise ArgumentError(f"quantization_config.experts: {name} ({type(module).__name__}) has {why}, not "
+                                f"supported")
+        bufs = {}
+        for proj in ("gate_up_proj", "down_proj"):
+            p = getattr(module, proj)
+            lay = expert_buffers(spec, tuple(p.shape), f"{name}.{proj}")
+            bufs[proj] = [None if v is None else torch.empty(v[0], dtype=v[1], device=p.device)
+                          for v in (lay["_q"], lay["_scale"], lay["_zero_point"])]
+        plan.append((module, bufs, spec))
+    for module, bufs, spec in plan:
+        _swap_in_buffers(module, bufs, "fp4" if spec["dtype"] == "fp4" else None)
+        # transformers' weight init of missing keys would draw into the (now None) float parameters; the buffers
+        # come from the checkpoint or the quantizer raises after loading (never initialised at random)
+        module._is_hf_initialized = True
+
+
+def route_quantized_experts(model: torch.nn.Module, names) -> None:
+    """Route the (loaded) quantized experts modules ``names`` through ``grouped_matmul_quantized``
+    (``config._experts_implementation = "tpukernels"``)."""
+    if not names:
+        return
+    register()
+    for name in names:
+        model.get_submodule(name).config._experts_implementation = IMPLEMENTATION
+
+
 def quantize_moe_experts(model: torch.nn.Module, *, dtype: str = "int8", block_size: int | None = None,
                          asymmetric: bool = False) -> list[str]:
     """Quantize every supported experts module's weights in place and route it through
@@ -154,11 +222,19 @@ def quantize_moe_experts(model: torch.nn.Module, *, dtype: str = "int8", block_s
 
     Raises:
         ArgumentError: no experts modules, an unsupported feature (as :func:`apply_tpukernels_moe`), a block
-            size that does not divide a projection's K, a 4-bit dtype without ``block_size``, already quantized.
+            size that does not divide a projection's K, a 4-bit dtype without ``block_size``, already quantized,
+            a model whose ``config.quantization_config`` is another method's.
         DTypeError: an unknown ``dtype`` (from the quantizers).
+
+    The scheme is recorded in ``model.config.quantization_config`` (``experts``; module docstring), so
+    ``save_pretrained`` / ``from_pretrained`` round-trip the quantized buffers bit-identically.
     """
     from ..library.grouped_matmul.quant import quantize_experts
 
+    if getattr(model, "config", None) is not None:
+        from .quantizers import check_can_mark_experts
+
+        check_can_mark_experts(model)
     if dtype in ("int4", "fp4") and block_size is None:
         raise ArgumentError(f"quantize_moe_experts: {dtype} weights need a block_size (block scales along K)")
     found = []
@@ -186,18 +262,19 @@ def quantize_moe_experts(model: torch.nn.Module, *, dtype: str = "int8", block_s
                         quantize_experts(w.float(), block_size, dtype, asymmetric=asymmetric, transpose_rhs=True)]
         done.append((module, qs))
     names = [n for n, _ in found]
-    for module, qs in done:
-        for proj, (rhs, s, z) in qs.items():
-            del module._parameters[proj]
-            module.register_parameter(proj, None)
-            module.register_buffer(f"{proj}_q", rhs)
-            module.register_buffer(f"{proj}_scale", s)
-            module.register_buffer(f"{proj}_zero_point", z)
-        module.tpukernels_weight_format = "fp4" if dtype == "fp4" else None
     if not names:
         raise ArgumentError("quantize_moe_experts: the model has no 3-D experts modules (gate_up_proj [E, 2I, H])")
+    for module, qs in done:
+        _swap_in_buffers(module, qs, "fp4" if dtype == "fp4" else None)
+    if getattr(model, "config", None) is not None:
+        from .quantizers import mark_experts_quantized
+
+        spec = {"dtype": dtype, "block_size": block_size,
+                "asymmetric": bool(asymmetric and dtype == "int4" and block_size is not None)}
+        mark_experts_quantized(model, {n: dict(spec) for n in names})
     apply_tpukernels_moe(model)
     return names
 
 
-__all__ = ["apply_tpukernels_moe", "quantize_moe_experts", "tpukernels_experts_forward", "register", "IMPLEMENTATION"]
+__all__ = ["apply_tpukernels_moe", "quantize_moe_experts", "tpukernels_experts_forward", "register", "IMPLEMENTATION",
+           "prepare_quantized_experts", "route_quantized_experts"]
