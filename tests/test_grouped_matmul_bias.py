@@ -199,3 +199,18 @@ def test_bad_rhs_bias_raises_typed_errors():
             call(torch.zeros(2, 1, 32, device="meta"))
         with pytest.raises(ArgumentError, match="rhs_bias must be a torch.Tensor"):
             call(np.zeros((2, 1, 32), np.float32))
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("chip", ["v5e", "v6e", "tpu7x"])
+def test_compile_only_with_bias(chip):
+    """Mosaic + XLA:TPU compile both forward kernels with ``rhs_bias`` at the heuristic blocks (libtpu
+    compile-only): the plain one on its manual rhs prefetch chain (``bk = K``, ``bn`` dividing N), the quantized one
+    with int4 experts, zero points and 128-column blocks; the scoped VMEM request covers the bias blocks."""
+    plain = tk.compile_for(gm.grouped_matmul_fwd, chip, "4:i32", "1:i32", "512x1024:bf16", "4x2048x1024:bf16",
+                           "4x1x2048:f32", transpose_rhs=True, with_mlir=False)
+    quant = tk.compile_for(gq.grouped_matmul_quant_fwd, chip, "4:i32", "1:i32", "512x1024:bf16", "4x2048x512:u8",
+                           "4x8x1x2048:f32", "4x8x1x2048:f32", "4x1x2048:bf16", transpose_rhs=True, with_mlir=False)
+    for res in (plain, quant):
+        assert res.ok, res.summary()
+        assert res.vmem_estimate_bytes <= (res.vmem_limit_bytes or 32 * 2**20)
