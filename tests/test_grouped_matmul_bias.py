@@ -214,3 +214,24 @@ def test_compile_only_with_bias(chip):
     for res in (plain, quant):
         assert res.ok, res.summary()
         assert res.vmem_estimate_bytes <= (res.vmem_limit_bytes or 32 * 2**20)
+
+
+def test_sharding_rules_split_the_bias_with_the_columns():
+    """Tensor-parallel rules (tpukernels.distributed): ``rhs_bias [G, 1, N]`` is split over N with the weight's
+    columns; the float32 K split (partial sums) is withdrawn with a bias (each partial sum would add it once)."""
+    from tpukernels.distributed import PARTIAL, Split, TensorMeta, splits_for
+
+    def meta(*shape, dtype=torch.float32):
+        return TensorMeta(shape, dtype)
+
+    base = {"group_sizes": meta(4, dtype=torch.int32), "group_offset": meta(dtype=torch.int32),
+            "lhs": meta(256, 128), "rhs": meta(4, 128, 256), "transpose_rhs": False, "out_dtype": None}
+    assert splits_for(gm.grouped_matmul_fwd, {**base, "rhs_bias": None}) == [
+        Split({"rhs": 2}, (1,)), Split({"lhs": 1, "rhs": 1}, (PARTIAL,))]
+    assert splits_for(gm.grouped_matmul_fwd, {**base, "rhs_bias": meta(4, 1, 256)}) == [
+        Split({"rhs": 2, "rhs_bias": 2}, (1,))]
+    q = {"group_sizes": meta(4, dtype=torch.int32), "group_offset": meta(dtype=torch.int32),
+         "lhs": meta(256, 256, dtype=torch.bfloat16), "rhs": meta(4, 512, 128, dtype=torch.uint8),
+         "rhs_scale": meta(4, 2, 1, 512), "rhs_zero_point": None, "rhs_bias": meta(4, 1, 512),
+         "transpose_rhs": True, "out_dtype": None, "weight_format": "int4"}
+    assert splits_for(gq.grouped_matmul_quant_fwd, q) == [Split({"rhs": 1, "rhs_scale": 3, "rhs_bias": 2}, (1,))]
