@@ -50,6 +50,7 @@ from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ..errors import ArgumentError
+from .moe_experts import expert_buffers, prepare_quantized_experts, route_quantized_experts
 
 QUANT_METHOD = "tpukernels"
 #: the fields of a ``"tpukernels"`` quantization config (``config.json``); any other key raises
@@ -144,23 +145,6 @@ def _check_experts(experts) -> dict:
     return out
 
 
-def expert_buffers(spec: dict, shape, name: str) -> dict:
-    """``{buffer suffix: (shape, torch dtype) or None}`` of one projection (float ``[E, N, K]``) quantized with
-    ``spec`` (``_q``, ``_scale``, ``_zero_point``; :mod:`tpukernels.integrations.moe`'s layout). ``name`` (the
-    projection's dotted name) is for the error of a block size not dividing K."""
-    E, N, K = shape
-    dtype, bs = spec["dtype"], spec["block_size"]
-    if bs is not None and K % bs:
-        raise ArgumentError(f"quantization_config.experts: {name} has K = {K} in-features, not a multiple of its "
-                            f"block_size = {bs}; the checkpoint does not match the model's architecture")
-    packed = dtype in ("int4", "fp4")
-    qdt = torch.uint8 if packed else getattr(torch, dtype)
-    nb = K // bs if bs is not None else 1
-    sshape = (E, nb, 1, N)
-    return {"_q": ((E, N, K // 2 if packed else K), qdt), "_scale": (sshape, torch.float32),
-            "_zero_point": (sshape, torch.float32) if spec["asymmetric"] else None}
-
-
 class TpuKernelsHfQuantizer(HfQuantizer):
     """transformers quantizer for :class:`TpuKernelsConfig` checkpoints (module docstring)."""
 
@@ -173,7 +157,6 @@ class TpuKernelsHfQuantizer(HfQuantizer):
 
     def _process_model_before_weight_loading(self, model, **kwargs):
         from ..library.quantized_matmul import TPUQuantLinear
-        from .moe import prepare_quantized_experts
 
         cfg = self.quantization_config
         prepare_quantized_experts(model, cfg.experts)
@@ -216,8 +199,6 @@ class TpuKernelsHfQuantizer(HfQuantizer):
                         raise ArgumentError(f"from_pretrained: the checkpoint has no tensor {name}.{proj}{t} "
                                             f"(quantization_config.experts lists {name!r} as quantized); refusing "
                                             f"to leave it uninitialised")
-        from .moe import route_quantized_experts
-
         route_quantized_experts(model, list(self.quantization_config.experts))
         return model
 

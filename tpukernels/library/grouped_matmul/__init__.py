@@ -37,9 +37,10 @@ Backward (autograd, ``dO`` the incoming gradient cast to the operand dtype)::
 
     d_rhs_bias[g] = sum of the incoming gradient over the rows of g  [G, 1, N]  (float32 sum, bias dtype)
 
-Empty groups get a zero ``d_rhs[g]`` (and ``d_rhs_bias[g]``). ``group_sizes`` / ``group_offset`` get no gradient. The backward
-is itself made of differentiable grouped matmuls (``grouped_matmul`` and ``tgmm`` ops with their own
-backward, :func:`_tgmm_backward`), so second derivatives run through the same kernels.
+Empty groups get a zero ``d_rhs[g]`` (and ``d_rhs_bias[g]``). ``group_sizes`` / ``group_offset`` get no
+gradient. The backward is itself made of differentiable grouped matmuls (``grouped_matmul`` and ``tgmm`` ops with
+their own backward, :func:`_tgmm_backward`), so second derivatives run through the same kernels (``d_rhs_bias``
+is a plain torch segment sum).
 
 Kernels (both Pallas TPU kernels with scalar prefetch and data-dependent index maps):
 
