@@ -49,8 +49,8 @@ def _ids(seed=3):
 
 
 # (dtype, block_size, asymmetric): every expert format quantize_moe_experts takes, per channel and block scales
-SCHEMES = [("int8", None, False), ("float8_e5m2", None, False), ("int8", 32, False), ("int4", 32, True),
-           ("int4", 64, False), ("fp4", 32, False)]
+SCHEMES = [("int8", None, False), ("float8_e5m2", None, False), ("float8_e4m3fn", None, False), ("int8", 32, False),
+           ("int4", 32, True), ("int4", 64, False), ("fp4", 32, False)]
 
 
 @pytest.mark.parametrize("dtype, block_size, asym", SCHEMES, ids=lambda v: str(v))
