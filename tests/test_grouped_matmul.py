@@ -541,7 +541,8 @@ def test_unchecked_values_are_clamped_on_device():
     """The kernel op itself (no host value checks): negative sizes count as 0, ends cap at M."""
     lhs, rhs = torch.randn(300, 200), torch.randn(2, 200, 130)
     bad = torch.tensor([-5, 400], dtype=torch.int32)  # clamped: [0, 300)
-    out = OPS.grouped_matmul_fwd(bad, torch.zeros(1, dtype=torch.int32), lhs, rhs, False, None, config=json.dumps(SMALL))
+    out = OPS.grouped_matmul_fwd(bad, torch.zeros(1, dtype=torch.int32), lhs, rhs, None, False, None,
+                                 config=json.dumps(SMALL))
     want = gm.reference(lhs, rhs, torch.tensor([0, 300], dtype=torch.int32))
     assert (out.double() - want).abs().max() <= 1e-4 * want.abs().max()
 
@@ -550,8 +551,9 @@ def test_op_schema_and_opcheck():
     lhs, rhs = torch.randn(40, 16), torch.randn(2, 16, 24)
     sizes = torch.tensor([10, 20], dtype=torch.int32)
     go = torch.zeros(1, dtype=torch.int32)
-    torch.library.opcheck(OPS.grouped_matmul_fwd.default, (sizes, go, lhs, rhs, False, None),
-                          test_utils=("test_schema", "test_faketensor"))
+    for bias in (None, torch.randn(2, 1, 24)):  # rhs_bias absent and present
+        torch.library.opcheck(OPS.grouped_matmul_fwd.default, (sizes, go, lhs, rhs, bias, False, None),
+                              test_utils=("test_schema", "test_faketensor"))
     assert torch.equal(OPS.grouped_matmul(lhs, rhs, sizes), gm.grouped_matmul(lhs, rhs, sizes))
 
 

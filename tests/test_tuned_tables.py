@@ -147,8 +147,8 @@ def _grouped(key):
     from tpukernels.library import grouped_matmul
 
     st = key["statics"]
-    _, _, x, y = key["shapes"]
-    _, _, dx, dy = key["dtypes"]
+    _, _, x, y, *_ = key["shapes"]  # grouped_matmul_fwd's keys end with rhs_bias (None)
+    _, _, dx, dy, *_ = key["dtypes"]
     if key["_kernel"].endswith("_tgmm"):  # the rhs gradient of a forward: lhs [M, K], rhs [G, K, N]
         G = st["num_groups"]
         M, K, N = x[0], x[1], y[1]

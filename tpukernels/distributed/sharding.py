@@ -127,9 +127,10 @@ def _grouped_fwd(args: Mapping) -> list[Split]:
     groups, its columns); over K a partial sum (float32 output only). Rows are not split: ``group_sizes``
     index the global rows."""
     t = bool(args.get("transpose_rhs"))
-    splits = [Split({"rhs": 1 if t else 2}, (1,))]
+    bias = isinstance(args.get("rhs_bias"), TensorMeta)  # [G, 1, N]: split with the columns; no K partial sums
+    splits = [Split({"rhs": 1 if t else 2, **({"rhs_bias": 2} if bias else {})}, (1,))]
     lhs = args.get("lhs")
-    if isinstance(lhs, TensorMeta) and _is_f32(args.get("out_dtype") or lhs.dtype):
+    if not bias and isinstance(lhs, TensorMeta) and _is_f32(args.get("out_dtype") or lhs.dtype):
         splits.append(Split({"lhs": 1, "rhs": 2 if t else 1}, (PARTIAL,)))
     return splits
 
@@ -146,6 +147,8 @@ def _grouped_quant_fwd(args: Mapping) -> list[Split]:
     split = {"rhs": 1 if bool(args.get("transpose_rhs")) else 2, "rhs_scale": 3}
     if isinstance(args.get("rhs_zero_point"), TensorMeta):
         split["rhs_zero_point"] = 3
+    if isinstance(args.get("rhs_bias"), TensorMeta):  # [G, 1, N]: its columns with the weight's
+        split["rhs_bias"] = 2
     return [Split(split, (1,))]
 
 

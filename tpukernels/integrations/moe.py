@@ -30,6 +30,12 @@ and the float parameters are dropped (set to ``None``). The forward then runs bo
 :func:`~tpukernels.library.grouped_matmul.quant.grouped_matmul_quantized` (dequantized in VMEM), in the
 activations' dtype (bf16 / f32; other dtypes go through f32); differentiable with respect to the activations, the
 experts frozen (their buffers get no gradient).
+
+Saving and loading: ``quantize_moe_experts`` records each quantized module's scheme in
+``model.config.quantization_config`` (a :class:`tpukernels.integrations.quantizers.TpuKernelsConfig`, field
+``experts``), so ``save_pretrained`` writes it with the buffers as they are, and ``from_pretrained`` (with
+:mod:`tpukernels.integrations.quantizers` imported) rebuilds the quantized modules before the weights load
+(:func:`prepare_quantized_experts`): every buffer reloads bit-identical, a missing one raises ArgumentError.
 """
 
 from __future__ import annotations
@@ -37,82 +43,8 @@ from __future__ import annotations
 import torch
 
 from ..errors import ArgumentError
-
-IMPLEMENTATION = "tpukernels"
-
-
-def _quantized(module) -> bool:
-    return getattr(module, "gate_up_proj_q", None) is not None
-
-
-def _is_experts(module) -> bool:
-    """An HF experts module: 3-D ``gate_up_proj`` (a parameter, or quantized buffers) and a config."""
-    w = getattr(module, "gate_up_proj_q", None) if _quantized(module) else getattr(module, "gate_up_proj", None)
-    ok = isinstance(w, torch.nn.Parameter) or (_quantized(module) and isinstance(w, torch.Tensor))
-    return ok and w.dim() == 3 and hasattr(module, "config")
-
-
-def _unsupported(module) -> str | None:
-    if not (hasattr(module, "gate_up_proj") and hasattr(module, "down_proj")):
-        return "no gate_up_proj / down_proj parameters (ungated experts)"
-    if getattr(module, "has_bias", False):
-        return "expert biases"
-    if getattr(module, "is_transposed", False):
-        return "transposed expert weights"
-    if not getattr(module, "is_concatenated", True):
-        return "interleaved gate/up weights"
-    if getattr(module, "_is_expert_parallel", False):
-        return "expert parallelism"
-    if getattr(module, "has_post_expert_norm", False):
-        return "a post-expert norm"
-    return None
-
-
-def tpukernels_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                               top_k_weights: torch.Tensor) -> torch.Tensor:
-    """HF experts forward (``hidden_states [T, H]``, ``top_k_index [T, k]``, ``top_k_weights [T, k]``) ->
-    ``[T, H]`` through two grouped matmuls (module docstring)."""
-    from ..library.grouped_matmul import grouped_matmul
-    from ..library.grouped_matmul.quant import grouped_matmul_quantized
-
-    why = _unsupported(self)
-    if why:
-        raise ArgumentError(f"tpukernels experts: {type(self).__name__} has {why}, which is not supported")
-    top_k = top_k_index.shape[-1]
-    expert_ids = top_k_index.reshape(-1)
-    order = torch.argsort(expert_ids, stable=True)
-    token = order // top_k
-    # a fixed-length count (bincount's output length depends on the data: a graph break under torch.compile)
-    sizes = torch.zeros(self.num_experts, dtype=torch.int32, device=expert_ids.device).scatter_add_(
-        0, expert_ids, torch.ones_like(expert_ids, dtype=torch.int32))
-    x = hidden_states[token]
-    if _quantized(self):
-        cdt = hidden_states.dtype if hidden_states.dtype in (torch.bfloat16, torch.float32) else torch.float32
-        x = x.to(cdt)
-
-        def mm(a, name):
-            return grouped_matmul_quantized(
-                a.to(cdt), getattr(self, f"{name}_q"), sizes, getattr(self, f"{name}_scale"),
-                rhs_zero_point=getattr(self, f"{name}_zero_point", None), transpose_rhs=True,
-                weight_format=getattr(self, "tpukernels_weight_format", None))
-    else:
-        def mm(a, name):
-            w = getattr(self, name)
-            return grouped_matmul(a.to(w.dtype), w, sizes, transpose_rhs=True)
-    gate_up = mm(x, "gate_up_proj")
-    h = self._apply_gate(gate_up) if hasattr(self, "_apply_gate") else (
-        self.act_fn(gate_up.chunk(2, dim=-1)[0]) * gate_up.chunk(2, dim=-1)[1])
-    y = mm(h, "down_proj")
-    y = y * top_k_weights.reshape(-1)[order, None].to(y.dtype)
-    return torch.zeros_like(hidden_states).index_add_(0, token, y.to(hidden_states.dtype))
-
-
-def register() -> None:
-    """Register ``"tpukernels"`` in transformers' ``ALL_EXPERTS_FUNCTIONS`` (idempotent)."""
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
-
-    if IMPLEMENTATION not in ALL_EXPERTS_FUNCTIONS:
-        ExpertsInterface.register(IMPLEMENTATION, tpukernels_experts_forward)
+from .moe_experts import (IMPLEMENTATION, _is_experts, _quantized, _swap_in_buffers, _unsupported,  # noqa: F401
+                          prepare_quantized_experts, register, route_quantized_experts, tpukernels_experts_forward)
 
 
 def apply_tpukernels_moe(model: torch.nn.Module) -> list[str]:
@@ -154,11 +86,19 @@ def quantize_moe_experts(model: torch.nn.Module, *, dtype: str = "int8", block_s
 
     Raises:
         ArgumentError: no experts modules, an unsupported feature (as :func:`apply_tpukernels_moe`), a block
-            size that does not divide a projection's K, a 4-bit dtype without ``block_size``, already quantized.
+            size that does not divide a projection's K, a 4-bit dtype without ``block_size``, already quantized,
+            a model whose ``config.quantization_config`` is another method's.
         DTypeError: an unknown ``dtype`` (from the quantizers).
+
+    The scheme is recorded in ``model.config.quantization_config`` (``experts``; module docstring), so
+    ``save_pretrained`` / ``from_pretrained`` round-trip the quantized buffers bit-identically.
     """
     from ..library.grouped_matmul.quant import quantize_experts
 
+    if getattr(model, "config", None) is not None:
+        from .quantizers import check_can_mark_experts
+
+        check_can_mark_experts(model)
     if dtype in ("int4", "fp4") and block_size is None:
         raise ArgumentError(f"quantize_moe_experts: {dtype} weights need a block_size (block scales along K)")
     found = []
@@ -186,18 +126,19 @@ def quantize_moe_experts(model: torch.nn.Module, *, dtype: str = "int8", block_s
                         quantize_experts(w.float(), block_size, dtype, asymmetric=asymmetric, transpose_rhs=True)]
         done.append((module, qs))
     names = [n for n, _ in found]
-    for module, qs in done:
-        for proj, (rhs, s, z) in qs.items():
-            del module._parameters[proj]
-            module.register_parameter(proj, None)
-            module.register_buffer(f"{proj}_q", rhs)
-            module.register_buffer(f"{proj}_scale", s)
-            module.register_buffer(f"{proj}_zero_point", z)
-        module.tpukernels_weight_format = "fp4" if dtype == "fp4" else None
     if not names:
         raise ArgumentError("quantize_moe_experts: the model has no 3-D experts modules (gate_up_proj [E, 2I, H])")
+    for module, qs in done:
+        _swap_in_buffers(module, qs, "fp4" if dtype == "fp4" else None)
+    if getattr(model, "config", None) is not None:
+        from .quantizers import mark_experts_quantized
+
+        spec = {"dtype": dtype, "block_size": block_size,
+                "asymmetric": bool(asymmetric and dtype == "int4" and block_size is not None)}
+        mark_experts_quantized(model, {n: dict(spec) for n in names})
     apply_tpukernels_moe(model)
     return names
 
 
-__all__ = ["apply_tpukernels_moe", "quantize_moe_experts", "tpukernels_experts_forward", "register", "IMPLEMENTATION"]
+__all__ = ["apply_tpukernels_moe", "quantize_moe_experts", "tpukernels_experts_forward", "register", "IMPLEMENTATION",
+           "prepare_quantized_experts", "route_quantized_experts"]

@@ -19,6 +19,19 @@ This module registers, on import, a transformers quantization method ``"tpukerne
   after loading it checks that every one of them came from the checkpoint and raises
   :class:`~tpukernels.errors.ArgumentError` naming the tensor otherwise (never a random weight).
 
+Quantized MoE experts (:func:`tpukernels.integrations.moe.quantize_moe_experts`) ride on the same config: its
+optional ``experts`` field maps each quantized experts module's dotted name to its scheme ``{"dtype", "block_size",
+"asymmetric"}`` (the arguments of ``quantize_moe_experts``), from which the stored layout follows (the buffers
+``gate_up_proj_q`` / ``down_proj_q`` ``[E, N, K]`` (``[E, N, K/2]`` uint8 for 4-bit), ``*_scale [E, num_blocks, 1, N]``
+float32, ``*_zero_point`` (asymmetric int4), ``num_blocks = K / block_size`` or 1). On ``from_pretrained`` the
+quantizer swaps exactly those modules' float ``gate_up_proj`` / ``down_proj`` parameters for empty buffers of those
+shapes and dtypes before the weights load and routes the modules through ``grouped_matmul_quantized``
+(``config._experts_implementation = "tpukernels"``), so they reload bit-identical whatever ``dtype=`` the load
+asks for, and a missing tensor raises :class:`~tpukernels.errors.ArgumentError` naming it. A config without
+``experts`` (every checkpoint written before this field existed) loads as before; a tpukernels without it rejects
+the field by name (an unknown key) rather than loading float experts. One config may hold quantized linears
+(``modules``) and quantized experts (``experts``) together.
+
 Loading needs this registration: import ``tpukernels.integrations.transformers`` (which imports this module)
 or this module before ``from_pretrained``. Without it transformers 5.x logs "Unknown quantization type" and
 loads the float model with random linears — the behaviour this module exists to prevent, which no code of
@@ -37,10 +50,14 @@ from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ..errors import ArgumentError
+from .moe_experts import expert_buffers, prepare_quantized_experts, route_quantized_experts
 
 QUANT_METHOD = "tpukernels"
 #: the fields of a ``"tpukernels"`` quantization config (``config.json``); any other key raises
-CONFIG_KEYS = ("quant_method", "weight_dtype", "x_quant", "modules", "format_version")
+CONFIG_KEYS = ("quant_method", "weight_dtype", "x_quant", "modules", "format_version", "experts")
+#: the fields of one entry of ``experts`` (the arguments of ``quantize_moe_experts``)
+EXPERT_KEYS = ("dtype", "block_size", "asymmetric")
+EXPERT_DTYPES = ("int8", "float8_e4m3fn", "float8_e5m2", "int4", "fp4")
 FORMAT_VERSION = 1
 
 
@@ -52,14 +69,20 @@ class TpuKernelsConfig(QuantizationConfigMixin):
         x_quant: None (w8a16), ``"int8"`` or ``"fp8"`` (w8a8), as in ``quantized_matmul``.
         modules: dotted module names (``"model.layers.0.mlp.up_proj"``) of the quantized linears.
         format_version: layout version of the saved tensors (1: ``w_q [out, in]``, ``w_scale [out]``).
+        experts: ``{module name: {"dtype", "block_size", "asymmetric"}}`` of the experts modules quantized by
+            :func:`~tpukernels.integrations.moe.quantize_moe_experts` (module docstring); omitted from
+            ``config.json`` when empty.
 
     Raises:
         ArgumentError: an unknown key (named), a format version other than 1, ``modules`` not a list of
-            names. DTypeError: an unknown ``weight_dtype`` or ``x_quant`` / weight mismatch.
+            names, an ``experts`` entry with an unknown key, a block size not a multiple of 32 in 32..512, 4-bit
+            without a block size, ``asymmetric`` other than int4 with block scales.
+        DTypeError: an unknown ``weight_dtype``, ``x_quant`` / weight mismatch, an unknown experts ``dtype``, fp8
+            experts with block scales.
     """
 
     def __init__(self, weight_dtype: str = "int8", x_quant: Optional[str] = None, modules=(),
-                 format_version: int = FORMAT_VERSION, **kwargs):
+                 format_version: int = FORMAT_VERSION, experts=None, **kwargs):
         from ..library.quantized_matmul import _canon_x_quant, _weight_dtype, check_pair
 
         kwargs.pop("quant_method", None)
@@ -78,9 +101,48 @@ class TpuKernelsConfig(QuantizationConfigMixin):
         check_pair(self.x_quant, self.weight_dtype, "quantization_config")
         self.modules = list(modules)
         self.format_version = FORMAT_VERSION
+        self.experts = _check_experts(experts)
 
     def to_dict(self) -> dict:
-        return {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in self.__dict__.items()}
+        d = {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in self.__dict__.items()}
+        if not d.get("experts"):
+            d.pop("experts", None)  # a linears-only config is written exactly as before the field existed
+        else:
+            d["experts"] = {k: dict(v) for k, v in d["experts"].items()}
+        return d
+
+
+def _check_experts(experts) -> dict:
+    """``experts`` of a :class:`TpuKernelsConfig`, checked and canonical (``{name: {dtype, block_size,
+    asymmetric}}``)."""
+    from ..errors import DTypeError
+    from ..library.quantized_matmul.blockwise import BLOCK_SIZES
+
+    where = f"quantization_config (quant_method={QUANT_METHOD!r}).experts"
+    if experts is None:
+        return {}
+    if not isinstance(experts, dict):
+        raise ArgumentError(f"{where} must map experts module names to their schemes, got {experts!r}")
+    out = {}
+    for name, spec in experts.items():
+        if not isinstance(name, str) or not isinstance(spec, dict):
+            raise ArgumentError(f"{where}: entry {name!r}: {spec!r} is not a module name with a scheme dict")
+        extra = sorted(set(spec) - set(EXPERT_KEYS))
+        if extra:
+            raise ArgumentError(f"{where}[{name!r}]: unknown key {extra[0]!r}; the keys are {EXPERT_KEYS}")
+        dtype, bs, asym = spec.get("dtype"), spec.get("block_size"), spec.get("asymmetric", False)
+        if dtype not in EXPERT_DTYPES:
+            raise DTypeError(f"{where}[{name!r}].dtype {dtype!r} is not one of {EXPERT_DTYPES}")
+        if bs is not None and (isinstance(bs, bool) or not isinstance(bs, int) or bs not in BLOCK_SIZES):
+            raise ArgumentError(f"{where}[{name!r}].block_size {bs!r} is not None or a multiple of 32 in 32..512")
+        if bs is None and dtype in ("int4", "fp4"):
+            raise ArgumentError(f"{where}[{name!r}]: {dtype} experts need a block_size (block scales along K)")
+        if bs is not None and dtype.startswith("float8"):
+            raise DTypeError(f"{where}[{name!r}]: {dtype} experts take per-channel scales only (block_size None)")
+        if not isinstance(asym, bool) or (asym and (dtype != "int4" or bs is None)):
+            raise ArgumentError(f"{where}[{name!r}].asymmetric {asym!r}: zero points are for int4 with block scales")
+        out[name] = {"dtype": dtype, "block_size": bs, "asymmetric": asym}
+    return out
 
 
 class TpuKernelsHfQuantizer(HfQuantizer):
@@ -97,6 +159,7 @@ class TpuKernelsHfQuantizer(HfQuantizer):
         from ..library.quantized_matmul import TPUQuantLinear
 
         cfg = self.quantization_config
+        prepare_quantized_experts(model, cfg.experts)
         for name in cfg.modules:
             parent_name, _, child_name = name.rpartition(".")
             try:
@@ -127,6 +190,16 @@ class TpuKernelsHfQuantizer(HfQuantizer):
                     raise ArgumentError(f"from_pretrained: the checkpoint has no tensor {name}.{t} "
                                         f"(quantization_config lists {name!r} as quantized); refusing to leave it "
                                         f"uninitialised")
+        for name in self.quantization_config.experts:
+            mod = model.get_submodule(name)
+            for proj in ("gate_up_proj", "down_proj"):
+                for t in ("_q", "_scale", "_zero_point"):
+                    buf = getattr(mod, proj + t, None)
+                    if buf is not None and not getattr(buf, "_is_hf_initialized", False):
+                        raise ArgumentError(f"from_pretrained: the checkpoint has no tensor {name}.{proj}{t} "
+                                            f"(quantization_config.experts lists {name!r} as quantized); refusing "
+                                            f"to leave it uninitialised")
+        route_quantized_experts(model, list(self.quantization_config.experts))
         return model
 
     def is_serializable(self, *args, **kwargs) -> bool:
@@ -158,6 +231,8 @@ def _previous(model, weight_dtype: str, x_quant: Optional[str]) -> list:
         raise ArgumentError(f"apply_tpukernels(quantize=...): the model already has a quantization_config "
                             f"(quant_method={getattr(old, 'quant_method', old)!r}); quantizing it again is not "
                             f"supported")
+    if not old.modules:  # only quantized experts so far: the linears' scheme is free
+        return []
     if (old.weight_dtype, old.x_quant) != (weight_dtype, x_quant):
         raise ArgumentError(f"apply_tpukernels(quantize={weight_dtype!r}, x_quant={x_quant!r}): the model is already "
                             f"quantized with weight_dtype={old.weight_dtype!r}, x_quant={old.x_quant!r}; one "
@@ -184,7 +259,36 @@ def mark_quantized(model, weight_dtype: str, x_quant: Optional[str], modules) ->
     if getattr(model, "config", None) is None:
         return
     prev = _previous(model, weight_dtype, x_quant)
-    model.config.quantization_config = TpuKernelsConfig(weight_dtype, x_quant, list(dict.fromkeys([*prev, *modules])))
+    old = getattr(model.config, "quantization_config", None)
+    model.config.quantization_config = TpuKernelsConfig(weight_dtype, x_quant, list(dict.fromkeys([*prev, *modules])),
+                                                        experts=old.experts if old is not None else None)
+
+
+def check_can_mark_experts(model) -> None:
+    """Raise what :func:`mark_experts_quantized` would, before ``quantize_moe_experts`` touches anything."""
+    old = getattr(getattr(model, "config", None), "quantization_config", None)
+    if old is not None and not isinstance(old, TpuKernelsConfig):
+        raise ArgumentError(f"quantize_moe_experts: the model already has a quantization_config "
+                            f"(quant_method={getattr(old, 'quant_method', old)!r}); quantizing it again is not "
+                            f"supported")
+
+
+def mark_experts_quantized(model, experts: dict) -> None:
+    """Record quantized experts modules (``{name: {"dtype", "block_size", "asymmetric"}}``) in ``model``'s
+    ``config.quantization_config`` (created, or the tpukernels one extended: quantized linears stay listed).
+    Called by ``quantize_moe_experts``; a model without ``config`` is left as is.
+
+    Raises:
+        ArgumentError: the model already has another method's quantization config.
+    """
+    if getattr(model, "config", None) is None:
+        return
+    check_can_mark_experts(model)
+    old = getattr(model.config, "quantization_config", None)
+    if old is None:
+        model.config.quantization_config = TpuKernelsConfig(experts=experts)
+    else:
+        old.experts = _check_experts({**old.experts, **experts})
 
 
 class _LoadedCheckpoint(HfQuantizer):
@@ -212,4 +316,5 @@ def refuse_saving(model, quantization_config) -> None:
 
 register()
 
-__all__ = ["TpuKernelsConfig", "TpuKernelsHfQuantizer", "register", "mark_quantized", "QUANT_METHOD"]
+__all__ = ["TpuKernelsConfig", "TpuKernelsHfQuantizer", "register", "mark_quantized", "mark_experts_quantized",
+           "QUANT_METHOD"]

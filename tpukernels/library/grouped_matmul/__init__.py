@@ -3,9 +3,9 @@
 Public op::
 
     torch.ops.tpukernels.grouped_matmul(lhs, rhs, group_sizes, transpose_rhs=False, group_offset=None,
-                                        out_dtype=None) -> Tensor
+                                        out_dtype=None, config=None, rhs_bias=None) -> Tensor
     tpukernels.library.grouped_matmul(lhs, rhs, group_sizes, *, transpose_rhs=False, group_offset=None,
-                                      out_dtype=None, config=None)            # same, functional
+                                      out_dtype=None, config=None, rhs_bias=None)   # same, functional
 
 Semantics are those of ``jax.lax.ragged_dot`` and JAX's megablox ``gmm``
 (``jax/experimental/pallas/ops/tpu/megablox/gmm.py``), so either can be swapped for this one:
@@ -23,6 +23,11 @@ Semantics are those of ``jax.lax.ragged_dot`` and JAX's megablox ``gmm``
   to float32, exactly; the kernels take one dtype); products accumulate in float32 (an f32 VMEM
   scratch); the result is rounded once to ``out_dtype`` (default: the operand dtype, as ``ragged_dot``;
   megablox defaults to float32). float32 operands use ``precision=HIGHEST``.
+* ``rhs_bias`` (megablox / tpu-inference ``gmm``): optional ``[G, 1, N]`` bfloat16 / float32; the forward kernel
+  adds ``rhs_bias[g]`` (in float32) to the accumulator of the rows of local group ``g`` in its epilogue, before
+  the rounding to ``out_dtype``, through a BlockSpec indexed by the work item's group. Rows no local group owns
+  stay zero (megablox leaves them unwritten). Without a bias the kernel has no extra operand and the same
+  program (Mosaic module) as before the argument existed.
 
 Backward (autograd, ``dO`` the incoming gradient cast to the operand dtype)::
 
@@ -30,9 +35,12 @@ Backward (autograd, ``dO`` the incoming gradient cast to the operand dtype)::
     d_rhs[g] = lhs[rows of g]^T @ dO[rows of g]   [G, K, N]                    (grouped_matmul_tgmm)
              (transpose_rhs: dO[rows of g]^T @ lhs[rows of g], [G, N, K])
 
-Empty groups get a zero ``d_rhs[g]``. ``group_sizes`` / ``group_offset`` get no gradient. The backward
-is itself made of differentiable grouped matmuls (``grouped_matmul`` and ``tgmm`` ops with their own
-backward, :func:`_tgmm_backward`), so second derivatives run through the same kernels.
+    d_rhs_bias[g] = sum of the incoming gradient over the rows of g  [G, 1, N]  (float32 sum, bias dtype)
+
+Empty groups get a zero ``d_rhs[g]`` (and ``d_rhs_bias[g]``). ``group_sizes`` / ``group_offset`` get no
+gradient. The backward is itself made of differentiable grouped matmuls (``grouped_matmul`` and ``tgmm`` ops with
+their own backward, :func:`_tgmm_backward`), so second derivatives run through the same kernels (``d_rhs_bias``
+is a plain torch segment sum).
 
 Kernels (both Pallas TPU kernels with scalar prefetch and data-dependent index maps):
 

@@ -16,7 +16,7 @@ from ... import dsl as _dsl
 from ...dsl.validate import padded_bytes
 from .._vmem import MiB, scoped_vmem_limit, vmem_cap
 from ...errors import ArgumentError, DTypeError
-from .common import KERNEL_DTYPES, _clamp, _dtype_name, _out_dtype
+from .common import KERNEL_DTYPES, _clamp, _dtype_name, _out_dtype, bias_grad, check_bias
 from .reference import reference_fwd_jnp, reference_tgmm_jnp
 from .schedule import (COMPUTE, F_FLAGS, F_GROUP, F_HI, F_LO, F_NEXT_GROUP, F_RUN, F_RUNS_M1, F_SRC_TILE,
                        F_TILE, FIRST, LAST, PARTIAL, RUN_START, STORE, _bits, _flags, _fwd_schedule,
@@ -77,15 +77,18 @@ def _rhs_prefetch_chain(tab, rhs_hbm, rhs_buf, sems, *, T, bn, n_pass, transpose
     return slot
 
 
-def _gmm_body(tab, lhs_ref, rhs_ref, out_ref, acc_ref, *scratch, T, bm, n_k, blk_k, k_size, transpose_rhs,
-              precision, rhs_prefetch, bn, n_pass):
+def _gmm_body(tab, lhs_ref, rhs_ref, *refs, T, bm, n_k, blk_k, k_size, transpose_rhs, precision, rhs_prefetch,
+              bn, n_pass, has_bias=False):
     """Work item ``i`` (grid axis 1), K step ``k`` (axis 2): ``acc (+)= lhs_blk @ rhs_blk``; on the last K
-    step ``out = select(rows of the group, acc, previous visit's out | 0)``. With ``rhs_prefetch`` (one K
-    step) ``rhs_ref`` is the whole rhs in HBM and ``scratch`` its 2-slot VMEM buffer and DMA semaphores."""
+    step ``out = select(rows of the group, acc [+ bias], previous visit's out | 0)``. ``refs`` = ``[bias_ref,]
+    out_ref, acc_ref, *scratch`` (``bias_ref``: ``rhs_bias[g]``'s ``[1, bn]`` block, added in f32 before the
+    cast, megablox gmm's epilogue). With ``rhs_prefetch`` (one K step) ``rhs_ref`` is the whole rhs in HBM and
+    ``scratch`` its 2-slot VMEM buffer and DMA semaphores."""
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
 
+    bias_ref, (out_ref, acc_ref, *scratch) = (refs[0], refs[1:]) if has_bias else (None, refs)
     i, k = pl.program_id(1), pl.program_id(2)
     flags = _flags(tab, T, i)
     compute = _bits(flags, COMPUTE)
@@ -116,12 +119,20 @@ def _gmm_body(tab, lhs_ref, rhs_ref, out_ref, acc_ref, *scratch, T, bm, n_k, blk
     def store_all(z):  # an interior tile: its only visit, every row is the group's
         out_ref[...] = z.astype(out_ref.dtype)
 
+    if bias_ref is not None:  # the group's bias, f32, on the computed rows only (a row-less visit stores zeros)
+        store_rows, store_tile = store, store_all
+        store = lambda z: store_rows(z + bias_ref[...].astype(jnp.float32))  # noqa: E731
+        store_all = lambda z: store_tile(z + bias_ref[...].astype(jnp.float32))  # noqa: E731
+        zero_rows = lambda z: store_rows(z)  # noqa: E731
+    else:
+        zero_rows = store
+
     last = k == n_k - 1
     finish = _bits(flags, STORE) & last
     partial = _bits(flags, PARTIAL)
     interior = jnp.logical_not(partial)
     # a visit without rows (a tile no group owns): the select keeps the previous visit's rows or zeros
-    pl.when(finish & jnp.logical_not(compute))(lambda: store(jnp.zeros(out_ref.shape, jnp.float32)))
+    pl.when(finish & jnp.logical_not(compute))(lambda: zero_rows(jnp.zeros(out_ref.shape, jnp.float32)))
     if n_k == 1:
         pl.when(finish & compute & partial)(lambda: store(dot(tail)))
         pl.when(finish & compute & interior)(lambda: store_all(dot(tail)))
@@ -289,22 +300,27 @@ def tgmm_dims(group_sizes, group_offset, x, y, num_groups, where="tpukernels::gr
 @_dsl.tpu_kernel(
     _gmm_body, name="grouped_matmul_fwd", namespace="tpukernels", tunables=TUNABLES,
     heuristic=lambda *specs, **st: heuristic(*specs, **st),
-    out_shape=lambda gs, go, lhs, rhs, transpose_rhs=False, out_dtype=None: _dsl.OutSpec(
+    out_shape=lambda gs, go, lhs, rhs, rhs_bias=None, transpose_rhs=False, out_dtype=None: _dsl.OutSpec(
         (fwd_dims(gs, go, lhs, rhs, transpose_rhs)[0], fwd_dims(gs, go, lhs, rhs, transpose_rhs)[2]),
         _out_dtype(out_dtype, lhs)),
     reference=_dsl.jax_reference(lambda *a, **k: reference_fwd_jnp(*a, **k)),
 )
 def grouped_matmul_fwd(group_sizes: torch.Tensor, group_offset: torch.Tensor, lhs: torch.Tensor, rhs: torch.Tensor,
-                       transpose_rhs: bool = False, out_dtype: Optional[str] = None,
+                       rhs_bias: Optional[torch.Tensor] = None, transpose_rhs: bool = False,
+                       out_dtype: Optional[str] = None,
                        *, bm: int, bk: int, bn: int, rhs_prefetch: bool) -> torch.Tensor:
     """Grouped matmul kernel: ``lhs [M, K]``, ``rhs [G, K, N]`` (``transpose_rhs``: ``[G, N, K]``),
-    ``group_sizes int32 [G_total]``, ``group_offset int32 [1]`` -> ``[M, N]`` (module docstring)."""
+    ``group_sizes int32 [G_total]``, ``group_offset int32 [1]``, optional ``rhs_bias [G, 1, N]`` bf16 / f32
+    (added in f32 to the rows of its group before the cast; absent: no operand) -> ``[M, N]`` (module
+    docstring)."""
     import jax.numpy as jnp
     from jax import lax
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
 
     M, K, N, G = fwd_dims(group_sizes, group_offset, lhs, rhs, transpose_rhs)
+    if rhs_bias is not None:
+        check_bias(rhs_bias, G, N, "tpukernels::grouped_matmul_fwd")
     odt = _out_dtype(out_dtype, lhs)
     bm_, bk_, bn_ = _clamp(M, bm), _clamp(K, bk), _clamp(N, bn)
     T = num_items(M, G, bm_)
@@ -326,16 +342,21 @@ def grouped_matmul_fwd(group_sizes: torch.Tensor, group_offset: torch.Tensor, lh
     else:
         rhs_spec = pl.BlockSpec((None, bk_, bn_), lambda n, i, k, t: (t[F_GROUP * T + i], k_eff(t, k, i), n))
     out_spec = pl.BlockSpec((bm_, bn_), lambda n, i, k, t: (t[F_TILE * T + i], n))
+    # the bias block of the item's group (megablox gmm's rhs_bias BlockSpec); no operand without a bias
+    bias_specs = [] if rhs_bias is None else [
+        pl.BlockSpec((None, 1, bn_), lambda n, i, k, t: (t[F_GROUP * T + i], 0, n))]
     isz, osz = np.dtype(lhs.dtype).itemsize, np.dtype(odt).itemsize
     acc_shape = (bm_, bn_) if gk > 1 else (8, 128)
     need = (2 * (padded_bytes((bm_, bk_), lhs.dtype) + padded_bytes(rhs_blk, lhs.dtype) + padded_bytes((bm_, bn_), odt))
             + padded_bytes(acc_shape, jnp.float32))
+    if rhs_bias is not None:
+        need += 2 * padded_bytes((1, bn_), rhs_bias.dtype)
     # upper bound: lhs once per N block, rhs [K, N] once per work item, out once
     cost = pl.CostEstimate(flops=2 * M * K * N, transcendentals=0,
                            bytes_accessed=int(gn * M * K * isz + T * K * N * isz + M * N * osz))
     return _dsl.Launch(
         grid=(gn, T, gk),
-        in_specs=[lhs_spec, rhs_spec],
+        in_specs=[lhs_spec, rhs_spec, *bias_specs],
         out_specs=out_spec,
         out_shape=_dsl.OutSpec((M, N), odt),
         scratch_shapes=[pltpu.VMEM(acc_shape, jnp.float32), *scratch],
@@ -349,7 +370,8 @@ def grouped_matmul_fwd(group_sizes: torch.Tensor, group_offset: torch.Tensor, lh
         cost_estimate=cost,
         body_kwargs=dict(T=int(T), bm=int(bm_), n_k=int(gk), blk_k=int(bk_), k_size=int(K),
                          transpose_rhs=bool(transpose_rhs), rhs_prefetch=manual, bn=int(bn_), n_pass=int(gn),
-                         precision=lax.Precision.HIGHEST if _dtype_name(lhs.dtype) == "float32" else None),
+                         precision=lax.Precision.HIGHEST if _dtype_name(lhs.dtype) == "float32" else None,
+                         **({"has_bias": True} if rhs_bias is not None else {})),
     )
 
 
@@ -410,7 +432,7 @@ def grouped_matmul_tgmm(group_sizes: torch.Tensor, group_offset: torch.Tensor, x
     )
 
 
-def heuristic(group_sizes, group_offset, lhs, rhs, transpose_rhs=False, out_dtype=None) -> dict:
+def heuristic(group_sizes, group_offset, lhs, rhs, rhs_bias=None, transpose_rhs=False, out_dtype=None) -> dict:
     """Forward defaults before clamping: bf16 ``bm=512, bn=1024`` and ``bk = K`` up to 4096 (one K step:
     consecutive tiles of a group then reuse the resident rhs block, ~26 MiB of VMEM at K = 4096), else
     ``bk=1024`` (~10 MiB, the dense matmul's blocks); float32 ``512, 512, 512``. Shipped per-chip tuning
@@ -445,10 +467,12 @@ def _fwd_backward(ctx, g):
     dO = g.to(lhs.dtype)
     grads = {}
     if ctx.needs_input_grad.get("lhs"):
-        grads["lhs"] = torch.ops.tpukernels.grouped_matmul_fwd(gs, go, dO, rhs, not tr, _dtype_name(lhs.dtype))
+        grads["lhs"] = torch.ops.tpukernels.grouped_matmul_fwd(gs, go, dO, rhs, None, not tr, _dtype_name(lhs.dtype))
     if ctx.needs_input_grad.get("rhs"):
         x, y = (dO, lhs) if tr else (lhs, dO)
         grads["rhs"] = torch.ops.tpukernels.grouped_matmul_tgmm(gs, go, x, y, rhs.shape[0], _dtype_name(rhs.dtype))
+    if ctx.args.get("rhs_bias") is not None and ctx.needs_input_grad.get("rhs_bias"):
+        grads["rhs_bias"] = bias_grad(g, gs, go, ctx.args["rhs_bias"])  # the f32 upstream gradient, not dO
     return grads
 
 
@@ -461,9 +485,10 @@ def _tgmm_backward(ctx, g):
     dW = g.to(x.dtype)
     grads = {}
     if ctx.needs_input_grad.get("x"):
-        grads["x"] = torch.ops.tpukernels.grouped_matmul_fwd(gs, go, y.to(x.dtype), dW, True, _dtype_name(x.dtype))
+        grads["x"] = torch.ops.tpukernels.grouped_matmul_fwd(gs, go, y.to(x.dtype), dW, None, True,
+                                                             _dtype_name(x.dtype))
     if ctx.needs_input_grad.get("y"):
-        grads["y"] = torch.ops.tpukernels.grouped_matmul_fwd(gs, go, x.to(y.dtype), dW.to(y.dtype), False,
+        grads["y"] = torch.ops.tpukernels.grouped_matmul_fwd(gs, go, x.to(y.dtype), dW.to(y.dtype), None, False,
                                                              _dtype_name(y.dtype))
     return grads
 

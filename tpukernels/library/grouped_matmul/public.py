@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from ...errors import ArgumentError, DeviceError
-from .common import canonical_out_dtype
+from .common import canonical_out_dtype, check_bias
 from .kernels import fwd_dims, grouped_matmul_fwd, grouped_matmul_tgmm
 
 
@@ -18,16 +18,19 @@ def _is_tracing(t: torch.Tensor) -> bool:
     return is_fake(t) or torch.compiler.is_compiling()
 
 
-def _check_public(lhs, rhs, group_sizes, transpose_rhs, group_offset, out_dtype):
+def _check_public(lhs, rhs, group_sizes, transpose_rhs, group_offset, out_dtype, rhs_bias=None):
     where = "tpukernels::grouped_matmul"
     for t, n in ((lhs, "lhs"), (rhs, "rhs"), (group_sizes, "group_sizes")):
         if not isinstance(t, torch.Tensor):
             raise ArgumentError(f"{where}: {n} must be a torch.Tensor, got {type(t).__name__}")
     go = group_offset if group_offset is not None else torch.zeros((), dtype=torch.int32, device=lhs.device)
     M, K, N, G = fwd_dims(group_sizes, go, lhs, rhs, transpose_rhs, where)
-    devs = {t.device for t in (lhs, rhs, group_sizes) + ((group_offset,) if group_offset is not None else ())}
+    if rhs_bias is not None:
+        check_bias(rhs_bias, G, N, where)
+    opt = tuple(t for t in (group_offset, rhs_bias) if t is not None)
+    devs = {t.device for t in (lhs, rhs, group_sizes) + opt}
     if len(devs) > 1:
-        raise DeviceError(f"{where}: lhs, rhs, group_sizes (and group_offset) must be on one device, got "
+        raise DeviceError(f"{where}: lhs, rhs, group_sizes (and group_offset, rhs_bias) must be on one device, got "
                           f"{sorted(str(d) for d in devs)}")
     Gt = group_sizes.shape[0]
     if group_offset is None and Gt != G:
@@ -66,23 +69,25 @@ def _widen_mixed(lhs, rhs):
     return lhs, rhs
 
 
-def _grouped_matmul_impl(lhs, rhs, group_sizes, transpose_rhs=False, group_offset=None, out_dtype=None, config=None):
+def _grouped_matmul_impl(lhs, rhs, group_sizes, transpose_rhs=False, group_offset=None, out_dtype=None, config=None,
+                         rhs_bias=None):
     if isinstance(lhs, torch.Tensor) and isinstance(rhs, torch.Tensor):
         lhs, rhs = _widen_mixed(lhs, rhs)
-    go = _check_public(lhs, rhs, group_sizes, transpose_rhs, group_offset, out_dtype)
-    return torch.ops.tpukernels.grouped_matmul_fwd(group_sizes, go, lhs, rhs, transpose_rhs,
+    go = _check_public(lhs, rhs, group_sizes, transpose_rhs, group_offset, out_dtype, rhs_bias)
+    return torch.ops.tpukernels.grouped_matmul_fwd(group_sizes, go, lhs, rhs, rhs_bias, transpose_rhs,
                                                    canonical_out_dtype(out_dtype), config=config)
 
 
 _LIB = torch.library.Library("tpukernels", "FRAGMENT")
 _LIB.define("grouped_matmul(Tensor lhs, Tensor rhs, Tensor group_sizes, bool transpose_rhs=False, "
-            "Tensor? group_offset=None, str? out_dtype=None, str? config=None) -> Tensor")
+            "Tensor? group_offset=None, str? out_dtype=None, str? config=None, Tensor? rhs_bias=None) -> Tensor")
 _LIB.impl("grouped_matmul", _grouped_matmul_impl, "CompositeImplicitAutograd")
 
 
 def grouped_matmul(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, *, transpose_rhs: bool = False,
-                   group_offset=None, out_dtype=None, config=None) -> torch.Tensor:
-    """Grouped (ragged) matmul: ``out[rows of g] = lhs[rows of g] @ rhs[g - group_offset]``; differentiable.
+                   group_offset=None, out_dtype=None, config=None, rhs_bias=None) -> torch.Tensor:
+    """Grouped (ragged) matmul: ``out[rows of g] = lhs[rows of g] @ rhs[g - group_offset] (+ rhs_bias[g -
+    group_offset])``; differentiable (in ``lhs``, ``rhs`` and ``rhs_bias``).
 
     ``torch.ops.tpukernels.grouped_matmul`` (semantics of ``jax.lax.ragged_dot`` / megablox ``gmm``).
 
@@ -100,18 +105,24 @@ def grouped_matmul(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tens
         out_dtype: result dtype (torch dtype or name, bfloat16 / float32); default ``lhs.dtype`` (float32
             for mixed operands).
         config: tuning config of the forward kernel (``{"bm": 256, ...}``); default: tuned/heuristic.
+        rhs_bias: ``[G, 1, N]`` bfloat16 / float32 (megablox ``gmm``'s ``rhs_bias``), optional: ``rhs_bias[g]``
+            is added in float32 to the accumulator of the rows of local group ``g`` in the kernel's epilogue,
+            before the rounding to ``out_dtype``; rows of no local group stay 0. Gradient: ``d_rhs_bias[g]`` =
+            the sum of the output gradient over the rows of group ``g`` (float32 accumulation, in
+            ``rhs_bias.dtype``).
 
     Returns:
-        ``[M, N]`` in ``out_dtype`` (products accumulated in float32, rounded once).
+        ``[M, N]`` in ``out_dtype`` (products, and the bias, accumulated in float32, rounded once).
 
     Raises:
         ArgumentError: operands that are not tensors, ranks, K mismatch, ``len(group_sizes)`` vs ``G``,
+            ``rhs_bias`` not a tensor or not ``[G, 1, N]``,
             ``group_offset`` not an int / int32 scalar tensor, its shape or range,
             negative sizes or ``sum(group_sizes) > M`` (value checks on host cpu tensors only; see the
             module docstring for what is clamped on device instead).
-        DTypeError: operands of unsupported dtypes (float16, float64, ints), ``group_sizes``
+        DTypeError: operands (or ``rhs_bias``) of unsupported dtypes (float16, float64, ints), ``group_sizes``
             / ``group_offset`` not int32, bad ``out_dtype``.
-        DeviceError: tensors on different devices.
+        DeviceError: tensors (``rhs_bias`` included) on different devices.
         ConfigError: ``config`` is not a dict, or names unknown tunables / breaks their rules.
     """
     from collections.abc import Mapping
@@ -122,6 +133,8 @@ def grouped_matmul(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tens
     for t, n in ((lhs, "lhs"), (rhs, "rhs"), (group_sizes, "group_sizes")):
         if not isinstance(t, torch.Tensor):
             raise ArgumentError(f"{where}: {n} must be a torch.Tensor, got {type(t).__name__}")
+    if rhs_bias is not None and not isinstance(rhs_bias, torch.Tensor):
+        raise ArgumentError(f"{where}: rhs_bias must be a torch.Tensor or None, got {type(rhs_bias).__name__}")
     if group_offset is not None and not isinstance(group_offset, torch.Tensor):
         if isinstance(group_offset, bool) or not isinstance(group_offset, (int, np.integer)):
             raise ArgumentError(f"{where}: group_offset must be an int or an int32 scalar tensor, got "
@@ -130,7 +143,7 @@ def grouped_matmul(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tens
     cfg = None if config is None or (isinstance(config, Mapping) and not config) else \
         config_to_json(grouped_matmul_fwd, config)
     return torch.ops.tpukernels.grouped_matmul(lhs, rhs, group_sizes, transpose_rhs, group_offset,
-                                               canonical_out_dtype(out_dtype), cfg)
+                                               canonical_out_dtype(out_dtype), cfg, rhs_bias)
 
 
 def skewed_group_sizes(tokens: int, top_k: int, num_experts: int, skew: float = 1.2, seed: int = 0) -> list[int]:

@@ -20,8 +20,13 @@ Layout (``K_w`` = in features of the stored weight, ``N`` = out features, ``G`` 
   matmul's rule). ``W[g][k, n] = (q[g][k, n] - z) * rhs_scale[g, k // block_size, 0, n]``, ``z = 0`` for 8-bit
   weights, for int4 ``z = rhs_zero_point[g, k // block_size, 0, n]`` (float32, same shape as ``rhs_scale``; GPTQ /
   AWQ asymmetric zero points in grid units) or 8 without zero points (signed int4 stored offset by 8); fp4:
-  ``W = e2m1(code) * s``. tpu-inference's ``rhs_bias [G, 1, N]`` is not taken: add ``bias[g]`` to the rows of
-  group ``g`` outside (it has no gradient path here).
+  ``W = e2m1(code) * s``.
+* ``rhs_bias`` (optional): ``[G, 1, N]`` bfloat16 / float32, tpu-inference's megablox ``gmm`` ``rhs_bias``: the
+  forward kernel adds ``rhs_bias[g]`` in float32 to the accumulator of the rows of group ``g`` in its epilogue (a
+  BlockSpec indexed by the work item's group, after the per-channel scale), before the cast to ``out_dtype``; rows
+  of no local group stay 0 (megablox leaves them unwritten). Absent: no extra operand (the same program as
+  before). Its gradient ``d_rhs_bias[g]`` = the sum of ``dO`` over the rows of group ``g``, float32 accumulated,
+  in ``rhs_bias.dtype`` (:func:`~tpukernels.library.grouped_matmul.common.bias_grad`, torch ops).
 * Padding rule (as the blockwise quantized matmul): with block scales the weight side is padded to
   ``K_w = num_blocks * block_size``; ``lhs`` may have ``K_x`` columns, ``K_w - block_size < K_x <= K_w``, and is
   then zero-padded to ``K_w`` (a copy of ``lhs``, only then). Per-channel scales need ``K_x == K_w``.
@@ -52,7 +57,8 @@ and ``group_offset`` get none either.
 
 Error (what the tests check; ``u`` = unit roundoff of the output dtype, ``u32 = 2^-24``), elementwise against
 the float64 product of the **dequantized** experts (:func:`reference_quantized`), for the rows of group ``g``:
-forward ``|y - ref| <= u |ref| + (K_w + 2) u32 (|x| @ M_g^T)`` with ``M_g[n, k] = (|q'| + |z'|) |s|`` (``q'`` the
+forward ``|y - ref| <= u |ref| + (K_w + 2) u32 (|x| @ M_g^T)`` (with ``rhs_bias``: :func:`error_bound_quantized`)
+with ``M_g[n, k] = (|q'| + |z'|) |s|`` (``q'`` the
 value fed to the MXU: int4 ``q - 8``, fp4 its e2m1 value, 8-bit the stored value; ``z' = z - 8``, 0 without
 zero points); rows of no local group are exactly 0. ``d_lhs``: ``|d - ref| <= u |ref| + (u_g + u32) (|dO| @
 |W_g|) + (2 N + 2) u32 (|dO| @ M_g)`` (``u_g`` the unit roundoff of ``dO``'s dtype, 0 for float32). These are the
@@ -99,7 +105,7 @@ from ..quantized_matmul.blockwise import (BLOCK_SIZES, PACKED, _fp4_decode, dequ
                                           resolve_format)
 from ..quantized_matmul.blockwise_bwd import error_bound_blockwise_dx
 from ..quantized_matmul.common import _native_fp8, check_chip
-from .common import KERNEL_DTYPES, _clamp, _dtype_name, _out_dtype, canonical_out_dtype
+from .common import KERNEL_DTYPES, _clamp, _dtype_name, _out_dtype, bias_grad, canonical_out_dtype, check_bias
 from .kernels import _check_meta
 from .reference import _ref_bounds_np, reference_fwd_jnp
 from .schedule import (COMPUTE, F_GROUP, F_HI, F_LO, F_SRC_TILE, F_TILE, FIRST, PARTIAL, STORE, _bits, _flags,
@@ -186,20 +192,21 @@ def quant_dims(group_sizes, group_offset, a, rhs, rhs_scale, rhs_zero_point, tra
 
 # ----------------------------------------------------------------------------------------------- kernel body
 def _qgmm_body(tab, a_ref, w_ref, s_ref, *refs, T, bm, n_c, c_size, blk_c, bs, n_sub, per_channel, packed, fp4,
-               has_zp, transpose_rhs, conv, dot_dtype, precision, dx):
+               has_zp, has_bias, transpose_rhs, conv, dot_dtype, precision, dx):
     """Work item ``i`` (grid axis 1), contraction step ``c`` (axis 2) of either kernel (module docstring).
 
     Forward: ``a`` = lhs tile ``[bm, bk]``, contraction over K (``c_size = K_w``). ``dx``: ``a`` = dO tile ``[bm, bn]``,
-    contraction over N (``c_size = N``), output columns = the K block. ``refs`` = ``[z_ref,] out_ref, acc_ref``.
+    contraction over N (``c_size = N``), output columns = the K block. ``refs`` = ``[z_ref,] [bias_ref,] out_ref,
+    acc_ref`` (``bias_ref``: the forward's ``rhs_bias[g]`` block ``[1, bn]``, added in f32 in the epilogue).
     The weight tile is ``[bn, kc]`` (``transpose_rhs``) or ``[kc, bn]``; its K axis is ``kax``."""
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
 
-    if has_zp:
-        z_ref, out_ref, acc_ref = refs
-    else:
-        z_ref, (out_ref, acc_ref) = None, refs
+    refs = list(refs)
+    z_ref = refs.pop(0) if has_zp else None
+    bias_ref = refs.pop(0) if has_bias else None
+    out_ref, acc_ref = refs
     i, c = pl.program_id(1), pl.program_id(2)
     flags = _flags(tab, T, i)
     compute = _bits(flags, COMPUTE)
@@ -296,7 +303,8 @@ def _qgmm_body(tab, a_ref, w_ref, s_ref, *refs, T, bm, n_c, c_size, blk_c, bs, n
         out_ref[...] = z.astype(out_ref.dtype)
 
     def epilogue(z):
-        return z * s_ref[0] if per_channel and not dx else z
+        z = z * s_ref[0] if per_channel and not dx else z
+        return z if bias_ref is None else z + bias_ref[...].astype(jnp.float32)  # megablox: f32, before the cast
 
     last = c == n_c - 1
     finish = _bits(flags, STORE) & last
@@ -318,7 +326,7 @@ def _qgmm_body(tab, a_ref, w_ref, s_ref, *refs, T, bm, n_c, c_size, blk_c, bs, n
 
 # ----------------------------------------------------------------------------------------------- launches
 def _quant_launch(group_sizes, group_offset, a, rhs, rhs_scale, rhs_zero_point, transpose_rhs, out_dtype,
-                  weight_format, bm, bk, bn, *, dx: bool):
+                  weight_format, bm, bk, bn, *, dx: bool, rhs_bias=None):
     """The Launch of either kernel (module docstring): forward grid ``(N/bn, T, K/bk)``, ``dx`` grid
     ``(K_w/bk, T, N/bn)``."""
     import jax.numpy as jnp
@@ -331,6 +339,8 @@ def _quant_launch(group_sizes, group_offset, a, rhs, rhs_scale, rhs_zero_point, 
                                                     transpose_rhs, weight_format, where, dx=dx)
     if fmt.startswith("float8"):
         check_chip(None, fmt, where=where)
+    if rhs_bias is not None:
+        check_bias(rhs_bias, G, N, where)
     odt = _out_dtype(out_dtype, a)
     packed = fmt in PACKED
     adt = _dtype_name(a.dtype)
@@ -373,7 +383,9 @@ def _quant_launch(group_sizes, group_offset, a, rhs, rhs_scale, rhs_zero_point, 
         grid, out_shape, acc_shape = (gn, T, gk), (M, N), (bm_, bn_)
         a_blk = (bm_, bk_)
     in_specs = [a_spec, w_spec, s_spec] + ([s_spec] if rhs_zero_point is not None else [])
-    zs = 1 + (rhs_zero_point is not None)
+    if rhs_bias is not None:  # the forward's bias block of the item's group (megablox gmm's rhs_bias BlockSpec)
+        in_specs.append(pl.BlockSpec((None, 1, bn_), lambda n, i, k, t: (t[F_GROUP * T + i], 0, n)))
+    zs = 1 + (rhs_zero_point is not None) + (rhs_bias is not None)
     need = (2 * (padded_bytes(a_blk, a.dtype) + padded_bytes(w_blk, rhs.dtype)
                  + zs * n_sub * padded_bytes((1, bn_), "float32") + padded_bytes(acc_shape, odt))
             + 2 * padded_bytes(acc_shape, "float32")  # the accumulator, one step's f32 part
@@ -400,6 +412,7 @@ def _quant_launch(group_sizes, group_offset, a, rhs, rhs_scale, rhs_zero_point, 
         body_kwargs=dict(T=int(T), bm=int(bm_), n_c=int(n_c), c_size=int(N if dx else K_w),
                          blk_c=int(bn_ if dx else bk_), bs=int(bs), n_sub=int(n_sub), per_channel=per_channel,
                          packed=packed, fp4=fmt == "fp4", has_zp=rhs_zero_point is not None,
+                         has_bias=rhs_bias is not None,
                          transpose_rhs=bool(transpose_rhs), conv=None if native else dot_dtype,
                          dot_dtype=dot_dtype, precision=lax.Precision.HIGHEST if f32 else None, dx=dx),
     )
@@ -421,20 +434,20 @@ def _dequant_jnp(rhs, rhs_scale, rhs_zero_point, transpose_rhs, weight_format):
     return jnp.stack(out)
 
 
-def _ref_fwd(group_sizes, group_offset, lhs, rhs, rhs_scale, rhs_zero_point=None, transpose_rhs=False,
+def _ref_fwd(group_sizes, group_offset, lhs, rhs, rhs_scale, rhs_zero_point=None, rhs_bias=None, transpose_rhs=False,
              out_dtype=None, weight_format=None):
     W = _dequant_jnp(rhs, rhs_scale, rhs_zero_point, transpose_rhs, weight_format)
-    return reference_fwd_jnp(group_sizes, group_offset, lhs, W, True, out_dtype)
+    return reference_fwd_jnp(group_sizes, group_offset, lhs, W, rhs_bias, transpose_rhs=True, out_dtype=out_dtype)
 
 
 def _ref_dx(group_sizes, group_offset, g, rhs, rhs_scale, rhs_zero_point=None, transpose_rhs=False,
             out_dtype=None, weight_format=None):
     W = _dequant_jnp(rhs, rhs_scale, rhs_zero_point, transpose_rhs, weight_format)
-    return reference_fwd_jnp(group_sizes, group_offset, g, W, False, out_dtype)
+    return reference_fwd_jnp(group_sizes, group_offset, g, W, transpose_rhs=False, out_dtype=out_dtype)
 
 
-def heuristic_quant(group_sizes, group_offset, lhs, rhs, rhs_scale, rhs_zero_point=None, transpose_rhs=False,
-                    out_dtype=None, weight_format=None) -> dict:
+def heuristic_quant(group_sizes, group_offset, lhs, rhs, rhs_scale, rhs_zero_point=None, rhs_bias=None,
+                    transpose_rhs=False, out_dtype=None, weight_format=None) -> dict:
     """Not tuned: ``bm=256, bn=1024`` and ``bk = K`` up to 4096 (one K step: consecutive tiles of a group keep
     the expert's weight block resident, as the bf16 forward's heuristic; else 1024); float32 ``bn=512``. In
     libtpu's static model (v6e, up projection at 2048 rows, one 2048-column block, int8 per channel) ``bk = K``
@@ -449,7 +462,7 @@ def heuristic_quant_dx(group_sizes, group_offset, g, rhs, rhs_scale, rhs_zero_po
     return dict(bm=256, bk=1024, bn=512 if _dtype_name(g.dtype) == "float32" else 1024)
 
 
-def _fwd_shape(gs, go, lhs, rhs, rhs_scale, rhs_zero_point=None, transpose_rhs=False, out_dtype=None,
+def _fwd_shape(gs, go, lhs, rhs, rhs_scale, rhs_zero_point=None, rhs_bias=None, transpose_rhs=False, out_dtype=None,
                weight_format=None):
     M, _, N, *_ = quant_dims(gs, go, lhs, rhs, rhs_scale, rhs_zero_point, transpose_rhs, weight_format, WHERE_FWD)
     return _dsl.OutSpec((M, N), _out_dtype(out_dtype, lhs))
@@ -466,16 +479,18 @@ def _dx_shape(gs, go, g, rhs, rhs_scale, rhs_zero_point=None, transpose_rhs=Fals
                  heuristic=heuristic_quant, out_shape=_fwd_shape, reference=_dsl.jax_reference(_ref_fwd))
 def grouped_matmul_quant_fwd(group_sizes: torch.Tensor, group_offset: torch.Tensor, lhs: torch.Tensor,
                              rhs: torch.Tensor, rhs_scale: torch.Tensor, rhs_zero_point: Optional[torch.Tensor] = None,
-                             transpose_rhs: bool = False, out_dtype: Optional[str] = None,
-                             weight_format: Optional[str] = None, *, bm: int, bk: int, bn: int) -> torch.Tensor:
+                             rhs_bias: Optional[torch.Tensor] = None, transpose_rhs: bool = False,
+                             out_dtype: Optional[str] = None, weight_format: Optional[str] = None,
+                             *, bm: int, bk: int, bn: int) -> torch.Tensor:
     """Quantized-expert grouped matmul kernel: ``lhs [M, K_w]`` bf16 / f32, ``rhs`` stored experts (module
-    docstring), ``rhs_scale [G, num_blocks, 1, N]`` f32, ``rhs_zero_point`` (int4) same shape -> ``[M, N]``.
+    docstring), ``rhs_scale [G, num_blocks, 1, N]`` f32, ``rhs_zero_point`` (int4) same shape, ``rhs_bias
+    [G, 1, N]`` bf16 / f32 (optional: added in f32 to the rows of its group before the cast) -> ``[M, N]``.
 
     Raises:
         ArgumentError: ranks, shapes, block size, packed width (each names the tensor). DTypeError: dtypes.
         ChipError: fp8 weights the target chip's MXU cannot take."""
     return _quant_launch(group_sizes, group_offset, lhs, rhs, rhs_scale, rhs_zero_point, transpose_rhs, out_dtype,
-                         weight_format, bm, bk, bn, dx=False)
+                         weight_format, bm, bk, bn, dx=False, rhs_bias=rhs_bias)
 
 
 @_dsl.tpu_kernel(_qgmm_body, name="grouped_matmul_quant_dx", namespace="tpukernels", tunables=TUNABLES_QUANT_DX,
@@ -503,6 +518,8 @@ def _quant_backward(ctx, gy):
         grads["lhs"] = torch.ops.tpukernels.grouped_matmul_quant_dx.default(
             a["group_sizes"], a["group_offset"], gy.to(lhs.dtype), a["rhs"], a["rhs_scale"], a["rhs_zero_point"],
             a["transpose_rhs"], None, a["weight_format"])
+    if a.get("rhs_bias") is not None and ctx.needs_input_grad.get("rhs_bias"):
+        grads["rhs_bias"] = bias_grad(gy, a["group_sizes"], a["group_offset"], a["rhs_bias"])
     return grads
 
 
@@ -519,9 +536,11 @@ def _canon_scale(rhs_scale, rhs, transpose_rhs, where):
 def grouped_matmul_quantized(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor,
                              rhs_scale: torch.Tensor, *, rhs_zero_point: Optional[torch.Tensor] = None,
                              transpose_rhs: bool = False, group_offset=None, out_dtype=None,
-                             weight_format: Optional[str] = None, config: Optional[dict] = None) -> torch.Tensor:
-    """Grouped matmul with quantized expert weights: ``out[rows of g] = lhs[rows of g] @ W[g - group_offset]``,
-    ``W`` dequantized in VMEM from ``rhs`` / ``rhs_scale`` (/ ``rhs_zero_point``); differentiable in ``lhs``.
+                             weight_format: Optional[str] = None, config: Optional[dict] = None,
+                             rhs_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Grouped matmul with quantized expert weights: ``out[rows of g] = lhs[rows of g] @ W[g - group_offset]
+    (+ rhs_bias[g - group_offset])``, ``W`` dequantized in VMEM from ``rhs`` / ``rhs_scale`` (/
+    ``rhs_zero_point``); differentiable in ``lhs`` and ``rhs_bias``.
 
     Args:
         lhs: ``[M, K_x]`` bfloat16 / float32 activations (``K_x == K_w``, or with block scales
@@ -537,16 +556,19 @@ def grouped_matmul_quantized(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: 
         out_dtype: ``"bfloat16"`` / ``"float32"`` (or torch dtype); default ``lhs.dtype``.
         weight_format: for uint8 ``rhs``: ``"int4"`` (default) or ``"fp4"`` (e2m1 codes, no zero points).
         config: ``{"bm", "bk", "bn"}`` of the forward kernel (``bk`` an upper bound with block scales).
+        rhs_bias: ``[G, 1, N]`` bfloat16 / float32 (megablox ``gmm``'s): added in float32 to the rows of each
+            local group before the cast (module docstring); its gradient is the per-group sum of ``dO``.
 
     Returns:
-        ``[M, N]`` in ``out_dtype``; rows of no local group are 0. Error bound: module docstring
+        ``[M, N]`` in ``out_dtype``; rows of no local group are 0 (no bias). Error bound: module docstring
         (:func:`error_bound_quantized`).
 
     Raises:
-        ArgumentError: ranks; ``rhs_scale`` / ``rhs_zero_point`` shapes; a block size that does not divide ``K_w``
-            or is not a multiple of 32 in 32..512; an odd / partial packed dimension; ``lhs``'s K outside the
-            padding rule; group metadata (as :func:`~tpukernels.library.grouped_matmul`).
-        DTypeError: dtypes (``rhs``, ``lhs``, scales / zero points not float32, ``weight_format``, ``out_dtype``).
+        ArgumentError: ranks; ``rhs_scale`` / ``rhs_zero_point`` / ``rhs_bias`` shapes; a block size that does not
+            divide ``K_w`` or is not a multiple of 32 in 32..512; an odd / partial packed dimension; ``lhs``'s K
+            outside the padding rule; group metadata (as :func:`~tpukernels.library.grouped_matmul`).
+        DTypeError: dtypes (``rhs``, ``lhs``, scales / zero points not float32, ``rhs_bias`` not bf16 / f32,
+            ``weight_format``, ``out_dtype``).
         DeviceError: tensors on different devices. ChipError: fp8 weights the target chip cannot take.
     """
     from ...errors import DeviceError
@@ -559,6 +581,8 @@ def grouped_matmul_quantized(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: 
             raise ArgumentError(f"{where}: {n} must be a torch.Tensor, got {type(t).__name__}")
     if rhs_zero_point is not None and not isinstance(rhs_zero_point, torch.Tensor):
         raise ArgumentError(f"{where}: rhs_zero_point must be a torch.Tensor or None")
+    if rhs_bias is not None and not isinstance(rhs_bias, torch.Tensor):
+        raise ArgumentError(f"{where}: rhs_bias must be a torch.Tensor or None, got {type(rhs_bias).__name__}")
     rhs_scale = _canon_scale(rhs_scale, rhs, transpose_rhs, where)
     if rhs_zero_point is not None:
         rhs_zero_point = _canon_scale(rhs_zero_point, rhs, transpose_rhs, where)
@@ -567,10 +591,10 @@ def grouped_matmul_quantized(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: 
             raise ArgumentError(f"{where}: group_offset must be an int or an int32 scalar tensor, got "
                                 f"{type(group_offset).__name__} {group_offset!r}")
         group_offset = torch.tensor(int(group_offset), dtype=torch.int32, device=lhs.device)
-    ts = [lhs, rhs, group_sizes, rhs_scale] + [t for t in (rhs_zero_point, group_offset) if t is not None]
+    ts = [lhs, rhs, group_sizes, rhs_scale] + [t for t in (rhs_zero_point, group_offset, rhs_bias) if t is not None]
     if len({t.device for t in ts}) > 1:
-        raise DeviceError(f"{where}: lhs, rhs, group_sizes, rhs_scale (and rhs_zero_point, group_offset) must be on "
-                          f"one device, got {sorted({str(t.device) for t in ts})}")
+        raise DeviceError(f"{where}: lhs, rhs, group_sizes, rhs_scale (and rhs_zero_point, group_offset, rhs_bias) "
+                          f"must be on one device, got {sorted({str(t.device) for t in ts})}")
     if len(lhs.shape) != 2:
         raise ArgumentError(f"{where}: lhs must be 2-D [M, K], got shape {tuple(lhs.shape)}")
     odt = canonical_out_dtype(out_dtype, where)
@@ -594,6 +618,8 @@ def grouped_matmul_quantized(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: 
                                           rhs_zero_point, transpose_rhs, weight_format, where)
     if fmt.startswith("float8"):
         check_chip(None, fmt, where=where)
+    if rhs_bias is not None:
+        check_bias(rhs_bias, G, N, where)
     Gt = group_sizes.shape[0]
     if group_offset is None and Gt != G:
         raise ArgumentError(f"{where}: rhs has {G} groups but group_sizes has {Gt}; pass group_offset for a shard")
@@ -601,10 +627,12 @@ def grouped_matmul_quantized(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: 
     wf = fmt if fmt == "fp4" else None
     if M == 0 or N == 0 or G == 0:
         y = torch.nn.functional.linear(lhs, lhs.new_zeros(N, K_w))  # no kernel; keeps autograd's graph (d_lhs 0)
+        if rhs_bias is not None:  # no row takes a bias: a zero that keeps its graph (d_rhs_bias 0)
+            y = y + rhs_bias.reshape(-1)[:0].sum().to(y.dtype)
         return y.to(getattr(torch, odt or _dtype_name(lhs.dtype)))[:, :N]
     kw = {} if not config else dict(config=config_to_json(grouped_matmul_quant_fwd, config))
     y = torch.ops.tpukernels.grouped_matmul_quant_fwd(group_sizes, go.reshape(1), lhs, rhs, rhs_scale, rhs_zero_point,
-                                                      bool(transpose_rhs), odt, wf, **kw)
+                                                      rhs_bias, bool(transpose_rhs), odt, wf, **kw)
     return y
 
 
@@ -695,23 +723,47 @@ def _n_out(rhs, transpose_rhs):
     return rhs.shape[1] if transpose_rhs else rhs.shape[2]
 
 
+def _add_bias(out, rhs_bias, group_sizes, group_offset, G):
+    """``out`` plus ``rhs_bias[g]`` (float64) on the rows of each local group ``g``."""
+    if rhs_bias is None:
+        return out
+    off = 0 if group_offset is None else int(group_offset)
+    for g, (s, e) in enumerate(_ref_bounds_np(group_sizes.cpu().numpy(), [off], out.shape[0], G)):
+        out[s:e] += rhs_bias[g].double()
+    return out
+
+
 def reference_quantized(lhs, rhs, group_sizes, rhs_scale, rhs_zero_point=None, *, transpose_rhs=False,
-                        group_offset=None, weight_format=None) -> torch.Tensor:
+                        group_offset=None, weight_format=None, rhs_bias=None) -> torch.Tensor:
     """float64 reference (not rounded) of :func:`grouped_matmul_quantized` from the stored experts: ``lhs`` rows
-    of group ``g`` (zero-padded to ``K_w``) times the dequantized ``W[g]^T``; other rows 0."""
+    of group ``g`` (zero-padded to ``K_w``) times the dequantized ``W[g]^T`` (plus ``rhs_bias[g]``); other rows
+    0."""
     from ..quantized_matmul.blockwise import reference_blockwise
 
-    return _per_group(lambda x, wq, s, bs, z: reference_blockwise(x, wq, s, bs, z, weight_format),
-                      _n_out(rhs, transpose_rhs), lhs, rhs, rhs_scale, rhs_zero_point, group_sizes, transpose_rhs,
-                      group_offset, weight_format)
+    out = _per_group(lambda x, wq, s, bs, z: reference_blockwise(x, wq, s, bs, z, weight_format),
+                     _n_out(rhs, transpose_rhs), lhs, rhs, rhs_scale, rhs_zero_point, group_sizes, transpose_rhs,
+                     group_offset, weight_format)
+    return _add_bias(out, rhs_bias, group_sizes, group_offset, rhs.shape[0])
 
 
 def error_bound_quantized(lhs, rhs, group_sizes, rhs_scale, rhs_zero_point=None, *, transpose_rhs=False,
-                          group_offset=None, out_dtype=None, weight_format=None) -> torch.Tensor:
-    """The module docstring's elementwise forward bound on ``|y - reference_quantized(...)|`` (0 off-group)."""
-    return _per_group(lambda x, wq, s, bs, z: error_bound_blockwise(x, wq, s, bs, z, out_dtype, weight_format),
-                      _n_out(rhs, transpose_rhs), lhs, rhs, rhs_scale, rhs_zero_point, group_sizes,
-                      transpose_rhs, group_offset, weight_format)
+                          group_offset=None, out_dtype=None, weight_format=None, rhs_bias=None) -> torch.Tensor:
+    """The module docstring's elementwise forward bound on ``|y - reference_quantized(...)|`` (0 off-group).
+    With ``rhs_bias``: ``E (1 + 2^-7) + (u + 2 u32) |ref|``, ``E`` the float32-output bound of the unbiased
+    product and ``ref`` the biased reference (the f32 addition of the bias, then the cast to ``out_dtype``)."""
+    b = _per_group(lambda x, wq, s, bs, z: error_bound_blockwise(x, wq, s, bs, z, torch.float32, weight_format),
+                   _n_out(rhs, transpose_rhs), lhs, rhs, rhs_scale, rhs_zero_point, group_sizes,
+                   transpose_rhs, group_offset, weight_format) if rhs_bias is not None else None
+    if b is None:
+        return _per_group(lambda x, wq, s, bs, z: error_bound_blockwise(x, wq, s, bs, z, out_dtype, weight_format),
+                          _n_out(rhs, transpose_rhs), lhs, rhs, rhs_scale, rhs_zero_point, group_sizes,
+                          transpose_rhs, group_offset, weight_format)
+    ref = reference_quantized(lhs, rhs, group_sizes, rhs_scale, rhs_zero_point, transpose_rhs=transpose_rhs,
+                              group_offset=group_offset, weight_format=weight_format, rhs_bias=rhs_bias).abs()
+    odt = canonical_out_dtype(out_dtype) or _dtype_name(lhs.dtype)
+    u = {"bfloat16": 2.0 ** -8, "float32": 2.0 ** -24}[odt]
+    # E = the float32 accumulator's bound; fl32(acc + bias) then the cast: E (1 + u32 + u) + (u32 + u) |ref|
+    return b * (1 + 2.0 ** -7) + (u + 2 * 2.0 ** -24) * ref
 
 
 def reference_quantized_dx(dO, rhs, group_sizes, rhs_scale, rhs_zero_point=None, *, K: Optional[int] = None,

@@ -18,14 +18,15 @@ def _ref_bounds_np(group_sizes, group_offset, M, G):
     return [(int(starts[off + g]), int(ends[off + g])) for g in range(G)]
 
 
-def reference(lhs, rhs, group_sizes, *, transpose_rhs=False, group_offset=None) -> torch.Tensor:
-    """float64 reference of :func:`grouped_matmul` from the given (low-precision) inputs, **not** rounded."""
+def reference(lhs, rhs, group_sizes, *, transpose_rhs=False, group_offset=None, rhs_bias=None) -> torch.Tensor:
+    """float64 reference of :func:`grouped_matmul` from the given (low-precision) inputs, **not** rounded
+    (``rhs_bias [G, 1, N]``: ``+ rhs_bias[g]`` on the rows of group ``g``)."""
     M, G = lhs.shape[0], rhs.shape[0]
     w = rhs.double().transpose(1, 2) if transpose_rhs else rhs.double()
     out = torch.zeros(M, w.shape[2], dtype=torch.float64)
     off = 0 if group_offset is None else int(group_offset)
     for g, (s, e) in enumerate(_ref_bounds_np(group_sizes.cpu().numpy(), [off], M, G)):
-        out[s:e] = lhs[s:e].double() @ w[g]
+        out[s:e] = lhs[s:e].double() @ w[g] + (0 if rhs_bias is None else rhs_bias[g].double())
     return out
 
 
@@ -38,7 +39,7 @@ def reference_tgmm(x, y, group_sizes, num_groups, group_offset=None) -> torch.Te
     return out
 
 
-def reference_fwd_jnp(group_sizes, group_offset, lhs, rhs, transpose_rhs=False, out_dtype=None):
+def reference_fwd_jnp(group_sizes, group_offset, lhs, rhs, rhs_bias=None, transpose_rhs=False, out_dtype=None):
     """jax reference of the forward kernel (``jax.lax.ragged_dot`` on the shard; autotuner check)."""
     import jax
     import jax.numpy as jnp
@@ -50,6 +51,9 @@ def reference_fwd_jnp(group_sizes, group_offset, lhs, rhs, transpose_rhs=False, 
     member = (rows >= s[None, :]) & (rows < e[None, :])  # [M, G]
     z = jnp.einsum("mk,gkn,mg->mn", lhs.astype(jnp.float32), w.astype(jnp.float32), member.astype(jnp.float32),
                    precision=jax.lax.Precision.HIGHEST)
+    if rhs_bias is not None:
+        z = z + jnp.einsum("mg,gn->mn", member.astype(jnp.float32), rhs_bias[:, 0, :].astype(jnp.float32),
+                           precision=jax.lax.Precision.HIGHEST)
     return z.astype(_out_dtype(out_dtype, lhs))
 
 
