@@ -241,7 +241,7 @@ def test_a8_dequant_form(interpret, fmt, out_dtype):
 
 def test_a8_prefill_heuristic_picks_dequant_for_fp8(monkeypatch):
     """Prefill (M > 128): fp8 takes the dequant form at bm=1024, bk=512, bn=4096 on a 128 MiB-VMEM chip (v6e) and
-    bn=2048 on tpu7x (64 MiB); int8 keeps the group form; decode keeps the group form."""
+    bn=2048 on tpu7x (64 MiB); int8, decode and v5e (no fp8 rate) keep the group form."""
     from tpukernels.library.quantized_matmul import blockwise_a8 as a8
 
     f8 = torch.empty(1024, 512, dtype=torch.float8_e5m2)
@@ -251,6 +251,8 @@ def test_a8_prefill_heuristic_picks_dequant_for_fp8(monkeypatch):
         assert a8._a8_heuristic(f8, None, None, None) == dict(bm=1024, bk=512, bn=bn, form="dequant")
         assert a8._a8_heuristic(i8, None, None, None)["form"] == "groups"
         assert a8._a8_heuristic(f8[:16], None, None, None)["form"] == "groups"
+    monkeypatch.setattr(a8, "_target_chip", lambda: tk.get_chip("v5e"))  # no fp8 rate in tpu_info
+    assert a8._a8_heuristic(f8, None, None, None)["form"] == "groups"
 
 
 @pytest.mark.aot

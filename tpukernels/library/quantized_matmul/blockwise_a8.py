@@ -38,7 +38,8 @@ bf16 peak (jax's tpu_info, 9.2e14), so the bf16 MXU gives nothing away there; on
 is capped at half of the fp8 peak. Model (libtpu 0.0.52 static estimate, prefill ``8192x4096 @ (14336x4096)^T``
 e5m2, estimated at M/4 x 4): v6e group form 2,634 us, dequant form at ``bm=1024, bn=4096, bk=512`` 1,180 us (89%
 of the 1,046 us fp8 roofline); ``bn=2048`` 1,591 us (hence 4096, which needs the 128 MiB VMEM of v5e / v6e).
-int8 keeps the group form (its int8 x int8 MXU pair runs at twice the bf16 rate). Its error bound adds the two
+int8 keeps the group form (its int8 x int8 MXU pair runs at twice the bf16 rate), and so does v5e (no fp8 rate in
+tpu_info; libtpu's profiler aborts on the dequant form there). Its error bound adds the two
 bf16 roundings (below).
 
 Chips: the pair must be native on the MXU (jax ``tpu_info.is_matmul_supported``, as
@@ -348,12 +349,15 @@ def _a8_problem(x_q, x_scale, w_q, w_scale, w_zero_point, block_size, where):
 
 def _a8_heuristic(x_q, x_scale, w_q, w_scale, w_zero_point=None, block_size=128, out_dtype=None):
     """Decode (``M <= 128``): one row block, large weight tiles. Prefill: fp8 takes the dequant form at
-    ``bm=1024, bk=512`` and ``bn=4096`` (2048 where the chip has < 128 MiB of VMEM: tpu7x), int8 the group form."""
+    ``bm=1024, bk=512`` and ``bn=4096`` (2048 where the chip has < 128 MiB of VMEM: tpu7x) on chips with an fp8
+    MXU rate in jax's tpu_info (v6e, tpu7x; and cpu interpret); elsewhere (v5e: e5m2 is accepted, no fp8 rate is
+    listed, and libtpu 0.0.52's profiler aborts on the dequant form there, so it has no model figure) and for
+    int8, the group form."""
     M = x_q.shape[0]
     if M <= 128:
         return dict(bm=128, bk=2048, bn=512, form="groups")
-    if _name(x_q.dtype).startswith("float8"):
-        chip = _target_chip()
+    chip = _target_chip()
+    if _name(x_q.dtype).startswith("float8") and (chip is None or chip.info.fp8_ops_per_second):
         big = chip is None or chip.vmem_capacity_bytes >= 128 * MiB
         return dict(bm=1024, bk=512, bn=4096 if big else 2048, form="dequant")
     return dict(bm=512, bk=1024, bn=1024, form="groups")
