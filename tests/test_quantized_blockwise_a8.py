@@ -134,7 +134,7 @@ def test_bound_is_sharp():
     xq, xs = qmm.quantize_per_block_reference(x, "float8_e5m2", 128)
     q_tok, s_tok = qmm.quantize_reference(x, "float8_e5m2")  # one scale per token
     naive = (q_tok.double() * s_tok.double()[:, None]) @ qmm.dequantize_blockwise(q, s, 128).T
-    bound = qmm.error_bound_blockwise_a8(xq, xs, q, s, 128)
+    bound = qmm.error_bound_blockwise_a8(xq, xs, q, s, 128, form="groups")  # 16 tokens: the decode (group) form
     ref = qmm.reference_blockwise_a8(xq, xs, q, s, 128)
     assert ((naive - ref).abs() > bound).any()
     y = qmm.quantized_matmul_blockwise(x, q, s, block_size=128, x_quant="fp8")
@@ -240,15 +240,15 @@ def test_a8_dequant_form(interpret, fmt, out_dtype):
 
 
 def test_a8_prefill_heuristic_picks_dequant_for_fp8(monkeypatch):
-    """Prefill (M > 128): fp8 takes the dequant form at bm=1024, bk=512, bn=4096 on a 128 MiB-VMEM chip (v6e) and
-    bn=2048 on tpu7x (64 MiB); int8, decode and v5e (no fp8 rate) keep the group form."""
+    """Prefill (M > 128): fp8 takes the dequant form at bm=2048, bk=4096, bn=1024 on a 128 MiB-VMEM chip (v6e) and
+    bm=1024 on tpu7x (64 MiB); int8, decode and v5e (no fp8 rate) keep the group form."""
     from tpukernels.library.quantized_matmul import blockwise_a8 as a8
 
     f8 = torch.empty(1024, 512, dtype=torch.float8_e5m2)
     i8 = torch.empty(1024, 512, dtype=torch.int8)
-    for chip, bn in (("v6e", 4096), ("tpu7x", 2048)):
+    for chip, bm in (("v6e", 2048), ("tpu7x", 1024)):
         monkeypatch.setattr(a8, "_target_chip", lambda c=chip: tk.get_chip(c))  # what a launch for chip sees
-        assert a8._a8_heuristic(f8, None, None, None) == dict(bm=1024, bk=512, bn=bn, form="dequant")
+        assert a8._a8_heuristic(f8, None, None, None) == dict(bm=bm, bk=4096, bn=1024, form="dequant")
         assert a8._a8_heuristic(i8, None, None, None)["form"] == "groups"
         assert a8._a8_heuristic(f8[:16], None, None, None)["form"] == "groups"
     monkeypatch.setattr(a8, "_target_chip", lambda: tk.get_chip("v5e"))  # no fp8 rate in tpu_info
@@ -259,8 +259,8 @@ def test_a8_prefill_heuristic_picks_dequant_for_fp8(monkeypatch):
 @pytest.mark.parametrize("chip", ["v6e", "tpu7x"])
 def test_a8_dequant_form_compiles(chip):
     """The dequant form at the prefill heuristic's blocks compiles (libtpu compile-only: real Mosaic) within the
-    chip's VMEM: bn=4096 on v6e, 2048 on tpu7x."""
+    chip's VMEM: bm=2048 on v6e, 1024 on tpu7x."""
     r = tk.compile_for(qmm.quantized_matmul_blockwise_a8_kernel, chip, "2048x1024:float8_e5m2", "2048x8:f32",
                        "4096x1024:float8_e5m2", "8x1x4096:f32", with_mlir=False)
     assert r.ok, r.summary()
-    assert r.config["form"] == "dequant" and r.config["bn"] == (4096 if chip == "v6e" else 2048)
+    assert r.config["form"] == "dequant" and r.config["bm"] == (2048 if chip == "v6e" else 1024)

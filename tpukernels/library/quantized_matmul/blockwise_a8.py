@@ -35,9 +35,11 @@ bf16) and multiplied by one MXU dot accumulating in f32. The group form's ``bk /
 three f32 vector operations per output element and group, which bounds it on the VPU at prefill sizes; the
 dequant form's vector work is per input element, amortized over the other operand's block. v6e's fp8 peak equals its
 bf16 peak (jax's tpu_info, 9.2e14), so the bf16 MXU gives nothing away there; on tpu7x (fp8 2x bf16) this form
-is capped at half of the fp8 peak. Model (libtpu 0.0.52 static estimate, prefill ``8192x4096 @ (14336x4096)^T``
-e5m2, estimated at M/4 x 4): v6e group form 2,634 us, dequant form at ``bm=1024, bn=4096, bk=512`` 1,180 us (89%
-of the 1,046 us fp8 roofline); ``bn=2048`` 1,591 us (hence 4096, which needs the 128 MiB VMEM of v5e / v6e).
+is capped at half of the fp8 peak. Model (libtpu 0.0.52 static estimate, prefill ``8192x4096 @ (14336x4096)^T``,
+estimated at M/4 x 4, the heuristic's blocks): v6e e5m2 1,447 us at ``bm=2048, bn=1024, bk=4096`` (72% of the
+1,046 us fp8 = bf16 roofline; the group form: 2,634 us, 40%; ``bk=512`` with its per-step scale-column pick: 1,993
+us); tpu7x e4m3fn 1,111 us at ``bm=1024`` (38% of its 418 us fp8 roofline, 75% of the bf16 one). What is left is
+the VPU's dequantization (a cost probe with static scale columns and no tails reached 1,403 us on v6e).
 int8 keeps the group form (its int8 x int8 MXU pair runs at twice the bf16 rate), and so does v5e (no fp8 rate in
 tpu_info; libtpu's profiler aborts on the dequant form there). Its error bound adds the two
 bf16 roundings (below).
@@ -96,7 +98,7 @@ from .quantize import _quantize_values, _reciprocal
 XQ_DTYPES = ("int8", "float8_e4m3fn", "float8_e5m2")
 
 TUNABLES_A8 = {
-    "bm": _dsl.Tunable([256, 128, 512, 1024], default=256, doc="rows of the output block (tokens)"),
+    "bm": _dsl.Tunable([256, 128, 512, 1024, 2048], default=256, doc="rows of the output block (tokens)"),
     "bk": _dsl.Tunable([1024, 512, 2048, 4096], default=1024,
                        doc="contraction block (upper bound: the largest multiple of block_size tiling K, k_block)"),
     "bn": _dsl.Tunable([512, 256, 1024, 2048, 4096], default=512, doc="columns of the output block (N)"),
@@ -298,7 +300,21 @@ def _a8_body(x_ref, xs_ref, w_ref, s_ref, *refs, bs, n_sub, n_k, int4, has_zp, a
 
     if dequant:
         part = _a8_dequant_part(x_ref, w_ref, s_ref, [xs_col(g) for g in range(n_sub)], bs=bs, n_sub=n_sub)
-        accumulate_k_step(part, k, n_k, acc_ref, o_ref)
+        if n_k == 1:
+            o_ref[...] = part.astype(o_ref.dtype)
+            return
+
+        # zero, then one unconditional += per step: the dot result feeds the accumulator directly (the three-way
+        # branch of accumulate_k_step keeps a second [bm, bn] f32 copy live, over VMEM at these blocks)
+        @pl.when(k == 0)
+        def _():
+            acc_ref[...] = jnp.zeros_like(acc_ref)
+
+        acc_ref[...] += part
+
+        @pl.when(k == n_k - 1)
+        def _():
+            o_ref[...] = acc_ref[...].astype(o_ref.dtype)
         return
     part = None
     for g in range(n_sub):
@@ -349,7 +365,8 @@ def _a8_problem(x_q, x_scale, w_q, w_scale, w_zero_point, block_size, where):
 
 def _a8_heuristic(x_q, x_scale, w_q, w_scale, w_zero_point=None, block_size=128, out_dtype=None):
     """Decode (``M <= 128``): one row block, large weight tiles. Prefill: fp8 takes the dequant form at
-    ``bm=1024, bk=512`` and ``bn=4096`` (2048 where the chip has < 128 MiB of VMEM: tpu7x) on chips with an fp8
+    ``bm=2048, bk=4096, bn=1024`` (``bm=1024`` where the chip has < 128 MiB of VMEM: tpu7x; ``bk`` up to 4096:
+    one K step for K <= 4096, whose static scale columns avoid the per-step lane pick) on chips with an fp8
     MXU rate in jax's tpu_info (v6e, tpu7x; and cpu interpret); elsewhere (v5e: e5m2 is accepted, no fp8 rate is
     listed, and libtpu 0.0.52's profiler aborts on the dequant form there, so it has no model figure) and for
     int8, the group form."""
@@ -359,7 +376,7 @@ def _a8_heuristic(x_q, x_scale, w_q, w_scale, w_zero_point=None, block_size=128,
     chip = _target_chip()
     if _name(x_q.dtype).startswith("float8") and (chip is None or chip.info.fp8_ops_per_second):
         big = chip is None or chip.vmem_capacity_bytes >= 128 * MiB
-        return dict(bm=1024, bk=512, bn=4096 if big else 2048, form="dequant")
+        return dict(bm=2048 if big else 1024, bk=4096, bn=1024, form="dequant")
     return dict(bm=512, bk=1024, bn=1024, form="groups")
 
 
@@ -424,9 +441,8 @@ def quantized_matmul_blockwise_a8_kernel(x_q: torch.Tensor, x_scale: torch.Tenso
               + padded_bytes((bn_, wcols), w_q.dtype)
               + (1 + (w_zero_point is not None)) * n_sub * padded_bytes((1, bn_), "float32")
               + padded_bytes((bm_, bn_), odt))
-    if dequant:  # the dequantized tiles (f32 group slices, bf16 tiles) and one f32 dot result
-        work = (padded_bytes((bm_ + bn_, block_size), "float32") + padded_bytes((bm_ + bn_, bk_), "bfloat16")
-                + padded_bytes((bm_, bn_), "float32"))
+    if dequant:  # the dequantized tiles (f32 group slices, bf16 tiles); the dot result feeds acc in place
+        work = padded_bytes((bm_ + bn_, block_size), "float32") + padded_bytes((bm_ + bn_, bk_), "bfloat16")
     else:
         work = 2 * padded_bytes((bn_, block_size), "int32") + 3 * padded_bytes((bm_, bn_), "float32")
     need = io + work + padded_bytes(acc_shape, "float32")
