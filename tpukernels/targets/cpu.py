@@ -64,6 +64,9 @@ def row_major_strides(shape) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+_cached_strides = functools.lru_cache(maxsize=256)(row_major_strides)  # ~0.1 µs instead of ~5 µs per input
+
+
 def row_major(t, copy_only: bool = False):
     """``t`` with the standard row-major strides, which DLPack consumers such as XLA read as the layout.
 
@@ -80,7 +83,7 @@ def row_major(t, copy_only: bool = False):
     shape = t.shape
     if 1 not in shape:  # contiguous with no size-1 dimension: the strides are the standard ones
         return t
-    std = row_major_strides(shape)
+    std = _cached_strides(shape)
     if t.stride() == std:
         return t
     if copy_only:
