@@ -1,7 +1,7 @@
 """The ``tpukernels`` command line.
 
     tpukernels list [--json] [--import MODULE_OR_FILE]
-    tpukernels compile KERNEL --shape 8192x4096:bf16 [--shape ...] [--static eps=1e-6]
+    tpukernels compile KERNEL --shape 8192x4096:bf16 [--shape ...] [--static NAME=VALUE,...]
                        [--chips v5e,v6e,tpu7x] [--config block_rows=256] [--estimate] [--json] [--mlir FILE]
     tpukernels demo [--json]
 
@@ -29,18 +29,52 @@ def _type_name(p) -> str:
     return f"{p.static_type.__name__}{'?' if p.optional else ''}"
 
 
+def _param_text(p) -> str:
+    """``name:type``, with ``=default`` for a static parameter that has one (``eps:float=1e-06``)."""
+    import inspect
+
+    text = f"{p.name}:{_type_name(p)}"
+    if p.kind == "static" and p.default is not inspect.Parameter.empty:
+        text += f"={p.default!r}"
+    return text
+
+
+def _statics(k) -> dict:
+    """``{name: default}`` of a kernel's static parameters; ``None`` values in ``required`` (no default)."""
+    import inspect
+
+    return {p.name: (None if p.default is inspect.Parameter.empty else p.default)
+            for p in k.params if p.kind == "static"}
+
+
+def _print_wrapped(text: str) -> None:
+    """``text`` wrapped to the terminal's width, as :func:`table` sizes itself (no limit when piped)."""
+    import shutil
+    import textwrap
+
+    if os.environ.get("COLUMNS", "").isdigit() or sys.stdout.isatty():
+        text = textwrap.fill(text, width=shutil.get_terminal_size((120, 24)).columns, break_on_hyphens=False)
+    print(text)
+
+
 def cmd_list(args) -> int:
+    import inspect
+
     reg = load_kernels(args.imports)
     rows = []
     for q, k in sorted(reg.items()):
-        params = ", ".join(f"{p.name}:{_type_name(p)}" for p in k.params)
+        params = ", ".join(_param_text(p) for p in k.params)
         tun = ", ".join(f"{n}={t.values}" for n, t in k.space.tunables.items())
-        rows.append({"kernel": q, "signature": params, "tunables": tun, "backward": k._backward is not None})
+        required = [p.name for p in k.params if p.kind == "static" and p.default is inspect.Parameter.empty]
+        rows.append({"kernel": q, "signature": params, "tunables": tun, "backward": k._backward is not None,
+                     "statics": _statics(k), "required_statics": required})
     if args.json:
-        print(json.dumps(rows, indent=1))
+        print(json.dumps(rows, indent=1, default=repr))
     else:
         print(table([[r["kernel"], r["signature"], r["tunables"], "yes" if r["backward"] else "no"] for r in rows],
                     ["kernel", "signature", "tunables", "backward"]))
+        _print_wrapped("Non-tensor parameters are static: `tpukernels compile` needs --static name=value for each "
+                       "one without a default (those with one are shown as name:type=default).")
     return 0
 
 
@@ -101,9 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("kernel", help="kernel name: namespace::name or a unique name")
     s.add_argument("--shape", action="append", default=[], required=True,
                    help="one per tensor argument, in order: e.g. 8192x4096:bf16 (dtypes bf16 f32 f16 i32 i8)")
-    s.add_argument("--static", action="append", help="static arguments: eps=1e-6,offset=1.0")
+    s.add_argument("--static", action="append",
+                   help="static (non-tensor) arguments, every one without a default (`tpukernels list` shows them): "
+                        "e.g. rms_norm_fwd: eps=1e-6,offset=0.0,casting=llama,round_f16=false")
     s.add_argument("--config", action="append", help="tuning config: block_rows=256")
-    s.add_argument("--chips", default="v5e,v6e,tpu7x", help="comma list of v4,v5e,v5p,v6e,tpu7x or 'all'")
+    s.add_argument("--chips", default="v5e,v6e,tpu7x",
+                   help="comma list of v4,v5e,v5p,v6e,tpu7x or 'all' (default: v5e,v6e,tpu7x)")
     s.add_argument("--estimate", action="store_true", help="add libtpu's static estimated_cycles (slow; a model)")
     s.add_argument("--mlir", metavar="PREFIX", help="write the Mosaic MLIR per chip to PREFIX.<chip>.mlir")
     s.add_argument("--json", action="store_true")

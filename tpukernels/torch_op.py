@@ -90,7 +90,7 @@ def register_op(kernel: TpuKernel):
         if calls is not None:
             calls.append((kernel, values, config))
         device = tensors[0][1].device
-        outs = kernel.out_specs_for(specs, statics, parse_config_json(config, f"{kernel.qualname}: config") if config else None)
+        outs = kernel.out_specs_for(specs, statics, parse_config_json(config, f"{kernel.qualname}: config", kernel) if config else None)
         res = [torch.empty(tuple(o.shape), dtype=to_torch_dtype(o.dtype), device=device) for o in outs]
         return tuple(res) if kernel.returns_tuple else res[0]
 

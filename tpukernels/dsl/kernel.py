@@ -30,7 +30,7 @@ import numpy as np
 
 from ..errors import ArgumentError, ConfigError, KernelBodyError, KernelDefinitionError, TpuKernelError
 from . import hooks
-from .spec import Config, Launch, OutSpec, TensorSpec, Tunable, TunableSpace
+from .spec import Config, Launch, OutSpec, TensorSpec, Tunable, TunableSpace, config_example
 
 log = logging.getLogger("tpukernels.dispatch")
 
@@ -469,7 +469,8 @@ class TpuKernel:
         """
         if config:
             if not isinstance(config, Mapping):
-                raise ConfigError(f"{self.qualname}: config must be a dict such as {{'block_rows': 256}}, got {config!r}")
+                raise ConfigError(f"{self.qualname}: config must be a dict such as {config_example(self, False)}, got "
+                                  f"{config!r}")
             try:
                 return self.space.complete(config), "explicit"
             except ConfigError as e:

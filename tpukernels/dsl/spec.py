@@ -182,18 +182,32 @@ class Config(Mapping):
         return cls({k: tuple(v) if isinstance(v, list) else v for k, v in parse_config_json(text).items()})
 
 
-def parse_config_json(text: str, where: str = "config") -> dict:
+def config_example(kernel=None, as_json: bool = True) -> str:
+    """An example ``config=`` for error messages, with one of ``kernel``'s own tunables and its first candidate
+    (``'{"block_q": 128}'``); ``'{"block_rows": 256}'`` without a kernel, ``'{}'`` for a kernel with no tunables."""
+    tunables = getattr(getattr(kernel, "space", None), "tunables", None)
+    if kernel is None or tunables is None:
+        example = {"block_rows": 256}
+    else:
+        name = next(iter(tunables), None)
+        example = {} if name is None else {name: tunables[name].values[0]}
+    return json.dumps(example) if as_json else repr(example)
+
+
+def parse_config_json(text: str, where: str = "config", kernel=None) -> dict:
     """``config=`` as the torch ops take it: a JSON object string -> dict.
 
     Raises:
-        ConfigError: ``text`` is not JSON or not an object (the message shows the expected form).
+        ConfigError: ``text`` is not JSON or not an object (the message shows the expected form, with one of
+            ``kernel``'s own tunables when given).
     """
+    example = config_example(kernel)
     try:
         data = json.loads(text)
     except (TypeError, ValueError) as e:
-        raise ConfigError(f"{where}: expected a JSON object such as '{{\"block_rows\": 256}}', got {text!r} ({e})") from None
+        raise ConfigError(f"{where}: expected a JSON object such as '{example}', got {text!r} ({e})") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{where}: expected a JSON object such as '{{\"block_rows\": 256}}', got {text!r}")
+        raise ConfigError(f"{where}: expected a JSON object such as '{example}', got {text!r}")
     return data
 
 

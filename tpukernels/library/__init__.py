@@ -12,13 +12,15 @@ import sys as _sys
 from .norms import TPULayerNorm, TPURMSNorm, fused_add_rms_norm, layer_norm, rms_norm  # noqa: E402,F401
 from .attention import attention_reference, flash_attention  # noqa: E402,F401
 from .matmul import matmul, matmul_nn, matmul_nt, matmul_tn  # noqa: E402,F401  (the function shadows the submodule name; import the module by path)
-from .quantized_matmul import TPUQuantLinear, quantize_weight, quantized_matmul  # noqa: E402,F401  (shadows the submodule name too)
+from .quantized_matmul import (TPUBlockQuantLinear, TPUQuantLinear, pack_int4, quantize_weight,  # noqa: E402,F401  (shadows the submodule name too)
+                               quantize_weight_blockwise, quantized_matmul, quantized_matmul_blockwise)
 from .grouped_matmul import grouped_matmul, grouped_matmul_fwd, grouped_matmul_tgmm  # noqa: E402,F401  (shadows the submodule name too)
 from .grouped_matmul.quant import grouped_matmul_quantized  # noqa: E402,F401
 from .linear_cross_entropy import linear_cross_entropy  # noqa: E402,F401  (shadows the submodule name too)
 from .rope import apply_rope, apply_rotary_pos_emb  # noqa: E402,F401
-from .gated_mlp import TPUGatedMLP, geglu, swiglu  # noqa: E402,F401
-from .paged_attention import paged_attention_reference, ragged_paged_attention, update_kv_cache  # noqa: E402,F401
+from .gated_mlp import TPUGatedMLP, gated_activation, geglu, swiglu  # noqa: E402,F401
+from .paged_attention import (paged_attention_reference, ragged_paged_attention, ragged_paged_attention_jax,  # noqa: E402,F401
+                              update_kv_cache)
 
 
 def standard_cases():

@@ -719,11 +719,16 @@ def plan_and_run(a, b, bias2, activation, kdt, batch_shape, M, N, bucket=False):
     rdim = 2 if layout == "tn" else 1  # tn stores a transposed: its rows are the last dim
     rows = x.shape[rdim]
     rows_b = _dsl.bucket(rows) if bucket and rows > 0 else rows
-    if rows_b != rows:
+    # symbolic rows (torch.compile(dynamic=True)): always pad and slice (padding by 0 is exact) and return
+    # standard strides, so that no guard "rows == bucket" makes a bucket's own length trace a second graph
+    symbolic = bucket and isinstance(rows, torch.SymInt)
+    if symbolic or rows_b != rows:
         x = torch.nn.functional.pad(x, [0, 0, 0, rows_b - rows] if rdim == 1 else [0, rows_b - rows])
     out = _op(layout)(x, y, bias2, activation, kdt, False)
-    if rows_b != rows:
+    if symbolic or rows_b != rows:
         out = out.narrow(1, 0, rows)
+    if symbolic:
+        out = out.clone(memory_format=torch.contiguous_format)
     if not folded and out.shape[0] == 1 and math.prod(batch_shape) != 1:  # both operands batch-broadcast
         return out.expand(math.prod(batch_shape), M, N).contiguous().reshape(*batch_shape, M, N)
     return out.reshape(*batch_shape, M, N)

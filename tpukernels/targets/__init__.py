@@ -13,7 +13,7 @@ from typing import Any
 
 from ..dsl.kernel import TpuKernel, bucket
 from ..dsl.modes import current_interpret_mode, interpret_mode
-from ..dsl.spec import TensorSpec, parse_config_json
+from ..dsl.spec import TensorSpec, config_example, parse_config_json
 from ..errors import ArgumentError, ConfigError, DeviceError
 from ..lowering import Lowered, lower, specs_from_values
 
@@ -37,7 +37,7 @@ def run_call(kernel: TpuKernel, args: Sequence, kwargs: Mapping, *, config=None,
 
 def _dispatch(kernel: TpuKernel, values: list, config):
     if isinstance(config, str):
-        config = parse_config_json(config, f"{kernel.qualname}: config")
+        config = parse_config_json(config, f"{kernel.qualname}: config", kernel)
     torch = sys.modules.get("torch")
     if torch is not None and any(isinstance(v, torch.Tensor) for v in values):
         cfg = None if not config else config_to_json(kernel, config)
@@ -68,7 +68,7 @@ def config_to_json(kernel: TpuKernel, config: Mapping) -> str:
     elif isinstance(config, Mapping):
         items = sorted(config.items(), key=lambda kv: str(kv[0]))
     else:
-        raise ConfigError(f"{kernel.qualname}: config must be a dict such as {{'block_rows': 256}}, got "
+        raise ConfigError(f"{kernel.qualname}: config must be a dict such as {config_example(kernel, False)}, got "
                           f"{type(config).__name__} {config!r}")
     parts = []
     for k, v in items:
@@ -140,7 +140,7 @@ def plan_for(kernel: TpuKernel, values: Sequence, config_json: str | None, mode:
     """Build the call plan for concrete torch ``values`` (bound op arguments)."""
     import torch
 
-    config = None if not config_json else parse_config_json(config_json, f"{kernel.qualname}: config")
+    config = None if not config_json else parse_config_json(config_json, f"{kernel.qualname}: config", kernel)
     tensors = [(i, v) for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
     check_devices(kernel, tensors)
     specs, statics = specs_from_values(kernel, values)

@@ -1,7 +1,8 @@
 """cpu target: run the kernel in Pallas interpret mode on torch tensors shared with JAX through DLPack.
 
-Inputs are shared zero-copy (``jax.dlpack.from_dlpack``) when contiguous; non-contiguous inputs are made
-contiguous first (a copy, so the caller's tensor is never modified); outputs come back zero-copy with
+Inputs are shared zero-copy (``jax.dlpack.from_dlpack``) when their strides are the standard row-major ones;
+other inputs are given them first (:func:`row_major`: a view for a torch-"contiguous" tensor whose size-1
+dimensions carry other strides, a copy otherwise, so the caller's tensor is never modified); outputs come back zero-copy with
 ``torch.from_dlpack``. Zero-size inputs are replaced by zero-size jax arrays (DLPack of empty storage is
 not portable).
 """
@@ -54,8 +55,46 @@ def _dlpack_exporter():
         return torch.from_dlpack
 
 
+def row_major_strides(shape) -> tuple[int, ...]:
+    """The standard row-major (C-order) strides of ``shape``, in elements; size-1 dimensions included."""
+    strides, acc = [], 1
+    for n in reversed(tuple(shape)):
+        strides.append(acc)
+        acc *= max(int(n), 1)
+    return tuple(reversed(strides))
+
+
+_cached_strides = functools.lru_cache(maxsize=256)(row_major_strides)  # ~0.1 µs instead of ~5 µs per input
+
+
+def row_major(t, copy_only: bool = False):
+    """``t`` with the standard row-major strides, which DLPack consumers such as XLA read as the layout.
+
+    torch calls a tensor contiguous whatever the strides of its size-1 dimensions are
+    (``torch.randn(2, 1, 4, 32).transpose(1, 2)`` has strides ``(128, 32, 128, 1)``), and ``t.contiguous()``
+    returns such a tensor unchanged; XLA would read those strides as a transposed layout and reject the
+    array (``Computation was compiled for input layouts that disagree ...``). Such a tensor gets a
+    zero-copy ``as_strided`` view with the standard strides (same elements: a size-1 dimension's stride
+    addresses nothing); ``copy_only=True`` (device tensors) gives it a row-major copy instead. A
+    non-contiguous tensor is copied (``contiguous()``). ``t`` itself is never modified.
+    """
+    if not t.is_contiguous():
+        t = t.contiguous()
+    shape = t.shape
+    if 1 not in shape:  # contiguous with no size-1 dimension: the strides are the standard ones
+        return t
+    std = _cached_strides(shape)
+    if t.stride() == std:
+        return t
+    if copy_only:
+        import torch
+
+        return t.clone(memory_format=torch.contiguous_format)
+    return t.as_strided(shape, std)
+
+
 def to_jax(t):
-    """torch CPU tensor -> jax array (zero-copy when contiguous and non-empty)."""
+    """torch CPU tensor -> jax array (zero-copy when row-major and non-empty; see :func:`row_major`)."""
     if t.numel() == 0:
         import jax.numpy as jnp
 
@@ -64,7 +103,7 @@ def to_jax(t):
         return jnp.zeros(tuple(t.shape), to_jax_dtype(t.dtype))
     if t.requires_grad:
         t = t.detach()
-    return _dlpack_importer()(t.contiguous())
+    return _dlpack_importer()(row_major(t))
 
 
 def _pad_rows(t, n: int):

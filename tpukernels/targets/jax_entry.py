@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 
 from ..dsl.kernel import BackwardContext, TpuKernel
 from ..dsl.modes import current_interpret_mode, interpret_mode
-from ..dsl.spec import parse_config_json
+from ..dsl.spec import config_example, parse_config_json
 from ..errors import ArgumentError, ChipError, ConfigError
 
 
@@ -69,9 +69,9 @@ def jax_call(kernel: TpuKernel, *arrays, config: Mapping | str | None = None, in
     if kernel.has_statics:
         kernel.check_statics(values)
     if isinstance(config, str):
-        config = parse_config_json(config, f"{kernel.qualname}: config")
+        config = parse_config_json(config, f"{kernel.qualname}: config", kernel)
     elif config is not None and not isinstance(config, Mapping):
-        raise ConfigError(f"{kernel.qualname}: config must be a dict such as {{'block_rows': 256}}, got "
+        raise ConfigError(f"{kernel.qualname}: config must be a dict such as {config_example(kernel, False)}, got "
                           f"{type(config).__name__} {config!r}")
     if interpret:
         with interpret_mode(interpret):

@@ -35,6 +35,7 @@ from ..chips import get_chip
 from ..dsl.kernel import TpuKernel
 from ..errors import BackendUnavailableError, ChipError
 from . import Plan, plan_for, signature_key
+from .cpu import row_major
 
 INSTALL_HINT = f"install TorchTPU on a TPU host, the tpu extra: {install_hint('tpu')}"
 
@@ -176,7 +177,7 @@ def run_torch_tpu(kernel: TpuKernel, values: Sequence, config_json: str | None, 
     donated = plan.lowered.input_output_aliases
     for pos, i in enumerate(plan.tensor_idx):
         v = values[i]
-        t = v.contiguous()
+        t = row_major(v, copy_only=True)  # torch-"contiguous" is not enough: size-1 dims' strides too
         if i in plan.pad_idx:  # one allocation: zero rows after the data
             t = torch.nn.functional.pad(t, (0, 0) * (t.dim() - 1) + (0, plan.n_bucket - t.shape[0]))
         elif pos in donated and t.data_ptr() == v.data_ptr() and not donate_inputs:

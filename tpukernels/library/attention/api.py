@@ -258,7 +258,11 @@ def _dense_bucketed(q, k, v, qs, ks, *, causal, causal_alignment, sm_scale, wind
         fill = absent_id(qs)
     out, lse = fa_forward(pad_len(q, 2, Sq_b, front), pad_len(k, 2, Skv_b, front), pad_len(v, 2, Skv_b, front),
                           pad_ids(qs, Sq_b, front, fill), pad_ids(ks, Skv_b, front, fill), **kw)
-    return slice_len(out, 2, Sq, front), slice_len(lse, 3, Sq, front)
+    out, lse = slice_len(out, 2, Sq, front), slice_len(lse, 3, Sq, front)
+    if symbolic:  # a slice's strides say whether Sq == its bucket; whoever reads them (contiguity, the strides of
+        # an elementwise op's output) would guard on it and a length equal to its bucket would trace a second graph
+        out, lse = out.clone(memory_format=torch.contiguous_format), lse.clone(memory_format=torch.contiguous_format)
+    return out, lse
 
 # The bucketed dense path as an op: torch.compile traces its padding with symbolic lengths (dynamo sees one call).
 _LIB.define("flash_attention_bucketed(Tensor q, Tensor k, Tensor v, Tensor? q_segment_ids, Tensor? kv_segment_ids, *, "
