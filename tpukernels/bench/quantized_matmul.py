@@ -93,10 +93,16 @@ _W4A16 = ("w4a16 decode: vector-bound, not HBM-bound. Every weight is unpacked i
           "does not apply (64 x 4096 / 128 rows is past its limit; with bk=512 it is no faster: v6e 75.2, tpu7x "
           "59.4 µs), and the kernel is about the bf16 matmul's speed on v6e and slower on tpu7x: not yet a win "
           "there. XLA's figure is its roofline, a floor: libtpu aborts on XLA's unpack + dot program")
-_FP8_BLOCK = ("fp8 block-scaled prefill (1x128 activations, 128x128 weights): one dot per 128-column group (its "
-              "partial sum scaled by x_scale[m, g] * w_scale[g, n]), so the MXU contracts 128 deep per pass and the "
-              "f32 scaling is vector work per group; the per-block activation quantization is a separate kernel "
-              "(x read once as bf16, x_q written once, 3 B per activation)")
+_FP8_BLOCK = ("fp8 block-scaled prefill (1x128 activations, 128x128 weights). v6e / tpu7x: the dequant form "
+              "(both tiles dequantized to bf16 in VMEM, one bf16 dot per K step, bk up to 4096): v6e's fp8 rate "
+              "equals its bf16 rate (tpu_info), so its roofline is reachable, and what is left is the VPU's "
+              "dequantization (a cost probe with static scale columns reached 1,403 us of 1,046); on tpu7x the bf16 "
+              "MXU caps it at half the fp8 peak, and fp8 x fp8 needs the group form: one 128-deep dot per group "
+              "with its partial sum scaled by x_scale[m, g] * w_scale[g, n], three f32 vector ops per output and "
+              "group, which bound it on the VPU (2,073 us here before the dequant form). At K = 14336 the K step "
+              "is 3584 (4 steps: each picks its scale columns at a dynamic lane). v5e (no fp8 rate in tpu_info; "
+              "libtpu aborts on the dequant form there) keeps the group form. The per-block activation "
+              "quantization is a separate kernel (x read once as bf16, x_q written once, 3 B per activation)")
 
 #: why tpukernels is slower where it is (from the estimates; see the module docstring)
 REASONS: dict = {
