@@ -235,6 +235,16 @@ def _dense_forward(q, k, v, qs, ks, *, causal, causal_alignment, sm_scale, windo
     return fa_forward(q, k, v, qs, ks, **kw, config=config, interpret=interpret)
 
 
+def _bucket_ids(q, k, qs, ks, Sq, Skv):
+    """``(q_segment_ids, kv_segment_ids, fill)`` for a bucketed call: all-zero ids (padding gets 1) when the call
+    has none, else the caller's with an id none of them uses as the padding's (:func:`absent_id`)."""
+    if qs is None:
+        B = q.shape[0]
+        return (torch.zeros(B, 1, Sq, dtype=torch.int32, device=q.device),
+                torch.zeros(B, 1, Skv, dtype=torch.int32, device=k.device), 1)
+    return qs, ks, absent_id(qs)
+
+
 def _dense_bucketed(q, k, v, qs, ks, *, causal, causal_alignment, sm_scale, window_left, window_right, softcap,
                     config=None, interpret=None):
     """``(out, lse)`` of the dense kernels on ``Sq`` / ``Skv`` padded to their buckets, the padding hidden by
@@ -249,13 +259,7 @@ def _dense_bucketed(q, k, v, qs, ks, *, causal, causal_alignment, sm_scale, wind
     if not symbolic and Sq_b == Sq and Skv_b == Skv:
         return fa_forward(q, k, v, qs, ks, **kw)
     front = causal_alignment == "bottom_right"  # keeps j <= i + Skv - Sq exact (module docstring of .buckets)
-    if qs is None:
-        B = q.shape[0]
-        qs = torch.zeros(B, 1, Sq, dtype=torch.int32, device=q.device)
-        ks = torch.zeros(B, 1, Skv, dtype=torch.int32, device=k.device)
-        fill = 1
-    else:
-        fill = absent_id(qs)
+    qs, ks, fill = _bucket_ids(q, k, qs, ks, Sq, Skv)
     out, lse = fa_forward(pad_len(q, 2, Sq_b, front), pad_len(k, 2, Skv_b, front), pad_len(v, 2, Skv_b, front),
                           pad_ids(qs, Sq_b, front, fill), pad_ids(ks, Skv_b, front, fill), **kw)
     out, lse = slice_len(out, 2, Sq, front), slice_len(lse, 3, Sq, front)
@@ -391,13 +395,7 @@ def _rope_forward(q, k, v, qs, ks, cos, sin, r: int, interleaved: bool, *, causa
         out, lse, _ = fa_forward_rope(q, k, v, cq.contiguous(), sq.contiguous(), qs, ks, **kw)
         return out, lse
     _check_lengths(k, v)
-    if qs is None:
-        B = q.shape[0]
-        qs = torch.zeros(B, 1, Sq, dtype=torch.int32, device=q.device)
-        ks = torch.zeros(B, 1, Skv, dtype=torch.int32, device=k.device)
-        fill = 1
-    else:
-        fill = absent_id(qs)
+    qs, ks, fill = _bucket_ids(q, k, qs, ks, Sq, Skv)
     out, lse, _ = fa_forward_rope(pad_len(q, 2, Sq_b, front), pad_len(k, 2, Skv_b, front), pad_len(v, 2, Skv_b, front),
                                   pad_len(cq, 0, Sq_b, front), pad_len(sq, 0, Sq_b, front),
                                   pad_ids(qs, Sq_b, front, fill), pad_ids(ks, Skv_b, front, fill), **kw)
