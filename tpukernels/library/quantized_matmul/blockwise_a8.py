@@ -299,7 +299,16 @@ def _a8_body(x_ref, xs_ref, w_ref, s_ref, *refs, bs, n_sub, n_k, int4, has_zp, a
         return jnp.sum(jnp.where(lane == k * n_sub + g, xs_all, 0.0), axis=1, keepdims=True)
 
     if dequant:
-        part = _a8_dequant_part(x_ref, w_ref, s_ref, [xs_col(g) for g in range(n_sub)], bs=bs, n_sub=n_sub)
+        if n_k == 1:
+            cols = [xs_col(g) for g in range(n_sub)]
+        else:  # the step's n_sub scale columns in one small MXU product with a one-hot [G, n_sub] selector (one
+            # nonzero term per output, exact at HIGHEST precision) instead of n_sub masked lane sums over [bm, G]
+            pick = (jax.lax.broadcasted_iota(jnp.int32, (xs_all.shape[1], n_sub), 0)
+                    == k * n_sub + jax.lax.broadcasted_iota(jnp.int32, (xs_all.shape[1], n_sub), 1))
+            xs_k = jax.lax.dot_general(xs_all, pick.astype(jnp.float32), (((1,), (0,)), ((), ())),
+                                       precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+            cols = [xs_k[:, g:g + 1] for g in range(n_sub)]
+        part = _a8_dequant_part(x_ref, w_ref, s_ref, cols, bs=bs, n_sub=n_sub)
         if n_k == 1:
             o_ref[...] = part.astype(o_ref.dtype)
             return
@@ -365,8 +374,8 @@ def _a8_problem(x_q, x_scale, w_q, w_scale, w_zero_point, block_size, where):
 
 def _a8_heuristic(x_q, x_scale, w_q, w_scale, w_zero_point=None, block_size=128, out_dtype=None):
     """Decode (``M <= 128``): one row block, large weight tiles. Prefill: fp8 takes the dequant form at
-    ``bm=2048, bk=4096, bn=1024`` (``bm=1024`` where the chip has < 128 MiB of VMEM: tpu7x; ``bk`` up to 4096:
-    one K step for K <= 4096, whose static scale columns avoid the per-step lane pick) on chips with an fp8
+    ``bm=2048, bk=4096, bn=1024`` (``bm=1024`` where the chip has < 128 MiB of VMEM: tpu7x; ``bk`` 4096 when
+    that is one K step, whose scale columns are static slices, else 2048) on chips with an fp8
     MXU rate in jax's tpu_info (v6e, tpu7x; and cpu interpret); elsewhere (v5e: e5m2 is accepted, no fp8 rate is
     listed, and libtpu 0.0.52's profiler aborts on the dequant form there, so it has no model figure) and for
     int8, the group form."""
@@ -376,7 +385,9 @@ def _a8_heuristic(x_q, x_scale, w_q, w_scale, w_zero_point=None, block_size=128,
     chip = _target_chip()
     if _name(x_q.dtype).startswith("float8") and (chip is None or chip.info.fp8_ops_per_second):
         big = chip is None or chip.vmem_capacity_bytes >= 128 * MiB
-        return dict(bm=2048 if big else 1024, bk=4096, bn=1024, form="dequant")
+        K_w = x_q.shape[1]
+        one_step = k_block(K_w, block_size, 4096, False) == K_w
+        return dict(bm=2048 if big else 1024, bk=4096 if one_step else 2048, bn=1024, form="dequant")
     return dict(bm=512, bk=1024, bn=1024, form="groups")
 
 
