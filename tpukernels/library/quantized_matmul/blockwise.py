@@ -353,14 +353,29 @@ def _diag_part(x_ref, w_ref, s_ref, z_ref, *, bs, n_sub, fp4, dequant_to, precis
     return part
 
 
-def accumulate_k_step(part, k, n_k: int, acc_ref, o_ref) -> None:
+def accumulate_k_step(part, k, n_k: int, acc_ref, o_ref, *, in_place: bool = False) -> None:
     """Add K step ``k``'s f32 partial product ``part`` to the output block: written at once when ``n_k == 1``,
-    else kept in ``acc_ref`` (f32 VMEM) and rounded into ``o_ref`` at the last K step."""
+    else kept in ``acc_ref`` (f32 VMEM) and rounded into ``o_ref`` at the last K step.
+
+    ``in_place=True``: ``acc_ref`` zeroed at the first step, then one unconditional ``+=`` per step, so ``part``
+    (e.g. one large dot's result) feeds the accumulator directly; the default's three branches keep a second
+    ``[bm, bn]`` f32 copy of ``part`` live, which at large blocks overflows VMEM."""
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
 
     if n_k == 1:
         o_ref[...] = part.astype(o_ref.dtype)
+        return
+    if in_place:
+        @pl.when(k == 0)
+        def _():
+            acc_ref[...] = jnp.zeros_like(acc_ref)
+
+        acc_ref[...] += part
+
+        @pl.when(k == n_k - 1)
+        def _():
+            o_ref[...] = acc_ref[...].astype(o_ref.dtype)
         return
 
     @pl.when(k == 0)

@@ -39,7 +39,7 @@ is capped at half of the fp8 peak. Model (libtpu 0.0.52 static estimate, prefill
 estimated at M/4 x 4, the heuristic's blocks): v6e e5m2 1,447 us at ``bm=2048, bn=1024, bk=4096`` (72% of the
 1,046 us fp8 = bf16 roofline; the group form: 2,634 us, 40%; ``bk=512`` with its per-step scale-column pick: 1,993
 us); tpu7x e4m3fn 1,111 us at ``bm=1024`` (38% of its 418 us fp8 roofline, 75% of the bf16 one). What is left is
-the VPU's dequantization (a cost probe with static scale columns and no tails reached 1,403 us on v6e).
+the VPU's dequantization (a cost probe with static scale columns reached 1,403 us on v6e: benchmarks/probes/fp8_dequant_cost_probe.py; the figures above: benchmarks/probes/fp8_prefill_forms.py).
 int8 keeps the group form (its int8 x int8 MXU pair runs at twice the bf16 rate), and so does v5e (no fp8 rate in
 tpu_info; libtpu's profiler aborts on the dequant form there). Its error bound adds the two
 bf16 roundings (below).
@@ -309,21 +309,7 @@ def _a8_body(x_ref, xs_ref, w_ref, s_ref, *refs, bs, n_sub, n_k, int4, has_zp, a
                                        precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
             cols = [xs_k[:, g:g + 1] for g in range(n_sub)]
         part = _a8_dequant_part(x_ref, w_ref, s_ref, cols, bs=bs, n_sub=n_sub)
-        if n_k == 1:
-            o_ref[...] = part.astype(o_ref.dtype)
-            return
-
-        # zero, then one unconditional += per step: the dot result feeds the accumulator directly (the three-way
-        # branch of accumulate_k_step keeps a second [bm, bn] f32 copy live, over VMEM at these blocks)
-        @pl.when(k == 0)
-        def _():
-            acc_ref[...] = jnp.zeros_like(acc_ref)
-
-        acc_ref[...] += part
-
-        @pl.when(k == n_k - 1)
-        def _():
-            o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+        accumulate_k_step(part, k, n_k, acc_ref, o_ref, in_place=True)
         return
     part = None
     for g in range(n_sub):
