@@ -207,7 +207,7 @@ def _study_problems(path: pathlib.Path) -> list[str]:
 def test_benchmark_studies_publish_no_figure(tmp_path):
     """One home per figure (ARCHITECTURE.md): ``tpukernels bench`` computes and writes what is published; the
     studies in benchmarks/ neither write ``benchmarks/results`` / BENCHMARKS.md nor reuse a family's baselines."""
-    studies = sorted((ROOT.parent / "benchmarks").glob("*.py"))
+    studies = sorted((ROOT.parent / "benchmarks").rglob("*.py"))  # probes/ too
     assert studies
     bad = [p for s in studies for p in _study_problems(s)]
     assert not bad, "\n".join(bad)

@@ -96,7 +96,7 @@ _W4A16 = ("w4a16 decode: vector-bound, not HBM-bound. Every weight is unpacked i
 _FP8_BLOCK = ("fp8 block-scaled prefill (1x128 activations, 128x128 weights). v6e / tpu7x: the dequant form "
               "(both tiles dequantized to bf16 in VMEM, one bf16 dot per K step, bk up to 4096): v6e's fp8 rate "
               "equals its bf16 rate (tpu_info), so its roofline is reachable, and what is left is the VPU's "
-              "dequantization (a cost probe with static scale columns reached 1,403 us of 1,046); on tpu7x the bf16 "
+              "dequantization (a cost probe with static scale columns reached 1,403 us of 1,046: benchmarks/probes/fp8_dequant_cost_probe.py); on tpu7x the bf16 "
               "MXU caps it at half the fp8 peak, and fp8 x fp8 needs the group form: one 128-deep dot per group "
               "with its partial sum scaled by x_scale[m, g] * w_scale[g, n], three f32 vector ops per output and "
               "group, which bound it on the VPU (2,073 us here before the dequant form). At K = 14336 the K step "
