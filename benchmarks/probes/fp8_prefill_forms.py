@@ -7,7 +7,8 @@ projection ``8192x14336 @ (4096x14336)^T``.
     .venv/bin/python benchmarks/probes/fp8_prefill_forms.py tpu7x float8_e4m3fn '{"bm": 512, "bk": 1024, "bn": 1024, "form": "groups"}'
 
 Figures quoted in ``blockwise_a8``'s docstring and README (2026-12-03, libtpu 0.0.52): up projection, dequant
-form at the heuristic's blocks, v6e 1,447 us, tpu7x 1,111 us. The bench family (``tpukernels bench --family
+form at the heuristic's blocks, v6e 1,447 us, tpu7x 1,111 us; the group form at 512/1024/1024 (the second command),
+v6e 2,559 us, tpu7x 2,046 us. The bench family (``tpukernels bench --family
 quantized_matmul``) adds the activation-quantization pass.
 """
 import os

@@ -99,7 +99,7 @@ _FP8_BLOCK = ("fp8 block-scaled prefill (1x128 activations, 128x128 weights). v6
               "dequantization (a cost probe with static scale columns reached 1,403 us of 1,046: benchmarks/probes/fp8_dequant_cost_probe.py); on tpu7x the bf16 "
               "MXU caps it at half the fp8 peak, and fp8 x fp8 needs the group form: one 128-deep dot per group "
               "with its partial sum scaled by x_scale[m, g] * w_scale[g, n], three f32 vector ops per output and "
-              "group, which bound it on the VPU (2,073 us here before the dequant form). At K = 14336 the K step "
+              "group, which bound it on the VPU (2,073 us in this row before the dequant form). At K = 14336 the K step "
               "is 3584 (4 steps: each picks its scale columns at a dynamic lane). v5e (no fp8 rate in tpu_info; "
               "libtpu aborts on the dequant form there) keeps the group form. The per-block activation "
               "quantization is a separate kernel (x read once as bf16, x_q written once, 3 B per activation)")

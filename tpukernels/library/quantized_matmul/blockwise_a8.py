@@ -37,8 +37,8 @@ dequant form's vector work is per input element, amortized over the other operan
 bf16 peak (jax's tpu_info, 9.2e14), so the bf16 MXU gives nothing away there; on tpu7x (fp8 2x bf16) this form
 is capped at half of the fp8 peak. Model (libtpu 0.0.52 static estimate, prefill ``8192x4096 @ (14336x4096)^T``,
 estimated at M/4 x 4, the heuristic's blocks): v6e e5m2 1,447 us at ``bm=2048, bn=1024, bk=4096`` (72% of the
-1,046 us fp8 = bf16 roofline; the group form: 2,634 us, 40%; ``bk=512`` with its per-step scale-column pick: 1,993
-us); tpu7x e4m3fn 1,111 us at ``bm=1024`` (38% of its 418 us fp8 roofline, 75% of the bf16 one). What is left is
+1,046 us fp8 = bf16 roofline; the group form at its earlier prefill blocks 512/1024/1024: 2,559 us, 41%; ``bk=512`` with its per-step scale-column pick: 1,993
+us); tpu7x e4m3fn 1,111 us at ``bm=1024`` (38% of its 418 us fp8 roofline, 75% of the bf16 one; group form 2,046 us). What is left is
 the VPU's dequantization (a cost probe with static scale columns reached 1,403 us on v6e: benchmarks/probes/fp8_dequant_cost_probe.py; the figures above: benchmarks/probes/fp8_prefill_forms.py).
 int8 keeps the group form (its int8 x int8 MXU pair runs at twice the bf16 rate), and so does v5e (no fp8 rate in
 tpu_info; libtpu's profiler aborts on the dequant form there). Its error bound adds the two
