@@ -40,34 +40,81 @@ Saving and loading: ``quantize_moe_experts`` records each quantized module's sch
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from ..errors import ArgumentError
 from .moe_experts import (IMPLEMENTATION, _is_experts, _quantized, _swap_in_buffers, _unsupported,  # noqa: F401
-                          prepare_quantized_experts, register, route_quantized_experts, tpukernels_experts_forward)
+                          is_experts_candidate, prepare_quantized_experts, quantize_unsupported, register,
+                          route_quantized_experts, route_reason, tpukernels_experts_forward, verify_experts)
+
+
+def plan_moe(model: torch.nn.Module) -> list[tuple[str, str, str | None]]:
+    """What :func:`apply_tpukernels_moe` would do to ``model``, without doing it.
+
+    Returns one ``(qualified module name, class name, reason)`` per experts module (any module holding 3-D
+    stacked expert weights, :func:`~tpukernels.integrations.moe_experts.is_experts_candidate`), in
+    ``named_modules`` order: ``reason`` None when the module will be routed through ``grouped_matmul``, else a
+    one-line reason it stays stock. A reason comes from the module's structure (a forward transformers does not
+    dispatch by ``config._experts_implementation``, e.g. Llama-4's and LongCat-Flash's; ungated experts; expert
+    parallelism; a post-expert norm; inconsistent shapes; weights not bfloat16 / float32 or on the meta device)
+    or from the numerical probe (:func:`~tpukernels.integrations.moe_experts.verify_experts`: our forward
+    against the class's stock forward on the module's own weights, once per class and weight format).
+
+    Never raises for an unsupported module and does not modify ``model`` (the probe runs under no_grad on
+    fresh inputs; its verdict is cached in ``moe_experts.probe_verdicts``).
+    """
+    return [(name, type(m).__name__, route_reason(m)) for name, m in model.named_modules() if is_experts_candidate(m)]
 
 
 def apply_tpukernels_moe(model: torch.nn.Module) -> list[str]:
-    """Route every supported experts module of ``model`` through grouped_matmul (in place).
+    """Route every experts module of ``model`` that :func:`plan_moe` accepts through grouped_matmul (in place).
 
-    Sets ``config._experts_implementation = "tpukernels"`` on each experts module's config (the model
-    config, usually). Returns the names of the patched modules.
+    Supported (and probed against the stock forward): HF experts dispatched by ``config._experts_implementation``
+    with gated ``gate_up_proj`` / ``down_proj`` weights, concatenated (Mixtral, Qwen-MoE) or interleaved
+    gate/up columns through the class's own ``_apply_gate`` (gpt-oss's clamped SwiGLU), ``nn.Linear`` layout or
+    transposed ``[E, K, N]`` (Aria, gpt-oss), with or without expert biases (gpt-oss: ``rhs_bias`` of
+    ``grouped_matmul``), and the quantized experts of :func:`quantize_moe_experts`. Each replaced module's config
+    gets ``_experts_implementation = "tpukernels"``. A module left stock gets one ``warnings.warn`` per class and
+    reason (naming both) and keeps computing its stock forward even where it shares that config with a
+    replaced one (it is marked ``tpukernels_stock = <the implementation its config named before>``).
+
+    Returns:
+        The names of the modules actually replaced (possibly empty).
 
     Raises:
-        ArgumentError: the model has no experts modules, or one has an unsupported feature.
+        ArgumentError: the model has no experts modules at all; or a quantized experts module (which has no
+            float weights to fall back on) fails its probe (raised before anything is changed).
     """
+    import warnings
+
     register()
-    patched = []
-    for name, module in model.named_modules():
-        if not _is_experts(module):
-            continue
-        why = _unsupported(module)
-        if why:
-            raise ArgumentError(f"apply_tpukernels_moe: {name} ({type(module).__name__}) has {why}, not supported")
-        module.config._experts_implementation = IMPLEMENTATION
-        patched.append(name)
-    if not patched:
+    plan = plan_moe(model)
+    if not plan:
         raise ArgumentError("apply_tpukernels_moe: the model has no 3-D experts modules (gate_up_proj [E, 2I, H])")
+    modules = {name: model.get_submodule(name) for name, _, _ in plan}
+    for name, cls, why in plan:
+        if why and _quantized(modules[name]):
+            raise ArgumentError(f"apply_tpukernels_moe: {name} ({cls}) holds quantized experts (no float weights "
+                                f"to leave stock) and {why}")
+    stock: dict = {}
+    for name, cls, why in plan:
+        if why:
+            stock.setdefault((cls, why), []).append(name)
+            m = modules[name]
+            cfg = getattr(m, "config", None)
+            if cfg is not None and getattr(m, "tpukernels_stock", None) is None:
+                impl = getattr(cfg, "_experts_implementation", None)
+                m.tpukernels_stock = "eager" if impl in (None, IMPLEMENTATION) else impl
+    for (cls, why), names in stock.items():
+        shown = ", ".join(names[:3]) + (f", ... ({len(names)} modules)" if len(names) > 3 else "")
+        warnings.warn(f"apply_tpukernels_moe: {cls} left stock ({shown}): {why}", stacklevel=2)
+    patched = [name for name, _, why in plan if why is None]
+    for name in patched:
+        m = modules[name]
+        m.__dict__.pop("tpukernels_stock", None)
+        m.config._experts_implementation = IMPLEMENTATION
     return patched
 
 
@@ -107,7 +154,7 @@ def quantize_moe_experts(model: torch.nn.Module, *, dtype: str = "int8", block_s
             continue
         if _quantized(module):
             raise ArgumentError(f"quantize_moe_experts: {name} is already quantized")
-        why = _unsupported(module)
+        why = quantize_unsupported(module)
         if why:
             raise ArgumentError(f"quantize_moe_experts: {name} ({type(module).__name__}) has {why}, not supported")
         for proj in ("gate_up_proj", "down_proj"):
@@ -128,6 +175,13 @@ def quantize_moe_experts(model: torch.nn.Module, *, dtype: str = "int8", block_s
     names = [n for n, _ in found]
     if not names:
         raise ArgumentError("quantize_moe_experts: the model has no 3-D experts modules (gate_up_proj [E, 2I, H])")
+    for (name, module), (_, qs) in zip(found, done):  # probe each class on a quantized stand-in, before any swap
+        probe = copy.copy(module)
+        probe._parameters, probe._buffers = dict(module._parameters), dict(module._buffers)
+        _swap_in_buffers(probe, qs, "fp4" if dtype == "fp4" else None)
+        why = verify_experts(probe)
+        if why:
+            raise ArgumentError(f"quantize_moe_experts: {name} ({type(module).__name__}) quantized {dtype}: {why}")
     for module, qs in done:
         _swap_in_buffers(module, qs, "fp4" if dtype == "fp4" else None)
     if getattr(model, "config", None) is not None:
@@ -140,5 +194,5 @@ def quantize_moe_experts(model: torch.nn.Module, *, dtype: str = "int8", block_s
     return names
 
 
-__all__ = ["apply_tpukernels_moe", "quantize_moe_experts", "tpukernels_experts_forward", "register", "IMPLEMENTATION",
-           "prepare_quantized_experts", "route_quantized_experts"]
+__all__ = ["plan_moe", "apply_tpukernels_moe", "quantize_moe_experts", "tpukernels_experts_forward", "register",
+           "IMPLEMENTATION", "prepare_quantized_experts", "route_quantized_experts"]

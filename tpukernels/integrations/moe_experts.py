@@ -11,9 +11,25 @@ from ..errors import ArgumentError
 
 IMPLEMENTATION = "tpukernels"
 
+#: dtypes ``grouped_matmul`` takes for float expert weights (and biases)
+WEIGHT_DTYPES = (torch.bfloat16, torch.float32)
+
+#: probe tolerance per compute dtype: ``max |ours - stock| <= PROBE_RTOL[dtype] * max |stock|`` (float32: a
+#: different f32 summation order, ~K * 2^-24 relative per dot at the probe's sizes; bfloat16: both sides round
+#: the gate/up activations and the output to bf16 (2^-8), a few such roundings apart)
+PROBE_RTOL = {torch.float32: 1e-4, torch.bfloat16: 4e-2}
+
+#: verdicts of :func:`verify_experts`, one per experts class and weight format (``None``: matches)
+probe_verdicts: dict = {}
+
 
 def _quantized(module) -> bool:
     return getattr(module, "gate_up_proj_q", None) is not None
+
+
+def is_quantized(module) -> bool:
+    """Whether ``module`` holds experts quantized by ``quantize_moe_experts`` (``gate_up_proj_q`` buffers)."""
+    return _quantized(module)
 
 
 def _is_experts(module) -> bool:
@@ -23,29 +39,98 @@ def _is_experts(module) -> bool:
     return ok and w.dim() == 3 and hasattr(module, "config")
 
 
+def is_experts_candidate(module) -> bool:
+    """Any module holding stacked expert weights: a 3-D ``gate_up_proj`` parameter (or quantized
+    ``gate_up_proj_q`` buffer), or 3-D ``up_proj`` and ``down_proj`` parameters (ungated experts), whatever its
+    forward; :func:`route_reason` says whether the ``"tpukernels"`` forward can take it."""
+    if _quantized(module):
+        return module.gate_up_proj_q.dim() == 3
+    w = getattr(module, "gate_up_proj", None)
+    if isinstance(w, torch.nn.Parameter) and w.dim() == 3:
+        return True
+    up, down = getattr(module, "up_proj", None), getattr(module, "down_proj", None)
+    return (isinstance(up, torch.nn.Parameter) and up.dim() == 3 and isinstance(down, torch.nn.Parameter)
+            and down.dim() == 3)
+
+
+def stock_forward(module):
+    """The class's own (eager) forward under transformers' ``use_experts_implementation`` dispatch (the function
+    that decorator wraps), or None for a class that decorator did not wrap."""
+    return getattr(type(module).forward, "__wrapped__", None)
+
+
+def _shapes(x) -> str:
+    return "x".join(str(d) for d in x.shape)
+
+
 def _unsupported(module) -> str | None:
-    if not (hasattr(module, "gate_up_proj") and hasattr(module, "down_proj")):
-        return "no gate_up_proj / down_proj parameters (ungated experts)"
-    if getattr(module, "has_bias", False):
-        return "expert biases"
-    if getattr(module, "is_transposed", False):
-        return "transposed expert weights"
-    if not getattr(module, "is_concatenated", True):
-        return "interleaved gate/up weights"
+    """Why the ``"tpukernels"`` forward cannot take ``module`` (one line), from its structure alone; None when
+    it can (biased, transposed and interleaved experts included: the gate is the class's own ``_apply_gate``)."""
+    if stock_forward(module) is None or not hasattr(module, "config"):
+        if getattr(module, "zero_expert_num", 0):
+            return ("zero-compute (identity) experts and a forward transformers does not dispatch by "
+                    "config._experts_implementation")
+        return ("a forward transformers does not dispatch by config._experts_implementation (no "
+                "use_experts_implementation; another call convention)")
+    if not getattr(module, "has_gate", True) or getattr(module, "gate_up_proj", None) is None and not _quantized(
+            module):
+        return "ungated experts (up_proj, no gate_up_proj)"
     if getattr(module, "_is_expert_parallel", False):
         return "expert parallelism"
     if getattr(module, "has_post_expert_norm", False):
         return "a post-expert norm"
+    if _quantized(module):
+        return None
+    gu, dn = module.gate_up_proj, getattr(module, "down_proj", None)
+    if not isinstance(dn, torch.Tensor) or dn.dim() != 3:
+        return "no 3-D down_proj parameter"
+    E = getattr(module, "num_experts", gu.shape[0])
+    tr = getattr(module, "is_transposed", False)
+    H, N1 = (gu.shape[1], gu.shape[2]) if tr else (gu.shape[2], gu.shape[1])
+    I, H2 = (dn.shape[1], dn.shape[2]) if tr else (dn.shape[2], dn.shape[1])
+    if gu.shape[0] != E or dn.shape[0] != E or H2 != H or N1 != 2 * I:
+        return (f"expert weights of shapes gate_up_proj {_shapes(gu)}, down_proj {_shapes(dn)} "
+                f"(num_experts {E}, is_transposed={tr}) that are not one gated FFN per expert")
+    tensors = [("gate_up_proj", gu, None), ("down_proj", dn, None)]
+    if getattr(module, "has_bias", False):
+        tensors += [("gate_up_proj_bias", getattr(module, "gate_up_proj_bias", None), (E, N1)),
+                    ("down_proj_bias", getattr(module, "down_proj_bias", None), (E, H))]
+    for name, t, shape in tensors:
+        if not isinstance(t, torch.Tensor) or (shape is not None and tuple(t.shape) != shape):
+            return f"{name} of shape {None if t is None else tuple(t.shape)}, expected {shape}"
+        if t.dtype not in WEIGHT_DTYPES:
+            return f"{name} of dtype {t.dtype} (grouped_matmul takes bfloat16 / float32)"
+    return None
+
+
+def quantize_unsupported(module) -> str | None:
+    """Why ``quantize_moe_experts`` cannot take ``module``: :func:`_unsupported`, or a layout its buffers do not
+    describe (``[E, N, K]`` ``nn.Linear`` layout, no biases)."""
+    why = _unsupported(module)
+    if why:
+        return why
+    if getattr(module, "has_bias", False):
+        return "expert biases"
+    if getattr(module, "is_transposed", False):
+        return "transposed expert weights"
     return None
 
 
 def tpukernels_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                                top_k_weights: torch.Tensor) -> torch.Tensor:
     """HF experts forward (``hidden_states [T, H]``, ``top_k_index [T, k]``, ``top_k_weights [T, k]``) ->
-    ``[T, H]`` through two grouped matmuls (module docstring)."""
+    ``[T, H]`` through two grouped matmuls (module docstring). A module ``apply_tpukernels_moe`` left stock (it
+    carries ``tpukernels_stock``, the implementation its config named before) runs that stock forward, since
+    the config that routes here can be shared with modules that were replaced."""
     from ..library.grouped_matmul import grouped_matmul
     from ..library.grouped_matmul.quant import grouped_matmul_quantized
 
+    stock = getattr(self, "tpukernels_stock", None)
+    if stock is not None:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+        fwd = ALL_EXPERTS_FUNCTIONS.get_interface(stock, stock_forward(self)) if stock != "eager" else None
+        return (fwd or stock_forward(self))(self, hidden_states, top_k_index, top_k_weights)
     why = _unsupported(self)
     if why:
         raise ArgumentError(f"tpukernels experts: {type(self).__name__} has {why}, which is not supported")
@@ -67,15 +152,118 @@ def tpukernels_experts_forward(self, hidden_states: torch.Tensor, top_k_index: t
                 rhs_zero_point=getattr(self, f"{name}_zero_point", None), transpose_rhs=True,
                 weight_format=getattr(self, "tpukernels_weight_format", None))
     else:
+        # HF layout: [E, N, K] (nn.Linear, grouped_matmul's transpose_rhs) or, is_transposed, [E, K, N]
+        transpose_rhs = not getattr(self, "is_transposed", False)
+        has_bias = getattr(self, "has_bias", False)
+
         def mm(a, name):
             w = getattr(self, name)
-            return grouped_matmul(a.to(w.dtype), w, sizes, transpose_rhs=True)
+            b = getattr(self, f"{name}_bias") if has_bias else None
+            return grouped_matmul(a.to(w.dtype), w, sizes, transpose_rhs=transpose_rhs,
+                                  rhs_bias=None if b is None else b.to(w.dtype).unsqueeze(1))
     gate_up = mm(x, "gate_up_proj")
+    # the class's own gate (gpt-oss: interleaved columns, clamped SwiGLU with alpha and limit; default: act * up)
     h = self._apply_gate(gate_up) if hasattr(self, "_apply_gate") else (
         self.act_fn(gate_up.chunk(2, dim=-1)[0]) * gate_up.chunk(2, dim=-1)[1])
     y = mm(h, "down_proj")
     y = y * top_k_weights.reshape(-1)[order, None].to(y.dtype)
     return torch.zeros_like(hidden_states).index_add_(0, token, y.to(hidden_states.dtype))
+
+
+def _probe_key(module):
+    if _quantized(module):
+        z = getattr(module, "gate_up_proj_zero_point", None)
+        return (type(module), "quantized", module.gate_up_proj_q.dtype, module.gate_up_proj_scale.shape[1] > 1,
+                z is not None, getattr(module, "tpukernels_weight_format", None))
+    return (type(module), module.gate_up_proj.dtype)
+
+
+def probe_routing(num_experts: int, hidden: int, dtype, device, seed: int = 0):
+    """A probe for one experts module: ``(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k])``,
+    ``k = min(2, E)`` distinct experts per token, every expert hit when ``T * k >= E`` (``T = clamp(E / k, 4,
+    64)``), weights a softmax of normal draws; deterministic (``seed``)."""
+    g = torch.Generator().manual_seed(seed)
+    k = min(2, num_experts)
+    T = min(64, max(4, -(-num_experts // k)))
+    slots = torch.arange(T * k).reshape(T, k) % num_experts  # consecutive slots: distinct experts per token
+    ids = torch.randperm(num_experts, generator=g)[slots]
+    w = torch.softmax(torch.randn(T, k, generator=g, dtype=torch.float64), -1)
+    x = torch.randn(T, hidden, generator=g, dtype=torch.float64)
+    return x.to(dtype).to(device), ids.to(device), w.to(dtype).to(device)
+
+
+def _dequantized_copy(module):
+    """A shallow copy of a quantized experts module whose ``gate_up_proj`` / ``down_proj`` are the float64
+    dequantized weights (the buffers unchanged), for the stock forward to run on."""
+    import copy
+
+    from ..library.grouped_matmul.quant import dequantize_experts
+
+    ref = copy.copy(module)
+    ref._parameters = dict(module._parameters)
+    for proj in ("gate_up_proj", "down_proj"):
+        ref._parameters[proj] = torch.nn.Parameter(dequantize_experts(
+            getattr(module, f"{proj}_q"), getattr(module, f"{proj}_scale"), getattr(module, f"{proj}_zero_point"),
+            transpose_rhs=True, weight_format=getattr(module, "tpukernels_weight_format", None)), requires_grad=False)
+    ref.__dict__.pop("tpukernels_stock", None)
+    return ref
+
+
+def verify_experts(module) -> str | None:
+    """Check numerically, on ``module``'s own weights, that :func:`tpukernels_experts_forward` computes what the
+    class's stock (eager) forward computes: a :func:`probe_routing` probe in the weights' dtype (quantized
+    experts: float32 activations against the stock forward in float64 on the dequantized weights), pass when
+    ``max |ours - stock| <= PROBE_RTOL[dtype] * max |stock|``. One verdict per class and weight format
+    (:data:`probe_verdicts`, the first module seen decides). Returns None (match) or a one-line reason (the
+    mismatch, or what our forward raised). Changes nothing in the module (no_grad, no mutation)."""
+    key = _probe_key(module)
+    if key in probe_verdicts:
+        return probe_verdicts[key]
+    quant = _quantized(module)
+    w = module.gate_up_proj_q if quant else module.gate_up_proj
+    dtype = torch.float32 if quant else w.dtype
+    H = module.down_proj_q.shape[1] if quant else (
+        module.down_proj.shape[2] if getattr(module, "is_transposed", False) else module.down_proj.shape[1])
+    x, ids, wts = probe_routing(module.num_experts, H, dtype, w.device)
+    with torch.no_grad():
+        if quant:
+            want = stock_forward(module)(_dequantized_copy(module), x.double(), ids, wts.double())
+        else:
+            want = stock_forward(module)(module, x, ids, wts)
+        try:
+            got = tpukernels_experts_forward(_without_stock_mark(module), x, ids, wts)
+        except Exception as e:  # noqa: BLE001  (any failure of ours leaves the class stock, with the reason)
+            verdict = f"the tpukernels forward raised on a probe: {type(e).__name__}: {str(e).splitlines()[0]}"
+        else:
+            err = (got.double() - want.double()).abs().max().item()
+            tol = PROBE_RTOL[dtype] * want.double().abs().max().item()
+            verdict = None if err <= tol and got.shape == want.shape else (
+                f"a probe mismatch against the stock forward: max |ours - stock| = {err:.3g} > {tol:.3g} "
+                f"({dtype}, {x.shape[0]} tokens, top-{ids.shape[1]})")
+    probe_verdicts[key] = verdict
+    return verdict
+
+
+def _without_stock_mark(module):
+    if getattr(module, "tpukernels_stock", None) is None:
+        return module
+    import copy
+
+    ours = copy.copy(module)
+    ours.__dict__.pop("tpukernels_stock", None)
+    return ours
+
+
+def route_reason(module) -> str | None:
+    """Why ``module`` (an :func:`is_experts_candidate`) stays stock, or None when ``"tpukernels"`` replaces it:
+    :func:`_unsupported`, weights on the meta device, then :func:`verify_experts`."""
+    why = _unsupported(module)
+    if why:
+        return why
+    w = module.gate_up_proj_q if _quantized(module) else module.gate_up_proj
+    if w.device.type == "meta":
+        return "weights on the meta device (nothing to verify against)"
+    return verify_experts(module)
 
 
 def register() -> None:
@@ -135,7 +323,7 @@ def prepare_quantized_experts(model: torch.nn.Module, experts: dict) -> None:
             raise ArgumentError(f"quantization_config.experts: {name!r} is not a float experts module "
                                 f"(gate_up_proj [E, 2I, H]) of this {type(model).__name__} (got "
                                 f"{type(module).__name__}); the checkpoint does not match the model's architecture")
-        why = _unsupported(module)
+        why = quantize_unsupported(module)
         if why:
             raise ArgumentError(f"quantization_config.experts: {name} ({type(module).__name__}) has {why}, not "
                                 f"supported")
@@ -163,5 +351,7 @@ def route_quantized_experts(model: torch.nn.Module, names) -> None:
         model.get_submodule(name).config._experts_implementation = IMPLEMENTATION
 
 
-__all__ = ["IMPLEMENTATION", "tpukernels_experts_forward", "register", "expert_buffers", "prepare_quantized_experts",
-           "route_quantized_experts"]
+__all__ = ["IMPLEMENTATION", "PROBE_RTOL", "WEIGHT_DTYPES", "tpukernels_experts_forward", "register", "expert_buffers",
+           "prepare_quantized_experts", "route_quantized_experts", "is_experts_candidate", "is_quantized",
+           "stock_forward", "quantize_unsupported", "probe_routing", "verify_experts", "route_reason",
+           "probe_verdicts"]
