@@ -21,6 +21,7 @@ from tpukernels.integrations.moe import apply_tpukernels_moe, plan_moe, quantize
 
 gm = importlib.import_module("tpukernels.library.grouped_matmul")
 EXP = ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+GPT_OSS = EXP[:1]  # one layer: the probe and the interpret-mode backward dominate this file's CPU time
 
 
 def _ids(vocab=96, n=10, seed=1):
@@ -28,14 +29,14 @@ def _ids(vocab=96, n=10, seed=1):
 
 
 def tiny_gpt_oss(seed=0):
-    cfg = T.GptOssConfig(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+    cfg = T.GptOssConfig(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
-                         num_experts_per_tok=2, max_position_embeddings=64, layer_types=["full_attention"] * 2,
+                         num_experts_per_tok=2, max_position_embeddings=64, layer_types=["full_attention"],
                          swiglu_limit=0.5)
     torch.manual_seed(seed)
     m = T.GptOssForCausalLM(cfg).eval()
     with torch.no_grad():  # biases are zero at init: give them (and the clamp) something to do
-        for name in EXP:
+        for name in GPT_OSS:
             e = m.get_submodule(name)
             e.gate_up_proj.mul_(20.0)
             e.gate_up_proj_bias.normal_(0.0, 0.5)
@@ -60,8 +61,8 @@ def test_gpt_oss_experts_match_stock_and_float64(monkeypatch, fresh_probes):
     stock f32 and a float64 run of the same weights; the clamp is active; bias gradients match stock."""
     stock = tiny_gpt_oss()
     ours = copy.deepcopy(stock)
-    assert plan_moe(ours) == [(n, "GptOssExperts", None) for n in EXP]
-    assert apply_tpukernels_moe(ours) == EXP and ours.config._experts_implementation == "tpukernels"
+    assert plan_moe(ours) == [(n, "GptOssExperts", None) for n in GPT_OSS]
+    assert apply_tpukernels_moe(ours) == GPT_OSS and ours.config._experts_implementation == "tpukernels"
     assert stock.config._experts_implementation != "tpukernels"
     gate_up = []
     e0 = ours.get_submodule(EXP[0])
@@ -70,7 +71,7 @@ def test_gpt_oss_experts_match_stock_and_float64(monkeypatch, fresh_probes):
     calls = _count_gmm(monkeypatch)
     ids = _ids()
     out = ours(ids).logits
-    assert calls == [True, True] * 2  # both projections of both layers, each with its bias
+    assert calls == [True, True]  # both projections, each with its bias
     assert max(g.abs().max().item() for g in gate_up) > 2 * stock.config.swiglu_limit  # the clamp bites
     monkeypatch.undo()
     ref = stock(ids).logits
@@ -81,7 +82,7 @@ def test_gpt_oss_experts_match_stock_and_float64(monkeypatch, fresh_probes):
     assert (out.double() - ref64).abs().max() <= 1e-4 * ref64.abs().max()
     ref.square().mean().backward()
     out.square().mean().backward()
-    for name in EXP:
+    for name in GPT_OSS:
         for p in ("gate_up_proj_bias", "down_proj_bias", "gate_up_proj"):
             want = getattr(stock.get_submodule(name), p).grad
             got = getattr(ours.get_submodule(name), p).grad
@@ -144,8 +145,8 @@ def test_wrong_forward_is_caught_and_left_stock(monkeypatch, fresh_probes):
     monkeypatch.setattr(gm, "grouped_matmul", lambda *a, rhs_bias=None, **k: real(*a, **k))
     stock = tiny_gpt_oss()
     ours = copy.deepcopy(stock)
-    [(_, _, why0), (_, _, why1)] = plan_moe(ours)
-    assert why0 == why1 and "probe mismatch" in why0
+    [(_, _, why)] = plan_moe(ours)
+    assert "probe mismatch" in why
     with pytest.warns(UserWarning, match="GptOssExperts left stock .*probe mismatch"):
         assert apply_tpukernels_moe(ours) == []
     assert ours.config._experts_implementation != "tpukernels"
