@@ -17,9 +17,15 @@ Forward of one experts module (``S = tokens * top_k`` token-expert pairs)::
     out = zeros.index_add(0, order // top_k, y)
 
 The same computation as HF's eager loop over experts (each token's top-k expert outputs, weighted and
-summed), in one grouped matmul per projection; differentiable (the kernel's backward). Supported:
-gated, concatenated, non-transposed, bias-free experts without expert parallelism (Mixtral, Qwen2/3-MoE
-experts); others raise :class:`tpukernels.errors.ArgumentError` naming the unsupported feature.
+summed), in one grouped matmul per projection; differentiable (the kernel's backward). Supported: gated
+experts dispatched by ``config._experts_implementation`` without expert parallelism or a post-expert norm
+(Mixtral, Qwen2/3-MoE; Aria's transposed ``[E, K, N]`` weights, ``transpose_rhs=False``; gpt-oss's expert biases
+through ``grouped_matmul``'s ``rhs_bias [E, 1, N]``, its interleaved gate/up columns and clamped SwiGLU through
+the class's own ``_apply_gate``, computed in torch between the two grouped matmuls: the library's
+``gated_activation`` has no clamp / alpha / ``up + 1``). :func:`plan_moe` lists every experts module with the reason
+it stays stock (Llama-4's and LongCat-Flash's experts are not dispatched by transformers' experts interface);
+:func:`apply_tpukernels_moe` replaces only modules whose class passed a numerical probe against its stock forward
+(:func:`tpukernels.integrations.moe_experts.verify_experts`) and warns for the rest.
 
 Quantized experts (:func:`quantize_moe_experts`): each experts module's ``gate_up_proj`` / ``down_proj`` is
 quantized once with this library's quantizers
