@@ -183,3 +183,23 @@ def test_quantize_biased_transposed_experts_refused_untouched(fresh_probes):
         quantize_moe_experts(m)
     after = m.state_dict()
     assert set(after) == set(before) and all(torch.equal(after[k], before[k]) for k in before)
+
+
+@pytest.mark.slow  # ~5 s of interpret-mode quantized matmuls; keeps this file's make-test share near ~16 s
+def test_wrong_quantized_forward_is_caught_before_the_swap(monkeypatch, fresh_probes):
+    """quantize_moe_experts probes each class on a quantized stand-in (ours against the stock forward in float64
+    on the dequantized weights) before any swap: a quantized forward 2% off raises, the model untouched."""
+    gq = importlib.import_module("tpukernels.library.grouped_matmul.quant")
+    real = gq.grouped_matmul_quantized
+    monkeypatch.setattr(gq, "grouped_matmul_quantized", lambda *a, **k: real(*a, **k) * 1.02)
+    cfg = T.MixtralConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                          num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                          max_position_embeddings=64)
+    torch.manual_seed(0)
+    m = T.MixtralForCausalLM(cfg).eval()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    with pytest.raises(ArgumentError, match="MixtralExperts.*quantized int8: a probe mismatch"):
+        quantize_moe_experts(m)
+    after = m.state_dict()
+    assert set(after) == set(before) and all(torch.equal(after[k], before[k]) for k in before)
+    assert getattr(m.config, "quantization_config", None) is None
