@@ -343,10 +343,20 @@ def prepare_quantized_experts(model: torch.nn.Module, experts: dict) -> None:
 
 def route_quantized_experts(model: torch.nn.Module, names) -> None:
     """Route the (loaded) quantized experts modules ``names`` through ``grouped_matmul_quantized``
-    (``config._experts_implementation = "tpukernels"``)."""
+    (``config._experts_implementation = "tpukernels"``), each class and format first probed (:func:`route_reason`).
+
+    Raises:
+        ArgumentError: a module fails its probe (a quantized module has no float weights to stay stock on);
+            raised before any module is routed.
+    """
     if not names:
         return
     register()
+    for name in names:
+        module = model.get_submodule(name)
+        why = route_reason(module)
+        if why:
+            raise ArgumentError(f"from_pretrained: quantized experts {name} ({type(module).__name__}): {why}")
     for name in names:
         model.get_submodule(name).config._experts_implementation = IMPLEMENTATION
 
