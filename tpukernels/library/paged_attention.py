@@ -71,9 +71,11 @@ batch is not tuned yet (heuristic ``block_q=64``).
 
 Quantized KV caches (int8, float8_e4m3fn / float8_e5m2) with static ``k_scale`` / ``v_scale`` and / or
 per-token scales ``k_scales`` / ``v_scales`` ``[num_pages, page_size]`` (their pages DMA'd beside the K/V
-pages): K/V are widened in VMEM to q's dtype (``(x.astype(f32) * scales).astype(q.dtype)``), so the cache
-moves half (a quarter vs f32) the bytes of bf16 while the matmuls stay bf16/f32: it compiles for v5e, v6e
-and tpu7x (:data:`FP8_KV_CHIPS`, compile-only). Attention sinks ``sinks [Hq]`` (gpt-oss) initialise each
+pages): the cache moves half (a quarter vs f32) the bytes of bf16 while the matmuls stay bf16/f32, and no
+scaled tile is ever rounded to q's dtype: int8 / fp8 values are exact in bf16, so static scales fold into
+the logit scale and the P.V product; per-token scales dequantize in f32 (JAX's paged attention does too) and
+the f32 tile enters the MXU as a bf16 hi + lo pair (two passes for bf16 queries; exact to ~2^-17). It
+compiles for v5e, v6e and tpu7x (:data:`FP8_KV_CHIPS`, compile-only). Attention sinks ``sinks [Hq]`` (gpt-oss) initialise each
 row's running max to its head's sink logit and its running sum to 1 (``exp(sink - sink)``), so the sink
 enters the softmax denominator with no value. Head dims: any multiple of 32 (64, 96, 128, 256 compile-checked
 on v5e / v6e / tpu7x); rows narrower than 128 lanes are padded by Mosaic in VMEM, never in HBM.
@@ -431,17 +433,31 @@ def _rpa_body(*refs, sm_scale, sliding_window, soft_cap, k_scale, v_scale, has_s
             for g in range(Hkv):
                 k = kv_buf[slot, :, :, 2 * g, :].reshape(bkv, D)
                 v = kv_buf[slot, :, :, 2 * g + 1, :].reshape(bkv, D)
-                if has_scales:
-                    k = k.astype(jnp.float32) * ksc
-                    v = v.astype(jnp.float32) * vsc
-                if k_scale is not None or k.dtype != cdt:
-                    k = (k.astype(jnp.float32) * (1.0 if k_scale is None else k_scale)).astype(cdt)
-                if v_scale is not None or v.dtype != cdt:
-                    v = (v.astype(jnp.float32) * (1.0 if v_scale is None else v_scale)).astype(cdt)
-                v = jnp.where(vrow, v, jnp.zeros_like(v))  # slots past kv_len may hold NaN
                 qg = qf_ref[g].astype(cdt)
-                s = jax.lax.dot_general(qg, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
-                                        precision=prec) * scale
+                mm = lambda a, b, dims: jax.lax.dot_general(a, b, (dims, ((), ())),
+                                                            preferred_element_type=jnp.float32, precision=prec)
+                # Dequantization never rounds a scaled tile to q's dtype (int8 / fp8 values are exact in bf16,
+                # their products with scales are not): static scales fold into the logits / the P.V product;
+                # per-token scales give an f32 tile, fed to the MXU as a bf16 hi + lo pair (two passes).
+                if has_scales:
+                    kf = k.astype(jnp.float32) * ksc * (1.0 if k_scale is None else k_scale)
+                    k_hi = kf.astype(cdt)
+                    s = mm(qg, k_hi, ((1,), (1,)))
+                    if not f32:
+                        s = s + mm(qg, (kf - k_hi.astype(jnp.float32)).astype(cdt), ((1,), (1,)))
+                    s = s * scale
+                else:
+                    s = mm(qg, k.astype(jnp.float32).astype(cdt) if k.dtype != cdt else k, ((1,), (1,)))
+                    s = s * (scale if k_scale is None else scale * k_scale)
+                if has_scales:
+                    vf = v.astype(jnp.float32) * vsc * (1.0 if v_scale is None else v_scale)
+                    vf = jnp.where(vrow, vf, 0.0)  # slots past kv_len may hold NaN
+                    v, v_lo = vf.astype(cdt), None
+                    if not f32:
+                        v_lo = (vf - v.astype(jnp.float32)).astype(cdt)
+                else:
+                    v = v.astype(jnp.float32).astype(cdt) if v.dtype != cdt else v
+                    v, v_lo = jnp.where(vrow, v, jnp.zeros_like(v)), None  # slots past kv_len may hold NaN
                 if soft_cap is not None:
                     s = soft_cap * jnp.tanh(s / soft_cap)
                 s = jnp.where(vis, s, -jnp.inf)
@@ -452,9 +468,15 @@ def _rpa_body(*refs, sm_scale, sliding_window, soft_cap, k_scale, v_scale, has_s
                 p = jnp.exp(s - m_safe)
                 l_ref[g] = jnp.broadcast_to(alpha * l_ref[g][:, :1] + jnp.sum(p, axis=1, keepdims=True), (R, 128))
                 m_ref[g] = jnp.broadcast_to(m_new, (R, 128))
-                pv = jax.lax.dot_general(p.astype(cdt), v, (((1,), (0,)), ((), ())),
-                                         preferred_element_type=jnp.float32, precision=prec)
-                acc_ref[g] = alpha * acc_ref[g] + pv
+                pc = p.astype(cdt)
+                pv = mm(pc, v, ((1,), (0,)))
+                if v_lo is not None:
+                    pv = pv + mm(pc, v_lo, ((1,), (0,)))
+                if v_scale is not None and not has_scales:
+                    pv = pv * v_scale
+                # select, not multiply: rows of another sequence (or padding) have p = 0 here, and 0 * NaN
+                # in this sequence's V / v_scales would still poison them
+                acc_ref[g] = alpha * acc_ref[g] + jnp.where(own, pv, 0.0)
             slot_ref[0] = 1 - slot
 
         return carry
@@ -955,7 +977,8 @@ def paged_attention_reference(q, kv_cache, kv_lens, page_indices, cu_q_lens, num
             sink = sinks.to(dtype)[:, None, None].expand(Hq, q1 - q0, 1)
             p = torch.softmax(torch.cat([sink, logits], -1), -1)[..., 1:]
         else:
-            p = torch.softmax(logits, -1).nan_to_num(0.0)  # rows that see nothing -> 0
+            p = torch.softmax(logits, -1)  # a NaN in this sequence's K/V stays NaN in its rows
+            p = torch.where(vis.any(-1, keepdim=True), p, 0.0)  # rows that see nothing -> 0
         out[q0:q1] = torch.einsum("hij,jhd->ihd", p, v)
     return out
 
