@@ -8,7 +8,7 @@ export JAX_PLATFORMS ?= cpu
 export TPU_ACCELERATOR_TYPE ?= v5litepod-1
 export TPU_WORKER_HOSTNAMES ?= localhost
 
-.PHONY: demo test test-slow install bench clean torchtitan
+.PHONY: demo test test-slow install bench clean torchtitan vllm
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -42,6 +42,9 @@ $(TORCHTITAN): $(STAMP)
 	@touch $@
 
 torchtitan: $(TORCHTITAN)
+
+# the CPU test set of the vLLM-TPU backend (tpu-inference, vllm, torchax --no-deps into .venv); a TPU host: README
+vllm: $(VLLM_TPU)
 
 install: $(STAMP)
 

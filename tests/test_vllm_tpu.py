@@ -285,6 +285,31 @@ def test_entry_point_is_declared():
     assert eps == {"tpukernels": "tpukernels.integrations.vllm_tpu:register"}
 
 
+def test_vllm_backend_class_import_names_the_real_cause(monkeypatch):
+    """``from vllm_tpu import TpuKernelsPallasAttentionBackend`` either gives the class or raises
+    BackendUnavailableError naming why; never Python's bare "cannot import name" (a non-ImportError from the
+    lazy ``__getattr__`` used to be turned into that, hiding e.g. a missing ``cbor2``)."""
+    from tpukernels.errors import BackendUnavailableError
+
+    monkeypatch.delitem(vt._CLASSES, "vllm", raising=False)
+    try:
+        from tpukernels.integrations.vllm_tpu import TpuKernelsPallasAttentionBackend
+    except BackendUnavailableError as e:
+        assert "not importable here (" in str(e) and "cannot import name" not in str(e)
+    else:  # vllm's full dependency set is installed
+        assert TpuKernelsPallasAttentionBackend.get_name() == "TPUKERNELS"
+    # an AttributeError deep in the import chain (torchax on a newer torch) is named too
+    from tpukernels.integrations import torchax_ops
+
+    def broken():
+        raise AttributeError("The underlying op of 'aten.prod' has no overload name 'dim_Dimname'")
+
+    monkeypatch.delitem(vt._CLASSES, "vllm", raising=False)
+    monkeypatch.setattr(torchax_ops, "import_torchax", broken)
+    with pytest.raises(BackendUnavailableError, match="AttributeError: The underlying op of 'aten.prod'"):
+        from tpukernels.integrations.vllm_tpu import TpuKernelsPallasAttentionBackend  # noqa: F401,F811
+
+
 def test_bad_input_is_a_typed_error(rpa):
     args = list(make_case(rpa, [1, 3], [4, 6], S=2, T=8, Hq=4, Hkv=2, D=128, ps=4, pps=2, P=6))
     with pytest.raises(ArgumentError, match="tpu-inference's RPA v3 layout"):

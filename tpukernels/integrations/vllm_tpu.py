@@ -311,11 +311,16 @@ def backend_class():
 def _make_vllm_backend():
     """vLLM-level classes tpu-inference's platform hands to attention layers: a ``PallasAttentionBackend``
     whose impl names this backend. Importing tpu-inference's vLLM layer needs torchax (a TPU host)."""
+    from . import torchax_ops
+
     try:
+        torchax_ops.import_torchax()  # torchax 0.0.13 fails a plain import on torch 2.13: the shimmed import
         from tpu_inference.layers.vllm.backends.flash_attn import PallasAttentionBackend, PallasAttentionBackendImpl
-    except ImportError as e:
+    except Exception as e:  # noqa: BLE001 - any failure (a missing module deep in vllm, an AttributeError)
+        # is named as it is: a plain AttributeError here would make `from ... import` report only
+        # "cannot import name", hiding the cause
         raise BackendUnavailableError(f"vllm_tpu: tpu-inference's vLLM attention layer is not importable here "
-                                      f"({e}); it needs torchax and vllm-tpu (TPU hosts)") from e
+                                      f"({type(e).__name__}: {e}); it needs torchax and vllm-tpu (TPU hosts)") from e
 
     class TpuKernelsPallasAttentionBackendImpl(PallasAttentionBackendImpl):
         attention_backend = NAME
