@@ -102,3 +102,20 @@ def test_log_config_flag(value, logged, monkeypatch, caplog):
         rms_norm(torch.randn(8, 128))
     hits = [r for r in caplog.records if r.levelno == logging.INFO and "config" in r.getMessage()]
     assert bool(hits) is logged
+
+
+@pytest.mark.parametrize("basic_config", [False, True])
+def test_log_config_prints_each_choice_once(basic_config):
+    """TPUKERNELS_LOG_CONFIG=1 prints each config choice once on stderr, with or without the application's
+    logging.basicConfig (whose root handler used to print it a second time)."""
+    import subprocess
+    import sys
+
+    code = ("import logging, torch\n"
+            + ("logging.basicConfig(level=logging.INFO)\n" if basic_config else "")
+            + "from tpukernels.library import rms_norm\nrms_norm(torch.randn(8, 128))\n")
+    env = dict(os.environ, TPUKERNELS_LOG_CONFIG="1", JAX_PLATFORMS="cpu")
+    err = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                         check=True).stderr
+    lines = [ln for ln in err.splitlines() if "rms_norm_fwd: config" in ln]
+    assert len(lines) == 1, err[-2000:]

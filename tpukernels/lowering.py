@@ -32,6 +32,9 @@ log = logging.getLogger("tpukernels.dispatch")
 if env_flag("TPUKERNELS_LOG_CONFIG") and not log.handlers:  # visible without any logging setup
     _handler = logging.StreamHandler()
     _handler.setFormatter(logging.Formatter("tpukernels: %(message)s"))
+    # stands down once the application configures logging (logging.basicConfig gives the root logger a
+    # handler, which the record reaches by propagation): one line per choice, not two
+    _handler.addFilter(lambda record: not logging.getLogger().handlers)
     log.addHandler(_handler)
     log.setLevel(logging.INFO)
 
