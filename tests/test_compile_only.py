@@ -155,3 +155,19 @@ def test_a_default_config_that_fails_is_reported_without_a_tuning_db_detour():
     assert not r.ok and r.error_kind == "vmem"
     assert "vmem_limit_bytes 100 MiB > 64 MiB VMEM on tpu7x" in r.error
     assert r.config_source == "default" and r.vmem_limit_bytes == 64 * 2**20
+
+
+def test_summary_gives_the_cycle_estimate_it_holds():
+    """CompileResult.summary() shows the libtpu estimate it holds (cycles and a model time), why it is
+    missing when asked for but absent, and no 'VMEM n/a' for a kernel without a tpukernels footprint."""
+    from tpukernels.perf import clock_hz
+    from tpukernels.targets.compile_only import CompileResult
+
+    r = CompileResult("k", "v6e", True, vmem_estimate_bytes=3 << 20, vmem_limit_bytes=32 << 20, code_size_bytes=100,
+                      estimated_cycles=1_750_000)
+    us = 1_750_000 / clock_hz("v6e") * 1e6
+    assert f"1,750,000 cycles (~{us:,.1f} us; libtpu static estimate, a model)" in r.summary()
+    assert "VMEM 3.00 MiB (est.) of 32 MiB scoped" in r.summary()
+    r = CompileResult("k", "v6e", True, vmem_limit_bytes=32 << 20, code_size_bytes=100, estimate_error="aborted")
+    assert "no cycle estimate (aborted)" in r.summary() and "n/a" not in r.summary()
+    assert "VMEM not estimated" in r.summary()

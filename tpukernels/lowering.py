@@ -143,7 +143,7 @@ def validate(kernel: TpuKernel, resolved: Resolved, chip: Chip | None) -> VmemEs
                          tuple(launch.input_output_aliases.values()))
     est = estimate_vmem(items, launch.scratch_shapes)
     if chip is not None:
-        check_vmem(est, chip, launch.vmem_limit_bytes, kernel.qualname)
+        check_vmem(est, chip, launch.vmem_limit_bytes, kernel.qualname, resolved.config)
     return est
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -175,9 +175,15 @@ def estimate_vmem(specs_and_arrays, scratch_shapes: Sequence = ()) -> VmemEstima
     return VmemEstimate(blocks, scratch, tuple(detail))
 
 
-def check_vmem(est: VmemEstimate, chip: Chip, vmem_limit_bytes: int | None, kernel: str) -> None:
-    """Raise :class:`VmemError` if ``est`` exceeds the chip's scoped limit or physical capacity."""
+def check_vmem(est: VmemEstimate, chip: Chip, vmem_limit_bytes: int | None, kernel: str,
+               config: Mapping | None = None) -> None:
+    """Raise :class:`VmemError` if ``est`` exceeds the chip's scoped limit or physical capacity.
+
+    ``config``: the kernel's tunables as resolved for this call; the message names them (``block_rows=256``)
+    so that "smaller blocks" says which of the kernel's own knobs to turn."""
     cap = chip.vmem_capacity_bytes
+    knobs = ", ".join(f"{k}={v}" for k, v in (config or {}).items())
+    blocks = f"smaller blocks (this config: {knobs})" if knobs else "smaller blocks"
     top = ", ".join(f"{label}: {b / MiB:.2f} MiB" for label, b in est.detail[:3])
     if vmem_limit_bytes is not None and vmem_limit_bytes > cap:
         raise VmemError(
@@ -187,14 +193,14 @@ def check_vmem(est: VmemEstimate, chip: Chip, vmem_limit_bytes: int | None, kern
     if est.total_bytes > cap:
         raise VmemError(
             f"{kernel}: VMEM {est.total_bytes / MiB:.2f} MiB > {cap / MiB:.0f} MiB on {chip.name} "
-            f"(largest: {top}); use smaller blocks", estimate_bytes=est.total_bytes, limit_bytes=cap,
+            f"(largest: {top}); use {blocks}", estimate_bytes=est.total_bytes, limit_bytes=cap,
         )
     limit = vmem_limit_bytes if vmem_limit_bytes is not None else chip.default_scoped_vmem_bytes
     if est.total_bytes > limit:
         how = (
-            f"raise vmem_limit_bytes (at most {cap / MiB:.0f} MiB)"
+            f"raise vmem_limit_bytes (at most {cap / MiB:.0f} MiB) or use {blocks}"
             if vmem_limit_bytes is None
-            else "raise vmem_limit_bytes or use smaller blocks"
+            else f"raise vmem_limit_bytes or use {blocks}"
         )
         raise VmemError(
             f"{kernel}: VMEM {est.total_bytes / MiB:.2f} MiB > scoped limit {limit / MiB:.0f} MiB on {chip.name} "

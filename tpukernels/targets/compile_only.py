@@ -94,11 +94,20 @@ class CompileResult:
     def summary(self) -> str:
         if not self.ok:
             return f"{self.kernel} on {self.chip}: FAILED ({self.error_kind}) {self.error}"
-        vmem = "n/a" if self.vmem_estimate_bytes is None else f"{self.vmem_estimate_bytes / MiB:.2f} MiB"
-        return (
-            f"{self.kernel} on {self.chip}: ok, VMEM {vmem} (est.) of "
-            f"{self.vmem_limit_bytes / MiB:.0f} MiB scoped, code {self.code_size_bytes} B"
-        )
+        scoped = "" if self.vmem_limit_bytes is None else f" of {self.vmem_limit_bytes / MiB:.0f} MiB scoped"
+        if self.vmem_estimate_bytes is not None:
+            vmem = f"VMEM {self.vmem_estimate_bytes / MiB:.2f} MiB (est.){scoped}"
+        else:  # Helion kernels: Helion lays out the blocks; tpukernels has no footprint of its own to show
+            vmem = f"VMEM not estimated (a Helion kernel lays out its own blocks){scoped}"
+        text = f"{self.kernel} on {self.chip}: ok, {vmem}, code {self.code_size_bytes} B"
+        if self.estimated_cycles is not None:
+            from ..perf import clock_hz
+
+            us = self.estimated_cycles / clock_hz(self.chip) * 1e6
+            text += f", {self.estimated_cycles:,} cycles (~{us:,.1f} us; libtpu static estimate, a model)"
+        elif self.estimate_error:
+            text += f", no cycle estimate ({self.estimate_error})"
+        return text
 
 
 def require_libtpu() -> None:
