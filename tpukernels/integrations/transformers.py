@@ -28,7 +28,8 @@ from typing import Optional
 
 import torch
 
-from ..errors import TpuKernelError
+from ..errors import ArgumentError, TpuKernelError
+from . import patch_probes
 
 try:  # registers quant_method "tpukernels": from_pretrained of a model saved after apply_tpukernels(quantize=...)
     from . import quantizers as _quantizers  # noqa: F401
@@ -126,6 +127,15 @@ def _eager(query, key, value, mask, scaling, softcap, dropout, training, sinks=N
 
 
 # ------------------------------------------------------------------------------------------ attention
+#: keyword arguments transformers passes to an attention function that do not change its result (bookkeeping
+#: of the cache, positions already applied by RoPE, output flags) or that :func:`attention_forward` reads
+_KNOWN_KWARGS = frozenset({
+    "s_aux", "position_ids", "cache_position", "output_attentions", "use_cache", "past_key_value",
+    "past_key_values", "layer_idx", "return_dict", "output_hidden_states", "position_embeddings",
+    "token_type_ids", "output_router_logits", "logits_to_keep",
+})  # not here, so refused when given: head_mask, cu_seq_lens_* / max_length_* (packed sequences), indices
+
+
 def attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -150,6 +160,13 @@ def attention_forward(
     Returns:
         ``(attn_output [B, Sq, Hq, D], None)`` (attention weights are never materialized).
     """
+    if _attention_calls is not None:  # only while the whole-model probe runs (a constant for torch.compile)
+        _attention_calls.append(type(module).__name__)
+    unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in _KNOWN_KWARGS)
+    if unknown:  # an argument that may change the result (a sparse top-k ``indices``, ...): not ours to drop
+        raise ArgumentError(
+            f"tpukernels attention: {type(module).__name__} passes {unknown}, which this attention does not "
+            f"implement; keep this model's attention stock (apply_tpukernels(attention=False))")
     sq, skv = query.shape[2], key.shape[2]
     scaling = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     causal_default = is_causal if is_causal is not None else getattr(module, "is_causal", True)
@@ -212,12 +229,77 @@ def register() -> None:
 
 
 # ------------------------------------------------------------------------------------------ modules
-def _rms_casting(module: torch.nn.Module) -> tuple[str, float]:
-    """(casting, offset) for an HF RMSNorm class: Gemma-style ``(1 + w)`` in f32, else Llama-style."""
-    name = type(module).__name__
-    if name.startswith("Gemma") or name.startswith("Gemma2") or name.startswith("Gemma3"):
-        return "gemma", 1.0
-    return "llama", 0.0
+def _rms_candidates(module: torch.nn.Module) -> list[tuple[str, float]]:
+    """(casting, offset) forms to probe for an RMSNorm class, the likeliest first (the name only orders
+    the probes; the probe decides): Llama ``w * n.to(dtype)``, Gemma / Qwen3-Next ``(n * (1 + w)).to(dtype)``,
+    the two other combinations, and ``"none"`` (no weight: falcon-mamba's weightless norm)."""
+    forms = [("llama", 0.0), ("gemma", 1.0), ("gemma", 0.0), ("llama", 1.0), ("none", 0.0)]
+    if type(module).__name__.startswith("Gemma"):
+        forms.insert(0, forms.pop(1))
+    return forms
+
+
+def _share_weight(new: torch.nn.Module, old: torch.nn.Module, name: str = "weight") -> None:
+    """Give ``new`` the tensor ``old.<name>`` is: the same Parameter, or the same buffer (falcon-mamba's
+    RMSNorm holds its weight as a buffer), persistent as it was."""
+    t = getattr(old, name)
+    if t is None or isinstance(t, torch.nn.Parameter):
+        setattr(new, name, t)
+        return
+    new._parameters.pop(name, None)
+    new.register_buffer(name, t, persistent=name not in old._non_persistent_buffers_set)
+
+
+def _eps_of(module: torch.nn.Module, default: float) -> float:
+    for a in ("variance_epsilon", "eps", "epsilon"):
+        v = getattr(module, a, None)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return float(v)
+    return default
+
+
+def _plan_rms_norm(child: torch.nn.Module):
+    """(replacement, None) for the first probed form equal to ``child``'s forward, else (None, reason)."""
+    from ..library.norms import TPURMSNorm
+
+    why = patch_probes.probe_blocker(child)
+    if why:
+        return None, why
+    reasons = []
+    for casting, offset in _rms_candidates(child):
+        def build(m, casting=casting, offset=offset):
+            if casting == "none":  # a weightless norm (its weight, if any, a dummy its forward never reads)
+                return TPURMSNorm(m.weight.shape[0], eps=_eps_of(m, 1e-6), elementwise_affine=False)
+            new = TPURMSNorm(m.weight.shape[0], eps=_eps_of(m, 1e-6), offset=offset, casting=casting)
+            _share_weight(new, m)
+            return new
+
+        why = patch_probes.verify_replacement(child, build, f"rms:{casting}:{offset}")
+        if why is None:
+            return build(child), None
+        reasons.append(why)
+    return None, f"no RMSNorm form matches its forward (first tried: {reasons[0]})"
+
+
+def _plan_layer_norm(child: torch.nn.LayerNorm):
+    from ..library.norms import TPULayerNorm
+
+    def build(m):
+        new = TPULayerNorm(m.normalized_shape[0], eps=m.eps, elementwise_affine=m.weight is not None,
+                           bias=getattr(m, "bias", None) is not None)
+        if m.weight is not None:
+            _share_weight(new, m, "weight")
+        if getattr(m, "bias", None) is not None:
+            _share_weight(new, m, "bias")
+        return new
+
+    why = patch_probes.verify_replacement(child, build, "layer_norm")
+    return (build(child), None) if why is None else (None, why)
+
+
+def _plan_linear(child: torch.nn.Linear):
+    why = patch_probes.verify_replacement(child, TPULinear, "linear", randomize=False)
+    return (TPULinear(child), None) if why is None else (None, why)
 
 
 def _is_rms_norm(module: torch.nn.Module) -> bool:
@@ -272,12 +354,29 @@ def apply_tpukernels(
     moe: bool = True,
     rope: bool = False,
     gated_mlp: bool = False,
+    dry_run: bool = False,
+    probe_inputs: Optional[dict] = None,
 ) -> dict:
     """Patch a transformers model in place to run on tpukernels ops.
 
+    Nothing is replaced on a module's name alone: every replacement is **probed** against what it replaces
+    the first time its class is seen (:mod:`tpukernels.integrations.patch_probes`): norms, linears and gated
+    MLPs on ``[3, 5, H]`` inputs with the module's own weights (norms also with random weights, so a
+    ``(1 + w)`` formula cannot pass by accident), RoPE on random tables, and attention on the whole model (its
+    logits on a left-padded ``[2, 8]`` batch, or ``probe_inputs``, with its own attention implementation and
+    with ours). A class whose probe differs beyond the tolerance for its dtype stays stock, with one
+    ``RuntimeWarning`` naming it and why, and is listed in the report's ``"stock"``. Every replacement is
+    planned (and probed) before any is made: an error leaves the model as it was.
+
     Args:
-        attention: set ``attn_implementation="tpukernels"`` (models using the standard attention interface).
-        rms_norm: replace ``*RMSNorm`` modules (Llama/Qwen/Mistral casting, Gemma ``1 + w`` casting).
+        attention: set ``attn_implementation="tpukernels"`` (models using the standard attention interface)
+            where the whole-model probe agrees; a model that passes an attention argument this implementation
+            does not implement (a DSA indexer's ``indices``, packed ``cu_seq_lens_*``) fails that probe and
+            keeps its own attention.
+        rms_norm: replace RMSNorm modules with :class:`tpukernels.library.norms.TPURMSNorm` in the form the
+            probe finds: Llama ``w * n.to(dtype)``, Gemma / Qwen3-Next ``(n * (1 + w)).to(dtype)``, the two
+            other casting/offset combinations, or weightless (falcon-mamba); a norm with a bias or a gate
+            matches none and stays stock.
         layer_norm: replace ``nn.LayerNorm`` (BERT-family encoders).
         linear: replace ``nn.Linear`` with the tpukernels matmul (opt-in: slow in cpu interpret mode).
         quantize: ``"int8"`` / ``"float8_e4m3fn"`` / ``"float8_e5m2"`` (``"fp8"`` = e4m3fn): replace each
@@ -286,7 +385,8 @@ def apply_tpukernels(
             so the state dict changes to ``w_q`` / ``w_scale``); takes precedence over ``linear``. A transformers
             model also gets ``config.quantization_config`` (quant_method ``"tpukernels"``, the quantized module
             names): ``save_pretrained`` then ``from_pretrained`` gives back bit-identical ``w_q`` / ``w_scale`` /
-            ``bias`` (:mod:`tpukernels.integrations.quantizers`; loading needs this module imported).
+            ``bias`` (:mod:`tpukernels.integrations.quantizers`; loading needs this module imported). Quantized
+            linears are an approximation by request and are not probed for equality.
         x_quant: with ``quantize``: None (w8a16) or ``"int8"`` / ``"fp8"`` (w8a8, per-token activations);
             ``"int8"`` goes with ``quantize="int8"``, ``"fp8"`` with the float8 ones. A mismatched pair, or
             ``x_quant`` without ``quantize``, raises (DTypeError / ArgumentError) before anything is patched.
@@ -294,27 +394,38 @@ def apply_tpukernels(
             and MoE routers (Mixtral / Qwen-MoE ``gate``, Qwen-MoE ``shared_expert_gate``): a router's logits
             pick the top-k experts, and a quantization error there can change which experts run.
 
-        moe: route MoE experts modules (3-D ``gate_up_proj [E, 2I, H]`` parameters: Mixtral, Qwen-MoE) through
-            ``grouped_matmul`` (:func:`tpukernels.integrations.moe.apply_tpukernels_moe`); models without
-            experts are unaffected. Expert weights are not quantized by ``quantize`` (they are not
-            ``nn.Linear``).
+        moe: route MoE experts modules (3-D ``gate_up_proj [E, 2I, H]`` parameters: Mixtral, Qwen-MoE,
+            gpt-oss, Aria) through ``grouped_matmul`` (:func:`tpukernels.integrations.moe.apply_tpukernels_moe`,
+            probed per class); experts it cannot route stay stock with the warning; models without experts are
+            unaffected. Expert weights are not quantized by ``quantize`` (they are not ``nn.Linear``).
         rope: route the model's ``apply_rotary_pos_emb`` through :func:`tpukernels.library.rope.apply_rotary_pos_emb`
-            (opt-in). HF calls it as a module global, so this patches the *modeling module* (every model of
-            that family in the process, as Liger-Kernel does); only modules whose function has the llama
-            signature ``(q, k, cos, sin, unsqueeze_dim=1)`` and a ``rotate_half`` are patched (cos/sin still
-            come from HF's rotary module: every ``rope_type`` works).
+            (opt-in) where a probe on random tables agrees. HF calls it as a module global: the modeling
+            module's function becomes a :class:`RopeDispatch` that runs ours only inside the forward of a model
+            patched with ``rope=True`` (another model of the same family in the process keeps HF's function).
+            Only functions with the llama signature ``(q, k, cos, sin, unsqueeze_dim=1)`` are tried (cos/sin
+            still come from HF's rotary module: every ``rope_type`` works).
         gated_mlp: replace ``*MLP`` modules with ``gate_proj`` / ``up_proj`` / ``down_proj`` and a SiLU / GELU
             ``act_fn`` by :class:`tpukernels.library.gated_mlp.TPUGatedMLP` (the fused ``act(gate) * up``;
             the same linear modules, so state dicts are unchanged). Opt-in; the activation is identified
-            by evaluating ``act_fn`` in float64, never by its name.
+            by evaluating ``act_fn`` in float64, never by its name; the module is probed as a whole.
+        dry_run: plan and probe only: return the report, change nothing (the model keeps its modules and its
+            attention implementation).
+        probe_inputs: keyword arguments of ``model(**probe_inputs)`` for the attention probe (default: a
+            left-padded ``[2, 8]`` batch of token ids and its attention mask); give them for a model that
+            takes other inputs.
 
     Returns:
-        ``{"attention": bool, "rms_norm": n, "layer_norm": n, "linear": n, "moe_experts": n}`` (plus
-        ``"quantized": n`` with ``quantize``; ``"rope"``: patched modeling modules, ``"gated_mlp"``: n with those
-        options) — what was patched. Parameters of norms and ``linear=True`` layers are shared with the
-        original modules, so their state dicts and weight tying are unchanged.
+        ``{"attention": bool, "rms_norm": n, "layer_norm": n, "linear": n, "moe_experts": n, "stock": {...}}``
+        (plus ``"quantized": n`` with ``quantize``; ``"rope"``: patched modeling modules, ``"gated_mlp"``: n
+        with those options) — what was patched (with ``dry_run``: what would be). ``"stock"`` maps each class
+        (``"attention"`` for the attention implementation, ``"<module>.apply_rotary_pos_emb"`` for RoPE) left
+        stock to why. Parameters of norms and ``linear=True`` layers are shared with the original modules,
+        so their state dicts and weight tying are unchanged.
+
+    Raises:
+        ArgumentError / DTypeError: bad ``quantize`` / ``x_quant`` (before anything is patched). A module
+        that cannot be replaced is not an error: it stays stock and is reported.
     """
-    from ..library.norms import TPULayerNorm, TPURMSNorm
 
     def quantizable(name, child) -> bool:
         return bool(quantize) and type(child) is torch.nn.Linear and name not in quantize_skip
@@ -340,78 +451,270 @@ def apply_tpukernels(
     counts = {"attention": False, "rms_norm": 0, "layer_norm": 0, "linear": 0}
     if quantize:
         counts["quantized"] = 0
+    stock: dict = {}  # class (or "attention" / a modeling module) -> why it stays stock
     if attention:
-        register()
-        if hasattr(model, "set_attn_implementation"):
-            model.set_attn_implementation(NAME)
+        why = _verify_attention(model, probe_inputs)
+        if why is None:
+            counts["attention"] = True
         else:
-            model.config._attn_implementation = NAME
-        counts["attention"] = True
+            stock["attention"] = why
+
+    # plan every module replacement (probed, nothing changed yet), then apply them all
+    plan = []  # (parent, child name, replacement, count key)
     quantized = []  # dotted names of the linears replaced by TPUQuantLinear (the saved quantization_config)
     for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
-            new = None
+            new, key, why = None, None, None
             if rms_norm and _is_rms_norm(child):
-                casting, offset = _rms_casting(child)
-                eps = getattr(child, "variance_epsilon", getattr(child, "eps", 1e-6))
-                new = TPURMSNorm(child.weight.shape[0], eps=eps, offset=offset, casting=casting)
-                new.weight = child.weight
-                counts["rms_norm"] += 1
+                (new, why), key = _plan_rms_norm(child), "rms_norm"
             elif layer_norm and isinstance(child, torch.nn.LayerNorm) and len(child.normalized_shape) == 1:
-                new = TPULayerNorm(child.normalized_shape[0], eps=child.eps, elementwise_affine=child.weight is not None)
-                if child.weight is not None:
-                    new.weight = child.weight
-                    new.bias = child.bias
-                counts["layer_norm"] += 1
+                (new, why), key = _plan_layer_norm(child), "layer_norm"
             elif quantizable(child_name, child):
                 from ..library.quantized_matmul import TPUQuantLinear
 
-                new = TPUQuantLinear.from_linear(child, quantize, x_quant)
-                counts["quantized"] += 1
+                new, key = TPUQuantLinear.from_linear(child, quantize, x_quant), "quantized"
                 quantized.append(f"{parent_name}.{child_name}" if parent_name else child_name)
             elif linear and type(child) is torch.nn.Linear:
-                new = TPULinear(child)
-                counts["linear"] += 1
-            if new is not None:
-                setattr(parent, child_name, new)
+                (new, why), key = _plan_linear(child), "linear"
+            if why is not None:
+                stock.setdefault(type(child).__name__, why)
+            elif new is not None:
+                plan.append((parent, child_name, new, key))
+    rope_plan = _plan_rope(model, stock) if rope else []
+    mlp_plan = _plan_gated_mlp(model, stock) if gated_mlp else []
+    moe_candidates = moe and any(isinstance(getattr(m, "gate_up_proj", None), torch.nn.Parameter) for m in model.modules())
+    if moe_candidates:
+        from .moe import plan_moe
+
+        for _, cls, why in plan_moe(model):
+            if why:
+                stock.setdefault(cls, why)
+    for cls, why in stock.items():
+        if cls not in _stock_warned:
+            _stock_warned.add(cls)
+            what = "attention implementation" if cls == "attention" else cls
+            warnings.warn(f"apply_tpukernels: {what} left stock: {why}", RuntimeWarning, stacklevel=2)
+    counts["stock"] = stock
+    if dry_run:
+        counts["rms_norm"] = sum(k == "rms_norm" for *_, k in plan)
+        counts["layer_norm"] = sum(k == "layer_norm" for *_, k in plan)
+        counts["linear"] = sum(k == "linear" for *_, k in plan)
+        if quantize:
+            counts["quantized"] = len(quantized)
+        if rope:
+            counts["rope"] = len(rope_plan)
+        if gated_mlp:
+            counts["gated_mlp"] = len(mlp_plan)
+        from .moe import plan_moe
+
+        counts["moe_experts"] = sum(why is None for *_, why in plan_moe(model)) if moe_candidates else 0
+        return counts
+
+    # apply
+    if counts["attention"]:
+        _set_attn(model, NAME)
+    for parent, child_name, new, key in plan:
+        setattr(parent, child_name, new)
+        counts[key] += 1
     if quantize:  # what save_pretrained writes as config.json's quantization_config (from_pretrained reads it)
         from .quantizers import mark_quantized
 
         mark_quantized(model, quantize, x_quant, quantized)
     if rope:
-        counts["rope"] = _patch_rope(model)
+        counts["rope"] = _apply_rope(model, rope_plan)
     if gated_mlp:
-        counts["gated_mlp"] = _patch_gated_mlp(model)
+        for parent, child_name, new in mlp_plan:
+            setattr(parent, child_name, new)
+        counts["gated_mlp"] = len(mlp_plan)
     counts["moe_experts"] = 0
-    if moe and any(isinstance(getattr(m, "gate_up_proj", None), torch.nn.Parameter) for m in model.modules()):
+    if moe_candidates:
         from .moe import apply_tpukernels_moe
 
-        counts["moe_experts"] = len(apply_tpukernels_moe(model))
+        with warnings.catch_warnings():  # its stock warnings were given above, as this call's "stock"
+            warnings.simplefilter("ignore")
+            counts["moe_experts"] = len(apply_tpukernels_moe(model))
     return counts
 
 
-def _patch_rope(model: torch.nn.Module) -> int:
-    """Point each modeling module of ``model`` whose ``apply_rotary_pos_emb`` is llama's at ours."""
+_stock_warned: set = set()
+
+
+# ------------------------------------------------------------------------------------------ attention probe
+_attention_calls: Optional[list] = None  # the whole-model probe's record of attention_forward calls
+
+
+def _set_attn(model: torch.nn.Module, impl: str) -> None:
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(impl)
+    else:
+        model.config._attn_implementation = impl
+
+
+def _default_probe_inputs(model: torch.nn.Module) -> Optional[dict]:
+    """A left-padded ``[2, 8]`` batch of token ids for a model with input embeddings (None otherwise)."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    n = getattr(emb, "num_embeddings", None)
+    if not isinstance(n, int) or n < 2:
+        return None
+    device = emb.weight.device
+    ids = torch.randint(0, n, (2, 8), generator=torch.Generator().manual_seed(0)).to(device)
+    mask = torch.ones(2, 8, dtype=torch.long, device=device)
+    mask[0, :3] = 0  # left padding: the key-padding path of the mask mapping is exercised
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _main_output(out):
+    for name in ("logits", "last_hidden_state"):
+        t = getattr(out, name, None)
+        if isinstance(t, torch.Tensor):
+            return t
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    return out if isinstance(out, torch.Tensor) else None
+
+
+def _run(model, inputs):
+    with torch.no_grad():
+        try:
+            return _main_output(model(**inputs, use_cache=False))
+        except TypeError:
+            return _main_output(model(**inputs))
+
+
+def _verify_attention(model: torch.nn.Module, probe_inputs: Optional[dict]) -> Optional[str]:
+    """Whole-model probe of ``attn_implementation="tpukernels"``: the model's main output (logits / last
+    hidden state) on ``probe_inputs`` (default: :func:`_default_probe_inputs`) with its own attention
+    implementation and with ours; None when they agree within :data:`patch_probes.MODEL_TOLERANCE` at the
+    non-padded positions and ours was called. The model keeps its own implementation here."""
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        return "the model has no transformers config (no attention interface to set)"
+    register()
+    inputs = probe_inputs if probe_inputs is not None else _default_probe_inputs(model)
+    if inputs is None:
+        return "no probe input (the model has no input embeddings): pass probe_inputs= to verify it"
+    original = getattr(cfg, "_attn_implementation", None) or "eager"
+    w = next((p for p in model.parameters() if p.is_floating_point()), None)
+    dtype = w.dtype if w is not None else torch.float32
+    was_training = model.training
+    model.eval()
+    try:
+        try:
+            want = _run(model, inputs)
+        except Exception as e:  # noqa: BLE001 - the probe input does not fit this model
+            return f"the stock model fails on the probe input ({type(e).__name__}: {e}); pass probe_inputs="
+        global _attention_calls
+        _attention_calls = []
+        _set_attn(model, NAME)
+        try:
+            got = _run(model, inputs)
+        except Exception as e:  # noqa: BLE001
+            return f"the model fails with it ({type(e).__name__}: {e})"
+        finally:
+            calls, _attention_calls = len(_attention_calls), None
+            _set_attn(model, original)
+        if calls == 0:
+            return "the model never calls transformers' attention interface"
+        mask = inputs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and isinstance(want, torch.Tensor) \
+                and want.shape[:2] == mask.shape and isinstance(got, torch.Tensor) and got.shape == want.shape:
+            keep = mask.bool()
+            want, got = want[keep], got[keep]  # padded positions are undefined in both
+        err = patch_probes.relative_error(got, want)
+        tol = patch_probes.MODEL_TOLERANCE.get(dtype, 8e-2)
+        if not err <= tol:
+            return (f"the model's output with it differs from {original!r} by {err:.3g} (relative; "
+                    f"tolerance {tol:g} for {dtype})")
+        return None
+    finally:
+        model.train(was_training)
+
+
+# ------------------------------------------------------------------------------------------ RoPE
+_rope_active: dict = {}  # modeling module name -> depth of patched-model forwards now running
+
+
+class RopeDispatch:
+    """A modeling module's ``apply_rotary_pos_emb`` after ``apply_tpukernels(rope=True)``: ours while the
+    forward of a model patched with ``rope=True`` runs, the original otherwise (another model of the same
+    family in the process keeps HF's function). ``original``: the function it replaced."""
+
+    def __init__(self, module_name: str, original):
+        self.module_name, self.original = module_name, original
+        self.__wrapped__ = original
+
+    def __call__(self, *args, **kwargs):
+        if _rope_active.get(self.module_name, 0) > 0:
+            from ..library.rope import apply_rotary_pos_emb
+
+            return apply_rotary_pos_emb(*args, **kwargs)
+        return self.original(*args, **kwargs)
+
+
+def _rope_probe_args():
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 4, 5, 16, generator=g), torch.randn(2, 2, 5, 16, generator=g)
+    ang = torch.randn(2, 5, 8, generator=g)
+    ang = torch.cat([ang, ang], -1)
+    return q, k, ang.cos(), ang.sin()
+
+
+def _plan_rope(model: torch.nn.Module, stock: dict) -> list[str]:
+    """Names of the modeling modules of ``model`` whose ``apply_rotary_pos_emb`` ours equals (probed)."""
     import inspect
     import sys
 
     from ..library.rope import apply_rotary_pos_emb
 
-    patched = 0
+    names = []
     for name in sorted({type(m).__module__ for m in model.modules()}):
         mod = sys.modules.get(name)
         fn = getattr(mod, "apply_rotary_pos_emb", None)
-        if fn is None or not hasattr(mod, "rotate_half"):
+        if fn is None:
             continue
-        if fn is not apply_rotary_pos_emb:
-            params = list(inspect.signature(fn).parameters)
-            if params[:4] != ["q", "k", "cos", "sin"] or "unsqueeze_dim" not in params:
-                continue
-            mod.apply_rotary_pos_emb = apply_rotary_pos_emb
-        patched += 1
-    return patched
+        original = fn.original if isinstance(fn, RopeDispatch) else fn
+        try:
+            params = list(inspect.signature(original).parameters)
+        except (TypeError, ValueError):
+            params = []
+        if params[:4] != ["q", "k", "cos", "sin"] or "unsqueeze_dim" not in params:
+            stock[f"{name}.apply_rotary_pos_emb"] = f"not the llama signature (q, k, cos, sin, unsqueeze_dim): {params}"
+            continue
+        why = patch_probes.verify_function(original, apply_rotary_pos_emb, _rope_probe_args, ("rope", original))
+        if why:
+            stock[f"{name}.apply_rotary_pos_emb"] = why
+            continue
+        names.append(name)
+    return names
 
 
+def _apply_rope(model: torch.nn.Module, names: list[str]) -> int:
+    import sys
+
+    for name in names:
+        mod = sys.modules[name]
+        if not isinstance(mod.apply_rotary_pos_emb, RopeDispatch):
+            mod.apply_rotary_pos_emb = RopeDispatch(name, mod.apply_rotary_pos_emb)
+    new = [n for n in names if n not in getattr(model, "_tpukernels_rope", ())]
+    if new:
+        if not hasattr(model, "_tpukernels_rope"):
+            model._tpukernels_rope = []
+
+            def enter(mod, args, kwargs=None):
+                for n in mod._tpukernels_rope:
+                    _rope_active[n] = _rope_active.get(n, 0) + 1
+
+            def leave(mod, args, output=None, *rest):
+                for n in mod._tpukernels_rope:
+                    _rope_active[n] = _rope_active.get(n, 1) - 1
+
+            model.register_forward_pre_hook(enter)
+            model.register_forward_hook(leave, always_call=True)
+        model._tpukernels_rope.extend(new)
+    return len(names)
+
+
+# ------------------------------------------------------------------------------------------ gated MLP
 def _gated_activation_of(act_fn) -> Optional[str]:
     """Which :data:`tpukernels.library.gated_mlp.ACTIVATIONS` ``act_fn`` computes (float64 probe), or None."""
     t = torch.linspace(-6, 6, 97, dtype=torch.float64)
@@ -428,24 +731,33 @@ def _gated_activation_of(act_fn) -> Optional[str]:
     return None
 
 
-def _patch_gated_mlp(model: torch.nn.Module) -> int:
-    """Swap ``down(act(gate(x)) * up(x))`` MLP modules for :class:`TPUGatedMLP` (same linear children)."""
+def _plan_gated_mlp(model: torch.nn.Module, stock: dict) -> list:
+    """``(parent, name, TPUGatedMLP)`` for each ``down(act(gate(x)) * up(x))`` MLP module whose class the
+    probe accepts (same linear children, so state dicts are unchanged)."""
     from ..library.gated_mlp import TPUGatedMLP
 
-    n = 0
+    plan = []
     for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):
             if not type(child).__name__.endswith("MLP") or isinstance(child, TPUGatedMLP):
                 continue
             parts = [getattr(child, a, None) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")]
-            if any(p is None for p in parts):
+            if any(p is None for p in parts) or not isinstance(parts[0], torch.nn.Linear):
                 continue
             act = _gated_activation_of(parts[3])
             if act is None:
                 continue
-            setattr(parent, child_name, TPUGatedMLP(*parts[:3], activation=act))
-            n += 1
-    return n
+
+            def build(m, act=act):
+                return TPUGatedMLP(m.gate_proj, m.up_proj, m.down_proj, activation=act)
+
+            why = patch_probes.verify_replacement(child, build, f"gated_mlp:{act}", randomize=False,
+                                                  hidden=parts[0].in_features)
+            if why:
+                stock.setdefault(type(child).__name__, why)
+                continue
+            plan.append((parent, child_name, build(child)))
+    return plan
 
 
 def apply_tpukernels_to_llama(model, **kw) -> dict:

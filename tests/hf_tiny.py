@@ -1,0 +1,85 @@
+"""Tiny random causal LMs of transformers' own architectures (nothing downloaded), for the patching sweep.
+
+``tiny_causal_lm(model_type)`` takes the architecture's default config, shrinks every size attribute it has
+(hidden 64, 2 layers or one of each layer type, 4 heads / 2 KV heads, head_dim 16, 4 experts top-2, a short
+sliding window so windows apply to an 8-token probe), builds ``AutoModelForCausalLM`` from it in float32,
+and randomizes every norm weight and bias (``w + 0.2 * randn``) so a dropped bias or a wrong ``(1 + w)``
+changes the logits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SIZES = dict(
+    hidden_size=64, intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=96, max_position_embeddings=128,
+    num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+    n_group=1, topk_group=1, sliding_window=4, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+    qk_nope_head_dim=8, v_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+    linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, first_k_dense_replace=1,
+    decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=2, n_layer=2, n_head=4, n_embd=64,
+    d_model=64, n_positions=128, ffn_dim=128, encoder_ffn_dim=128, decoder_ffn_dim=128, num_layers=2,
+    state_size=8, expand=2, conv_kernel=4, n_groups=1, mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=1,
+    mamba_d_state=8, mamba_d_conv=4, chunk_size=8, time_step_rank=8, ssm_state_size=8, mamba_headdim=32,
+    index_n_heads=2, index_head_dim=16, index_topk=4, rotary_dim=8, partial_rotary_factor=0.5,
+    pad_token_id=0, bos_token_id=1, eos_token_id=2, attention_dropout=0.0, hidden_dropout=0.0,
+    use_cache=False,
+)
+
+
+def tiny_config(model_type: str):
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model(model_type)
+    text = getattr(cfg, "text_config", None) or cfg
+    for c in {id(cfg): cfg, id(text): text}.values():
+        for k, v in SIZES.items():
+            if hasattr(c, k) and not (k == "partial_rotary_factor" and getattr(c, k) in (None, 1.0)):
+                setattr(c, k, v)
+        lt = getattr(c, "layer_types", None)
+        if isinstance(lt, (list, tuple)) and lt and _settable(c, "layer_types"):
+            kinds = list(dict.fromkeys(lt))  # one layer of each type, in first-seen order
+            c.layer_types = kinds if len(kinds) > 1 else kinds * 2
+            c.num_hidden_layers = len(c.layer_types)
+        if getattr(c, "layers_block_type", None):
+            kinds = list(dict.fromkeys(c.layers_block_type))
+            c.layers_block_type = kinds if len(kinds) > 1 else kinds * 2
+            c.num_hidden_layers = len(c.layers_block_type)
+        c._attn_implementation = "eager"
+    return cfg
+
+
+def _settable(c, name: str) -> bool:
+    prop = getattr(type(c), name, None)
+    return not isinstance(prop, property) or prop.fset is not None
+
+
+def randomize_norms(model: torch.nn.Module, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if ("norm" in name.lower() and p.dim() == 1) or (leaf == "bias" and p.dim() == 1):
+                p.add_(0.2 * torch.randn(p.shape, generator=g).to(p.dtype))
+        for name, b in model.named_buffers():
+            if "norm" in name.lower() and b.dim() == 1 and b.is_floating_point():
+                b.add_(0.2 * torch.randn(b.shape, generator=g).to(b.dtype))
+
+
+def tiny_causal_lm(model_type: str, seed: int = 0) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type), attn_implementation="eager")
+    model = model.float().eval()
+    randomize_norms(model, seed)
+    return model
+
+
+def probe_batch(vocab: int = 96, seed: int = 1):
+    """A left-padded [2, 8] batch (row 0 has 3 pad tokens)."""
+    ids = torch.randint(3, vocab, (2, 8), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[0, :3] = 0
+    return ids, mask
