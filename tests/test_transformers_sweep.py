@@ -9,53 +9,30 @@ the whole causal-LM mapping in ``make test-slow``.
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hf_tiny import probe_batch, tiny_causal_lm  # noqa: E402
+from hf_tiny import TOL, logits as _logits, probe_batch, sweep_one, tiny_causal_lm  # noqa: E402
 
 from tpukernels.errors import ArgumentError  # noqa: E402
 from tpukernels.integrations import patch_probes  # noqa: E402
 from tpukernels.integrations import transformers as tki  # noqa: E402
 
 SAMPLE = ["llama", "qwen3_next", "gemma3_text", "falcon_mamba", "cpmant", "gpt_oss"]
-# float32 logits after 2 layers: one kernel's reduction order (observed <= 1e-6 relative)
-TOL = 1e-4
 
 
-def _logits(model, ids, mask):
-    with torch.no_grad():
-        return model(input_ids=ids, attention_mask=mask).logits.double()
-
-
-def check_architecture(model_type: str) -> dict:
-    try:
-        model = tiny_causal_lm(model_type)
-    except Exception as e:  # noqa: BLE001 - an architecture our generic tiny config cannot build
-        pytest.skip(f"{model_type}: no tiny config ({type(e).__name__}: {str(e)[:120]})")
-    ids, mask = probe_batch(model.get_input_embeddings().num_embeddings)
-    try:
-        want = _logits(model, ids, mask)
-    except Exception as e:  # noqa: BLE001
-        pytest.skip(f"{model_type}: the stock tiny model does not run ({type(e).__name__}: {str(e)[:120]})")
-    patch_probes.verdicts.clear()
-    tki._stock_warned.clear()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        report = tki.apply_tpukernels(model, rope=True, gated_mlp=True)
-    got = _logits(model, ids, mask)
-    keep = mask.bool()
-    err = float((got[keep] - want[keep]).abs().max() / want[keep].abs().max())
-    assert err <= TOL, f"{model_type}: patched logits differ from stock by {err:.3g} (report {report})"
-    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+def check_architecture(model_type: str):
+    r = sweep_one(model_type)
+    if r["status"] != "built":
+        pytest.skip(f"{model_type}: {r['status']} ({r['why']})")
+    report = r["report"]
+    assert r["err"] <= TOL, f"{model_type}: patched logits differ from stock by {r['err']:.3g} (report {report})"
     for what in report["stock"]:
         shown = "attention implementation" if what == "attention" else what
-        assert any(f"{shown} left stock" in m for m in messages), f"{model_type}: no warning for {what}"
-    return report, model
+        assert any(f"{shown} left stock" in m for m in r["warnings"]), f"{model_type}: no warning for {what}"
+    return report, r["model"]
 
 
 @pytest.mark.parametrize("model_type", SAMPLE)
