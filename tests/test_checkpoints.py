@@ -315,3 +315,171 @@ def test_unsupported_quantization_configs_name_the_key():
     for qc, key in cases:
         with pytest.raises(ArgumentError, match=f"quantization_config: .*{key}"):
             tkc.parse_quantization_config(qc)
+
+
+# ------------------------------------------------------------------------ incomplete or malformed checkpoints
+# issue 36 item 3: every tensor a format needs must be present with its exact shape and dtype, or the load raises
+# ArgumentError naming the module and the tensor (before: a compressed-tensors int8 linear without weight_scale
+# loaded as an nn.Linear of raw int8 values, an fp8 one without weight_scale_inv as unscaled fp8 values, a GPTQ
+# qweight two rows short along K built its last 16 input columns from padding nibbles).
+import hashlib  # noqa: E402
+import re  # noqa: E402
+
+BAD = "model.layers.0.self_attn.v_proj"  # the last quantized linear in load order: the others convert before it
+
+
+def _rep(t: torch.Tensor, n: int) -> torch.Tensor:
+    return t.double().repeat_interleave(n, 1)
+
+
+def _gptq_v2(name, g):
+    q, z, s = _int4_groups(g, 64, 64, 32)
+    return (dict(qweight=_pack32(q.T, 0), qzeros=_pack32(z.T, 1), scales=s.T,
+                 g_idx=torch.arange(64, dtype=torch.int32) // 32), (q.double() - _rep(z, 32)) * _rep(s, 32))
+
+
+def _awq(name, g):
+    q, z, s = _int4_groups(g, 64, 64, 32)
+    order = (0, 2, 4, 6, 1, 3, 5, 7)
+    return (dict(qweight=_pack32(q.T, 1, order), qzeros=_pack32(z.T, 1, order), scales=s.T),
+            (q.double() - _rep(z, 32)) * _rep(s, 32))
+
+
+def _ct_pack_asym(name, g):
+    qs = torch.randint(-8, 8, (64, 64), generator=g)
+    zp = torch.randint(-8, 8, (64, 2), generator=g)
+    s = (torch.rand(64, 2, generator=g) * 0.02 + 0.005).bfloat16()
+    return (dict(weight_packed=_pack32(qs + 8, 1), weight_scale=s, weight_zero_point=_pack32(zp + 8, 0),
+                 weight_shape=torch.tensor([64, 64])), (qs.double() - _rep(zp, 32)) * _rep(s, 32))
+
+
+def _ct_int8(name, g):
+    q = torch.randint(-127, 128, (64, 64), generator=g).to(torch.int8)
+    s = torch.rand(64, 1, generator=g) * 0.002 + 0.0005
+    return dict(weight=q, weight_scale=s), q.double() * s.double()
+
+
+def _ct_fp8(name, g):
+    w = (torch.randn(64, 64, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    s = (torch.rand(64, 1, generator=g) * 0.001 + 1e-4).bfloat16()
+    return dict(weight=w, weight_scale=s), w.double() * s.double()
+
+
+def _fp8_block(name, g):
+    w = (torch.randn(64, 64, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    s = torch.rand(2, 2, generator=g) * 0.001 + 1e-4
+    return dict(weight=w, weight_scale_inv=s), w.double() * s.double().repeat_interleave(32, 0).repeat_interleave(32, 1)
+
+
+_W4 = dict(num_bits=4, type="int", strategy="group", group_size=32)
+_A8 = dict(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True)
+#: format -> (quantization_config, per-linear tensors, the tensors it needs (g_idx: optional), logits rms_tol)
+FORMATS = {
+    "gptq": (dict(quant_method="gptq", bits=4, group_size=32, sym=False, checkpoint_format="gptq_v2"), _gptq_v2,
+             ("qweight", "qzeros", "scales", "g_idx"), None),
+    "awq": (dict(quant_method="awq", bits=4, group_size=32, zero_point=True, version="gemm"), _awq,
+            ("qweight", "qzeros", "scales"), None),
+    "ct-pack": (_ct("pack-quantized", dict(_W4, symmetric=False)), _ct_pack_asym,
+                ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape"), None),
+    "ct-int8": (_ct("int-quantized", dict(num_bits=8, type="int", symmetric=True, strategy="channel"), _A8), _ct_int8,
+                ("weight", "weight_scale"), 0.10),
+    "ct-fp8": (_ct("float-quantized", dict(num_bits=8, type="float", symmetric=True, strategy="channel")), _ct_fp8,
+               ("weight", "weight_scale"), None),
+    "fp8-block": (dict(quant_method="fp8", activation_scheme="dynamic", fmt="e4m3", weight_block_size=[32, 32]),
+                  _fp8_block, ("weight", "weight_scale_inv"), None),
+}
+
+
+def _wrong_dtype(v: torch.Tensor) -> torch.Tensor:
+    """A plausible wrong dtype: packed words as int64, int8 as uint8, fp8 weights dequantized to bf16, float
+    scales as float64, index tensors as float."""
+    if v.dtype == torch.int32:
+        return v.long() if v.dim() == 2 else v.float()
+    return {torch.int8: lambda: v.view(torch.uint8), torch.float8_e4m3fn: lambda: v.to(torch.bfloat16),
+            torch.int64: lambda: v.float()}.get(v.dtype, lambda: v.double())()
+
+
+MUTATIONS = {
+    "missing": lambda t, k: t.pop(k),
+    "shape": lambda t, k: t.__setitem__(k, t[k][:max(1, t[k].shape[0] - 2)]),  # e.g. qweight two rows short
+    "dtype": lambda t, k: t.__setitem__(k, _wrong_dtype(t[k])),
+}
+CASES = [(f, k, m) for f, (_, _, keys, _) in FORMATS.items() for k in keys for m in MUTATIONS
+         if not (m == "missing" and k in ("g_idx", "weight_shape"))]  # optional tensors
+
+
+def _write_bad(tmp_path, fmt, mutate=None):
+    qc, gen, _, _ = FORMATS[fmt]
+
+    def per_linear(name, g):
+        t, W = gen(name, g)
+        if name == BAD and mutate is not None:
+            mutate(t)
+        return t, W
+
+    return _write(tmp_path, qc, per_linear)
+
+
+def _digest(path) -> dict:
+    return {f: hashlib.sha256(open(os.path.join(path, f), "rb").read()).hexdigest() for f in sorted(os.listdir(path))}
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_each_format_loads_exactly(tmp_path, fmt):
+    """The valid checkpoints the malformed cases below start from load exactly (float64 dequantization bit for bit,
+    logits against a float64 run): so each error below comes from the one changed tensor. Covers the asymmetric
+    pack-quantized zero points and compressed-tensors fp8 channel scales too."""
+    ref = _write_bad(tmp_path, fmt)
+    _check_loaded(tmp_path, ref, rms_tol=FORMATS[fmt][3])
+
+
+@pytest.mark.parametrize("fmt, key, how", CASES, ids=lambda v: str(v))
+def test_missing_or_malformed_tensor_raises(tmp_path, fmt, key, how):
+    """One linear's tensor missing, two rows short (or one, for a 2-row scale) or of a wrong dtype: ArgumentError
+    naming ``<module>.<tensor>`` and the rule; the checkpoint files are unchanged."""
+    _write_bad(tmp_path, fmt, lambda t: MUTATIONS[how](t, key))
+    before = _digest(tmp_path)
+    word = {"missing": "is missing", "shape": "has shape", "dtype": "has dtype"}[how]
+    with pytest.raises(ArgumentError, match=re.escape(f"{BAD}.{key}") + f" {word}"):
+        tkc.from_pretrained(str(tmp_path))
+    assert _digest(tmp_path) == before
+
+
+def test_convert_linears_is_all_or_nothing(tmp_path):
+    """convert_linears on the caller's model: a bad tensor in the last linear leaves every linear of the model as it
+    was (before: the linears converted before it stayed swapped)."""
+    from safetensors.torch import load_file
+
+    scheme = tkc.parse_quantization_config(FORMATS["ct-int8"][0])
+    _write_bad(tmp_path, "ct-int8", lambda t: t.pop("weight_scale"))
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(_tiny_llama_cfg())
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ArgumentError, match=re.escape(f"{BAD}.weight_scale")):
+        tkc.convert_linears(model, load_file(os.path.join(tmp_path, "model.safetensors")), scheme)
+    assert all(type(model.get_submodule(f"model.layers.0.{n}")) is torch.nn.Linear for n in LINEARS)
+    got = model.state_dict()
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("fmt, mutate, match", [
+    ("fp8-block", lambda t: t.__setitem__("input_scale", torch.ones(1)), r"\.input_scale .*is not a tensor"),
+    ("gptq", lambda t: t.__setitem__("g_idx", torch.full((64,), 2, dtype=torch.int32)), r"\.g_idx holds group"),
+    ("ct-pack", lambda t: t.__setitem__("weight_shape", torch.tensor([64, 56])), r"\.weight_shape is \[64, 56\]"),
+    ("ct-int8", lambda t: t.__setitem__("weight_zero_point", torch.ones(64, 1, dtype=torch.int8)),
+     r"\.weight_zero_point .*symmetric scheme has no zero points"),
+    ("ct-int8", lambda t: t.__setitem__("weight", t["weight"].float()), r"\.weight has dtype float32"),
+], ids=["unknown-tensor", "g_idx-range", "weight_shape", "symmetric-nonzero-zp", "float-weight-with-scale"])
+def test_inconsistent_tensor_values_raise(tmp_path, fmt, mutate, match):
+    """Tensors the scheme does not read, index tensors out of range, a weight_shape other than the linear's, a
+    nonzero zero point in a symmetric scheme: named, never ignored."""
+    _write_bad(tmp_path, fmt, mutate)
+    with pytest.raises(ArgumentError, match=re.escape(BAD) + match):
+        tkc.from_pretrained(str(tmp_path))
+
+
+def test_symmetric_all_zero_zero_points_load(tmp_path):
+    """Older compressed-tensors wrote all-zero zero points for symmetric schemes: nothing to apply, they load."""
+    ref = _write_bad(tmp_path, "ct-int8", lambda t: t.__setitem__("weight_zero_point",
+                                                                   torch.zeros(64, 1, dtype=torch.int8)))
+    _check_loaded(tmp_path, ref, rms_tol=0.10)
