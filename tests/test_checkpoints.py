@@ -483,3 +483,92 @@ def test_symmetric_all_zero_zero_points_load(tmp_path):
     ref = _write_bad(tmp_path, "ct-int8", lambda t: t.__setitem__("weight_zero_point",
                                                                    torch.zeros(64, 1, dtype=torch.int8)))
     _check_loaded(tmp_path, ref, rms_tol=0.10)
+
+
+# ----------------------------------------------------------------------------------- broken checkpoint folders
+# issue 36 item 8: a truncated / 0-byte / corrupt-header safetensors file, a corrupt config.json and a folder
+# without weights surfaced as transformers' (or safetensors') own errors before our loader ran; now ArgumentError
+# naming the file, raised before transformers reads anything.
+def _valid_dir(tmp_path):
+    _write_bad(tmp_path, "fp8-block")
+    return tmp_path
+
+
+def _rewrite(path, f):
+    data = open(path, "rb").read()
+    open(path, "wb").write(f(data))
+
+
+def _corrupt_header(data: bytes) -> bytes:
+    n = int.from_bytes(data[:8], "little")  # safetensors: 8-byte header length, then the JSON header
+    return data[:8] + b"[" + data[9:8 + n] + data[8 + n:]
+
+
+@pytest.mark.parametrize("how, corrupt, match", [
+    ("zero-bytes", lambda d: b"", "header too small"),
+    ("truncated", lambda d: d[:-100], "not fully covered"),
+    ("corrupt-header", _corrupt_header, "invalid JSON"),
+])
+def test_broken_safetensors_file_is_named(tmp_path, how, corrupt, match):
+    d = _valid_dir(tmp_path)
+    f = os.path.join(d, "model.safetensors")
+    _rewrite(f, corrupt)
+    with pytest.raises(ArgumentError, match=re.escape(repr(f)) + f" is not a valid safetensors file .*{match}"):
+        tkc.from_pretrained(str(d))
+
+
+@pytest.mark.parametrize("how, text, match", [
+    ("truncated-json", lambda s: s[: len(s) // 2], "is not a readable JSON file"),
+    ("not-an-object", lambda s: "[1, 2]", "holds a JSON list, expected an object"),
+    ("not-utf8", lambda s: "\udcff", "is not a readable JSON file"),
+    ("unknown-model-type", lambda s: s.replace('"llama"', '"no-such-model"'), "transformers cannot read"),
+])
+def test_broken_config_json_is_named(tmp_path, how, text, match):
+    d = _valid_dir(tmp_path)
+    f = os.path.join(d, "config.json")
+    s = open(f).read()
+    open(f, "wb").write(text(s).encode("utf-8", "surrogateescape"))
+    named = re.escape(repr(f))
+    with pytest.raises(ArgumentError, match=f"{match} {named}" if how == "unknown-model-type" else f"{named} {match}"):
+        tkc.from_pretrained(str(d))
+
+
+def test_folder_without_config_or_weights_is_named(tmp_path):
+    d = _valid_dir(tmp_path)
+    os.rename(os.path.join(d, "model.safetensors"), os.path.join(d, "pytorch_model.bin"))
+    with pytest.raises(ArgumentError, match=r"no \*\.safetensors file in .*pytorch_model\.bin"):
+        tkc.from_pretrained(str(d))
+    os.remove(os.path.join(d, "config.json"))
+    with pytest.raises(ArgumentError, match=re.escape(repr(os.path.join(d, "config.json"))) + " does not exist"):
+        tkc.from_pretrained(str(d))
+    with pytest.raises(ArgumentError, match="is not a directory"):
+        tkc.from_pretrained(str(d / "nothing-here"))
+
+
+def test_shards_index_and_duplicates_are_checked(tmp_path):
+    """An index naming a shard that is not there, and one tensor in two files (which one would win?)."""
+    from safetensors.torch import load_file, save_file
+
+    d = _valid_dir(tmp_path)
+    sd = load_file(os.path.join(d, "model.safetensors"))
+    idx = os.path.join(d, "model.safetensors.index.json")
+    json.dump({"metadata": {}, "weight_map": {k: "model-00002-of-00002.safetensors" for k in sd}}, open(idx, "w"))
+    with pytest.raises(ArgumentError, match=re.escape(repr(idx)) + " names the shard 'model-00002-of-00002"):
+        tkc.from_pretrained(str(d))
+    os.remove(idx)
+    extra = os.path.join(d, "extra.safetensors")
+    save_file({"model.norm.weight": sd["model.norm.weight"] * 2}, extra, metadata={"format": "pt"})
+    with pytest.raises(ArgumentError, match=r"tensor 'model\.norm\.weight' is in both .*extra\.safetensors.* and "
+                                            r".*model\.safetensors"):
+        tkc.from_pretrained(str(d))
+
+
+def test_config_argument_is_copied_not_changed(tmp_path):
+    """from_pretrained(path, config=cfg): the loader drops quantization_config from its own copy; the caller's
+    config keeps it (before: TypeError, config passed twice)."""
+    ref = _write_bad(tmp_path, "fp8-block")
+    cfg = transformers.AutoConfig.from_pretrained(tmp_path)
+    want = cfg.to_dict()
+    model = tkc.from_pretrained(str(tmp_path), config=cfg)
+    assert cfg.to_dict() == want and cfg.quantization_config["quant_method"] == "fp8"
+    assert torch.equal(_dequantized(model.get_submodule(BAD)), ref[BAD])
