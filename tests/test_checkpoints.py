@@ -572,3 +572,43 @@ def test_config_argument_is_copied_not_changed(tmp_path):
     model = tkc.from_pretrained(str(tmp_path), config=cfg)
     assert cfg.to_dict() == want and cfg.quantization_config["quant_method"] == "fp8"
     assert torch.equal(_dequantized(model.get_submodule(BAD)), ref[BAD])
+
+
+def _edit_config(path, **changes):
+    f = os.path.join(path, "config.json")
+    cfg = json.load(open(f))
+    cfg.update(changes)
+    json.dump(cfg, open(f, "w"))
+
+
+def test_bias_present_exactly_when_the_model_has_one(tmp_path):
+    """A linear with a bias whose checkpoint has none (before: built without it, silently), and a checkpoint bias
+    for a linear that has none: both named."""
+    _write_bad(tmp_path / "a", "fp8-block")
+    _edit_config(tmp_path / "a", attention_bias=True)
+    with pytest.raises(ArgumentError, match=r"self_attn\.k_proj\.bias is missing"):
+        tkc.from_pretrained(str(tmp_path / "a"))
+    _write_bad(tmp_path / "b", "fp8-block", lambda t: t.__setitem__("bias", torch.ones(64)))
+    with pytest.raises(ArgumentError, match=re.escape(f"{BAD}.bias") + r" .*the model's linear has no bias"):
+        tkc.from_pretrained(str(tmp_path / "b"))
+
+
+def test_compressed_tensors_target_left_float_raises_unless_ignored(tmp_path):
+    """compressed-tensors quantizes every Linear its ignore list does not name: a target stored as a plain float
+    weight is a half-quantized checkpoint (before: loaded as float without a word); named in ``ignore`` (here by a
+    're:' regex, compressed-tensors' re.match) it loads as the float nn.Linear it is."""
+    def float_v(t):
+        t.clear()
+        t["weight"] = torch.randn(64, 64, generator=torch.Generator().manual_seed(5))
+
+    _write_bad(tmp_path, "ct-int8", float_v)
+    with pytest.raises(ArgumentError, match=re.escape(f"{BAD}.weight") + r" is a float32 weight without "
+                                            r"\['weight_scale'\].*half quantized"):
+        tkc.from_pretrained(str(tmp_path))
+    qc = json.load(open(tmp_path / "config.json"))["quantization_config"]
+    _edit_config(tmp_path, quantization_config=dict(qc, ignore=["lm_head", r"re:.*self_attn\.v_proj$"]))
+    model = tkc.from_pretrained(str(tmp_path))
+    v = model.get_submodule(BAD)
+    assert type(v) is torch.nn.Linear
+    assert torch.equal(v.weight.detach(), torch.randn(64, 64, generator=torch.Generator().manual_seed(5)))
+    assert isinstance(model.get_submodule("model.layers.0.self_attn.q_proj"), TPUQuantLinear)

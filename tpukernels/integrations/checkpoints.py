@@ -38,6 +38,17 @@ Checkpoint scales in fp16 / bf16 become float32 (exact). A group size that is no
 (32..512) but a multiple of one (``-1`` = per channel, or e.g. 1024) is tiled by the largest block size dividing it,
 with its scale repeated. K not a multiple of the block follows the kernels' padding rule (the weight is padded).
 
+Checks (all before transformers loads a tensor; each an :class:`~tpukernels.errors.ArgumentError` naming the file, or
+the module and tensor): the directory (:func:`check_checkpoint_folder`: ``config.json`` parses, every
+``*.safetensors`` header parses, at least one exists); the ``quantization_config`` (:func:`parse_quantization_config`);
+each quantized linear's tensors (:func:`check_linear_tensors`: every tensor its format needs present with the exact
+shape and dtype listed above, ``bias`` exactly when the model's linear has one, no tensor the format does not have,
+``g_idx`` / ``weight_shape`` values consistent). A linear is quantized when the checkpoint holds a tensor of the
+scheme for it or a ``weight`` that is not a float (an ``nn.Linear`` would hold raw int8 / fp8 values); with
+compressed-tensors, every ``nn.Linear`` its ``ignore`` list does not name (``re:`` regex, name or class, as
+compressed-tensors matches) must be quantized. A failing load writes nothing: the files are only read, a ``config=``
+argument is copied, and :func:`convert_linears` builds every module before it swaps any into the model.
+
 Memory: transformers first materialises the float model (the quantized linears' float weights included, then
 dropped); loading a model larger than host memory needs a meta-device path that is not implemented here.
 """
@@ -63,7 +74,8 @@ class Scheme:
     fp8-block), ``group_size`` (-1 per channel), ``x_quant`` (None / "int8" / "fp8"), ``gptq_v1_zeros`` (stored
     zeros are one less), ``block`` (fp8 ``[bn, bk]``), ``symmetric``, ``strategy`` (compressed-tensors 8-bit:
     ``"channel"`` / ``"tensor"``), ``scale_key`` (fp8 block: ``"weight_scale_inv"`` for ``quant_method: fp8``,
-    ``"weight_scale"`` for compressed-tensors)."""
+    ``"weight_scale"`` for compressed-tensors), ``ignore`` (compressed-tensors: the config's ``ignore`` list; every
+    other ``nn.Linear`` is quantized; None for the other methods, which name no such list)."""
 
     method: str
     group_size: int = -1
@@ -73,6 +85,7 @@ class Scheme:
     symmetric: bool = True
     strategy: Optional[str] = None
     scale_key: str = "weight_scale"
+    ignore: Optional[tuple] = None
 
 
 def _err(key: str, value, why: str):
@@ -90,6 +103,10 @@ def _ct_scheme(qc: dict) -> Scheme:
     (gname, grp), = groups.items()
     if grp.get("targets") not in (["Linear"], ("Linear",)):
         raise _err(f"config_groups.{gname}.targets", grp.get("targets"), "only ['Linear'] is supported")
+    ignore = qc.get("ignore") or []
+    if isinstance(ignore, str) or not all(isinstance(i, str) for i in ignore):
+        raise _err("ignore", ignore, "a list of module names, 're:' regexes or class names")
+    ignore = tuple(ignore)
     w = grp.get("weights") or {}
     a = grp.get("input_activations")
     strategy, bits, typ = w.get("strategy"), w.get("num_bits"), w.get("type", "int")
@@ -107,7 +124,7 @@ def _ct_scheme(qc: dict) -> Scheme:
         if strategy not in ("group", "channel") or x_quant:
             raise _err(f"config_groups.{gname}.weights.strategy", strategy, "W4A16 with group or channel scales")
         return Scheme("ct-pack", int(w.get("group_size") or -1) if strategy == "group" else -1,
-                      symmetric=bool(w.get("symmetric", True)))
+                      symmetric=bool(w.get("symmetric", True)), ignore=ignore)
     if fmt in ("int-quantized", "float-quantized", "naive-quantized"):
         if bits != 8 or not w.get("symmetric", True):
             raise _err(f"config_groups.{gname}.weights", w, "8-bit symmetric weights")
@@ -115,10 +132,10 @@ def _ct_scheme(qc: dict) -> Scheme:
             blk = tuple(w.get("block_structure") or ())
             if typ != "float" or len(blk) != 2 or x_quant:
                 raise _err(f"config_groups.{gname}.weights.block_structure", blk, "fp8 [bn, bk] blocks, W8A16")
-            return Scheme("fp8-block", block=blk)
+            return Scheme("fp8-block", block=blk, ignore=ignore)
         if strategy not in ("channel", "tensor"):
             raise _err(f"config_groups.{gname}.weights.strategy", strategy, "channel, tensor or block scales")
-        return Scheme("ct-int" if typ == "int" else "ct-float", x_quant=x_quant, strategy=strategy)
+        return Scheme("ct-int" if typ == "int" else "ct-float", x_quant=x_quant, strategy=strategy, ignore=ignore)
     raise _err("format", fmt, "pack-quantized, int-quantized, float-quantized or naive-quantized")
 
 
@@ -236,13 +253,14 @@ def _dtypes(ds) -> str:
     return " or ".join(str(d).replace("torch.", "") for d in ds)
 
 
-def _spec(scheme: Scheme, N: int, K: int) -> dict:
+def _spec(scheme: Scheme, N: int, K: int, has_bias: bool) -> dict:
     """``{tensor name: (shape, dtypes, required)}``: every tensor of a linear with ``K`` in and ``N`` out features
-    that ``scheme`` reads (module docstring: the formats), with its exact shape and allowed dtypes."""
+    that ``scheme`` reads (module docstring: the formats), with its exact shape and allowed dtypes; ``bias``
+    exactly when the model's linear has one."""
     m = scheme.method
     gs = K if scheme.group_size in (-1, 0, None) else scheme.group_size
     G = _cdiv(K, gs)
-    bias = {"bias": ((N,), _FLOATS, False)}
+    bias = {"bias": ((N,), _FLOATS, True)} if has_bias else {}
     if m == "gptq":
         return {"qweight": ((_cdiv(K, 8), N), (torch.int32,), True), "qzeros": ((G, _cdiv(N, 8)), (torch.int32,), True),
                 "scales": ((G, N), _FLOATS, True), "g_idx": ((K,), _INDEX, False), **bias}
@@ -278,7 +296,7 @@ def check_linear_tensors(name: str, linear: torch.nn.Linear, t: dict, scheme: Sc
     """
     N, K = linear.out_features, linear.in_features
     where = f"{scheme.method} linear {name} ({K} in, {N} out features)"
-    spec = _spec(scheme, N, K)
+    spec = _spec(scheme, N, K, linear.bias is not None)
     for key, (shape, dtypes, required) in spec.items():
         v = t.get(key)
         if v is None:
@@ -301,6 +319,7 @@ def check_linear_tensors(name: str, linear: torch.nn.Linear, t: dict, scheme: Sc
             raise ArgumentError(f"checkpoint: {name}.weight_g_idx (group act-order) is not supported for "
                                 f"compressed-tensors")
         why = ("a symmetric scheme has no zero points" if key == "weight_zero_point" and scheme.symmetric
+               else "the model's linear has no bias" if key == "bias"
                else f"the format's tensors are {sorted(spec)}")
         raise ArgumentError(f"checkpoint: {name}.{key} ({_dtypes([v.dtype])} {tuple(v.shape)}) is not a tensor "
                             f"{where} reads: {why}")
@@ -400,13 +419,39 @@ def _quantized_names(tensors: dict, scheme: Scheme, skip=()) -> list:
     return sorted(out)
 
 
+def _ignored(name: str, module: torch.nn.Module, ignore) -> bool:
+    """compressed-tensors' matching of an ``ignore`` entry: ``re:<regex>`` (``re.match`` on the module name), the
+    exact module name, or a class name in the module's MRO."""
+    import re
+
+    return any(re.match(i[3:], name) is not None if i.startswith("re:")
+               else i == name or any(c.__name__ == i for c in type(module).__mro__) for i in ignore)
+
+
+def _check_targets(model, tensors: dict, scheme: Scheme, quantized: set) -> None:
+    """A compressed-tensors config targets every ``nn.Linear`` its ``ignore`` list does not name: one stored as a
+    float ``weight`` without the scheme's tensors is a half-quantized checkpoint."""
+    for name, mod in model.named_modules():
+        if (isinstance(mod, torch.nn.Linear) and name not in quantized and f"{name}.weight" in tensors
+                and not _ignored(name, mod, scheme.ignore)):
+            w = tensors[f"{name}.weight"]
+            need = sorted(n for n, (_, _, req) in _spec(scheme, mod.out_features, mod.in_features, False).items()
+                          if req and n != "weight")
+            raise ArgumentError(f"checkpoint: {name}.weight is a {_dtypes([w.dtype])} weight without {need}, but "
+                                f"quantization_config ({scheme.method}) quantizes every Linear that its ignore list "
+                                f"{list(scheme.ignore)} does not name; the checkpoint is half quantized")
+
+
 def _quantized_linears(model: torch.nn.Module, tensors: dict, scheme: Scheme) -> list:
     """``[(name, parent, child name, nn.Linear, {tensor name: tensor})]`` of the quantized linears of ``model``, each
     checked by :func:`check_linear_tensors` (errors: :func:`convert_linears`). Reads ``model`` only (a meta-device
     model works: only the linears' features are used)."""
     skip = tuple(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
+    names = _quantized_names(tensors, scheme, skip)
+    if scheme.ignore is not None:  # compressed-tensors: every nn.Linear not ignored is quantized
+        _check_targets(model, tensors, scheme, set(names))
     out = []
-    for name in _quantized_names(tensors, scheme, skip):
+    for name in names:
         parent_name, _, child_name = name.rpartition(".")
         try:
             parent = model.get_submodule(parent_name) if parent_name else model
@@ -578,7 +623,7 @@ def from_pretrained(path: str, *, model_class=None, dtype=torch.float32, **kwarg
     del skeleton
     model, info = model_class.from_pretrained(path, config=config, dtype=dtype, output_loading_info=True, **kwargs)
     done = convert_linears(model, tensors, scheme)
-    left = sorted(set(info.get("missing_keys", ())) - {f"{n}.{p}" for n in done for p in ("weight", "bias")})
+    left = sorted(set(info.get("missing_keys", ())) - {f"{n}.weight" for n in done})
     if left:
         raise ArgumentError(f"from_pretrained: the checkpoint has no tensor {left[0]} (and {len(left) - 1} more); "
                             f"refusing to leave it uninitialised")
