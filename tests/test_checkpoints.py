@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -88,6 +89,30 @@ def test_missing_quantized_tensor_raises(tmp_path):
     del sd["model.layers.0.mlp.up_proj.w_scale"]
     save_file(sd, path, metadata={"format": "pt"})
     with pytest.raises(ArgumentError, match=r"model\.layers\.0\.mlp\.up_proj\.w_scale"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("key, change, match", [
+    ("w_q", lambda v: v.int(), r"is int32 \[128, 64\], expected int8 \[128, 64\]"),
+    ("w_q", lambda v: v[:-2], r"is int8 \[126, 64\], expected int8 \[128, 64\]"),
+    ("w_scale", lambda v: v.bfloat16(), r"is bfloat16 \[128\], expected float32 \[128\]"),
+    ("w_scale", lambda v: v[None], r"is float32 \[1, 128\], expected float32 \[128\]"),
+], ids=["w_q-int32", "w_q-short", "w_scale-bf16", "w_scale-2d"])
+def test_malformed_quantized_tensor_raises(tmp_path, key, change, match):
+    """issue 36 item 3 for the "tpukernels" format: a quantized tensor of another dtype or shape than its buffer
+    raises ArgumentError naming it before the weights load (before: an int32 w_q loaded as int32 in place of the
+    int8 buffer, a bf16 scale was cast, a short w_q gave transformers' RuntimeError)."""
+    from safetensors.torch import load_file, save_file
+
+    model = _tiny_qwen2()
+    tki.apply_tpukernels(model, attention=False, rms_norm=False, quantize="int8")
+    model.save_pretrained(tmp_path)
+    path = os.path.join(tmp_path, "model.safetensors")
+    sd = load_file(path)
+    name = f"model.layers.0.mlp.up_proj.{key}"
+    sd[name] = change(sd[name]).contiguous()
+    save_file(sd, path, metadata={"format": "pt"})
+    with pytest.raises(ArgumentError, match=re.escape(name) + " in .*model.safetensors' " + match):
         transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
 
 
@@ -323,7 +348,6 @@ def test_unsupported_quantization_configs_name_the_key():
 # loaded as an nn.Linear of raw int8 values, an fp8 one without weight_scale_inv as unscaled fp8 values, a GPTQ
 # qweight two rows short along K built its last 16 input columns from padding nibbles).
 import hashlib  # noqa: E402
-import re  # noqa: E402
 
 BAD = "model.layers.0.self_attn.v_proj"  # the last quantized linear in load order: the others convert before it
 
