@@ -330,6 +330,9 @@ def test_unsupported_quantization_configs_name_the_key():
         (dict(quant_method="awq", bits=4, version="gemv"), "version"),
         (dict(quant_method="fp8", activation_scheme="static", weight_block_size=[128, 128]), "activation_scheme"),
         (dict(quant_method="fp8", activation_scheme="dynamic"), "weight_block_size"),
+        (dict(quant_method="fp8", activation_scheme="dynamic", weight_block_size=[128, 100]), "weight_block_size"),
+        (dict(quant_method="gptq", bits=4, group_size=48), "group_size"),
+        (_ct("pack-quantized", dict(num_bits=4, type="int", strategy="group", group_size=16)), "group_size"),
         (dict(quant_method="bitsandbytes"), "quant_method"),
         (dict(_ct("pack-quantized", dict(num_bits=4, type="int", strategy="group", group_size=128)),
               sparsity_config={"format": "sparse-24"}), "sparsity_config"),
@@ -489,11 +492,13 @@ def test_convert_linears_is_all_or_nothing(tmp_path):
 @pytest.mark.parametrize("fmt, mutate, match", [
     ("fp8-block", lambda t: t.__setitem__("input_scale", torch.ones(1)), r"\.input_scale .*is not a tensor"),
     ("gptq", lambda t: t.__setitem__("g_idx", torch.full((64,), 2, dtype=torch.int32)), r"\.g_idx holds group"),
+    ("gptq", lambda t: t.__setitem__("g_idx", (torch.arange(64, dtype=torch.int32) >= 40).int()),
+     r"\.g_idx does not put group_size = 32 columns in each group"),
     ("ct-pack", lambda t: t.__setitem__("weight_shape", torch.tensor([64, 56])), r"\.weight_shape is \[64, 56\]"),
     ("ct-int8", lambda t: t.__setitem__("weight_zero_point", torch.ones(64, 1, dtype=torch.int8)),
      r"\.weight_zero_point .*symmetric scheme has no zero points"),
     ("ct-int8", lambda t: t.__setitem__("weight", t["weight"].float()), r"\.weight has dtype float32"),
-], ids=["unknown-tensor", "g_idx-range", "weight_shape", "symmetric-nonzero-zp", "float-weight-with-scale"])
+], ids=["unknown-tensor", "g_idx-range", "g_idx-groups", "weight_shape", "symmetric-nonzero-zp", "float-weight-with-scale"])
 def test_inconsistent_tensor_values_raise(tmp_path, fmt, mutate, match):
     """Tensors the scheme does not read, index tensors out of range, a weight_shape other than the linear's, a
     nonzero zero point in a symmetric scheme: named, never ignored."""

@@ -139,13 +139,7 @@ def _ct_scheme(qc: dict) -> Scheme:
     raise _err("format", fmt, "pack-quantized, int-quantized, float-quantized or naive-quantized")
 
 
-def parse_quantization_config(qc) -> Scheme:
-    """The :class:`Scheme` of a checkpoint's ``quantization_config`` (dict or transformers config object).
-
-    Raises:
-        ArgumentError: a method or a value of a key that the loaders do not support (the message names the key:
-            e.g. ``bits``, ``version``, ``format``, ``activation_scheme``, ``config_groups.group_0.weights``).
-    """
+def _parse(qc) -> Scheme:
     if hasattr(qc, "to_dict"):
         qc = qc.to_dict()
     method = qc.get("quant_method")
@@ -178,6 +172,27 @@ def parse_quantization_config(qc) -> Scheme:
             raise _err("fmt", qc.get("fmt"), "float8_e4m3fn weights")
         return Scheme("fp8-block", block=tuple(int(b) for b in blk), scale_key="weight_scale_inv")
     raise _err("quant_method", method, "tpukernels loads gptq, awq, compressed-tensors and fp8")
+
+
+def parse_quantization_config(qc) -> Scheme:
+    """The :class:`Scheme` of a checkpoint's ``quantization_config`` (dict or transformers config object).
+
+    Raises:
+        ArgumentError: a method or a value of a key that the loaders do not support (the message names the key:
+            e.g. ``bits``, ``version``, ``format``, ``activation_scheme``, ``config_groups.group_0.weights``,
+            ``group_size`` not a multiple of 32, ``weight_block_size`` with a K block outside 32..512).
+    """
+    scheme = _parse(qc)
+    from ..library.quantized_matmul import BLOCK_SIZES
+
+    gs = scheme.group_size
+    if scheme.method in ("gptq", "awq", "ct-pack") and gs not in (-1, 0) and (gs < 32 or gs % 32):
+        raise _err("group_size", gs, "a multiple of 32 (the kernel's block sizes are 32..512), or -1 per channel")
+    if scheme.method == "fp8-block":
+        bn, bk = scheme.block
+        if bk not in BLOCK_SIZES or not isinstance(bn, int) or bn < 1:
+            raise _err("weight_block_size", list(scheme.block), "[bn >= 1, bk a multiple of 32 in 32..512]")
+    return scheme
 
 
 # ----------------------------------------------------------------------------------------------- repacking
@@ -328,6 +343,10 @@ def check_linear_tensors(name: str, linear: torch.nn.Linear, t: dict, scheme: Sc
         G = spec["scales"][0][0]
         if bool(((g < 0) | (g >= G)).any()):
             raise ArgumentError(f"checkpoint: {name}.g_idx holds group indices outside [0, {G}) ({where})")
+        gs = K if scheme.group_size in (-1, 0) else scheme.group_size
+        if bool((torch.bincount(g, minlength=G)[:-1] != gs).any()):
+            raise ArgumentError(f"checkpoint: {name}.g_idx does not put group_size = {gs} columns in each group but "
+                                f"the last ({where})")
     if t.get("weight_shape") is not None and t["weight_shape"].tolist() != [N, K]:
         raise ArgumentError(f"checkpoint: {name}.weight_shape is {t['weight_shape'].tolist()}, expected "
                             f"[{N}, {K}] ({where})")
@@ -350,10 +369,7 @@ def _gptq(linear, t, scheme: Scheme, awq: bool):
     g_idx = t.get("g_idx")
     if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(K) // gs):
         # act-order: input channel k belongs to group g_idx[k]; sort K by group so each group is contiguous
-        perm = torch.argsort(g_idx.long(), stable=True)
-        counts = torch.bincount(g_idx.long(), minlength=s.shape[1])
-        if bool((counts[:-1] != gs).any()):
-            raise ArgumentError(f"checkpoint: g_idx of {linear} does not give groups of group_size = {gs} columns")
+        perm = torch.argsort(g_idx.long(), stable=True)  # group sizes checked by check_linear_tensors
         q = q[:, perm]
     return _int4_module(linear, q, s, z, gs, t.get("bias"), perm)
 
@@ -383,11 +399,9 @@ def _ct_8bit(linear, t, scheme: Scheme):
 
 
 def _fp8_block(linear, t, scheme: Scheme):
-    from ..library.quantized_matmul import BLOCK_SIZES, TPUBlockQuantLinear, pad_k
+    from ..library.quantized_matmul import TPUBlockQuantLinear, pad_k
 
-    bn, bk = scheme.block
-    if bk not in BLOCK_SIZES:
-        raise _err("weight_block_size", list(scheme.block), "the K block must be a multiple of 32 in 32..512")
+    bn, bk = scheme.block  # bk in BLOCK_SIZES: parse_quantization_config
     N, K = linear.out_features, linear.in_features
     w = t["weight"]
     s = t[scheme.scale_key].float()  # [ceil(N/bn), ceil(K/bk)]: shape checked by check_linear_tensors
@@ -617,8 +631,9 @@ def from_pretrained(path: str, *, model_class=None, dtype=torch.float32, **kwarg
     # every quantized linear's tensors checked on a meta-device skeleton first: transformers' own load would
     # otherwise refuse a malformed quantized `weight` (a size mismatch) before naming what is wrong with it
     with torch.device("meta"):
-        skeleton = (model_class.from_config(config, trust_remote_code=kwargs.get("trust_remote_code", False))
-                    if hasattr(model_class, "from_config") else model_class._from_config(config))
+        cfg = copy.deepcopy(config)  # the skeleton's construction may annotate its config
+        skeleton = (model_class.from_config(cfg, trust_remote_code=kwargs.get("trust_remote_code", False))
+                    if hasattr(model_class, "from_config") else model_class._from_config(cfg))
     _quantized_linears(skeleton, tensors, scheme)
     del skeleton
     model, info = model_class.from_pretrained(path, config=config, dtype=dtype, output_loading_info=True, **kwargs)

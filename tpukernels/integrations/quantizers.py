@@ -201,7 +201,7 @@ class TpuKernelsHfQuantizer(HfQuantizer):
                         raise ArgumentError(f"from_pretrained: the checkpoint has no tensor {name}.{proj}{t} "
                                             f"(quantization_config.experts lists {name!r} as quantized); refusing "
                                             f"to leave it uninitialised")
-        check_loaded_buffers(model, getattr(self, "_expected", None) or expected_buffers(model, self.quantization_config))
+        check_loaded_buffers(model, self._expected)  # recorded before loading, from the empty buffers
         route_quantized_experts(model, list(self.quantization_config.experts))
         return model
 
@@ -215,9 +215,9 @@ class TpuKernelsHfQuantizer(HfQuantizer):
 
 
 #: safetensors' header dtype names of the dtypes a tpukernels checkpoint holds
-_ST_DTYPES = {"I8": torch.int8, "U8": torch.uint8, "I32": torch.int32, "I64": torch.int64, "F8_E4M3": torch.float8_e4m3fn,
-              "F8_E5M2": torch.float8_e5m2, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
-              "F64": torch.float64}
+_ST_DTYPES = {"I8": torch.int8, "U8": torch.uint8, "I32": torch.int32, "I64": torch.int64,
+              "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F16": torch.float16,
+              "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
 
 
 def _name(dtype) -> str:
