@@ -498,7 +498,8 @@ def test_convert_linears_is_all_or_nothing(tmp_path):
     ("ct-int8", lambda t: t.__setitem__("weight_zero_point", torch.ones(64, 1, dtype=torch.int8)),
      r"\.weight_zero_point .*symmetric scheme has no zero points"),
     ("ct-int8", lambda t: t.__setitem__("weight", t["weight"].float()), r"\.weight has dtype float32"),
-], ids=["unknown-tensor", "g_idx-range", "g_idx-groups", "weight_shape", "symmetric-nonzero-zp", "float-weight-with-scale"])
+], ids=["unknown-tensor", "g_idx-range", "g_idx-groups", "weight_shape", "symmetric-nonzero-zp",
+        "float-weight-with-scale"])
 def test_inconsistent_tensor_values_raise(tmp_path, fmt, mutate, match):
     """Tensors the scheme does not read, index tensors out of range, a weight_shape other than the linear's, a
     nonzero zero point in a symmetric scheme: named, never ignored."""
