@@ -9,6 +9,8 @@ import re
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 transformers = pytest.importorskip("transformers")
 
@@ -642,3 +644,60 @@ def test_compressed_tensors_target_left_float_raises_unless_ignored(tmp_path):
     assert type(v) is torch.nn.Linear
     assert torch.equal(v.weight.detach(), torch.randn(64, 64, generator=torch.Generator().manual_seed(5)))
     assert isinstance(model.get_submodule("model.layers.0.self_attn.q_proj"), TPUQuantLinear)
+
+
+# the formats' layouts as their documentation states them (module docstring of checkpoints.py; GPTQ / AWQ /
+# compressed-tensors / DeepSeek-V3), per linear of K in and N out features: {tensor: (shape, dtype)}
+def _layout(fmt, N, K, gs, blk):
+    G = K // gs
+    return {
+        "gptq": {"qweight": ((K // 8, N), torch.int32), "qzeros": ((G, N // 8), torch.int32),
+                 "scales": ((G, N), torch.float16)},
+        "awq": {"qweight": ((K, N // 8), torch.int32), "qzeros": ((G, N // 8), torch.int32),
+                "scales": ((G, N), torch.float16)},
+        "ct-pack": {"weight_packed": ((N, K // 8), torch.int32), "weight_scale": ((N, G), torch.bfloat16),
+                    "weight_zero_point": ((N // 8, G), torch.int32)},
+        "ct-int8": {"weight": ((N, K), torch.int8), "weight_scale": ((N, 1), torch.float32)},
+        "fp8-block": {"weight": ((N, K), torch.float8_e4m3fn),
+                      "weight_scale_inv": ((-(-N // blk[0]), -(-K // blk[1])), torch.float32)},
+    }[fmt]
+
+
+_SCHEME_CFG = {
+    "gptq": lambda gs, blk: dict(quant_method="gptq", bits=4, group_size=gs, checkpoint_format="gptq_v2"),
+    "awq": lambda gs, blk: dict(quant_method="awq", bits=4, group_size=gs, version="gemm"),
+    "ct-pack": lambda gs, blk: _ct("pack-quantized", dict(_W4, symmetric=False, group_size=gs)),
+    "ct-int8": lambda gs, blk: FORMATS["ct-int8"][0],
+    "fp8-block": lambda gs, blk: dict(quant_method="fp8", activation_scheme="dynamic", weight_block_size=list(blk)),
+}
+_OTHER_DTYPES = (torch.int8, torch.uint8, torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32,
+                 torch.float64, torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@given(fmt=st.sampled_from(sorted(_SCHEME_CFG)), n8=st.integers(1, 16), kg=st.integers(1, 4),
+       gs=st.sampled_from([32, 64, 128]), bn=st.sampled_from([16, 32, 128]), data=st.data())
+def test_check_linear_tensors_property(fmt, n8, kg, gs, bn, data):
+    """Over shapes and group / block sizes: the documented layout passes; any one tensor with one dimension off,
+    a dimension more, or another dtype raises ArgumentError naming <module>.<tensor>."""
+    N, K = 8 * n8, gs * kg
+    blk = (bn, gs)
+    scheme = tkc.parse_quantization_config(_SCHEME_CFG[fmt](gs, blk))
+    lin = torch.nn.Linear(K, N, bias=False, device="meta")
+    lay = _layout(fmt, N, K, gs, blk)
+    t = {k: torch.zeros(shape, dtype=dt) for k, (shape, dt) in lay.items()}
+    tkc.check_linear_tensors("m.p", lin, t, scheme)
+    key = data.draw(st.sampled_from(sorted(lay)))
+    shape, dt = lay[key]
+    kind = data.draw(st.sampled_from(["dim", "rank", "dtype"]))
+    if kind == "dim":
+        d = data.draw(st.integers(0, len(shape) - 1))
+        new = list(shape)
+        new[d] = data.draw(st.integers(1, shape[d] + 8).filter(lambda v: v != shape[d]))
+        t[key] = torch.zeros(new, dtype=dt)
+    elif kind == "rank":
+        t[key] = torch.zeros((*shape, 1), dtype=dt)
+    else:
+        t[key] = torch.zeros(shape, dtype=data.draw(st.sampled_from([d for d in _OTHER_DTYPES if d != dt
+                                                                      and not (d in tkc._FLOATS and dt in tkc._FLOATS)])))
+    with pytest.raises(ArgumentError, match=re.escape(f"m.p.{key} has")):
+        tkc.check_linear_tensors("m.p", lin, t, scheme)
