@@ -164,3 +164,25 @@ def test_linears_only_config_unchanged_and_bad_expert_configs(tmp_path):
     with pytest.raises(ArgumentError, match="already has a quantization_config"):
         quantize_moe_experts(fresh, dtype="int8")
     assert isinstance(fresh.get_submodule(EXPERTS).gate_up_proj, torch.nn.Parameter)  # untouched
+
+
+@pytest.mark.parametrize("tensor, change, match", [
+    ("gate_up_proj_q", lambda v: v.to(torch.int32), r"is int32 \[4, 256, 32\], expected uint8 \[4, 256, 32\]"),
+    ("down_proj_q", lambda v: v.view(torch.int8), r"is int8 \[4, 64, 64\], expected uint8 \[4, 64, 64\]"),
+])
+def test_malformed_expert_tensor_raises_naming_it(tmp_path, tensor, change, match):
+    """issue 36 item 3: an expert tensor of another integer dtype than its buffer raises ArgumentError naming it
+    (before: loaded in the checkpoint's dtype and run as is). transformers renames these keys on load, so the
+    check runs on the loaded buffers (a size mismatch is transformers' own RuntimeError before that)."""
+    from safetensors.torch import load_file, save_file
+
+    model = _tiny_mixtral()
+    quantize_moe_experts(model, dtype="int4", block_size=32, asymmetric=True)
+    model.save_pretrained(tmp_path)
+    path = os.path.join(tmp_path, "model.safetensors")
+    sd = load_file(path)
+    (key,) = [k for k in sd if k.endswith(f"experts.{tensor}")]
+    sd[key] = change(sd[key]).contiguous()
+    save_file(sd, path, metadata={"format": "pt"})
+    with pytest.raises(ArgumentError, match=rf"checkpoint's {EXPERTS}\.{tensor} {match}"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path)

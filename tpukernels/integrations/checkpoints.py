@@ -38,6 +38,17 @@ Checkpoint scales in fp16 / bf16 become float32 (exact). A group size that is no
 (32..512) but a multiple of one (``-1`` = per channel, or e.g. 1024) is tiled by the largest block size dividing it,
 with its scale repeated. K not a multiple of the block follows the kernels' padding rule (the weight is padded).
 
+Checks (all before transformers loads a tensor; each an :class:`~tpukernels.errors.ArgumentError` naming the file, or
+the module and tensor): the directory (:func:`check_checkpoint_folder`: ``config.json`` parses, every
+``*.safetensors`` header parses, at least one exists); the ``quantization_config`` (:func:`parse_quantization_config`);
+each quantized linear's tensors (:func:`check_linear_tensors`: every tensor its format needs present with the exact
+shape and dtype listed above, ``bias`` exactly when the model's linear has one, no tensor the format does not have,
+``g_idx`` / ``weight_shape`` values consistent). A linear is quantized when the checkpoint holds a tensor of the
+scheme for it or a ``weight`` that is not a float (an ``nn.Linear`` would hold raw int8 / fp8 values); with
+compressed-tensors, every ``nn.Linear`` its ``ignore`` list does not name (``re:`` regex, name or class, as
+compressed-tensors matches) must be quantized. A failing load writes nothing: the files are only read, a ``config=``
+argument is copied, and :func:`convert_linears` builds every module before it swaps any into the model.
+
 Memory: transformers first materialises the float model (the quantized linears' float weights included, then
 dropped); loading a model larger than host memory needs a meta-device path that is not implemented here.
 """
@@ -61,7 +72,10 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 class Scheme:
     """What :func:`parse_quantization_config` understood: ``method`` (gptq / awq / ct-pack / ct-int / ct-float /
     fp8-block), ``group_size`` (-1 per channel), ``x_quant`` (None / "int8" / "fp8"), ``gptq_v1_zeros`` (stored
-    zeros are one less), ``block`` (fp8 ``[bn, bk]``), ``symmetric``."""
+    zeros are one less), ``block`` (fp8 ``[bn, bk]``), ``symmetric``, ``strategy`` (compressed-tensors 8-bit:
+    ``"channel"`` / ``"tensor"``), ``scale_key`` (fp8 block: ``"weight_scale_inv"`` for ``quant_method: fp8``,
+    ``"weight_scale"`` for compressed-tensors), ``ignore`` (compressed-tensors: the config's ``ignore`` list; every
+    other ``nn.Linear`` is quantized; None for the other methods, which name no such list)."""
 
     method: str
     group_size: int = -1
@@ -69,6 +83,9 @@ class Scheme:
     gptq_v1_zeros: bool = False
     block: Optional[tuple] = None
     symmetric: bool = True
+    strategy: Optional[str] = None
+    scale_key: str = "weight_scale"
+    ignore: Optional[tuple] = None
 
 
 def _err(key: str, value, why: str):
@@ -86,6 +103,10 @@ def _ct_scheme(qc: dict) -> Scheme:
     (gname, grp), = groups.items()
     if grp.get("targets") not in (["Linear"], ("Linear",)):
         raise _err(f"config_groups.{gname}.targets", grp.get("targets"), "only ['Linear'] is supported")
+    ignore = qc.get("ignore") or []
+    if isinstance(ignore, str) or not all(isinstance(i, str) for i in ignore):
+        raise _err("ignore", ignore, "a list of module names, 're:' regexes or class names")
+    ignore = tuple(ignore)
     w = grp.get("weights") or {}
     a = grp.get("input_activations")
     strategy, bits, typ = w.get("strategy"), w.get("num_bits"), w.get("type", "int")
@@ -103,7 +124,7 @@ def _ct_scheme(qc: dict) -> Scheme:
         if strategy not in ("group", "channel") or x_quant:
             raise _err(f"config_groups.{gname}.weights.strategy", strategy, "W4A16 with group or channel scales")
         return Scheme("ct-pack", int(w.get("group_size") or -1) if strategy == "group" else -1,
-                      symmetric=bool(w.get("symmetric", True)))
+                      symmetric=bool(w.get("symmetric", True)), ignore=ignore)
     if fmt in ("int-quantized", "float-quantized", "naive-quantized"):
         if bits != 8 or not w.get("symmetric", True):
             raise _err(f"config_groups.{gname}.weights", w, "8-bit symmetric weights")
@@ -111,20 +132,14 @@ def _ct_scheme(qc: dict) -> Scheme:
             blk = tuple(w.get("block_structure") or ())
             if typ != "float" or len(blk) != 2 or x_quant:
                 raise _err(f"config_groups.{gname}.weights.block_structure", blk, "fp8 [bn, bk] blocks, W8A16")
-            return Scheme("fp8-block", block=blk)
+            return Scheme("fp8-block", block=blk, ignore=ignore)
         if strategy not in ("channel", "tensor"):
             raise _err(f"config_groups.{gname}.weights.strategy", strategy, "channel, tensor or block scales")
-        return Scheme("ct-int" if typ == "int" else "ct-float", x_quant=x_quant)
+        return Scheme("ct-int" if typ == "int" else "ct-float", x_quant=x_quant, strategy=strategy, ignore=ignore)
     raise _err("format", fmt, "pack-quantized, int-quantized, float-quantized or naive-quantized")
 
 
-def parse_quantization_config(qc) -> Scheme:
-    """The :class:`Scheme` of a checkpoint's ``quantization_config`` (dict or transformers config object).
-
-    Raises:
-        ArgumentError: a method or a value of a key that the loaders do not support (the message names the key:
-            e.g. ``bits``, ``version``, ``format``, ``activation_scheme``, ``config_groups.group_0.weights``).
-    """
+def _parse(qc) -> Scheme:
     if hasattr(qc, "to_dict"):
         qc = qc.to_dict()
     method = qc.get("quant_method")
@@ -155,8 +170,29 @@ def parse_quantization_config(qc) -> Scheme:
             raise _err("weight_block_size", blk, "fp8 checkpoints with [bn, bk] weight blocks")
         if qc.get("fmt", "e4m3") != "e4m3":
             raise _err("fmt", qc.get("fmt"), "float8_e4m3fn weights")
-        return Scheme("fp8-block", block=tuple(int(b) for b in blk))
+        return Scheme("fp8-block", block=tuple(int(b) for b in blk), scale_key="weight_scale_inv")
     raise _err("quant_method", method, "tpukernels loads gptq, awq, compressed-tensors and fp8")
+
+
+def parse_quantization_config(qc) -> Scheme:
+    """The :class:`Scheme` of a checkpoint's ``quantization_config`` (dict or transformers config object).
+
+    Raises:
+        ArgumentError: a method or a value of a key that the loaders do not support (the message names the key:
+            e.g. ``bits``, ``version``, ``format``, ``activation_scheme``, ``config_groups.group_0.weights``,
+            ``group_size`` not a multiple of 32, ``weight_block_size`` with a K block outside 32..512).
+    """
+    scheme = _parse(qc)
+    from ..library.quantized_matmul import BLOCK_SIZES
+
+    gs = scheme.group_size
+    if scheme.method in ("gptq", "awq", "ct-pack") and gs not in (-1, 0) and (gs < 32 or gs % 32):
+        raise _err("group_size", gs, "a multiple of 32 (the kernel's block sizes are 32..512), or -1 per channel")
+    if scheme.method == "fp8-block":
+        bn, bk = scheme.block
+        if bk not in BLOCK_SIZES or not isinstance(bn, int) or bn < 1:
+            raise _err("weight_block_size", list(scheme.block), "[bn >= 1, bk a multiple of 32 in 32..512]")
+    return scheme
 
 
 # ----------------------------------------------------------------------------------------------- repacking
@@ -213,6 +249,110 @@ def _int4_module(linear, q_u, scale, zero, group_size, bias, perm=None):
     return m
 
 
+# ------------------------------------------------------------------------------------- what each format needs
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+_INDEX = (torch.int32, torch.int64)
+#: the tensor names (besides ``weight`` / ``bias``) whose presence marks a linear as quantized, per method
+_QUANT_NAMES = {"gptq": ("qweight", "qzeros", "scales", "g_idx"), "awq": ("qweight", "qzeros", "scales"),
+                "ct-pack": ("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx", "weight_shape"),
+                "ct-int": ("weight_scale", "weight_zero_point", "weight_g_idx"),
+                "ct-float": ("weight_scale", "weight_zero_point", "weight_g_idx"),
+                "fp8-block": ("weight_zero_point",)}
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _dtypes(ds) -> str:
+    return " or ".join(str(d).replace("torch.", "") for d in ds)
+
+
+def _spec(scheme: Scheme, N: int, K: int, has_bias: bool) -> dict:
+    """``{tensor name: (shape, dtypes, required)}``: every tensor of a linear with ``K`` in and ``N`` out features
+    that ``scheme`` reads (module docstring: the formats), with its exact shape and allowed dtypes; ``bias``
+    exactly when the model's linear has one."""
+    m = scheme.method
+    gs = K if scheme.group_size in (-1, 0, None) else scheme.group_size
+    G = _cdiv(K, gs)
+    bias = {"bias": ((N,), _FLOATS, True)} if has_bias else {}
+    if m == "gptq":
+        return {"qweight": ((_cdiv(K, 8), N), (torch.int32,), True), "qzeros": ((G, _cdiv(N, 8)), (torch.int32,), True),
+                "scales": ((G, N), _FLOATS, True), "g_idx": ((K,), _INDEX, False), **bias}
+    if m == "awq":
+        return {"qweight": ((K, _cdiv(N, 8)), (torch.int32,), True), "qzeros": ((G, _cdiv(N, 8)), (torch.int32,), True),
+                "scales": ((G, N), _FLOATS, True), **bias}
+    if m == "ct-pack":
+        out = {"weight_packed": ((N, _cdiv(K, 8)), (torch.int32,), True), "weight_scale": ((N, G), _FLOATS, True),
+               "weight_shape": ((2,), _INDEX, False), **bias}
+        if not scheme.symmetric:
+            out["weight_zero_point"] = ((_cdiv(N, 8), G), (torch.int32,), True)
+        return out
+    if m in ("ct-int", "ct-float"):
+        wdt = torch.int8 if m == "ct-int" else torch.float8_e4m3fn
+        sshape = (N, 1) if scheme.strategy == "channel" else (1,)
+        return {"weight": ((N, K), (wdt,), True), "weight_scale": (sshape, _FLOATS, True), **bias}
+    if m == "fp8-block":
+        bn, bk = scheme.block
+        return {"weight": ((N, K), (torch.float8_e4m3fn,), True),
+                scheme.scale_key: ((_cdiv(N, bn), _cdiv(K, bk)), _FLOATS, True), **bias}
+    raise ArgumentError(f"checkpoint: unknown scheme method {m!r}")
+
+
+def check_linear_tensors(name: str, linear: torch.nn.Linear, t: dict, scheme: Scheme) -> None:
+    """Check the checkpoint tensors ``t`` (``{tensor name: tensor}``) of the quantized linear ``name``: every
+    tensor the scheme needs is present with its exact shape and dtype (:func:`_spec`), index tensors hold valid
+    values, and no tensor is left that the scheme would not read.
+
+    Raises:
+        ArgumentError: naming ``<module>.<tensor>`` and what is missing, its shape or dtype against the expected
+            one, an out-of-range ``g_idx`` / a ``weight_shape`` other than ``[N, K]``, a nonzero zero point in a
+            symmetric scheme, or a tensor the format does not have.
+    """
+    N, K = linear.out_features, linear.in_features
+    where = f"{scheme.method} linear {name} ({K} in, {N} out features)"
+    spec = _spec(scheme, N, K, linear.bias is not None)
+    for key, (shape, dtypes, required) in spec.items():
+        v = t.get(key)
+        if v is None:
+            if required:
+                raise ArgumentError(f"checkpoint: {name}.{key} is missing: {where} needs {key} of shape {shape}, "
+                                    f"dtype {_dtypes(dtypes)}")
+            continue
+        if v.dtype not in dtypes:
+            raise ArgumentError(f"checkpoint: {name}.{key} has dtype {_dtypes([v.dtype])}, expected "
+                                f"{_dtypes(dtypes)} ({where})")
+        if tuple(v.shape) != shape:
+            raise ArgumentError(f"checkpoint: {name}.{key} has shape {tuple(v.shape)}, expected {shape} ({where})")
+    extra = sorted(set(t) - set(spec))
+    for key in extra:
+        v = t[key]
+        if key == "weight_zero_point" and scheme.symmetric and not v.dtype.is_floating_point \
+                and not bool(v.to(torch.int64).any()):
+            continue  # older compressed-tensors wrote all-zero zero points for symmetric schemes: nothing to apply
+        if key in ("weight_g_idx",) and scheme.method.startswith("ct"):
+            raise ArgumentError(f"checkpoint: {name}.weight_g_idx (group act-order) is not supported for "
+                                f"compressed-tensors")
+        why = ("a symmetric scheme has no zero points" if key == "weight_zero_point" and scheme.symmetric
+               else "the model's linear has no bias" if key == "bias"
+               else f"the format's tensors are {sorted(spec)}")
+        raise ArgumentError(f"checkpoint: {name}.{key} ({_dtypes([v.dtype])} {tuple(v.shape)}) is not a tensor "
+                            f"{where} reads: {why}")
+    if t.get("g_idx") is not None:
+        g = t["g_idx"].long()
+        G = spec["scales"][0][0]
+        if bool(((g < 0) | (g >= G)).any()):
+            raise ArgumentError(f"checkpoint: {name}.g_idx holds group indices outside [0, {G}) ({where})")
+        gs = K if scheme.group_size in (-1, 0) else scheme.group_size
+        if bool((torch.bincount(g, minlength=G)[:-1] != gs).any()):
+            raise ArgumentError(f"checkpoint: {name}.g_idx does not put group_size = {gs} columns in each group but "
+                                f"the last ({where})")
+    if t.get("weight_shape") is not None and t["weight_shape"].tolist() != [N, K]:
+        raise ArgumentError(f"checkpoint: {name}.weight_shape is {t['weight_shape'].tolist()}, expected "
+                            f"[{N}, {K}] ({where})")
+
+
+# --------------------------------------------------------------------------------- building the modules
 def _gptq(linear, t, scheme: Scheme, awq: bool):
     N, K = linear.out_features, linear.in_features
     if awq:
@@ -229,10 +369,7 @@ def _gptq(linear, t, scheme: Scheme, awq: bool):
     g_idx = t.get("g_idx")
     if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(K) // gs):
         # act-order: input channel k belongs to group g_idx[k]; sort K by group so each group is contiguous
-        perm = torch.argsort(g_idx.long(), stable=True)
-        counts = torch.bincount(g_idx.long(), minlength=s.shape[1])
-        if bool((counts[:-1] != gs).any()):
-            raise ArgumentError(f"checkpoint: g_idx of {linear} does not give groups of group_size = {gs} columns")
+        perm = torch.argsort(g_idx.long(), stable=True)  # group sizes checked by check_linear_tensors
         q = q[:, perm]
     return _int4_module(linear, q, s, z, gs, t.get("bias"), perm)
 
@@ -244,9 +381,6 @@ def _ct_pack(linear, t, scheme: Scheme):
     z = None
     if not scheme.symmetric:
         z = _unpack_int32(t["weight_zero_point"], 0)[:N].float()  # zero point + 8, in the unsigned grid
-    if t.get("weight_g_idx") is not None:
-        raise ArgumentError(f"checkpoint: weight_g_idx of {linear} (group act-order) is not supported for "
-                            f"compressed-tensors")
     return _int4_module(linear, q, s, z, scheme.group_size if s.shape[1] > 1 else -1, t.get("bias"))
 
 
@@ -264,21 +398,14 @@ def _ct_8bit(linear, t, scheme: Scheme):
     return m
 
 
-def _fp8_block(linear, t, scheme: Scheme, scale_key: str):
-    from ..library.quantized_matmul import BLOCK_SIZES, TPUBlockQuantLinear, pad_k
+def _fp8_block(linear, t, scheme: Scheme):
+    from ..library.quantized_matmul import TPUBlockQuantLinear, pad_k
 
-    bn, bk = scheme.block
-    if bk not in BLOCK_SIZES:
-        raise _err("weight_block_size", list(scheme.block), "the K block must be a multiple of 32 in 32..512")
+    bn, bk = scheme.block  # bk in BLOCK_SIZES: parse_quantization_config
     N, K = linear.out_features, linear.in_features
     w = t["weight"]
-    if w.dtype != torch.float8_e4m3fn:
-        raise ArgumentError(f"checkpoint: weight of {linear} is {w.dtype}, expected float8_e4m3fn")
-    s = t[scale_key].float()  # [ceil(N/bn), ceil(K/bk)]
-    G = -(-K // bk)
-    if s.shape != (-(-N // bn), G):
-        raise ArgumentError(f"checkpoint: {scale_key} of {linear} has shape {tuple(s.shape)}, expected "
-                            f"({-(-N // bn)}, {G}) for weight_block_size {list(scheme.block)}")
+    s = t[scheme.scale_key].float()  # [ceil(N/bn), ceil(K/bk)]: shape checked by check_linear_tensors
+    G = _cdiv(K, bk)
     m = TPUBlockQuantLinear(linear.in_features, N, bk, "float8_e4m3fn", t.get("bias") is not None)
     m.w_q.copy_(pad_k(w.view(torch.uint8), bk).view(torch.float8_e4m3fn))
     m.w_scale.copy_(s.repeat_interleave(bn, dim=0)[:N].T.reshape(G, 1, N))
@@ -287,17 +414,165 @@ def _fp8_block(linear, t, scheme: Scheme, scale_key: str):
     return m
 
 
-#: the tensor whose presence marks a quantized linear, per method
-_MARKER = {"gptq": "qweight", "awq": "qweight", "ct-pack": "weight_packed", "ct-int": "weight_scale",
-           "ct-float": "weight_scale", "fp8-block": None}
+def _quantized_names(tensors: dict, scheme: Scheme, skip=()) -> list:
+    """Module names the checkpoint quantizes: those holding a tensor of the scheme (:data:`_QUANT_NAMES`, the
+    fp8 scale) or a ``weight`` that is not a float (int8 / fp8 / packed ints: a float ``nn.Linear`` would hold the
+    raw quantized values). ``skip``: regexes of keys the model ignores (``_keys_to_ignore_on_load_unexpected``)."""
+    import re
+
+    names = set(_QUANT_NAMES[scheme.method])
+    if scheme.method == "fp8-block":
+        names.add(scheme.scale_key)
+    out = set()
+    for k, v in tensors.items():
+        prefix, _, leaf = k.rpartition(".")
+        if any(re.search(p, k) for p in skip):
+            continue
+        if leaf in names or (leaf == "weight" and v.dtype not in (*_FLOATS, torch.float64)):
+            out.add(prefix)
+    return sorted(out)
 
 
-def _read_tensors(path: str) -> dict:
+def _ignored(name: str, module: torch.nn.Module, ignore) -> bool:
+    """compressed-tensors' matching of an ``ignore`` entry: ``re:<regex>`` (``re.match`` on the module name), the
+    exact module name, or a class name in the module's MRO."""
+    import re
+
+    return any(re.match(i[3:], name) is not None if i.startswith("re:")
+               else i == name or any(c.__name__ == i for c in type(module).__mro__) for i in ignore)
+
+
+def _check_targets(model, tensors: dict, scheme: Scheme, quantized: set) -> None:
+    """A compressed-tensors config targets every ``nn.Linear`` its ``ignore`` list does not name: one stored as a
+    float ``weight`` without the scheme's tensors is a half-quantized checkpoint."""
+    for name, mod in model.named_modules():
+        if (isinstance(mod, torch.nn.Linear) and name not in quantized and f"{name}.weight" in tensors
+                and not _ignored(name, mod, scheme.ignore)):
+            w = tensors[f"{name}.weight"]
+            need = sorted(n for n, (_, _, req) in _spec(scheme, mod.out_features, mod.in_features, False).items()
+                          if req and n != "weight")
+            raise ArgumentError(f"checkpoint: {name}.weight is a {_dtypes([w.dtype])} weight without {need}, but "
+                                f"quantization_config ({scheme.method}) quantizes every Linear that its ignore list "
+                                f"{list(scheme.ignore)} does not name; the checkpoint is half quantized")
+
+
+def _quantized_linears(model: torch.nn.Module, tensors: dict, scheme: Scheme) -> list:
+    """``[(name, parent, child name, nn.Linear, {tensor name: tensor})]`` of the quantized linears of ``model``, each
+    checked by :func:`check_linear_tensors` (errors: :func:`convert_linears`). Reads ``model`` only (a meta-device
+    model works: only the linears' features are used)."""
+    skip = tuple(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
+    names = _quantized_names(tensors, scheme, skip)
+    if scheme.ignore is not None:  # compressed-tensors: every nn.Linear not ignored is quantized
+        _check_targets(model, tensors, scheme, set(names))
+    out = []
+    for name in names:
+        parent_name, _, child_name = name.rpartition(".")
+        try:
+            parent = model.get_submodule(parent_name) if parent_name else model
+            child = getattr(parent, child_name)
+        except AttributeError:
+            parent, child = None, None
+        n0 = len(name) + 1
+        t = {k[n0:]: v for k, v in tensors.items() if k.startswith(name + ".") and "." not in k[n0:]}
+        if not isinstance(child, torch.nn.Linear):
+            raise ArgumentError(f"checkpoint: {name}.{sorted(t)[0]} belongs to no nn.Linear of "
+                                f"{type(model).__name__} (got {type(child).__name__})")
+        check_linear_tensors(name, child, t, scheme)
+        out.append((name, parent, child_name, child, t))
+    return out
+
+
+def convert_linears(model: torch.nn.Module, tensors: dict, scheme: Scheme) -> list:
+    """Replace each quantized linear of ``model`` by a tpukernels module built from its checkpoint tensors
+    (``tensors``: ``{checkpoint key: tensor}``); returns the replaced module names.
+
+    A linear is quantized when the checkpoint holds a tensor of the scheme for it or a ``weight`` that is not a
+    float; each such linear's tensors are checked by :func:`check_linear_tensors` and every new module is built
+    before the first is swapped in, so a failing call leaves ``model`` unchanged.
+
+    Raises:
+        ArgumentError: a quantized tensor that belongs to no ``nn.Linear`` of the model, or one that is missing,
+            of the wrong shape or dtype, or unknown to the scheme (naming ``<module>.<tensor>``).
+    """
+    plan = []
+    for name, parent, child_name, child, t in _quantized_linears(model, tensors, scheme):
+        if scheme.method in ("gptq", "awq"):
+            new = _gptq(child, t, scheme, scheme.method == "awq")
+        elif scheme.method == "ct-pack":
+            new = _ct_pack(child, t, scheme)
+        elif scheme.method == "fp8-block":
+            new = _fp8_block(child, t, scheme)
+        else:
+            new = _ct_8bit(child, t, scheme)
+        new.to(child.weight.device if child.weight.device.type != "meta" else "cpu")
+        plan.append((name, parent, child_name, new))
+    for _, parent, child_name, new in plan:  # all built: swap them in
+        setattr(parent, child_name, new)
+    return [name for name, *_ in plan]
+
+
+# ------------------------------------------------------------------------------------------ the folder
+def check_checkpoint_folder(path: str) -> list:
+    """Check a checkpoint directory before anything loads it; returns its ``*.safetensors`` files (sorted).
+
+    Checked: ``path`` is a directory; ``config.json`` exists and parses as a JSON object; at least one
+    ``*.safetensors`` file exists; each one's header parses (safetensors' ``safe_open``, which also rejects a
+    file shorter than its header says: a truncated or 0-byte file); no tensor name is in two files; a
+    ``model.safetensors.index.json`` parses and names only files that exist.
+
+    Raises:
+        ArgumentError: naming the file (or directory) and what is wrong with it.
+    """
+    import json
+
     from safetensors import safe_open
 
+    if not os.path.isdir(path):
+        raise ArgumentError(f"from_pretrained: {path!r} is not a directory (a local checkpoint directory with "
+                            f"config.json and *.safetensors; download a hub checkpoint first)")
+    cfg = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg):
+        raise ArgumentError(f"from_pretrained: {cfg!r} does not exist")
+    for f in (cfg, os.path.join(path, "model.safetensors.index.json")):
+        if f != cfg and not os.path.exists(f):
+            continue
+        try:
+            with open(f, encoding="utf-8") as fh:
+                obj = json.load(fh)
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise ArgumentError(f"from_pretrained: {f!r} is not a readable JSON file: {e}") from e
+        if not isinstance(obj, dict):
+            raise ArgumentError(f"from_pretrained: {f!r} holds a JSON {type(obj).__name__}, expected an object")
+        if f != cfg:
+            wmap = obj.get("weight_map")
+            if not isinstance(wmap, dict):
+                raise ArgumentError(f"from_pretrained: {f!r} has no weight_map object")
+            for shard in sorted(set(map(str, wmap.values()))):
+                if not os.path.isfile(os.path.join(path, shard)):
+                    raise ArgumentError(f"from_pretrained: {f!r} names the shard {shard!r}, which does not exist")
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
-        raise ArgumentError(f"from_pretrained: no *.safetensors file in {path!r}")
+        present = sorted(os.listdir(path))
+        raise ArgumentError(f"from_pretrained: no *.safetensors file in {path!r} (it holds {present}); tpukernels "
+                            f"loads safetensors weights only")
+    seen = {}
+    for f in files:
+        try:
+            with safe_open(f, "pt") as fh:
+                keys = list(fh.keys())
+        except Exception as e:  # safetensors' SafetensorError (header too small, invalid JSON, not fully covered)
+            raise ArgumentError(f"from_pretrained: {f!r} is not a valid safetensors file "
+                                f"({type(e).__name__}: {e})") from e
+        for k in keys:
+            if k in seen:
+                raise ArgumentError(f"from_pretrained: tensor {k!r} is in both {seen[k]!r} and {f!r}")
+            seen[k] = f
+    return files
+
+
+def _read_tensors(files: list) -> dict:
+    from safetensors import safe_open
+
     out = {}
     for f in files:
         with safe_open(f, "pt") as fh:
@@ -306,45 +581,13 @@ def _read_tensors(path: str) -> dict:
     return out
 
 
-def convert_linears(model: torch.nn.Module, tensors: dict, scheme: Scheme) -> list:
-    """Replace each quantized linear of ``model`` (found by its checkpoint tensors) by a tpukernels module;
-    returns the replaced module names. Raises ArgumentError naming the module or tensor that does not fit."""
-    marker = _MARKER[scheme.method] or ("weight_scale_inv" if any(k.endswith(".weight_scale_inv") for k in tensors)
-                                        else "weight_scale")
-    names = sorted(k[: -len(marker) - 1] for k in tensors if k.endswith("." + marker))
-    done = []
-    for name in names:
-        parent_name, _, child_name = name.rpartition(".")
-        try:
-            parent = model.get_submodule(parent_name) if parent_name else model
-            child = getattr(parent, child_name)
-        except AttributeError:
-            child = None
-        if not isinstance(child, torch.nn.Linear):
-            raise ArgumentError(f"checkpoint: {name}.{marker} belongs to no nn.Linear of {type(model).__name__} "
-                                f"(got {type(child).__name__})")
-        n0 = len(name) + 1
-        t = {k[n0:]: v for k, v in tensors.items() if k.startswith(name + ".") and "." not in k[n0:]}
-        if scheme.method in ("gptq", "awq"):
-            for key in ("qweight", "qzeros", "scales"):
-                if key not in t:
-                    raise ArgumentError(f"checkpoint: {name}.{key} is missing")
-            new = _gptq(child, t, scheme, scheme.method == "awq")
-        elif scheme.method == "ct-pack":
-            new = _ct_pack(child, t, scheme)
-        elif scheme.method == "fp8-block":
-            new = _fp8_block(child, t, scheme, marker)
-        else:
-            new = _ct_8bit(child, t, scheme)
-        new.to(child.weight.device if child.weight.device.type != "meta" else "cpu")
-        setattr(parent, child_name, new)
-        done.append(name)
-    return done
-
-
 def from_pretrained(path: str, *, model_class=None, dtype=torch.float32, **kwargs):
     """Load a quantized checkpoint directory (``config.json`` + ``*.safetensors``) into a transformers model whose
     quantized linears run tpukernels' quantized matmuls (module docstring: formats, layouts).
+
+    The directory is checked first (:func:`check_checkpoint_folder`), then each quantized linear's tensors
+    (:func:`check_linear_tensors`: every tensor its format needs, exact shapes and dtypes); nothing on disk is
+    written, and a ``config=`` passed in is copied, not changed.
 
     Args:
         path: a local checkpoint directory.
@@ -357,12 +600,26 @@ def from_pretrained(path: str, *, model_class=None, dtype=torch.float32, **kwarg
         serializable): writing our modules under the checkpoint's config would reload as random weights.
 
     Raises:
-        ArgumentError: an unsupported ``quantization_config`` (naming the key), a quantized tensor that belongs to no
-            linear, a tensor missing from the checkpoint (named), or a linear the checkpoint leaves uninitialised.
+        ArgumentError: a directory that is not a checkpoint (no directory, a missing or corrupt ``config.json``,
+            no ``*.safetensors`` file, a truncated / 0-byte / corrupt-header safetensors file: the message names
+            the file), an unsupported ``quantization_config`` (naming the key), a quantized tensor that belongs to
+            no linear, a quantized linear's tensor that is missing, of the wrong shape or dtype (naming the module
+            and tensor), or a linear the checkpoint leaves uninitialised.
     """
+    import copy
+
     import transformers
 
-    config = transformers.AutoConfig.from_pretrained(path)
+    files = check_checkpoint_folder(path)
+    if kwargs.get("config") is not None:
+        config = copy.deepcopy(kwargs.pop("config"))
+    else:
+        kwargs.pop("config", None)
+        try:
+            config = transformers.AutoConfig.from_pretrained(path)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ArgumentError(f"from_pretrained: transformers cannot read "
+                                f"{os.path.join(path, 'config.json')!r}: {type(e).__name__}: {e}") from e
     qc = getattr(config, "quantization_config", None)
     if qc is None:
         raise ArgumentError(f"from_pretrained: {path!r} has no quantization_config in config.json; use "
@@ -370,9 +627,18 @@ def from_pretrained(path: str, *, model_class=None, dtype=torch.float32, **kwarg
     scheme = parse_quantization_config(qc)
     del config.quantization_config
     model_class = model_class or transformers.AutoModelForCausalLM
+    tensors = _read_tensors(files)
+    # every quantized linear's tensors checked on a meta-device skeleton first: transformers' own load would
+    # otherwise refuse a malformed quantized `weight` (a size mismatch) before naming what is wrong with it
+    with torch.device("meta"):
+        cfg = copy.deepcopy(config)  # the skeleton's construction may annotate its config
+        skeleton = (model_class.from_config(cfg, trust_remote_code=kwargs.get("trust_remote_code", False))
+                    if hasattr(model_class, "from_config") else model_class._from_config(cfg))
+    _quantized_linears(skeleton, tensors, scheme)
+    del skeleton
     model, info = model_class.from_pretrained(path, config=config, dtype=dtype, output_loading_info=True, **kwargs)
-    done = convert_linears(model, _read_tensors(path), scheme)
-    left = sorted(set(info.get("missing_keys", ())) - {f"{n}.{p}" for n in done for p in ("weight", "bias")})
+    done = convert_linears(model, tensors, scheme)
+    left = sorted(set(info.get("missing_keys", ())) - {f"{n}.weight" for n in done})
     if left:
         raise ArgumentError(f"from_pretrained: the checkpoint has no tensor {left[0]} (and {len(left) - 1} more); "
                             f"refusing to leave it uninitialised")
@@ -382,4 +648,5 @@ def from_pretrained(path: str, *, model_class=None, dtype=torch.float32, **kwarg
     return model.eval()
 
 
-__all__ = ["from_pretrained", "parse_quantization_config", "convert_linears", "Scheme", "AWQ_ORDER"]
+__all__ = ["from_pretrained", "parse_quantization_config", "convert_linears", "check_linear_tensors",
+           "check_checkpoint_folder", "Scheme", "AWQ_ORDER"]

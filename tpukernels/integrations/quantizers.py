@@ -155,7 +155,7 @@ class TpuKernelsHfQuantizer(HfQuantizer):
             raise ArgumentError(f"from_pretrained(quantization_config={QUANT_METHOD!r}): only tpukernels-quantized "
                                 f"checkpoints load this way; load the float model, then apply_tpukernels(quantize=...)")
 
-    def _process_model_before_weight_loading(self, model, **kwargs):
+    def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
         from ..library.quantized_matmul import TPUQuantLinear
 
         cfg = self.quantization_config
@@ -177,6 +177,8 @@ class TpuKernelsHfQuantizer(HfQuantizer):
                 if child.bias is not None:
                     new.bias = torch.zeros(child.out_features, dtype=child.bias.dtype)
             setattr(parent, child_name, new)
+        self._expected = expected_buffers(model, cfg)
+        check_quantized_headers(self._expected, checkpoint_files or ())
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
@@ -199,6 +201,7 @@ class TpuKernelsHfQuantizer(HfQuantizer):
                         raise ArgumentError(f"from_pretrained: the checkpoint has no tensor {name}.{proj}{t} "
                                             f"(quantization_config.experts lists {name!r} as quantized); refusing "
                                             f"to leave it uninitialised")
+        check_loaded_buffers(model, self._expected)  # recorded before loading, from the empty buffers
         route_quantized_experts(model, list(self.quantization_config.experts))
         return model
 
@@ -209,6 +212,87 @@ class TpuKernelsHfQuantizer(HfQuantizer):
     def is_trainable(self) -> bool:
         # w8a16 is differentiable in the activations (adapters on a frozen quantized base); w8a8 is not
         return self.quantization_config.x_quant is None
+
+
+#: safetensors' header dtype names of the dtypes a tpukernels checkpoint holds
+_ST_DTYPES = {"I8": torch.int8, "U8": torch.uint8, "I32": torch.int32, "I64": torch.int64,
+              "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F16": torch.float16,
+              "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
+
+
+def _name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _fits(shape, dtype, want) -> bool:
+    wshape, is_bias, wdtype = want
+    return tuple(shape) == wshape and (dtype in (torch.float16, torch.bfloat16, torch.float32) if is_bias
+                                       else dtype == wdtype)
+
+
+def _expect(want) -> str:
+    return f"{'a float dtype' if want[1] else _name(want[2])} {list(want[0])}"
+
+
+def expected_buffers(model, cfg: "TpuKernelsConfig") -> dict:
+    """``{"<module>.<buffer>": (shape, is_bias, dtype)}`` of the quantized modules ``cfg`` lists (their empty
+    buffers, as :class:`TpuKernelsHfQuantizer` built them before the weights load)."""
+    want = {}
+    for name in [*cfg.modules, *cfg.experts]:
+        mod = model.get_submodule(name)
+        for bname, buf in mod.named_buffers(recurse=False):
+            if buf is not None and bname != "in_perm":
+                want[f"{name}.{bname}"] = (tuple(buf.shape), bname == "bias", buf.dtype)
+    return want
+
+
+def check_loaded_buffers(model, want: dict) -> None:
+    """After the weights load: each quantized buffer still has its shape and dtype (transformers puts a checkpoint
+    tensor of another integer dtype in the buffer's place as it is, e.g. an int32 ``w_q``).
+
+    Raises:
+        ArgumentError: naming ``<module>.<tensor>``, what it holds and what the format needs.
+    """
+    for key, w in want.items():
+        buf = model.get_buffer(key)
+        if buf is not None and not _fits(buf.shape, buf.dtype, w):
+            raise ArgumentError(f"from_pretrained: the checkpoint's {key} is {_name(buf.dtype)} {list(buf.shape)}, "
+                                f"expected {_expect(w)} (quantization_config quant_method={QUANT_METHOD!r})")
+
+
+def check_quantized_headers(want: dict, checkpoint_files) -> None:
+    """Before the weights load: every quantized tensor a ``*.safetensors`` checkpoint file holds under the name of a
+    buffer in ``want`` (:func:`expected_buffers`) has exactly that shape and dtype (a bias: its shape, a float
+    dtype). Reads the files' headers only (safetensors' ``safe_open``); ``.bin`` files, and keys that transformers
+    renames on load (e.g. Mixtral's ``block_sparse_moe``), are left to :func:`check_loaded_buffers` after loading
+    (where a size mismatch is transformers' own RuntimeError first). A tensor missing altogether is refused after
+    loading.
+
+    Raises:
+        ArgumentError: naming ``<module>.<tensor>``, its shape / dtype and the expected ones, or a file whose header
+            does not parse.
+    """
+    from safetensors import safe_open
+
+    for f in checkpoint_files:
+        if not str(f).endswith(".safetensors"):
+            continue
+        try:
+            with safe_open(str(f), "pt") as fh:
+                for key in fh.keys():
+                    if key not in want:
+                        continue
+                    sl = fh.get_slice(key)
+                    shape, got = tuple(sl.get_shape()), _ST_DTYPES.get(sl.get_dtype(), sl.get_dtype())
+                    if not _fits(shape, got, want[key]):
+                        raise ArgumentError(f"from_pretrained: {key} in {str(f)!r} is {_name(got)} {list(shape)}, "
+                                            f"expected {_expect(want[key])} (quantization_config "
+                                            f"quant_method={QUANT_METHOD!r})")
+        except ArgumentError:
+            raise
+        except Exception as e:  # safetensors' SafetensorError: a truncated / corrupt file
+            raise ArgumentError(f"from_pretrained: {str(f)!r} is not a valid safetensors file "
+                                f"({type(e).__name__}: {e})") from e
 
 
 def register() -> None:
