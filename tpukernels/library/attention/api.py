@@ -72,8 +72,8 @@ def flash_attention(
             and ``block_kv_compute``; query heads are not folded (``block_h = 1``).
         sinks: ``[Hq]`` float attention-sink logits (gpt-oss): each joins its head's softmax denominator as a
             key with no value, ``out = sum_j e^{s_j} v_j / (sum_j e^{s_j} + e^{sink})``; differentiable (the
-            sinks get a gradient). Applied exactly as ``out * sigmoid(lse - sink)`` (f32) on the kernel's
-            output; the returned ``lse`` includes the sink.
+            sinks get a gradient). Applied as ``out * exp(-softplus(sink - lse))`` (f32) on the kernel's
+            output, a form whose gradient stays exact at large ``lse``; the returned ``lse`` includes the sink.
         return_lse: also return ``lse`` ``[B, Hq, Sq]`` float32, the natural-log log-sum-exp of each row's
             visible logits (``-inf`` where nothing is visible); differentiable.
         config: tuning config for the forward kernel (keys ``block_q``, ``block_kv``, ``block_kv_compute``,
@@ -405,11 +405,18 @@ def _rope_forward(q, k, v, qs, ks, cos, sin, r: int, interleaved: bool, *, causa
 def _apply_sinks(out, lse, sinks):
     """Attention sinks (gpt-oss): a per-head logit ``sink[h]`` joins every row's softmax denominator and
     contributes no value. With ``l = sum_j exp(s_ij)`` the kernel's row sum, ``out' = out * l / (l + e^sink)
-    = out * sigmoid(lse - sink)`` and ``lse' = logaddexp(lse, sink)`` (exact; f32). Differentiable: autograd
+    = out * exp(-softplus(sink - lse))`` and ``lse' = logaddexp(lse, sink)`` (f32). Differentiable: autograd
     carries d lse into the kernels' backward and gives the sinks' gradient. Rows that see no key: out 0,
-    lse = sink."""
+    lse = sink.
+
+    The scale is written as ``exp(-softplus(sink - lse))``, not ``sigmoid(lse - sink)``: both have the same
+    value, but sigmoid's backward is ``y (1 - y)``, and where ``lse >> sink`` (lse ~ 15, a sink near 0) ``y``
+    is within a few float32 ulps of 1, so ``1 - y`` (the sink's whole probability, ~1e-7) is resolved in steps
+    of 6e-8 and d_sinks came out tens of percent off. softplus's backward is ``sigmoid(x)`` of its own input,
+    computed from ``exp(x)``: exact at any lse."""
     s = sinks.float().view(1, -1, 1, 1)  # [1, Hq, 1, 1]
-    scale = torch.sigmoid(lse.transpose(2, 3) - s)  # lse [B, Hq, 1, Sq] -> [B, Hq, Sq, 1]
+    x = s - lse.transpose(2, 3)  # lse [B, Hq, 1, Sq] -> [B, Hq, Sq, 1]; -inf lse (nothing visible): +inf, scale 0
+    scale = torch.exp(-torch.nn.functional.softplus(x))
     return (out.float() * scale).to(out.dtype), torch.logaddexp(lse, s)
 
 
