@@ -280,7 +280,6 @@ def _masked_forward(q, k, v, qs, ks, mask, *, causal, causal_alignment, sm_scale
     """Run the block-sparse masked kernel: ``causal`` / ``window`` are folded into ``mask`` (intersection);
     with ``bucket``, on ``Sq`` / ``Skv`` padded at the end to their buckets (the tables mask the padding)."""
     from .masked import check_mask, fa_forward_masked
-    from .masks import LocalMask
 
     if q.dim() != 4 or k.dim() != 4:
         raise ArgumentError(f"flash_attention: q and k must have rank 4 [B, H, S, D], got {tuple(q.shape)}, "
@@ -293,12 +292,12 @@ def _masked_forward(q, k, v, qs, ks, mask, *, causal, causal_alignment, sm_scale
     left, right = window
     if causal:
         right = 0 if right is None else min(right, 0)
+    local = None  # (left, right, offset) of a LocalMask intersected with ``mask`` by _table_tensors
     if left is not None or right is not None:
         for name, w in (("window[0]", left), ("window[1]", right)):
             if w is not None and w < 0:
                 raise ArgumentError(f"flash_attention: {name} must be an int >= 0 or None, got {w!r}")
-        off = Skv - Sq if causal_alignment == "bottom_right" else 0
-        mask = mask & LocalMask((Sq, Skv), (left, right), offset=off)
+        local = (left, right, Skv - Sq if causal_alignment == "bottom_right" else 0)
     cfg = dict(config or {})
     unknown = set(cfg) - {"block_q", "block_kv", "block_kv_compute"}
     if unknown:
@@ -320,7 +319,8 @@ def _masked_forward(q, k, v, qs, ks, mask, *, causal, causal_alignment, sm_scale
         if qs is not None:  # any id: the tables mask the padding
             qs, ks = pad_ids(qs, Sq_b, False, 0), pad_ids(ks, Skv_b, False, 0)
     nq, nk = -(-Sq_b // max(bq, 1)), -(-Skv_b // max(bkv, 1))
-    ft, bt, mb, mbt = _table_tensors(mask, max(bq, 1), max(bkv, 1), nq if bucket else None, nk if bucket else None)
+    ft, bt, mb, mbt = _table_tensors(mask, max(bq, 1), max(bkv, 1), nq if bucket else None, nk if bucket else None,
+                                     local)
     out, lse = fa_forward_masked(ft, bt, q, k, v, mb, mbt, qs, ks,
                                  sm_scale=None if sm_scale is None else float(sm_scale),
                                  softcap=None if softcap is None else float(softcap), config=cfg or None,
@@ -420,14 +420,21 @@ def _apply_sinks(out, lse, sinks):
     return (out.float() * scale).to(out.dtype), torch.logaddexp(lse, s)
 
 
-def _table_tensors(mask, bq: int, bkv: int, nq_pad: int | None = None, nk_pad: int | None = None):
+def _table_tensors(mask, bq: int, bkv: int, nq_pad: int | None = None, nk_pad: int | None = None,
+                   local: tuple | None = None):
     """The mask's block-sparse tables as torch tensors (built once per mask value and block shape, cached);
     under ``torch.compile`` evaluated at trace time and kept as constants (host-side numpy work). With
     ``nq_pad`` / ``nk_pad`` (bucketing): padded to those block counts, list lengths and partial-block count
-    bucketed (:func:`.buckets.pad_tables`; cached per padding)."""
+    bucketed (:func:`.buckets.pad_tables`; cached per padding). With ``local = (left, right, offset)``
+    (``causal`` / ``window``): the tables of ``mask & LocalMask((Sq, Skv), (left, right), offset)``, built
+    here rather than by the caller: a mask object created in code that dynamo traces cannot be handed to this
+    constant-result function (dynamo rebuilds it without its attributes: ``'LogicalAnd' object has no
+    attribute 'left'``), while ints and a mask the traced code closes over can."""
     from .masked import _tensors
-    from .masks import mask_tables
+    from .masks import LocalMask, mask_tables
 
+    if local is not None:
+        mask = mask & LocalMask(tuple(mask.shape[-2:]), local[:2], offset=local[2])
     tables = mask_tables(mask, bq, bkv)
     if nq_pad is None:
         return _tensors(tables)
