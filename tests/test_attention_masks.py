@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tpukernels.errors import ArgumentError, DTypeError
+from tpukernels.errors import ArgumentError, DeviceError, DTypeError
 from tpukernels.library.attention import (CausalMask, ChunkedCausalMask, FullMask, LocalMask, MultiHeadMask,
                                           NumpyMask, flash_attention, mask_tables)
 from tpukernels.library.attention import masks as M
@@ -191,7 +191,12 @@ def test_mask_bad_inputs_raise_typed_errors():
         (dict(mask=torch.ones(64, 96, dtype=torch.bool)), ArgumentError, "NumpyMask"),
         (dict(mask="causal"), ArgumentError, "mask must be"),
         (dict(sinks=torch.zeros(3)), ArgumentError, "sinks must have shape"),
-        (dict(sinks=torch.zeros(4, dtype=torch.int32)), DTypeError, "sinks"),
+        (dict(sinks=torch.zeros(4, dtype=torch.int32)), DTypeError, "sinks must be a float tensor"),
+        (dict(sinks=torch.zeros(1, 4)), ArgumentError, r"sinks must have shape \[Hq\] = \(4,\)"),
+        (dict(sinks=[0.0] * 4), ArgumentError, "sinks must be a torch.Tensor"),
+        # a sink table on another device: torch's prims device message before (issue 36 item 7)
+        (dict(sinks=torch.zeros(4, device="meta")), DeviceError, "sinks is on meta but q is on cpu"),
+        (dict(sinks=torch.zeros(4, device="meta"), mask=CausalMask((64, 96))), DeviceError, "sinks is on meta"),
         (dict(mask=CausalMask((64, 96)), config=dict(block_h=2)), ArgumentError, "block_h"),
     ]
     for kw, err, words in cases:

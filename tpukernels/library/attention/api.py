@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ...errors import ArgumentError, DTypeError
+from ...errors import ArgumentError, DeviceError, DTypeError
 from .buckets import absent_id, bucket_len, pad_ids, pad_len, pad_tables, slice_len
 from .forward import fa_forward
 from .plan import NAMESPACE
@@ -120,7 +120,7 @@ def flash_attention(
             ``[2, D]``, ``Sq > Skv`` (query positions beyond the table), combined with ``mask``.
         DTypeError: q, k, v dtypes differ or are not bf16 / fp16 / f32; non-integer segment ids; a non-bool
             mask array; non-float sinks; ``rope_cos`` / ``rope_sin`` neither q's dtype nor float32, or differing.
-        DeviceError: ``rope_cos`` / ``rope_sin`` on another device than q.
+        DeviceError: ``sinks``, ``rope_cos`` / ``rope_sin`` on another device than q.
 
     Sources: Dao, "FlashAttention-2" (arXiv:2307.08691); JAX ``pallas/ops/tpu/flash_attention.py`` and
     ``splash_attention`` (block skipping, compute sub-blocks, key-major dK/dV); FlashAttention 2.1 release
@@ -151,6 +151,8 @@ def flash_attention(
         if q.dim() == 4 and tuple(sinks.shape) != (q.shape[1],):
             raise ArgumentError(f"flash_attention: sinks must have shape [Hq] = ({q.shape[1]},) (one logit per query "
                                 f"head), got {tuple(sinks.shape)}")
+        if sinks.device != q.device:
+            raise DeviceError(f"flash_attention: sinks is on {sinks.device} but q is on {q.device}")
     rope = None
     if rope_cos is not None or rope_sin is not None:
         rope = _check_rope(q, k, rope_cos, rope_sin, rope_interleaved, mask)
@@ -332,8 +334,6 @@ def _masked_forward(q, k, v, qs, ks, mask, *, causal, causal_alignment, sm_scale
 
 def _check_rope(q, k, cos, sin, interleaved, mask) -> int:
     """Typed checks of ``rope_cos`` / ``rope_sin`` / ``rope_interleaved``; returns the rotary dim ``R``."""
-    from ...errors import DeviceError
-
     if cos is None or sin is None:
         raise ArgumentError("flash_attention: rope_cos and rope_sin must be given together (RoPE tables)")
     if not isinstance(interleaved, bool):
