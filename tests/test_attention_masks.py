@@ -321,3 +321,35 @@ def test_mask_with_causal_or_window_under_torch_compile_fullgraph(backend, kw):
     torch.testing.assert_close(out.double(), r_out, atol=ATOL, rtol=ATOL)
     for name, a, r in zip("qkv", grads, r_grads):
         torch.testing.assert_close(a.double(), r, atol=ATOL, rtol=ATOL, msg=lambda msg, n=name: f"d{n}: {msg}")
+
+
+def test_mask_built_inside_compiled_code_and_swapped_data_masks():
+    """Masks constructed inside the compiled function (``CausalMask(...) & LocalMask(...)``, a
+    ``MultiHeadMask`` around a closed-over ``NumpyMask``) compile with fullgraph; the tables follow the mask:
+    swapping the closed-over ``NumpyMask`` recompiles instead of reusing the first tables (a stale table would
+    be a silent wrong answer). Forward against the float64 reference; masks round-trip through their spec."""
+    Sq, Skv = 100, 140
+    rng = np.random.default_rng(8)
+    arrs = [rng.random((Sq, Skv)) < 0.5 for _ in range(2)]
+    q, k, v = make(1, 2, 1, Sq, Skv, 32, seed=10)
+    held = {}
+
+    def f(q, k, v):
+        m = (MultiHeadMask([held["data"], CausalMask((Sq, Skv), offset=20)])
+             | (CausalMask((Sq, Skv)) & LocalMask((Sq, Skv), (5, None))))
+        return flash_attention(q, k, v, mask=m, config=B128)
+
+    torch._dynamo.reset()
+    cf = torch.compile(f, fullgraph=True, backend="aot_eager")
+    outs = []
+    for arr in arrs:
+        held["data"] = NumpyMask(arr)
+        vis = np.stack([arr, causal_np(Sq, Skv, 20)]) | (causal_np(Sq, Skv) & local_np(Sq, Skv, 5, None))
+        r_out, _ = reference(q.detach(), k.detach(), v.detach(), torch.as_tensor(vis))
+        outs.append(cf(q, k, v))
+        torch.testing.assert_close(outs[-1].double(), r_out, atol=ATOL, rtol=ATOL)
+    assert (outs[0] - outs[1]).abs().max() > 0.1  # the two data masks give different answers
+    m = MultiHeadMask([NumpyMask(arrs[0]), ChunkedCausalMask((Sq, Skv), 16) & FullMask((Sq, Skv))]) | CausalMask(
+        (Sq, Skv), offset=-3)
+    spec, leaves = M.mask_spec(m)
+    assert leaves == (NumpyMask(arrs[0]),) and M.mask_from_spec(spec, leaves) == m

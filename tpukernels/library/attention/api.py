@@ -69,7 +69,9 @@ def flash_attention(
             per block shape into scalar-prefetched tables (cached by mask value); fully masked blocks are skipped
             without DMA, full blocks run without an element mask. ``causal`` / ``window`` / segment ids are
             intersected with it. ``config`` then takes ``block_q`` / ``block_kv`` (default 512, multiples of 128)
-            and ``block_kv_compute``; query heads are not folded (``block_h = 1``).
+            and ``block_kv_compute``; query heads are not folded (``block_h = 1``). Under ``torch.compile``
+            (fullgraph too) the tables are built at trace time; masks may be built inside the compiled code,
+            except a ``NumpyMask`` (data: build it outside and close over it; a new one recompiles).
         sinks: ``[Hq]`` float attention-sink logits (gpt-oss): each joins its head's softmax denominator as a
             key with no value, ``out = sum_j e^{s_j} v_j / (sum_j e^{s_j} + e^{sink})``; differentiable (the
             sinks get a gradient). Applied as ``out * exp(-softplus(sink - lse))`` (f32) on the kernel's
@@ -282,6 +284,7 @@ def _masked_forward(q, k, v, qs, ks, mask, *, causal, causal_alignment, sm_scale
     """Run the block-sparse masked kernel: ``causal`` / ``window`` are folded into ``mask`` (intersection);
     with ``bucket``, on ``Sq`` / ``Skv`` padded at the end to their buckets (the tables mask the padding)."""
     from .masked import check_mask, fa_forward_masked
+    from .masks import mask_spec
 
     if q.dim() != 4 or k.dim() != 4:
         raise ArgumentError(f"flash_attention: q and k must have rank 4 [B, H, S, D], got {tuple(q.shape)}, "
@@ -321,8 +324,9 @@ def _masked_forward(q, k, v, qs, ks, mask, *, causal, causal_alignment, sm_scale
         if qs is not None:  # any id: the tables mask the padding
             qs, ks = pad_ids(qs, Sq_b, False, 0), pad_ids(ks, Skv_b, False, 0)
     nq, nk = -(-Sq_b // max(bq, 1)), -(-Skv_b // max(bkv, 1))
-    ft, bt, mb, mbt = _table_tensors(mask, max(bq, 1), max(bkv, 1), nq if bucket else None, nk if bucket else None,
-                                     local)
+    spec, leaves = mask_spec(mask)  # plain constants: a mask built inside torch.compiled code reaches the tables
+    ft, bt, mb, mbt = _table_tensors(spec, max(bq, 1), max(bkv, 1), nq if bucket else None, nk if bucket else None,
+                                     local, *leaves)
     out, lse = fa_forward_masked(ft, bt, q, k, v, mb, mbt, qs, ks,
                                  sm_scale=None if sm_scale is None else float(sm_scale),
                                  softcap=None if softcap is None else float(softcap), config=cfg or None,
@@ -420,19 +424,20 @@ def _apply_sinks(out, lse, sinks):
     return (out.float() * scale).to(out.dtype), torch.logaddexp(lse, s)
 
 
-def _table_tensors(mask, bq: int, bkv: int, nq_pad: int | None = None, nk_pad: int | None = None,
-                   local: tuple | None = None):
-    """The mask's block-sparse tables as torch tensors (built once per mask value and block shape, cached);
-    under ``torch.compile`` evaluated at trace time and kept as constants (host-side numpy work). With
-    ``nq_pad`` / ``nk_pad`` (bucketing): padded to those block counts, list lengths and partial-block count
-    bucketed (:func:`.buckets.pad_tables`; cached per padding). With ``local = (left, right, offset)``
-    (``causal`` / ``window``): the tables of ``mask & LocalMask((Sq, Skv), (left, right), offset)``, built
-    here rather than by the caller: a mask object created in code that dynamo traces cannot be handed to this
-    constant-result function (dynamo rebuilds it without its attributes: ``'LogicalAnd' object has no
-    attribute 'left'``), while ints and a mask the traced code closes over can."""
+def _table_tensors(spec: tuple, bq: int, bkv: int, nq_pad: int | None = None, nk_pad: int | None = None,
+                   local: tuple | None = None, *leaves):
+    """The block-sparse tables of the mask ``(spec, leaves)`` (:func:`.masks.mask_spec`) as torch tensors
+    (built once per mask value and block shape, cached); under ``torch.compile`` evaluated at trace time and
+    kept as constants (host-side numpy work). With ``nq_pad`` / ``nk_pad`` (bucketing): padded to those block
+    counts, list lengths and partial-block count bucketed (:func:`.buckets.pad_tables`; cached per padding).
+    With ``local = (left, right, offset)`` (``causal`` / ``window``): the tables of ``mask & LocalMask((Sq,
+    Skv), (left, right), offset)``. Masks travel as a spec of constants and are (re)built here, not by the
+    traced caller: dynamo cannot hand a mask object created in traced code to this constant-result function
+    (it passes an instance without its attributes: ``'LogicalAnd' object has no attribute 'left'``)."""
     from .masked import _tensors
-    from .masks import LocalMask, mask_tables
+    from .masks import LocalMask, mask_from_spec, mask_tables
 
+    mask = mask_from_spec(spec, leaves)
     if local is not None:
         mask = mask & LocalMask(tuple(mask.shape[-2:]), local[:2], offset=local[2])
     tables = mask_tables(mask, bq, bkv)
