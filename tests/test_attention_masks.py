@@ -353,3 +353,28 @@ def test_mask_built_inside_compiled_code_and_swapped_data_masks():
         (Sq, Skv), offset=-3)
     spec, leaves = M.mask_spec(m)
     assert leaves == (NumpyMask(arrs[0]),) and M.mask_from_spec(spec, leaves) == m
+
+
+def test_sinks_minus_inf_and_rows_that_see_nothing_stay_finite():
+    """A ``-inf`` sink (no sink for that head) on rows that see no key (bottom-right causal, ``Sq > Skv``):
+    out 0, lse -inf and finite gradients (``sink - lse`` and logaddexp's backward are NaN at ``-inf, -inf`` if
+    not kept out); everything matches float64 (whose own d_sink of a ``-inf`` sink is NaN: it is 0)."""
+    Sq, Skv = 12, 8
+    q, k, v = make(1, 2, 1, Sq, Skv, 32, seed=12)
+    sinks = torch.tensor([-math.inf, 0.5], requires_grad=True)
+    vis = causal_np(Sq, Skv, Skv - Sq)[None]
+    out, lse = flash_attention(q, k, v, sinks=sinks, causal=True, causal_alignment="bottom_right", return_lse=True)
+    assert (out[0, :, :4] == 0).all() and torch.isneginf(lse[0, 0, :4]).all() and (lse[0, 1, :4] == 0.5).all()
+    g = torch.Generator().manual_seed(3)
+    do, dl = torch.randn(out.shape, generator=g), torch.randn(lse.shape, generator=g)
+    grads = torch.autograd.grad((out, lse), (q, k, v, sinks), (do, dl))
+    leaves64 = [x.detach().double().requires_grad_() for x in (q, k, v, sinks)]
+    r_out, r_lse = reference(*leaves64[:3], torch.as_tensor(vis), sinks=leaves64[3])
+    fin = torch.isfinite(r_lse)
+    r_grads = torch.autograd.grad((r_out, r_lse), leaves64, (do.double(), torch.where(fin, dl.double(), 0.0)))
+    torch.testing.assert_close(out.double(), r_out, atol=ATOL, rtol=ATOL)
+    assert torch.equal(torch.isneginf(lse), ~fin)
+    torch.testing.assert_close(lse[fin].double(), r_lse[fin], atol=ATOL, rtol=ATOL)
+    for name, a, r in zip("qkv", grads, r_grads):
+        torch.testing.assert_close(a.double(), r, atol=ATOL, rtol=ATOL, msg=lambda m, n=name: f"d{n}: {m}")
+    assert grads[3][0] == 0 and abs(float(grads[3][1]) - float(r_grads[3][1])) < ATOL

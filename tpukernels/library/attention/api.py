@@ -419,9 +419,14 @@ def _apply_sinks(out, lse, sinks):
     of 6e-8 and d_sinks came out tens of percent off. softplus's backward is ``sigmoid(x)`` of its own input,
     computed from ``exp(x)``: exact at any lse."""
     s = sinks.float().view(1, -1, 1, 1)  # [1, Hq, 1, 1]
-    x = s - lse.transpose(2, 3)  # lse [B, Hq, 1, Sq] -> [B, Hq, Sq, 1]; -inf lse (nothing visible): +inf, scale 0
+    lt = lse.transpose(2, 3)  # lse [B, Hq, 1, Sq] -> [B, Hq, Sq, 1]
+    # a row that sees nothing (lse -inf) has out 0: scale 0 there, also for a -inf sink (-inf - -inf is NaN,
+    # and a NaN left in where's other branch would still poison the backward)
+    x = torch.where(torch.isneginf(lt), torch.inf, s - lt)
     scale = torch.exp(-torch.nn.functional.softplus(x))
-    return (out.float() * scale).to(out.dtype), torch.logaddexp(lse, s)
+    none = torch.isneginf(lse) & torch.isneginf(s)  # lse' = -inf; logaddexp's backward would give NaN there
+    lse_s = torch.where(none, -torch.inf, torch.logaddexp(lse.masked_fill(none, 0.0), s.masked_fill(none, 0.0)))
+    return (out.float() * scale).to(out.dtype), lse_s
 
 
 def _table_tensors(spec: tuple, bq: int, bkv: int, nq_pad: int | None = None, nk_pad: int | None = None,
