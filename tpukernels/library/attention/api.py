@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ...errors import ArgumentError, DTypeError
+from ...errors import ArgumentError, DeviceError, DTypeError
 from .buckets import absent_id, bucket_len, pad_ids, pad_len, pad_tables, slice_len
 from .forward import fa_forward
 from .plan import NAMESPACE
@@ -69,11 +69,13 @@ def flash_attention(
             per block shape into scalar-prefetched tables (cached by mask value); fully masked blocks are skipped
             without DMA, full blocks run without an element mask. ``causal`` / ``window`` / segment ids are
             intersected with it. ``config`` then takes ``block_q`` / ``block_kv`` (default 512, multiples of 128)
-            and ``block_kv_compute``; query heads are not folded (``block_h = 1``).
+            and ``block_kv_compute``; query heads are not folded (``block_h = 1``). Under ``torch.compile``
+            (fullgraph too) the tables are built at trace time; masks may be built inside the compiled code,
+            except a ``NumpyMask`` (data: build it outside and close over it; a new one recompiles).
         sinks: ``[Hq]`` float attention-sink logits (gpt-oss): each joins its head's softmax denominator as a
             key with no value, ``out = sum_j e^{s_j} v_j / (sum_j e^{s_j} + e^{sink})``; differentiable (the
-            sinks get a gradient). Applied exactly as ``out * sigmoid(lse - sink)`` (f32) on the kernel's
-            output; the returned ``lse`` includes the sink.
+            sinks get a gradient). Applied as ``out * exp(-softplus(sink - lse))`` (f32) on the kernel's
+            output, a form whose gradient stays exact at large ``lse``; the returned ``lse`` includes the sink.
         return_lse: also return ``lse`` ``[B, Hq, Sq]`` float32, the natural-log log-sum-exp of each row's
             visible logits (``-inf`` where nothing is visible); differentiable.
         config: tuning config for the forward kernel (keys ``block_q``, ``block_kv``, ``block_kv_compute``,
@@ -120,7 +122,7 @@ def flash_attention(
             ``[2, D]``, ``Sq > Skv`` (query positions beyond the table), combined with ``mask``.
         DTypeError: q, k, v dtypes differ or are not bf16 / fp16 / f32; non-integer segment ids; a non-bool
             mask array; non-float sinks; ``rope_cos`` / ``rope_sin`` neither q's dtype nor float32, or differing.
-        DeviceError: ``rope_cos`` / ``rope_sin`` on another device than q.
+        DeviceError: ``sinks``, ``rope_cos`` / ``rope_sin`` on another device than q.
 
     Sources: Dao, "FlashAttention-2" (arXiv:2307.08691); JAX ``pallas/ops/tpu/flash_attention.py`` and
     ``splash_attention`` (block skipping, compute sub-blocks, key-major dK/dV); FlashAttention 2.1 release
@@ -151,6 +153,8 @@ def flash_attention(
         if q.dim() == 4 and tuple(sinks.shape) != (q.shape[1],):
             raise ArgumentError(f"flash_attention: sinks must have shape [Hq] = ({q.shape[1]},) (one logit per query "
                                 f"head), got {tuple(sinks.shape)}")
+        if sinks.device != q.device:
+            raise DeviceError(f"flash_attention: sinks is on {sinks.device} but q is on {q.device}")
     rope = None
     if rope_cos is not None or rope_sin is not None:
         rope = _check_rope(q, k, rope_cos, rope_sin, rope_interleaved, mask)
@@ -280,7 +284,7 @@ def _masked_forward(q, k, v, qs, ks, mask, *, causal, causal_alignment, sm_scale
     """Run the block-sparse masked kernel: ``causal`` / ``window`` are folded into ``mask`` (intersection);
     with ``bucket``, on ``Sq`` / ``Skv`` padded at the end to their buckets (the tables mask the padding)."""
     from .masked import check_mask, fa_forward_masked
-    from .masks import LocalMask
+    from .masks import mask_spec
 
     if q.dim() != 4 or k.dim() != 4:
         raise ArgumentError(f"flash_attention: q and k must have rank 4 [B, H, S, D], got {tuple(q.shape)}, "
@@ -293,12 +297,12 @@ def _masked_forward(q, k, v, qs, ks, mask, *, causal, causal_alignment, sm_scale
     left, right = window
     if causal:
         right = 0 if right is None else min(right, 0)
+    local = None  # (left, right, offset) of a LocalMask intersected with ``mask`` by _table_tensors
     if left is not None or right is not None:
         for name, w in (("window[0]", left), ("window[1]", right)):
             if w is not None and w < 0:
                 raise ArgumentError(f"flash_attention: {name} must be an int >= 0 or None, got {w!r}")
-        off = Skv - Sq if causal_alignment == "bottom_right" else 0
-        mask = mask & LocalMask((Sq, Skv), (left, right), offset=off)
+        local = (left, right, Skv - Sq if causal_alignment == "bottom_right" else 0)
     cfg = dict(config or {})
     unknown = set(cfg) - {"block_q", "block_kv", "block_kv_compute"}
     if unknown:
@@ -320,7 +324,9 @@ def _masked_forward(q, k, v, qs, ks, mask, *, causal, causal_alignment, sm_scale
         if qs is not None:  # any id: the tables mask the padding
             qs, ks = pad_ids(qs, Sq_b, False, 0), pad_ids(ks, Skv_b, False, 0)
     nq, nk = -(-Sq_b // max(bq, 1)), -(-Skv_b // max(bkv, 1))
-    ft, bt, mb, mbt = _table_tensors(mask, max(bq, 1), max(bkv, 1), nq if bucket else None, nk if bucket else None)
+    spec, leaves = mask_spec(mask)  # plain constants: a mask built inside torch.compiled code reaches the tables
+    ft, bt, mb, mbt = _table_tensors(spec, max(bq, 1), max(bkv, 1), nq if bucket else None, nk if bucket else None,
+                                     local, *leaves)
     out, lse = fa_forward_masked(ft, bt, q, k, v, mb, mbt, qs, ks,
                                  sm_scale=None if sm_scale is None else float(sm_scale),
                                  softcap=None if softcap is None else float(softcap), config=cfg or None,
@@ -332,8 +338,6 @@ def _masked_forward(q, k, v, qs, ks, mask, *, causal, causal_alignment, sm_scale
 
 def _check_rope(q, k, cos, sin, interleaved, mask) -> int:
     """Typed checks of ``rope_cos`` / ``rope_sin`` / ``rope_interleaved``; returns the rotary dim ``R``."""
-    from ...errors import DeviceError
-
     if cos is None or sin is None:
         raise ArgumentError("flash_attention: rope_cos and rope_sin must be given together (RoPE tables)")
     if not isinstance(interleaved, bool):
@@ -405,22 +409,42 @@ def _rope_forward(q, k, v, qs, ks, cos, sin, r: int, interleaved: bool, *, causa
 def _apply_sinks(out, lse, sinks):
     """Attention sinks (gpt-oss): a per-head logit ``sink[h]`` joins every row's softmax denominator and
     contributes no value. With ``l = sum_j exp(s_ij)`` the kernel's row sum, ``out' = out * l / (l + e^sink)
-    = out * sigmoid(lse - sink)`` and ``lse' = logaddexp(lse, sink)`` (exact; f32). Differentiable: autograd
+    = out * exp(-softplus(sink - lse))`` and ``lse' = logaddexp(lse, sink)`` (f32). Differentiable: autograd
     carries d lse into the kernels' backward and gives the sinks' gradient. Rows that see no key: out 0,
-    lse = sink."""
+    lse = sink.
+
+    The scale is written as ``exp(-softplus(sink - lse))``, not ``sigmoid(lse - sink)``: both have the same
+    value, but sigmoid's backward is ``y (1 - y)``, and where ``lse >> sink`` (lse ~ 15, a sink near 0) ``y``
+    is within a few float32 ulps of 1, so ``1 - y`` (the sink's whole probability, ~1e-7) is resolved in steps
+    of 6e-8 and d_sinks came out tens of percent off. softplus's backward is ``sigmoid(x)`` of its own input,
+    computed from ``exp(x)``: exact at any lse."""
     s = sinks.float().view(1, -1, 1, 1)  # [1, Hq, 1, 1]
-    scale = torch.sigmoid(lse.transpose(2, 3) - s)  # lse [B, Hq, 1, Sq] -> [B, Hq, Sq, 1]
-    return (out.float() * scale).to(out.dtype), torch.logaddexp(lse, s)
+    lt = lse.transpose(2, 3)  # lse [B, Hq, 1, Sq] -> [B, Hq, Sq, 1]
+    # a row that sees nothing (lse -inf) has out 0: scale 0 there, also for a -inf sink (-inf - -inf is NaN,
+    # and a NaN left in where's other branch would still poison the backward)
+    x = torch.where(torch.isneginf(lt), torch.inf, s - lt)
+    scale = torch.exp(-torch.nn.functional.softplus(x))
+    none = torch.isneginf(lse) & torch.isneginf(s)  # lse' = -inf; logaddexp's backward would give NaN there
+    lse_s = torch.where(none, -torch.inf, torch.logaddexp(lse.masked_fill(none, 0.0), s.masked_fill(none, 0.0)))
+    return (out.float() * scale).to(out.dtype), lse_s
 
 
-def _table_tensors(mask, bq: int, bkv: int, nq_pad: int | None = None, nk_pad: int | None = None):
-    """The mask's block-sparse tables as torch tensors (built once per mask value and block shape, cached);
-    under ``torch.compile`` evaluated at trace time and kept as constants (host-side numpy work). With
-    ``nq_pad`` / ``nk_pad`` (bucketing): padded to those block counts, list lengths and partial-block count
-    bucketed (:func:`.buckets.pad_tables`; cached per padding)."""
+def _table_tensors(spec: tuple, bq: int, bkv: int, nq_pad: int | None = None, nk_pad: int | None = None,
+                   local: tuple | None = None, *leaves):
+    """The block-sparse tables of the mask ``(spec, leaves)`` (:func:`.masks.mask_spec`) as torch tensors
+    (built once per mask value and block shape, cached); under ``torch.compile`` evaluated at trace time and
+    kept as constants (host-side numpy work). With ``nq_pad`` / ``nk_pad`` (bucketing): padded to those block
+    counts, list lengths and partial-block count bucketed (:func:`.buckets.pad_tables`; cached per padding).
+    With ``local = (left, right, offset)`` (``causal`` / ``window``): the tables of ``mask & LocalMask((Sq,
+    Skv), (left, right), offset)``. Masks travel as a spec of constants and are (re)built here, not by the
+    traced caller: dynamo cannot hand a mask object created in traced code to this constant-result function
+    (it passes an instance without its attributes: ``'LogicalAnd' object has no attribute 'left'``)."""
     from .masked import _tensors
-    from .masks import mask_tables
+    from .masks import LocalMask, mask_from_spec, mask_tables
 
+    mask = mask_from_spec(spec, leaves)
+    if local is not None:
+        mask = mask & LocalMask(tuple(mask.shape[-2:]), local[:2], offset=local[2])
     tables = mask_tables(mask, bq, bkv)
     if nq_pad is None:
         return _tensors(tables)

@@ -302,6 +302,47 @@ def head_masks(mask: Mask) -> tuple[Mask, ...]:
     return tuple(mask.head(h) for h in range(n))
 
 
+def mask_spec(mask: Mask) -> tuple[tuple, tuple[Mask, ...]]:
+    """``(spec, leaves)``: ``mask`` as a nested tuple of plain constants (class name and constructor arguments
+    of the computable masks, ``|`` / ``&`` and :class:`MultiHeadMask` nodes) plus the masks it holds that are
+    data (:class:`NumpyMask`, a user's own :class:`Mask` subclass), which the spec names by index into
+    ``leaves``. :func:`mask_from_spec` rebuilds an equal mask.
+
+    Why: ``torch.compile`` evaluates the mask tables once at trace time by calling a constant-result function,
+    and dynamo can hand it ints, tuples and objects that exist outside the traced code, but not a mask object
+    constructed inside it (it passes an instance without its attributes). The spec is read from the traced
+    objects' attributes, which dynamo can do; a ``NumpyMask`` is data and is passed as itself."""
+    leaves: list = []
+
+    def walk(m):
+        t = type(m)
+        if t in (CausalMask, LocalMask, ChunkedCausalMask, FullMask):  # their _key() is their constructor args
+            return (t.__name__, m._key())
+        if t in (LogicalOr, LogicalAnd):
+            return (t.__name__, walk(m.left), walk(m.right))
+        if t is MultiHeadMask:
+            return (t.__name__, tuple(walk(h) for h in m.masks))
+        leaves.append(m)
+        return ("leaf", len(leaves) - 1)
+
+    return walk(mask), tuple(leaves)
+
+
+def mask_from_spec(spec: tuple, leaves: Sequence[Mask]) -> Mask:
+    """The mask described by :func:`mask_spec`'s ``(spec, leaves)``."""
+    name = spec[0]
+    if name == "leaf":
+        return leaves[spec[1]]
+    if name in ("LogicalOr", "LogicalAnd"):
+        return _SPEC_CLASSES[name](mask_from_spec(spec[1], leaves), mask_from_spec(spec[2], leaves))
+    if name == "MultiHeadMask":
+        return MultiHeadMask([mask_from_spec(h, leaves) for h in spec[1]])
+    return _SPEC_CLASSES[name](*spec[1])
+
+
+_SPEC_CLASSES = {c.__name__: c for c in (CausalMask, LocalMask, ChunkedCausalMask, FullMask, LogicalOr, LogicalAnd)}
+
+
 # ----------------------------------------------------------------------------------------------- tables
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
