@@ -87,6 +87,7 @@ JAX: :func:`ragged_paged_attention_jax` (jax arrays or tracers, via :func:`tpuke
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Optional
 
 import numpy as np
@@ -687,6 +688,13 @@ def _check_update(kv_cache, k, v, slot_mapping, where: str):
         raise ArgumentError(f"{where}: kv_cache must have rank 4 [num_pages, page_size, 2*Hkv, D], got "
                             f"{tuple(kv_cache.shape)}")
     P, ps, H2, D = kv_cache.shape
+    if H2 == 0 or H2 % 2:
+        raise ArgumentError(f"{where}: kv_cache dim 2 must be 2*Hkv > 0 (K of kv head h at combined head 2h, V at "
+                            f"2h + 1), got {H2} (shape {tuple(kv_cache.shape)})")
+    if kv_cache.requires_grad and torch.is_grad_enabled():
+        raise ArgumentError(f"{where}: kv_cache requires grad: a KV cache is state, not a differentiable input (the "
+                            f"cache update has no backward); pass kv_cache.detach(), allocate it with "
+                            f"requires_grad=False, or call under torch.no_grad()")
     for name, t in (("k", k), ("v", v)):
         if tuple(t.shape[1:]) != (H2 // 2, D) or t.dim() != 3:
             raise ArgumentError(f"{where}: {name} must have shape [T, Hkv, D] = [T, {H2 // 2}, {D}], got "
@@ -791,7 +799,8 @@ def ragged_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, kv_lens: tor
         page_indices: int32 ``[S, pages_per_seq]``: the cache pages of each sequence, in order.
         cu_q_lens: int32 ``[S + 1]``: sequence ``s`` owns query rows ``[cu_q_lens[s], cu_q_lens[s+1])``;
             ``cu_q_lens[0] = 0``, non-decreasing, ``q_len <= kv_len``.
-        num_seqs: int32 ``[1]`` (or a Python int): sequences in use (the rest of the ``S`` entries are ignored).
+        num_seqs: int32 ``[1]`` (or a Python int, not a bool): sequences in use (the rest of the ``S`` entries
+            are ignored).
         sm_scale: logit scale; ``None`` means ``1/sqrt(D)`` (JAX's kernel defaults to 1.0).
         sliding_window: query at key position ``pos`` sees keys ``pos - W < j <= pos`` (JAX's convention).
         soft_cap: ``soft_cap * tanh(s / soft_cap)`` on the scaled logits.
@@ -808,7 +817,8 @@ def ragged_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, kv_lens: tor
         ``[T, Hq, D]`` in q's dtype; rows of no sequence (padding) and rows that see no key are 0.
 
     Raises:
-        ArgumentError: ranks / shapes (``kv_lens [S]``, ``cu_q_lens [S+1]``, ``num_seqs [1]``), head dims,
+        ArgumentError: a tensor argument that is not a torch.Tensor (``num_seqs``: nor an int; a bool is
+            refused), ranks / shapes (``kv_lens [S]``, ``cu_q_lens [S+1]``, ``num_seqs [1]``), head dims,
             ``Hq % Hkv``, bad statics; on host (cpu) tensors also the values: a page index out of
             ``[0, num_pages)``, ``kv_len > pages_per_seq * page_size``, ``cu_q_lens`` not monotone or past
             ``T``, ``q_len > kv_len``, ``num_seqs`` out of ``[0, S]``; ``sinks`` not ``[Hq]``, ``k_scales`` /
@@ -823,10 +833,19 @@ def ragged_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, kv_lens: tor
     from ..dsl.modes import interpret_mode
     from ..targets import config_to_json
 
+    where = "tpukernels::ragged_paged_attention"
+    if isinstance(num_seqs, (bool, np.bool_)):
+        raise ArgumentError(f"{where}: num_seqs must be an int32 [1] tensor or a Python int count of sequences, got "
+                            f"bool {num_seqs!r} (a bool is not a count)")
+    if isinstance(num_seqs, numbers.Integral):  # a Python / numpy int: the [1] int32 tensor it means
+        num_seqs = torch.tensor([int(num_seqs)], dtype=torch.int32, device=getattr(kv_lens, "device", None))
+    for name, t in (("q", q), ("kv_cache", kv_cache), ("kv_lens", kv_lens), ("page_indices", page_indices),
+                    ("cu_q_lens", cu_q_lens), ("num_seqs", num_seqs)):
+        if not isinstance(t, torch.Tensor):  # before the op's schema check, which would name no rule
+            raise ArgumentError(f"{where}: {name} must be a torch.Tensor" + (" (or a Python int)" if name == "num_seqs"
+                                else "") + f", got {type(t).__name__}")
     cfg = None if config is None or (isinstance(config, Mapping) and not config) else \
         config_to_json(rpa_kernel, config)
-    if isinstance(num_seqs, int) and not isinstance(num_seqs, bool):  # a Python int: the [1] int32 tensor it means
-        num_seqs = torch.tensor([num_seqs], dtype=torch.int32, device=getattr(kv_lens, "device", None))
     args = (q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
             None if sm_scale is None else float(sm_scale), sliding_window,
             None if soft_cap is None else float(soft_cap), None if k_scale is None else float(k_scale),
@@ -850,7 +869,9 @@ def update_kv_cache(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sl
         slot_mapping: int32 ``[T]``; negative entries are skipped (padding tokens).
 
     Raises:
-        ArgumentError: shapes; on host tensors a slot ``>= num_pages * page_size`` or a slot written twice.
+        ArgumentError: shapes (``kv_cache.shape[2]`` odd: not ``2*Hkv``); ``kv_cache`` requires grad while grad
+            mode is on (the update has no backward); on host tensors a slot ``>= num_pages * page_size`` or a
+            slot written twice. Raised before anything is written: ``kv_cache`` is unchanged.
         DTypeError: k / v dtype differs from the cache's; slot_mapping not int32.
     """
     from ..dsl.modes import interpret_mode
