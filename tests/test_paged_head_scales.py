@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tpukernels.errors import ArgumentError
 from tpukernels.library import paged_attention as pa
 from tpukernels.library import ragged_paged_attention
 
-from test_paged_attention import make_batch
+from test_paged_attention import TOL, batches, check, make_batch
 
 MAX_INT8 = 127.5  # jax.experimental.pallas.ops.tpu.paged_attention.quantization_utils
 Q_LENS, KV_LENS = (3, 1, 5), (70, 45, 40)
@@ -116,6 +118,25 @@ def test_nan_head_scale_of_one_sequence_stays_in_its_rows(which):
     assert torch.equal(torch.isnan(out), nan_ref), "a NaN scale reached another sequence's (or head's) rows"
     torch.testing.assert_close(out[:n].double().nan_to_num(7.0), ref[:n].nan_to_num(7.0), atol=1e-2, rtol=2e-2)
     assert (out[n:] == 0).all()
+
+
+@settings(max_examples=8)
+@given(batch=batches(), k_layout=st.sampled_from(["head", "slot"]), v_layout=st.sampled_from(["head", "slot"]))
+def test_ragged_batches_head_or_slot_scales_match_reference(batch, k_layout, v_layout):
+    """Random ragged batches (decode, chunked prefill, prefill, empty sequences, num_seqs < S) with random
+    positive scales per (slot, kv head) or per slot (NaN in unused slots) on an f32 cache: the scale semantics
+    alone, at f32 tolerance (one compile per layout pair)."""
+    q_lens, kv_lens, seed = batch
+    args = make_batch(q_lens, kv_lens, S=4, T=16, Hq=4, Hkv=2, ps=4, pps=6, P=26, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    used = ~torch.isnan(args[1][:, :, 0, 0])
+    kw = {}
+    for name, layout in (("k_scales", k_layout), ("v_scales", v_layout)):
+        t = torch.rand(26, 4, 2, generator=g) * 4 + 0.25
+        t = t if layout == "head" else t[..., 0]
+        kw[name] = torch.where(used if layout == "slot" else used[..., None], t, float("nan"))
+    out = ragged_paged_attention(*args, config={"block_q": 8, "pages_per_block": 2}, interpret="fast", **kw)
+    check(args, out, TOL[torch.float32], **kw)
 
 
 def test_jax_entry_per_head_scales():
