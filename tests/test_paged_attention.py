@@ -525,3 +525,55 @@ def test_update_kv_cache_in_place_on_torch_tpu_donates_the_callers_cache(monkeyp
         pa._update_inplace_tpu(cache, kv_new, slots)
         assert registry.calls[-1]["donate_argnums"] == [2]
         assert cache.data_ptr() == ptr and torch.equal(cache, expect)
+
+
+# --------------------------------------------------------------------------------------------- issue 36 item 7
+
+@pytest.mark.parametrize("num_seqs", [True, False, np.bool_(True), 2.0, "2"])
+def test_num_seqs_not_a_count_is_a_typed_error(num_seqs):
+    """A bool (an int subclass) or a non-integer num_seqs is refused naming num_seqs, not by the op schema."""
+    with pytest.raises(ArgumentError, match="num_seqs"):
+        ragged_paged_attention(*_good()[:5], num_seqs)
+
+
+@pytest.mark.parametrize("num_seqs", [2, np.int64(2)])
+def test_num_seqs_as_an_int_means_the_tensor(num_seqs):
+    a = _good()
+    out = ragged_paged_attention(*a[:5], num_seqs, config={"block_q": 8, "pages_per_block": 1}, interpret="fast")
+    check(a, out, TOL[torch.float32])
+
+
+def _update_cases():
+    from tpukernels.library.paged_attention import update_kv_cache_
+
+    slots = torch.tensor([0, 5], dtype=torch.int32)
+    odd = (torch.zeros(2, 4, 3, D), torch.ones(2, 1, D), torch.ones(2, 1, D), slots)
+    grad = (torch.zeros(2, 4, 2, D, requires_grad=True), torch.ones(2, 1, D), torch.ones(2, 1, D), slots)
+    return [(fn, args, words) for fn in (update_kv_cache, update_kv_cache_)
+            for args, words in ((odd, "kv_cache dim 2 must be 2\\*Hkv"), (grad, "kv_cache requires grad"))]
+
+
+@pytest.mark.parametrize("fn, args, words", _update_cases(), ids=lambda x: getattr(x, "__name__", None))
+def test_update_bad_cache_is_a_typed_error_and_leaves_it_unchanged(fn, args, words):
+    """An odd combined-head dim (was a raw view error) or a cache that requires grad (in place: torch's leaf
+    message; functional: a KernelDefinitionError only at backward) raise ArgumentError naming kv_cache; the
+    cache is not written."""
+    cache = args[0]
+    before = cache.detach().clone()
+    with pytest.raises(ArgumentError, match=words):
+        fn(*args, interpret="fast")
+    assert torch.equal(cache.detach(), before)
+
+
+def test_update_cache_requiring_grad_is_fine_under_no_grad():
+    """Under torch.no_grad() a cache that requires grad is updated as any other (the optimizer-style rule)."""
+    from tpukernels.library.paged_attention import update_kv_cache_
+
+    cache = torch.zeros(2, 4, 2, D, requires_grad=True)
+    k, v, slots = torch.ones(2, 1, D), 2 * torch.ones(2, 1, D), torch.tensor([0, 5], dtype=torch.int32)
+    with torch.no_grad():
+        out = update_kv_cache(cache, k, v, slots, interpret="fast")
+        update_kv_cache_(cache, k, v, slots, interpret="fast")
+    for c in (out, cache.detach()):
+        assert c[0, 0, 0].eq(1).all() and c[0, 0, 1].eq(2).all() and c[1, 1, 0].eq(1).all()
+        assert c.sum().item() == 2 * 3 * D

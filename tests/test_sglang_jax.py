@@ -479,3 +479,31 @@ def test_tensor_parallel_shard_map_two_cpu_devices():
     proc = subprocess.run([sys.executable, "-c", _SHARDED, here], capture_output=True, text=True, env=env,
                           timeout=600)
     assert proc.returncode == 0 and "SHARDED OK" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_fp8_cache_per_head_token_scales():
+    """Per-(token, kv head) scales ``[P, ps, Hkv]`` through the kernel-level entry: an fp8 cache with Hkv = 3
+    (packing 4: a padding kv head, whose scale column the adapter adds), kv head g's scales ~8**g; vs their
+    ported reference on the pages pre-multiplied by the scales (so the layout is read independently)."""
+    lens = [(1, 20), (5, 14), (3, 3)]
+    Hkv, P, ps = 3, 16, 8
+    q, k, v, cache, batch, ref_in, n_tok = make_batch("EXTEND", lens, Hq=6, Hkv=Hkv, D=128, ps=ps, P=P,
+                                                      dtype=jnp.float8_e4m3fn, seed=8)
+    q = q.astype(jnp.bfloat16)
+    rng = np.random.default_rng(2)
+    ks = (rng.uniform(0.5, 2.0, (P, ps, Hkv)) * 8.0 ** np.arange(Hkv) / 16).astype(np.float32)
+    vs = (rng.uniform(0.5, 2.0, (P, ps, Hkv)) * 8.0 ** np.arange(Hkv) / 16).astype(np.float32)
+    md = sg.get_forward_metadata(batch, 8)
+    args = (q, k, v, cache, md.seq_lens, md.page_indices, md.cu_q_lens, md.cu_kv_lens, md.distribution)
+    out, new_cache = sg.ragged_paged_attention(*args, sm_scale=0.1, k_scales=jnp.asarray(ks), v_scales=jnp.asarray(vs),
+                                               config=CFG)
+    ref_in = dict(ref_in, k_pages=ref_in["k_pages"] * ks[..., None], v_pages=ref_in["v_pages"] * vs[..., None])
+    ref = ref_ragged_paged_attention(q, **ref_in, sm_scale=0.1)
+    _close(out, ref, n_tok, 2e-2)
+    wrong = ref_ragged_paged_attention(q, **dict(ref_in, k_pages=ref_in["k_pages"] / ks[..., None] * ks[..., :1, None],
+                                                 v_pages=ref_in["v_pages"] / vs[..., None] * vs[..., :1, None]),
+                                       sm_scale=0.1)
+    assert np.abs(wrong - ref).max() > 0.5 * np.abs(ref).max()  # kv head 0's scale for all heads is far off
+    assert _same(new_cache, expected_cache(cache, k, v, batch.out_cache_loc))
+    with pytest.raises(ArgumentError, match=r"v_scales must have shape .*\(16, 8, 3\)"):
+        sg.ragged_paged_attention(*args, k_scales=jnp.asarray(ks), v_scales=jnp.ones((P, ps, 4), jnp.float32))

@@ -328,3 +328,86 @@ def test_bad_input_is_a_typed_error(rpa):
         vt.ragged_paged_attention_v3(args[0], args[1].astype(jnp.bfloat16), *args[2:])
     with pytest.raises(ArgumentError, match="use_causal_mask"):
         vt.ragged_paged_attention_v3(*args, use_causal_mask=False)
+
+
+def _int8_head_scaled_case(rpa, q_lens, kv_lens, *, S, T, Hq, Hkv, D, ps, pps, P, seed):
+    """An int8 cache in tpu-inference's layout quantized per (token, kv head) as JAX's paged attention does
+    (``x = int8 * h / 127.5``, ``h`` the row's absmax), kv head g's values scaled by 8**g; the old tokens written
+    with their ``merge_kv``, the new ones passed as keys / values; ``k_scales`` / ``v_scales`` ``[P, ps, Hkv]``
+    hold every token's scale (NaN in unused slots). Also returns our ``[P, ps, 2*Hkv, D]`` int8 cache of all
+    tokens (built without their layout) for the float64 reference."""
+    rng = np.random.default_rng(seed)
+    cache = np.zeros(rpa.get_kv_cache_shape(P, ps, Hkv, D, jnp.int8), np.int8)
+    ours = np.zeros((P, ps, 2 * Hkv, D), np.int8)
+    scales = np.full((2, P, ps, Hkv), np.nan, np.float32)
+    pages = np.zeros((S, pps), np.int32)
+    perm = rng.permutation(P)
+    keys, values = np.zeros((T, Hkv, D), np.int8), np.zeros((T, Hkv, D), np.int8)
+    c, t = 0, 0
+    mag = 8.0 ** np.arange(Hkv)[None, :, None]
+    for s, (ql, kl) in enumerate(zip(q_lens, kv_lens)):
+        npg = -(-kl // ps)
+        pages[s, :npg] = perm[c: c + npg]
+        c += npg
+        kvf = rng.standard_normal((2, kl, Hkv, D)) * mag
+        h = np.abs(kvf).max(-1, keepdims=True)
+        qv = np.clip(np.rint(kvf * (127.5 / h)), -128, 127).astype(np.int8)
+        slot_p, slot_r = pages[s, np.arange(kl) // ps], np.arange(kl) % ps
+        ours[slot_p, slot_r, 0::2], ours[slot_p, slot_r, 1::2] = qv[0], qv[1]
+        scales[:, slot_p, slot_r] = (h[..., 0] / 127.5).astype(np.float32)
+        old = kl - ql
+        rows = np.asarray(rpa.merge_kv(jnp.asarray(qv[0, :old]), jnp.asarray(qv[1, :old])))
+        cache[slot_p[:old], slot_r[:old]] = rows
+        keys[t: t + ql], values[t: t + ql] = qv[0, old:], qv[1, old:]
+        t += ql
+    n = len(q_lens)
+    q = rng.standard_normal((T, Hq, D)).astype(np.float32)
+    q[sum(q_lens):] = np.nan
+    cu = np.concatenate([[0], np.cumsum(q_lens), np.full(S - n, sum(q_lens))]).astype(np.int32)
+    kvl = np.array(list(kv_lens) + [0] * (S - n), np.int32)
+    n_dec = sum(1 for ql in q_lens if ql == 1)
+    args = (jnp.asarray(q, jnp.bfloat16), jnp.asarray(keys), jnp.asarray(values), jnp.asarray(cache),
+            jnp.asarray(kvl), jnp.asarray(pages.reshape(-1)), jnp.asarray(cu),
+            jnp.asarray(np.array([n_dec, n_dec, n], np.int32)))
+    return args, jnp.asarray(scales[0]), jnp.asarray(scales[1]), ours, pages
+
+
+def test_int8_cache_per_head_token_scales_vs_float64(rpa):
+    """Per-(token, kv head) scales through the adapter, with an odd Hkv = 3 (int8 packing 4: the cache has a
+    padding kv head, whose scale column the adapter adds): output vs the float64 reference on the same int8
+    values (0.01 + 2%, JAX's paged-attention tolerance, at its sm_scale = 1); the written cache holds the new
+    int8 rows."""
+    q_lens, kv_lens = BATCHES["mixed"]
+    Hkv, Hq, D, ps, pps, P = 3, 6, 128, 8, 8, 40
+    args, ks, vs, ours, pages = _int8_head_scaled_case(rpa, q_lens, kv_lens, S=6, T=32, Hq=Hq, Hkv=Hkv, D=D, ps=ps,
+                                                       pps=pps, P=P, seed=13)
+    out, cache = vt.ragged_paged_attention_v3(*args, sm_scale=1.0, k_scales=ks, v_scales=vs,
+                                              config={"block_q": 8, "pages_per_block": 2}, interpret="tpu")
+    view, hkv_pad = vt.kv_cache_view(cache, Hkv, D)
+    assert hkv_pad == 4
+    used = ~np.isnan(np.asarray(ks)[..., 0])
+    assert np.array_equal(np.asarray(view)[:, :, : 2 * Hkv][used], ours[used])  # old + new tokens' int8 rows
+    kl, pi, cu, ns = vt.metadata_view(*args[4:8])
+    t = lambda x: torch.from_numpy(np.array(x))  # noqa: E731
+    ref = pa.paged_attention_reference(t(args[0].astype(jnp.float32)).bfloat16(), torch.from_numpy(ours), t(kl),
+                                       t(pi), t(cu), t(ns), sm_scale=1.0, k_scales=t(ks), v_scales=t(vs))
+    n = sum(q_lens)
+    np.testing.assert_allclose(np.asarray(out.astype(jnp.float32), np.float64)[:n], ref[:n].numpy(), atol=1e-2,
+                               rtol=2e-2)
+    wrong = pa.paged_attention_reference(t(args[0].astype(jnp.float32)).bfloat16(), torch.from_numpy(ours), t(kl),
+                                         t(pi), t(cu), t(ns), sm_scale=1.0, k_scales=t(ks)[..., 0],
+                                         v_scales=t(vs)[..., 0])
+    assert (wrong[:n] - ref[:n]).abs().max() > 1.0  # one scale per slot (kv head 0's) would be far off
+
+
+def test_bad_scales_are_typed_errors_before_the_write(rpa):
+    args = list(make_case(rpa, [1, 3], [4, 6], S=2, T=8, Hq=4, Hkv=2, D=128, ps=4, pps=2, P=6))
+    ones = lambda *s: jnp.ones(s, jnp.float32)  # noqa: E731
+    with pytest.raises(ArgumentError, match=r"k_scales must have shape .*\(6, 4, 2\)"):
+        vt.ragged_paged_attention_v3(*args, k_scales=ones(6, 4, 3), v_scales=ones(6, 4, 2))
+    with pytest.raises(ArgumentError, match="v_scales must have shape"):
+        vt.ragged_paged_attention_v3(*args, k_scales=ones(6, 4), v_scales=ones(2, 6, 4))  # JAX's head-major layout
+    with pytest.raises(ArgumentError, match="both k_scales and v_scales"):
+        vt.ragged_paged_attention_v3(*args, k_scales=ones(6, 4))
+    with pytest.raises(DTypeError, match="v_scales must be float32"):
+        vt.ragged_paged_attention_v3(*args, k_scales=ones(6, 4), v_scales=ones(6, 4).astype(jnp.bfloat16))

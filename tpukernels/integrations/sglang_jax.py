@@ -48,6 +48,10 @@ Per layer, as their kernel does: the new tokens' K/V are written into the cache 
 ``kv_len - q_len + i`` of their sequences (tpukernels' ``update_kv_cache_kernel``, its cache operand aliased to
 its output: in place when the step donates the cache), then attention reads the cache.
 
+Beyond theirs: :func:`ragged_paged_attention` also takes per-token scales of an int8 / fp8 cache, ``k_scales`` /
+``v_scales`` ``[P, page_size]`` or per (token, kv head) ``[P, page_size, Hkv]`` (the fused cache layout stays
+theirs).
+
 Semantics differences and what raises :class:`~tpukernels.errors.ArgumentError` before anything runs:
 ``causal=0`` / ``custom_mask`` (speculative-decoding tree masks and encoder-only layers),
 ``xai_temperature_len`` (Grok), ``q_scale``, ``mask_value`` above ``-1e9`` (tpukernels excludes masked keys
@@ -235,7 +239,8 @@ def ragged_paged_attention(queries, keys, values, kv_cache_fused, kv_lens, page_
                            mask_value: float | None = DEFAULT_MASK_VALUE, q_scale: float | None = None,
                            k_scale: float | None = None, v_scale: float | None = None,
                            xai_temperature_len: float | None = None, softmax_dtype=None,
-                           pages_per_seq: int | None = None, config=None, interpret: str | None = None):
+                           pages_per_seq: int | None = None, k_scales=None, v_scales=None, config=None,
+                           interpret: str | None = None):
     """sglang-jax's RPA v3 ``ragged_paged_attention`` signature on tpukernels' kernel: returns
     ``(output [T, Hq, D], kv_cache_fused)`` with the new tokens written into the cache. Names and meanings are
     theirs (``sm_scale`` default 1.0, flat ``page_indices`` offset by ``cu_kv_lens``, ``distribution``).
@@ -249,18 +254,24 @@ def ragged_paged_attention(queries, keys, values, kv_cache_fused, kv_lens, page_
         attention_sink: float32 ``[Hq]`` or a scalar (broadcast), per-head sink logits (gpt-oss / MiMo).
         pages_per_seq: static width of the page table (module docstring); tpukernels' ``config`` /
             ``interpret`` pass through.
+        k_scales, v_scales: optional float32 per-token dequantization scales of an int8 / fp8 cache (an
+            extension: sglang-jax passes static ``k_scale`` / ``v_scale`` only), ``[P, page_size]`` (one per
+            slot) or ``[P, page_size, Hkv]`` (one per slot and kv head, as JAX's paged attention quantizes); the
+            cache keeps their fused layout. They hold every slot's scale, this call's new tokens' included (the
+            caller quantizes ``keys`` / ``values`` and writes their scales).
 
     Raises:
         ArgumentError: ``causal != 1`` or ``custom_mask``, ``xai_temperature_len``, ``q_scale``, a
             ``mask_value`` above ``-1e9``, ``softmax_dtype`` narrower than float32 (not supported); shapes that
-            are not their layout; bad metadata (:func:`metadata_view`, and everything
+            are not their layout; ``k_scales`` / ``v_scales`` not ``[P, page_size]`` / ``[P, page_size, Hkv]``
+            or only one given; bad metadata (:func:`metadata_view`, and everything
             :func:`~tpukernels.library.paged_attention.ragged_paged_attention_jax` rejects: a page index out of
             range, ``kv_len`` past the pages, ``q_len > kv_len`` ...), before any kernel runs.
-        DTypeError: keys / values not the cache's dtype; index arrays not int32; sinks not float32.
+        DTypeError: keys / values not the cache's dtype; index arrays not int32; sinks or scales not float32.
     """
     import jax.numpy as jnp
 
-    from ..library.paged_attention import ragged_paged_attention_jax
+    from ..library.paged_attention import adapter_scales, ragged_paged_attention_jax
 
     if causal != 1 or custom_mask is not None:
         raise ArgumentError(f"{_WHERE}: causal={causal!r} / custom_mask (speculative-decoding tree masks, encoder-only "
@@ -301,6 +312,8 @@ def ragged_paged_attention(queries, keys, values, kv_cache_fused, kv_lens, page_
         if np.dtype(sinks.dtype) != np.float32:
             raise DTypeError(f"{_WHERE}: attention_sink must be float32, got {np.dtype(sinks.dtype).name}")
     ps = int(view.shape[1])
+    k_scales, v_scales = adapter_scales(k_scales, v_scales, P=int(view.shape[0]), ps=ps, Hkv=Hkv, hkv_pad=hkv_pad,
+                                        where=_WHERE)
     kl, table, cu, ns = metadata_view(kv_lens, page_indices, cu_q_lens, cu_kv_lens, distribution, page_size=ps,
                                       pages_per_seq=pages_per_seq)
     if not _is_tracer(page_indices, cu_kv_lens, kv_lens, distribution):  # name the flat entry, not the table's
@@ -319,7 +332,8 @@ def ragged_paged_attention(queries, keys, values, kv_cache_fused, kv_lens, page_
             sinks = jnp.pad(sinks, (0, (hkv_pad - Hkv) * r))
     out = ragged_paged_attention_jax(q, view, kl, table, cu, ns, sm_scale=float(sm_scale),
                                      sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale,
-                                     v_scale=v_scale, sinks=sinks, config=config, interpret=interpret)
+                                     v_scale=v_scale, sinks=sinks, k_scales=k_scales, v_scales=v_scales,
+                                     config=config, interpret=interpret)
     return out[:, : Hkv * r, :D], kv_cache_fused
 
 

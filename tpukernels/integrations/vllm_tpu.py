@@ -27,7 +27,9 @@ Padding heads (``Hkv' > Hkv`` for 8-bit caches with odd ``Hkv``) are never read:
 out to skip them.
 
 Differences from tpu-inference's RPA v3 kernel: ``sinks`` work at every head dim (theirs: ``D == 64``
-only); not supported, raising :class:`~tpukernels.errors.ArgumentError` before anything runs:
+only); :func:`ragged_paged_attention_v3` also takes per-token scales of an int8 / fp8 cache, ``k_scales`` /
+``v_scales`` ``[P, page_size]`` or per (token, kv head) ``[P, page_size, Hkv]`` (the cache layout stays
+theirs); not supported, raising :class:`~tpukernels.errors.ArgumentError` before anything runs:
 ``use_causal_mask=False``, ``q_scale`` (their fp8 query quantization), ``update_kv_cache=False`` with new
 tokens outside the cache (KV sharing: supported, the cache is then read as is), decode / prefill context
 parallelism (``dcp`` / ``pcp`` mesh axes).
@@ -154,8 +156,8 @@ def ragged_paged_attention_v3(queries, keys, values, kv_cache, kv_lens, page_ind
                               sinks=None, *, sm_scale: float = 1.0, sliding_window: int | None = None,
                               soft_cap: float | None = None, q_scale: float | None = None,
                               k_scale: float | None = None, v_scale: float | None = None,
-                              update_kv_cache: bool = True, use_causal_mask: bool = True, config=None,
-                              interpret: str | None = None):
+                              update_kv_cache: bool = True, use_causal_mask: bool = True, k_scales=None,
+                              v_scales=None, config=None, interpret: str | None = None):
     """tpu-inference's ``ragged_paged_attention`` (RPA v3) signature on tpukernels' kernel: returns
     ``(output [T, Hq, D], kv_cache)``; argument names and meanings are theirs (``distribution =
     (decode_end, prefill_end, num_seqs)``, flat ``page_indices``, ``sm_scale`` default 1.0).
@@ -163,13 +165,20 @@ def ragged_paged_attention_v3(queries, keys, values, kv_cache, kv_lens, page_ind
     Args:
         queries: ``[T, Hq, D]``; keys, values: ``[T, Hkv, D]``, the cache's dtype (quantized outside, as
             theirs); kv_cache: their 5-D layout (module docstring); sinks: float32 ``[Hq]`` or None.
+        k_scales, v_scales: optional float32 per-token dequantization scales of an int8 / fp8 cache (an
+            extension: tpu-inference passes static ``k_scale`` / ``v_scale`` only), ``[P, page_size]`` (one
+            per slot) or ``[P, page_size, Hkv]`` (one per slot and kv head, as JAX's paged attention
+            quantizes); the cache keeps tpu-inference's layout. They hold every slot's scale, this call's new
+            tokens' included (the caller quantizes ``keys`` / ``values`` and writes their scales, as it does
+            for K/V).
 
     Raises:
         ArgumentError: ``use_causal_mask=False`` or ``q_scale`` (not supported); shapes that do not match
-            their layout; everything :func:`ragged_paged_attention_jax` rejects.
-        DTypeError: keys / values not the cache's dtype.
+            their layout; ``k_scales`` / ``v_scales`` not ``[P, page_size]`` / ``[P, page_size, Hkv]`` or only
+            one given; everything :func:`ragged_paged_attention_jax` rejects. Raised before the cache write.
+        DTypeError: keys / values not the cache's dtype; scales not float32.
     """
-    from ..library.paged_attention import ragged_paged_attention_jax
+    from ..library.paged_attention import adapter_scales, ragged_paged_attention_jax
 
     if not use_causal_mask:
         raise ArgumentError("vllm_tpu: use_causal_mask=False (bidirectional attention) is not supported")
@@ -188,6 +197,8 @@ def ragged_paged_attention_v3(queries, keys, values, kv_cache, kv_lens, page_ind
                          f"{np.dtype(values.dtype).name}) must be the cache's {np.dtype(kv_cache.dtype).name} "
                          f"(quantize before, as tpu-inference does)")
     view, hkv_pad = kv_cache_view(kv_cache, Hkv, D)  # validates the layout first
+    k_scales, v_scales = adapter_scales(k_scales, v_scales, P=int(view.shape[0]), ps=int(view.shape[1]), Hkv=Hkv,
+                                        hkv_pad=hkv_pad, where="vllm_tpu")
     kl, pi, cu, ns = metadata_view(kv_lens, page_indices, cu_q_lens, distribution)
     _check_metadata(kl, pi, cu, ns, T, view)  # before the cache write, not only before the attention
     if update_kv_cache:
@@ -201,7 +212,7 @@ def ragged_paged_attention_v3(queries, keys, values, kv_cache, kv_lens, page_ind
     q, sinks_p = _pad_heads(q, sinks, Hq, Hkv, hkv_pad)
     out = ragged_paged_attention_jax(q, view, kl, pi, cu, ns, sm_scale=sm_scale, sliding_window=sliding_window,
                                      soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale, sinks=sinks_p,
-                                     config=config, interpret=interpret)
+                                     k_scales=k_scales, v_scales=v_scales, config=config, interpret=interpret)
     r = Hq // Hkv
     if hkv_pad != Hkv:
         out = out[:, : Hkv * r]

@@ -22,7 +22,8 @@ Layout::
     q             [T, Hq, D]              all sequences' query tokens concatenated (T may include padding)
     kv_cache      [P, page_size, 2*Hkv, D] K of kv head h at combined head 2h, V at 2h + 1
     sinks         f32 [Hq] (optional)     per-head sink logit (gpt-oss)
-    k_scales      f32 [P, page_size] (opt) per-token K scale (v_scales likewise); int8 / fp8 caches
+    k_scales      f32 [P, page_size] or [P, page_size, Hkv] (opt) per-token K scale, shared by the kv heads
+                  or one per kv head (v_scales likewise, either layout); int8 / fp8 caches
     kv_lens       int32 [S]               tokens in the cache per sequence (only the first num_seqs count)
     page_indices  int32 [S, pages_per_seq] page p of sequence s is kv_cache[page_indices[s, p]]
     cu_q_lens     int32 [S + 1]           sequence s owns query tokens [cu_q_lens[s], cu_q_lens[s + 1])
@@ -37,7 +38,8 @@ sees keys ``j`` with ``j <= pos`` and, with a sliding window ``W``, ``j > pos - 
     s[i, j] = sm_scale * q[i] . (k_scale * K[j])        (f32 accumulation)
     s[i, j] = soft_cap * tanh(s[i, j] / soft_cap)        (if soft_cap)
     out[i]  = sum_j exp(s[i, j]) * (v_scale * V[j]) / (exp(sinks[h]) + sum_j exp(s[i, j]))
-              (no sinks: the exp(sinks[h]) term is absent; K and V also times k_scales / v_scales per slot)
+              (no sinks: the exp(sinks[h]) term is absent; K and V also times k_scales / v_scales per slot,
+              or per slot and kv head)
 
 Mixed batches (decode rows ``q_len = 1``, chunked prefill, prefill) go in one call. ``kv_lens = 0``
 sequences (then ``q_len = 0``) and ``num_seqs < S`` are legal; cache pages and slots past a sequence's
@@ -70,8 +72,10 @@ cycles are below the HBM time there (HBM-bound), so configs differ only by grid-
 batch is not tuned yet (heuristic ``block_q=64``).
 
 Quantized KV caches (int8, float8_e4m3fn / float8_e5m2) with static ``k_scale`` / ``v_scale`` and / or
-per-token scales ``k_scales`` / ``v_scales`` ``[num_pages, page_size]`` (their pages DMA'd beside the K/V
-pages): the cache moves half (a quarter vs f32) the bytes of bf16 while the matmuls stay bf16/f32, and no
+per-token scales ``k_scales`` / ``v_scales`` ``[num_pages, page_size]`` (one per slot, all kv heads) or
+``[num_pages, page_size, Hkv]`` (one per slot and kv head: JAX's paged attention quantizes so, its scales
+``[Hkv, P, page_size, 1]`` transposed, over 127.5) (their pages DMA'd beside the K/V pages; kv head ``g`` reads its
+column): the cache moves half (a quarter vs f32) the bytes of bf16 while the matmuls stay bf16/f32, and no
 scaled tile is ever rounded to q's dtype: int8 / fp8 values are exact in bf16, so static scales fold into
 the logit scale and the P.V product; per-token scales dequantize in f32 (JAX's paged attention does too) and
 the f32 tile enters the MXU as a bf16 hi + lo pair (two passes for bf16 queries; exact to ~2^-17). It
@@ -87,6 +91,7 @@ JAX: :func:`ragged_paged_attention_jax` (jax arrays or tracers, via :func:`tpuke
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Optional
 
 import numpy as np
@@ -194,8 +199,9 @@ def _check_statics(sm_scale, sliding_window, soft_cap, k_scale, v_scale, kv_dtyp
             raise ArgumentError(f"{where}: {name} must be None or a finite float > 0, got {s!r}")
 
 
-def _check_extras(sinks, k_scales, v_scales, Hq: int, P: int, ps: int, where: str) -> None:
-    """sinks ``[Hq]`` float32; per-token scales ``[P, page_size, 1]`` float32, both or neither."""
+def _check_extras(sinks, k_scales, v_scales, Hq: int, P: int, ps: int, Hkv: int, where: str) -> None:
+    """sinks ``[Hq]`` float32; per-token scales float32, both or neither, each ``[P, page_size]`` /
+    ``[P, page_size, 1]`` (one per slot) or ``[P, page_size, Hkv]`` (one per slot and kv head)."""
     if sinks is not None:
         if tuple(sinks.shape) != (Hq,):
             raise ArgumentError(f"{where}: sinks must have shape [Hq] = ({Hq},) (one logit per query head), got "
@@ -207,9 +213,10 @@ def _check_extras(sinks, k_scales, v_scales, Hq: int, P: int, ps: int, where: st
     for name, t in (("k_scales", k_scales), ("v_scales", v_scales)):
         if t is None:
             continue
-        if tuple(t.shape) not in ((P, ps, 1), (P, ps)):
+        if tuple(t.shape) not in ((P, ps), (P, ps, 1), (P, ps, Hkv)):
             raise ArgumentError(f"{where}: {name} must have shape [num_pages, page_size] = ({P}, {ps}) (one scale "
-                                f"per cache slot), got {tuple(t.shape)}")
+                                f"per cache slot, shared by the kv heads) or [num_pages, page_size, Hkv] = ({P}, {ps}, "
+                                f"{Hkv}) (one per slot and kv head), got {tuple(t.shape)}")
         if _dt(t) != "float32":
             raise DTypeError(f"{where}: {name} must be float32, got {_dt(t)}")
 
@@ -427,9 +434,6 @@ def _rpa_body(*refs, sm_scale, sliding_window, soft_cap, k_scale, v_scale, has_s
             if sliding_window is not None:
                 vis = vis & (col > pos - sliding_window)
             vrow = (kb * bkv + jax.lax.broadcasted_iota(jnp.int32, (bkv, 1), 0)) < kv_len
-            if has_scales:  # per-token dequantization scales, [bkv, 1] f32
-                ksc = ks_buf[slot].reshape(bkv, 1)
-                vsc = vs_buf[slot].reshape(bkv, 1)
             for g in range(Hkv):
                 k = kv_buf[slot, :, :, 2 * g, :].reshape(bkv, D)
                 v = kv_buf[slot, :, :, 2 * g + 1, :].reshape(bkv, D)
@@ -439,7 +443,11 @@ def _rpa_body(*refs, sm_scale, sliding_window, soft_cap, k_scale, v_scale, has_s
                 # Dequantization never rounds a scaled tile to q's dtype (int8 / fp8 values are exact in bf16,
                 # their products with scales are not): static scales fold into the logits / the P.V product;
                 # per-token scales give an f32 tile, fed to the MXU as a bf16 hi + lo pair (two passes).
-                if has_scales:
+                if has_scales:  # per-token dequantization scales, [bkv, 1] f32: kv head g's column, or the
+                    # one column all kv heads share
+                    kc, vc = (g if ks_buf.shape[-1] > 1 else 0), (g if vs_buf.shape[-1] > 1 else 0)
+                    ksc = ks_buf[slot, :, :, kc:kc + 1].reshape(bkv, 1)
+                    vsc = vs_buf[slot, :, :, vc:vc + 1].reshape(bkv, 1)
                     kf = k.astype(jnp.float32) * ksc * (1.0 if k_scale is None else k_scale)
                     k_hi = kf.astype(cdt)
                     s = mm(qg, k_hi, ((1,), (1,)))
@@ -515,8 +523,11 @@ def _launch_rpa(kv_lens, page_indices, cu_q_lens, num_seqs, q, kv_cache, sinks, 
     T, Hq, D, P, ps, Hkv, S, pps = _check_shapes(kv_lens, page_indices, cu_q_lens, num_seqs, q, kv_cache, where=where)
     _check_statics(statics["sm_scale"], statics["sliding_window"], statics["soft_cap"], statics["k_scale"],
                    statics["v_scale"], _dt(kv_cache), where)
-    _check_extras(sinks, k_scales, v_scales, Hq, P, ps, where)
+    _check_extras(sinks, k_scales, v_scales, Hq, P, ps, Hkv, where)
     has_sinks, has_scales = sinks is not None, k_scales is not None
+    if has_scales and (len(k_scales.shape) != 3 or len(v_scales.shape) != 3):
+        raise ArgumentError(f"{where}: the kernel op takes k_scales / v_scales as [num_pages, page_size, 1] or "
+                            f"[num_pages, page_size, Hkv], got {tuple(k_scales.shape)} / {tuple(v_scales.shape)}")
     bq, ppb = int(cfg["block_q"]), min(int(cfg["pages_per_block"]), pps)
     r = Hq // Hkv
     R = bq * r
@@ -534,14 +545,14 @@ def _launch_rpa(kv_lens, page_indices, cu_q_lens, num_seqs, q, kv_cache, sinks, 
         pltpu.VMEM((Hkv, R, D), jnp.float32),  # output accumulator
         pltpu.SMEM((1,), jnp.int32),  # current buffer slot
     ]
-    if has_scales:  # per-token K / V scale pages, double-buffered like the cache pages
-        scratch += [pltpu.VMEM((2, ppb, ps, 1), jnp.float32), pltpu.VMEM((2, ppb, ps, 1), jnp.float32)]
+    if has_scales:  # per-token K / V scale pages ([ps, 1] or [ps, Hkv] each), double-buffered like the cache pages
+        scratch += [pltpu.VMEM((2, ppb, ps, int(t.shape[2])), jnp.float32) for t in (k_scales, v_scales)]
     extra_specs = ([pl.BlockSpec(memory_space=pltpu.SMEM)] if has_sinks else []) + \
         ([pl.BlockSpec(memory_space=pl.ANY)] * 2 if has_scales else [])
     it, kit = np.dtype(q.dtype).itemsize, np.dtype(kv_cache.dtype).itemsize
     bkv = ppb * ps
     est = (4 * bq * Hq * D * it + 2 * bkv * 2 * Hkv * D * kit + Hkv * R * (D * (4 + 4) + 2 * 128 * 4)
-           + 4 * R * bkv * 4)
+           + 4 * R * bkv * 4 + (2 * 2 * bkv * 128 * 4 if has_scales else 0))  # scale pages: lanes padded to 128
     return Launch(
         grid=(G,),
         in_specs=[qspec, pl.BlockSpec(memory_space=pl.ANY)] + extra_specs,
@@ -585,7 +596,8 @@ def rpa_kernel(
     """Kernel op ``torch.ops.tpukernels.ragged_paged_attention_kernel``: the scalar-prefetch operands
     (``kv_lens, page_indices, cu_q_lens, num_seqs``) first, then ``q [T, Hq, D]`` and
     ``kv_cache [P, page_size, 2*Hkv, D]``, optional ``sinks`` f32 ``[Hq]`` and per-token scales ``k_scales``,
-    ``v_scales`` f32 ``[P, page_size, 1]``; returns ``out [T, Hq, D]``. See :func:`ragged_paged_attention`."""
+    ``v_scales`` f32 ``[P, page_size, 1]`` or ``[P, page_size, Hkv]``; returns ``out [T, Hq, D]``. See
+    :func:`ragged_paged_attention`."""
     statics = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale,
                    v_scale=v_scale)
     return _launch_rpa(kv_lens, page_indices, cu_q_lens, num_seqs, q, kv_cache, sinks, k_scales, v_scales,
@@ -669,10 +681,10 @@ def _rpa_impl(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=
     T, Hq, D, P, ps, Hkv, S, pps = _check_shapes(kv_lens, page_indices, cu_q_lens, num_seqs, q, kv_cache,
                                                  where=where)
     _check_statics(sm_scale, sliding_window, soft_cap, k_scale, v_scale, _dt(kv_cache), where)
-    _check_extras(sinks, k_scales, v_scales, Hq, P, ps, where)
+    _check_extras(sinks, k_scales, v_scales, Hq, P, ps, Hkv, where)
     _check_values(kv_lens, page_indices, cu_q_lens, num_seqs, T, P, ps, where)
-    if k_scales is not None:
-        k_scales, v_scales = k_scales.reshape(P, ps, 1), v_scales.reshape(P, ps, 1)  # views, no copy
+    if k_scales is not None:  # [P, ps] -> [P, ps, 1] (views, no copy); [P, ps, Hkv] as is
+        k_scales, v_scales = k_scales.reshape(P, ps, -1), v_scales.reshape(P, ps, -1)
     return torch.ops.tpukernels.ragged_paged_attention_kernel(
         kv_lens, page_indices, cu_q_lens, num_seqs, q, kv_cache, sinks, k_scales, v_scales, sm_scale,
         sliding_window, soft_cap, k_scale, v_scale, config=config)
@@ -687,6 +699,13 @@ def _check_update(kv_cache, k, v, slot_mapping, where: str):
         raise ArgumentError(f"{where}: kv_cache must have rank 4 [num_pages, page_size, 2*Hkv, D], got "
                             f"{tuple(kv_cache.shape)}")
     P, ps, H2, D = kv_cache.shape
+    if H2 == 0 or H2 % 2:
+        raise ArgumentError(f"{where}: kv_cache dim 2 must be 2*Hkv > 0 (K of kv head h at combined head 2h, V at "
+                            f"2h + 1), got {H2} (shape {tuple(kv_cache.shape)})")
+    if kv_cache.requires_grad and torch.is_grad_enabled():
+        raise ArgumentError(f"{where}: kv_cache requires grad: a KV cache is state, not a differentiable input (the "
+                            f"cache update has no backward); pass kv_cache.detach(), allocate it with "
+                            f"requires_grad=False, or call under torch.no_grad()")
     for name, t in (("k", k), ("v", v)):
         if tuple(t.shape[1:]) != (H2 // 2, D) or t.dim() != 3:
             raise ArgumentError(f"{where}: {name} must have shape [T, Hkv, D] = [T, {H2 // 2}, {D}], got "
@@ -791,16 +810,21 @@ def ragged_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, kv_lens: tor
         page_indices: int32 ``[S, pages_per_seq]``: the cache pages of each sequence, in order.
         cu_q_lens: int32 ``[S + 1]``: sequence ``s`` owns query rows ``[cu_q_lens[s], cu_q_lens[s+1])``;
             ``cu_q_lens[0] = 0``, non-decreasing, ``q_len <= kv_len``.
-        num_seqs: int32 ``[1]`` (or a Python int): sequences in use (the rest of the ``S`` entries are ignored).
+        num_seqs: int32 ``[1]`` (or a Python int, not a bool): sequences in use (the rest of the ``S`` entries
+            are ignored).
         sm_scale: logit scale; ``None`` means ``1/sqrt(D)`` (JAX's kernel defaults to 1.0).
         sliding_window: query at key position ``pos`` sees keys ``pos - W < j <= pos`` (JAX's convention).
         soft_cap: ``soft_cap * tanh(s / soft_cap)`` on the scaled logits.
         k_scale, v_scale: static dequantization scales of the cache (``K = k_scale * cache_K``).
         sinks: float32 ``[Hq]``: per-head attention-sink logits (gpt-oss): each row's softmax denominator
             gets ``exp(sinks[h])``, with no value (``out = sum_j e^{s_j} V_j / (e^{sink} + sum_j e^{s_j})``).
-        k_scales, v_scales: float32 ``[num_pages, page_size]``: per-token (per cache slot) dequantization
-            scales, ``K[slot] = k_scales[slot] * cache_K[slot]`` (times ``k_scale`` if given too); for int8 /
-            fp8 caches written with one scale per token.
+        k_scales, v_scales: float32 ``[num_pages, page_size]`` (one per cache slot, shared by the kv heads) or
+            ``[num_pages, page_size, Hkv]`` (one per slot and kv head; each of the two in either layout):
+            per-token dequantization scales, ``K[slot, h] = k_scales[slot] * cache_K[slot, h]`` (or
+            ``k_scales[slot, h]``; times ``k_scale`` if given too); for int8 / fp8 caches written with one scale
+            per token (JAX's paged attention: one absmax ``h`` per kv head and token, ``scales [Hkv, P,
+            page_size, 1]``, ``x = int8 * h / 127.5``: pass ``(h[..., 0] / 127.5).permute(1, 2, 0)``).
+            Dequantized in float32, never rounded to q's dtype.
         config: ``{"block_q": .., "pages_per_block": ..}``; default: tuned per chip, else a heuristic.
         interpret: ``"fast"`` / ``"tpu"`` for cpu runs (see :mod:`tpukernels.dsl.modes`).
 
@@ -808,12 +832,14 @@ def ragged_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, kv_lens: tor
         ``[T, Hq, D]`` in q's dtype; rows of no sequence (padding) and rows that see no key are 0.
 
     Raises:
-        ArgumentError: ranks / shapes (``kv_lens [S]``, ``cu_q_lens [S+1]``, ``num_seqs [1]``), head dims,
+        ArgumentError: a tensor argument that is not a torch.Tensor (``num_seqs``: nor an int; a bool is
+            refused), ranks / shapes (``kv_lens [S]``, ``cu_q_lens [S+1]``, ``num_seqs [1]``), head dims,
             ``Hq % Hkv``, bad statics; on host (cpu) tensors also the values: a page index out of
             ``[0, num_pages)``, ``kv_len > pages_per_seq * page_size``, ``cu_q_lens`` not monotone or past
             ``T``, ``q_len > kv_len``, ``num_seqs`` out of ``[0, S]``; ``sinks`` not ``[Hq]``, ``k_scales`` /
-            ``v_scales`` not ``[num_pages, page_size]`` or only one given. Device tensors are not synced to check
-            values; the kernel clamps them (bad values give a defined, wrong, result; never an OOB access).
+            ``v_scales`` not ``[num_pages, page_size]`` / ``[num_pages, page_size, Hkv]`` or only one given.
+            Device tensors are not synced to check values; the kernel clamps them (bad values give a defined,
+            wrong, result; never an OOB access).
         DTypeError: q not bf16/f32, kv_cache not q's dtype or int8 / fp8, index arrays not int32, sinks or
             scales not float32.
         ConfigError: ``config`` is not a dict of JSON values, or names unknown tunables / breaks their rules.
@@ -823,10 +849,19 @@ def ragged_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, kv_lens: tor
     from ..dsl.modes import interpret_mode
     from ..targets import config_to_json
 
+    where = "tpukernels::ragged_paged_attention"
+    if isinstance(num_seqs, (bool, np.bool_)):
+        raise ArgumentError(f"{where}: num_seqs must be an int32 [1] tensor or a Python int count of sequences, got "
+                            f"bool {num_seqs!r} (a bool is not a count)")
+    if isinstance(num_seqs, numbers.Integral):  # a Python / numpy int: the [1] int32 tensor it means
+        num_seqs = torch.tensor([int(num_seqs)], dtype=torch.int32, device=getattr(kv_lens, "device", None))
+    for name, t in (("q", q), ("kv_cache", kv_cache), ("kv_lens", kv_lens), ("page_indices", page_indices),
+                    ("cu_q_lens", cu_q_lens), ("num_seqs", num_seqs)):
+        if not isinstance(t, torch.Tensor):  # before the op's schema check, which would name no rule
+            raise ArgumentError(f"{where}: {name} must be a torch.Tensor" + (" (or a Python int)" if name == "num_seqs"
+                                else "") + f", got {type(t).__name__}")
     cfg = None if config is None or (isinstance(config, Mapping) and not config) else \
         config_to_json(rpa_kernel, config)
-    if isinstance(num_seqs, int) and not isinstance(num_seqs, bool):  # a Python int: the [1] int32 tensor it means
-        num_seqs = torch.tensor([num_seqs], dtype=torch.int32, device=getattr(kv_lens, "device", None))
     args = (q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
             None if sm_scale is None else float(sm_scale), sliding_window,
             None if soft_cap is None else float(soft_cap), None if k_scale is None else float(k_scale),
@@ -850,7 +885,9 @@ def update_kv_cache(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sl
         slot_mapping: int32 ``[T]``; negative entries are skipped (padding tokens).
 
     Raises:
-        ArgumentError: shapes; on host tensors a slot ``>= num_pages * page_size`` or a slot written twice.
+        ArgumentError: shapes (``kv_cache.shape[2]`` odd: not ``2*Hkv``); ``kv_cache`` requires grad while grad
+            mode is on (the update has no backward); on host tensors a slot ``>= num_pages * page_size`` or a
+            slot written twice. Raised before anything is written: ``kv_cache`` is unchanged.
         DTypeError: k / v dtype differs from the cache's; slot_mapping not int32.
     """
     from ..dsl.modes import interpret_mode
@@ -900,7 +937,7 @@ def ragged_paged_attention_jax(q, kv_cache, kv_lens, page_indices, cu_q_lens, nu
     :func:`tpukernels.jax_call`, Mosaic when lowered for TPU, the interpreter on cpu.
 
     Arguments, semantics and layouts are those of :func:`ragged_paged_attention` (jax arrays instead of torch
-    tensors; ``k_scales`` / ``v_scales`` ``[num_pages, page_size]`` float32).
+    tensors; ``k_scales`` / ``v_scales`` ``[num_pages, page_size]`` or ``[num_pages, page_size, Hkv]`` float32).
 
     Raises:
         ArgumentError / DTypeError: as :func:`ragged_paged_attention`, before any kernel runs. The value rules
@@ -924,16 +961,47 @@ def ragged_paged_attention_jax(q, kv_cache, kv_lens, page_indices, cu_q_lens, nu
     T, Hq, D, P, ps, Hkv, S, pps = _check_shapes(kv_lens, page_indices, cu_q_lens, num_seqs, q, kv_cache,
                                                  where=where)
     _check_statics(sm_scale, sliding_window, soft_cap, k_scale, v_scale, _dt(kv_cache), where)
-    _check_extras(sinks, k_scales, v_scales, Hq, P, ps, where)
+    _check_extras(sinks, k_scales, v_scales, Hq, P, ps, Hkv, where)
     meta = (kv_lens, page_indices, cu_q_lens, num_seqs)
     if not any(isinstance(t, jax.core.Tracer) for t in meta):
         _check_value_arrays(*(np.asarray(t) for t in meta), T=T, P=P, ps=ps, where=where)
-    if k_scales is not None:
-        k_scales, v_scales = k_scales.reshape(P, ps, 1), v_scales.reshape(P, ps, 1)
+    if k_scales is not None:  # [P, ps] -> [P, ps, 1]; [P, ps, Hkv] as is
+        k_scales, v_scales = k_scales.reshape(P, ps, -1), v_scales.reshape(P, ps, -1)
     return jax_call(rpa_kernel, kv_lens, page_indices, cu_q_lens, num_seqs, q, kv_cache, sinks, k_scales,
                     v_scales, None if sm_scale is None else float(sm_scale), sliding_window,
                     None if soft_cap is None else float(soft_cap), None if k_scale is None else float(k_scale),
                     None if v_scale is None else float(v_scale), config=config, interpret=interpret)
+
+
+def adapter_scales(k_scales, v_scales, *, P: int, ps: int, Hkv: int, hkv_pad: int, where: str):
+    """Per-token scales given to a serving adapter (vLLM-TPU, sglang-jax) in the model's terms, as the kernel
+    takes them on the adapter's cache view: ``[P, page_size]`` (one per slot) passes as is; ``[P, page_size,
+    Hkv]`` (one per slot and kv head) gains ones for the view's padding kv heads (``hkv_pad > Hkv``: 8-bit
+    caches with odd ``Hkv``; those heads' outputs are dropped). jax arrays in, jax arrays out.
+
+    Raises:
+        ArgumentError: only one of the two given, or a shape other than those two (naming the argument).
+        DTypeError: not float32.
+    """
+    import jax.numpy as jnp
+
+    if (k_scales is None) != (v_scales is None):
+        raise ArgumentError(f"{where}: pass both k_scales and v_scales (per-token scales) or neither")
+    if k_scales is None:
+        return None, None
+    out = []
+    for name, t in (("k_scales", k_scales), ("v_scales", v_scales)):
+        shape = tuple(int(d) for d in t.shape)
+        if shape not in ((P, ps), (P, ps, Hkv)):
+            raise ArgumentError(f"{where}: {name} must have shape [num_pages, page_size] = ({P}, {ps}) (one scale per "
+                                f"cache slot) or [num_pages, page_size, num_kv_heads] = ({P}, {ps}, {Hkv}) (one per "
+                                f"slot and kv head), got {shape}")
+        if np.dtype(t.dtype) != np.float32:
+            raise DTypeError(f"{where}: {name} must be float32, got {np.dtype(t.dtype).name}")
+        if len(shape) == 3 and hkv_pad != Hkv:
+            t = jnp.pad(t, ((0, 0), (0, 0), (0, hkv_pad - Hkv)), constant_values=1.0)
+        out.append(t)
+    return tuple(out)
 
 
 # ----------------------------------------------------------------------------------------------- reference
@@ -946,7 +1014,7 @@ def paged_attention_reference(q, kv_cache, kv_lens, page_indices, cu_q_lens, num
     (float64 by default), computed from the given (low-precision) inputs. Returns ``[T, Hq, D]`` in ``dtype``."""
     T, Hq, D = q.shape
     H2 = kv_cache.shape[2]
-    Hkv, ps = H2 // 2, kv_cache.shape[1]
+    P, ps, Hkv = kv_cache.shape[0], kv_cache.shape[1], H2 // 2
     r = Hq // Hkv
     scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
     out = torch.zeros(T, Hq, D, dtype=dtype)
@@ -959,9 +1027,10 @@ def paged_attention_reference(q, kv_cache, kv_lens, page_indices, cu_q_lens, num
         kv = cache[pages].reshape(-1, H2, D)[:kl]
         k = kv[:, 0::2] * (1.0 if k_scale is None else k_scale)
         v = kv[:, 1::2] * (1.0 if v_scale is None else v_scale)
-        if k_scales is not None:
-            k = k * k_scales.to(dtype)[pages].reshape(-1)[:kl, None, None]
-            v = v * v_scales.to(dtype)[pages].reshape(-1)[:kl, None, None]
+        if k_scales is not None:  # [P, ps] / [P, ps, 1]: one per slot; [P, ps, Hkv]: one per slot and kv head
+            per_slot = lambda t: t.to(dtype).reshape(P, ps, -1)[pages].flatten(0, 1)  # [pages * ps, 1 or Hkv]
+            k = k * per_slot(k_scales)[:kl, :, None]  # [kl, 1 or Hkv, 1]
+            v = v * per_slot(v_scales)[:kl, :, None]
         k, v = k.repeat_interleave(r, 1), v.repeat_interleave(r, 1)  # [kl, Hq, D]
         qs = q[q0:q1].to(dtype)
         logits = torch.einsum("ihd,jhd->hij", qs, k) * scale
