@@ -29,32 +29,62 @@ SIZES = dict(
 
 
 #: a tiny model above this many parameters is not built (the generic shrinker missed a nested size)
-MAX_PARAMS = 3_000_000
+MAX_PARAMS = 8_000_000
 
 
 def tiny_config(model_type: str):
-    from transformers import AutoConfig
+    from transformers import AutoConfig, PretrainedConfig
 
     cfg = AutoConfig.for_model(model_type)
-    text = getattr(cfg, "text_config", None) or cfg
-    for c in {id(cfg): cfg, id(text): text}.values():
-        for k, v in SIZES.items():
-            if hasattr(c, k) and not (k == "partial_rotary_factor" and getattr(c, k) in (None, 1.0)):
-                setattr(c, k, v)
-        lt = getattr(c, "layer_types", None)
-        if isinstance(lt, (list, tuple)) and lt and _settable(c, "layer_types"):
-            kinds = list(dict.fromkeys(lt))  # one layer of each type, in first-seen order
-            c.layer_types = kinds if len(kinds) > 1 else kinds * 2
-            c.num_hidden_layers = len(c.layer_types)
-        if getattr(c, "layers_block_type", None):
-            kinds = list(dict.fromkeys(c.layers_block_type))
-            c.layers_block_type = kinds if len(kinds) > 1 else kinds * 2
-            c.num_hidden_layers = len(c.layers_block_type)
-        c._attn_implementation = "eager"
+    subs = {id(cfg): cfg}
+    for c in list(subs.values()):  # the config and every sub-config (text, vision, audio, attention, ...)
+        for name in list(vars(c)):
+            sub = getattr(c, name, None)
+            if isinstance(sub, PretrainedConfig):
+                subs.setdefault(id(sub), sub)
+    for c in subs.values():
+        _shrink(c)
     return cfg
 
 
+def _has(c, name: str) -> bool:
+    try:  # some configs raise their own error for a per-layer attribute read globally (gemma4's head_dim)
+        return hasattr(c, name)
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _shrink(c) -> None:
+    for k, v in SIZES.items():
+        if _has(c, k) and _settable(c, k) and not (k == "partial_rotary_factor" and getattr(c, k) in (None, 1.0)):
+            setattr(c, k, v)
+    if _has(c, "qk_rope_head_dim") and _has(c, "head_dim") and _settable(c, "head_dim"):
+        c.head_dim = c.qk_rope_head_dim  # MLA configs: head_dim is the rotary part (deepseek's __init__ sets it)
+    if _has(c, "kv_lora_rank") and _has(c, "num_key_value_heads"):
+        c.num_key_value_heads = c.num_attention_heads  # MLA: one latent, expanded to every head
+    if _has(c, "num_heads") and _has(c, "expand") and _has(c, "head_dim") and _settable(c, "num_heads"):
+        c.num_heads = c.expand * c.hidden_size // c.head_dim  # Mamba2: heads x head_dim = the inner size
+    lt = getattr(c, "layer_types", None) if _has(c, "layer_types") else None
+    if isinstance(lt, (list, tuple)) and lt and _settable(c, "layer_types"):
+        kinds = list(dict.fromkeys(lt))  # one layer of each type, in first-seen order
+        c.layer_types = kinds if len(kinds) > 1 else kinds * 2
+        c.num_hidden_layers = len(c.layer_types)
+    bt = getattr(c, "layers_block_type", None) if _has(c, "layers_block_type") else None
+    if bt:
+        kinds = list(dict.fromkeys(bt))
+        if _settable(c, "layers_block_type"):
+            c.layers_block_type = kinds if len(kinds) > 1 else kinds * 2
+            c.num_hidden_layers = len(c.layers_block_type)
+        else:  # derived from num_hidden_layers (jamba, bamba, falcon-h1): the fewest layers with every kind
+            for n in range(2, 17):
+                c.num_hidden_layers = n
+                if set(c.layers_block_type) >= set(kinds):
+                    break
+    c._attn_implementation = "eager"
+
+
 def _settable(c, name: str) -> bool:
+    name = getattr(c, "attribute_map", {}).get(name, name)  # falcon-h1: layer_types -> layers_block_type
     prop = getattr(type(c), name, None)
     return not isinstance(prop, property) or prop.fset is not None
 
