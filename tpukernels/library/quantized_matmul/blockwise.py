@@ -154,6 +154,7 @@ def pack_int4(q: torch.Tensor, block_size: int) -> torch.Tensor:
     if q.dim() != 2:
         raise ArgumentError(f"pack_int4: q must be 2-D [N, K], got {tuple(q.shape)}")
     N, K = q.shape
+    block_size = _dsl.check_int("pack_int4", "block_size", block_size)
     if block_size % 2 or block_size <= 0 or K % block_size:
         raise ArgumentError(f"pack_int4: K = {K} of q must be a multiple of block_size = {block_size} (an even "
                             f"number; pad K with pad_k)")
@@ -188,6 +189,7 @@ def quantize_weight_blockwise(w: torch.Tensor, block_size: int, dtype: str = "in
     [G, 1, N] f32 or None)`` in the module's layout (int4 packed). A group of zeros gets ``s = 1`` (any scale
     gives 0). For tests and examples; real checkpoints bring their own scales (``integrations/checkpoints``).
     """
+    block_size = _dsl.check_int("quantize_weight_blockwise", "block_size", block_size)
     N, K = w.shape
     if K % block_size:
         raise ArgumentError(f"quantize_weight_blockwise: K = {K} is not a multiple of block_size = {block_size}")
@@ -640,7 +642,8 @@ def quantized_matmul_blockwise(x: torch.Tensor, w_q: torch.Tensor, w_scale: torc
         tensors get no gradient; :mod:`.blockwise_bwd` has the backward kernel and its error bound).
 
     Raises:
-        ArgumentError: block size not a multiple of 32 in 32..512; ``w_q``'s K not a multiple of the block (int8 /
+        ArgumentError: block size not an int (a float included: never truncated) or not a multiple of 32 in
+            32..512; ``w_q``'s K not a multiple of the block (int8 /
             fp8) or its packed width not a multiple of ``block_size / 2`` (int4); ``x``'s K outside the padding
             rule; ``w_scale`` / ``w_zero_point`` shapes; zero points with 8-bit weights.
         DTypeError: dtypes (``w_q``, ``x``, ``w_scale`` / ``w_zero_point`` not float32, ``out_dtype``).
@@ -658,6 +661,7 @@ def quantized_matmul_blockwise(x: torch.Tensor, w_q: torch.Tensor, w_scale: torc
             raise ArgumentError(f"{where}: {n} must be a torch.Tensor, got {type(t).__name__}")
     if len({t.device for t, _ in ts}) > 1:
         raise DeviceError(f"{where}: " + ", ".join(f"{n} on {t.device}" for t, n in ts) + ": must be one device")
+    block_size = _dsl.check_int(where, "block_size", block_size)  # 64.9 must not run as 64
     if x.dim() < 1:
         raise ArgumentError(f"{where}: x must have rank >= 1 ([..., K]), got a scalar")
     odt = _canon_out(out_dtype)
@@ -715,6 +719,7 @@ class TPUBlockQuantLinear(torch.nn.Module):
         super().__init__()
         if fmt not in WEIGHT_FORMATS:
             raise DTypeError(f"TPUBlockQuantLinear: format {fmt!r} is not one of {WEIGHT_FORMATS}")
+        block_size = _dsl.check_int("TPUBlockQuantLinear", "block_size", block_size)
         if block_size not in BLOCK_SIZES:
             raise ArgumentError(f"TPUBlockQuantLinear: block_size {block_size!r} is not a multiple of 32 in 32..512")
         self.in_features, self.out_features, self.block_size, self.fmt = in_features, out_features, block_size, fmt
