@@ -19,7 +19,7 @@ from tpukernels.dsl import REGISTRY, check_int
 from tpukernels.dsl.kernel import check_static
 from tpukernels.errors import ArgumentError
 
-qmm = importlib.import_module("tpukernels.library.quantized_matmul")
+qmm = importlib.import_module("tpukernels.library.quantized_matmul_ops")
 
 
 def test_check_int_rule():

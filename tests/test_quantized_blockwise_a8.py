@@ -1,4 +1,4 @@
-"""Block-quantized 8-bit activations (tpukernels.library.quantized_matmul.blockwise_a8, issue 28): fp8 x fp8 with
+"""Block-quantized 8-bit activations (tpukernels.library.quantized_matmul_ops.blockwise_a8, issue 28): fp8 x fp8 with
 1 x bs activation blocks and bs x bs (DeepSeek-V3 128 x 128) weight blocks, w4a8 (int4 unpacked to int8) and w8a8
 int8 with per-block activation scales, through ``quantized_matmul_blockwise(..., x_quant=...)``.
 
@@ -20,7 +20,7 @@ import tpukernels as tk
 import tpukernels.library  # noqa: F401
 from tpukernels.errors import ArgumentError, ChipError, DTypeError
 
-qmm = importlib.import_module("tpukernels.library.quantized_matmul")
+qmm = importlib.import_module("tpukernels.library.quantized_matmul_ops")
 SMALL = dict(bm=128, bk=256, bn=128)
 
 
@@ -242,7 +242,7 @@ def test_a8_dequant_form(interpret, fmt, out_dtype):
 def test_a8_prefill_heuristic_picks_dequant_for_fp8(monkeypatch):
     """Prefill (M > 128): fp8 takes the dequant form at bm=2048, bk=4096, bn=1024 on a 128 MiB-VMEM chip (v6e) and
     bm=1024 on tpu7x (64 MiB); int8, decode and v5e (no fp8 rate) keep the group form."""
-    from tpukernels.library.quantized_matmul import blockwise_a8 as a8
+    from tpukernels.library.quantized_matmul_ops import blockwise_a8 as a8
 
     f8 = torch.empty(1024, 512, dtype=torch.float8_e5m2)
     i8 = torch.empty(1024, 512, dtype=torch.int8)

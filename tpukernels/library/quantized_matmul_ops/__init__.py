@@ -99,7 +99,7 @@ gradient (rounding has derivative zero almost everywhere): its forward runs with
 (inference without ``torch.no_grad()``), and a backward that reaches it raises ArgumentError rather than
 silently returning zeros.
 
-Tunables ``bm, bk, bn`` (clamped to the problem as in :mod:`tpukernels.library.matmul`); defaults:
+Tunables ``bm, bk, bn`` (clamped to the problem as in :mod:`tpukernels.library.matmul_ops`); defaults:
 :func:`heuristic`, then per-chip shipped data ``tpukernels/data/autotuning/<chip>/
 tpukernels.quantized_matmul_kernel.json`` / ``tpukernels.quantized_matmul_w8a8_kernel.json`` chosen by
 libtpu's static estimate (a model, not a measurement): the w8a16 prefill entries from full-program
@@ -143,9 +143,9 @@ XLA. What remains is the serial quantization of the first row block and the part
 hidden under the MXU (vector work proportional to K: the down-projection's; bench reasons). tpu7x's fp8
 kernels compile but libtpu's static profiler dies on the f32 -> fp8 pack (no figure).
 
-Layout of this package (every name above is importable from ``tpukernels.library.quantized_matmul``):
+Layout of this package (every name above is importable from ``tpukernels.library.quantized_matmul_ops``):
 ``common`` (dtypes, chip support), ``quantize`` (absmax quantization: reference, weights, per-token kernel),
-``reference`` (float64 references, error bounds), ``w8a16`` (``quantized_matmul_kernel``, its streaming
+``references`` (float64 references, error bounds), ``w8a16`` (``quantized_matmul_kernel``, its streaming
 decode launch, ``quantized_matmul_bwd_dx``), ``w8a8`` (the fused w8a8 kernel), ``public`` (the op and
 ``TPUQuantLinear``), ``blockwise`` (sub-channel scales along K: w4a16 int4 with zero points, block-scaled int8 /
 fp8; ``quantized_matmul_blockwise``, ``TPUBlockQuantLinear``; its own docstring has the layout, the padding
@@ -166,7 +166,7 @@ from .common import (INT32_MAX_K, OUT_DTYPES, U32, WEIGHT_DTYPES, X_DTYPES, X_QU
                      supported_modes)
 from .quantize import (TUNABLES_Q, _weight_dtype, quantize_per_token, quantize_per_token_kernel, quantize_reference,
                        quantize_weight)
-from .reference import dequantize, error_bound, reference
+from .references import dequantize, error_bound, reference
 from .w8a16 import (STANDARD_CASES, STREAM_MAX_M, TUNABLES, WEIGHT_DMAS, heuristic, make_launch, problem,
                     quantized_matmul_bwd_dx, quantized_matmul_kernel, stream_plan, vmem_bytes)
 from .w8a8 import (QCHUNK, STANDARD_CASES_W8A8, TUNABLES_W8A8, _w8a8_heuristic, fused_plan, fused_vmem_bytes,

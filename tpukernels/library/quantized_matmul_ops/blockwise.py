@@ -49,7 +49,7 @@ output dtype (``u |ref|``). :func:`error_bound_blockwise`.
 
 Chips: the weight tile reaches the MXU as ``x.dtype`` (bf16 x bf16 everywhere; f32 at HIGHEST precision), so
 int4 and int8 run on every chip; fp8 weights need the chip to take the fp8 dtype at all (as
-:func:`~tpukernels.library.quantized_matmul.check_chip` for w8a16). Gradient: differentiable in ``x`` (``d_x = g @ W``,
+:func:`~tpukernels.library.quantized_matmul_ops.check_chip` for w8a16). Gradient: differentiable in ``x`` (``d_x = g @ W``,
 the kernel ``quantized_matmul_blockwise_bwd_dx`` of :mod:`.blockwise_bwd`, dequantizing in VMEM like this one);
 ``w_q``, ``w_scale`` and ``w_zero_point`` are frozen and get no gradient (``None``).
 

@@ -45,7 +45,7 @@ tpu_info; libtpu's profiler aborts on the dequant form there). Its error bound a
 bf16 roundings (below).
 
 Chips: the pair must be native on the MXU (jax ``tpu_info.is_matmul_supported``, as
-:func:`~tpukernels.library.quantized_matmul.supported_modes`): fp8 x fp8 for ``x_quant="fp8"`` (libtpu 0.0.52:
+:func:`~tpukernels.library.quantized_matmul_ops.supported_modes`): fp8 x fp8 for ``x_quant="fp8"`` (libtpu 0.0.52:
 float8_e4m3fn on tpu7x only, float8_e5m2 on v5e, v6e and tpu7x), ``(int8, int8)`` for ``x_quant="int8"`` with int8
 or int4 weights (v5e, v6e; not tpu7x). Elsewhere :class:`~tpukernels.errors.ChipError` naming the chip and the
 modes it supports (:func:`check_chip_a8`).
