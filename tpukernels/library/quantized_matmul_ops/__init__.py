@@ -150,7 +150,7 @@ decode launch, ``quantized_matmul_bwd_dx``), ``w8a8`` (the fused w8a8 kernel), `
 ``TPUQuantLinear``), ``blockwise`` (sub-channel scales along K: w4a16 int4 with zero points, block-scaled int8 /
 fp8; ``quantized_matmul_blockwise``, ``TPUBlockQuantLinear``; its own docstring has the layout, the padding
 rule and the error bound), ``blockwise_a8`` (block-quantized 8-bit activations: fp8 1x128 activations with
-128x128 fp8 weight blocks, w4a8 / w8a8 int8 with per-block activation scales; ``quantize_per_block_kernel``,
+128x128 fp8 weight blocks or packed int4 / fp4 weights, w4a8 / w8a8 int8 with per-block activation scales; ``quantize_per_block_kernel``,
 ``quantized_matmul_blockwise_a8_kernel``; reached by ``quantized_matmul_blockwise(..., x_quant=...)``),
 ``blockwise_bwd`` (its ``d_x`` kernel ``quantized_matmul_blockwise_bwd_dx``: the
 backward with respect to the activations, weights frozen; formula and error bound there).
@@ -178,7 +178,7 @@ from .blockwise import (BLOCK_SIZES, FP4_VALUES, WEIGHT_FORMATS, TPUBlockQuantLi
                         quantized_matmul_blockwise_kernel, reference_blockwise, unpack_int4)
 from .blockwise_bwd import (error_bound_blockwise_dx, quantized_matmul_blockwise_bwd_dx,
                             reference_blockwise_dx)
-from .blockwise_a8 import (XQ_DTYPES, check_chip_a8, error_bound_blockwise_a8, expand_block_scale,
+from .blockwise_a8 import (FP8_FOR_PACKED, XQ_DTYPES, check_chip_a8, error_bound_blockwise_a8, expand_block_scale,
                            quantize_per_block_kernel, quantize_per_block_reference,
                            quantized_matmul_blockwise_a8_kernel, reference_blockwise_a8)
 

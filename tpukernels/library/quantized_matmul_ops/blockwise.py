@@ -633,7 +633,8 @@ def quantized_matmul_blockwise(x: torch.Tensor, w_q: torch.Tensor, w_scale: torc
         weight_format: for a uint8 ``w_q``: ``"int4"`` (default) or ``"fp4"`` (e2m1 codes, same packing, no zero
             points; ``W = e2m1(code) * s``); must match ``w_q``'s dtype otherwise.
         x_quant: None (weights dequantized in VMEM, ``x`` as is), ``"fp8"`` (``x`` quantized per token per
-            ``1 x block_size`` block to ``w_q``'s fp8 dtype, fp8 x fp8 on the MXU: DeepSeek-V3's scheme) or
+            ``1 x block_size`` block to ``w_q``'s fp8 dtype, fp8 x fp8 on the MXU: DeepSeek-V3's scheme; with int4
+            or fp4 ``w_q``, to float8_e4m3fn, the weights decoded to bf16 in VMEM: tpu-inference's w4a8 fp8) or
             ``"int8"`` (the same to int8 with int8 or int4 weights: w8a8 / w4a8, int32 group sums);
             :mod:`.blockwise_a8` has the formulas and the error bound. No gradient with ``x_quant``.
 
@@ -646,7 +647,8 @@ def quantized_matmul_blockwise(x: torch.Tensor, w_q: torch.Tensor, w_scale: torc
             32..512; ``w_q``'s K not a multiple of the block (int8 /
             fp8) or its packed width not a multiple of ``block_size / 2`` (int4); ``x``'s K outside the padding
             rule; ``w_scale`` / ``w_zero_point`` shapes; zero points with 8-bit weights.
-        DTypeError: dtypes (``w_q``, ``x``, ``w_scale`` / ``w_zero_point`` not float32, ``out_dtype``).
+        DTypeError: dtypes (``w_q``, ``x``, ``w_scale`` / ``w_zero_point`` not float32, ``out_dtype``); an
+            ``x_quant`` the weights do not pair with (``"fp8"`` with int8 weights, ``"int8"`` with fp8 or fp4).
         DeviceError: operands on different devices. ChipError: fp8 weights the target chip cannot take; an
             ``x_quant`` pair its MXU does not multiply natively (names the chip and the modes it supports).
     """
