@@ -33,7 +33,7 @@ STEP_US = 0.35
 def _gm():
     import tpukernels.library  # noqa: F401
 
-    return importlib.import_module("tpukernels.library.grouped_matmul")
+    return importlib.import_module("tpukernels.library.grouped_matmul_ops")
 
 
 def _dims(case):

@@ -38,7 +38,7 @@ from tpukernels import perf  # noqa: E402
 from tpukernels.autotune import db  # noqa: E402
 import tpukernels.library  # noqa: E402,F401  (registers the ops)
 
-mm = sys.modules["tpukernels.library.matmul"]
+mm = sys.modules["tpukernels.library.matmul_ops"]
 
 #: name -> (layout, M, K, N); "linear" is x[8192, 4096] @ W[14336, 4096].T (an MLP up-projection)
 SHAPES = {
@@ -93,7 +93,7 @@ def specs_for(shape: str):
 
 
 def kernel_hbm_bytes(layout, M, K, N, config, itemsize=2, out_itemsize=2) -> int:
-    """HBM bytes the kernel moves with ``config`` (``tpukernels.library.matmul.hbm_bytes``, batch 1).
+    """HBM bytes the kernel moves with ``config`` (``tpukernels.library.matmul_ops.hbm_bytes``, batch 1).
 
     K innermost: with more than one K block both operand blocks change every step, so ``a`` is read once
     per column block (``N / bn`` times) and ``b`` once per row block (``M / bm``); Pallas skips a fetch

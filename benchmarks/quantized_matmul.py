@@ -1,6 +1,6 @@
 """Shipped defaults of the quantized matmul: tune each STANDARD_CASE on each chip with the tpu-model evaluator.
 
-For every chip and every case of :data:`tpukernels.library.quantized_matmul.STANDARD_CASES` the chip
+For every chip and every case of :data:`tpukernels.library.quantized_matmul_ops.STANDARD_CASES` the chip
 supports (jax ``tpu_info``: tpu7x has no int8 x int8 MXU, so its w8a8 int8 cases are skipped), runs
 ``tpukernels.autotune.tune(..., evaluator="tpu-model", strategy="coordinate")`` — libtpu's static estimate
 combined with the chip's rooflines, a MODEL, not a measurement — and with ``--write-defaults`` records the
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     from tpukernels.targets.compile_only import compile_only_env
 
     compile_only_env()
-    qmm = importlib.import_module("tpukernels.library.quantized_matmul")
+    qmm = importlib.import_module("tpukernels.library.quantized_matmul_ops")
     for chip in args.chips.split(","):
         for kernel, case, kw in qmm.STANDARD_CASES:
             wdt = case[1].split(":")[1].replace("i8", "int8")
@@ -94,7 +94,7 @@ def decode_sweep(chips, write: bool) -> int:
     from tpukernels.perf import clock_hz, hbm_bandwidth
     from tpukernels.targets.compile_only import example_specs
 
-    qmm = importlib.import_module("tpukernels.library.quantized_matmul")
+    qmm = importlib.import_module("tpukernels.library.quantized_matmul_ops")
     kernel = qmm.quantized_matmul_kernel
     est = Estimator(default_cache_path())
     for chip in chips:

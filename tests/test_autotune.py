@@ -98,7 +98,7 @@ def test_the_baseline_is_the_config_a_call_gets_today(tmp_cache):
 
     from tpukernels.chips import get_chip
 
-    mm = importlib.import_module("tpukernels.library.matmul")
+    mm = importlib.import_module("tpukernels.library.matmul_ops")
     kernel, args, kwargs = mm.STANDARD_CASES[0]
     problem = Problem.from_args(kernel, *args, **kwargs)
     want, source = db.lookup(kernel, "v5e", problem.lowered_specs, problem.statics)

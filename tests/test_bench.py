@@ -195,14 +195,14 @@ def test_family_source_digest_covers_what_its_figures_depend_on(tmp_path):
 
     after = edit("cli.py")  # not in any family's figures
     assert after == before and core.source_digest(None, root) != whole
-    after = edit("library/norms/layer_norm.py")  # norms only (a file of the norms package)
+    after = edit("library/norms/layer_norm_ops.py")  # norms only (a file of the norms package)
     assert after["norms"] != before["norms"] and after["matmul"] == before["matmul"]
     before = after
-    after = edit("library/matmul.py")  # matmul, and quantized_matmul (its bf16 comparison row)
+    after = edit("library/matmul_ops.py")  # matmul, and quantized_matmul (its bf16 comparison row)
     assert after["matmul"] != before["matmul"] and after["quantized_matmul"] != before["quantized_matmul"]
     assert after["norms"] == before["norms"]
     before = after
-    after = edit("library/quantized_matmul/w8a16.py")  # a library package's file: its family only
+    after = edit("library/quantized_matmul_ops/w8a16.py")  # a library package's file: its family only
     assert after["quantized_matmul"] != before["quantized_matmul"] and after["matmul"] == before["matmul"]
     before = after
     after = edit("data/autotuning/v6e/tpukernels.rms_norm_fwd.json")  # tuning data: its own family only

@@ -19,7 +19,7 @@ import tpukernels as tk
 from tpukernels.library import attention as A
 from tpukernels.library.attention import NumpyMask, flash_attention
 from tpukernels.library.attention.buckets import absent_id, bucket_len
-from tpukernels.library.matmul import matmul, matmul_nn, matmul_nt, matmul_tn
+from tpukernels.library.matmul_ops import matmul, matmul_nn, matmul_nt, matmul_tn
 
 ATOL = 5e-5  # float32 inputs: kernel vs float64 reference (observed ~1e-6; masking/offset bugs give O(0.1))
 BF16_TOL = 3e-2  # bfloat16 inputs: P and dS rounded to bf16 (relative 2^-9 each) and the bf16 result

@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 import tpukernels.integrations.transformers as tki  # noqa: E402  (registers quant_method "tpukernels")
 from tpukernels.errors import ArgumentError, DTypeError  # noqa: E402
 from tpukernels.integrations import quantizers as tkq  # noqa: E402
-from tpukernels.library.quantized_matmul import TPUQuantLinear  # noqa: E402
+from tpukernels.library.quantized_matmul_ops import TPUQuantLinear  # noqa: E402
 
 
 def _tiny_qwen2(layers=1):
@@ -200,7 +200,7 @@ def _dequantized(mod) -> torch.Tensor:
     """float64 [N, in_features] weight a loaded module multiplies by (in x's original column order)."""
     import importlib
 
-    qmm = importlib.import_module("tpukernels.library.quantized_matmul")
+    qmm = importlib.import_module("tpukernels.library.quantized_matmul_ops")
     if isinstance(mod, qmm.TPUBlockQuantLinear):
         W = qmm.dequantize_blockwise(mod.w_q, mod.w_scale, mod.block_size, mod.w_zero_point)[:, :mod.in_features]
         if mod.in_perm is not None:

@@ -25,7 +25,7 @@ import tpukernels as tk
 import tpukernels.library  # noqa: F401
 from tpukernels.errors import ArgumentError, DeviceError, DTypeError
 
-gm = importlib.import_module("tpukernels.library.grouped_matmul")
+gm = importlib.import_module("tpukernels.library.grouped_matmul_ops")
 OPS = torch.ops.tpukernels
 U32 = 2.0**-24
 SMALL = dict(bm=128, bk=128, bn=128)

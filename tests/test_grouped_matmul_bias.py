@@ -8,7 +8,7 @@ roundoff, ``u32 = 2^-24``, ``ref = lhs_g @ W_g + bias_g`` on the rows of group `
 * forward (plain): ``|y - ref| <= (K + 2) u32 (|lhs| @ |W_g|) (1 + 2^-7) + (u + 2 u32) |ref|`` — the float32
   accumulation of K products (Higham's gamma_K), one f32 addition of the bias, one cast (Higham, "Accuracy and
   Stability of Numerical Algorithms", 2nd ed., eq. 3.5); exactly 0 on rows of no local group;
-* forward (quantized): :func:`~tpukernels.library.grouped_matmul.quant.error_bound_quantized` with ``rhs_bias``;
+* forward (quantized): :func:`~tpukernels.library.grouped_matmul_ops.quant.error_bound_quantized` with ``rhs_bias``;
 * ``d_rhs_bias``: ``|d - ref| <= u_b |ref| + n_g u32 sum_rows |dO|`` (float32 accumulation of ``n_g`` rows, one
   cast to the bias dtype, unit roundoff ``u_b``);
 * ``d_lhs`` / ``d_rhs``: bit-identical to the same call without a bias (the bias has no path into them).
@@ -31,8 +31,8 @@ import tpukernels as tk
 import tpukernels.library  # noqa: F401
 from tpukernels.errors import ArgumentError, DeviceError, DTypeError
 
-gm = importlib.import_module("tpukernels.library.grouped_matmul")
-gq = importlib.import_module("tpukernels.library.grouped_matmul.quant")
+gm = importlib.import_module("tpukernels.library.grouped_matmul_ops")
+gq = importlib.import_module("tpukernels.library.grouped_matmul_ops.quant")
 U32 = 2.0 ** -24
 U = {torch.bfloat16: 2.0 ** -8, torch.float32: U32}
 SMALL = dict(bm=16, bk=128, bn=128)  # several row tiles, K steps (K tail) and N blocks (N tail) at test shapes

@@ -101,7 +101,7 @@ def test_group_bounds_of_garbage_sizes_do_not_wrap_around():
     sizes count as 0 and ends are capped at M, also when the int32 running sum would pass 2**31."""
     import jax.numpy as jnp
 
-    from tpukernels.library.grouped_matmul import _group_bounds
+    from tpukernels.library.grouped_matmul_ops import _group_bounds
 
     M = 100
     sizes = np.array([M - 1, 2**30, 2**30, 2**30, -5, 7], np.int32)

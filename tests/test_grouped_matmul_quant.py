@@ -1,7 +1,7 @@
 """Quantized experts in the grouped matmul (``grouped_matmul_quantized``; issue 28, item 2): int8 / fp8 with
 per-channel or block scales, int4 (zero points or not) / fp4 packed two per byte along K, both rhs layouts.
 
-Accuracy criterion (the module docstring's bounds, :mod:`tpukernels.library.grouped_matmul.quant`), elementwise
+Accuracy criterion (the module docstring's bounds, :mod:`tpukernels.library.grouped_matmul_ops.quant`), elementwise
 against float64 products of the **dequantized** experts computed from the stored low-precision tensors:
 
 * forward ``|y - ref| <= u |ref| + (K_w + 2) u32 (|x| @ M_g^T)`` on the rows of group ``g``
@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 import tpukernels.library  # noqa: F401
 from tpukernels.errors import ArgumentError, ChipError, DTypeError
 
-gq = importlib.import_module("tpukernels.library.grouped_matmul.quant")
-qmm = importlib.import_module("tpukernels.library.quantized_matmul")
+gq = importlib.import_module("tpukernels.library.grouped_matmul_ops.quant")
+qmm = importlib.import_module("tpukernels.library.quantized_matmul_ops")
 CFG = dict(bm=16, bk=128, bn=128)  # small blocks: several row tiles, K steps and N blocks at test shapes
 
 
@@ -102,7 +102,7 @@ def test_quantized_experts_nan_poisoned_interpret(interpret, monkeypatch):
     The target chip is tpu7x, whose MXU takes ``(bfloat16, float8_e4m3fn)`` natively (jax's tpu_info), so the fp8
     tile goes to the dots unconverted (the native feed)."""
     monkeypatch.setenv("TPUKERNELS_TARGET_CHIP", "tpu7x")
-    from tpukernels.library.quantized_matmul.common import _native_fp8
+    from tpukernels.library.quantized_matmul_ops.common import _native_fp8
 
     assert _native_fp8("bfloat16", "float8_e4m3fn")
     G, N, K = 3, 200, 320

@@ -27,7 +27,7 @@ import tpukernels as tk
 import tpukernels.library  # noqa: F401  (registers torch.ops.tpukernels.linear_cross_entropy*)
 from tpukernels.errors import ArgumentError, DeviceError, DTypeError
 
-lce = importlib.import_module("tpukernels.library.linear_cross_entropy")
+lce = importlib.import_module("tpukernels.library.linear_cross_entropy_ops")
 OPS = torch.ops.tpukernels
 CHIPS = ("v5e", "v6e", "tpu7x")
 

@@ -35,7 +35,7 @@ import tpukernels.library  # noqa: F401  (registers torch.ops.tpukernels.matmul*
 from tpukernels.autotune import db
 from tpukernels.errors import ArgumentError, DTypeError
 
-mm = importlib.import_module("tpukernels.library.matmul")
+mm = importlib.import_module("tpukernels.library.matmul_ops")
 OPS = torch.ops.tpukernels
 U32 = 2.0**-24
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -21,7 +21,7 @@ import tpukernels.integrations.transformers as tki  # noqa: E402  (registers qua
 from tpukernels.errors import ArgumentError, DTypeError  # noqa: E402
 from tpukernels.integrations import quantizers as tkq  # noqa: E402
 from tpukernels.integrations.moe import quantize_moe_experts  # noqa: E402
-from tpukernels.library.quantized_matmul import TPUQuantLinear  # noqa: E402
+from tpukernels.library.quantized_matmul_ops import TPUQuantLinear  # noqa: E402
 
 EXPERTS = "model.layers.0.mlp.experts"
 

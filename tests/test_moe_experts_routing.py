@@ -19,7 +19,7 @@ from tpukernels.errors import ArgumentError  # noqa: E402
 from tpukernels.integrations import moe_experts as me  # noqa: E402
 from tpukernels.integrations.moe import apply_tpukernels_moe, plan_moe, quantize_moe_experts  # noqa: E402
 
-gm = importlib.import_module("tpukernels.library.grouped_matmul")
+gm = importlib.import_module("tpukernels.library.grouped_matmul_ops")
 EXP = ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
 GPT_OSS = EXP[:1]  # one layer: the probe and the interpret-mode backward dominate this file's CPU time
 
@@ -189,7 +189,7 @@ def test_quantize_biased_transposed_experts_refused_untouched(fresh_probes):
 def test_wrong_quantized_forward_is_caught_before_the_swap(monkeypatch, fresh_probes):
     """quantize_moe_experts probes each class on a quantized stand-in (ours against the stock forward in float64
     on the dequantized weights) before any swap: a quantized forward 2% off raises, the model untouched."""
-    gq = importlib.import_module("tpukernels.library.grouped_matmul.quant")
+    gq = importlib.import_module("tpukernels.library.grouped_matmul_ops.quant")
     real = gq.grouped_matmul_quantized
     monkeypatch.setattr(gq, "grouped_matmul_quantized", lambda *a, **k: real(*a, **k) * 1.02)
     cfg = T.MixtralConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=1,

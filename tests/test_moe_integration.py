@@ -41,7 +41,7 @@ def test_mixtral_logits_and_grads_match_stock(monkeypatch):
     assert stock.config._experts_implementation != "tpukernels"
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
     ref = stock(ids).logits
-    gm = importlib.import_module("tpukernels.library.grouped_matmul")
+    gm = importlib.import_module("tpukernels.library.grouped_matmul_ops")
     calls = []
     real = gm.grouped_matmul
     monkeypatch.setattr(gm, "grouped_matmul", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))

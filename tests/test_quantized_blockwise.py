@@ -1,5 +1,5 @@
 """Block-wise (sub-channel) quantized matmul: w4a16 int4 (packed two per byte, optional zero points) and
-block-scaled int8 / fp8 weights (tpukernels.library.quantized_matmul.blockwise, issue 28).
+block-scaled int8 / fp8 weights (tpukernels.library.quantized_matmul_ops.blockwise, issue 28).
 
 Accuracy criterion: elementwise against the float64 product of the dequantized operands (x zero-padded by the
 padding rule), ``|y - ref| <= error_bound_blockwise(...)`` (the module docstring's bound:
@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 import tpukernels.library  # noqa: F401
 from tpukernels.errors import ArgumentError, DTypeError
 
-qmm = importlib.import_module("tpukernels.library.quantized_matmul")
+qmm = importlib.import_module("tpukernels.library.quantized_matmul_ops")
 SMALL = dict(bm=128, bk=256, bn=128)
 
 
@@ -348,7 +348,7 @@ def test_decode_form_block_diagonal(interpret, monkeypatch):
     block-diagonal x (blockwise._diag_part, traced: spied), two K steps (bk=256 of bs=64), an N tail, zero points
     (and fp4 in the fast mode); within the bound. 8 rows with diag_rows forced to 0 take the per-group form
     (not traced), within the bound too. "tpu" mode poisons the padding of the N tail with NaN."""
-    bw = importlib.import_module("tpukernels.library.quantized_matmul.blockwise")
+    bw = importlib.import_module("tpukernels.library.quantized_matmul_ops.blockwise")
     calls = []
     real = bw._diag_part
     monkeypatch.setattr(bw, "_diag_part", lambda *a, **k: calls.append(k["n_sub"]) or real(*a, **k))

@@ -1,4 +1,4 @@
-"""Block-quantized 8-bit activations (tpukernels.library.quantized_matmul.blockwise_a8, issue 28): fp8 x fp8 with
+"""Block-quantized 8-bit activations (tpukernels.library.quantized_matmul_ops.blockwise_a8, issue 28): fp8 x fp8 with
 1 x bs activation blocks and bs x bs (DeepSeek-V3 128 x 128) weight blocks, w4a8 (int4 unpacked to int8) and w8a8
 int8 with per-block activation scales, through ``quantized_matmul_blockwise(..., x_quant=...)``.
 
@@ -20,7 +20,7 @@ import tpukernels as tk
 import tpukernels.library  # noqa: F401
 from tpukernels.errors import ArgumentError, ChipError, DTypeError
 
-qmm = importlib.import_module("tpukernels.library.quantized_matmul")
+qmm = importlib.import_module("tpukernels.library.quantized_matmul_ops")
 SMALL = dict(bm=128, bk=256, bn=128)
 
 
@@ -32,7 +32,7 @@ def _no_target_chip(monkeypatch):
 def _weights(N, G, bs, fmt, asym, seed):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(N, G * bs, generator=g) * (1 + torch.rand(N, G, generator=g).repeat_interleave(bs, 1) * 4)
-    q, s, z = qmm.quantize_weight_blockwise(w, bs, "int4" if fmt == "int4" else "int8", asymmetric=asym)
+    q, s, z = qmm.quantize_weight_blockwise(w, bs, fmt if fmt in ("int4", "fp4") else "int8", asymmetric=asym)
     if fmt.startswith("float8"):
         q = (q.float() / 4).to(getattr(torch, fmt))
     return q, s, z
@@ -146,11 +146,11 @@ def test_a8_bad_input_typed_errors():
     q4, s4, z4 = _weights(64, 2, 128, "int4", True, seed=1)
     qf, sf, _ = _weights(64, 2, 128, "float8_e5m2", False, seed=1)
     x = torch.randn(4, 256).bfloat16()
-    with pytest.raises(DTypeError, match="x_quant='fp8' needs float8 w_q, got int8"):
+    with pytest.raises(DTypeError, match="x_quant='fp8' needs float8, int4 or fp4 w_q, got int8"):
         qmm.quantized_matmul_blockwise(x, q8, s8, block_size=128, x_quant="fp8")
     with pytest.raises(DTypeError, match="x_quant='int8' needs int8 or int4 w_q, got float8_e5m2"):
         qmm.quantized_matmul_blockwise(x, qf, sf, block_size=128, x_quant="int8")
-    with pytest.raises(DTypeError, match="got fp4"):
+    with pytest.raises(DTypeError, match="x_quant='int8' needs int8 or int4 w_q, got fp4"):
         qmm.quantized_matmul_blockwise(x, q4, s4, block_size=128, weight_format="fp4", x_quant="int8")
     with pytest.raises(ArgumentError, match="x_quant 'int4' is not one of"):
         qmm.quantized_matmul_blockwise(x, q8, s8, block_size=128, x_quant="int4")
@@ -163,6 +163,17 @@ def test_a8_bad_input_typed_errors():
         qmm.quantized_matmul_blockwise_a8_kernel(x, xs, q8, s8, None, 128)
     with pytest.raises(DTypeError, match="int8 x_q needs int8 or int4 w_q, got float8_e5m2"):
         qmm.quantized_matmul_blockwise_a8_kernel(xq, xs, qf, sf, None, 128)
+    with pytest.raises(DTypeError, match="int8 x_q needs int8 or int4 w_q, got fp4"):  # w4a8 int8 is int4 only
+        qmm.quantized_matmul_blockwise_a8_kernel(xq, xs, q4, s4, None, 128, None, "fp4")
+    xq8, xs8 = qmm.quantize_per_block_reference(x.float(), "float8_e4m3fn", 128)
+    with pytest.raises(DTypeError, match="float8_e4m3fn x_q needs w_q of the same fp8 dtype or packed int4 / fp4, "
+                                         "got float8_e5m2"):
+        qmm.quantized_matmul_blockwise_a8_kernel(xq8, xs8, qf, sf, None, 128)
+    with pytest.raises(DTypeError, match="float8_e4m3fn x_q needs w_q .* got int8"):
+        qmm.quantized_matmul_blockwise_a8_kernel(xq8, xs8, q8, s8, None, 128)
+    with pytest.raises(ArgumentError, match="w_zero_point is for int4 weights"):  # fp4 has no zero points, with fp8 activations too
+        qmm.quantized_matmul_blockwise(x, q4, s4, block_size=128, w_zero_point=z4, weight_format="fp4",
+                                       x_quant="fp8")
     with pytest.raises(ArgumentError, match=r"w_zero_point must have shape"):
         qmm.quantized_matmul_blockwise_a8_kernel(xq, xs, q4, s4, z4[:1], 128)
     with pytest.raises(ArgumentError, match="not a multiple of block_size = 128"):
@@ -242,7 +253,7 @@ def test_a8_dequant_form(interpret, fmt, out_dtype):
 def test_a8_prefill_heuristic_picks_dequant_for_fp8(monkeypatch):
     """Prefill (M > 128): fp8 takes the dequant form at bm=2048, bk=4096, bn=1024 on a 128 MiB-VMEM chip (v6e) and
     bm=1024 on tpu7x (64 MiB); int8, decode and v5e (no fp8 rate) keep the group form."""
-    from tpukernels.library.quantized_matmul import blockwise_a8 as a8
+    from tpukernels.library.quantized_matmul_ops import blockwise_a8 as a8
 
     f8 = torch.empty(1024, 512, dtype=torch.float8_e5m2)
     i8 = torch.empty(1024, 512, dtype=torch.int8)
@@ -264,3 +275,89 @@ def test_a8_dequant_form_compiles(chip):
                        "4096x1024:float8_e5m2", "8x1x4096:f32", with_mlir=False)
     assert r.ok, r.summary()
     assert r.config["form"] == "dequant" and r.config["bm"] == (2048 if chip == "v6e" else 1024)
+
+
+# ------------------------------------------------------------------ fp8 activations x packed int4 / fp4 weights
+def _check_packed_fp8(y, x, q, s, bs, z, fmt, out_dtype):
+    """y against the float64 reference of the dequantized operands, x quantized to float8_e4m3fn per 1 x bs block
+    by the reference quantizer (the kernel's bit for bit: test_quantize_kernel_matches_reference)."""
+    K_w = s.shape[0] * bs
+    xp = torch.nn.functional.pad(x.reshape(-1, x.shape[-1]).float(), (0, K_w - x.shape[-1]))
+    xq, xs = qmm.quantize_per_block_reference(xp, qmm.FP8_FOR_PACKED, bs)
+    wf = "fp4" if fmt == "fp4" else None
+    ref = qmm.reference_blockwise_a8(xq, xs, q, s, bs, z, weight_format=wf)
+    bound = qmm.error_bound_blockwise_a8(xq, xs, q, s, bs, z, out_dtype, weight_format=wf)
+    y2 = y.reshape(ref.shape).double()
+    assert torch.isfinite(y2).all()
+    bad = (y2 - ref).abs() > bound
+    assert not bad.any(), f"{int(bad.sum())} elements outside the bound, worst {float(((y2 - ref).abs() - bound).max())}"
+    return ref, bound
+
+
+@given(M=st.integers(1, 40), N=st.integers(1, 300), G=st.integers(1, 4), bs=st.sampled_from([32, 64, 128, 512]),
+       fmt=st.sampled_from(["int4", "fp4"]), asym=st.booleans(), pad=st.integers(0, 31), f32=st.booleans())
+@settings(max_examples=2)  # + 3 explicit examples; each draws two kernel compiles (~2-4 s)
+@example(M=64, N=512, G=2, bs=512, fmt="fp4", asym=False, pad=0, f32=False)  # tpu-inference's w4a8 (fp4 x e4m3fn)
+@example(M=64, N=512, G=2, bs=512, fmt="int4", asym=False, pad=0, f32=True)  # its int4_fp8 case, f32 activations
+@example(M=9, N=136, G=3, bs=128, fmt="int4", asym=True, pad=7, f32=False)  # GPTQ-style zero points, K padded
+def test_fp8_activations_with_packed_4bit_weights(M, N, G, bs, fmt, asym, pad, f32):
+    """tpu-inference's blockwise int4 x fp8 and fp4 (e2m1) x fp8 cases (its test: block_size 512, x_q_dtype
+    float8_e4m3fn, bf16 / f32 activations), which used to raise DTypeError: x quantized to float8_e4m3fn per
+    1 x bs block, the nibbles decoded in VMEM; int4 zero points or not, K padded by the rule, M / N tails, several
+    K steps (bk=256 where bs < 256). Within the a8 bound of the float64 product of the quantized operands."""
+    q, s, z = _weights(N, G, bs, fmt, asym and fmt == "int4", seed=M * 131 + N + G)
+    x = torch.randn(M, G * bs - pad, generator=torch.Generator().manual_seed(M + N)) * 3
+    x = x.float() if f32 else x.bfloat16()
+    y = qmm.quantized_matmul_blockwise(x, q, s, block_size=bs, w_zero_point=z, x_quant="fp8",
+                                       weight_format="fp4" if fmt == "fp4" else None,
+                                       config=dict(bm=128, bk=max(256, bs), bn=128))
+    assert y.dtype == x.dtype and y.shape == (M, N)
+    _check_packed_fp8(y, x, q, s, bs, z, fmt, x.dtype)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "fp4"])
+def test_fp8_packed_interpret_modes(interpret, fmt):
+    """Two K steps (the dynamic pick of x_scale's column), M and N tails, f32 output, 3-D x; "tpu" mode poisons
+    the padding of partial blocks with NaN: results stay finite and within the bound. The bound is tight enough
+    to tell the activation dtype: x quantized to float8_e5m2 instead misses it."""
+    q, s, z = _weights(136, 4, 128, fmt, fmt == "int4", seed=5)
+    x = torch.randn(2, 20, 4 * 128, generator=torch.Generator().manual_seed(2)).bfloat16()
+    y = qmm.quantized_matmul_blockwise(x, q, s, block_size=128, w_zero_point=z, out_dtype="float32", x_quant="fp8",
+                                       weight_format="fp4" if fmt == "fp4" else None,
+                                       config=dict(bm=32, bk=256, bn=128))
+    assert y.dtype == torch.float32 and y.shape == (2, 20, 136)
+    _, bound = _check_packed_fp8(y, x, q, s, 128, z, fmt, torch.float32)
+    xq5, xs5 = qmm.quantize_per_block_reference(x.reshape(40, 512).float(), "float8_e5m2", 128)
+    other = qmm.reference_blockwise_a8(xq5, xs5, q, s, 128, z, weight_format="fp4" if fmt == "fp4" else None)
+    assert ((y.reshape(40, 136).double() - other).abs() > bound).any()
+
+
+@pytest.mark.parametrize("chip", ["v5e", "v6e", "tpu7x"])
+def test_fp8_packed_needs_no_fp8_mxu_pair(monkeypatch, chip):
+    """fp8 activations with int4 / fp4 weights run on the bf16 MXU: no ChipError on any chip (v6e has no
+    float8_e4m3fn pair, tpu7x no int8 one), and the prefill heuristic keeps the group form for them."""
+    from tpukernels.library.quantized_matmul_ops import blockwise_a8 as a8
+
+    monkeypatch.setenv("TPUKERNELS_TARGET_CHIP", chip)
+    for fmt in ("int4", "fp4"):
+        a8.check_chip_a8("fp8", fmt, "test")
+    monkeypatch.setattr(a8, "_target_chip", lambda: tk.get_chip(chip))
+    f8 = torch.empty(1024, 512, dtype=torch.float8_e4m3fn)
+    assert a8._a8_heuristic(f8, None, torch.empty(64, 256, dtype=torch.uint8), None)["form"] == "groups"
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("chip", ["v5e", "v6e", "tpu7x"])
+def test_compile_only_fp8_packed(chip):
+    """Mosaic + XLA:TPU compile the int4 (zero points or not; decode) and fp4 (prefill) x float8_e4m3fn kernel
+    and the float8_e4m3fn per-block quantization, on every chip."""
+    kern = qmm.quantized_matmul_blockwise_a8_kernel
+    for M, wf, zp in ((16, None, False), (16, None, True), (1024, "fp4", False)):
+        args = [f"{M}x4096:float8_e4m3fn", f"{M}x32:f32", "4096x2048:u8", "32x1x4096:f32",
+                "32x1x4096:f32" if zp else None]
+        res = tk.compile_for(kern, chip, *args, 128, None, wf, with_mlir=False)
+        assert res.ok, res.summary()
+        assert res.config["form"] == "groups"
+    res = tk.compile_for(qmm.quantize_per_block_kernel, chip, "1024x4096:bf16", "float8_e4m3fn", 128,
+                         with_mlir=False)
+    assert res.ok, res.summary()

@@ -32,7 +32,7 @@ import tpukernels.library  # noqa: F401  (registers the ops)
 from tpukernels.autotune import db
 from tpukernels.errors import ArgumentError, ChipError, DeviceError, DTypeError
 
-qmm = importlib.import_module("tpukernels.library.quantized_matmul")
+qmm = importlib.import_module("tpukernels.library.quantized_matmul_ops")
 OPS = torch.ops.tpukernels
 SMALL = dict(bm=128, bk=128, bn=128)  # several grid steps and tails in every dim for sizes > 128
 #: (x_quant, weight dtype) of every mode; the chip check is off on cpu without TPUKERNELS_TARGET_CHIP

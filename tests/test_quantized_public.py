@@ -6,7 +6,7 @@ import torch
 
 from tpukernels.errors import ArgumentError, ConfigError, DTypeError
 from tpukernels.library import quantized_matmul as qmm_fn
-from tpukernels.library.quantized_matmul import TPUQuantLinear, dequantize, quantize_per_token, quantize_weight
+from tpukernels.library.quantized_matmul_ops import TPUQuantLinear, dequantize, quantize_per_token, quantize_weight
 
 
 def _linear(k=64, n=48, seed=0):
@@ -101,7 +101,7 @@ def test_apply_tpukernels_rejects_a_mismatched_x_quant_before_patching_anything(
 
 def test_apply_tpukernels_rejects_an_int8_k_that_overflows_int32_before_patching():
     from tpukernels.integrations.transformers import apply_tpukernels
-    from tpukernels.library.quantized_matmul import INT32_MAX_K
+    from tpukernels.library.quantized_matmul_ops import INT32_MAX_K
 
     model = torch.nn.Sequential(torch.nn.LayerNorm(4), torch.nn.Linear(INT32_MAX_K + 1, 1))
     with pytest.raises(ArgumentError, match="overflow int32"):

@@ -16,7 +16,7 @@ from jax.experimental import pallas as pl
 
 import tpukernels as tk
 from tpukernels.library import attention_reference, flash_attention, rms_norm
-from tpukernels.library.norms.rms_norm import rms_norm_reference
+from tpukernels.library.norms.rms_norm_ops import rms_norm_reference
 from tpukernels.library.rope import apply_rotary_pos_emb, rope_reference
 from tpukernels.targets.cpu import row_major, row_major_strides
 

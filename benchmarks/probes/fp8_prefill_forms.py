@@ -23,9 +23,9 @@ import time
 from tpukernels.bench.core import Estimator, kernel_program
 import tpukernels.library, importlib
 from tpukernels.perf import model_time
-qmm = importlib.import_module("tpukernels.library.quantized_matmul")
+qmm = importlib.import_module("tpukernels.library.quantized_matmul_ops")
 if os.environ.get("VL"):
-    a8m = sys.modules["tpukernels.library.quantized_matmul.blockwise_a8"]
+    a8m = sys.modules["tpukernels.library.quantized_matmul_ops.blockwise_a8"]
     a8m.scoped_vmem_limit = lambda need, chip=None: int(os.environ["VL"]) << 20
 chip, dt = sys.argv[1], sys.argv[2]
 cfg = json.loads(sys.argv[3]) if len(sys.argv) > 3 else None

@@ -1,7 +1,7 @@
 """Grouped matmul family: tpukernels' grouped_matmul vs XLA's ``jax.lax.ragged_dot`` and JAX's megablox
 ``gmm`` / ``tgmm``, bf16 in, bf16 out, at Mixtral-8x7B expert shapes.
 
-Shapes: :data:`tpukernels.library.grouped_matmul.STANDARD_CASES`: 8192 tokens, top-2 = 16384 rows over 8
+Shapes: :data:`tpukernels.library.grouped_matmul_ops.STANDARD_CASES`: 8192 tokens, top-2 = 16384 rows over 8
 experts, hidden 4096, ffn 14336: the gate/up projection ``x[16384, 4096] @ W1[g].T`` (``W1 [8, 14336, 4096]``,
 ``transpose_rhs=True``, HF's layout), the down projection ``h[16384, 14336] @ W2[g].T`` (``[8, 4096, 14336]``)
 and ``x @ W[g]`` with ``W [8, 4096, 14336]`` (``transpose_rhs=False``, megablox's layout); the weight
@@ -83,7 +83,7 @@ from .core import Case, EstimateError, Impl, kernel_program
 
 FAMILY = "grouped_matmul"
 #: library modules whose code and tuning data the figures depend on (``_vmem``: the scoped-VMEM request)
-LIBRARY = ("grouped_matmul", "_vmem")
+LIBRARY = ("grouped_matmul_ops", "_vmem")
 JAX_TILING = (512, 1024, 1024)  # tm, tk, tn
 JAX_TILING_TGMM = (512, 512, 1024)
 #: the rows of the two reduced problems of the fit (group sizes scaled; see the module docstring)
@@ -229,7 +229,7 @@ class _Fitted:
 def _gm():
     import tpukernels.library  # noqa: F401
 
-    return importlib.import_module("tpukernels.library.grouped_matmul")
+    return importlib.import_module("tpukernels.library.grouped_matmul_ops")
 
 
 def _ours_split(kernel, args, kwargs, cfg, chip):
@@ -496,7 +496,7 @@ def quant_cases(chips) -> list[Case]:
     from ..perf import model_time
 
     _gm()  # registers the library
-    kernel = importlib.import_module("tpukernels.library.grouped_matmul.quant").grouped_matmul_quant_fwd
+    kernel = importlib.import_module("tpukernels.library.grouped_matmul_ops.quant").grouped_matmul_quant_fwd
     kwargs = {"transpose_rhs": True}
     out = []
     for op, args, wb in QUANT_CASES:
@@ -527,7 +527,7 @@ def data_cost(kernel_name: str, M: int, K: int, N: int, sizes, config: dict, tra
     import jax.numpy as jnp
     import numpy as np
 
-    gm = importlib.import_module("tpukernels.library.grouped_matmul")
+    gm = importlib.import_module("tpukernels.library.grouped_matmul_ops")
     G = len(sizes)
     bm, bk, bn = (gm._clamp(d, config[b]) for d, b in ((M, "bm"), (K, "bk"), (N, "bn")))
     T = gm.num_items(M, G, bm)
@@ -588,7 +588,7 @@ def reason(row: dict) -> str | None:
 def _analytic(row: dict) -> str | None:
     from ..perf import hbm_bandwidth, peak_flops
 
-    gm = importlib.import_module("tpukernels.library.grouped_matmul")
+    gm = importlib.import_module("tpukernels.library.grouped_matmul_ops")
     cfg = _parse_config(row.get("config", ""))
     if set(cfg) != {"bm", "bk", "bn"}:
         return None

@@ -75,7 +75,7 @@ def dispatch(n: int = 1000) -> list[dict]:
     from tpukernels.library import norms as N
     from tpukernels.lowering import lower, specs_from_values
 
-    mm = sys.modules["tpukernels.library.matmul"]
+    mm = sys.modules["tpukernels.library.matmul_ops"]
     g = torch.Generator().manual_seed(0)
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
     cases = [

@@ -62,6 +62,7 @@ import dataclasses
 from .core import Case, Impl, kernel_program, xla_impl
 
 FAMILY = "linear_cross_entropy"
+LIBRARY = ("linear_cross_entropy_ops",)  # the library modules its figures depend on (bench.core.source_digest)
 N, H, V = 8192, 4096, 128256
 #: tpukernels' kernels are estimated on at most this many grid steps (reduce_grid) and scaled
 OURS_STEPS = 64
@@ -107,7 +108,7 @@ def _lce():
 
     import tpukernels.library  # noqa: F401
 
-    return sys.modules["tpukernels.library.linear_cross_entropy"]
+    return sys.modules["tpukernels.library.linear_cross_entropy_ops"]
 
 
 def _peak_temp_bytes(fn, structs, chip: str) -> int:

@@ -1,6 +1,6 @@
 """Matmul family: tpukernels' matmul vs XLA's dot and JAX's Pallas TPU matmul, bf16 in, bf16 out.
 
-Shapes: :data:`tpukernels.library.matmul.STANDARD_CASES` (1024^3, 4096^3, 8192^3 and the MLP
+Shapes: :data:`tpukernels.library.matmul_ops.STANDARD_CASES` (1024^3, 4096^3, 8192^3 and the MLP
 up-projection ``x[8192, 4096] @ W[14336, 4096].T``).
 
 * ``tpukernels``: ``matmul_nn`` / ``matmul_nt`` at the config a call gets on the chip (tuning DB, else
@@ -20,6 +20,7 @@ from __future__ import annotations
 from .core import Case, Impl, ours_impl, xla_impl
 
 FAMILY = "matmul"
+LIBRARY = ("matmul_ops",)  # the library modules its figures depend on (bench.core.source_digest)
 JAX_BLOCKS = (512, 1024, 1024)  # bm, bk, bn
 
 #: why tpukernels is slower where it is (analysis behind each entry: the matmul module docstring)
@@ -44,7 +45,7 @@ def cases(chips) -> list[Case]:
 
     import tpukernels.library  # noqa: F401  (the package attribute `matmul` is the function)
 
-    mm = sys.modules["tpukernels.library.matmul"]
+    mm = sys.modules["tpukernels.library.matmul_ops"]
 
     bf16, f32 = jnp.bfloat16, jnp.float32
     out = []

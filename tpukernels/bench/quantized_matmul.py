@@ -1,6 +1,6 @@
 """Quantized matmul family: tpukernels' quantized_matmul vs XLA's quantized dot and vs our bf16 matmul.
 
-Shapes: the Llama-3-8B MLP (:data:`tpukernels.library.quantized_matmul.STANDARD_CASES`): prefill 8192
+Shapes: the Llama-3-8B MLP (:data:`tpukernels.library.quantized_matmul_ops.STANDARD_CASES`): prefill 8192
 tokens through the up-projection ``4096 -> 14336`` and the down-projection ``14336 -> 4096``, and decode
 batches of 16 / 64 tokens. Modes per chip: w8a16 (int8 weights, bf16 activations) everywhere, and for the
 prefill shapes the chip's w8a8 mode — int8 where jax's ``tpu_info.is_matmul_supported(int8, int8)`` (v5e,
@@ -51,7 +51,7 @@ from .core import Case, EstimateError, Impl, ours_impl, xla_impl
 FAMILY = "quantized_matmul"
 #: library modules whose code and tuning data the figures depend on (the bf16 comparison row is our matmul;
 #: ``_vmem``: the scoped-VMEM request)
-LIBRARY = ("quantized_matmul", "matmul", "_vmem")
+LIBRARY = ("quantized_matmul_ops", "matmul_ops", "_vmem")
 
 _FUSED = ("the activation quantization is fused (quantized_matmul_w8a8_kernel: x read once as bf16, no x_q in HBM; "
           "before the fusion this op was 0.84-0.88x XLA on v6e). What is left, from the estimates: row block 0 is "
@@ -138,8 +138,8 @@ def cases(chips) -> list[Case]:
 
     from ..perf import clock_hz, hbm_bandwidth, model_time
 
-    qmm = sys.modules["tpukernels.library.quantized_matmul"]
-    mm = sys.modules["tpukernels.library.matmul"]
+    qmm = sys.modules["tpukernels.library.quantized_matmul_ops"]
+    mm = sys.modules["tpukernels.library.matmul_ops"]
     bf16, f32 = jnp.bfloat16, jnp.float32
     shapes = []  # (M, K, N, prefill?)
     for _, args, _ in qmm.STANDARD_CASES:

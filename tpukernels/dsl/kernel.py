@@ -24,7 +24,7 @@ import logging
 import threading
 import typing
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -118,6 +118,22 @@ def _parse_shapes(qualname: str, shapes: Mapping[str, str], tensor_names: set) -
                 raise KernelDefinitionError(f"{qualname}: shapes[{arg!r}] = {text!r}: dim {d!r} is not a name or an int")
         out[arg] = dims
     return out
+
+
+def check_int(where: str, name: str, v: Any, *, optional: bool = False) -> Optional[int]:
+    """``v`` as a Python ``int`` if it is an integer (``int`` or a numpy integer, not ``bool``), else ArgumentError
+    naming ``where`` and the argument: the rule of :func:`check_static` for ``int`` statics, for public wrappers
+    that take an integer before a kernel or a torch op schema sees it (``int(64.9)`` would silently run as 64;
+    a float reaching a schema ``int`` is torch's untyped RuntimeError). ``optional``: None passes through.
+
+    Raises:
+        ArgumentError: a float (``64.0`` included: statics are ints, as for the kernels), bool, str or other value.
+    """
+    if v is None and optional:
+        return None
+    if isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)):
+        return int(v)
+    raise ArgumentError(f"{where}: static argument {name!r} must be int, got {v!r} ({type(v).__name__})")
 
 
 def check_static(qualname: str, p: "Param", v: Any) -> Any:

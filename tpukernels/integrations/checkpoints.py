@@ -183,7 +183,7 @@ def parse_quantization_config(qc) -> Scheme:
             ``group_size`` not a multiple of 32, ``weight_block_size`` with a K block outside 32..512).
     """
     scheme = _parse(qc)
-    from ..library.quantized_matmul import BLOCK_SIZES
+    from ..library.quantized_matmul_ops import BLOCK_SIZES
 
     gs = scheme.group_size
     if scheme.method in ("gptq", "awq", "ct-pack") and gs not in (-1, 0) and (gs < 32 or gs % 32):
@@ -209,7 +209,7 @@ def _unpack_int32(p: torch.Tensor, dim: int, order=tuple(range(8))) -> torch.Ten
 
 def _tile(group_size: int, K: int) -> tuple[int, int]:
     """``(block_size, repeats)``: the kernel block that tiles the checkpoint's groups (module docstring)."""
-    from ..library.quantized_matmul import BLOCK_SIZES
+    from ..library.quantized_matmul_ops import BLOCK_SIZES
 
     g = K if group_size in (-1, 0, None) else group_size
     if g in BLOCK_SIZES:
@@ -226,7 +226,7 @@ def _tile(group_size: int, K: int) -> tuple[int, int]:
 def _int4_module(linear, q_u, scale, zero, group_size, bias, perm=None):
     """:class:`TPUBlockQuantLinear` from unsigned nibbles ``q_u [N, K]``, ``scale [N, G]``, ``zero [N, G]`` (grid
     units, or None: 8) of contiguous groups of ``group_size`` columns."""
-    from ..library.quantized_matmul import TPUBlockQuantLinear, pack_int4, pad_k
+    from ..library.quantized_matmul_ops import TPUBlockQuantLinear, pack_int4, pad_k
 
     N, K = q_u.shape
     bs, rep = _tile(group_size, K)
@@ -385,7 +385,7 @@ def _ct_pack(linear, t, scheme: Scheme):
 
 
 def _ct_8bit(linear, t, scheme: Scheme):
-    from ..library.quantized_matmul import TPUQuantLinear
+    from ..library.quantized_matmul_ops import TPUQuantLinear
 
     N = linear.out_features
     w = t["weight"]
@@ -399,7 +399,7 @@ def _ct_8bit(linear, t, scheme: Scheme):
 
 
 def _fp8_block(linear, t, scheme: Scheme):
-    from ..library.quantized_matmul import TPUBlockQuantLinear, pad_k
+    from ..library.quantized_matmul_ops import TPUBlockQuantLinear, pad_k
 
     bn, bk = scheme.block  # bk in BLOCK_SIZES: parse_quantization_config
     N, K = linear.out_features, linear.in_features

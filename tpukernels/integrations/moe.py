@@ -29,11 +29,11 @@ it stays stock (Llama-4's and LongCat-Flash's experts are not dispatched by tran
 
 Quantized experts (:func:`quantize_moe_experts`): each experts module's ``gate_up_proj`` / ``down_proj`` is
 quantized once with this library's quantizers
-(:func:`tpukernels.library.grouped_matmul.quant.quantize_experts`: int8 / fp8 per output channel, or int8 / int4
+(:func:`tpukernels.library.grouped_matmul_ops.quant.quantize_experts`: int8 / fp8 per output channel, or int8 / int4
 (optionally asymmetric) / fp4 with block scales along K), stored as buffers ``<name>_q`` (``[E, N, K]``, or
 ``[E, N, K/2]`` uint8 for 4-bit), ``<name>_scale`` (``[E, num_blocks, 1, N]`` float32) and ``<name>_zero_point``,
 and the float parameters are dropped (set to ``None``). The forward then runs both projections through
-:func:`~tpukernels.library.grouped_matmul.quant.grouped_matmul_quantized` (dequantized in VMEM), in the
+:func:`~tpukernels.library.grouped_matmul_ops.quant.grouped_matmul_quantized` (dequantized in VMEM), in the
 activations' dtype (bf16 / f32; other dtypes go through f32); differentiable with respect to the activations, the
 experts frozen (their buffers get no gradient).
 
@@ -146,7 +146,7 @@ def quantize_moe_experts(model: torch.nn.Module, *, dtype: str = "int8", block_s
     The scheme is recorded in ``model.config.quantization_config`` (``experts``; module docstring), so
     ``save_pretrained`` / ``from_pretrained`` round-trip the quantized buffers bit-identically.
     """
-    from ..library.grouped_matmul.quant import quantize_experts
+    from ..library.grouped_matmul_ops.quant import quantize_experts
 
     if getattr(model, "config", None) is not None:
         from .quantizers import check_can_mark_experts

@@ -122,8 +122,8 @@ def tpukernels_experts_forward(self, hidden_states: torch.Tensor, top_k_index: t
     ``[T, H]`` through two grouped matmuls (module docstring). A module ``apply_tpukernels_moe`` left stock (it
     carries ``tpukernels_stock``, the implementation its config named before) runs that stock forward, since
     the config that routes here can be shared with modules that were replaced."""
-    from ..library.grouped_matmul import grouped_matmul
-    from ..library.grouped_matmul.quant import grouped_matmul_quantized
+    from ..library.grouped_matmul_ops import grouped_matmul
+    from ..library.grouped_matmul_ops.quant import grouped_matmul_quantized
 
     stock = getattr(self, "tpukernels_stock", None)
     if stock is not None:
@@ -197,7 +197,7 @@ def _dequantized_copy(module):
     dequantized weights (the buffers unchanged), for the stock forward to run on."""
     import copy
 
-    from ..library.grouped_matmul.quant import dequantize_experts
+    from ..library.grouped_matmul_ops.quant import dequantize_experts
 
     ref = copy.copy(module)
     ref._parameters = dict(module._parameters)

@@ -83,7 +83,7 @@ class TpuKernelsConfig(QuantizationConfigMixin):
 
     def __init__(self, weight_dtype: str = "int8", x_quant: Optional[str] = None, modules=(),
                  format_version: int = FORMAT_VERSION, experts=None, **kwargs):
-        from ..library.quantized_matmul import _canon_x_quant, _weight_dtype, check_pair
+        from ..library.quantized_matmul_ops import _canon_x_quant, _weight_dtype, check_pair
 
         kwargs.pop("quant_method", None)
         if kwargs:
@@ -116,7 +116,7 @@ def _check_experts(experts) -> dict:
     """``experts`` of a :class:`TpuKernelsConfig`, checked and canonical (``{name: {dtype, block_size,
     asymmetric}}``)."""
     from ..errors import DTypeError
-    from ..library.quantized_matmul.blockwise import BLOCK_SIZES
+    from ..library.quantized_matmul_ops.blockwise import BLOCK_SIZES
 
     where = f"quantization_config (quant_method={QUANT_METHOD!r}).experts"
     if experts is None:
@@ -156,7 +156,7 @@ class TpuKernelsHfQuantizer(HfQuantizer):
                                 f"checkpoints load this way; load the float model, then apply_tpukernels(quantize=...)")
 
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
-        from ..library.quantized_matmul import TPUQuantLinear
+        from ..library.quantized_matmul_ops import TPUQuantLinear
 
         cfg = self.quantization_config
         prepare_quantized_experts(model, cfg.experts)

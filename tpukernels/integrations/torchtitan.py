@@ -244,7 +244,7 @@ class TPUKernelsLinearCrossEntropy(ChunkedLossWrapper):
     def __call__(self, pred, labels, global_valid_tokens=None, **loss_inputs):
         from torch.distributed.tensor import DTensor
 
-        from ..library.linear_cross_entropy import linear_cross_entropy
+        from ..library.linear_cross_entropy_ops import linear_cross_entropy
 
         head = self.lm_head
         assert head is not None, "the trainer sets lm_head before the first call"

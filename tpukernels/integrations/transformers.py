@@ -317,7 +317,7 @@ class TPULinear(torch.nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from ..library.matmul import matmul
+        from ..library.matmul_ops import matmul
 
         return matmul(x, self.weight.t(), bias=self.bias)
 
@@ -330,7 +330,7 @@ def check_quant_pair(w_dtype: str, x_quant: Optional[str], in_features: int, whe
     ``in_features`` = K would raise (int8 weights with ``x_quant='fp8'``, fp8 weights with ``'int8'``, K too large
     for an int8 x int8 sum, a target chip lacking the mode), before any module is built: the call's own check
     (``quantized_matmul._check_public``) run on data-free meta tensors of the call's dtypes and K."""
-    from ..library.quantized_matmul import _check_public
+    from ..library.quantized_matmul_ops import _check_public
 
     x = torch.empty(1, in_features, device="meta")
     w_q = torch.empty(1, in_features, dtype=getattr(torch, w_dtype), device="meta")
@@ -380,7 +380,7 @@ def apply_tpukernels(
         layer_norm: replace ``nn.LayerNorm`` (BERT-family encoders).
         linear: replace ``nn.Linear`` with the tpukernels matmul (opt-in: slow in cpu interpret mode).
         quantize: ``"int8"`` / ``"float8_e4m3fn"`` / ``"float8_e5m2"`` (``"fp8"`` = e4m3fn): replace each
-            ``nn.Linear`` with a :class:`tpukernels.library.quantized_matmul.TPUQuantLinear` holding its
+            ``nn.Linear`` with a :class:`tpukernels.library.quantized_matmul_ops.TPUQuantLinear` holding its
             weight quantized per output channel (a new buffer: the float weight is dropped from the module,
             so the state dict changes to ``w_q`` / ``w_scale``); takes precedence over ``linear``. A transformers
             model also gets ``config.quantization_config`` (quant_method ``"tpukernels"``, the quantized module
@@ -438,7 +438,7 @@ def apply_tpukernels(
                             f"activations of quantized linears are quantized: give quantize='int8' or 'fp8', "
                             f"or drop x_quant)")
     if quantize:
-        from ..library.quantized_matmul import _canon_x_quant, _weight_dtype
+        from ..library.quantized_matmul_ops import _canon_x_quant, _weight_dtype
 
         quantize = _weight_dtype(quantize, "apply_tpukernels(quantize=...)")
         x_quant = _canon_x_quant(x_quant)
@@ -470,7 +470,7 @@ def apply_tpukernels(
             elif layer_norm and isinstance(child, torch.nn.LayerNorm) and len(child.normalized_shape) == 1:
                 (new, why), key = _plan_layer_norm(child), "layer_norm"
             elif quantizable(child_name, child):
-                from ..library.quantized_matmul import TPUQuantLinear
+                from ..library.quantized_matmul_ops import TPUQuantLinear
 
                 new, key = TPUQuantLinear.from_linear(child, quantize, x_quant), "quantized"
                 quantized.append(f"{parent_name}.{child_name}" if parent_name else child_name)

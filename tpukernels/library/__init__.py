@@ -8,15 +8,17 @@ bodies, launch, tunable space, defaults, float64 reference and registration, and
 
 import sys as _sys
 
-# Library modules (one import line each):
+# Library modules (one import line each). A module is never named after a function it exports (``matmul_ops``
+# holds ``matmul``): a package attribute that shadows a submodule breaks ``import a.b.c as m`` (tests/
+# test_no_shadowed_submodules.py).
 from .norms import TPULayerNorm, TPURMSNorm, fused_add_rms_norm, layer_norm, rms_norm  # noqa: E402,F401
 from .attention import attention_reference, flash_attention  # noqa: E402,F401
-from .matmul import matmul, matmul_nn, matmul_nt, matmul_tn  # noqa: E402,F401  (the function shadows the submodule name; import the module by path)
-from .quantized_matmul import (TPUBlockQuantLinear, TPUQuantLinear, pack_int4, quantize_weight,  # noqa: E402,F401  (shadows the submodule name too)
-                               quantize_weight_blockwise, quantized_matmul, quantized_matmul_blockwise)
-from .grouped_matmul import grouped_matmul, grouped_matmul_fwd, grouped_matmul_tgmm  # noqa: E402,F401  (shadows the submodule name too)
-from .grouped_matmul.quant import grouped_matmul_quantized  # noqa: E402,F401
-from .linear_cross_entropy import linear_cross_entropy  # noqa: E402,F401  (shadows the submodule name too)
+from .matmul_ops import matmul, matmul_nn, matmul_nt, matmul_tn  # noqa: E402,F401
+from .quantized_matmul_ops import (TPUBlockQuantLinear, TPUQuantLinear, pack_int4, quantize_weight,  # noqa: E402,F401
+                                   quantize_weight_blockwise, quantized_matmul, quantized_matmul_blockwise)
+from .grouped_matmul_ops import grouped_matmul, grouped_matmul_fwd, grouped_matmul_tgmm  # noqa: E402,F401
+from .grouped_matmul_ops.quant import grouped_matmul_quantized  # noqa: E402,F401
+from .linear_cross_entropy_ops import linear_cross_entropy  # noqa: E402,F401
 from .rope import apply_rope, apply_rotary_pos_emb  # noqa: E402,F401
 from .gated_mlp import TPUGatedMLP, gated_activation, geglu, swiglu  # noqa: E402,F401
 from .paged_attention import (paged_attention_reference, ragged_paged_attention, ragged_paged_attention_jax,  # noqa: E402,F401

@@ -364,9 +364,10 @@ def apply_rope(
 
     Raises:
         ArgumentError: mismatched rotary dims (R odd, R > D, cos/sin shapes differ or do not match x's S/B),
-            positions beyond the cos/sin cache (or negative), bad seq_dim. DTypeError: dtype not bf16/f16/f32,
+            positions beyond the cos/sin cache (or negative), bad seq_dim (not an int: a float included). DTypeError: dtype not bf16/f16/f32,
             positions not int. DeviceError: cos/sin/positions on another device than x.
     """
+    seq_dim = tk.check_int("tpukernels::rope", "seq_dim", seq_dim)  # typed, before the op schema's RuntimeError
     return torch.ops.tpukernels.rope(x, cos, sin, positions, interleaved, seq_dim)
 
 

@@ -29,8 +29,8 @@ at |x| > 256); ``cast`` rounds to the input dtype; ``w`` is the weight upcast to
     rms:   dx = rstd * (g - n * mean(g * n)),                          dw = sum_rows(dy * n)
     layer: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)),          dw = sum_rows(dy * xhat), db = sum_rows(dy)
 
-Files: :mod:`._common` (defaults, VMEM-aware block sizing, checks, shared body helpers), :mod:`.rms_norm`,
-:mod:`.fused_add_rms_norm` and :mod:`.layer_norm` (each: kernel bodies, kernels with their tunable space and
+Files: :mod:`._common` (defaults, VMEM-aware block sizing, checks, shared body helpers), :mod:`.rms_norm_ops`,
+:mod:`.fused_add_rms_norm_ops` and :mod:`.layer_norm_ops` (each: kernel bodies, kernels with their tunable space and
 backward, the public op, the float64 reference), :mod:`.modules` (``nn.Module`` drop-ins). Every name is
 importable from ``tpukernels.library.norms``.
 
@@ -99,10 +99,10 @@ from ._common import (  # noqa: F401  (_row_bytes, _heuristic_rows: the sizing r
     fit_block_rows,
     round_to_f16,
 )
-from .fused_add_rms_norm import fused_add_rms_norm, fused_add_rms_norm_fwd, fused_add_rms_norm_reference  # noqa: F401
-from .layer_norm import layer_norm, layer_norm_bwd, layer_norm_fwd, layer_norm_reference  # noqa: F401
+from .fused_add_rms_norm_ops import fused_add_rms_norm, fused_add_rms_norm_fwd, fused_add_rms_norm_reference  # noqa: F401
+from .layer_norm_ops import layer_norm, layer_norm_bwd, layer_norm_fwd, layer_norm_reference  # noqa: F401
 from .modules import TPULayerNorm, TPURMSNorm
-from .rms_norm import rms_norm, rms_norm_bwd, rms_norm_fwd, rms_norm_reference  # noqa: F401
+from .rms_norm_ops import rms_norm, rms_norm_bwd, rms_norm_fwd, rms_norm_reference  # noqa: F401
 
 __all__ = [
     "rms_norm", "fused_add_rms_norm", "layer_norm", "TPURMSNorm", "TPULayerNorm",

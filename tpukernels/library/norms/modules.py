@@ -9,9 +9,9 @@ import torch
 
 from ...errors import ArgumentError
 from ._common import CASTINGS, DEFAULT_LAYER_NORM_EPS, DEFAULT_RMS_EPS, _check_float
-from .fused_add_rms_norm import fused_add_rms_norm
-from .layer_norm import layer_norm
-from .rms_norm import rms_norm
+from .fused_add_rms_norm_ops import fused_add_rms_norm
+from .layer_norm_ops import layer_norm
+from .rms_norm_ops import rms_norm
 
 
 class TPURMSNorm(torch.nn.Module):

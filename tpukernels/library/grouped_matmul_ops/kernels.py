@@ -17,7 +17,7 @@ from ...dsl.validate import padded_bytes
 from .._vmem import MiB, scoped_vmem_limit, vmem_cap
 from ...errors import ArgumentError, DTypeError
 from .common import KERNEL_DTYPES, _clamp, _dtype_name, _out_dtype, bias_grad, check_bias
-from .reference import reference_fwd_jnp, reference_tgmm_jnp
+from .references import reference_fwd_jnp, reference_tgmm_jnp
 from .schedule import (COMPUTE, F_FLAGS, F_GROUP, F_HI, F_LO, F_NEXT_GROUP, F_RUN, F_RUNS_M1, F_SRC_TILE,
                        F_TILE, FIRST, LAST, PARTIAL, RUN_START, STORE, _bits, _flags, _fwd_schedule,
                        _tgmm_flags, _tgmm_schedule, num_items)

@@ -98,7 +98,7 @@ are capped at ``M``, the offset at ``[0, G_total - G]``), so bad values give a d
 out-of-bounds access.
 
 Tunables ``bm, bk, bn`` (row tile, contraction block, output columns; clamped to the problem like
-``tpukernels.library.matmul``) and the forward's ``rhs_prefetch`` (the chain above; off: the grid pipeline's rhs
+``tpukernels.library.matmul_ops``) and the forward's ``rhs_prefetch`` (the chain above; off: the grid pipeline's rhs
 blocks). Smaller ``bm`` wastes less on tiles shared by two groups (each visit computes the whole tile); larger
 ``bm`` re-reads ``rhs`` less; ``bk >= K`` (one K step) keeps a group's ``rhs`` block resident while its tiles
 pass. Defaults: per-chip shipped tuning data
@@ -173,10 +173,10 @@ Sources: megablox ``gmm`` / ``tgmm`` (metadata via scalar prefetch, masked store
 JAX Pallas TPU matmul guide (f32 scratch accumulator); ``jax.lax.ragged_dot`` for the API.
 
 Package layout (every name above, and the schedule constants the tests and studies read, is importable from
-``tpukernels.library.grouped_matmul``): :mod:`.common` (dtypes, ``out_dtype``), :mod:`.schedule` (the
+``tpukernels.library.grouped_matmul_ops``): :mod:`.common` (dtypes, ``out_dtype``), :mod:`.schedule` (the
 work-item table: fields, flag bits, group bounds, the forward and tgmm schedules), :mod:`.kernels` (tunables,
 the kernel bodies and their argument checks, the launches ``grouped_matmul_fwd`` / ``grouped_matmul_tgmm``,
-heuristics, the autograd wiring), :mod:`.reference` (float64 and jax references), :mod:`.public` (the op
+heuristics, the autograd wiring), :mod:`.references` (float64 and jax references), :mod:`.public` (the op
 ``grouped_matmul``, its ``torch.library`` registration, ``STANDARD_CASES``, ``skewed_group_sizes``), :mod:`.quant`
 (quantized experts: ``grouped_matmul_quantized`` with int8 / fp8 / int4 / fp4 weights and per-channel or block
 scales in tpu-inference's ``rhs_scale [G, num_blocks, 1, N]`` layout, dequantized in VMEM by its own kernels
@@ -190,7 +190,7 @@ from .schedule import (ALL, COMPUTE, F_FLAGS, F_GROUP, F_HI, F_LO, F_NEXT_GROUP,
                        F_SRC_TILE, F_TILE, FIRST, LAST, N_FIELDS, N_FIELDS_FWD, PARTIAL, RUN_START, STORE,
                        TGMM_COMPLEMENT, _bits, _count_le, _flags, _forward_fill, _fwd_schedule, _group_bounds,
                        _take, _tgmm_flags, _tgmm_schedule, num_items)
-from .reference import (_ref_bounds_np, reference, reference_fwd_jnp, reference_tgmm,  # noqa: F401
+from .references import (_ref_bounds_np, reference, reference_fwd_jnp, reference_tgmm,  # noqa: F401
                         reference_tgmm_jnp)
 from .kernels import (TUNABLES, TUNABLES_TGMM, _check_meta, _fwd_backward, _gmm_body,  # noqa: F401
                       _rhs_prefetch_chain, _tgmm_backward, _tgmm_body, fwd_dims, grouped_matmul_fwd,

@@ -49,7 +49,7 @@ output dtype (``u |ref|``). :func:`error_bound_blockwise`.
 
 Chips: the weight tile reaches the MXU as ``x.dtype`` (bf16 x bf16 everywhere; f32 at HIGHEST precision), so
 int4 and int8 run on every chip; fp8 weights need the chip to take the fp8 dtype at all (as
-:func:`~tpukernels.library.quantized_matmul.check_chip` for w8a16). Gradient: differentiable in ``x`` (``d_x = g @ W``,
+:func:`~tpukernels.library.quantized_matmul_ops.check_chip` for w8a16). Gradient: differentiable in ``x`` (``d_x = g @ W``,
 the kernel ``quantized_matmul_blockwise_bwd_dx`` of :mod:`.blockwise_bwd`, dequantizing in VMEM like this one);
 ``w_q``, ``w_scale`` and ``w_zero_point`` are frozen and get no gradient (``None``).
 
@@ -154,6 +154,7 @@ def pack_int4(q: torch.Tensor, block_size: int) -> torch.Tensor:
     if q.dim() != 2:
         raise ArgumentError(f"pack_int4: q must be 2-D [N, K], got {tuple(q.shape)}")
     N, K = q.shape
+    block_size = _dsl.check_int("pack_int4", "block_size", block_size)
     if block_size % 2 or block_size <= 0 or K % block_size:
         raise ArgumentError(f"pack_int4: K = {K} of q must be a multiple of block_size = {block_size} (an even "
                             f"number; pad K with pad_k)")
@@ -188,6 +189,7 @@ def quantize_weight_blockwise(w: torch.Tensor, block_size: int, dtype: str = "in
     [G, 1, N] f32 or None)`` in the module's layout (int4 packed). A group of zeros gets ``s = 1`` (any scale
     gives 0). For tests and examples; real checkpoints bring their own scales (``integrations/checkpoints``).
     """
+    block_size = _dsl.check_int("quantize_weight_blockwise", "block_size", block_size)
     N, K = w.shape
     if K % block_size:
         raise ArgumentError(f"quantize_weight_blockwise: K = {K} is not a multiple of block_size = {block_size}")
@@ -631,7 +633,8 @@ def quantized_matmul_blockwise(x: torch.Tensor, w_q: torch.Tensor, w_scale: torc
         weight_format: for a uint8 ``w_q``: ``"int4"`` (default) or ``"fp4"`` (e2m1 codes, same packing, no zero
             points; ``W = e2m1(code) * s``); must match ``w_q``'s dtype otherwise.
         x_quant: None (weights dequantized in VMEM, ``x`` as is), ``"fp8"`` (``x`` quantized per token per
-            ``1 x block_size`` block to ``w_q``'s fp8 dtype, fp8 x fp8 on the MXU: DeepSeek-V3's scheme) or
+            ``1 x block_size`` block to ``w_q``'s fp8 dtype, fp8 x fp8 on the MXU: DeepSeek-V3's scheme; with int4
+            or fp4 ``w_q``, to float8_e4m3fn, the weights decoded to bf16 in VMEM: tpu-inference's w4a8 fp8) or
             ``"int8"`` (the same to int8 with int8 or int4 weights: w8a8 / w4a8, int32 group sums);
             :mod:`.blockwise_a8` has the formulas and the error bound. No gradient with ``x_quant``.
 
@@ -640,10 +643,12 @@ def quantized_matmul_blockwise(x: torch.Tensor, w_q: torch.Tensor, w_scale: torc
         tensors get no gradient; :mod:`.blockwise_bwd` has the backward kernel and its error bound).
 
     Raises:
-        ArgumentError: block size not a multiple of 32 in 32..512; ``w_q``'s K not a multiple of the block (int8 /
+        ArgumentError: block size not an int (a float included: never truncated) or not a multiple of 32 in
+            32..512; ``w_q``'s K not a multiple of the block (int8 /
             fp8) or its packed width not a multiple of ``block_size / 2`` (int4); ``x``'s K outside the padding
             rule; ``w_scale`` / ``w_zero_point`` shapes; zero points with 8-bit weights.
-        DTypeError: dtypes (``w_q``, ``x``, ``w_scale`` / ``w_zero_point`` not float32, ``out_dtype``).
+        DTypeError: dtypes (``w_q``, ``x``, ``w_scale`` / ``w_zero_point`` not float32, ``out_dtype``); an
+            ``x_quant`` the weights do not pair with (``"fp8"`` with int8 weights, ``"int8"`` with fp8 or fp4).
         DeviceError: operands on different devices. ChipError: fp8 weights the target chip cannot take; an
             ``x_quant`` pair its MXU does not multiply natively (names the chip and the modes it supports).
     """
@@ -658,6 +663,7 @@ def quantized_matmul_blockwise(x: torch.Tensor, w_q: torch.Tensor, w_scale: torc
             raise ArgumentError(f"{where}: {n} must be a torch.Tensor, got {type(t).__name__}")
     if len({t.device for t, _ in ts}) > 1:
         raise DeviceError(f"{where}: " + ", ".join(f"{n} on {t.device}" for t, n in ts) + ": must be one device")
+    block_size = _dsl.check_int(where, "block_size", block_size)  # 64.9 must not run as 64
     if x.dim() < 1:
         raise ArgumentError(f"{where}: x must have rank >= 1 ([..., K]), got a scalar")
     odt = _canon_out(out_dtype)
@@ -715,6 +721,7 @@ class TPUBlockQuantLinear(torch.nn.Module):
         super().__init__()
         if fmt not in WEIGHT_FORMATS:
             raise DTypeError(f"TPUBlockQuantLinear: format {fmt!r} is not one of {WEIGHT_FORMATS}")
+        block_size = _dsl.check_int("TPUBlockQuantLinear", "block_size", block_size)
         if block_size not in BLOCK_SIZES:
             raise ArgumentError(f"TPUBlockQuantLinear: block_size {block_size!r} is not a multiple of 32 in 32..512")
         self.in_features, self.out_features, self.block_size, self.fmt = in_features, out_features, block_size, fmt

@@ -39,7 +39,7 @@ from ._common import (
     _widen,
     fit_block_rows,
 )
-from .rms_norm import _rms_scale, rms_norm_bwd, rms_norm_reference
+from .rms_norm_ops import _rms_scale, rms_norm_bwd, rms_norm_reference
 
 
 def _fused_fwd_body(*refs, has_weight: bool, eps: float, offset: float, casting: str, round_f16: bool):

@@ -1,12 +1,14 @@
 """Block-scaled 8-bit activations times block-scaled weights: fp8 x fp8 with 1x128 activation blocks and 128x128
-weight blocks (DeepSeek-V3's scheme), and w4a8 (int4 weights unpacked to int8, int8 activations) and w8a8 int8
-with the same per-block activation scales. Public path: ``quantized_matmul_blockwise(..., x_quant="fp8" | "int8")``
+weight blocks (DeepSeek-V3's scheme), w4a8 (int4 weights unpacked to int8, int8 activations) and w8a8 int8 with
+the same per-block activation scales, and fp8 activations with packed int4 or fp4 (e2m1) weights (tpu-inference's
+blockwise int4 x fp8 and fp4 x fp8 cases). Public path: ``quantized_matmul_blockwise(..., x_quant="fp8" | "int8")``
 (:mod:`.blockwise`).
 
 Layout (``bs`` = ``block_size``, ``G = K_w / bs``):
 
 * activations: ``x`` is quantized per token and per block of ``bs`` columns (``1 x bs``; ``1 x 128`` in DeepSeek-V3)
-  by ``quantize_per_block_kernel``: ``x_q [M, K_w]`` (int8 or the weight's fp8 dtype) and ``x_scale [M, G]``
+  by ``quantize_per_block_kernel``: ``x_q [M, K_w]`` (int8; the weight's fp8 dtype; float8_e4m3fn,
+  :data:`FP8_FOR_PACKED`, for ``x_quant="fp8"`` with int4 / fp4 weights) and ``x_scale [M, G]``
   float32, ``x ~= x_q[m, k] * x_scale[m, k // bs]``. The formula is the package's per-token one applied to each
   block (symmetric absmax: ``s = max|v| * f32(1 / qmax)``, ``r = f32(1 / s)`` or 0, ``q = round_half_even(v * r)``
   clipped to ``+-127`` for int8, ``fp8(clip(v * r, +-qmax))`` for fp8; a zero block gets ``s = 0, q = 0``).
@@ -25,11 +27,14 @@ one MXU dot of the group's ``x_q`` columns with the group's weight tile in the q
 fp8 x fp8 accumulating in f32, int8 x int8 (int4 nibbles unpacked in VMEM to int8 ``q - 8``: two half-width
 dots) accumulating exactly in int32 — then ``partial * x_scale[:, g] * w_scale[g]`` in f32 (a ``[bm, 1]``
 column times a ``[1, bn]`` row), added to the accumulator; int4 zero points subtract ``rowsum(x_q) * (z - 8)``
-(the row sum exact in int32) before the scaling. The ``x_scale`` block is the row block's whole ``[bm, G]`` (fetched
+(the row sum exact in int32) before the scaling. fp8 activations with packed int4 / fp4 weights: the group's
+nibbles are decoded to bf16 (int4 ``q - 8``; fp4 its e2m1 value, integer ops as in :mod:`.blockwise`) and the
+group's ``x_q`` columns widened to bf16 (both exact), two half-width dots accumulating in f32 on the bf16 MXU (the
+same exact products and f32 sums an fp8 x fp8 dot would give; the zero-point row sum in f32). The ``x_scale`` block is the row block's whole ``[bm, G]`` (fetched
 once per row block); the group's column is taken by a static lane slice (one K step) or a one-hot masked lane sum
 (exact: one nonzero term) at the step's group index.
 
-Prefill form (``form="dequant"``, fp8 only; the heuristic's choice for ``M > 128``): per K step both tiles are
+Prefill form (``form="dequant"``, fp8 activations with fp8 weights only; the heuristic's choice for ``M > 128``): per K step both tiles are
 dequantized in VMEM (``x_q * x_scale`` per ``1 x bs`` block, ``w_q * w_scale`` per group, in f32, rounded to
 bf16) and multiplied by one MXU dot accumulating in f32. The group form's ``bk / bs`` scaled partial products cost
 three f32 vector operations per output element and group, which bounds it on the VPU at prefill sizes; the
@@ -45,17 +50,19 @@ tpu_info; libtpu's profiler aborts on the dequant form there). Its error bound a
 bf16 roundings (below).
 
 Chips: the pair must be native on the MXU (jax ``tpu_info.is_matmul_supported``, as
-:func:`~tpukernels.library.quantized_matmul.supported_modes`): fp8 x fp8 for ``x_quant="fp8"`` (libtpu 0.0.52:
+:func:`~tpukernels.library.quantized_matmul_ops.supported_modes`): fp8 x fp8 for ``x_quant="fp8"`` (libtpu 0.0.52:
 float8_e4m3fn on tpu7x only, float8_e5m2 on v5e, v6e and tpu7x), ``(int8, int8)`` for ``x_quant="int8"`` with int8
 or int4 weights (v5e, v6e; not tpu7x). Elsewhere :class:`~tpukernels.errors.ChipError` naming the chip and the
-modes it supports (:func:`check_chip_a8`).
+modes it supports (:func:`check_chip_a8`). fp8 activations with int4 / fp4 weights use the bf16 MXU and run on every
+chip (libtpu 0.0.52 compiles the kernel and the float8_e4m3fn quantization for v5e, v6e and tpu7x); they do not use
+tpu7x's fp8 rate (feeding the decoded nibbles as float8_e4m3fn would: not done).
 
 Error (``u`` = unit roundoff of the output dtype, ``u32 = 2^-24``), against the float64 product of the
 **dequantized** operands ``x' = x_q * x_scale`` and ``W`` (:func:`reference_blockwise_a8`), elementwise:
 ``|y - ref| <= u |ref| + (bs + G + 2) u32 (|x'| @ M^T) + (K_w + 2) 2^-52 (|x'| @ M^T)`` with ``M[n, k] = (|q'| +
 |z'|) |s|`` as in :mod:`.blockwise` (``M = |W|`` without zero points). Derivation: int8 x int8 group sums are exact
 in int32 and stay exact in f32 (``|sum| <= 127^2 * 512 < 2^24``); fp8 x fp8 products are exact in f32 (4-bit x
-4-bit significands), their f32 sum of ``bs`` terms errs by at most ``(bs - 1) u32`` times the absolute sum (Higham,
+4-bit significands), and so are fp8 x int4 / e2m1 ones (4 x 3 bits, via bf16), their f32 sum of ``bs`` terms errs by at most ``(bs - 1) u32`` times the absolute sum (Higham,
 "Accuracy and Stability of Numerical Algorithms", 2nd ed., eq. 3.5); the zero-point product and subtraction, the
 two scale products and the ``G - 1`` additions across groups add ``G + 3`` roundings; then the output rounding.
 The last term is the float64 reference's own rounding. The prefill form (fp8, ``form="dequant"``) rounds each
@@ -90,12 +97,16 @@ from ...dsl.validate import padded_bytes
 from .._vmem import MiB, scoped_vmem_limit
 from ...errors import ArgumentError, ChipError, DTypeError
 from . import blockwise as _blockwise
-from .blockwise import BLOCK_SIZES, _problem, accumulate_k_step, expand_block_scale, k_block  # noqa: F401  (re-exported)
+from .blockwise import (BLOCK_SIZES, PACKED, _fp4_decode, _problem, accumulate_k_step, expand_block_scale,  # noqa: F401
+                        k_block)  # (BLOCK_SIZES, expand_block_scale, k_block: re-exported)
 from .common import U32, X_DTYPES, _clamp, _describe, _jnp, _name, _out_dtype, _target_chip, check_chip, qmax
 from .quantize import _quantize_values, _reciprocal
 
 #: activation dtypes of the a8 kernel
 XQ_DTYPES = ("int8", "float8_e4m3fn", "float8_e5m2")
+#: the fp8 dtype ``x_quant="fp8"`` quantizes ``x`` to for packed int4 / fp4 weights (tpu-inference's blockwise
+#: kernel's ``x_q_dtype`` for its int4 x fp8 and fp4 x fp8 cases); fp8 weights keep their own dtype
+FP8_FOR_PACKED = "float8_e4m3fn"
 
 TUNABLES_A8 = {
     "bm": _dsl.Tunable([256, 128, 512, 1024, 2048], default=256, doc="rows of the output block (tokens)"),
@@ -114,7 +125,10 @@ TUNABLES_QB = {
 # ----------------------------------------------------------------------------------------------- chips, scales
 def check_chip_a8(x_quant: str, fmt: str, where: str, chip=None) -> None:
     """ChipError unless the target chip (None: unchecked) multiplies the pair natively: ``(int8, int8)`` for
-    ``x_quant="int8"`` (int8 or int4 weights: w8a8 / w4a8), ``(fp8, fp8)`` for ``"fp8"``."""
+    ``x_quant="int8"`` (int8 or int4 weights: w8a8 / w4a8), ``(fp8, fp8)`` for ``"fp8"`` with fp8 weights. fp8
+    activations with int4 / fp4 weights need nothing of the MXU (both tiles enter it as bf16, exactly): every chip."""
+    if x_quant == "fp8" and fmt in PACKED:
+        return None
     if fmt != "int4":
         return check_chip(x_quant, fmt, chip=chip, where=where)
     from .common import supported_modes
@@ -212,9 +226,11 @@ def quantize_per_block_kernel(x: torch.Tensor, dtype: str = "float8_e4m3fn", blo
 
 # ----------------------------------------------------------------------------------------------- references
 def _mag_w(w_q, w_scale, block_size, w_zero_point, fmt):
-    from .blockwise import unpack_int4
+    from .blockwise import fp4_values, unpack_int4
 
     s = w_scale.double()[:, 0, :].T.repeat_interleave(block_size, 1).abs()
+    if fmt == "fp4":
+        return fp4_values(unpack_int4(w_q, block_size)).abs() * s
     if fmt == "int4":
         qp = unpack_int4(w_q, block_size).double() - 8
         zp = 0.0 if w_zero_point is None else (w_zero_point.double()[:, 0, :].T - 8).abs().repeat_interleave(
@@ -227,31 +243,36 @@ def _x_dequant(x_q, x_scale, block_size):
     return x_q.double() * x_scale.double().repeat_interleave(block_size, 1)
 
 
-def reference_blockwise_a8(x_q, x_scale, w_q, w_scale, block_size: int, w_zero_point=None) -> torch.Tensor:
+def reference_blockwise_a8(x_q, x_scale, w_q, w_scale, block_size: int, w_zero_point=None,
+                           weight_format: Optional[str] = None) -> torch.Tensor:
     """float64 ``x' @ W^T`` (not rounded) of the dequantized operands ``x' = x_q * x_scale`` (per block) and ``W``
-    (:func:`~.blockwise.dequantize_blockwise`); ``x_q [M, K_w]``, ``x_scale [M, K_w / bs]``."""
+    (:func:`~.blockwise.dequantize_blockwise`; ``weight_format="fp4"`` for e2m1 codes in a uint8 ``w_q``);
+    ``x_q [M, K_w]``, ``x_scale [M, K_w / bs]``."""
     from .blockwise import dequantize_blockwise
 
-    W = dequantize_blockwise(w_q, w_scale, block_size, w_zero_point)
+    W = dequantize_blockwise(w_q, w_scale, block_size, w_zero_point, weight_format)
     return _x_dequant(x_q, x_scale, block_size) @ W.T
 
 
 def error_bound_blockwise_a8(x_q, x_scale, w_q, w_scale, block_size: int, w_zero_point=None,
-                             out_dtype=torch.bfloat16, form: Optional[str] = None) -> torch.Tensor:
+                             out_dtype=torch.bfloat16, form: Optional[str] = None,
+                             weight_format: Optional[str] = None) -> torch.Tensor:
     """The elementwise bound of the module docstring on ``|y - reference_blockwise_a8(...)|`` (float64).
 
-    ``form``: ``"groups"``, ``"dequant"`` (fp8 only) or None (fp8: the larger of the two, int8: groups)."""
+    ``form``: ``"groups"``, ``"dequant"`` (fp8 x fp8 weights only) or None (fp8 weights: the larger of the two;
+    int8 activations and int4 / fp4 weights: groups, the only form they run). ``weight_format`` as in
+    :func:`reference_blockwise_a8`."""
     from .blockwise import resolve_format
 
-    fmt = resolve_format(w_q, "error_bound_blockwise_a8")
+    fmt = resolve_format(w_q, "error_bound_blockwise_a8", weight_format)
     u = 2.0**-8 if out_dtype == torch.bfloat16 else U32
-    ref = reference_blockwise_a8(x_q, x_scale, w_q, w_scale, block_size, w_zero_point)
+    ref = reference_blockwise_a8(x_q, x_scale, w_q, w_scale, block_size, w_zero_point, weight_format)
     mw = _mag_w(w_q, w_scale, block_size, w_zero_point, fmt)
     K_w = mw.shape[1]
     G = K_w // block_size
     mag = _x_dequant(x_q, x_scale, block_size).abs() @ mw.T
     groups = u * ref.abs() + (block_size + G + 2) * U32 * mag + (K_w + 2) * 2.0**-52 * mag
-    if form == "groups" or _name(x_q.dtype) == "int8":
+    if form == "groups" or _name(x_q.dtype) == "int8" or fmt in PACKED:
         return groups
     dequant = (u * ref.abs() + 1.01 * (2.0**-7 + 2.0**-16 + 5 * U32 + 1.02 * (K_w + 2) * U32) * mag
                + (K_w + 2) * 2.0**-52 * mag)
@@ -275,8 +296,10 @@ def _a8_dequant_part(x_ref, w_ref, s_ref, xs_cols, *, bs, n_sub):
     return jax.lax.dot_general(xd, wd, (((1,), (1,)), ((), ())), preferred_element_type=f32)
 
 
-def _a8_body(x_ref, xs_ref, w_ref, s_ref, *refs, bs, n_sub, n_k, int4, has_zp, acc_int, dequant=False):
-    """One output block, one K step of ``n_sub`` groups (module docstring); ``refs`` = ``[z_ref,] o_ref, acc_ref``."""
+def _a8_body(x_ref, xs_ref, w_ref, s_ref, *refs, bs, n_sub, n_k, int4, has_zp, acc_int, dequant=False, fp4=False):
+    """One output block, one K step of ``n_sub`` groups (module docstring); ``refs`` = ``[z_ref,] o_ref, acc_ref``.
+    ``int4``: packed weights (int4, or e2m1 codes with ``fp4``); with fp8 ``x_q`` (``acc_int`` False) both tiles
+    enter the MXU as bf16 (exact values) accumulating in f32."""
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
@@ -315,16 +338,26 @@ def _a8_body(x_ref, xs_ref, w_ref, s_ref, *refs, bs, n_sub, n_k, int4, has_zp, a
     for g in range(n_sub):
         xsg = xs_col(g)
         xg = x_ref[:, g * bs:(g + 1) * bs]
-        if int4:  # unpack in VMEM to int8 q - 8: low nibbles = first half of the group, high = second half
+        if int4:  # unpack in VMEM: low nibbles = first half of the group, high = second half; int8 x_q: int8
+            # q - 8 (int8 x int8 dots); fp8 x_q: q - 8 or the e2m1 value in bf16, x_q widened to bf16 (all exact)
             b = w_ref[:, g * half:(g + 1) * half].astype(jnp.int32)
-            lo, hi = ((b & 15) - 8).astype(jnp.int8), ((b >> 4) - 8).astype(jnp.int8)
-            d = (jax.lax.dot_general(xg[:, :half], lo, dims, preferred_element_type=pref)
-                 + jax.lax.dot_general(xg[:, half:], hi, dims, preferred_element_type=pref))
+            xa, xb = xg[:, :half], xg[:, half:]
+            if acc_int:
+                lo, hi = ((b & 15) - 8).astype(jnp.int8), ((b >> 4) - 8).astype(jnp.int8)
+            else:
+                bf16 = jnp.bfloat16
+                xa, xb = xa.astype(bf16), xb.astype(bf16)
+                if fp4:
+                    lo, hi = _fp4_decode(b & 15, bf16), _fp4_decode(b >> 4, bf16)
+                else:
+                    lo, hi = ((b & 15) - 8).astype(bf16), ((b >> 4) - 8).astype(bf16)
+            d = (jax.lax.dot_general(xa, lo, dims, preferred_element_type=pref)
+                 + jax.lax.dot_general(xb, hi, dims, preferred_element_type=pref))
         else:
             d = jax.lax.dot_general(xg, w_ref[:, g * bs:(g + 1) * bs], dims, preferred_element_type=pref)
         d = d.astype(jnp.float32)
-        if z_ref is not None:  # x . (q - z)^T = x . (q - 8)^T - rowsum(x) (z - 8); the row sum exact in int32
-            r = jnp.sum(xg.astype(jnp.int32), axis=1, keepdims=True).astype(jnp.float32)
+        if z_ref is not None:  # x . (q - z)^T = x . (q - 8)^T - rowsum(x) (z - 8); int8: the row sum exact in int32
+            r = jnp.sum(xg.astype(jnp.int32 if acc_int else jnp.float32), axis=1, keepdims=True).astype(jnp.float32)
             d = d - r * (z_ref[g] - 8.0)
         d = (d * xsg) * s_ref[g]
         part = d if part is None else part + d
@@ -332,7 +365,7 @@ def _a8_body(x_ref, xs_ref, w_ref, s_ref, *refs, bs, n_sub, n_k, int4, has_zp, a
     accumulate_k_step(part, k, n_k, acc_ref, o_ref)
 
 
-def _a8_problem(x_q, x_scale, w_q, w_scale, w_zero_point, block_size, where):
+def _a8_problem(x_q, x_scale, w_q, w_scale, w_zero_point, block_size, where, weight_format=None):
     """``(M, N, K_w, fmt, x_quant)`` after the checks (typed errors naming the tensor)."""
     if len(x_q.shape) != 2:
         raise ArgumentError(f"{where}: x_q must be 2-D [M, K_w], got {tuple(x_q.shape)}")
@@ -342,13 +375,12 @@ def _a8_problem(x_q, x_scale, w_q, w_scale, w_zero_point, block_size, where):
                          f"quantize_per_block_kernel)")
     # the weight side's checks (block size, packing, w_scale / w_zero_point shapes) on a stand-in bf16 x
     stand_in = types.SimpleNamespace(shape=tuple(x_q.shape), dtype=np.dtype("float32"))
-    M, N, K_w, fmt = _problem(stand_in, w_q, w_scale, w_zero_point, block_size, where)
-    if fmt == "fp4":
-        raise DTypeError(f"{where}: fp4 weights take bf16 activations only (x_quant=None); no fp4 x 8-bit MXU pair")
+    M, N, K_w, fmt = _problem(stand_in, w_q, w_scale, w_zero_point, block_size, where, weight_format)
     if xd == "int8" and fmt not in ("int8", "int4"):
-        raise DTypeError(f"{where}: int8 x_q needs int8 or int4 w_q, got {fmt} (x_quant='fp8' for fp8 weights)")
-    if xd != "int8" and fmt != xd:
-        raise DTypeError(f"{where}: {xd} x_q needs w_q of the same fp8 dtype, got {fmt}")
+        raise DTypeError(f"{where}: int8 x_q needs int8 or int4 w_q, got {fmt} (fp8 x_q for fp8, int4 or fp4 "
+                         f"weights)")
+    if xd != "int8" and fmt != xd and fmt not in PACKED:
+        raise DTypeError(f"{where}: {xd} x_q needs w_q of the same fp8 dtype or packed int4 / fp4, got {fmt}")
     G = K_w // block_size
     if tuple(x_scale.shape) != (M, G):
         raise ArgumentError(f"{where}: x_scale must have shape (M, K/block_size) = ({M}, {G}), got "
@@ -358,18 +390,20 @@ def _a8_problem(x_q, x_scale, w_q, w_scale, w_zero_point, block_size, where):
     return M, N, K_w, fmt, "int8" if xd == "int8" else "fp8"
 
 
-def _a8_heuristic(x_q, x_scale, w_q, w_scale, w_zero_point=None, block_size=128, out_dtype=None):
+def _a8_heuristic(x_q, x_scale, w_q, w_scale, w_zero_point=None, block_size=128, out_dtype=None,
+                  weight_format=None):
     """Decode (``M <= 128``): one row block, large weight tiles. Prefill: fp8 takes the dequant form at
     ``bm=2048, bk=4096, bn=1024`` (``bm=1024`` where the chip has < 128 MiB of VMEM: tpu7x; ``bk`` 4096 when
     that is one K step, whose scale columns are static slices, else 2048) on chips with an fp8
     MXU rate in jax's tpu_info (v6e, tpu7x; and cpu interpret); elsewhere (v5e: e5m2 is accepted, no fp8 rate is
-    listed, and libtpu 0.0.52's profiler aborts on the dequant form there, so it has no model figure) and for
-    int8, the group form."""
+    listed, and libtpu 0.0.52's profiler aborts on the dequant form there, so it has no model figure), for
+    int8 and for packed int4 / fp4 weights, the group form."""
     M = x_q.shape[0]
     if M <= 128:
         return dict(bm=128, bk=2048, bn=512, form="groups")
     chip = _target_chip()
-    if _name(x_q.dtype).startswith("float8") and (chip is None or chip.info.fp8_ops_per_second):
+    packed = w_q is not None and _name(w_q.dtype) == "uint8"
+    if _name(x_q.dtype).startswith("float8") and not packed and (chip is None or chip.info.fp8_ops_per_second):
         big = chip is None or chip.vmem_capacity_bytes >= 128 * MiB
         K_w = x_q.shape[1]
         one_step = k_block(K_w, block_size, 4096, False) == K_w
@@ -377,20 +411,20 @@ def _a8_heuristic(x_q, x_scale, w_q, w_scale, w_zero_point=None, block_size=128,
     return dict(bm=512, bk=1024, bn=1024, form="groups")
 
 
-def _a8_shape(x_q, x_scale, w_q, w_scale, w_zero_point=None, block_size=128, out_dtype=None):
+def _a8_shape(x_q, x_scale, w_q, w_scale, w_zero_point=None, block_size=128, out_dtype=None, weight_format=None):
     where = "tpukernels::quantized_matmul_blockwise_a8_kernel"
-    M, N, _, _, _ = _a8_problem(x_q, x_scale, w_q, w_scale, w_zero_point, block_size, where)
+    M, N, _, _, _ = _a8_problem(x_q, x_scale, w_q, w_scale, w_zero_point, block_size, where, weight_format)
     return _dsl.OutSpec((M, N), _out_dtype(out_dtype, x_q, where))
 
 
-def _ref_a8(x_q, x_scale, w_q, w_scale, w_zero_point=None, block_size=128, out_dtype=None):
+def _ref_a8(x_q, x_scale, w_q, w_scale, w_zero_point=None, block_size=128, out_dtype=None, weight_format=None):
     """jnp version (autotuner correctness check): dequantize both operands in f32, one dot."""
     import jax.numpy as jnp
     from jax import lax
 
     from .blockwise import dequantize_f32_jnp
 
-    W = dequantize_f32_jnp(w_q, w_scale, w_zero_point, block_size)
+    W = dequantize_f32_jnp(w_q, w_scale, w_zero_point, block_size, weight_format)
     xd = x_q.astype(jnp.float32) * jnp.repeat(x_scale, block_size, axis=1)
     z = jnp.matmul(xd, W.T, precision=lax.Precision.HIGHEST)
     return z.astype(_out_dtype(out_dtype, x_q, "quantized_matmul_blockwise_a8_kernel"))
@@ -400,12 +434,14 @@ def _ref_a8(x_q, x_scale, w_q, w_scale, w_zero_point=None, block_size=128, out_d
                  heuristic=_a8_heuristic, out_shape=_a8_shape, reference=_dsl.jax_reference(_ref_a8))
 def quantized_matmul_blockwise_a8_kernel(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor,
                                          w_scale: torch.Tensor, w_zero_point: Optional[torch.Tensor] = None,
-                                         block_size: int = 128, out_dtype: Optional[str] = None, *,
+                                         block_size: int = 128, out_dtype: Optional[str] = None,
+                                         weight_format: Optional[str] = None, *,
                                          bm: int, bk: int, bn: int, form: str = "groups") -> torch.Tensor:
     """``x' @ W^T`` with block-quantized activations and weights (module docstring): ``x_q [M, K_w]`` int8 / fp8,
     ``x_scale [M, K_w / bs]`` f32, ``w_q [N, K_w]`` (same fp8 dtype as ``x_q``; int8) or ``[N, K_w / 2]`` uint8
-    (int4, with int8 ``x_q``), ``w_scale [K_w / bs, 1, N]`` f32, ``w_zero_point`` (int4) same shape -> ``[M, N]``
-    in ``out_dtype`` (default bfloat16).
+    (int4 with int8 or fp8 ``x_q``; fp4 e2m1 codes, ``weight_format="fp4"``, with fp8 ``x_q``), ``w_scale
+    [K_w / bs, 1, N]`` f32, ``w_zero_point`` (int4) same shape -> ``[M, N]`` in ``out_dtype`` (default
+    bfloat16).
 
     Raises:
         ArgumentError: ranks, block size, packed width, scale / zero-point shapes (each names the tensor).
@@ -416,10 +452,11 @@ def quantized_matmul_blockwise_a8_kernel(x_q: torch.Tensor, x_scale: torch.Tenso
     from jax.experimental.pallas import tpu as pltpu
 
     where = "tpukernels::quantized_matmul_blockwise_a8_kernel"
-    M, N, K_w, fmt, x_quant = _a8_problem(x_q, x_scale, w_q, w_scale, w_zero_point, block_size, where)
+    M, N, K_w, fmt, x_quant = _a8_problem(x_q, x_scale, w_q, w_scale, w_zero_point, block_size, where,
+                                          weight_format)
     check_chip_a8(x_quant, fmt, where)
     odt = _out_dtype(out_dtype, x_q, where)
-    int4 = fmt == "int4"
+    int4 = fmt in PACKED  # packed two per byte (int4, or fp4 e2m1 codes)
     bk_ = k_block(K_w, block_size, bk, int4)
     bm_, bn_ = _clamp(M, bm), _clamp(N, bn)
     gi, gj, gk = _dsl.cdiv(M, bm_), _dsl.cdiv(N, bn_), K_w // bk_
@@ -433,7 +470,9 @@ def quantized_matmul_blockwise_a8_kernel(x_q: torch.Tensor, x_scale: torch.Tenso
     if w_zero_point is not None:
         in_specs.append(pl.BlockSpec((n_sub, 1, bn_), lambda i, j, k: (k, 0, j)))
     acc_shape = (8, 128) if gk == 1 else (bm_, bn_)
-    dequant = form == "dequant" and x_quant == "fp8"  # int8 keeps the group form (its MXU pair is 2x bf16's rate)
+    # int8 keeps the group form (its MXU pair is 2x bf16's rate); so do packed weights (their nibbles are decoded
+    # per group either way)
+    dequant = form == "dequant" and x_quant == "fp8" and not int4
     io = 2 * (padded_bytes((bm_, bk_), x_q.dtype) + padded_bytes((bm_, G), "float32")
               + padded_bytes((bn_, wcols), w_q.dtype)
               + (1 + (w_zero_point is not None)) * n_sub * padded_bytes((1, bn_), "float32")
@@ -442,6 +481,8 @@ def quantized_matmul_blockwise_a8_kernel(x_q: torch.Tensor, x_scale: torch.Tenso
         work = padded_bytes((bm_ + bn_, block_size), "float32") + padded_bytes((bm_ + bn_, bk_), "bfloat16")
     else:
         work = 2 * padded_bytes((bn_, block_size), "int32") + 3 * padded_bytes((bm_, bn_), "float32")
+        if int4 and x_quant == "fp8":  # the bf16 halves of the group's weight and x tiles
+            work += padded_bytes((bn_, block_size), "bfloat16") + padded_bytes((bm_, block_size), "bfloat16")
     need = io + work + padded_bytes(acc_shape, "float32")
     wbytes = N * K_w // (2 if int4 else 1)
     cost = pl.CostEstimate(flops=2 * M * N * K_w, transcendentals=0,
@@ -456,7 +497,8 @@ def quantized_matmul_blockwise_a8_kernel(x_q: torch.Tensor, x_scale: torch.Tenso
         vmem_limit_bytes=scoped_vmem_limit(need),
         cost_estimate=cost,
         body_kwargs=dict(bs=int(block_size), n_sub=int(n_sub), n_k=int(gk), int4=int4,
-                         has_zp=w_zero_point is not None, acc_int=x_quant == "int8", dequant=dequant),
+                         has_zp=w_zero_point is not None, acc_int=x_quant == "int8", dequant=dequant,
+                         fp4=fmt == "fp4"),
     )
 
 
@@ -465,16 +507,19 @@ def quantized_matmul_blockwise_a8(x2: torch.Tensor, w_q, w_scale, w_zero_point, 
     """``x2 [M, K_w]`` (bf16 / f32, already padded to ``K_w``) quantized per ``1 x block_size`` block, then the a8
     kernel; the public op's ``x_quant`` path (:func:`~.blockwise.quantized_matmul_blockwise`)."""
     where = "tpukernels::quantized_matmul_blockwise"
-    if x_quant == "fp8" and not fmt.startswith("float8"):
-        raise DTypeError(f"{where}: x_quant='fp8' needs float8 w_q, got {fmt} (x_quant='int8' for int8 / int4)")
+    if x_quant == "fp8" and not (fmt.startswith("float8") or fmt in PACKED):
+        raise DTypeError(f"{where}: x_quant='fp8' needs float8, int4 or fp4 w_q, got {fmt} (x_quant='int8' for "
+                         f"int8)")
     if x_quant == "int8" and fmt not in ("int8", "int4"):
         raise DTypeError(f"{where}: x_quant='int8' needs int8 or int4 w_q, got {fmt} (x_quant='fp8' for fp8 weights;"
-                         f" fp4 takes x_quant=None)")
+                         f" fp4 takes x_quant=None or 'fp8')")
     check_chip_a8(x_quant, fmt, where)
-    qdt = "int8" if x_quant == "int8" else fmt
+    # fp8 weights: x in their fp8 dtype (one MXU pair); int4 / fp4 weights: float8_e4m3fn (tpu-inference's choice)
+    qdt = "int8" if x_quant == "int8" else (FP8_FOR_PACKED if fmt in PACKED else fmt)
     xq, xs = quantize_per_block_kernel(x2, qdt, int(block_size))
     kw = {} if config is None else dict(config=config)
-    return quantized_matmul_blockwise_a8_kernel(xq, xs, w_q, w_scale, w_zero_point, int(block_size), out_dtype, **kw)
+    return quantized_matmul_blockwise_a8_kernel(xq, xs, w_q, w_scale, w_zero_point, int(block_size), out_dtype,
+                                                "fp4" if fmt == "fp4" else None, **kw)
 
 
 # the public op's x_quant path (quantized_matmul_blockwise lives in .blockwise, which this module builds on: it

@@ -5,8 +5,8 @@ Public op::
     torch.ops.tpukernels.matmul(a, b, bias=None, activation=None, out_dtype=None) -> Tensor
     tpukernels.library.matmul(a, b, bias=None, activation=None, out_dtype=None)   # same, functional
 
-(``tpukernels.library.matmul`` is that function, which shadows this submodule's name in the package;
-reach the module with ``from tpukernels.library.matmul import ...`` or ``importlib.import_module``.)
+(``tpukernels.library.matmul`` is that function; this module is ``tpukernels.library.matmul_ops``: no module
+shares its name with a function the package exports, so ``import tpukernels.library.matmul_ops as M`` works.)
 
 Shapes: ``a [..., M, K]``, ``b [K, N]`` or ``[..., K, N]`` (batch dims broadcast as in ``torch.matmul``),
 ``bias [N]``; result ``[*broadcast(batch), M, N]``. Any ``M, N, K >= 0`` (``K = 0`` gives ``act(bias)``,

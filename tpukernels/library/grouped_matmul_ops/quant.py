@@ -1,17 +1,17 @@
 """Quantized experts: ``grouped_matmul_quantized``, the grouped matmul with int8 / fp8 / int4 / fp4 expert weights
 and per-channel or block (sub-channel) scales, dequantized in VMEM; forward and ``d_lhs`` (issue 28, item 2).
 
-Semantics: those of :func:`~tpukernels.library.grouped_matmul.grouped_matmul` (ragged row groups, empty groups,
+Semantics: those of :func:`~tpukernels.library.grouped_matmul_ops.grouped_matmul` (ragged row groups, empty groups,
 ``group_offset`` shards, rows of no local group are zero) with ``rhs[g]`` replaced by its dequantized weight.
 
 Layout (``K_w`` = in features of the stored weight, ``N`` = out features, ``G`` = local experts):
 
 * ``rhs``: ``[G, K_w, N]`` (megablox / tpu-inference's ``gmm`` layout) or, with ``transpose_rhs=True``,
   ``[G, N, K_w]`` (``nn.Linear`` / HF fused experts; each ``rhs[g]`` is then exactly a
-  :func:`~tpukernels.library.quantized_matmul.quantized_matmul_blockwise` ``w_q``). Dtypes int8,
+  :func:`~tpukernels.library.quantized_matmul_ops.quantized_matmul_blockwise` ``w_q``). Dtypes int8,
   float8_e4m3fn, float8_e5m2, or uint8 for 4-bit weights (``weight_format="int4"``, the default for uint8, or
   ``"fp4"`` e2m1) packed two per byte **along K** (``[G, K_w/2, N]`` / ``[G, N, K_w/2]``) in the per-block order of
-  :func:`~tpukernels.library.quantized_matmul.pack_int4` (byte ``j`` of block ``b`` holds K index ``b*bs + j`` in
+  :func:`~tpukernels.library.quantized_matmul_ops.pack_int4` (byte ``j`` of block ``b`` holds K index ``b*bs + j`` in
   its low nibble and ``b*bs + bs/2 + j`` in its high nibble; :func:`pack_int4_experts`).
 * ``rhs_scale``: float32 ``[G, num_blocks, 1, N]``, tpu-inference's megablox ``gmm`` layout (``rhs_scale: [num_groups,
   num_blocks, 1, n]``, ``quant_block_size = k // num_blocks``), so ``block_size = K_w / num_blocks``.
@@ -26,7 +26,7 @@ Layout (``K_w`` = in features of the stored weight, ``N`` = out features, ``G`` 
   BlockSpec indexed by the work item's group, after the per-channel scale), before the cast to ``out_dtype``; rows
   of no local group stay 0 (megablox leaves them unwritten). Absent: no extra operand (the same program as
   before). Its gradient ``d_rhs_bias[g]`` = the sum of ``dO`` over the rows of group ``g``, float32 accumulated,
-  in ``rhs_bias.dtype`` (:func:`~tpukernels.library.grouped_matmul.common.bias_grad`, torch ops).
+  in ``rhs_bias.dtype`` (:func:`~tpukernels.library.grouped_matmul_ops.common.bias_grad`, torch ops).
 * Padding rule (as the blockwise quantized matmul): with block scales the weight side is padded to
   ``K_w = num_blocks * block_size``; ``lhs`` may have ``K_x`` columns, ``K_w - block_size < K_x <= K_w``, and is
   then zero-padded to ``K_w`` (a copy of ``lhs``, only then). Per-channel scales need ``K_x == K_w``.
@@ -34,14 +34,14 @@ Layout (``K_w`` = in features of the stored weight, ``N`` = out features, ``G`` 
 What runs (two kernel ops, new bodies; the bf16 / f32 grouped matmul kernels are untouched):
 
 * ``tpukernels::grouped_matmul_quant_fwd`` — grid ``(N/bn, T, K/bk)`` over the forward's work-item schedule
-  (:func:`~tpukernels.library.grouped_matmul.schedule._fwd_schedule`, scalar-prefetched, the same visits, row
+  (:func:`~tpukernels.library.grouped_matmul_ops.schedule._fwd_schedule`, scalar-prefetched, the same visits, row
   selects and ``PARTIAL`` flags as ``grouped_matmul_fwd``; the grid pipeline's rhs blocks, no manual prefetch
   chain). The expert's weight tile (int8 / fp8 / packed bytes) is copied as stored and converted to ``lhs.dtype``
   in VMEM (exact: 8-bit and 4-bit values are bf16 values); fp8 tiles are fed to the MXU as they are where the
   target chip takes ``(lhs.dtype, fp8)`` natively (jax ``tpu_info``). Per-channel 8-bit (``num_blocks == 1``):
   any ``bk``, K tails masked on both operands (NaN-safe), the f32 accumulator scaled by ``rhs_scale[g, 0]`` once
   in the epilogue. Block scales (and every 4-bit format): ``bk`` a multiple of ``block_size``
-  (:func:`~tpukernels.library.quantized_matmul.blockwise.k_block`), per block one MXU dot (two for the two
+  (:func:`~tpukernels.library.quantized_matmul_ops.blockwise.k_block`), per block one MXU dot (two for the two
   nibble halves), minus ``rowsum(lhs_block) * (z - 8)`` for zero points, times the block's scale row, summed
   in f32. HBM holds only the stored (packed) weights.
 * ``tpukernels::grouped_matmul_quant_dx`` — ``d_lhs[rows of g] = dO[rows of g] @ W[g]^T`` (``[M, K_w]``, the
@@ -62,14 +62,14 @@ with ``M_g[n, k] = (|q'| + |z'|) |s|`` (``q'`` the
 value fed to the MXU: int4 ``q - 8``, fp4 its e2m1 value, 8-bit the stored value; ``z' = z - 8``, 0 without
 zero points); rows of no local group are exactly 0. ``d_lhs``: ``|d - ref| <= u |ref| + (u_g + u32) (|dO| @
 |W_g|) + (2 N + 2) u32 (|dO| @ M_g)`` (``u_g`` the unit roundoff of ``dO``'s dtype, 0 for float32). These are the
-bounds of :mod:`~tpukernels.library.quantized_matmul.blockwise` / ``blockwise_bwd`` applied per group (same
+bounds of :mod:`~tpukernels.library.quantized_matmul_ops.blockwise` / ``blockwise_bwd`` applied per group (same
 per-block arithmetic; derivations there, after Higham, "Accuracy and Stability of Numerical Algorithms", 2nd
 ed., eq. 3.5); per-channel scales are the one-block case (the epilogue scale is one more f32 rounding, inside
 the ``+ 2``). :func:`error_bound_quantized`, :func:`error_bound_quantized_dx`.
 
 Chips: the weight tile reaches the MXU as ``lhs.dtype`` (or as fp8 where native), so int8 / int4 / fp4 run on
 every chip; fp8 weights need the target chip's MXU to take that fp8 dtype at all, from jax's
-``tpu_info.is_matmul_supported`` (:func:`~tpukernels.library.quantized_matmul.check_chip`): ChipError before any
+``tpu_info.is_matmul_supported`` (:func:`~tpukernels.library.quantized_matmul_ops.check_chip`): ChipError before any
 kernel runs (the target chip: the live TPU, ``tk.compile_for``'s, or ``TPUKERNELS_TARGET_CHIP`` on cpu).
 
 Performance: not measured on hardware and not tuned (no shipped table; :func:`heuristic_quant` /
@@ -81,7 +81,7 @@ model reads the work-item table as zeros, so it charges all ``T = 15`` items for
 MXU work at this size; amortised at full size, 71 items for 64 tiles); the rest is the int8 -> bf16
 conversion of each ``[bn, K]`` weight tile, vector work per item. The int4 estimate (``bk = K``, 32 blocks of
 128 with zero points) exceeded 150 s and was abandoned: the per-block half-width dots (64-deep) and the unpack
-are the known cost of the blockwise kernels (:mod:`~tpukernels.library.quantized_matmul.blockwise`: the same
+are the known cost of the blockwise kernels (:mod:`~tpukernels.library.quantized_matmul_ops.blockwise`: the same
 unpack). All heuristic configs compile for v5e / v6e / tpu7x at Mixtral shapes (tests, aot).
 
 Source: tpu-inference 0.32.0 ``kernels/megablox/gmm.py`` (the ``rhs_scale [G, num_blocks, 1, n]`` layout and the
@@ -100,14 +100,14 @@ from ... import dsl as _dsl
 from ...dsl.validate import padded_bytes
 from .._vmem import scoped_vmem_limit
 from ...errors import ArgumentError, DTypeError
-from ..quantized_matmul.blockwise import (BLOCK_SIZES, PACKED, _fp4_decode, dequantize_blockwise, dequantize_f32_jnp,
+from ..quantized_matmul_ops.blockwise import (BLOCK_SIZES, PACKED, _fp4_decode, dequantize_blockwise, dequantize_f32_jnp,
                                           error_bound_blockwise, k_block, pack_int4, quantize_weight_blockwise,
                                           resolve_format)
-from ..quantized_matmul.blockwise_bwd import error_bound_blockwise_dx
-from ..quantized_matmul.common import _native_fp8, check_chip
+from ..quantized_matmul_ops.blockwise_bwd import error_bound_blockwise_dx
+from ..quantized_matmul_ops.common import _native_fp8, check_chip
 from .common import KERNEL_DTYPES, _clamp, _dtype_name, _out_dtype, bias_grad, canonical_out_dtype, check_bias
 from .kernels import _check_meta
-from .reference import _ref_bounds_np, reference_fwd_jnp
+from .references import _ref_bounds_np, reference_fwd_jnp
 from .schedule import (COMPUTE, F_GROUP, F_HI, F_LO, F_SRC_TILE, F_TILE, FIRST, PARTIAL, STORE, _bits, _flags,
                        _fwd_schedule, num_items)
 
@@ -639,7 +639,7 @@ def grouped_matmul_quantized(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: 
 # ----------------------------------------------------------------------------------------------- quantizing
 def pack_int4_experts(q: torch.Tensor, block_size: int, transpose_rhs: bool = True) -> torch.Tensor:
     """Pack unsigned nibbles ``q`` (``[G, N, K]`` with ``transpose_rhs``, else ``[G, K, N]``; integers 0..15) two per
-    byte along K, per expert with :func:`~tpukernels.library.quantized_matmul.pack_int4` (its per-block order)."""
+    byte along K, per expert with :func:`~tpukernels.library.quantized_matmul_ops.pack_int4` (its per-block order)."""
     if q.dim() != 3:
         raise ArgumentError(f"pack_int4_experts: q must be 3-D, got {tuple(q.shape)}")
     if transpose_rhs:
@@ -650,12 +650,12 @@ def pack_int4_experts(q: torch.Tensor, block_size: int, transpose_rhs: bool = Tr
 def quantize_experts(w: torch.Tensor, block_size: Optional[int] = None, dtype: str = "int8", *,
                      asymmetric: bool = False, transpose_rhs: bool = True):
     """Quantize expert weights ``w [G, N, K]`` (``nn.Linear`` layout, ``K`` a multiple of ``block_size``) with this
-    library's quantizers (:func:`~tpukernels.library.quantized_matmul.quantize_weight` per channel when
-    ``block_size`` is None, else :func:`~tpukernels.library.quantized_matmul.quantize_weight_blockwise`).
+    library's quantizers (:func:`~tpukernels.library.quantized_matmul_ops.quantize_weight` per channel when
+    ``block_size`` is None, else :func:`~tpukernels.library.quantized_matmul_ops.quantize_weight_blockwise`).
 
     Returns ``(rhs, rhs_scale [G, num_blocks, 1, N] f32, rhs_zero_point or None)`` for
     :func:`grouped_matmul_quantized` with the given ``transpose_rhs`` (``False``: ``rhs [G, K, N]``)."""
-    from ..quantized_matmul.quantize import quantize_weight
+    from ..quantized_matmul_ops.quantize import quantize_weight
 
     if w.dim() != 3:
         raise ArgumentError(f"quantize_experts: w must be 3-D [G, N, K], got {tuple(w.shape)}")
@@ -738,7 +738,7 @@ def reference_quantized(lhs, rhs, group_sizes, rhs_scale, rhs_zero_point=None, *
     """float64 reference (not rounded) of :func:`grouped_matmul_quantized` from the stored experts: ``lhs`` rows
     of group ``g`` (zero-padded to ``K_w``) times the dequantized ``W[g]^T`` (plus ``rhs_bias[g]``); other rows
     0."""
-    from ..quantized_matmul.blockwise import reference_blockwise
+    from ..quantized_matmul_ops.blockwise import reference_blockwise
 
     out = _per_group(lambda x, wq, s, bs, z: reference_blockwise(x, wq, s, bs, z, weight_format),
                      _n_out(rhs, transpose_rhs), lhs, rhs, rhs_scale, rhs_zero_point, group_sizes, transpose_rhs,
@@ -770,7 +770,7 @@ def reference_quantized_dx(dO, rhs, group_sizes, rhs_scale, rhs_zero_point=None,
                            transpose_rhs=False, group_offset=None, weight_format=None) -> torch.Tensor:
     """float64 ``d_lhs`` (not rounded): rows of group ``g`` of ``dO [M, N]`` times the dequantized ``W[g]``,
     ``[M, K]`` (``K`` default ``K_w``: the first ``K`` columns, as the public op's gradient of an unpadded lhs)."""
-    from ..quantized_matmul.blockwise_bwd import reference_blockwise_dx
+    from ..quantized_matmul_ops.blockwise_bwd import reference_blockwise_dx
 
     K = K or _k_w(rhs, transpose_rhs, weight_format)
     return _per_group(lambda x, wq, s, bs, z: reference_blockwise_dx(x, wq, s, bs, z, weight_format), K,

@@ -4,7 +4,7 @@ below; ``w_q``, ``w_scale`` and ``w_zero_point`` get none).
 
 Kernel ``tpukernels::quantized_matmul_blockwise_bwd_dx(g [M, N], w_q, w_scale [G, 1, N], w_zero_point?,
 block_size, out_dtype, weight_format) -> [M, K_w]`` for every weight format of
-:mod:`~tpukernels.library.quantized_matmul.blockwise` (int8, float8_e4m3fn / e5m2, int4 with or without zero points,
+:mod:`~tpukernels.library.quantized_matmul_ops.blockwise` (int8, float8_e4m3fn / e5m2, int4 with or without zero points,
 fp4 e2m1; the same layout, packing and ``[K_w / bs, 1, N]`` scales). Formula, with ``q'`` the value fed to the
 MXU (int4: nibble ``- 8``; fp4: its e2m1 value; int8 / fp8: ``w_q``), ``z' = z - 8`` (0 without zero points) and
 ``gs = round_{g.dtype}(g * s[grp])`` (the f32 product rounded once to ``g.dtype``):
@@ -14,7 +14,7 @@ MXU (int4: nibble ``- 8``; fp4: its e2m1 value; int8 / fp8: ``w_q``), ``z' = z -
 which is ``g @ W`` with ``W[n, k] = (q'[n, k] - z'[grp, n]) s[grp, n]`` (the forward's dequantized weight).
 
 What runs: grid ``(M/bm, K_w/bk, N/bn)``, the contraction over ``N`` innermost (``arbitrary``), ``bk`` a multiple
-of ``block_size`` (:func:`~tpukernels.library.quantized_matmul.blockwise.k_block`: no K tail), an f32 VMEM
+of ``block_size`` (:func:`~tpukernels.library.quantized_matmul_ops.blockwise.k_block`: no K tail), an f32 VMEM
 accumulator ``[bm, bk]``. Per N step, for each of the ``bk / bs`` groups (static loop): the ``g`` tile
 ``[bm, bn]`` times the group's scale row ``s[grp] [1, bn]`` (the scales run along N, the lanes of ``g``: a
 broadcast, no transpose) rounded to ``g.dtype``; the group's weight tile ``[bn, bs]`` (int4 / fp4: ``[bn, bs/2]``

@@ -99,7 +99,7 @@ gradient (rounding has derivative zero almost everywhere): its forward runs with
 (inference without ``torch.no_grad()``), and a backward that reaches it raises ArgumentError rather than
 silently returning zeros.
 
-Tunables ``bm, bk, bn`` (clamped to the problem as in :mod:`tpukernels.library.matmul`); defaults:
+Tunables ``bm, bk, bn`` (clamped to the problem as in :mod:`tpukernels.library.matmul_ops`); defaults:
 :func:`heuristic`, then per-chip shipped data ``tpukernels/data/autotuning/<chip>/
 tpukernels.quantized_matmul_kernel.json`` / ``tpukernels.quantized_matmul_w8a8_kernel.json`` chosen by
 libtpu's static estimate (a model, not a measurement): the w8a16 prefill entries from full-program
@@ -143,14 +143,14 @@ XLA. What remains is the serial quantization of the first row block and the part
 hidden under the MXU (vector work proportional to K: the down-projection's; bench reasons). tpu7x's fp8
 kernels compile but libtpu's static profiler dies on the f32 -> fp8 pack (no figure).
 
-Layout of this package (every name above is importable from ``tpukernels.library.quantized_matmul``):
+Layout of this package (every name above is importable from ``tpukernels.library.quantized_matmul_ops``):
 ``common`` (dtypes, chip support), ``quantize`` (absmax quantization: reference, weights, per-token kernel),
-``reference`` (float64 references, error bounds), ``w8a16`` (``quantized_matmul_kernel``, its streaming
+``references`` (float64 references, error bounds), ``w8a16`` (``quantized_matmul_kernel``, its streaming
 decode launch, ``quantized_matmul_bwd_dx``), ``w8a8`` (the fused w8a8 kernel), ``public`` (the op and
 ``TPUQuantLinear``), ``blockwise`` (sub-channel scales along K: w4a16 int4 with zero points, block-scaled int8 /
 fp8; ``quantized_matmul_blockwise``, ``TPUBlockQuantLinear``; its own docstring has the layout, the padding
 rule and the error bound), ``blockwise_a8`` (block-quantized 8-bit activations: fp8 1x128 activations with
-128x128 fp8 weight blocks, w4a8 / w8a8 int8 with per-block activation scales; ``quantize_per_block_kernel``,
+128x128 fp8 weight blocks or packed int4 / fp4 weights, w4a8 / w8a8 int8 with per-block activation scales; ``quantize_per_block_kernel``,
 ``quantized_matmul_blockwise_a8_kernel``; reached by ``quantized_matmul_blockwise(..., x_quant=...)``),
 ``blockwise_bwd`` (its ``d_x`` kernel ``quantized_matmul_blockwise_bwd_dx``: the
 backward with respect to the activations, weights frozen; formula and error bound there).
@@ -166,7 +166,7 @@ from .common import (INT32_MAX_K, OUT_DTYPES, U32, WEIGHT_DTYPES, X_DTYPES, X_QU
                      supported_modes)
 from .quantize import (TUNABLES_Q, _weight_dtype, quantize_per_token, quantize_per_token_kernel, quantize_reference,
                        quantize_weight)
-from .reference import dequantize, error_bound, reference
+from .references import dequantize, error_bound, reference
 from .w8a16 import (STANDARD_CASES, STREAM_MAX_M, TUNABLES, WEIGHT_DMAS, heuristic, make_launch, problem,
                     quantized_matmul_bwd_dx, quantized_matmul_kernel, stream_plan, vmem_bytes)
 from .w8a8 import (QCHUNK, STANDARD_CASES_W8A8, TUNABLES_W8A8, _w8a8_heuristic, fused_plan, fused_vmem_bytes,
@@ -178,7 +178,7 @@ from .blockwise import (BLOCK_SIZES, FP4_VALUES, WEIGHT_FORMATS, TPUBlockQuantLi
                         quantized_matmul_blockwise_kernel, reference_blockwise, unpack_int4)
 from .blockwise_bwd import (error_bound_blockwise_dx, quantized_matmul_blockwise_bwd_dx,
                             reference_blockwise_dx)
-from .blockwise_a8 import (XQ_DTYPES, check_chip_a8, error_bound_blockwise_a8, expand_block_scale,
+from .blockwise_a8 import (FP8_FOR_PACKED, XQ_DTYPES, check_chip_a8, error_bound_blockwise_a8, expand_block_scale,
                            quantize_per_block_kernel, quantize_per_block_reference,
                            quantized_matmul_blockwise_a8_kernel, reference_blockwise_a8)
 

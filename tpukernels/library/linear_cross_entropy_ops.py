@@ -776,8 +776,10 @@ def linear_cross_entropy(h: torch.Tensor, W: torch.Tensor, labels: torch.Tensor,
         float32 loss in nats: ``[]`` ("mean", "sum") or ``[N]`` ("none").
 
     Raises:
-        ArgumentError, DTypeError, DeviceError: see :func:`check_args` (raised before any kernel runs).
+        ArgumentError, DTypeError, DeviceError: see :func:`check_args` (raised before any kernel runs);
+            ArgumentError for an ``ignore_index`` that is not an int (a float included).
     """
+    ignore_index = _dsl.check_int("tpukernels::linear_cross_entropy", "ignore_index", ignore_index)  # not the schema's
     return torch.ops.tpukernels.linear_cross_entropy(h, W, labels, ignore_index, reduction,
                                                      None if softcap is None else float(softcap))
 
