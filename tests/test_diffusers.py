@@ -220,3 +220,70 @@ def test_override_existing_member_and_restore():
     finally:
         tkd.unregister("_native_xla")
     assert ad._AttentionBackendRegistry._backends.get(member) is before
+
+
+# ---------------------------------------------------------------------------- the Enum extension (issue 36 item 14)
+def test_enum_extension_contract():
+    """Fails loudly when Diffusers changes under the one use of internals (``_extend_enum``): the installed
+    version must be one it is tested against, the dispatcher pieces it plugs into must have the shape it
+    assumes, and the added member must read as a member everywhere Diffusers reads backend names. On a new
+    Diffusers: re-read its ``attention_dispatch.py`` (a public way to add a backend?), then widen
+    ``ENUM_EXTENSION_TESTED``."""
+    import enum
+    import inspect
+
+    from packaging.specifiers import SpecifierSet
+
+    version = diffusers.__version__
+    assert SpecifierSet(tkd.ENUM_EXTENSION_TESTED).contains(version, prereleases=True), (
+        f"diffusers {version} is outside tkd.ENUM_EXTENSION_TESTED = {tkd.ENUM_EXTENSION_TESTED}: check "
+        "tpukernels/integrations/diffusers.py's _extend_enum against this Diffusers, then widen the range")
+    names = ad.AttentionBackendName
+    assert issubclass(names, str) and issubclass(names, enum.Enum) and names.__mro__[1] is str
+    params = inspect.signature(ad._AttentionBackendRegistry.register).parameters
+    assert {"backend", "constraints"} <= set(params)
+    for table in ("_backends", "_constraints", "_supported_arg_names"):
+        assert isinstance(getattr(ad._AttentionBackendRegistry, table), dict), table
+    # how Diffusers validates a name before using it (ModelMixin / AttentionModuleMixin.set_attention_backend)
+    from diffusers.models.attention import AttentionModuleMixin
+    from diffusers.models.modeling_utils import ModelMixin
+
+    for fn in (ModelMixin.set_attention_backend, AttentionModuleMixin.set_attention_backend):
+        src = inspect.getsource(fn)
+        assert "AttentionBackendName.__members__" in src and "AttentionBackendName(backend" in src, fn.__qualname__
+    assert tkd._enum_problem(names, "TPUKERNELS", "tpukernels", BACKEND) is None
+    with ad.attention_backend("tpukernels"):
+        assert ad._AttentionBackendRegistry.get_active_backend() == (BACKEND, tkd.attention)
+
+
+def test_enum_extension_checks_rolls_back_and_warns_outside_tested(monkeypatch):
+    """``_extend_enum`` on a throwaway str Enum: a tested version adds silently; an untested one warns once the
+    checks pass; a member that does not read back as one (simulated: the value map not updated) is removed
+    again and raises BackendUnavailableError naming the alternative."""
+    import enum
+
+    from tpukernels.errors import BackendUnavailableError
+
+    class Names(str, enum.Enum):
+        A = "a"
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        x = tkd._extend_enum(Names, "X", "x")
+    assert Names("x") is x is Names.X and x in list(Names) and x == "x"
+    monkeypatch.setattr(tkd, "_diffusers_version", lambda: "0.99.0")
+    with pytest.warns(RuntimeWarning, match=r"diffusers 0\.99\.0 is outside the versions"):
+        assert tkd._extend_enum(Names, "Y", "y") is Names("y")
+    real = tkd._add_member
+
+    def broken(enum_cls, name, value):
+        member = real(enum_cls, name, value)
+        del enum_cls._value2member_map_[value]  # as if a new CPython kept values elsewhere
+        return member
+
+    monkeypatch.setattr(tkd, "_add_member", broken)
+    with pytest.raises(BackendUnavailableError, match=r"cannot add Z = 'z'.*register\(member='_native_xla'\)"):
+        tkd._extend_enum(Names, "Z", "z")
+    assert "Z" not in Names.__members__ and "Z" not in Names.__dict__ and [m.value for m in Names] == ["a", "x", "y"]
+    with pytest.raises(ValueError):
+        Names("z")

@@ -168,7 +168,7 @@ def test_every_library_kernel_has_a_rule_and_new_ops_split_sensibly():
     if "tpukernels::linear_cross_entropy_bwd_dw" in lib:
         (s,) = splits_for(lib["tpukernels::linear_cross_entropy_bwd_dw"], {
             "h": _meta(64, 128), "w": _meta(512, 128), "labels": _meta(64, 1, dtype=torch.int32),
-            "lse": _meta(64, 1), "g": _meta(64, 1), "ignore_index": -100, "softcap": None})
+            "lse": _meta(64, 2), "g": _meta(64, 1), "ignore_index": -100, "softcap": None})  # lse: the (hi, lo) pair
         assert s.inputs == {"h": 0, "labels": 0, "lse": 0, "g": 0} and tuple(s.outputs) == (PARTIAL,)
 
 

@@ -3,9 +3,11 @@
 No TPU exists here. ``FakeJaxCallable`` has the real class's constructor, its deprecation path, tuple
 returns and donation (donated inputs are poisoned with NaN, as a donated device buffer is no longer the
 caller's). ``real_torch_tpu`` loads torch-tpu 0.2.0's ``pallas.py`` from the wheel unmodified, with only
-its native modules stubbed (see tests/real_torch_tpu.py); ``make test`` downloads the wheel.
+its native modules stubbed (see tests/real_torch_tpu.py); ``make test`` downloads the wheel. The same file
+also hosts a tokamax-style op (registered through its ``jax_op``, as tokamax's torch_tpu ops are) next to ours.
 """
 
+import itertools
 import sys
 import types
 import warnings
@@ -254,3 +256,77 @@ def test_real_jaxcallable_spmd_launch_over_a_mesh(real_torch_tpu_pallas):
     with pytest.raises(tk.ArgumentError, match="one PartitionSpec per tensor argument"):
         with partitioned(mesh, PartitionSpec("x")):
             pass
+
+
+# --- a tokamax-style jax_op op and ours in one process (issue 36 item 15) ------------------------------------
+_OP_IDS = itertools.count()
+
+
+class _TokamaxStyleOp:
+    """The way tokamax's torch_tpu ops plug in (``tokamax/experimental/torch_tpu/ops/torch_op.py``, openxla/
+    tokamax): an object whose annotated ``op_impl_call`` (``jax.Array`` in, ``jax.Array`` out, non-tensor
+    arguments static) runs a Pallas kernel; it is handed to ``torch_tpu._internal.pallas.pallas.jax_op(
+    "<ns>::<name>", op_impl_call)``, which makes a ``torch.library`` custom op, and ``__call__`` calls that op
+    with torch tensors. A minimal stand-in written for this test: ``out = x * alpha + y``."""
+
+    def __init__(self, pallas, qualname: str):
+        self.torch_op = pallas.jax_op(qualname, self.op_impl_call)
+
+    def op_impl_call(self, x: jax.Array, y: jax.Array, alpha: float = 2.0) -> jax.Array:
+        from jax.experimental import pallas as pl
+
+        def body(x_ref, y_ref, o_ref):
+            o_ref[...] = x_ref[...] * alpha + y_ref[...]
+
+        return pl.pallas_call(body, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x, y)
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor, alpha: float = 2.0) -> torch.Tensor:
+        return self.torch_op(x, y, alpha=alpha)
+
+
+def test_real_jax_op_tokamax_style_and_ours_share_one_process(real_torch_tpu_pallas):
+    """One process, one torch_tpu runtime: a tokamax-style op registered through the wheel's real ``jax_op``
+    and our ``scale`` (the tpu target's ``JaxCallable``) are called in turn (theirs, ours, theirs again with
+    another static, ours again). Each reaches the (stubbed) runtime under its own name with its own Mosaic
+    module, with its own tensors in order, and gets back what the runtime computed for it; repeated calls reuse
+    the registered modules; the op is a real ``torch.ops`` custom op."""
+    from tpukernels.targets.tpu import run_torch_tpu
+
+    pallas, registry = real_torch_tpu_pallas
+    ns = f"tkx_tokamax_style{next(_OP_IDS)}"  # torch.library registrations are for the life of the process
+
+    alpha = {"now": 2.0}  # the static the test passes; the runtime sees only tensors and a module
+
+    def device(name, inputs, outs):  # the stubbed runtime computes what each kernel means
+        if name == f"{ns}::scaled_add":
+            return [inputs[0] * alpha["now"] + inputs[1]]
+        assert name == "scale", name
+        return [inputs[0] * 2.0]
+
+    registry.runner = device
+    op = _TokamaxStyleOp(pallas, f"{ns}::scaled_add")
+    assert getattr(torch.ops, ns).scaled_add.default is not None
+    x, y, z = torch.randn(8, 128), torch.randn(8, 128), torch.randn(16, 128)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # jax_op is the non-deprecated path; ours passes no deprecated argument
+        theirs = op(x, y)
+        ours = run_torch_tpu(scale, [z, 2.0], None)
+        alpha["now"] = 3.0
+        theirs3 = op(x, y, alpha=3.0)
+        ours2 = run_torch_tpu(scale, [z, 2.0], None)
+    torch.testing.assert_close(theirs, x * 2.0 + y, rtol=0, atol=0)
+    torch.testing.assert_close(theirs3, x * 3.0 + y, rtol=0, atol=0)
+    torch.testing.assert_close(ours, z * 2.0, rtol=0, atol=0)
+    torch.testing.assert_close(ours2, z * 2.0, rtol=0, atol=0)
+    assert [c["name"] for c in registry.calls] == [f"{ns}::scaled_add", "scale", f"{ns}::scaled_add", "scale"]
+    assert [len(c["inputs"]) for c in registry.calls] == [2, 1, 2, 1]
+    assert registry.calls[0]["inputs"][0] is x and registry.calls[0]["inputs"][1] is y
+    names = sorted(n for n, _ in registry.kernels)
+    assert names == ["scale", f"{ns}::scaled_add", f"{ns}::scaled_add"]  # one module per alpha, ours once
+    from jax._src.interpreters import mlir as jmlir
+    from jax._src.lib import _jax
+
+    with jmlir.make_ir_context():
+        for mod in registry.kernels.values():
+            assert "tpu_custom_call" in jmlir.module_to_string(_jax.mlir.deserialize_portable_artifact(mod))
+

@@ -1,5 +1,6 @@
 """Tuning database: lookup order, nearest bucket, corruption, concurrent writers."""
 
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -163,3 +164,103 @@ def test_orphan_temporary_files_are_cleaned_and_modes_kept(tmp_cache):
     os.chmod(path, 0o664)
     db.record(scale, "v6e", specs, statics, {"block_rows": 16}, {"evaluator": "test"})
     assert os.stat(path).st_mode & 0o777 == 0o664  # an existing file keeps its mode
+
+
+# ---------------------------------------------------------------------------------- unwritable cache (issue 36)
+@contextlib.contextmanager
+def _unprivileged():
+    """Root writes into 0555 folders anyway: as root, run the block with effective uid/gid ``nobody`` (the
+    real and saved ids stay 0, so they come back after); as another user, nothing to do."""
+    if os.geteuid() != 0:
+        yield
+        return
+    os.setegid(65534)
+    os.seteuid(65534)
+    try:
+        yield
+    finally:
+        os.seteuid(0)
+        os.setegid(0)
+
+
+def test_record_into_a_read_only_cache_dir_warns_once_and_goes_on(monkeypatch):
+    """Issue 36 item 9: a read-only cache folder (chmod 0555, written as a user without rights to it) made
+    filelock's lock file raise ``PermissionError`` out of ``record()``. Now: no exception, one RuntimeWarning
+    for two writes, None returned, nothing created in the folder; ``errors="raise"`` still raises; a sweep with
+    ``write_db="user"`` keeps its best config and says why it was not stored."""
+    import shutil
+    import tempfile
+    import warnings
+
+    from test_autotune_helpers import SyntheticEvaluator
+    from tpukernels.autotune.tuner import tune
+
+    root = tempfile.mkdtemp(prefix="tk-ro-cache-")  # not under pytest's 0700 tmp_path: `nobody` must reach it
+    folder = os.path.join(root, "cache", "autotuning", "v6e")
+    os.makedirs(folder)
+    for d in (root, os.path.join(root, "cache"), os.path.dirname(folder), folder):
+        os.chmod(d, 0o755 if d == root else 0o555)
+    monkeypatch.delenv("TPUKERNELS_TARGET_CHIP", raising=False)
+    monkeypatch.setattr(db, "_WARNED_UNWRITABLE", set(), raising=False)
+    specs, statics = _specs(64)
+    # the same calls once into a writable cache: as `nobody` this process cannot import what they import lazily
+    # (the interpreter's stdlib may sit under root's 0700 home)
+    monkeypatch.setenv("TPUKERNELS_CACHE_DIR", os.path.join(root, "warm"))
+    assert db.record(scale, "v6e", specs, statics, {"block_rows": 32}, {"evaluator": "test"})
+    tune(scale, "64x128:f32", 2.0, evaluator=SyntheticEvaluator(), strategy="exhaustive", write_db="user")
+    monkeypatch.setenv("TPUKERNELS_CACHE_DIR", os.path.join(root, "cache"))
+    try:
+        with _unprivileged():
+            if os.access(folder, os.W_OK, effective_ids=os.access in os.supports_effective_ids):
+                pytest.skip("this user can write to a 0555 folder")
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                first = db.record(scale, "v6e", specs, statics, {"block_rows": 32}, {"evaluator": "test"})
+                second = db.record(scale, "v6e", specs, statics, {"block_rows": 16}, {"evaluator": "test"})
+            with pytest.raises(PermissionError):
+                db.record(scale, "v6e", specs, statics, {"block_rows": 8}, {"evaluator": "test"}, errors="raise")
+            r = tune(scale, "64x128:f32", 2.0, evaluator=SyntheticEvaluator(), strategy="exhaustive",
+                     write_db="user")
+        assert first is None and second is None
+        msgs = [f"{w.category.__name__}: {w.message}" for w in caught]
+        assert len(msgs) == 1, msgs
+        assert msgs[0].startswith("RuntimeWarning: tpukernels: cannot write the tuning DB file")
+        assert "PermissionError" in msgs[0] and folder in msgs[0]
+        assert os.listdir(folder) == []
+        assert r.best is not None and r.db_path is None and "cannot write" in r.db_note
+    finally:
+        for d, _, _ in os.walk(root):
+            os.chmod(d, 0o755)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_record_unwritable_warning_is_per_folder(tmp_cache, monkeypatch):
+    """In process (any user): an OSError from the lock (simulated) is one warning per folder, then debug logs;
+    another folder warns again; the history writer behaves the same; a bad ``errors`` is an ArgumentError."""
+    import warnings
+
+    from filelock import FileLock
+
+    from tpukernels.errors import ArgumentError
+
+    def refuse(self, *a, **k):
+        raise PermissionError(13, "Permission denied", self.lock_file)
+
+    monkeypatch.setattr(FileLock, "acquire", refuse)
+    monkeypatch.setattr(db, "_WARNED_UNWRITABLE", set(), raising=False)
+    specs, statics = _specs(64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert db.record(scale, "v6e", specs, statics, {"block_rows": 32}, {"evaluator": "test"}) is None
+        assert db.record(scale, "v6e", specs, statics, {"block_rows": 16}, {"evaluator": "test"}) is None
+        assert db.record(scale, "v5e", specs, statics, {"block_rows": 16}, {"evaluator": "test"}) is None
+        assert db.record_history(scale, "v6e", specs, statics, "ev", [({"block_rows": 8}, 1.0)]) is None
+        assert db.record_history(scale, "v6e", specs, statics, "ev", [({"block_rows": 8}, 1.0)]) is None
+    msgs = [str(w.message) for w in caught]
+    assert len(msgs) == 3, msgs
+    assert "autotuning/v6e/" in msgs[0] and "autotuning/v5e/" in msgs[1] and "tuning history" in msgs[2]
+    assert not os.path.exists(db.user_db_path(scale.qualname, "v6e"))
+    with pytest.raises(PermissionError):
+        db.record(scale, "v6e", specs, statics, {"block_rows": 32}, {"evaluator": "test"}, errors="raise")
+    with pytest.raises(ArgumentError, match="errors must be 'warn' or 'raise'"):
+        db.record(scale, "v6e", specs, statics, {"block_rows": 32}, {"evaluator": "test"}, errors="ignore")

@@ -17,6 +17,8 @@ tries the user file then the shipped file: exact key first, then the nearest buc
 and ranks; smallest log-distance of shapes). Entries whose source hash differs from the kernel's current
 source are stale and skipped. A corrupted file gives a warning and is ignored. Writes take a file lock
 and replace the file atomically, so concurrent sweeps lose nothing and a killed sweep leaves a valid file.
+A folder that cannot be written (read-only cache dir, read-only file system) gives one warning per folder and
+no entry (:func:`record` returns None), never an exception after a sweep.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from ..dsl.kernel import TpuKernel, bucket
+from ..errors import ArgumentError
 
 log = logging.getLogger("tpukernels.autotune")
 VERSION = 1
@@ -229,6 +232,23 @@ def versions() -> dict:
     return out
 
 
+_WARNED_UNWRITABLE: set = set()  # folders already warned about by record / record_history
+
+
+def _unwritable(path: str, err: OSError, what: str, errors: str) -> None:
+    """``errors="raise"``: re-raise ``err``; ``"warn"``: one ``RuntimeWarning`` per folder, then go on."""
+    if errors == "raise":
+        raise err
+    folder = os.path.dirname(path) or "."
+    if folder in _WARNED_UNWRITABLE:
+        log.debug("tpukernels: %s not written to %s: %s", what, path, err)
+        return
+    _WARNED_UNWRITABLE.add(folder)
+    warnings.warn(f"tpukernels: cannot write the {what} {path} ({type(err).__name__}: {err.strerror or err}); "
+                  f"nothing is stored there (said once per folder). Set TPUKERNELS_CACHE_DIR to a writable folder "
+                  f"or pass --write-db PATH", RuntimeWarning, stacklevel=3)
+
+
 def record(
     kernel: TpuKernel,
     chip: str,
@@ -237,16 +257,39 @@ def record(
     config: Mapping,
     evidence: Mapping[str, Any],
     path: str | None = None,
-) -> str:
+    errors: str = "warn",
+) -> str | None:
     """Store ``config`` for a signature in the user DB (or ``path``); returns the file path.
 
     The file is locked (``filelock``) and rewritten through a temporary file + ``os.replace``, so two
     concurrent writers keep both entries and a crash leaves the old or the new file, never a torn one.
     An existing corrupted file is moved aside to ``<file>.corrupt`` (never silently overwritten).
+
+    A folder or file that cannot be written (``PermissionError`` from the lock file in a read-only cache dir, a
+    read-only file system, ...: any ``OSError`` of the folder, lock or write): with ``errors="warn"`` (default)
+    one ``RuntimeWarning`` per folder naming the path and the reason, nothing written, and None returned (as
+    :func:`load` does for a corrupt file); ``errors="raise"`` re-raises the ``OSError``.
+
+    Returns:
+        The file written, or None where it could not be written (``errors="warn"``).
+
+    Raises:
+        ArgumentError: ``errors`` is not ``"warn"`` or ``"raise"``.
+        OSError: with ``errors="raise"``, what the folder, lock or write raised.
     """
+    if errors not in ("warn", "raise"):
+        raise ArgumentError(f"tpukernels.autotune.db.record: errors must be 'warn' or 'raise', got {errors!r}")
+    path = path or user_db_path(kernel.qualname, chip)
+    try:
+        return _record(kernel, chip, specs, statics, config, evidence, path)
+    except OSError as e:
+        _unwritable(path, e, "tuning DB file", errors)
+        return None
+
+
+def _record(kernel, chip, specs, statics, config, evidence, path: str) -> str:
     from filelock import FileLock
 
-    path = path or user_db_path(kernel.qualname, chip)
     folder = os.path.dirname(path) or "."
     os.makedirs(folder, exist_ok=True)
     key = entry_key(kernel, specs, statics)
@@ -270,7 +313,7 @@ def record(
             except (OSError, ValueError, UnicodeDecodeError) as e:
                 aside = _set_aside(path)
                 warnings.warn(f"tpukernels: kept the unreadable tuning file as {aside} ({e}); its well-formed "
-                              f"entries ({len(entries)}) are carried over", RuntimeWarning, stacklevel=2)
+                              f"entries ({len(entries)}) are carried over", RuntimeWarning, stacklevel=4)
         entries = [e for e in entries if e.get("key") != key]
         entries.append({"key": key, "config": dict(config), "evidence": ev})
         data = {"version": VERSION, "kernel": kernel.qualname, "chip": chip, "entries": entries}
@@ -383,12 +426,24 @@ def load_history(kernel: TpuKernel, chip: str, specs, statics, evaluator: str,
         return []
 
 
-def record_history(kernel: TpuKernel, chip: str, specs, statics, evaluator: str, results, problem: str = "") -> str:
+def record_history(kernel: TpuKernel, chip: str, specs, statics, evaluator: str, results, problem: str = "",
+                   errors: str = "warn") -> str | None:
     """Add ``results`` (``(config, time_us or None)``) to the history (same key as :func:`load_history`; a
-    config already there is replaced). Locked and atomic like :func:`record`; an unreadable file is set aside."""
+    config already there is replaced). Locked and atomic like :func:`record`; an unreadable file is set aside.
+    An unwritable folder: as :func:`record` (``errors="warn"``: one warning per folder, None returned)."""
+    if errors not in ("warn", "raise"):
+        raise ArgumentError(f"tpukernels.autotune.db.record_history: errors must be 'warn' or 'raise', got {errors!r}")
+    path = history_path(kernel.qualname, chip)
+    try:
+        return _record_history(kernel, chip, specs, statics, evaluator, results, problem, path)
+    except OSError as e:
+        _unwritable(path, e, "tuning history", errors)
+        return None
+
+
+def _record_history(kernel, chip, specs, statics, evaluator, results, problem, path: str) -> str:
     from filelock import FileLock
 
-    path = history_path(kernel.qualname, chip)
     folder = os.path.dirname(path)
     os.makedirs(folder, exist_ok=True)
     key = entry_key(kernel, specs, statics)
@@ -404,7 +459,7 @@ def record_history(kernel: TpuKernel, chip: str, specs, statics, evaluator: str,
             except (OSError, ValueError, KeyError) as e:
                 aside = _set_aside(path)
                 warnings.warn(f"tpukernels: kept the unreadable tuning history as {aside} ({e})", RuntimeWarning,
-                              stacklevel=2)
+                              stacklevel=4)
                 runs = []
         run = next((r for r in runs if r.get("key") == key and r.get("evaluator") == evaluator
                     and r.get("problem", "") == problem), None)

@@ -342,7 +342,7 @@ def tune(
         if new:
             try:
                 db.record_history(kernel, chip_name, problem.lowered_specs, problem.statics, ev_id, new,
-                                  problem.describe())
+                                  problem.describe(), errors="raise")
             except OSError:  # the winner's write below reports an unwritable cache
                 pass
     if write_db and result.best is not None:
@@ -402,7 +402,8 @@ def store(result: SweepResult, problem: Problem, where: str, force: bool = False
         if k in best.details:
             evidence[k] = best.details[k]
     try:
-        written = db.record(kernel, result.chip, specs, statics, Config(best.config), evidence, path=path)
+        written = db.record(kernel, result.chip, specs, statics, Config(best.config), evidence, path=path,
+                            errors="raise")
     except OSError as e:  # a read-only cache dir must not hide the sweep's results
         return None, (f"not stored: cannot write {path} ({e.strerror or e}); set TPUKERNELS_CACHE_DIR to a "
                       f"writable folder or pass --write-db PATH")

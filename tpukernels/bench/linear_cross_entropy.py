@@ -145,7 +145,7 @@ def _args(n: int = N, v: int = V, backward: bool = False, dh: bool = False) -> t
     a = (f"{n}x{H}:bf16", f"{v}x{H}:bf16", f"{n}x1:i32")
     if dh:  # fwd_dh: + wy = W[labels] [N, H], g [N, 1]
         return (*a, f"{n}x{H}:bf16", f"{n}x1:f32")
-    return (*a, f"{n}x1:f32", f"{n}x1:f32") if backward else a
+    return (*a, f"{n}x2:f32", f"{n}x1:f32") if backward else a  # bwd: + the lse (hi, lo) pair [N, 2], g [N, 1]
 
 
 _KW = {"ignore_index": -100, "softcap": None}

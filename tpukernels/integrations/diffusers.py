@@ -16,6 +16,13 @@ in, both here:
   Enum (the member maps CPython's ``Enum`` keeps: ``_member_map_``, ``_value2member_map_``,
   ``_member_names_``, which is what ``AttentionBackendName("tpukernels")``, ``__members__`` and iteration
   read), then registers the backend for it with the decorator above. Nothing Diffusers ships is replaced.
+  This is the one use of internals here, isolated in :func:`_extend_enum`: the member is checked after it is
+  added the way Diffusers reads it (:func:`_enum_problem`: ``AttentionBackendName(value)``, ``__members__``,
+  iteration, name lookup), and removed again with a :class:`~tpukernels.errors.BackendUnavailableError` if any
+  check fails. Diffusers versions in :data:`ENUM_EXTENSION_TESTED` are the ones the test suite pins
+  (``tests/test_diffusers.py::test_enum_extension_contract`` fails loudly when the installed Diffusers is
+  outside it or its dispatcher changes shape); any other version gets one ``RuntimeWarning`` when the checks
+  pass. ``register(member="_native_xla")`` (below) needs no internals at all.
 * ``register(member="<existing value>")`` **overrides a member**: the same decorator re-registers an
   existing value (e.g. ``"_native_xla"``) with the tpukernels function; :func:`unregister` restores the
   original. No Enum internals touched, but that backend is gone while overridden.
@@ -39,6 +46,8 @@ import warnings
 import torch
 
 NAME = "tpukernels"
+#: Diffusers versions whose ``AttentionBackendName`` :func:`_extend_enum` is tested against (a PEP 440 specifier)
+ENUM_EXTENSION_TESTED = ">=0.42,<0.43"
 _warned: set = set()
 _overridden: dict = {}  # member -> (function, constraints, arg names) it had before register()
 
@@ -190,8 +199,76 @@ def _flash(query, key, value, scale, spec):
     return out.transpose(1, 2)
 
 
+def _diffusers_version() -> str:
+    from importlib.metadata import version
+
+    return version("diffusers")
+
+
+def _extend_enum(enum_cls, name: str, value: str):
+    """Add ``name = value`` to Diffusers' closed ``str`` Enum ``enum_cls`` and check it (module docstring).
+
+    Returns:
+        The new member.
+
+    Raises:
+        BackendUnavailableError: the member does not behave as a member where Diffusers reads it (CPython's or
+            Diffusers' Enum changed); the Enum is left as it was.
+    """
+    from packaging.specifiers import SpecifierSet
+
+    from ..errors import BackendUnavailableError
+
+    version = _diffusers_version()
+    member = _add_member(enum_cls, name, value)
+    problem = _enum_problem(enum_cls, name, value, member)
+    if problem is not None:
+        _remove_member(enum_cls, name, value)
+        raise BackendUnavailableError(
+            f"tpukernels diffusers backend: cannot add {name} = {value!r} to diffusers {version}'s "
+            f"{enum_cls.__name__} ({problem}; tested with diffusers {ENUM_EXTENSION_TESTED}). Use "
+            f"register(member='_native_xla') to serve an existing backend name through Diffusers' registry instead")
+    if not SpecifierSet(ENUM_EXTENSION_TESTED).contains(version, prereleases=True):
+        warnings.warn(f"tpukernels diffusers backend: diffusers {version} is outside the versions whose "
+                      f"{enum_cls.__name__} register() is tested against ({ENUM_EXTENSION_TESTED}); the added member "
+                      f"{value!r} passed its checks", RuntimeWarning, stacklevel=3)
+    return member
+
+
+def _enum_problem(enum_cls, name: str, value: str, member) -> str | None:
+    """What is wrong with ``member`` as ``enum_cls``'s member ``name = value``, read the ways Diffusers reads
+    backend names (``AttentionBackendName(value)``, ``{x.value for x in __members__.values()}``, iteration,
+    ``AttentionBackendName[name]``, registry dict keys compared with the plain string), or None."""
+    try:
+        if enum_cls(value) is not member:
+            return f"{enum_cls.__name__}({value!r}) is not the new member"
+        if enum_cls[name] is not member or getattr(enum_cls, name) is not member:
+            return f"{enum_cls.__name__}[{name!r}] is not the new member"
+    except (ValueError, KeyError, AttributeError) as e:
+        return f"lookup failed: {type(e).__name__}: {e}"
+    if value not in {x.value for x in enum_cls.__members__.values()}:
+        return "the value is missing from __members__"
+    if member not in list(enum_cls):
+        return "iteration does not yield the member"
+    if not (isinstance(member, enum_cls) and isinstance(member, str) and member == value
+            and hash(member) == hash(value) and member.name == name and member.value == value):
+        return "the member does not compare and hash as its string value"
+    return None
+
+
+def _remove_member(enum_cls, name: str, value: str) -> None:
+    """Undo :func:`_add_member` (whatever part of it took effect)."""
+    enum_cls._member_map_.pop(name, None)
+    enum_cls._value2member_map_.pop(value, None)
+    if name in enum_cls._member_names_:
+        enum_cls._member_names_.remove(name)
+    if name in enum_cls.__dict__:
+        type.__delattr__(enum_cls, name)
+
+
 def _add_member(enum_cls, name: str, value: str):
-    """Add ``name = value`` to a closed ``str`` Enum (see module docstring); returns the member."""
+    """Add ``name = value`` to a closed ``str`` Enum (CPython ``Enum`` internals; only :func:`_extend_enum`
+    calls this); returns the member."""
     member = str.__new__(enum_cls, value)
     member._name_, member._value_ = name, value
     member.__objclass__ = enum_cls
@@ -211,6 +288,9 @@ def register(member: str = NAME):
     Args:
         member: ``"tpukernels"`` (default) adds a new Enum member; the value of an existing member (e.g.
             ``"_native_xla"``) overrides that backend instead (undo with :func:`unregister`).
+
+    Raises:
+        BackendUnavailableError: a new member cannot be added to this Diffusers' Enum (:func:`_extend_enum`).
     """
     from diffusers.models import attention_dispatch as ad
 
@@ -223,7 +303,7 @@ def register(member: str = NAME):
             _overridden[backend] = (registry._backends[backend], registry._constraints[backend],
                                     registry._supported_arg_names[backend])
     else:
-        backend = _add_member(enum_cls, member.upper(), member)
+        backend = _extend_enum(enum_cls, member.upper(), member)
     registry.register(backend, constraints=[ad._check_device, ad._check_shape])(attention)
     return backend
 

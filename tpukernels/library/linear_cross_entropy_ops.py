@@ -34,7 +34,8 @@ op                                                          grid (inner last)  d
 ==========================================================  ================  ====================================
 ``tpukernels::linear_cross_entropy_fwd(h, w, labels)``      ``(N/bn, V/bv)``  online logsumexp over V blocks (f32
                                                                               running max / sum / target logit in
-                                                                              VMEM scratch) -> ``loss``, ``lse [N,1]``
+                                                                              VMEM scratch) -> ``loss``, ``lse [N,2]``
+                                                                              (the pair below)
 ``tpukernels::linear_cross_entropy_fwd_dh(h, w, labels,``   ``(N/bn, V/bv)``  the same, plus ``dh``: an f32 ``(bn,
 ``wy, g)``                                                                    H)`` accumulator ``sum_j exp(z_j - m)
                                                                               c_j W_j`` rescaled by ``exp(m_old -
@@ -74,6 +75,15 @@ and the ``W`` rows, both with ``jnp.where``) before contracting over V; ``bwd_dw
 dropped. A partial last N block: forward / ``bwd_dh`` rows past N are dropped on write; ``bwd_dw`` (which
 reduces over N) zeroes ``ds`` and ``h`` there. ``H`` is whole, so never a tail.
 
+Large logits. ``lse`` leaves the forward as an unevaluated f32 pair ``[N, 2] = (hi, lo)``, ``hi = fl(m + log
+l)`` and ``lo`` its rounding error (TwoSum), and the backward forms ``p = exp((z - hi) - lo)`` from logits it
+recomputes bit for bit (same dot over the whole ``H``). With one f32 ``lse`` at logits ~6e3 (ulp 4.9e-4),
+``p`` of a row's top logit (~1) was off by up to 2.4e-4, so ``ds = p - 1`` and ``dW = ds^T h`` carried
+``2.4e-4 |h|`` per row: dW 0.87 off where torch's f32 unfused softmax is 0.0034 (issue 36 item 5). Now ``z -
+hi`` is exact near the top (Sterbenz) and dW is as accurate as the unfused f32 path (tested against float64 at
+logits ~6e3, within 3x of its error); the loss is ``(hi - z_y) + lo`` the same way. What remains is the f32
+rounding of the logits themselves, which the unfused path has too.
+
 float16: Mosaic (libtpu 0.0.52) rejects float16 kernel operands on v5e/v6e/tpu7x, so the public op widens
 float16 ``h``/``W`` to float32 (exact) and rounds the gradients back. float32 operands contract with
 ``precision=HIGHEST``; bfloat16 ``ds`` is rounded to bfloat16 before the gradient matmuls (as flash
@@ -88,7 +98,7 @@ head (``H = 4096, V = 128256, N = 8192``, :data:`STANDARD_CASES`), written by::
     tpukernels autotune linear_cross_entropy_fwd --chip v5e,v6e,tpu7x --shape 8192x4096:bf16 \\
         --shape 128256x4096:bf16 --shape 8192x1:i32 --static ignore_index=-100 --strategy exhaustive \\
         --values bn=512,1024,2048 --values bv=256,512,1024 --workers 2 --write-db shipped
-    # bwd_dh / bwd_dw: the same with two more shapes, --shape 8192x1:f32 --shape 8192x1:f32
+    # bwd_dh / bwd_dw: the same with two more shapes (lse pair, g), --shape 8192x2:f32 --shape 8192x1:f32
     # fwd_dh: --shape 8192x4096:bf16 --shape 8192x1:f32 after the first three (wy, g)
 
 Model results of the sweeps (libtpu 0.0.52 static estimate on a 16-step reduced grid + roofline, not
@@ -170,6 +180,40 @@ def _capped(s, softcap):
     return softcap * t, t
 
 
+def _lse_pair(m, l):
+    """``lse = m + log(l)`` as an unevaluated f32 pair ``(hi, lo)`` (Knuth's TwoSum: ``hi = fl(m + log l)``,
+    ``lo`` its exact rounding error), both ``(bn, 1)``. At logits ~6e3 one f32 ``lse`` is off by up to half an
+    ulp (2.4e-4), and the backward's ``p = exp(z - lse)`` of the top logit, ~1, by as much: ``dW`` gains
+    ``2.4e-4 |h|`` per row. ``(z - hi) - lo`` is exact to f32 rounding of the small difference instead."""
+    import jax.numpy as jnp
+
+    r = jnp.log(l)
+    hi = m + r
+    b = hi - m
+    lo = (m - (hi - b)) + (r - b)
+    return hi, lo
+
+
+def _store_pair(ref, hi, lo):
+    """Write ``(hi, lo)`` ``(bn, 1)`` columns into a ``(bn, 2)`` block (a select on a lane iota)."""
+    import jax
+    import jax.numpy as jnp
+
+    col = jax.lax.broadcasted_iota(jnp.int32, ref.shape, 1)
+    ref[...] = jnp.where(col == 0, hi, lo)
+
+
+def _load_pair(ref):
+    """``(hi, lo)`` ``(bn, 1)`` columns of a ``(bn, 2)`` block (see :func:`_store_pair`)."""
+    import jax
+    import jax.numpy as jnp
+
+    x = ref[...]
+    col = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
+    return (jnp.sum(jnp.where(col == 0, x, 0.0), axis=1, keepdims=True),
+            jnp.sum(jnp.where(col == 1, x, 0.0), axis=1, keepdims=True))
+
+
 def _fwd_body(h_ref, w_ref, y_ref, loss_ref, lse_ref, m_sc, l_sc, t_sc, *, n_v, v_size, bv, softcap,
               ignore_index, precision):
     """One (bn rows, bv vocab) step of the online logsumexp; the running max ``m``, sum ``l`` and target
@@ -199,9 +243,9 @@ def _fwd_body(h_ref, w_ref, y_ref, loss_ref, lse_ref, m_sc, l_sc, t_sc, *, n_v, 
 
     @pl.when(j == n_v - 1)
     def _end():
-        lse = m_sc[...] + jnp.log(l_sc[...])
-        loss_ref[...] = jnp.where(y != ignore_index, lse - t_sc[...], 0.0)
-        lse_ref[...] = lse
+        hi, lo = _lse_pair(m_sc[...], l_sc[...])
+        loss_ref[...] = jnp.where(y != ignore_index, (hi - t_sc[...]) + lo, 0.0)
+        _store_pair(lse_ref, hi, lo)
 
 
 def _fwd_dh_body(h_ref, w_ref, y_ref, wy_hbm, g_ref, loss_ref, lse_ref, dh_ref, m_sc, l_sc, t_sc, acc_sc, sem, *,
@@ -278,12 +322,12 @@ def _fwd_dh_body(h_ref, w_ref, y_ref, wy_hbm, g_ref, loss_ref, lse_ref, dh_ref, 
         def _wait_tail():
             _wy_copy(n_last).wait()
 
-        lse = m_sc[...] + jnp.log(l_sc[...])
+        hi, lo = _lse_pair(m_sc[...], l_sc[...])
         t = t_sc[...]
         valid = y != ignore_index
         g = g_ref[...]
-        loss_ref[...] = jnp.where(valid, g * (lse - t), 0.0)
-        lse_ref[...] = lse
+        loss_ref[...] = jnp.where(valid, g * ((hi - t) + lo), 0.0)
+        _store_pair(lse_ref, hi, lo)
         cy = 1.0 if softcap is None else 1.0 - (t / softcap) ** 2
         wy = dh_ref[...].astype(jnp.float32)  # rows past N (last block) are undefined and dropped on write
         d = acc_sc[...] * (1.0 / l_sc[...]) - cy * wy
@@ -291,13 +335,16 @@ def _fwd_dh_body(h_ref, w_ref, y_ref, wy_hbm, g_ref, loss_ref, lse_ref, dh_ref, 
 
 
 def _dz(h, w, y, lse, g, j, *, bv, v_size, softcap, ignore_index, precision):
-    """``ds [bn, bv]`` f32 of one block (recomputed logits; module docstring), 0 at ignored rows."""
+    """``ds [bn, bv]`` f32 of one block (recomputed logits; module docstring), 0 at ignored rows. ``lse`` is
+    the ``(hi, lo)`` pair of :func:`_lse_pair`: ``z - hi`` is exact where ``z`` is near ``lse`` (Sterbenz), so
+    ``p`` of the top logits is as accurate as the unfused softmax's (the logits recomputed bit for bit)."""
     import jax
     import jax.numpy as jnp
 
     z, t = _capped(_logits(h, w, precision), softcap)
     col = j * bv + jax.lax.broadcasted_iota(jnp.int32, z.shape, 1)
-    p = jnp.exp(z - lse)
+    hi, lo = lse
+    p = jnp.exp((z - hi) - lo)
     gz = jnp.where(y != ignore_index, g, 0.0)  # (bn, 1)
     ds = gz * (p - jnp.where(col == y, 1.0, 0.0))
     if t is not None:
@@ -316,7 +363,7 @@ def _dh_body(h_ref, w_ref, y_ref, lse_ref, g_ref, dh_ref, acc_ref, *, n_v, v_siz
 
     j = pl.program_id(1)
     w = w_ref[...]
-    ds = _dz(h_ref[...], w, y_ref[...], lse_ref[...], g_ref[...], j, bv=bv, v_size=v_size, softcap=softcap,
+    ds = _dz(h_ref[...], w, y_ref[...], _load_pair(lse_ref), g_ref[...], j, bv=bv, v_size=v_size, softcap=softcap,
              ignore_index=ignore_index, precision=precision)
     if v_size % bv:  # undefined W rows: ds is 0 there, but 0 * NaN is NaN
         w = _dsl.mask_tail(w, 0, j * bv, v_size)
@@ -348,7 +395,7 @@ def _dw_body(h_ref, w_ref, y_ref, lse_ref, g_ref, dw_ref, acc_ref, *, n_n, n_siz
 
     j, i = pl.program_id(0), pl.program_id(1)
     h = h_ref[...]
-    ds = _dz(h, w_ref[...], y_ref[...], lse_ref[...], g_ref[...], j, bv=bv, v_size=v_size, softcap=softcap,
+    ds = _dz(h, w_ref[...], y_ref[...], _load_pair(lse_ref), g_ref[...], j, bv=bv, v_size=v_size, softcap=softcap,
              ignore_index=ignore_index, precision=precision)
     if n_size % bn:  # N tail: this kernel reduces over rows, so undefined rows must be zeros in ds and h
         ds = _dsl.mask_tail(ds, 0, i * bn, n_size)
@@ -379,6 +426,7 @@ def _check_kernel_args(h, w, labels, lse=None, g=None, *, where: str, wy=None):
     Raises:
         ArgumentError: ranks, ``H`` mismatch, per-row tensors not ``[N, 1]``, ``V == 0``, ``H == 0``.
         DTypeError: ``h``/``w`` not one of bfloat16/float32 or different; labels not int32; lse/g not float32.
+        (Shapes: ``labels``, ``g`` ``[N, 1]``; ``lse`` ``[N, 2]``.)
     """
     for x, n in ((h, "h"), (w, "w")):
         if len(x.shape) != 2:
@@ -397,11 +445,12 @@ def _check_kernel_args(h, w, labels, lse=None, g=None, *, where: str, wy=None):
     if wy is not None and (tuple(wy.shape) != (N, H) or _dt(wy) != _dt(h)):
         raise ArgumentError(f"{where}: wy must be [N, H] = ({N}, {H}) {_dt(h)} (the rows W[labels]), got "
                             f"{tuple(wy.shape)} {_dt(wy)}")
-    for x, n, dt in ((labels, "labels", "int32"), (lse, "lse", "float32"), (g, "g", "float32")):
+    for x, n, dt, c in ((labels, "labels", "int32", 1), (lse, "lse", "float32", 2), (g, "g", "float32", 1)):
         if x is None:
             continue
-        if tuple(x.shape) != (N, 1):
-            raise ArgumentError(f"{where}: {n} must have shape [N, 1] = ({N}, 1), got {tuple(x.shape)}")
+        if tuple(x.shape) != (N, c):
+            raise ArgumentError(f"{where}: {n} must have shape [N, {c}] = ({N}, {c}), got {tuple(x.shape)}"
+                                + (" (the (hi, lo) pair the forward returns)" if n == "lse" else ""))
         if _dt(x) != dt:
             raise DTypeError(f"{where}: {n} must be {dt}, got {_dt(x)}")
     return int(N), int(V), int(H)
@@ -409,7 +458,7 @@ def _check_kernel_args(h, w, labels, lse=None, g=None, *, where: str, wy=None):
 
 def vmem_bytes(kind: str, bn: int, bv: int, H: int, dtype, out_dtype=None) -> int:
     """tpukernels' VMEM estimate of one launch (double-buffered blocks, scratch, ~4 f32 (bn, bv) temporaries)."""
-    rows = 4 * padded_bytes((bn, 1), "float32")  # labels / lse / g / loss columns (lane-padded)
+    rows = 4 * padded_bytes((bn, 2), "float32")  # labels / lse / g / loss columns (lane-padded)
     tiles = 4 * bn * bv * 4
     if kind == "fwd":
         return 2 * (padded_bytes((bn, H), dtype) + padded_bytes((bv, H), dtype)) + 2 * rows + tiles
@@ -460,21 +509,22 @@ def _heuristic(kind: str):
     return heur
 
 
-def _row_specs(bn, index, n):
+def _row_specs(bn, index, *widths):
+    """``(bn, w)`` blocks of per-row columns: labels, g, loss ``w = 1``; the lse pair ``w = 2``."""
     from jax.experimental import pallas as pl
 
-    return [pl.BlockSpec((bn, 1), index) for _ in range(n)]
+    return [pl.BlockSpec((bn, w), index) for w in widths]
 
 
 def _fwd_out(h, w, labels, ignore_index=-100, softcap=None):
     N, V, H = _check_kernel_args(h, w, labels, where="tpukernels::linear_cross_entropy_fwd")
-    return (_dsl.OutSpec((N, 1), np.float32), _dsl.OutSpec((N, 1), np.float32))
+    return (_dsl.OutSpec((N, 1), np.float32), _dsl.OutSpec((N, 2), np.float32))
 
 
 def _fwd_dh_out(h, w, labels, wy, g, ignore_index=-100, softcap=None):
     _check_kernel_args(h, w, labels, g=g, wy=wy, where="tpukernels::linear_cross_entropy_fwd_dh")
-    col = _dsl.OutSpec((h.shape[0], 1), np.float32)
-    return (col, col, _dsl.OutSpec(tuple(h.shape), h.dtype))
+    return (_dsl.OutSpec((h.shape[0], 1), np.float32), _dsl.OutSpec((h.shape[0], 2), np.float32),
+            _dsl.OutSpec(tuple(h.shape), h.dtype))
 
 
 def _dh_out(h, w, labels, lse, g, ignore_index=-100, softcap=None):
@@ -492,7 +542,8 @@ def _dw_out(h, w, labels, lse, g, ignore_index=-100, softcap=None):
 def linear_cross_entropy_fwd(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
                              softcap: Optional[float] = None, *, bn: int, bv: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row loss and logsumexp: ``h [N, H]``, ``w [V, H]`` (bf16 | f32, one dtype), ``labels [N, 1]`` int32
-    -> ``(loss [N, 1] f32 (0 at ignore_index rows), lse [N, 1] f32)``; the logits stay in VMEM.
+    -> ``(loss [N, 1] f32 (0 at ignore_index rows), lse [N, 2] f32)``; the logits stay in VMEM. ``lse`` is the
+    pair ``(hi, lo)``, ``logsumexp = hi + lo`` unevaluated (module docstring, "Large logits").
 
     Raises:
         ArgumentError / DTypeError: see :func:`_check_kernel_args`.
@@ -504,12 +555,11 @@ def linear_cross_entropy_fwd(h: torch.Tensor, w: torch.Tensor, labels: torch.Ten
     bn_, bv_ = _clamp(N, bn), _clamp(V, bv)
     gi, gj = _dsl.cdiv(N, bn_), _dsl.cdiv(V, bv_)
     row = lambda i, j: (i, 0)  # noqa: E731
-    out = _dsl.OutSpec((N, 1), np.float32)
     return _dsl.Launch(
         grid=(gi, gj),
         in_specs=[pl.BlockSpec((bn_, H), row), pl.BlockSpec((bv_, H), lambda i, j: (j, 0)), *_row_specs(bn_, row, 1)],
-        out_specs=tuple(_row_specs(bn_, row, 2)),
-        out_shape=(out, out),
+        out_specs=tuple(_row_specs(bn_, row, 1, 2)),
+        out_shape=(_dsl.OutSpec((N, 1), np.float32), _dsl.OutSpec((N, 2), np.float32)),
         scratch_shapes=[pltpu.VMEM((bn_, 1), np.float32) for _ in range(3)],
         dimension_semantics=("parallel", "arbitrary"),
         vmem_limit_bytes=_limit(vmem_bytes("fwd", bn_, bv_, H, h.dtype)),
@@ -527,11 +577,11 @@ def linear_cross_entropy_fwd_dh(h: torch.Tensor, w: torch.Tensor, labels: torch.
 
     ``h [N, H]``, ``w [V, H]`` (bf16 | f32, one dtype), ``labels [N, 1]`` int32, ``wy [N, H]`` = ``w[labels]``
     (h's dtype; any row where the label is ignore_index or out of range), ``g [N, 1]`` f32 per-row weights ->
-    ``(loss [N, 1] f32 = g * (lse - z_y), lse [N, 1] f32, dh [N, H] h's dtype = d loss / d h)``; loss and dh are
-    0 at ``ignore_index`` rows. ``g`` is the reduction's weight (``1 / n_valid`` for "mean", 1 for "sum" and
-    "none"), so ``dh`` is the final gradient when the upstream gradient of ``loss`` is 1. Its backward
-    (``dh * upstream``, and ``dW`` by :func:`linear_cross_entropy_bwd_dw` with ``g * upstream``) recomputes the
-    logits once.
+    ``(loss [N, 1] f32 = g * (lse - z_y), lse [N, 2] f32 (the (hi, lo) pair), dh [N, H] h's dtype = d loss /
+    d h)``; loss and dh are 0 at ``ignore_index`` rows. ``g`` is the reduction's weight (``1 / n_valid`` for
+    "mean", 1 for "sum" and "none"), so ``dh`` is the final gradient when the upstream gradient of ``loss`` is
+    1. Its backward (``dh * upstream``, and ``dW`` by :func:`linear_cross_entropy_bwd_dw` with ``g *
+    upstream``) recomputes the logits once.
 
     Raises:
         ArgumentError / DTypeError: see :func:`_check_kernel_args`.
@@ -543,13 +593,12 @@ def linear_cross_entropy_fwd_dh(h: torch.Tensor, w: torch.Tensor, labels: torch.
     bn_, bv_ = _clamp(N, bn), _clamp(V, bv)
     gi, gj = _dsl.cdiv(N, bn_), _dsl.cdiv(V, bv_)
     row = lambda i, j: (i, 0)  # noqa: E731
-    col = _dsl.OutSpec((N, 1), np.float32)
     return _dsl.Launch(
         grid=(gi, gj),
         in_specs=[pl.BlockSpec((bn_, H), row), pl.BlockSpec((bv_, H), lambda i, j: (j, 0)), *_row_specs(bn_, row, 1),
                   pl.BlockSpec(memory_space=pl.ANY), *_row_specs(bn_, row, 1)],
-        out_specs=(*_row_specs(bn_, row, 2), pl.BlockSpec((bn_, H), row)),
-        out_shape=(col, col, _dsl.OutSpec((N, H), h.dtype)),
+        out_specs=(*_row_specs(bn_, row, 1, 2), pl.BlockSpec((bn_, H), row)),
+        out_shape=(_dsl.OutSpec((N, 1), np.float32), _dsl.OutSpec((N, 2), np.float32), _dsl.OutSpec((N, H), h.dtype)),
         scratch_shapes=[*(pltpu.VMEM((bn_, 1), np.float32) for _ in range(3)), pltpu.VMEM((bn_, H), np.float32),
                         pltpu.SemaphoreType.DMA((1,))],
         dimension_semantics=("parallel", "arbitrary"),
@@ -565,7 +614,8 @@ def linear_cross_entropy_fwd_dh(h: torch.Tensor, w: torch.Tensor, labels: torch.
 def linear_cross_entropy_bwd_dh(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
                                 g: torch.Tensor, ignore_index: int = -100, softcap: Optional[float] = None, *,
                                 bn: int, bv: int) -> torch.Tensor:
-    """``dh = ds @ w`` ``[N, H]`` (h's dtype) from ``lse [N, 1]`` f32 and the per-row loss gradient ``g [N, 1]`` f32."""
+    """``dh = ds @ w`` ``[N, H]`` (h's dtype) from the forward's ``lse [N, 2]`` f32 ``(hi, lo)`` pair and the per-row
+    loss gradient ``g [N, 1]`` f32."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
 
@@ -575,7 +625,8 @@ def linear_cross_entropy_bwd_dh(h: torch.Tensor, w: torch.Tensor, labels: torch.
     row = lambda i, j: (i, 0)  # noqa: E731
     return _dsl.Launch(
         grid=(gi, gj),
-        in_specs=[pl.BlockSpec((bn_, H), row), pl.BlockSpec((bv_, H), lambda i, j: (j, 0)), *_row_specs(bn_, row, 3)],
+        in_specs=[pl.BlockSpec((bn_, H), row), pl.BlockSpec((bv_, H), lambda i, j: (j, 0)),
+                  *_row_specs(bn_, row, 1, 2, 1)],  # labels, the lse pair, g
         out_specs=pl.BlockSpec((bn_, H), row),
         out_shape=_dsl.OutSpec((N, H), h.dtype),
         scratch_shapes=[pltpu.VMEM((bn_, H) if gj > 1 else (8, 128), np.float32)],
@@ -601,7 +652,8 @@ def linear_cross_entropy_bwd_dw(h: torch.Tensor, w: torch.Tensor, labels: torch.
     row = lambda j, i: (i, 0)  # noqa: E731
     return _dsl.Launch(
         grid=(gj, gi),
-        in_specs=[pl.BlockSpec((bn_, H), row), pl.BlockSpec((bv_, H), lambda j, i: (j, 0)), *_row_specs(bn_, row, 3)],
+        in_specs=[pl.BlockSpec((bn_, H), row), pl.BlockSpec((bv_, H), lambda j, i: (j, 0)),
+                  *_row_specs(bn_, row, 1, 2, 1)],  # labels, the lse pair, g
         out_specs=pl.BlockSpec((bv_, H), lambda j, i: (j, 0)),
         out_shape=_dsl.OutSpec((V, H), w.dtype, rows=False),
         scratch_shapes=[pltpu.VMEM((bv_, H) if gi > 1 else (8, 128), np.float32)],
@@ -805,8 +857,8 @@ _LLAMA3 = ("8192x4096:bf16", "128256x4096:bf16", "8192x1:i32")
 STANDARD_CASES = [
     (linear_cross_entropy_fwd, _LLAMA3, {"ignore_index": -100, "softcap": None}),
     (linear_cross_entropy_fwd_dh, (*_LLAMA3, "8192x4096:bf16", "8192x1:f32"), {"ignore_index": -100, "softcap": None}),
-    (linear_cross_entropy_bwd_dh, (*_LLAMA3, "8192x1:f32", "8192x1:f32"), {"ignore_index": -100, "softcap": None}),
-    (linear_cross_entropy_bwd_dw, (*_LLAMA3, "8192x1:f32", "8192x1:f32"), {"ignore_index": -100, "softcap": None}),
+    (linear_cross_entropy_bwd_dh, (*_LLAMA3, "8192x2:f32", "8192x1:f32"), {"ignore_index": -100, "softcap": None}),
+    (linear_cross_entropy_bwd_dw, (*_LLAMA3, "8192x2:f32", "8192x1:f32"), {"ignore_index": -100, "softcap": None}),
 ]
 
 __all__ = ["linear_cross_entropy", "reference", "unfused", "check_args", "linear_cross_entropy_fwd",
