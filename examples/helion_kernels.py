@@ -5,8 +5,9 @@ the Pallas front-end (examples/vector_add.py, softmax.py, matmul.py) spells thos
 torch op, compile-only checks and a tunable space. ``rms_scale`` is a fused elementwise + reduction that
 is 6 lines here and ~25 as a Pallas body + launch.
 
-Helion 1.5.1's Pallas backend needs shapes that are multiples of the tile sizes (see
-tpukernels/frontends/helion.py); the Pallas front-end masks tails.
+Helion 1.5.1's Pallas backend needs shapes that are multiples of the tile sizes; tpukernels pads other
+shapes to whole tiles and slices the outputs back (see tpukernels/frontends/helion.py); the Pallas
+front-end masks tails.
 
     python examples/helion_kernels.py
 """

@@ -180,3 +180,63 @@ def test_helion_tile_program_on_a_300x260_input(mode):
     x, y = torch.randn(300, 260), torch.randn(300, 260)
     got = add_twice(x, y, interpret=mode)
     torch.testing.assert_close(got.double(), x.double() + 2 * y.double(), rtol=0, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------ output tails (issue 36 item 10)
+@pytest.mark.parametrize("mode, m, k, n", [
+    ("fast", 200, 256, 128),  # M tail: the output's rows (torch.empty([m, n]) in the body) cover 2 blocks in part
+    ("fast", 256, 256, 130),  # N tail
+    ("fast", 200, 200, 256),  # square a: only its rows pad (K stays 200); out's N (256) equals padded M, not cut
+    ("tpu", 200, 300, 130),   # both tails and a K tail, in the NaN-poisoning TPU interpreter
+    ("races", 200, 256, 128),
+])
+def test_output_tails_of_a_matmul_match_float64(mode, m, k, n):
+    """A matmul whose output the body allocates used to raise "tensor operand 2 dim 0 (200) is not a multiple of
+    its block": Helion pads a's and b's reads itself, so only the output was partial and nothing padded it."""
+    g = torch.Generator().manual_seed(m + n)
+    a, b = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)
+    a0, b0 = a.clone(), b.clone()
+    got = H.matmul(a, b, interpret=mode, config={"block_sizes": (128, 128, 128)})
+    assert got.shape == (m, n)
+    torch.testing.assert_close(got.double(), a.double() @ b.double(), rtol=1e-5, atol=2e-4)
+    assert torch.equal(a, a0) and torch.equal(b, b0)
+
+
+@tk.tpu_kernel(backend="helion", namespace="tktest_helion", config={"block_sizes": [128, 128]})
+def shifted_rows(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """out[i, j] = x[i, j] + b[j] for the first m - 56 rows: an output dim no input dim has the size of."""
+    m, n = x.size()
+    out = torch.empty([m - 56, n], dtype=x.dtype, device=x.device)
+    for tm, tn in hl.tile([m - 56, n]):
+        out[tm, tn] = x[tm, tn] + b[tn]
+    return out
+
+
+@pytest.mark.parametrize("mode", ["fast", "tpu"])
+def test_an_output_tail_padding_cannot_reach_names_the_output_and_the_callers_shapes(mode):
+    """The message listed the padded shapes ((384,) for a (300,) bias) and called the output "tensor operand 2"."""
+    x, b = torch.randn(256, 300), torch.randn(300)
+    with pytest.raises(tk.LoweringError, match=r"inputs \[\(256, 300\), \(300,\)\].*output 0 dim 0 \(200\) is not a "
+                                               r"multiple of its block 128") as e:
+        shifted_rows(x, b, interpret=mode)
+    assert "384" not in str(e.value) and "operand" not in str(e.value)
+    # rows 440 pad to 512, which makes the output 456 rows long: said so, with the caller's shapes
+    with pytest.raises(tk.LoweringError, match=r"inputs \[\(440, 300\), \(300,\)\].*padding the inputs to whole "
+                                               r"blocks \(b dim 0 300 -> 384, x dim 0 440 -> 512, x dim 1 300 -> "
+                                               r"384\) makes output 0 dim 0 456 long"):
+        shifted_rows(torch.randn(440, 300), b, interpret=mode)
+    x = torch.randn(120, 300)  # 64 output rows, one block: only the input tails (300 columns) pad
+    got = shifted_rows(x, b, interpret=mode)
+    torch.testing.assert_close(got.double(), x[:64].double() + b.double(), rtol=0, atol=1e-6)
+
+
+@pytest.mark.aot
+def test_compile_for_pads_output_tails_and_reports_what_cannot_compile():
+    """compile_for raised the LoweringError; a tail shape now compiles, and what still cannot is a failed result."""
+    r = tk.compile_for(H.matmul, "v5e", "200x256:bf16", "256x130:bf16", config={"block_sizes": (128, 128, 128)})
+    assert r.ok, r.error
+    r = tk.compile_for(shifted_rows, "v5e", "256x300:f32", "300:f32")
+    assert not r.ok and r.error_kind == "lowering"
+    assert "output 0 dim 0 (200)" in r.error and "(300,)" in r.error and "384" not in r.error
+    r = tk.compile_for(gelu_tanh, "v5e", "64x256:f32")  # a feature Helion cannot lower: reported, not raised
+    assert not r.ok and r.error_kind == "lowering" and "approximate='tanh'" in r.error

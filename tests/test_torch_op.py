@@ -8,7 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import tpukernels as tk
-from kernels_for_tests import add_mul, broken, gather_rows, load_example, rowsum_masked, rowsum_unmasked, scale
+from kernels_for_tests import (_scale_bwd, add_mul, broken, gather_rows, load_example, rowsum_masked, rowsum_unmasked,
+                               scale)
 from tpukernels.errors import UnwrittenOutputError
 
 softmax = load_example("softmax").softmax
@@ -109,6 +110,25 @@ def test_backward_through_a_kernel_without_one_names_def_backward():
     with pytest.raises(tk.KernelDefinitionError, match=r"examples::softmax: this kernel has no backward.*"
                                                        r"@softmax.def_backward"):
         y.sum().backward()
+
+
+def test_double_backward_is_a_typed_error_unless_the_backward_is_declared_differentiable():
+    """A double backward used to run the backward's own ops wherever they led (an inner kernel's "no backward"
+    KernelDefinitionError, or a term silently dropped); now it is NotSupportedError naming the op, unless the
+    kernel declares def_backward(..., double_backward=True), as scale (whose backward is scale) may."""
+    x = torch.randn(16, 128, requires_grad=True)
+    (gx,) = torch.autograd.grad((scale(x, 3.0) ** 2).sum(), x, create_graph=True)  # 18 x
+    torch.testing.assert_close(gx.double(), 18.0 * x.detach().double(), rtol=1e-6, atol=1e-6)
+    with pytest.raises(tk.NotSupportedError, match=r"^tktest::scale: double backward is not supported") as e:
+        gx.sum().backward()
+    assert e.value.op == "tktest::scale" and x.grad is None
+    scale.def_backward(_scale_bwd, op="scale", double_backward=True)
+    try:
+        (gx,) = torch.autograd.grad((scale(x, 3.0) ** 2).sum(), x, create_graph=True)
+        gx.sum().backward()
+        torch.testing.assert_close(x.grad.double(), torch.full((16, 128), 18.0, dtype=torch.float64))
+    finally:
+        scale.def_backward(_scale_bwd)
 
 
 def test_fullgraph_compile_has_no_graph_break():

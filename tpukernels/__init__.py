@@ -59,6 +59,7 @@ from .errors import (
     KernelRuntimeError,
     KernelDefinitionError,
     LoweringError,
+    NotSupportedError,
     PerformanceWarning,
     TpuKernelError,
     VmemError,
@@ -105,5 +106,5 @@ __all__ = [
     "interpret_mode", "like", "mask_tail", "set_interpret_mode", "tail_valid", "tpu_kernel", "compile_for", "jax_call",
     "lower", "ArgumentError", "BackendUnavailableError", "BlockShapeError", "ChipError", "ConfigError",
     "DeviceError", "DTypeError", "KernelBodyError", "KernelDefinitionError", "KernelRuntimeError", "LoweringError",
-    "PerformanceWarning", "TpuKernelError", "VmemError", "__version__",
+    "NotSupportedError", "PerformanceWarning", "TpuKernelError", "VmemError", "__version__",
 ]

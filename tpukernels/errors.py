@@ -86,6 +86,19 @@ class KernelRaceError(KernelRuntimeError):
     to one buffer (a DMA and a load, two cores) not ordered by a semaphore wait or barrier."""
 
 
+class NotSupportedError(TpuKernelError, NotImplementedError):
+    """A well-formed request that an op does not support, e.g. a double backward (differentiating an op's
+    gradient, ``torch.autograd.grad(..., create_graph=True)`` then backward) through an op whose backward is
+    differentiable once.
+
+    Attributes: ``op`` (the public op named in the message, or None).
+    """
+
+    def __init__(self, message: str, *, op: str | None = None):
+        super().__init__(message)
+        self.op = op
+
+
 class BackendUnavailableError(TpuKernelError, ImportError):
     """An optional backend (libtpu for compile-only, torch_tpu for TPU tensors) is not installed."""
 

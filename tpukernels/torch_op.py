@@ -6,7 +6,9 @@
 * Fake kernel: output shapes from the launch function (or ``out_shape=``) evaluated on the fake
   tensors' sizes, which may be SymInts, so ``torch.compile(dynamic=True)`` traces one graph for all sizes.
   torch_tpu's ``jax_op`` needs concrete sizes; this does not.
-* Autograd: ``register_autograd`` when the kernel has a backward (:meth:`TpuKernel.def_backward`).
+* Autograd: ``register_autograd`` when the kernel has a backward (:meth:`TpuKernel.def_backward`). A backward is
+  differentiable once unless declared ``double_backward=True``: differentiating it raises
+  :class:`~tpukernels.errors.NotSupportedError` naming the op (:func:`_once_differentiable`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Optional
 from .dsl import hooks
 from .dsl.hooks import KERNEL_CALLS
 from .dsl.kernel import BackwardContext, TpuKernel
-from .errors import KernelDefinitionError
+from .errors import KernelDefinitionError, NotSupportedError
 
 _LIBS: dict = {}
 
@@ -137,6 +139,16 @@ def register_backward(kernel: TpuKernel) -> None:
         ctx.tpk_meta = (is_tensor, [None if t else v for v, t in zip(values, is_tensor)], len(outs))
 
     def backward(ctx, *grads):
+        if kernel._double_backward or not torch.is_grad_enabled():
+            return run_backward(ctx, *grads)
+        # create_graph=True: run the backward without recording it, then make its results raise if differentiated
+        with torch.no_grad():
+            res = run_backward(ctx, *grads)
+        if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in (*grads, *ctx.saved_tensors)):
+            return res
+        return _once_differentiable(kernel, res)
+
+    def run_backward(ctx, *grads):
         is_tensor, plain, n_out = ctx.tpk_meta
         saved = ctx.saved_tensors
         ins, outs = iter(saved[: len(saved) - n_out]), tuple(saved[len(saved) - n_out :])
@@ -161,3 +173,53 @@ def register_backward(kernel: TpuKernel) -> None:
         return tuple(res.get(n) for n in positional)
 
     kernel.op.register_autograd(backward, setup_context=setup_context)
+
+
+def _once_differentiable(kernel: TpuKernel, grads: tuple) -> tuple:
+    """``grads`` (a backward's results, computed without a graph) as tensors whose own backward raises
+    :class:`NotSupportedError` naming the op: a double backward through ``kernel`` fails with that error where it
+    would otherwise hit an inner kernel without a backward, or silently miss terms (what
+    ``torch.autograd.function.once_differentiable`` does, with a typed error instead of a ``RuntimeError``)."""
+    import torch
+
+    op = kernel._backward_op or kernel.qualname
+    message = (f"{op}: double backward is not supported (the gradient of {op}'s gradient: "
+               f"torch.autograd.grad(..., create_graph=True) and then a backward through that gradient); "
+               f"{kernel.qualname}'s backward is differentiable once. Compute second derivatives of {op} with a "
+               f"torch reference implementation, or do not differentiate its gradient")
+
+    idx = [i for i, g in enumerate(grads) if isinstance(g, torch.Tensor) and g.dtype.is_floating_point]
+    if not idx:
+        return grads
+    leaves = [grads[i].detach().requires_grad_() for i in idx]
+    guarded = _double_backward_guard().apply((message, op), *leaves)
+    out = list(grads)
+    for i, g in zip(idx, guarded):
+        out[i] = g
+    return tuple(out)
+
+
+_GUARD = None
+
+
+def _double_backward_guard():
+    """The autograd function of :func:`_once_differentiable` (made once: torch is imported lazily here)."""
+    global _GUARD
+    if _GUARD is None:
+        import torch
+
+        class DoubleBackwardNotSupported(torch.autograd.Function):
+            """Identity whose backward raises the :class:`NotSupportedError` it was given."""
+
+            @staticmethod
+            def forward(ctx, what, *ts):
+                ctx.what = what
+                return tuple(t.view_as(t) for t in ts)
+
+            @staticmethod
+            def backward(ctx, *gg):
+                message, op = ctx.what
+                raise NotSupportedError(message, op=op)
+
+        _GUARD = DoubleBackwardNotSupported
+    return _GUARD

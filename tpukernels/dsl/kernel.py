@@ -292,6 +292,8 @@ class TpuKernel:
         self.__doc__ = launch_fn.__doc__
         self.__wrapped__ = launch_fn
         self._backward: Callable | None = None
+        self._backward_op: str | None = None  # the public op named by a double-backward error (def_backward)
+        self._double_backward = False  # is the backward itself differentiable? (def_backward)
         self._entries: dict = {}  # lowering cache (tpukernels.lowering.lower)
         self._plans: dict = {}  # per-call plans of the torch targets
         self._lock = threading.Lock()
@@ -551,13 +553,30 @@ class TpuKernel:
         return wrapped
 
     # ------------------------------------------------------------------ entry points
-    def def_backward(self, fn: Callable) -> Callable:
+    def def_backward(self, fn: Callable | None = None, *, op: str | None = None, double_backward: bool = False):
         """Attach a backward: ``fn(ctx: BackwardContext, *grad_outputs) -> {arg_name: grad}``.
 
         The backward may call other tpukernels ops (or itself); the op becomes differentiable through
-        ``torch.library.register_autograd``. Returns ``fn`` so it can be used as a decorator.
+        ``torch.library.register_autograd``. Returns ``fn`` so it can be used as a decorator, bare
+        (``@k.def_backward``) or with options (``@k.def_backward(op="rms_norm")``).
+
+        Args:
+            op: the public op this kernel implements (``"rms_norm"``), named by the error below; default the
+                kernel's qualified name.
+            double_backward: True when ``fn`` is itself differentiable and its derivative is right: it is
+                built only from differentiable ops (tpukernels ops with a backward, torch ops) and uses every
+                incoming gradient and output it reads (e.g. a bilinear op's backward made of the same
+                kernels). False (default): the backward is differentiable once; it runs without recording a
+                graph, and differentiating its result (``torch.autograd.grad(..., create_graph=True)`` then
+                a backward through the gradient) raises :class:`~tpukernels.errors.NotSupportedError` naming
+                ``op``, where it would otherwise reach an inner kernel without a backward, or silently drop a
+                term (an output such as a saved statistic whose gradient the backward ignores).
         """
+        if fn is None:
+            return lambda f: self.def_backward(f, op=op, double_backward=double_backward)
         self._backward = fn
+        self._backward_op = op
+        self._double_backward = bool(double_backward)
         if self.op is not None:
             hooks.implementation("register_backward")(self)
         return fn

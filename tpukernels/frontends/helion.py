@@ -16,13 +16,17 @@ Differences from the Pallas front-end (documented, not hidden):
   compile-only target still reports real Mosaic errors and VMEM overflows.
 * Partial tiles: Helion 1.5.1's Pallas backend reads and writes whole tiles past the array end
   (out-of-bounds DMAs in the TPU-faithful interpreter, a trace error in fast interpret mode). Before
-  anything runs, in every mode, tpukernels reads Helion's launch plan for the call (its generated host
-  code run with a recording launcher); a grid-tiled input dim that is not a multiple of its block is
-  zero-padded up to one and the outputs are sliced back (as ``rows=`` does for the Pallas front-end), so
-  ``out[tile] = x[tile] + 2 * y[tile]`` works on a 300x260 input. Each tile computes its own elements, so
-  the padding reaches only output elements that are sliced away; a program that reduces *across* grid
-  tiles of a padded dim (atomics into one element) would see the zeros. What padding cannot fix (two dims
-  of different sizes padding to one size) is a :class:`LoweringError` naming the dims.
+  anything runs, in every mode and for ``compile_for``, tpukernels reads Helion's launch plan for the call
+  (its generated host code run with a recording launcher) and pads: a grid-tiled input dim that is not a
+  multiple of its block is zero-padded up to one, and so are the input dims that an output allocated in the
+  body (``torch.empty([m, n])``, a matmul's output, whose inputs Helion reads with its own padded DMAs) is
+  sized from; each output is sliced back to its true shape (as ``rows=`` does for the Pallas front-end). So
+  ``out[tile] = x[tile] + 2 * y[tile]`` works on a 300x260 input and a matmul on M=200, N=130 with blocks of
+  128. Each tile computes its own elements, so the padding reaches only output elements that are sliced
+  away; a program that reduces *across* grid tiles of a padded dim (atomics into one element) would see the
+  zeros. What padding cannot make whole (an output sized by something other than an input dim) is a
+  :class:`LoweringError` naming the output (``output k``) or argument, the dim and the block, with the
+  caller's shapes; ``compile_for`` returns it as a failed result.
 * Input sizes: Helion does not check that a tensor indexed by a tile (``b[tn]``) is as long as the
   range the tile runs over; its Pallas backend then reads past the end and returns wrapped-around
   values silently. tpukernels checks every tile-indexed dim of the program's loads and stores against
@@ -135,6 +139,37 @@ class HelionKernel(TpuKernel):
         return [static_vals[p.name] if p.kind == "static" else (None if s is None else next(it))
                 for p, s in zip(self.params, _expand(specs, kinds))]
 
+    def _plan(self, specs, statics, config: Config, mode: str, chip=None):
+        """Helion's launch plan for ``specs``: ``(bound, launches, names, outputs)`` from :func:`_dry_run` (no
+        kernel runs); errors Helion raises become :meth:`lowering_error`'s."""
+        import jax
+
+        hk = self.helion_kernel(config, interpret=mode != "mosaic")
+        device_ctx = _target_device_ctx(chip) if mode == "mosaic" else contextlib.nullcontext
+        try:
+            with device_ctx(), _quiet_codegen_log():
+                return _dry_run(hk, self._program_args(
+                    specs, statics, [jax.ShapeDtypeStruct(tuple(int(d) for d in s.shape), s.dtype)
+                                     for s in specs if s is not None]))
+        except TpuKernelError:
+            raise
+        except Exception as e:
+            raise self.lowering_error(e, specs, config) from e
+
+    def _checked_plan(self, specs, statics, config: Config, mode: str, chip=None):
+        """``(partial tiles, output placeholders)`` of Helion's plan for ``specs``, after the tile-read check
+        (see :meth:`check_program`)."""
+        bound, launches, names, outs = self._plan(specs, statics, config, mode, chip)
+        for arg, shape, d, tile, extent in _tile_reads(bound):
+            if shape[d] is not None and extent is not None and 1 < shape[d] < extent:
+                shapes = {s.name: tuple(s.shape) for s in specs if s is not None}
+                raise ArgumentError(
+                    f"{self.qualname}: {arg} has shape {shape}, but the program indexes its dim {d} with tile "
+                    f"{tile!r}, which runs over {extent} elements, so {arg} would be read past its end (inputs "
+                    f"{shapes}): its dim {d} must be at least {extent}. Declare shapes= on the kernel to check "
+                    f"how its inputs' dims relate before anything is traced")
+        return list(_partial_tiles(launches, names)), outs
+
     def check_program(self, specs, statics, config: Config, mode: str, chip=None, collect: bool = False) -> list:
         """Check the inputs against what Helion compiled for them, before anything runs (every mode alike).
 
@@ -145,33 +180,13 @@ class HelionKernel(TpuKernel):
         * a tensor dim indexed by a tile (``b[tn]``) must be at least the extent the tile runs over: a
           smaller one is read past its end (Helion 1.5.1 does not check this; its Pallas backend gave
           wrapped-around values silently) -> :class:`ArgumentError` naming the tensor, dim and tile;
-        * a grid-tiled dim must be a multiple of its block (or fit in one block), unless Helion pads it
-          (``_ds_pad_dims``): partial tiles fail in fast interpret mode, read out of bounds in the
-          TPU-faithful interpreter and on a TPU -> :class:`LoweringError` (``collect=True``: returned as
-          ``(arg, shape, dim, block)`` tuples instead, for :meth:`padded_for_tiles`).
+        * a grid-tiled dim of an input or an output must be a multiple of its block (or fit in one block),
+          unless Helion pads it (``_ds_pad_dims``): partial tiles fail in fast interpret mode, read out of
+          bounds in the TPU-faithful interpreter and on a TPU -> :class:`LoweringError` (``collect=True``:
+          returned as ``(name, shape, dim, block)`` tuples instead, ``name`` an input's parameter name or
+          ``"output k"``, for :meth:`padded_for_tiles`).
         """
-        import jax
-
-        hk = self.helion_kernel(config, interpret=mode != "mosaic")
-        device_ctx = _target_device_ctx(chip) if mode == "mosaic" else contextlib.nullcontext
-        try:
-            with device_ctx(), _quiet_codegen_log():
-                bound, launches, names = _dry_run(hk, self._program_args(
-                    specs, statics, [jax.ShapeDtypeStruct(tuple(int(d) for d in s.shape), s.dtype)
-                                     for s in specs if s is not None]))
-        except TpuKernelError:
-            raise
-        except Exception as e:
-            raise self.lowering_error(e, specs, config) from e
-        for arg, shape, d, tile, extent in _tile_reads(bound):
-            if shape[d] is not None and extent is not None and 1 < shape[d] < extent:
-                shapes = {s.name: tuple(s.shape) for s in specs if s is not None}
-                raise ArgumentError(
-                    f"{self.qualname}: {arg} has shape {shape}, but the program indexes its dim {d} with tile "
-                    f"{tile!r}, which runs over {extent} elements, so {arg} would be read past its end (inputs "
-                    f"{shapes}): its dim {d} must be at least {extent}. Declare shapes= on the kernel to check "
-                    f"how its inputs' dims relate before anything is traced")
-        partial = list(_partial_tiles(launches, names))
+        partial, _outs = self._checked_plan(specs, statics, config, mode, chip)
         if collect:
             return partial
         for arg, shape, d, block in partial:
@@ -180,41 +195,94 @@ class HelionKernel(TpuKernel):
         return []
 
     def padded_for_tiles(self, specs, statics, config: Config, mode: str, chip=None):
-        """Partial tiles made whole: ``(specs, pads)`` where ``specs`` has every input dim that a grid tile
-        covers in part padded up to a multiple of its block, and ``pads`` maps ``padded size -> true size``
-        for the outputs' dims to slice back (empty when nothing is partial). The program then runs on
-        zero-padded inputs, exactly as ``rows=`` does for the Pallas front-end: each tile computes its own
-        elements, so the padding only produces output elements that are sliced away.
+        """Partial tiles made whole: ``(specs, out_shapes)`` where ``specs`` has input dims padded up to a
+        multiple of their block and ``out_shapes`` are the outputs' true shapes, to slice the padded
+        program's outputs back to (None when nothing is partial: ``specs`` is returned unchanged).
+
+        Which input dims are padded:
+
+        * an input dim that a grid tile covers in part: padded to a multiple of its block;
+        * an output dim that a grid tile covers in part (an output the body allocates, ``torch.empty([m, n])``,
+          while the inputs it is computed from are read by Helion's own padded DMAs, as a matmul's are): the
+          input dims it is sized from. They are found by asking Helion: the input dims of the output dim's
+          size are padded together, then each is left unpadded in turn and stays so if the output dim still
+          pads (a matmul ``[200, 200] @ [200, 128]`` pads ``a``'s rows, not its 200 columns).
+
+        The program then runs on zero-padded inputs, exactly as ``rows=`` does for the Pallas front-end:
+        each tile computes its own elements, so the padding only produces output elements that are sliced
+        away.
 
         Raises:
-            LoweringError: the padded program still has partial tiles, or two dims of different sizes pad to
-                one size (their outputs could not be sliced back unambiguously).
+            LoweringError: the program has partial tiles that padding its inputs does not make whole (an
+                output sized by a static argument, a program that rejects the padded shapes); the message
+                gives the caller's shapes, not the padded ones.
         """
         from ..dsl.spec import TensorSpec
 
-        partial = self.check_program(specs, statics, config, mode, chip, collect=True)
+        partial, outs = self._checked_plan(specs, statics, config, mode, chip)
         if not partial:
-            return specs, {}
+            return specs, None
+        true_out = [tuple(int(d) for d in o.shape) for o in outs]
+        shapes = {s.name: tuple(int(d) for d in s.shape) for s in specs if s is not None}
+
+        def padded(grow: dict):
+            res = []
+            for s in specs:
+                if s is None or not any(n == s.name for n, _ in grow):
+                    res.append(s)
+                    continue
+                res.append(TensorSpec(tuple(grow.get((s.name, d), int(n)) for d, n in enumerate(s.shape)),
+                                      s.dtype, s.name))
+            return tuple(res)
+
+        def attempt(grow: dict):
+            """The partial tiles left with ``grow`` applied; None if the program rejects those shapes."""
+            try:
+                return self.check_program(padded(grow), statics, config, mode, chip, collect=True)
+            except Exception:  # noqa: BLE001  (a shape the program cannot take: not a usable padding)
+                return None
+
+        def whole(size: int, block: int) -> int:
+            return -(-size // block) * block
+
         grow: dict = {}
         for arg, shape, d, block in partial:
-            grow.setdefault(arg, {})[d] = max(grow.get(arg, {}).get(d, 0), -(-shape[d] // block) * block)
-        pads: dict = {}
-        new = []
-        for s in specs:
-            if s is None or s.name not in grow:
-                new.append(s)
-                continue
-            shape = list(int(d) for d in s.shape)
-            for d, p in grow[s.name].items():
-                if pads.get(p, shape[d]) != shape[d]:
-                    raise self._partial_tile_error(specs, config, f"dims of sizes {pads[p]} and {shape[d]} both pad "
-                                                                  f"to {p}")
-                pads[p] = shape[d]
-                shape[d] = p
-            new.append(TensorSpec(tuple(shape), s.dtype, s.name))
-        new = tuple(new)
-        self.check_program(new, statics, config, mode, chip)  # raises if tiles are still partial
-        return new, pads
+            if arg in shapes:
+                grow[(arg, d)] = max(grow.get((arg, d), 0), whole(shape[d], block))
+        rest = attempt(grow) if grow else partial
+        for _ in range(8):  # one output dim resolved per round
+            if not rest or any(arg in shapes for arg, *_ in rest):
+                break
+            arg, shape, d, block = rest[0]
+            size, target = shape[d], whole(shape[d], block)
+            cands = [(n, i) for n, sh in shapes.items() for i, v in enumerate(sh) if v == size and (n, i) not in grow]
+
+            def resolves(keys, arg=arg, d=d, target=target):
+                r = attempt({**grow, **{k: target for k in keys}})
+                return r is not None and not any(a == arg and dd == d for a, _s, dd, _b in r)
+
+            if not cands or not resolves(cands):
+                break
+            keep = list(cands)
+            for c in cands:
+                if len(keep) > 1 and resolves([k for k in keep if k != c]):
+                    keep.remove(c)
+            grow.update({k: target for k in keep})
+            rest = attempt(grow)
+        if rest is None:
+            raise self._partial_tile_error(specs, config, "the program rejects its inputs padded to whole blocks "
+                                                          f"({_grown(grow, shapes)})")
+        if rest:
+            arg, shape, d, block = rest[0]
+            first = next((p for p in partial if p[0] == arg and p[2] == d), None)
+            if first is None:  # whole on the caller's shapes: the padding of other dims made it partial
+                detail = (f"padding the inputs to whole blocks ({_grown(grow, shapes)}) makes {arg} dim {d} "
+                          f"{shape[d]} long, not a multiple of its block {block}")
+            else:
+                detail = (f"{arg} dim {d} ({first[1][d]}) is not a multiple of its block {block}, and padding the "
+                          f"inputs does not make it one")
+            raise self._partial_tile_error(specs, config, detail)
+        return padded(grow), true_out
 
     def _partial_tile_error(self, specs, config, detail: str = "") -> LoweringError:
         shapes = [tuple(s.shape) for s in specs if s is not None]
@@ -255,10 +323,11 @@ class HelionKernel(TpuKernel):
                 check_jax_dtype(s.dtype, f"{self.qualname} argument {s.name!r}")
         self.check_shapes(specs)
         cfg, source = self.resolve_config(specs, statics, config, chip)
-        padded, pads = self.padded_for_tiles(specs, statics, cfg, mode, chip)
+        padded, out_shapes = self.padded_for_tiles(specs, statics, cfg, mode, chip)
         fn = self._jax_callable(padded, statics, cfg, mode, chip)
-        if pads:
-            fn = _pad_and_slice(fn, [s for s in specs if s is not None], [s for s in padded if s is not None], pads)
+        if out_shapes is not None:
+            fn = _pad_and_slice(fn, [s for s in specs if s is not None], [s for s in padded if s is not None],
+                                out_shapes)
         arg_structs = tuple(jax.ShapeDtypeStruct(tuple(int(d) for d in s.shape), s.dtype) for s in specs if s is not None)
         try:
             out_structs = tuple(jax.eval_shape(fn, *arg_structs))
@@ -326,9 +395,15 @@ def _quiet_codegen_log():
         logger.removeFilter(_DropCodegenErrorLog)
 
 
-def _pad_and_slice(fn, specs, padded, pads: dict):
+def _grown(grow: dict, shapes: dict) -> str:
+    """``grow`` (``(input, dim) -> padded size``) as ``"x dim 0 300 -> 384, ..."``, for messages."""
+    return ", ".join(f"{n} dim {d} {shapes[n][d]} -> {p}" for (n, d), p in sorted(grow.items())) or "none"
+
+
+def _pad_and_slice(fn, specs, padded, out_shapes):
     """``fn`` (the program on ``padded`` shapes) as a function of arrays of the true ``specs`` shapes: inputs
-    zero-padded, every output dim whose size is a padded size sliced back to its true size (``pads``)."""
+    zero-padded, each output sliced back to its true shape (``out_shapes``, from Helion's plan for the true
+    shapes), so an output dim that happens to equal a padded size is not cut."""
     import jax.numpy as jnp
 
     widths = [tuple((0, int(p) - int(d)) for d, p in zip(s.shape, ps.shape)) for s, ps in zip(specs, padded)]
@@ -336,7 +411,10 @@ def _pad_and_slice(fn, specs, padded, pads: dict):
     def run(*arrays):
         grown = [a if not any(w for _, w in wd) else jnp.pad(a, wd) for a, wd in zip(arrays, widths)]
         outs = fn(*grown)
-        return tuple(o[tuple(slice(0, pads.get(int(n), int(n))) for n in o.shape)] for o in outs)
+        if len(outs) != len(out_shapes):
+            raise LoweringError(f"Helion program returned {len(outs)} outputs on padded inputs, {len(out_shapes)} "
+                                f"on the caller's shapes")
+        return tuple(o[tuple(slice(0, n) for n in shape)] for o, shape in zip(outs, out_shapes))
 
     return run
 
@@ -346,7 +424,9 @@ def _dry_run(hk, args: list):
     arrays), generate its code and run the generated host wrapper with a launcher that records
     ``(grid, launch args, launch kwargs)`` and returns the output placeholders: no kernel runs.
 
-    Returns ``(bound_kernel, launches, names)``, names: ``id(adapter) -> parameter name`` for the inputs.
+    Returns ``(bound_kernel, launches, names, outputs)``: ``names`` maps ``id(adapter)`` to the parameter name
+    of each input and to ``"output k"`` for the program's k-th returned tensor; ``outputs`` are those returned
+    tensors (placeholders with the outputs' shapes), flattened as ``Kernel.jax_fn`` returns them.
     """
     from helion.runtime.pallas.jax_export import _device_for_jax_export, _JaxExportTensor
 
@@ -364,10 +444,12 @@ def _dry_run(hk, args: list):
         ret = [o for o, i in zip(outs, launch_kwargs.get("_output_indices") or []) if i not in inplace] or outs
         return ret[0] if len(ret) == 1 else tuple(ret)
 
-    bound._run(*adapters, _launcher=launcher)
+    result = bound._run(*adapters, _launcher=launcher)
+    outputs = list(result) if isinstance(result, (tuple, list)) else [] if result is None else [result]
     params = inspect.signature(hk.fn).parameters
-    names = {id(a): n for a, n in zip(adapters, params) if hasattr(a, "shape")}
-    return bound, launches, names
+    names = {id(o): f"output {k}" for k, o in enumerate(outputs)}
+    names.update({id(a): n for a, n in zip(adapters, params) if hasattr(a, "shape")})
+    return bound, launches, names, outputs
 
 
 def _expr(v):
@@ -419,7 +501,9 @@ def _tile_reads(bound):
 
 def _partial_tiles(launches, names: dict):
     """``(tensor, shape, dim, block)`` for each grid-tiled dim of a launch's BlockSpecs that is neither a
-    multiple of its block nor within one block, and that Helion does not pad (``_ds_pad_dims``)."""
+    multiple of its block nor within one block, and that Helion does not pad (``_ds_pad_dims``). Also when the
+    grid stops before the partial block (2 blocks of 128 over 312 rows): Helion's pipeline fails on the
+    array's partial tail all the same."""
     import torch
 
     for _grid, largs, kw in launches:

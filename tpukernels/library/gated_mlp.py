@@ -199,7 +199,7 @@ def gated_activation_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
     return _launch(n, i, bm, bn, 3, 2, (tk.like(gate), tk.like(up)), 14, 5 * gate.size * gate.itemsize)
 
 
-@gated_activation_fwd.def_backward
+@gated_activation_fwd.def_backward(op="gated_activation (swiglu, geglu)")
 def _fwd_backward(ctx, dy):
     dg, du = gated_activation_bwd(dy, ctx.gate, ctx.up, ctx.activation)
     return {"gate": dg, "up": du}

@@ -669,7 +669,7 @@ KERNELS = {"fwd": linear_cross_entropy_fwd, "fwd_dh": linear_cross_entropy_fwd_d
            "bwd_dw": linear_cross_entropy_bwd_dw}
 
 
-@linear_cross_entropy_fwd.def_backward
+@linear_cross_entropy_fwd.def_backward(op="linear_cross_entropy")
 def _fwd_backward(ctx, g_loss, g_lse=None):
     """Gradients of the per-row loss (the lse output carries no gradient: it is internal)."""
     h, w, labels = ctx.args["h"], ctx.args["w"], ctx.args["labels"]
@@ -686,7 +686,7 @@ def _fwd_backward(ctx, g_loss, g_lse=None):
     return grads
 
 
-@linear_cross_entropy_fwd_dh.def_backward
+@linear_cross_entropy_fwd_dh.def_backward(op="linear_cross_entropy")
 def _fwd_dh_backward(ctx, g_loss, g_lse=None, g_dh=None):
     """``dh`` was computed in the forward for an upstream gradient of 1: scale it by the upstream gradient of
     ``loss``; ``dW`` recomputes the logits once (:func:`linear_cross_entropy_bwd_dw`, per-row weight

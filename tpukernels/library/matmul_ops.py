@@ -619,7 +619,7 @@ def _make_backward(layout: str):
 
 
 for _layout, _k in KERNELS.items():
-    _k.def_backward(_make_backward(_layout))
+    _k.def_backward(_make_backward(_layout), op="matmul", double_backward=True)  # made of matmul kernels + torch
 
 
 # ----------------------------------------------------------------------------------------------- public op

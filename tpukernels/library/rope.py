@@ -218,7 +218,7 @@ def rope_fwd(
     )
 
 
-@rope_fwd.def_backward
+@rope_fwd.def_backward(op="apply_rope", double_backward=True)  # the backward is rope_fwd itself
 def _rope_fwd_backward(ctx, dy):
     """dx: the transposed map; dcos / dsin (only when asked for): torch ops on the same formula."""
     out = {"x": rope_fwd(dy, ctx.cos, ctx.sin, ctx.rotary_dim, ctx.interleaved, ctx.seq_dim, not ctx.transpose)}

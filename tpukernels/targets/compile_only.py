@@ -31,8 +31,8 @@ from ..chips import Chip, MiB, get_chip
 from ..dsl.kernel import TpuKernel
 from ..dsl.spec import TensorSpec
 from .._env import install_hint
-from ..errors import (BackendUnavailableError, BlockShapeError, KernelBodyError, TpuKernelError, UnwrittenOutputError,
-                      VmemError)
+from ..errors import (BackendUnavailableError, BlockShapeError, KernelBodyError, LoweringError, TpuKernelError,
+                      UnwrittenOutputError, VmemError)
 from ..lowering import lower, specs_from_values
 
 AOT_HINT = f"compile-only needs libtpu (0.0.52 matches jax 0.10.2); install the aot extra: {install_hint('aot')}"
@@ -390,9 +390,10 @@ def compile_for(
     t0 = time.perf_counter()
     try:
         low = lower(kernel, specs, statics, config, mode="mosaic", chip=chip)
-    except (VmemError, BlockShapeError, KernelBodyError) as e:
+    except (VmemError, BlockShapeError, KernelBodyError, LoweringError) as e:
         res.error_kind = next(v for k, v in ((UnwrittenOutputError, "unwritten_output"), (VmemError, "vmem"),
-                                             (BlockShapeError, "block_shape"), (KernelBodyError, "body")) if isinstance(e, k))
+                                             (BlockShapeError, "block_shape"), (KernelBodyError, "body"),
+                                             (LoweringError, "lowering")) if isinstance(e, k))
         res.error = str(e)
         res.vmem_estimate_bytes, res.vmem_limit_bytes = getattr(e, "estimate_bytes", None), getattr(e, "limit_bytes", None)
         try:  # the config that failed, for sweeps that read the result
@@ -435,8 +436,6 @@ def compile_for(
                           "library's norms, matmul and attention do)")
     res.compile_seconds = time.perf_counter() - t0
     if res.ok and estimate_cycles:
-        from ..errors import LoweringError
-
         try:
             res.estimated_cycles = static_estimated_cycles(low, chip)
         except (LoweringError, subprocess.TimeoutExpired) as e:  # the profiler, not the kernel: keep the compile

@@ -357,7 +357,7 @@ def fa_backward_dkv(
     cfg = dict(block_q=block_q, block_kv=block_kv, block_kv_compute=block_kv_compute, block_h=block_h)
     return _launch_dkv(q, k, v, do, lse, di, q_segment_ids, kv_segment_ids, statics, cfg)
 
-@fa_forward.def_backward
+@fa_forward.def_backward(op="flash_attention")
 def _fa_backward(ctx, d_out, d_lse):
     q, k, v = ctx.q, ctx.k, ctx.v
     qs, ks = ctx.q_segment_ids, ctx.kv_segment_ids

@@ -274,7 +274,7 @@ def fa_backward_dkv_masked(
                               q_segment_ids, kv_segment_ids, sm_scale, softcap, block_kv_compute)
 
 
-@fa_forward_masked.def_backward
+@fa_forward_masked.def_backward(op="flash_attention")
 def _fa_masked_backward(ctx, d_out, d_lse):
     out, lse = ctx.outputs
     if d_out is None:

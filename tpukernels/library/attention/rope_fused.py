@@ -189,7 +189,7 @@ def fa_forward_rope(
     return _launch_rope_fwd(q, k, v, cos, sin, q_segment_ids, kv_segment_ids, statics, cfg, rotary_dim, interleaved)
 
 
-@fa_forward_rope.def_backward
+@fa_forward_rope.def_backward(op="flash_attention")
 def _fa_rope_backward(ctx, d_out, d_lse, d_qrot):
     """Today's dQ / dK/dV kernels on the saved rotated q; ``dq = rope^T(dq_rot)`` (the RoPE kernel's transposed
     map, :data:`tpukernels.library.rope.rope_fwd` with ``transpose=True``); cos/sin gradients (when asked for)

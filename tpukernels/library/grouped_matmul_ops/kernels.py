@@ -460,7 +460,7 @@ def heuristic_tgmm(group_sizes, group_offset, x, y, num_groups=0, out_dtype=None
 grouped_matmul_fwd.canonicalize = grouped_matmul_tgmm.canonicalize = _dsl.dtype_default("out_dtype", 2)
 
 
-@grouped_matmul_fwd.def_backward
+@grouped_matmul_fwd.def_backward(op="grouped_matmul", double_backward=True)  # grouped matmuls + tgmm
 def _fwd_backward(ctx, g):
     gs, go, lhs, rhs = ctx.args["group_sizes"], ctx.args["group_offset"], ctx.args["lhs"], ctx.args["rhs"]
     tr = ctx.args["transpose_rhs"]
@@ -476,7 +476,7 @@ def _fwd_backward(ctx, g):
     return grads
 
 
-@grouped_matmul_tgmm.def_backward
+@grouped_matmul_tgmm.def_backward(op="grouped_matmul", double_backward=True)  # two grouped matmuls
 def _tgmm_backward(ctx, g):
     """tgmm ``d_W[g] = x[rows of g]^T @ y[rows of g]`` is bilinear: ``d_x = grouped_matmul(y, g, transpose_rhs)``
     (``y_row @ g[grp]^T``), ``d_y = grouped_matmul(x, g)`` (``x_row @ g[grp]``); rows outside the groups get 0.

@@ -507,7 +507,7 @@ def grouped_matmul_quant_dx(group_sizes: torch.Tensor, group_offset: torch.Tenso
                          weight_format, bm, bk, bn, dx=True)
 
 
-@grouped_matmul_quant_fwd.def_backward
+@grouped_matmul_quant_fwd.def_backward(op="grouped_matmul_quantized")
 def _quant_backward(ctx, gy):
     """``d_lhs`` through :func:`grouped_matmul_quant_dx` (``dO`` rounded to ``lhs.dtype`` first, the dtype the
     forward's MXU ran in); the weight side and the group metadata get no gradient (module docstring)."""

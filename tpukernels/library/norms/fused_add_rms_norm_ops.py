@@ -100,7 +100,7 @@ def fused_add_rms_norm_fwd(
     )
 
 
-@fused_add_rms_norm_fwd.def_backward
+@fused_add_rms_norm_fwd.def_backward(op="fused_add_rms_norm")
 def _fused_add_rms_norm_fwd_backward(ctx, dy, dres, _drstd):
     # new_residual = x + residual feeds y and is an output itself: d(new_residual) = rms_bwd(dy) + dres
     dh, dw = rms_norm_bwd(dy, ctx.outputs[1], ctx.outputs[2], ctx.weight, dres, ctx.offset)

@@ -178,7 +178,7 @@ def layer_norm_bwd(
     )
 
 
-@layer_norm_fwd.def_backward
+@layer_norm_fwd.def_backward(op="layer_norm")
 def _layer_norm_fwd_backward(ctx, dy, _dmean, _drstd):
     dx, dw, db = layer_norm_bwd(dy, ctx.x, ctx.outputs[1], ctx.outputs[2], ctx.weight)
     return {"x": dx, "weight": _weight_grad(ctx, "weight", dw), "bias": _weight_grad(ctx, "bias", db)}

@@ -201,7 +201,7 @@ def rms_norm_bwd(
     )
 
 
-@rms_norm_fwd.def_backward
+@rms_norm_fwd.def_backward(op="rms_norm")
 def _rms_norm_fwd_backward(ctx, dy, _drstd):
     dx, dw = rms_norm_bwd(dy, ctx.x, ctx.outputs[1], ctx.weight, None, ctx.offset)
     return {"x": dx, "weight": _weight_grad(ctx, "weight", dw)}

@@ -320,4 +320,4 @@ def _backward(ctx, gy):
     return grads
 
 
-quantized_matmul_blockwise_kernel.def_backward(_backward)
+quantized_matmul_blockwise_kernel.def_backward(_backward, op="quantized_matmul_blockwise")

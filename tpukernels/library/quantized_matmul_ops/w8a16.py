@@ -421,7 +421,7 @@ def _backward(ctx, g):
     return grads
 
 
-quantized_matmul_kernel.def_backward(_backward)
+quantized_matmul_kernel.def_backward(_backward, op="quantized_matmul")
 
 
 #: the shapes the shipped defaults are tuned for (Llama-3-8B MLP: prefill 8192 tokens, decode 16 / 64)
