@@ -29,8 +29,8 @@ import tpukernels as tk
 from tpukernels import library as L
 
 EPS, ATOL, RTOL = 3e-2, 1e-8, 5e-3
-gq = importlib.import_module("tpukernels.library.grouped_matmul.quant")
-qb = importlib.import_module("tpukernels.library.quantized_matmul.blockwise")
+gq = importlib.import_module("tpukernels.library.grouped_matmul_ops.quant")
+qb = importlib.import_module("tpukernels.library.quantized_matmul_ops.blockwise")
 
 
 def _rand(g, *shape, scale=1.0):
