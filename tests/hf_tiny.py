@@ -29,7 +29,7 @@ SIZES = dict(
 
 
 #: a tiny model above this many parameters is not built (the generic shrinker missed a nested size)
-MAX_PARAMS = 8_000_000
+MAX_PARAMS = 16_000_000
 
 
 def tiny_config(model_type: str):
