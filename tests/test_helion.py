@@ -240,3 +240,40 @@ def test_compile_for_pads_output_tails_and_reports_what_cannot_compile():
     assert "output 0 dim 0 (200)" in r.error and "(300,)" in r.error and "384" not in r.error
     r = tk.compile_for(gelu_tanh, "v5e", "64x256:f32")  # a feature Helion cannot lower: reported, not raised
     assert not r.ok and r.error_kind == "lowering" and "approximate='tanh'" in r.error
+
+
+# ----------------------------------------------------------------------------- static ints as sizes (value-keyed)
+@tk.tpu_kernel(backend="helion", namespace="tktest_helion", config={"block_sizes": [64, 128]})
+def first_rows_doubled(x: torch.Tensor, m: int) -> torch.Tensor:
+    """2 * x[:m]: the static int m sizes the output and the tiled range."""
+    n = x.size(1)
+    out = torch.empty([m, n], dtype=x.dtype, device=x.device)
+    for tm, tn in hl.tile([m, n]):
+        out[tm, tn] = x[tm, tn] * 2
+    return out
+
+
+@tk.tpu_kernel(backend="helion", namespace="tktest_helion", config={"block_sizes": [64, 128]})
+def scaled_shifted(x: torch.Tensor, k: int, c: float) -> torch.Tensor:
+    """x * k + c: static values used only in arithmetic."""
+    out = torch.empty_like(x)
+    for tile in hl.tile(x.size()):
+        out[tile] = x[tile] * k + c
+    return out
+
+
+def test_a_static_int_used_as_a_size_gets_its_own_program_per_value():
+    """Helion keys a plain int argument by its type: after a call with m=128, a call with m=64 returned 128 rows
+    (the first call's program), silently; each value now gets its own program."""
+    x = torch.randn(256, 128, generator=torch.Generator().manual_seed(3))
+    for m in (128, 64, 192, 128):
+        got = first_rows_doubled(x, m)
+        assert got.shape == (m, 128)
+        torch.testing.assert_close(got.double(), 2 * x[:m].double(), rtol=0, atol=0)
+
+
+def test_static_scalars_used_in_arithmetic_give_each_calls_value():
+    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(4))
+    for k, c in ((2, 0.5), (3, 0.5), (-1, 0.5), (3, -2.25)):
+        got = scaled_shifted(x, k, c)
+        torch.testing.assert_close(got.double(), x.double() * k + c, rtol=1e-6, atol=1e-6)

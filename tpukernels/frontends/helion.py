@@ -36,6 +36,9 @@ Differences from the Pallas front-end (documented, not hidden):
 * Helion's own "triton codegen error" log record (a traceback on stderr at every call of a program
   it cannot lower) is dropped while tpukernels compiles; the :class:`LoweringError` is chained to
   Helion's exception instead.
+* Static arguments: numeric ones (int, float, bool) reach Helion as ``hl.constexpr(value)``, so each value
+  gets its own Helion program, as it gets its own lowering. Helion 1.5.1 keys a plain int by its type only,
+  so an int used as a size (``torch.empty([m, n])``, ``hl.tile(m)``) used to keep the first call's value.
 * ``interpret="tpu"`` runs Helion's interpret-mode code under ``pltpu.force_tpu_interpret_mode``.
 * Dtypes the Pallas backend cannot take (float64, int64, uint64) are rejected with a
   :class:`~tpukernels.errors.DTypeError` before Helion sees them; other features Helion cannot lower
@@ -132,11 +135,20 @@ class HelionKernel(TpuKernel):
 
     def _program_args(self, specs, statics, arrays) -> list:
         """The program's positional arguments: ``arrays`` (one per present tensor) with the static values and
-        None for absent optional tensors at their positions."""
+        None for absent optional tensors at their positions.
+
+        Numeric static values (int, float, bool) are passed as ``hl.constexpr(value)``, Helion's documented
+        way to specialize a program on an argument's value: Helion 1.5.1 keys a plain int / float / bool
+        argument by its type only (``_number_key``), so one bound program served every value, and an int used
+        as a size (``torch.empty([m, n])``, ``hl.tile(m)``) kept the first call's value (a call with m=200
+        after one with m=128 returned 128 rows). tpukernels lowers once per static value anyway (the lowering
+        cache is keyed on them), so this costs no extra compiles."""
+        import helion.language as hl
+
         it = iter(arrays)
         static_vals = dict(statics)
         kinds = [p.kind for p in self.params]
-        return [static_vals[p.name] if p.kind == "static" else (None if s is None else next(it))
+        return [_constexpr(hl, static_vals[p.name]) if p.kind == "static" else (None if s is None else next(it))
                 for p, s in zip(self.params, _expand(specs, kinds))]
 
     def _plan(self, specs, statics, config: Config, mode: str, chip=None):
@@ -525,6 +537,12 @@ def _partial_tiles(launches, names: dict):
 def _target_device_ctx(chip):
     """A context factory naming ``chip`` as the TPU jax traces for (:meth:`Chip.trace_target`), or a no-op."""
     return contextlib.nullcontext if chip is None else chip.trace_target
+
+
+def _constexpr(hl, v):
+    """``v`` as ``hl.constexpr(v)`` when it is a number (int, float, bool), so Helion specializes on its value;
+    other static values (str, None, ...) unchanged (Helion already keys a str by value)."""
+    return hl.constexpr(v) if isinstance(v, (int, float, bool, np.integer, np.floating, np.bool_)) else v
 
 
 def _expand(specs, kinds):
