@@ -262,12 +262,13 @@ def scaled_shifted(x: torch.Tensor, k: int, c: float) -> torch.Tensor:
     return out
 
 
-def test_a_static_int_used_as_a_size_gets_its_own_program_per_value():
+@pytest.mark.parametrize("mode", ["fast", "tpu"])
+def test_a_static_int_used_as_a_size_gets_its_own_program_per_value(mode):
     """Helion keys a plain int argument by its type: after a call with m=128, a call with m=64 returned 128 rows
     (the first call's program), silently; each value now gets its own program."""
     x = torch.randn(256, 128, generator=torch.Generator().manual_seed(3))
     for m in (128, 64, 192, 128):
-        got = first_rows_doubled(x, m)
+        got = first_rows_doubled(x, m, interpret=mode)
         assert got.shape == (m, 128)
         torch.testing.assert_close(got.double(), 2 * x[:m].double(), rtol=0, atol=0)
 
