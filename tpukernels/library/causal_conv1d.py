@@ -732,3 +732,14 @@ def causal_conv1d_update_reference(x, conv_state, weight, bias=None, activation=
     if activation in ("silu", "swish"):
         out = out * torch.sigmoid(out)
     return (out[..., 0] if squeeze else out), st
+
+
+#: ``(args, kwargs)`` of :func:`causal_conv1d_fwd` at Qwen3-Next-80B-A3B's conv (q, k, v: 8192 channels, W = 4):
+#: prefill 4096 tokens (one sequence, and packed with segment ids) and decode of 256 rows. Compiled by the aot
+#: tests; not ``STANDARD_CASES`` yet (no tuning tables are shipped for this kernel).
+STANDARD_SHAPES = [
+    (("1x8192x4096:bf16", "1x8192x4096:bf16", "8192x4:bf16", None, None, None, None), {"silu": True}),
+    (("1x8192x4096:bf16", "1x8192x4096:bf16", "8192x4:bf16", "8192x1:bf16", "1x1x4096:i32", "1x1x4096:i32", None),
+     {"silu": True}),
+    (("256x8192x1:bf16", None, "8192x4:bf16", None, None, None, "256x8192x3:bf16"), {"silu": True}),
+]
