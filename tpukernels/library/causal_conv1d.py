@@ -54,7 +54,8 @@ Backward (``dx``, ``dweight``, ``dbias``, ``dinitial_states``): the pre-activati
 forward kernel (``silu=False``); ``dx`` is the same kernel on the time-reversed ``dpre`` with the taps
 reversed (the transpose of a causal conv is an anti-causal one); ``dweight`` / ``dbias`` / ``dinitial_states``
 are float32 reductions in torch. Not differentiable: the cu_seqlens + initial_states fix-up path (a typed
-error if a gradient is asked for there) and ``causal_conv1d_update``.
+error if a gradient is asked for there); ``causal_conv1d_update`` is for inference (its in-place state write is
+outside autograd; its gradients are untested).
 
 Tuning: ``block_d`` (channels per step) and ``block_l`` (tokens per step; a multiple of 128, or all of L
 when L is no larger). No per-chip tables are shipped yet: the heuristic takes the largest block that fits
@@ -177,10 +178,11 @@ def _heuristic(x, x_halo, weight, bias, seg, seg_halo, init, silu):
     _, d, l = x.shape
     per = _elem_bytes(x, weight)
     best = None
+    lanes = tk.cdiv(max(l, 1), LANES) * LANES  # a block never holds more lanes than L padded (decode: 128)
     for bl in BLOCK_L:
         for bd in BLOCK_D:
-            if bd * bl * per <= VMEM_BUDGET_BYTES:
-                key = (min(bd, max(d, 8)) * min(bl, max(l, LANES)), bl)
+            if bd * min(bl, lanes) * per <= VMEM_BUDGET_BYTES:
+                key = (min(bd, max(d, 8)) * min(bl, lanes), bl)
                 if best is None or key > best[0]:
                     best = (key, {"block_d": bd, "block_l": bl})
     return best[1]
