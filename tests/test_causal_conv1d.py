@@ -115,6 +115,18 @@ def test_forward_matches_float64(b, d, l, w, dtype, has_bias, activation, has_in
         assert torch.equal(init, init_copy)
 
 
+def test_float32_state_and_weight_with_bfloat16_x_are_not_rounded():
+    """Mixed dtypes (Mamba2 keeps f32 weights; a cache may hold f32 states): the kernel reads them as they are,
+    so the output matches the float64 reference of the unrounded values (rounding them to bf16 would not)."""
+    x, weight, bias = rand(1, 16, 20, dtype=BF16), rand(16, 4, seed=1) * 3, rand(16, seed=2)
+    init = rand(1, 16, 3, seed=3) * 3
+    out = C.causal_conv1d_fn(x, weight, bias, activation=None, initial_states=init)
+    ref, _ = C.causal_conv1d_reference(x, weight, bias, None, initial_states=init)
+    check(out, ref, tap_mass(x, weight, bias, init), BF16, "mixed")
+    rounded, _ = C.causal_conv1d_reference(x, weight, bias, None, initial_states=init.to(BF16))
+    assert not torch.allclose(rounded[..., :3], ref[..., :3], rtol=2.0**-9, atol=0)  # the check can tell
+
+
 def test_forward_default_heuristic_blocks_and_float16(monkeypatch):
     monkeypatch.setattr(C.causal_conv1d_fwd, "heuristic", C._heuristic)
     x, weight, bias = rand(2, 40, 700, dtype=torch.float16), rand(40, 4, dtype=torch.float16, seed=1), None

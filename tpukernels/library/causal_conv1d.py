@@ -454,7 +454,8 @@ def _run_kernel(x, weight, bias, seg, init, silu):
     l = x.shape[-1]
     halo = x if l > HALO else None
     seg_halo = seg if halo is not None and seg is not None else None
-    b = None if bias is None else bias.reshape(-1, 1)
+    b = None if bias is None else bias.reshape(-1, 1).contiguous()
+    init = None if init is None else init.contiguous()
     return torch.ops.tpukernels.causal_conv1d_fwd(x, halo, weight, b, seg, seg_halo, init, silu)
 
 
@@ -512,7 +513,7 @@ def _causal_conv1d_impl(x, weight, bias=None, seq_idx=None, cu_seqlens=None, ini
     silu = activation in ("silu", "swish")
     xk = _widen(x)
     wk, bk = _widen(weight), _widen(bias)
-    init = None if initial_states is None else initial_states.to(xk.dtype)
+    init = _widen(initial_states)  # in its own dtype: a float32 state with bf16 x is not rounded to bf16
     seg = None
     if seq_idx is not None:
         seg = seq_idx.to(torch.int32).reshape(x.shape[0], 1, -1).contiguous()
@@ -529,7 +530,8 @@ def _causal_conv1d_impl(x, weight, bias=None, seq_idx=None, cu_seqlens=None, ini
                 raise ArgumentError(f"{op}: backward is not supported with cu_seqlens and initial_states together "
                                     f"(the per-sequence state fix-up is forward only)")
             out = _head_fixup(out, xk, wk, bk, init, cu_seqlens, w, silu)
-    final = _final_states(xk, init, cu_seqlens, w) if seq_idx is None else x.new_zeros(0)
+    final = (_final_states(xk, None if init is None else init.to(xk.dtype), cu_seqlens, w) if seq_idx is None
+             else x.new_zeros(0))  # final states in x's dtype, as Dao's
     return out.to(x.dtype), final.to(x.dtype)
 
 
