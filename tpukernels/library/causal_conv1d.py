@@ -204,7 +204,8 @@ def _check_kernel_args(x, x_halo, weight, bias, seg, seg_halo, init):
         raise ArgumentError(f"{op}: bias must be [D, 1] = [{d}, 1] (internal op), got {tuple(bias.shape)}")
     if init is not None and (w < 2 or tuple(init.shape) != (b, d, w - 1)):
         raise ArgumentError(f"{op}: init must be [B, D, W-1] = [{b}, {d}, {w - 1}], got {tuple(init.shape)}")
-    for name, t, want in (("x_halo", x_halo, tuple(x.shape)), ("seg", seg, (b, 1, l)), ("seg_halo", seg_halo, (b, 1, l))):
+    for name, t, want in (("x_halo", x_halo, tuple(x.shape)), ("seg", seg, (b, 1, l)),
+                          ("seg_halo", seg_halo, (b, 1, l))):
         if t is not None and tuple(t.shape) != want:
             raise ArgumentError(f"{op}: {name} must be {list(want)}, got {tuple(t.shape)}")
     for name, t in (("seg", seg), ("seg_halo", seg_halo)):
@@ -349,8 +350,8 @@ def _padded_input(xf, init, w):
 
 
 def _seg_shift(seg, s):
-    """``seg`` shifted right by s along L (the segment of the token s before; -1 before the start: never
-    equal to a real id, but then the padded input there is the state, which belongs to the first segment)."""
+    """``seg`` shifted right by s along L: the segment of the token s before (before the start: the first
+    token's, since the padded input there is the state, which belongs to the first segment)."""
     if s == 0:
         return seg
     first = seg[..., :1].expand(*seg.shape[:-1], s)
@@ -427,7 +428,8 @@ def _check_public(op, x, weight, bias, activation, seq_idx, cu_seqlens, initial_
             raise ArgumentError(f"{op}: seq_idx values must fit int32")
     if cu_seqlens is not None:
         if b != 1:
-            raise ArgumentError(f"{op}: with cu_seqlens, x holds the packed tokens in one row: B must be 1, got B = {b}")
+            raise ArgumentError(f"{op}: with cu_seqlens, x holds the packed tokens in one row: B must be 1, "
+                                f"got B = {b}")
         n = len(_check_cu_seqlens(op, cu_seqlens, l, x.device)) - 1
     if initial_states is not None and tuple(initial_states.shape) != (n, d, w - 1):
         what = "N sequences" if cu_seqlens is not None else "B"
@@ -435,7 +437,8 @@ def _check_public(op, x, weight, bias, activation, seq_idx, cu_seqlens, initial_
                             f"{tuple(initial_states.shape)}")
     if final_states_out is not None:
         if tuple(final_states_out.shape) != (n, d, w - 1):
-            raise ArgumentError(f"{op}: final_states_out must be [{n}, {d}, {w - 1}], got {tuple(final_states_out.shape)}")
+            raise ArgumentError(f"{op}: final_states_out must be [{n}, {d}, {w - 1}], "
+                                f"got {tuple(final_states_out.shape)}")
         if not return_final_states:
             raise ArgumentError(f"{op}: final_states_out is written only with return_final_states=True")
     return n
@@ -443,10 +446,6 @@ def _check_public(op, x, weight, bias, activation, seq_idx, cu_seqlens, initial_
 
 def _widen(t):
     return t.float() if t is not None and t.dtype == torch.float16 else t
-
-
-def _kernel_dtype(x):
-    return torch.float32 if x.dtype == torch.float16 else x.dtype
 
 
 def _run_kernel(x, weight, bias, seg, init, silu):
