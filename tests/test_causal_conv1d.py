@@ -92,6 +92,26 @@ def test_matches_tpu_inference_ragged_reference():
     torch.testing.assert_close(final.double(), ref_final, rtol=0, atol=0)
 
 
+def test_update_matches_tpu_inference_decode_reference():
+    """tpu-inference's decode path (token-major ``x [T, D]``, ``conv_state [S, W-1, D]`` gathered by
+    ``state_indices``) against ``causal_conv1d_update`` on the same values in Dao's layout."""
+    jax = pytest.importorskip("jax")
+    jnp = pytest.importorskip("jax.numpy")
+    rc = pytest.importorskip("tpu_inference.layers.common.ragged_conv1d_jax")
+    t, d, w, slots = 3, 16, 4, 5
+    x, weight, bias = rand(t, d), rand(d, w, seed=1), rand(d, seed=2)
+    pool = rand(slots, d, w - 1, seed=3)  # ours: [slots, D, W-1]
+    idx = torch.tensor([3, 0, 4], dtype=torch.int32)
+    decode = jax.jit(rc.ragged_conv1d_decode_only, static_argnames="kernel_size")
+    p_out, p_state = decode(
+        jnp.asarray(x.numpy()), jnp.asarray(pool.transpose(1, 2).numpy()), jnp.asarray(weight[:, None, :].numpy()),
+        jnp.asarray(bias.numpy()), jnp.arange(t + 1, dtype=jnp.int32), jnp.asarray(idx.numpy()),
+        jnp.asarray([t, t, t], dtype=jnp.int32), jnp.ones(t, dtype=bool), kernel_size=w)
+    out = C.causal_conv1d_update(x, pool, weight, bias, None, conv_state_indices=idx)
+    torch.testing.assert_close(out, torch.from_numpy(np.array(p_out)), rtol=1e-5, atol=1e-5)
+    assert torch.equal(pool, torch.from_numpy(np.array(p_state)).transpose(1, 2))
+
+
 # ----------------------------------------------------------------------------------------- forward
 @settings(max_examples=8)
 @given(

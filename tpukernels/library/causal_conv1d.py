@@ -33,6 +33,11 @@ activation is ``"silu"`` (as the issue and vLLM's port; Dao's own default is Non
 ``activation=None`` for it); the arithmetic is float32 whatever the dtypes (Dao's reference computes in
 the weight's dtype), rounded once to x's dtype.
 
+Not covered (vs the anchors): tpu-inference's token-major ``x [T, D]`` and ``conv_state [S, W-1, D]`` are the
+transposes of Dao's layout used here (a copy each way); its prefill reads and writes a state cache in place through
+``state_indices`` / ``has_initial_state``, which here is a gather into ``initial_states`` and a scatter of
+``final_states`` by the caller; vLLM's ``pad_slot_id`` (skip a row whose state index is -1) is a typed error.
+
 Design. One kernel op does every form::
 
     tpukernels::causal_conv1d_fwd(x, x_halo, weight, bias, seg, seg_halo, init, silu) -> out
