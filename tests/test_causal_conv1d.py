@@ -369,3 +369,9 @@ def test_compile_only(chip, tmp_cache):
         r = compile_for(C.causal_conv1d_fwd, chip, *args, with_mlir=False, **kw)
         assert r.ok, r.summary()
         assert r.vmem_estimate_bytes <= C.VMEM_BUDGET_BYTES, r.summary()
+
+
+def test_kernel_op_passes_opcheck():
+    x, w, b, init = rand(2, 8, 20), rand(8, 4, seed=1), rand(8, 1, seed=2), rand(2, 8, 3, seed=3)
+    torch.library.opcheck(torch.ops.tpukernels.causal_conv1d_fwd.default, (x, None, w, b, None, None, init, True),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
