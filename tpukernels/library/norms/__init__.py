@@ -101,13 +101,16 @@ from ._common import (  # noqa: F401  (_row_bytes, _heuristic_rows: the sizing r
 )
 from .fused_add_rms_norm_ops import fused_add_rms_norm, fused_add_rms_norm_fwd, fused_add_rms_norm_reference  # noqa: F401
 from .layer_norm_ops import layer_norm, layer_norm_bwd, layer_norm_fwd, layer_norm_reference  # noqa: F401
-from .modules import TPULayerNorm, TPURMSNorm
+from .gated_rms_norm_ops import (gated_rms_norm, gated_rms_norm_bwd, gated_rms_norm_fwd,  # noqa: F401
+                                 gated_rms_norm_reference)
+from .modules import TPUGatedRMSNorm, TPULayerNorm, TPURMSNorm
 from .rms_norm_ops import rms_norm, rms_norm_bwd, rms_norm_fwd, rms_norm_reference  # noqa: F401
 
 __all__ = [
-    "rms_norm", "fused_add_rms_norm", "layer_norm", "TPURMSNorm", "TPULayerNorm",
-    "rms_norm_reference", "fused_add_rms_norm_reference", "layer_norm_reference",
-    "rms_norm_fwd", "rms_norm_bwd", "fused_add_rms_norm_fwd", "layer_norm_fwd", "layer_norm_bwd",
+    "rms_norm", "fused_add_rms_norm", "layer_norm", "gated_rms_norm", "TPURMSNorm", "TPULayerNorm",
+    "TPUGatedRMSNorm", "rms_norm_reference", "fused_add_rms_norm_reference", "layer_norm_reference",
+    "gated_rms_norm_reference", "rms_norm_fwd", "rms_norm_bwd", "fused_add_rms_norm_fwd", "layer_norm_fwd",
+    "layer_norm_bwd", "gated_rms_norm_fwd", "gated_rms_norm_bwd",
     "DEFAULT_RMS_EPS", "DEFAULT_LAYER_NORM_EPS", "CASTINGS", "BLOCK_ROWS", "VMEM_BUDGET_BYTES",
 ]
 
