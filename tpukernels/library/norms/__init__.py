@@ -1,4 +1,4 @@
-"""Normalization layers: RMSNorm, LayerNorm and fused residual-add + RMSNorm, forward and backward.
+"""Normalization layers: RMSNorm, LayerNorm, fused residual-add + RMSNorm and gated RMSNorm, forward and backward.
 
 Written with the tpukernels DSL (``@tpu_kernel``), torch namespace ``tpukernels``.
 
@@ -8,9 +8,10 @@ Public API (torch tensors; ``x: [..., H]``, any leading dims, normalized over th
     torch.ops.tpukernels.fused_add_rms_norm(x, residual, weight=None, eps=1e-6, offset=0.0, casting="llama")
         -> (y, new_residual)
     torch.ops.tpukernels.layer_norm(x, weight=None, bias=None, eps=1e-5) -> y
+    torch.ops.tpukernels.gated_rms_norm(x, z, weight, eps=1e-6, norm_before_gate=True, group_size=None) -> y
 
-    tpukernels.library.rms_norm / fused_add_rms_norm / layer_norm     the same, as Python functions
-    tpukernels.library.TPURMSNorm / TPULayerNorm                       nn.Module drop-ins
+    tpukernels.library.rms_norm / fused_add_rms_norm / layer_norm / gated_rms_norm    the same, as functions
+    tpukernels.library.TPURMSNorm / TPULayerNorm / TPUGatedRMSNorm                    nn.Module drop-ins
 
 Formulas. Statistics are always float32, whatever the input dtype (a float16 sum of squares would overflow
 at |x| > 256); ``cast`` rounds to the input dtype; ``w`` is the weight upcast to float32::
@@ -30,7 +31,8 @@ at |x| > 256); ``cast`` rounds to the input dtype; ``w`` is the weight upcast to
     layer: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)),          dw = sum_rows(dy * xhat), db = sum_rows(dy)
 
 Files: :mod:`._common` (defaults, VMEM-aware block sizing, checks, shared body helpers), :mod:`.rms_norm_ops`,
-:mod:`.fused_add_rms_norm_ops` and :mod:`.layer_norm_ops` (each: kernel bodies, kernels with their tunable space and
+:mod:`.fused_add_rms_norm_ops`, :mod:`.layer_norm_ops` and :mod:`.gated_rms_norm_ops` (the gated norm of hybrid
+linear-attention / SSM layers, with its own formulas; each: kernel bodies, kernels with their tunable space and
 backward, the public op, the float64 reference), :mod:`.modules` (``nn.Module`` drop-ins). Every name is
 importable from ``tpukernels.library.norms``.
 

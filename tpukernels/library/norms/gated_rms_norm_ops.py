@@ -30,7 +30,8 @@ Groups: ``group_size`` must divide H (None: one group of H). A group at a lane-a
 multiple of 128) is reduced from a static lane slice; otherwise from a lane mask (one pass per group). rstd is
 an internal ``[rows, H / group_size]`` float32 output, the backward's input. float16 runs as float32 kernels
 with the float16 roundings emulated (``round_f16``), as :func:`tpukernels.library.norms.rms_norm` does.
-Tuning: ``block_rows`` (upper bound, lowered to fit :data:`VMEM_BUDGET_BYTES`), shipped per chip in
+Tuning: ``block_rows`` (upper bound, lowered to fit :data:`VMEM_BUDGET_BYTES` with the body's float32
+temporaries counted), shipped per chip in
 ``tpukernels/data/autotuning/<chip>/tpukernels.gated_rms_norm_{fwd,bwd}.json`` (``benchmarks/ship_tables.py``,
 model objective); elsewhere the VMEM-aware heuristic.
 
@@ -188,9 +189,19 @@ def _stat_lanes(h, group_size):
     return tk.cdiv(h // group_size, LANES)
 
 
+#: float32 ``(rows, H)`` temporaries live at once in the bodies, counted per block row on top of the pipeline
+#: buffers: without them the backward's 64-row heuristic block at H = 8192 overflows v5e's 16 MiB scoped VMEM
+#: (compile-only, libtpu 0.0.52); with them it is 32 rows, which compiles on v4 / v5e / v5p / v6e / tpu7x.
+_FWD_TEMPS, _BWD_TEMPS = 2, 5
+
+
+def _temp_bytes(h, n):
+    return n * tk.cdiv(h, LANES) * LANES * 4
+
+
 def _fwd_sizes(x, z, weight, group_size):
     h = x.shape[1]
-    return (_row_bytes(h, [x.dtype, z.dtype, x.dtype], _stat_lanes(h, group_size)),
+    return (_row_bytes(h, [x.dtype, z.dtype, x.dtype], _stat_lanes(h, group_size)) + _temp_bytes(h, _FWD_TEMPS),
             _vec_bytes(h, [weight.dtype] if weight is not None else []))
 
 
@@ -251,7 +262,7 @@ def gated_rms_norm_fwd(
 def _bwd_sizes(dy, x, z, weight, group_size):
     h = x.shape[1]
     rows = [dy.dtype, x.dtype, z.dtype, x.dtype, z.dtype]
-    return (_row_bytes(h, rows, _stat_lanes(h, group_size)),
+    return (_row_bytes(h, rows, _stat_lanes(h, group_size)) + _temp_bytes(h, _BWD_TEMPS),
             _vec_bytes(h, [jnp.float32] + ([weight.dtype] if weight is not None else [])))
 
 
