@@ -11,7 +11,7 @@ import torch
 from ...errors import ArgumentError
 from ._common import CASTINGS, DEFAULT_LAYER_NORM_EPS, DEFAULT_RMS_EPS, _check_float
 from .fused_add_rms_norm_ops import fused_add_rms_norm
-from .gated_rms_norm_ops import gated_rms_norm
+from .gated_rms_norm_ops import ACTIVATIONS, gated_rms_norm
 from .layer_norm_ops import layer_norm
 from .rms_norm_ops import rms_norm
 
@@ -112,14 +112,17 @@ class TPUGatedRMSNorm(torch.nn.Module):
     Args:
         hidden_size: H. eps: default ``1e-6``. group_size: channels per normalization group (divides H;
             None: H). norm_before_gate: True (default): ``norm(x) * w * silu(z)`` (Qwen3-Next); False:
-            ``norm(x * silu(z)) * w`` (Mamba2 / Nemotron-H).
+            ``norm(x * silu(z)) * w`` (Mamba2 / Nemotron-H). activation: ``"silu"`` or ``"sigmoid"`` (Kimi-Linear).
+            casting: ``"llama"`` (HF Qwen3-Next / Mamba2 roundings) or ``"gemma"`` (float32 throughout: Falcon-H1,
+            Kimi-Linear). See :func:`gated_rms_norm`.
 
     Raises:
         ArgumentError: hidden_size not an int >= 1, group_size not dividing it, eps < 0.
     """
 
     def __init__(self, hidden_size: int, eps: float = DEFAULT_RMS_EPS, *, group_size: Optional[int] = None,
-                 norm_before_gate: bool = True, device=None, dtype=None):
+                 norm_before_gate: bool = True, activation: str = "silu", casting: str = "llama", device=None,
+                 dtype=None):
         super().__init__()
         op = "TPUGatedRMSNorm"
         if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size < 1:
@@ -134,6 +137,12 @@ class TPUGatedRMSNorm(torch.nn.Module):
         self.eps = _check_float(op, "eps", eps, 0.0)
         self.group_size = group_size
         self.norm_before_gate = norm_before_gate
+        activation = "silu" if activation == "swish" else activation
+        if activation not in ACTIVATIONS:
+            raise ArgumentError(f"{op}: activation must be one of {ACTIVATIONS}, got {activation!r}")
+        if casting not in CASTINGS:
+            raise ArgumentError(f"{op}: casting must be one of {CASTINGS}, got {casting!r}")
+        self.activation, self.casting = activation, casting
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
 
     @property
@@ -146,8 +155,8 @@ class TPUGatedRMSNorm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         return gated_rms_norm(x, z, self.weight, eps=self.eps, norm_before_gate=self.norm_before_gate,
-                              group_size=self.group_size)
+                              group_size=self.group_size, activation=self.activation, casting=self.casting)
 
     def extra_repr(self) -> str:
         return (f"{self.hidden_size}, eps={self.eps}, group_size={self.group_size}, "
-                f"norm_before_gate={self.norm_before_gate}")
+                f"norm_before_gate={self.norm_before_gate}, activation={self.activation!r}, casting={self.casting!r}")
