@@ -364,6 +364,28 @@ def test_opcheck(case):
     torch.library.opcheck(op, args)
 
 
+def test_torch_compile_fullgraph_dynamic_with_backward():
+    import torch._dynamo.testing as dt
+
+    cnt = dt.CompileCounterWithBackend("aot_eager")
+    mod = N.TPUGatedRMSNorm(64, group_size=16, norm_before_gate=False)
+
+    def loss(x, z):
+        return mod(x, z).sum() + N.gated_rms_norm(x, z, None, activation="sigmoid", casting="gemma").sum()
+
+    f = torch.compile(loss, backend=cnt, fullgraph=True, dynamic=True)
+    frames = []
+    for n in (17, 40):
+        x, z = rand(n, 64, seed=n).requires_grad_(), rand(n, 64, seed=n + 1)
+        f(x, z).backward()
+        frames.append(cnt.frame_count)
+        gx = x.grad.clone()
+        x.grad = None
+        loss(x, z).backward()
+        torch.testing.assert_close(gx, x.grad)
+    assert frames[0] >= 1 and frames[-1] == frames[0]  # one graph for both row counts
+
+
 # ---------------------------------------------------------------------------------------------- bad input
 X, Z = torch.randn(4, 8), torch.randn(4, 8)
 
