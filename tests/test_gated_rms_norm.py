@@ -83,7 +83,8 @@ def grads_ours(fn, tensors, dy):
 
 # ---------------------------------------------------------------------------------------------- reference
 def test_reference_matches_the_formulas_in_float64():
-    x, z, w = rand(3, 5, 12, dtype=torch.float64), rand(3, 5, 12, dtype=torch.float64, seed=1), rand(12, seed=2).double()
+    x, z = rand(3, 5, 12, dtype=torch.float64), rand(3, 5, 12, dtype=torch.float64, seed=1)
+    w = rand(12, seed=2).double()
     s = torch.nn.functional.silu(z)
     before = torch.nn.functional.rms_norm(x, (12,), w, 1e-6) * s
     torch.testing.assert_close(N.gated_rms_norm_reference(x, z, w), before)
@@ -124,7 +125,8 @@ def test_forward_matches_float64(lead, rows, hg, dtype, norm_before_gate, weight
        norm_before_gate=st.booleans(), has_weight=st.booleans(), activation=st.sampled_from(["silu", "sigmoid"]))
 def test_backward_matches_float64_autograd(rows, hg, dtype, norm_before_gate, has_weight, activation):
     h, gs = hg
-    x, z, dy = rand(2, rows, h, dtype=dtype, seed=1), rand(2, rows, h, dtype=dtype, seed=2), rand(2, rows, h, dtype=dtype, seed=4)
+    x, z = rand(2, rows, h, dtype=dtype, seed=1), rand(2, rows, h, dtype=dtype, seed=2)
+    dy = rand(2, rows, h, dtype=dtype, seed=4)
     w = rand(h, dtype=dtype, seed=3) if has_weight else None
 
     def ours(a, b, c):
@@ -305,7 +307,8 @@ def test_equals_transformers_kimi_linear_rms_norm_gated(dtype):
 def test_overhanging_row_block_is_masked_in_tpu_interpret_mode(norm_before_gate, gs):
     # 37 rows -> bucket 40 -> blocks of 16: rows 40..47 of the last block are past the array (NaN in "tpu" mode)
     rows, h, dtype = 37, 200, BF16
-    x, z, dy = rand(rows, h, dtype=dtype, seed=1), rand(rows, h, dtype=dtype, seed=2), rand(rows, h, dtype=dtype, seed=3)
+    x, z = rand(rows, h, dtype=dtype, seed=1), rand(rows, h, dtype=dtype, seed=2)
+    dy = rand(rows, h, dtype=dtype, seed=3)
     w = rand(1, h, dtype=dtype, seed=4)
     cfg = {"block_rows": 16}
     with tk.interpret_mode("tpu"):
@@ -315,7 +318,8 @@ def test_overhanging_row_block_is_masked_in_tpu_interpret_mode(norm_before_gate,
         assert torch.isfinite(t).all()
     assert rstd.shape == (rows, h // gs)
     check(y, N.gated_rms_norm_reference(x, z, w[0], 1e-6, norm_before_gate, gs), fwd_tol(dtype, norm_before_gate))
-    rx, rz, rw = grads64(lambda a, b, c: N.gated_rms_norm_reference(a, b, c, 1e-6, norm_before_gate, gs), [x, z, w[0]], dy)
+    rx, rz, rw = grads64(lambda a, b, c: N.gated_rms_norm_reference(a, b, c, 1e-6, norm_before_gate, gs),
+                         [x, z, w[0]], dy)
     scale = rstd64(x, z, norm_before_gate, gs) * (1 + dy.double().abs().amax(-1, keepdim=True)) * w.double().abs().max()
     check(dx, rx, bwd_tol(dtype), scale=scale, what="dx")
     check(dz, rz, bwd_tol(dtype), scale=scale * (1 + x.double().abs()), what="dz")

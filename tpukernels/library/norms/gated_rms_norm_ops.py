@@ -19,17 +19,19 @@ Formulas (``x, z: [..., H]``, ``w: [H]``; statistics float32 per group of ``grou
 
 With casting="llama" (default) these are exactly the casting points of transformers' ``Qwen3NextRMSNormGated``
 (``w * n.to(dtype)`` in the promoted dtype, then ``* silu(gate.float())``, then ``.to(dtype)``) and
-``MambaRMSNormGated`` (``w * n.to(dtype)``); the weight is applied as ``w`` (both init it to ones), never ``1 + w``. One difference from
-``MambaRMSNormGated``: with a float32 weight and bfloat16 x, HF returns float32 (torch's promotion); this op
-always returns x.dtype (the same product, rounded once). mamba_ssm's ``rmsnorm_fn`` keeps ``n * w`` in float32
-(no intermediate rounding): casting="gemma".
+``MambaRMSNormGated`` (``w * n.to(dtype)``); the weight is applied as ``w`` (both init it to ones), never
+``1 + w``. One difference from ``MambaRMSNormGated``: with a float32 weight and bfloat16 x, HF returns float32
+(torch's promotion); this op always returns x.dtype (the same product, rounded once). mamba_ssm's ``rmsnorm_fn``
+keeps ``n * w`` in float32 (no intermediate rounding): casting="gemma".
 
 Backward (rounding treated as identity, as autograd of the HF modules does), ``r`` the group's rstd,
 ``mean_g`` the mean over the element's group, ``s = act(z)``, ``s' = act'(z)`` (silu:
 ``sigmoid(z) * (1 + z * (1 - sigmoid(z)))``; sigmoid: ``sigmoid(z) * (1 - sigmoid(z))``)::
 
-    before: dn = dy * s * w;  dx = r * (dn - n * mean_g(dn * n));  dz = dy * n * w * s';  dw = sum_rows(dy * s * n)
-    after:  dn = dy * w;      dh = r * (dn - n * mean_g(dn * n));  dx = dh * s;  dz = dh * x * s';  dw = sum_rows(dy * n)
+    before: dn = dy * s * w;  dx = r * (dn - n * mean_g(dn * n));  dz = dy * n * w * s';
+            dw = sum_rows(dy * s * n)
+    after:  dn = dy * w;      dh = r * (dn - n * mean_g(dn * n));  dx = dh * s;  dz = dh * x * s';
+            dw = sum_rows(dy * n)
 
 Groups: ``group_size`` must divide H (None: one group of H). A group at a lane-aligned offset (group_size a
 multiple of 128) is reduced from a static lane slice; otherwise from a lane mask (one pass per group). rstd is
@@ -299,7 +301,8 @@ def _bwd_out(dy, x, z, rstd, weight, norm_before_gate, group_size, activation="s
 @tk.tpu_kernel(
     _bwd_body, name="gated_rms_norm_bwd", namespace=NAMESPACE, tunables=_tunables(),
     rows=("dy", "x", "z", "rstd"), out_shape=_bwd_out,
-    heuristic=lambda dy, x, z, rstd, weight, group_size, **_: _heuristic_rows(*_bwd_sizes(dy, x, z, weight, group_size)),
+    heuristic=lambda dy, x, z, rstd, weight, group_size, **_: _heuristic_rows(*_bwd_sizes(dy, x, z, weight,
+                                                                                       group_size)),
 )
 def gated_rms_norm_bwd(
     dy: torch.Tensor, x: torch.Tensor, z: torch.Tensor, rstd: torch.Tensor, weight: Optional[torch.Tensor],
