@@ -81,6 +81,21 @@ def _rms(key):
     return out
 
 
+def _gated(key):
+    from tpukernels.library import gated_rms_norm
+
+    st = key["statics"]
+    bwd = key["_kernel"].endswith("_bwd")
+    (x, z, *_), (dx, dz, *_) = (key["shapes"][1:], key["dtypes"][1:]) if bwd else (key["shapes"], key["dtypes"])
+    w, dw = key["shapes"][-1], key["dtypes"][-1]
+    out = gated_rms_norm(_e(x, dx, bwd), _e(z, dz, bwd), _e(w[1:], dw, bwd), eps=st.get("eps", 1e-6),
+                         norm_before_gate=st["norm_before_gate"], group_size=st["group_size"],
+                         activation=st["activation"], casting=st.get("casting", "llama"))
+    if bwd:
+        _backward(out)
+    return out
+
+
 def _fused_add(key):
     from tpukernels.library import fused_add_rms_norm
 
@@ -196,6 +211,7 @@ PUBLIC = {
     "tpukernels::matmul_nn": _matmul, "tpukernels::matmul_nt": _matmul, "tpukernels::matmul_tn": _matmul,
     "tpukernels::rms_norm_fwd": _rms, "tpukernels::rms_norm_bwd": _rms,
     "tpukernels::fused_add_rms_norm_fwd": _fused_add,
+    "tpukernels::gated_rms_norm_fwd": _gated, "tpukernels::gated_rms_norm_bwd": _gated,
     "tpukernels::layer_norm_fwd": _layer, "tpukernels::layer_norm_bwd": _layer,
     "tpukernels::flash_attention_fwd": _attention, "tpukernels::flash_attention_bwd_dq": _attention,
     "tpukernels::flash_attention_bwd_dkv": _attention,

@@ -11,7 +11,8 @@ import sys as _sys
 # Library modules (one import line each). A module is never named after a function it exports (``matmul_ops``
 # holds ``matmul``): a package attribute that shadows a submodule breaks ``import a.b.c as m`` (tests/
 # test_no_shadowed_submodules.py).
-from .norms import TPULayerNorm, TPURMSNorm, fused_add_rms_norm, layer_norm, rms_norm  # noqa: E402,F401
+from .norms import (TPUGatedRMSNorm, TPULayerNorm, TPURMSNorm, fused_add_rms_norm, gated_rms_norm, layer_norm,  # noqa: E402,F401
+                    rms_norm)
 from .attention import attention_reference, flash_attention  # noqa: E402,F401
 from .matmul_ops import matmul, matmul_nn, matmul_nt, matmul_tn  # noqa: E402,F401
 from .quantized_matmul_ops import (TPUBlockQuantLinear, TPUQuantLinear, pack_int4, quantize_weight,  # noqa: E402,F401

@@ -1,4 +1,4 @@
-"""Normalization layers: RMSNorm, LayerNorm and fused residual-add + RMSNorm, forward and backward.
+"""Normalization layers: RMSNorm, LayerNorm, fused residual-add + RMSNorm and gated RMSNorm, forward and backward.
 
 Written with the tpukernels DSL (``@tpu_kernel``), torch namespace ``tpukernels``.
 
@@ -8,9 +8,10 @@ Public API (torch tensors; ``x: [..., H]``, any leading dims, normalized over th
     torch.ops.tpukernels.fused_add_rms_norm(x, residual, weight=None, eps=1e-6, offset=0.0, casting="llama")
         -> (y, new_residual)
     torch.ops.tpukernels.layer_norm(x, weight=None, bias=None, eps=1e-5) -> y
+    torch.ops.tpukernels.gated_rms_norm(x, z, weight, eps=1e-6, norm_before_gate=True, group_size=None) -> y
 
-    tpukernels.library.rms_norm / fused_add_rms_norm / layer_norm     the same, as Python functions
-    tpukernels.library.TPURMSNorm / TPULayerNorm                       nn.Module drop-ins
+    tpukernels.library.rms_norm / fused_add_rms_norm / layer_norm / gated_rms_norm    the same, as functions
+    tpukernels.library.TPURMSNorm / TPULayerNorm / TPUGatedRMSNorm                    nn.Module drop-ins
 
 Formulas. Statistics are always float32, whatever the input dtype (a float16 sum of squares would overflow
 at |x| > 256); ``cast`` rounds to the input dtype; ``w`` is the weight upcast to float32::
@@ -30,7 +31,8 @@ at |x| > 256); ``cast`` rounds to the input dtype; ``w`` is the weight upcast to
     layer: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)),          dw = sum_rows(dy * xhat), db = sum_rows(dy)
 
 Files: :mod:`._common` (defaults, VMEM-aware block sizing, checks, shared body helpers), :mod:`.rms_norm_ops`,
-:mod:`.fused_add_rms_norm_ops` and :mod:`.layer_norm_ops` (each: kernel bodies, kernels with their tunable space and
+:mod:`.fused_add_rms_norm_ops`, :mod:`.layer_norm_ops` and :mod:`.gated_rms_norm_ops` (the gated norm of hybrid
+linear-attention / SSM layers, with its own formulas; each: kernel bodies, kernels with their tunable space and
 backward, the public op, the float64 reference), :mod:`.modules` (``nn.Module`` drop-ins). Every name is
 importable from ``tpukernels.library.norms``.
 
@@ -101,13 +103,16 @@ from ._common import (  # noqa: F401  (_row_bytes, _heuristic_rows: the sizing r
 )
 from .fused_add_rms_norm_ops import fused_add_rms_norm, fused_add_rms_norm_fwd, fused_add_rms_norm_reference  # noqa: F401
 from .layer_norm_ops import layer_norm, layer_norm_bwd, layer_norm_fwd, layer_norm_reference  # noqa: F401
-from .modules import TPULayerNorm, TPURMSNorm
+from .gated_rms_norm_ops import (gated_rms_norm, gated_rms_norm_bwd, gated_rms_norm_fwd,  # noqa: F401
+                                 gated_rms_norm_reference)
+from .modules import TPUGatedRMSNorm, TPULayerNorm, TPURMSNorm
 from .rms_norm_ops import rms_norm, rms_norm_bwd, rms_norm_fwd, rms_norm_reference  # noqa: F401
 
 __all__ = [
-    "rms_norm", "fused_add_rms_norm", "layer_norm", "TPURMSNorm", "TPULayerNorm",
-    "rms_norm_reference", "fused_add_rms_norm_reference", "layer_norm_reference",
-    "rms_norm_fwd", "rms_norm_bwd", "fused_add_rms_norm_fwd", "layer_norm_fwd", "layer_norm_bwd",
+    "rms_norm", "fused_add_rms_norm", "layer_norm", "gated_rms_norm", "TPURMSNorm", "TPULayerNorm",
+    "TPUGatedRMSNorm", "rms_norm_reference", "fused_add_rms_norm_reference", "layer_norm_reference",
+    "gated_rms_norm_reference", "rms_norm_fwd", "rms_norm_bwd", "fused_add_rms_norm_fwd", "layer_norm_fwd",
+    "layer_norm_bwd", "gated_rms_norm_fwd", "gated_rms_norm_bwd",
     "DEFAULT_RMS_EPS", "DEFAULT_LAYER_NORM_EPS", "CASTINGS", "BLOCK_ROWS", "VMEM_BUDGET_BYTES",
 ]
 

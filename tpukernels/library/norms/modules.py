@@ -1,4 +1,5 @@
-"""``nn.Module`` drop-ins: :class:`TPURMSNorm` (also the fused-add form) and :class:`TPULayerNorm`.
+"""``nn.Module`` drop-ins: :class:`TPURMSNorm` (also the fused-add form), :class:`TPULayerNorm` and
+:class:`TPUGatedRMSNorm`.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import torch
 from ...errors import ArgumentError
 from ._common import CASTINGS, DEFAULT_LAYER_NORM_EPS, DEFAULT_RMS_EPS, _check_float
 from .fused_add_rms_norm_ops import fused_add_rms_norm
+from .gated_rms_norm_ops import ACTIVATIONS, gated_rms_norm
 from .layer_norm_ops import layer_norm
 from .rms_norm_ops import rms_norm
 
@@ -98,3 +100,63 @@ class TPULayerNorm(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+
+
+class TPUGatedRMSNorm(torch.nn.Module):
+    """Drop-in gated RMSNorm (HF ``Qwen3NextRMSNormGated`` / ``MambaRMSNormGated``, mamba_ssm ``RMSNormGated``).
+
+    ``forward(x, z)`` returns :func:`gated_rms_norm` with this module's weight, eps, group size and gate order.
+    The parameter is ``weight`` ``[hidden_size]``, initialized to ones (both HF classes), so HF state dicts load
+    unchanged; ``variance_epsilon`` is an alias of ``eps`` (HF's attribute name).
+
+    Args:
+        hidden_size: H. eps: default ``1e-6``. group_size: channels per normalization group (divides H;
+            None: H). norm_before_gate: True (default): ``norm(x) * w * silu(z)`` (Qwen3-Next); False:
+            ``norm(x * silu(z)) * w`` (Mamba2 / Nemotron-H). activation: ``"silu"`` or ``"sigmoid"`` (Kimi-Linear).
+            casting: ``"llama"`` (HF Qwen3-Next / Mamba2 roundings) or ``"gemma"`` (float32 throughout: Falcon-H1,
+            Kimi-Linear). See :func:`gated_rms_norm`.
+
+    Raises:
+        ArgumentError: hidden_size not an int >= 1, group_size not dividing it, eps < 0.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = DEFAULT_RMS_EPS, *, group_size: Optional[int] = None,
+                 norm_before_gate: bool = True, activation: str = "silu", casting: str = "llama", device=None,
+                 dtype=None):
+        super().__init__()
+        op = "TPUGatedRMSNorm"
+        if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size < 1:
+            raise ArgumentError(f"{op}: hidden_size must be an int >= 1, got {hidden_size!r}")
+        if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int)
+                                       or group_size < 1 or hidden_size % group_size):
+            raise ArgumentError(f"{op}: group_size must be an int >= 1 dividing hidden_size = {hidden_size}, "
+                                f"got {group_size!r}")
+        if not isinstance(norm_before_gate, bool):
+            raise ArgumentError(f"{op}: norm_before_gate must be a bool, got {norm_before_gate!r}")
+        self.hidden_size = hidden_size
+        self.eps = _check_float(op, "eps", eps, 0.0)
+        self.group_size = group_size
+        self.norm_before_gate = norm_before_gate
+        activation = "silu" if activation == "swish" else activation
+        if activation not in ACTIVATIONS:
+            raise ArgumentError(f"{op}: activation must be one of {ACTIVATIONS}, got {activation!r}")
+        if casting not in CASTINGS:
+            raise ArgumentError(f"{op}: casting must be one of {CASTINGS}, got {casting!r}")
+        self.activation, self.casting = activation, casting
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+
+    @property
+    def variance_epsilon(self) -> float:  # HF's attribute name
+        return self.eps
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.weight.fill_(1.0)
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return gated_rms_norm(x, z, self.weight, eps=self.eps, norm_before_gate=self.norm_before_gate,
+                              group_size=self.group_size, activation=self.activation, casting=self.casting)
+
+    def extra_repr(self) -> str:
+        return (f"{self.hidden_size}, eps={self.eps}, group_size={self.group_size}, "
+                f"norm_before_gate={self.norm_before_gate}, activation={self.activation!r}, casting={self.casting!r}")
