@@ -172,7 +172,8 @@ def markdown_row(r: dict) -> str:
         return f"| `{r['model_type']}` | not built here ({r['status']}) | | |"
     rep = r["report"]
     done = [k for k in ("attention",) if rep[k]] + [f"{k} {rep[k]}" for k in
-                                                    ("rms_norm", "layer_norm", "moe_experts", "gated_mlp", "rope")
+                                                    ("rms_norm", "gated_rms_norm", "layer_norm", "moe_experts", "gated_mlp",
+                                                     "rope")
                                                     if rep.get(k)]
     stock = ", ".join(sorted(rep["stock"])) or "-"
     status = "equal" if r["err"] <= TOL else f"DIFFERS {r['err']:.3g}"

@@ -152,3 +152,54 @@ def test_attention_refuses_an_argument_it_does_not_implement():
         tki.attention_forward(module, q, k, k, None, indices=torch.zeros(1, 4, 2, dtype=torch.long))
     out, _ = tki.attention_forward(module, q, k, k, None, position_ids=torch.arange(4)[None])  # bookkeeping only
     assert out.shape == (1, 4, 2, 16)
+
+
+# ------------------------------------------------------------------------------------------ gated norms
+@pytest.mark.parametrize("model_type,norm_before_gate,group", [("qwen3_next", True, None), ("mamba2", False, None)])
+def test_gated_norms_take_the_probed_form(model_type, norm_before_gate, group):
+    """Qwen3-Next's ``norm(x) * w * silu(gate)`` and Mamba2's grouped ``norm(x * silu(gate)) * w`` each become a
+    TPUGatedRMSNorm in their own form (the probe picks it), with the state dict unchanged and logits equal."""
+    from tpukernels.library.norms import TPUGatedRMSNorm
+
+    model = tiny_causal_lm(model_type)
+    keys = set(model.state_dict())
+    ids, mask = probe_batch(model.get_input_embeddings().num_embeddings)
+    want = _logits(model, ids, mask)
+    patch_probes.verdicts.clear()
+    report = tki.apply_tpukernels(model, attention=False)
+    norms = [m for m in model.modules() if isinstance(m, TPUGatedRMSNorm)]
+    assert report["gated_rms_norm"] == len(norms) > 0
+    assert {(m.norm_before_gate, m.group_size) for m in norms} == {(norm_before_gate, group)}
+    assert set(model.state_dict()) == keys
+    err = ((_logits(model, ids, mask) - want)[mask.bool()].abs().max() / want.abs().max()).item()
+    assert err <= TOL
+
+
+class BiasedGatedNorm(torch.nn.Module):
+    """A gated RMSNorm with a bias after the gate: no form of ours computes it."""
+
+    def __init__(self, h=32):
+        super().__init__()
+        self.weight = torch.nn.Parameter(1 + 0.1 * torch.randn(h))
+        self.bias = torch.nn.Parameter(0.1 * torch.randn(h))
+
+    def forward(self, hidden_states, gate):
+        x = hidden_states.float()
+        n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return (self.weight * n * torch.nn.functional.silu(gate.float()) + self.bias).to(hidden_states.dtype)
+
+
+BiasedGatedNorm.__name__ = "BiasedRMSNormGated"
+
+
+def test_a_gated_norm_no_form_matches_stays_stock():
+    patch_probes.verdicts.clear()
+    tki._stock_warned.clear()
+    holder = torch.nn.Module()
+    holder.norm = BiasedGatedNorm()
+    x, z = torch.randn(2, 3, 32), torch.randn(2, 3, 32)
+    want = holder.norm(x, z)
+    with pytest.warns(RuntimeWarning, match="BiasedRMSNormGated left stock: no gated RMSNorm form matches"):
+        report = tki.apply_tpukernels(holder, attention=False)
+    assert isinstance(holder.norm, BiasedGatedNorm) and report["gated_rms_norm"] == 0
+    torch.testing.assert_close(holder.norm(x, z), want)

@@ -64,24 +64,28 @@ def _weight_of(module: torch.nn.Module) -> Optional[torch.Tensor]:
     return next((p for p in module.parameters() if p.is_floating_point()), None)
 
 
-def _probe_inputs(h: int, dtype, device, seed: int) -> list[torch.Tensor]:
+def _probe_inputs(h: int, dtype, device, seed: int, n_inputs: int = 1) -> list[tuple]:
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(3, 5, h, generator=g, dtype=torch.float32)
-    # unit scale, and a tiny one where eps dominates the mean square (a wrong eps shows there)
-    return [x.to(dtype=dtype, device=device), (x * 1e-3).to(dtype=dtype, device=device)]
+    xs = [torch.randn(3, 5, h, generator=g, dtype=torch.float32) for _ in range(n_inputs)]
+    # unit scale, and a tiny one where eps dominates the mean square (a wrong eps shows there); a second
+    # input (a gate) keeps its unit scale
+    return [tuple(x.to(dtype=dtype, device=device) for x in xs),
+            tuple((x * (1e-3 if i == 0 else 1.0)).to(dtype=dtype, device=device) for i, x in enumerate(xs))]
 
 
-def compare_modules(stock: torch.nn.Module, ours: torch.nn.Module, h: int, dtype, device, seed: int = 0) -> Optional[str]:
-    """Run ``stock`` and ``ours`` on the same ``[3, 5, h]`` inputs; None if within :data:`TOLERANCE` of dtype."""
+def compare_modules(stock: torch.nn.Module, ours: torch.nn.Module, h: int, dtype, device, seed: int = 0,
+                    n_inputs: int = 1) -> Optional[str]:
+    """Run ``stock`` and ``ours`` on the same ``n_inputs`` ``[3, 5, h]`` inputs (a gated norm: ``x, gate``);
+    None if within :data:`TOLERANCE` of dtype."""
     tol = TOLERANCE.get(dtype, 2e-2)
     with torch.no_grad():
-        for x in _probe_inputs(h, dtype, device, seed):
+        for x in _probe_inputs(h, dtype, device, seed, n_inputs):
             try:
-                want = stock(x)
-            except Exception as e:  # noqa: BLE001 - a forward we cannot call on one tensor is not ours to replace
+                want = stock(*x)
+            except Exception as e:  # noqa: BLE001 - a forward we cannot call on the probe is not ours to replace
                 return f"its forward fails on a probe input ({type(e).__name__}: {e})"
             try:
-                got = ours(x)
+                got = ours(*x)
             except Exception as e:  # noqa: BLE001
                 return f"the replacement fails on a probe input ({type(e).__name__}: {e})"
             err = relative_error(got, want)
@@ -101,9 +105,10 @@ def _randomized(module: torch.nn.Module, seed: int) -> torch.nn.Module:
     return m
 
 
-def probe_blocker(child: torch.nn.Module) -> Optional[str]:
-    """Why ``child`` cannot be probed as a one-input module (so no replacement is tried), or None."""
-    why = single_input_forward(child)
+def probe_blocker(child: torch.nn.Module, n_inputs: int = 1) -> Optional[str]:
+    """Why ``child`` cannot be probed as a one-input module (so no replacement is tried), or None.
+    ``n_inputs=2``: a two-tensor forward (a gated norm's ``x, gate``) is expected instead."""
+    why = single_input_forward(child) if n_inputs == 1 else None
     w = _weight_of(child)
     if why is None and w is not None and w.device.type == "meta":
         why = "its weights are on the meta device (nothing to probe)"
@@ -111,18 +116,18 @@ def probe_blocker(child: torch.nn.Module) -> Optional[str]:
 
 
 def verify_replacement(child: torch.nn.Module, build: Callable[[torch.nn.Module], torch.nn.Module], variant: str,
-                       *, randomize: bool = True, hidden: Optional[int] = None) -> Optional[str]:
+                       *, randomize: bool = True, hidden: Optional[int] = None, n_inputs: int = 1) -> Optional[str]:
     """Probe ``build(child)`` against ``child`` (own weights, then randomized weights); cached per class.
 
     ``build`` makes the replacement from a module (sharing its weights); ``variant`` names the formula tried
     (part of the cache key, with the class and weight dtype); ``hidden``: the input's last dim where it is
-    not ``weight.shape[-1]`` (an MLP)."""
+    not ``weight.shape[-1]`` (an MLP); ``n_inputs``: tensors the forward takes (2: a gated norm's ``x, gate``)."""
     w = _weight_of(child)
     dtype = w.dtype if w is not None and w.is_floating_point() else torch.float32
     key = (type(child), dtype, variant)
     if key in verdicts:
         return verdicts[key]
-    why = probe_blocker(child)
+    why = probe_blocker(child, n_inputs)
     if why is None:
         h = hidden if hidden is not None else (w.shape[-1] if w is not None else None)
         if h is None:
@@ -136,7 +141,7 @@ def verify_replacement(child: torch.nn.Module, build: Callable[[torch.nn.Module]
             except Exception as e:  # noqa: BLE001 - e.g. a typed error of the replacement's constructor
                 why = f"the replacement cannot be built ({type(e).__name__}: {e})"
                 break
-            why = compare_modules(s, ours, h, dtype, device)
+            why = compare_modules(s, ours, h, dtype, device, n_inputs=n_inputs)
             if why:
                 break
     verdicts[key] = why

@@ -281,6 +281,74 @@ def _plan_rms_norm(child: torch.nn.Module):
     return None, f"no RMSNorm form matches its forward (first tried: {reasons[0]})"
 
 
+def _is_gated_rms_norm(module: torch.nn.Module) -> bool:
+    """A candidate gated norm (the probe decides): an ``*RMSNormGated`` class with a 1-D weight whose forward
+    takes ``(hidden_states, gate)``."""
+    import inspect
+
+    w = getattr(module, "weight", None)
+    if not type(module).__name__.endswith("RMSNormGated") or not isinstance(w, torch.Tensor) or w.dim() != 1:
+        return False
+    try:
+        params = list(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return False
+    return len(params) == 2 and params[1] in ("gate", "z")
+
+
+def _gated_candidates(m: torch.nn.Module) -> list[dict]:
+    """Forms of :class:`TPUGatedRMSNorm` to probe, the likeliest first: the gate order, group size and
+    activation the module states (``norm_before_gate``, ``group_size`` / ``n_groups``, ``activation``) where
+    it has them, else both ways; Llama-style roundings, then float32 throughout."""
+    h = m.weight.shape[0]
+    group = getattr(m, "group_size", None)
+    if group is None and isinstance(getattr(m, "n_groups", None), int) and m.n_groups > 0 and h % m.n_groups == 0:
+        group = h // m.n_groups
+    group = group if isinstance(group, int) and not isinstance(group, bool) and group != h else None
+    orders = [m.norm_before_gate] if isinstance(getattr(m, "norm_before_gate", None), bool) else [True, False]
+    acts = ["silu", "sigmoid"]
+    if getattr(m, "activation", None) in ("sigmoid",):
+        acts.reverse()
+    return [dict(group_size=group, norm_before_gate=o, activation=a, casting=c)
+            for o in orders for a in acts for c in ("llama", "gemma")]
+
+
+def _gated_swap(original: torch.nn.Module, form: dict) -> torch.nn.Module:
+    """A :class:`tpukernels.library.norms.TPUGatedRMSNorm` in ``form`` sharing ``original``'s weight (its state
+    dict keeps the one key ``weight``). A call with ``gate=None`` (Mamba2's norm without its gate, which the
+    probe did not cover) runs ``original``."""
+    from ..library.norms import TPUGatedRMSNorm
+
+    class TPUGatedNormSwap(TPUGatedRMSNorm):
+        def forward(self, hidden_states, gate=None):
+            if gate is None:
+                return self.stock(hidden_states, None)
+            return super().forward(hidden_states, gate)
+
+    new = TPUGatedNormSwap(original.weight.shape[0], eps=_eps_of(original, 1e-6), **form)
+    _share_weight(new, original)
+    object.__setattr__(new, "stock", original)  # not a submodule: no second weight in the state dict
+    return new
+
+
+def _plan_gated_rms_norm(child: torch.nn.Module):
+    """(replacement, None) for the first probed gated form equal to ``child``'s forward, else (None, reason)."""
+    why = patch_probes.probe_blocker(child, n_inputs=2)
+    if why:
+        return None, why
+    reasons = []
+    for form in _gated_candidates(child):
+        def build(m, form=form):
+            return _gated_swap(m, form)
+
+        variant = "gated:" + ":".join(f"{k}={v}" for k, v in sorted(form.items()))
+        why = patch_probes.verify_replacement(child, build, variant, n_inputs=2)
+        if why is None:
+            return build(child), None
+        reasons.append(why)
+    return None, f"no gated RMSNorm form matches its forward (first tried: {reasons[0]})"
+
+
 def _plan_layer_norm(child: torch.nn.LayerNorm):
     from ..library.norms import TPULayerNorm
 
@@ -375,8 +443,10 @@ def apply_tpukernels(
             keeps its own attention.
         rms_norm: replace RMSNorm modules with :class:`tpukernels.library.norms.TPURMSNorm` in the form the
             probe finds: Llama ``w * n.to(dtype)``, Gemma / Qwen3-Next ``(n * (1 + w)).to(dtype)``, the two
-            other casting/offset combinations, or weightless (falcon-mamba); a norm with a bias or a gate
-            matches none and stays stock.
+            other casting/offset combinations, or weightless (falcon-mamba); a norm with a bias matches none
+            and stays stock. Gated ``*RMSNormGated`` modules (``forward(hidden_states, gate)``: Qwen3-Next,
+            Mamba2, Nemotron-H, Kimi-Linear, ...) become :class:`tpukernels.library.norms.TPUGatedRMSNorm` in the
+            gate order, group size, activation and roundings their probe finds (counted as ``gated_rms_norm``).
         layer_norm: replace ``nn.LayerNorm`` (BERT-family encoders).
         linear: replace ``nn.Linear`` with the tpukernels matmul (opt-in: slow in cpu interpret mode).
         quantize: ``"int8"`` / ``"float8_e4m3fn"`` / ``"float8_e5m2"`` (``"fp8"`` = e4m3fn): replace each
@@ -415,7 +485,8 @@ def apply_tpukernels(
             takes other inputs.
 
     Returns:
-        ``{"attention": bool, "rms_norm": n, "layer_norm": n, "linear": n, "moe_experts": n, "stock": {...}}``
+        ``{"attention": bool, "rms_norm": n, "gated_rms_norm": n, "layer_norm": n, "linear": n, "moe_experts": n,
+        "stock": {...}}``
         (plus ``"quantized": n`` with ``quantize``; ``"rope"``: patched modeling modules, ``"gated_mlp"``: n
         with those options) — what was patched (with ``dry_run``: what would be). ``"stock"`` maps each class
         (``"attention"`` for the attention implementation, ``"<module>.apply_rotary_pos_emb"`` for RoPE) left
@@ -448,7 +519,7 @@ def apply_tpukernels(
         from .quantizers import check_can_mark
 
         check_can_mark(model, quantize, x_quant)
-    counts = {"attention": False, "rms_norm": 0, "layer_norm": 0, "linear": 0}
+    counts = {"attention": False, "rms_norm": 0, "gated_rms_norm": 0, "layer_norm": 0, "linear": 0}
     if quantize:
         counts["quantized"] = 0
     stock: dict = {}  # class (or "attention" / a modeling module) -> why it stays stock
@@ -465,7 +536,9 @@ def apply_tpukernels(
     for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
             new, key, why = None, None, None
-            if rms_norm and _is_rms_norm(child):
+            if rms_norm and _is_gated_rms_norm(child):
+                (new, why), key = _plan_gated_rms_norm(child), "gated_rms_norm"
+            elif rms_norm and _is_rms_norm(child):
                 (new, why), key = _plan_rms_norm(child), "rms_norm"
             elif layer_norm and isinstance(child, torch.nn.LayerNorm) and len(child.normalized_shape) == 1:
                 (new, why), key = _plan_layer_norm(child), "layer_norm"
@@ -499,6 +572,7 @@ def apply_tpukernels(
         counts["rms_norm"] = sum(k == "rms_norm" for *_, k in plan)
         counts["layer_norm"] = sum(k == "layer_norm" for *_, k in plan)
         counts["linear"] = sum(k == "linear" for *_, k in plan)
+        counts["gated_rms_norm"] = sum(k == "gated_rms_norm" for *_, k in plan)
         if quantize:
             counts["quantized"] = len(quantized)
         if rope:
