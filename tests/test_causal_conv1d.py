@@ -361,8 +361,7 @@ def test_sharding_rule_is_over_channels_or_batch():
 
 
 @pytest.mark.aot
-@pytest.mark.parametrize("chip", [pytest.param("v5e", marks=pytest.mark.slow), "v6e",
-                                  pytest.param("tpu7x", marks=pytest.mark.slow)])  # make test: v6e
+@pytest.mark.parametrize("chip", ["v5e", "v6e", "tpu7x"])
 def test_compile_only(chip, tmp_cache):
     from tpukernels.targets.compile_only import compile_for
 

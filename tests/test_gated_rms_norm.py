@@ -440,8 +440,7 @@ def test_module_defaults_and_repr():
 
 # ---------------------------------------------------------------------------------------------- compile-only
 @pytest.mark.aot
-@pytest.mark.parametrize("chip", [pytest.param("v4", marks=pytest.mark.slow), pytest.param("v5e", marks=pytest.mark.slow),
-                                  "v6e", pytest.param("tpu7x", marks=pytest.mark.slow)])  # make test: v6e
+@pytest.mark.parametrize("chip", ["v4", "v5e", "v6e", "tpu7x"])
 def test_compile_only_standard_cases_and_unaligned_groups(chip, tmp_cache):
     from tpukernels.lowering import specs_from_values
     from tpukernels.targets import bucket_specs

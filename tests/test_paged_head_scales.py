@@ -170,8 +170,7 @@ def test_bad_scale_shape_names_the_argument(kw, words):
 
 
 @pytest.mark.aot
-@pytest.mark.parametrize("chip", [pytest.param("v5e", marks=pytest.mark.slow), "v6e",
-                                  pytest.param("tpu7x", marks=pytest.mark.slow)])  # make test: v6e
+@pytest.mark.parametrize("chip", ["v5e", "v6e", "tpu7x"])
 def test_compile_only_per_head_scales(chip):
     """Mosaic (libtpu compile-only) compiles the per-(slot, kv head) scale pages: int8 on v6e, fp8 on tpu7x, with
     K per head and V per slot on v5e."""

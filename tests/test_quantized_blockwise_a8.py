@@ -347,8 +347,7 @@ def test_fp8_packed_needs_no_fp8_mxu_pair(monkeypatch, chip):
 
 
 @pytest.mark.aot
-@pytest.mark.parametrize("chip", [pytest.param("v5e", marks=pytest.mark.slow), "v6e",
-                                  pytest.param("tpu7x", marks=pytest.mark.slow)])  # make test: v6e
+@pytest.mark.parametrize("chip", ["v5e", "v6e", "tpu7x"])
 def test_compile_only_fp8_packed(chip):
     """Mosaic + XLA:TPU compile the int4 (zero points or not; decode) and fp4 (prefill) x float8_e4m3fn kernel
     and the float8_e4m3fn per-block quantization, on every chip."""
