@@ -203,3 +203,19 @@ def test_a_gated_norm_no_form_matches_stays_stock():
         report = tki.apply_tpukernels(holder, attention=False)
     assert isinstance(holder.norm, BiasedGatedNorm) and report["gated_rms_norm"] == 0
     torch.testing.assert_close(holder.norm(x, z), want)
+
+
+def test_a_patched_model_pickles_and_reloads_equal():
+    """torch.save / torch.load of a model patched with rope=True and a gated norm (no local classes or hooks
+    left on it) gives the same logits."""
+    import io
+
+    model = tiny_causal_lm("qwen3_next")
+    report = tki.apply_tpukernels(model, rope=True)
+    assert report["rope"] == 1 and report["gated_rms_norm"] == 1
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    again = torch.load(buf, weights_only=False)
+    ids, mask = probe_batch()
+    assert torch.equal(_logits(again, ids, mask), _logits(model, ids, mask))

@@ -315,19 +315,12 @@ def _gated_candidates(m: torch.nn.Module) -> list[dict]:
 
 def _gated_swap(original: torch.nn.Module, form: dict) -> torch.nn.Module:
     """A :class:`tpukernels.library.norms.TPUGatedRMSNorm` in ``form`` sharing ``original``'s weight (its state
-    dict keeps the one key ``weight``). A call with ``gate=None`` (Mamba2's norm without its gate, which the
-    probe did not cover) runs ``original``."""
+    dict keeps the one key ``weight``). transformers' hybrid layers always pass the gate; a call without one
+    raises (the library op takes ``z``), it never falls back silently."""
     from ..library.norms import TPUGatedRMSNorm
 
-    class TPUGatedNormSwap(TPUGatedRMSNorm):
-        def forward(self, hidden_states, gate=None):
-            if gate is None:
-                return self.stock(hidden_states, None)
-            return super().forward(hidden_states, gate)
-
-    new = TPUGatedNormSwap(original.weight.shape[0], eps=_eps_of(original, 1e-6), **form)
+    new = TPUGatedRMSNorm(original.weight.shape[0], eps=_eps_of(original, 1e-6), **form)
     _share_weight(new, original)
-    object.__setattr__(new, "stock", original)  # not a submodule: no second weight in the state dict
     return new
 
 
@@ -762,6 +755,16 @@ def _plan_rope(model: torch.nn.Module, stock: dict) -> list[str]:
     return names
 
 
+def _rope_enter(mod, args):
+    for n in mod._tpukernels_rope:
+        _rope_active[n] = _rope_active.get(n, 0) + 1
+
+
+def _rope_leave(mod, args, output):
+    for n in mod._tpukernels_rope:
+        _rope_active[n] = _rope_active.get(n, 1) - 1
+
+
 def _apply_rope(model: torch.nn.Module, names: list[str]) -> int:
     import sys
 
@@ -773,17 +776,8 @@ def _apply_rope(model: torch.nn.Module, names: list[str]) -> int:
     if new:
         if not hasattr(model, "_tpukernels_rope"):
             model._tpukernels_rope = []
-
-            def enter(mod, args, kwargs=None):
-                for n in mod._tpukernels_rope:
-                    _rope_active[n] = _rope_active.get(n, 0) + 1
-
-            def leave(mod, args, output=None, *rest):
-                for n in mod._tpukernels_rope:
-                    _rope_active[n] = _rope_active.get(n, 1) - 1
-
-            model.register_forward_pre_hook(enter)
-            model.register_forward_hook(leave, always_call=True)
+            model.register_forward_pre_hook(_rope_enter)  # module-level hooks: the model stays picklable
+            model.register_forward_hook(_rope_leave, always_call=True)
         model._tpukernels_rope.extend(new)
     return len(names)
 
