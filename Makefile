@@ -43,6 +43,13 @@ $(TORCHTITAN): $(STAMP)
 
 torchtitan: $(TORCHTITAN)
 
+# flash-linear-attention (fla-core) --no-deps for its naive torch references of GDN / KDA (tests load
+# fla/ops/*/naive.py by path: the package's __init__ imports triton) and einops, which those files import.
+FLA := $(VENV)/.fla-core-0.6.0-einops-0.8.2
+$(FLA): $(STAMP)
+	$(PY) -m pip install -q --no-deps -c constraints.txt fla-core==0.6.0 einops==0.8.2
+	@touch $@
+
 # the CPU test set of the vLLM-TPU backend (tpu-inference, vllm, torchax --no-deps into .venv); a TPU host: README
 vllm: $(VLLM_TPU)
 
@@ -52,7 +59,7 @@ demo: $(STAMP)
 	@echo "make demo: starting tpukernels demo (importing torch + jax takes a few seconds; about half a minute on 2 cores; later runs reuse cached libtpu estimates)"
 	$(VENV)/bin/tpukernels demo
 
-test: $(STAMP) $(TORCH_TPU_WHEEL) $(VLLM_TPU) $(TORCHTITAN)
+test: $(STAMP) $(TORCH_TPU_WHEEL) $(VLLM_TPU) $(TORCHTITAN) $(FLA)
 	$(PY) -m pytest -n 2 -q
 
 # Every library kernel vs XLA and public Pallas kernels (libtpu model) + host costs -> BENCHMARKS.md
@@ -60,7 +67,7 @@ bench: $(STAMP)
 	ALLOW_MULTIPLE_LIBTPU_LOAD=1 $(VENV)/bin/tpukernels bench --chips v5e,v6e,tpu7x \
 		--results-dir benchmarks/results --out BENCHMARKS.md --readme README.md
 
-test-slow: $(STAMP) $(TORCHTITAN)
+test-slow: $(STAMP) $(TORCHTITAN) $(FLA) $(VLLM_TPU) $(TORCH_TPU_WHEEL)
 	$(PY) -m pytest -q -m slow
 
 clean:
