@@ -8,7 +8,7 @@ export JAX_PLATFORMS ?= cpu
 export TPU_ACCELERATOR_TYPE ?= v5litepod-1
 export TPU_WORKER_HOSTNAMES ?= localhost
 
-.PHONY: demo test test-slow install bench clean torchtitan vllm
+.PHONY: demo test test-slow install bench clean torchtitan vllm docs browser
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -50,6 +50,26 @@ $(FLA): $(STAMP)
 	$(PY) -m pip install -q --no-deps -c constraints.txt fla-core==0.6.0 einops==0.8.2
 	@touch $@
 
+# The documentation site's packages (the docs extra, pinned in constraints.txt), reinstalled when their pins change.
+DOCS := $(VENV)/.docs-$(shell grep -iE '^(mkdocs|mkdocs-material|mkdocs-material-extensions|mkdocstrings|mkdocstrings-python|mkdocs-autorefs|griffelib|pymdown-extensions|markdown)==' constraints.txt | sha1sum | cut -c1-12)
+$(DOCS): $(STAMP)
+	$(PY) -m pip install -q -c constraints.txt -e '.[docs]'
+	@rm -f $(VENV)/.docs-*
+	@touch $@
+
+# The site, strict (a broken link, a missing reference or a docstring that fails to render fails): site/index.html
+docs: $(DOCS)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
+# Headless Chromium for tests/test_docs.py's browser check: Debian's package, installed when missing and root;
+# otherwise (or if apt fails) that one test skips, saying why.
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	{ [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	  { DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1 || \
+	    { apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1; }; } || \
+	  echo "make: chromium not installed (needs root and apt-get): tests/test_docs.py skips its browser check"; }
+
 # the CPU test set of the vLLM-TPU backend (tpu-inference, vllm, torchax --no-deps into .venv); a TPU host: README
 vllm: $(VLLM_TPU)
 
@@ -59,7 +79,7 @@ demo: $(STAMP)
 	@echo "make demo: starting tpukernels demo (importing torch + jax takes a few seconds; about half a minute on 2 cores; later runs reuse cached libtpu estimates)"
 	$(VENV)/bin/tpukernels demo
 
-test: $(STAMP) $(TORCH_TPU_WHEEL) $(VLLM_TPU) $(TORCHTITAN) $(FLA)
+test: $(STAMP) $(TORCH_TPU_WHEEL) $(VLLM_TPU) $(TORCHTITAN) $(FLA) $(DOCS) browser
 	$(PY) -m pytest -n 2 -q
 
 # Every library kernel vs XLA and public Pallas kernels (libtpu model) + host costs -> BENCHMARKS.md
@@ -71,4 +91,4 @@ test-slow: $(STAMP) $(TORCHTITAN) $(FLA) $(VLLM_TPU) $(TORCH_TPU_WHEEL)
 	$(PY) -m pytest -q -m slow
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis site

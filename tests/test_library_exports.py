@@ -1,7 +1,8 @@
-"""Every name the README's Library table lists as public API imports from ``tpukernels.library``.
+"""Every name the Library page's table lists as public API imports from ``tpukernels.library``.
 
-The table's "public API" column is parsed from README.md (each backticked ``name(...)`` or ``Name``), so a name
-added to the table without its export (or an export renamed) fails here.
+The table's "public API" column is parsed from docs/library.md (each backticked ``name(...)`` or ``Name``), so a
+name added to the table without its export (or an export renamed) fails here. (The reverse, every export with
+an API entry in the built site: tests/test_docs.py.)
 """
 
 import os
@@ -13,8 +14,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def readme_library_names() -> list[str]:
-    text = open(os.path.join(ROOT, "README.md")).read()
-    section = text.split("\n## Library", 1)[1].split("\n## ", 1)[0]
+    text = open(os.path.join(ROOT, "docs", "library.md")).read()
+    section = text.split("# Library", 1)[1].split("\n## ", 1)[0]
     rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| family")]
     names = []
     for row in rows:
@@ -38,7 +39,7 @@ def test_readme_table_is_parsed():
 
 def test_every_readme_library_name_imports_from_tpukernels_library():
     missing = [n for n in readme_library_names() if not hasattr(library, n)]
-    assert not missing, f"README's Library table lists names tpukernels.library does not export: {missing}"
+    assert not missing, f"docs/library.md's table lists names tpukernels.library does not export: {missing}"
     ns: dict = {}
     exec(f"from tpukernels.library import {', '.join(sorted(set(readme_library_names())))}", ns)
     assert callable(ns["quantized_matmul_blockwise"]) and isinstance(ns["TPUBlockQuantLinear"], type)

@@ -66,7 +66,7 @@ def test_import_as_binds_the_module(path):
 
 
 def test_public_function_names_are_kept():
-    """README's Library table names (tests/test_library_exports.py) stay the functions they were."""
+    """The Library page's table names (docs/library.md, tests/test_library_exports.py) stay the functions they were."""
     import tpukernels.library as lib
 
     for name in ("matmul", "quantized_matmul", "quantized_matmul_blockwise", "grouped_matmul",

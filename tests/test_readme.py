@@ -1,37 +1,44 @@
-"""The README's first three python blocks (the 20-line kernel, its backward, the Helion kernel) run as
-written, in a fresh process (they register ops)."""
+"""README.md, the landing page (of the repository and of the docs site, which includes it): at most ~200 lines,
+the guides it links exist, its code runs (in tests/test_docs.py, with the guides'), and the benchmark summary that
+`tpukernels bench --readme README.md` rewrites sits between the markers the site's benchmarks guide includes."""
 
 import os
 import re
-import subprocess
-import sys
-
-import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _readme() -> str:
+    return open(os.path.join(ROOT, "README.md")).read()
+
+
 def _python_blocks():
-    text = open(os.path.join(ROOT, "README.md")).read()
-    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    return re.findall(r"```python\n(.*?)```", _readme(), flags=re.S)
 
 
-@pytest.mark.aot
-def test_readme_python_blocks_run(tmp_path):
+def test_readme_is_a_landing_page():
+    text = _readme()
+    assert len(text.splitlines()) <= 200
+    assert "make demo" in text and "make test" in text and "make docs" in text
+    links = re.findall(r"\]\(((?:docs/)?[\w./-]+\.md)(?:#[\w-]*)?\)", text)
+    assert sum(link.startswith("docs/guides/") for link in links) >= 10
+    missing = [link for link in links if not os.path.isfile(os.path.join(ROOT, link))]
+    assert not missing, missing
+
+
+def test_bench_summary_markers():
+    from tpukernels.bench import report
+
+    text = _readme()
+    start, begin, end, stop = (text.index(m) for m in ("<!-- --8<-- [start:bench-summary] -->", report.README_BEGIN,
+                                                        report.README_END, "<!-- --8<-- [end:bench-summary] -->"))
+    assert start < begin < end < stop
+    assert "vs xla" in text[begin:end]
+
+
+def test_readme_code_runs_as_the_sites_landing_page():
+    """docs/index.md is README.md, included: tests/test_docs.py::test_guide_code_runs runs its python blocks (the
+    20-line kernel, then the quick starts that continue it) with the guides'."""
+    assert open(os.path.join(ROOT, "docs", "index.md")).read().strip() == '--8<-- "README.md"'
     blocks = _python_blocks()
-    assert len(blocks) >= 3
-    # the backward snippet continues the 20-line example; the Helion block needs torch/tk from it
-    script = "\n".join(blocks[:3]) + "\nimport torch\nx = torch.randn(64, 256, requires_grad=True)\n" \
-        "softmax(x).pow(2).sum().backward()\nref = x.detach().double().requires_grad_()\n" \
-        "torch.softmax(ref, -1).pow(2).sum().backward()\n" \
-        "assert torch.allclose(x.grad.double(), ref.grad, atol=1e-6), (x.grad - ref.grad).abs().max()\n" \
-        "w = torch.randn(1024); xx = torch.randn(32, 1024)\n" \
-        "want = xx.double() * torch.rsqrt((xx.double() ** 2).mean(-1, keepdim=True) + 1e-6) * w.double()\n" \
-        "assert torch.allclose(rms_scale(xx, w).double(), want, atol=1e-5)\nprint('README OK')\n"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
-    path = tmp_path / "readme_example.py"  # a file, not -c: Helion reads kernel source with inspect
-    path.write_text(script)
-    proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "README OK" in proc.stdout
-    assert proc.stdout.count(": ok, VMEM") == 3
+    assert len(blocks) >= 3 and "tk.tpu_kernel" in blocks[0] and "compile_for" in blocks[0]
