@@ -70,7 +70,7 @@ browser:
 	    { apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1; }; } || \
 	  echo "make: chromium not installed (needs root and apt-get): tests/test_docs.py skips its browser check"; }
 
-# the CPU test set of the vLLM-TPU backend (tpu-inference, vllm, torchax --no-deps into .venv); a TPU host: README
+# the CPU test set of the vLLM-TPU backend (tpu-inference, vllm, torchax --no-deps into .venv); a TPU host: docs/guides/serving.md
 vllm: $(VLLM_TPU)
 
 install: $(STAMP)

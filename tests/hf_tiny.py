@@ -180,7 +180,7 @@ def markdown_row(r: dict) -> str:
     return f"| `{r['model_type']}` | {status} | {', '.join(done) or '-'} | {stock} |"
 
 
-if __name__ == "__main__":  # python tests/hf_tiny.py [model_type ...]: the README's table, one row a model
+if __name__ == "__main__":  # python tests/hf_tiny.py [model_type ...]: ARCHITECTURES.md's table, one row a model
     import gc
     import sys
 

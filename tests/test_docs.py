@@ -138,7 +138,7 @@ def test_every_public_name_has_an_api_entry(site):
     missing = [f"tpukernels.{n}" for n in tpukernels.__all__ if f"tpukernels.{n}" not in ids]
     missing += [f"tpukernels.library.{n}" for n in public_library_names() if f"tpukernels.library.{n}" not in ids]
     assert not missing, f"public names without an API entry in the site: {missing}"
-    assert len(ids) > 200  # members of the classes are listed too
+    assert {"tpukernels.Launch.grid", "tpukernels.library.TPURMSNorm.forward"} <= ids  # class members too
 
 
 def test_cli_page_has_every_subcommand(site):
@@ -212,7 +212,7 @@ def test_site_renders_in_chromium(served, tmp_path):
     js = ["js-focus-visible", "md-nav", "md-search__input"]  # the theme's script ran; navigation; search box
     code = ['data-md-type="copy"', '<span class="kn">import</span>']  # highlighted python, copy button (script)
     checks = {
-        "index.html": js + code + ["make demo", 'href="guides/write-a-kernel.html"'],
+        "index.html": js + code + ['id="two-commands"', 'href="guides/write-a-kernel.html"'],
         "guides/write-a-kernel.html": js + code + ['<span class="nd">@tk</span>', "Scalar prefetch"],
         "reference/library/norms.html": js + ['id="tpukernels.library.rms_norm"', "RMSNorm over the last dim"],
     }

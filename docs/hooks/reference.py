@@ -122,7 +122,8 @@ def _argument_rows(parser: argparse.ArgumentParser) -> list[str]:
             name += f" {a.dest.upper()}"
         default = "" if a.default in (None, False, [], argparse.SUPPRESS) else f"`{a.default}`"
         flags = " (required)" if a.required and a.option_strings else ""
-        text = (a.help or "").replace("|", "\\|").replace("\n", " ")
+        text = parser._get_formatter()._expand_help(a) if a.help else ""  # %(default)s as --help prints it
+        text = text.replace("|", "\\|").replace("\n", " ")
         rows.append(f"| `{name}`{flags} | {text} | {default} |")
     return rows
 
@@ -190,19 +191,23 @@ def on_files(files, config):
 INCLUDED = {"ARCHITECTURE.md": "architecture.md", "BENCHMARKS.md": "benchmarks.md",
             "ARCHITECTURES.md": "architectures.md", "README.md": "index.md"}
 _LINK = re.compile(r"\]\((" + "|".join(re.escape(k) for k in INCLUDED) + r")(#[^)]*)?\)")
+_ROLE = re.compile(r":(?:func|meth|class|mod|attr|data|exc|obj|const):`~?")
 _DOCS_LINK = re.compile(r"\]\(docs/([^)#]+)")
 _PAGE_DIR = {"dir": ""}  # the folder of the page being rendered (pages render one at a time)
 
 
 class _RepoLinks(Preprocessor):
     """Rewrites the links after pymdownx.snippets (priority 32) has included its files, so included text is
-    rewritten too (on_page_markdown sees the page before the include)."""
+    rewritten too (on_page_markdown sees the page before the include); mkdocstrings renders docstrings with the
+    same extensions, so their Sphinx roles are rewritten here too."""
 
     def run(self, lines):
         here = _PAGE_DIR["dir"] or "."
         text = _LINK.sub(lambda m: f"]({posixpath.relpath(INCLUDED[m[1]], here)}{m[2] or ''})", "\n".join(lines))
         # README's links into docs/ (it is the landing page, included by docs/index.md)
         text = _DOCS_LINK.sub(lambda m: f"]({posixpath.relpath(m[1], here)}", text)
+        # docstrings cross-reference in Sphinx's roles (:func:`x`); Markdown shows the name as code
+        text = _ROLE.sub("`", text)
         return text.split("\n")
 
 

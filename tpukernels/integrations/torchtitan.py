@@ -35,7 +35,7 @@ Two ways in:
 Config registry functions (``--module tpukernels.integrations.torchtitan --config <name>``):
 ``llama3_debugmodel_tpukernels`` (torchtitan's ``llama3_debugmodel`` with every swap; needs its tokenizer and
 ``c4_test`` assets). On hosts without them (and without an accelerator), the CPU harness in
-:mod:`tpukernels.integrations.torchtitan_compat` adds synthetic assets (README "TorchTitan").
+:mod:`tpukernels.integrations.torchtitan_compat` adds synthetic assets (docs/guides/training.md, "TorchTitan").
 
 Interpret mode: on a host without a TPU the kernels run in Pallas interpret mode (``tpukernels.interpret_mode``,
 ``TPUKERNELS_INTERPRET``); nothing here changes that.
