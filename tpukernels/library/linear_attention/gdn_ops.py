@@ -552,8 +552,9 @@ def _shape(x):
     return tuple(x.shape) if _is_t(x) else type(x).__name__
 
 
-def _check_public(op, q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, state_rows=None):
-    """Every rule of the public functions (module docstring), before any kernel runs; returns N."""
+def _check_public(op, q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, state_pool=False):
+    """Every rule of the public functions (module docstring), before any kernel runs; returns N. ``state_pool``:
+    initial_state may have any number of rows (indexed by ssm_state_indices)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not _is_t(x) or x.dim() != 4:
             raise ArgumentError(f"{op}: {name} must be a 4-D tensor [B, T, heads, dim], got {_shape(x)}")
@@ -599,7 +600,7 @@ def _check_public(op, q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_
             raise ArgumentError(f"{op}: cu_seqlens must end at the token count T = {t}, got {c[-1]}")
         n = len(c) - 1
     if initial_state is not None:
-        rows = n if state_rows is None else state_rows
+        rows = None if state_pool else n
         if not _is_t(initial_state) or initial_state.dim() != 4 or tuple(initial_state.shape[1:]) != (hv, kd, vd) \
                 or (rows is not None and initial_state.shape[0] != rows):
             want = f"[{rows if rows is not None else 'S'}, {hv}, {kd}, {vd}]"
@@ -710,8 +711,7 @@ def fused_recurrent_gated_delta_rule(
     if inplace_final_state and ssm_state_indices is None:
         raise ArgumentError(f"{op}: inplace_final_state needs ssm_state_indices (the slots to write)")
     n = _check_public(op, q, k, v, g, beta, scale, initial_state, cu_seqlens, DEFAULT_CHUNK,
-                      state_rows=None if ssm_state_indices is not None else (
-                          q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1))
+                      state_pool=ssm_state_indices is not None)
     b, t, h, kd = q.shape
     hv, vd = v.shape[2], v.shape[3]
     if ssm_state_indices is not None:
@@ -767,11 +767,12 @@ def fused_recurrent_gated_delta_rule(
 def gated_delta_rule_reference(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None,
                                use_qk_l2norm_in_kernel=False):
     """float64 ``(o [B, T, HV, V], final_state [N, HV, K, V])`` by the token loop of the module docstring (per
-    row, or per packed sequence of cu_seqlens with its own state); differentiable (torch autograd)."""
+    row, or per packed sequence of cu_seqlens with its own state); differentiable (torch autograd). With
+    ``use_qk_l2norm_in_kernel`` the normalized q / k are rounded to their dtype first, as the public ops do."""
     qd, kd_, vd_, gd, bd = (x.double() for x in (q, k, v, g, beta))
-    if use_qk_l2norm_in_kernel:
-        qd = qd * torch.rsqrt((qd * qd).sum(-1, keepdim=True) + 1e-6)
-        kd_ = kd_ * torch.rsqrt((kd_ * kd_).sum(-1, keepdim=True) + 1e-6)
+    if use_qk_l2norm_in_kernel:  # normalized, then rounded to the input dtype (as fla's l2norm and ours)
+        qd = (qd * torch.rsqrt((qd * qd).sum(-1, keepdim=True) + 1e-6)).to(q.dtype).double()
+        kd_ = (kd_ * torch.rsqrt((kd_ * kd_).sum(-1, keepdim=True) + 1e-6)).to(k.dtype).double()
     b, t, h, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
     r = hv // h
