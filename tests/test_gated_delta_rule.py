@@ -236,6 +236,39 @@ def test_backward_matches_float64_autograd(dtype, packed, ratio):
 
 
 @pytest.mark.slow
+def test_backward_nan_in_one_sequence_reaches_no_other_gradient(interpret):
+    """A NaN in sequence 1's values: sequences 0 and 2 get the float64 gradients of their own, in both interpret
+    modes (the backward's DMA buffers and carried dS start NaN-poisoned in "tpu" mode)."""
+    lens = [20, 7, 21]
+    cu = torch.tensor(np.cumsum([0] + lens))
+    xs = list(inputs(1, sum(lens), 1, 1, 16, 8, seed=17))
+    xs[2][0, 22, 0, 3] = float("nan")
+    xs = [x.requires_grad_() for x in xs]
+    h0 = rand(3, 1, 16, 8, seed=18).requires_grad_()
+    o, ht = G.chunk_gated_delta_rule(*xs, initial_state=h0, output_final_state=True, cu_seqlens=cu, chunk_size=C)
+    grads = torch.autograd.grad(o.nansum() + ht.nansum(), xs + [h0])
+    for i in (0, 2):
+        s, e = int(cu[i]), int(cu[i + 1])
+        x64 = [x.detach()[:, s:e].double().requires_grad_() for x in xs] + [h0.detach()[i:i + 1].double().requires_grad_()]
+        ref, ref_ht = G.gated_delta_rule_reference(*x64[:5], initial_state=x64[5])
+        want = torch.autograd.grad(ref.sum() + ref_ht.sum(), x64)
+        for name, got, exp in zip(("dq", "dk", "dv", "dg", "dbeta"), grads, want):
+            check(got[:, s:e], exp, F32, f"{name} seq {i}", rel=2.0**-16)
+        check(grads[5][i:i + 1], want[5], F32, f"dh0 seq {i}", rel=2.0**-16)
+    assert grads[0][:, 20:27].isnan().any()
+
+
+def test_kernel_ops_pass_opcheck():
+    q, k, v, g, beta = inputs(1, 20, 1, 2, 16, 8)
+    hm = lambda x: G._head_major(x)  # noqa: E731
+    gate = lambda x: x.reshape(20, 2).T.reshape(2, 20, 1).contiguous()  # noqa: E731
+    args = (torch.tensor([0, 7, 20], dtype=torch.int32), hm(q), hm(k), hm(v), gate(g), gate(beta), rand(2, 2, 16, 8),
+            0.25, False, 16)
+    torch.library.opcheck(torch.ops.tpukernels.gdn_chunk_fwd.default, args,
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+@pytest.mark.slow
 def test_backward_through_fused_recurrent_and_l2norm():
     xs = [x.requires_grad_() for x in inputs(2, 3, 1, 1, 16, 8, seed=16)]
     o, _ = G.fused_recurrent_gated_delta_rule(*xs, use_qk_l2norm_in_kernel=True)
