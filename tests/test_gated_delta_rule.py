@@ -215,6 +215,20 @@ def test_fused_recurrent_forms_match_reference():
     assert torch.equal(h0, h0_copy)
 
 
+@pytest.mark.parametrize("h, hv, bh", [(1, 4, 2), (2, 8, 8), (2, 4, 1)])
+def test_decode_heads_per_step(monkeypatch, h, hv, bh):
+    """block_h value heads per grid step, grouped heads lined up (bh a multiple of HV / H, or a divisor)."""
+    monkeypatch.setattr(G.gdn_recurrent_fwd, "heuristic", lambda *a, **k: {"block_h": bh})
+    G.gdn_recurrent_fwd._plans.clear()
+    q, k, v, g, beta = inputs(3, 2, h, hv, 16, 8, seed=19)
+    h0 = rand(3, hv, 16, 8, seed=20)
+    o, ht = G.fused_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    ref, ref_ht = G.gated_delta_rule_reference(q, k, v, g, beta, initial_state=h0)
+    check(o, ref, F32, "o")
+    check(ht, ref_ht, F32, "ht")
+    G.gdn_recurrent_fwd._plans.clear()
+
+
 # ----------------------------------------------------------------------------------------- backward
 @pytest.mark.parametrize("dtype, packed, ratio", [(F32, True, 2), pytest.param(F32, False, 1, marks=pytest.mark.slow),
                                                   pytest.param(BF16, False, 2, marks=pytest.mark.slow)])
