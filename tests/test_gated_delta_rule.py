@@ -263,7 +263,8 @@ def test_backward_nan_in_one_sequence_reaches_no_other_gradient(interpret):
     grads = torch.autograd.grad(o.nansum() + ht.nansum(), xs + [h0])
     for i in (0, 2):
         s, e = int(cu[i]), int(cu[i + 1])
-        x64 = [x.detach()[:, s:e].double().requires_grad_() for x in xs] + [h0.detach()[i:i + 1].double().requires_grad_()]
+        x64 = [x.detach()[:, s:e].double().requires_grad_() for x in xs]
+        x64.append(h0.detach()[i:i + 1].double().requires_grad_())
         ref, ref_ht = G.gated_delta_rule_reference(*x64[:5], initial_state=x64[5])
         want = torch.autograd.grad(ref.sum() + ref_ht.sum(), x64)
         for name, got, exp in zip(("dq", "dk", "dv", "dg", "dbeta"), grads, want):

@@ -445,7 +445,8 @@ def gdn_chunk_bwd(
     return tk.Launch(
         grid=(hv, nc if t else 0),
         in_specs=in_specs,
-        out_specs=[row_spec(kd), row_spec(kd), row_spec(vd), row_spec(1), row_spec(1), pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=[row_spec(kd), row_spec(kd), row_spec(vd), row_spec(1), row_spec(1),
+                   pl.BlockSpec(memory_space=pl.ANY)],
         out_shape=_bwd_out(cu, q, k, v, g, beta, h0, hc, do, dht, scale, chunk),
         scratch_shapes=[pltpu.VMEM((kd, vd), F32), pltpu.VMEM((kd, vd), F32), pltpu.VMEM((kd, vd), F32),
                         pltpu.SemaphoreType.DMA],
@@ -464,7 +465,7 @@ def _fwd_backward(ctx, do, dht, dhc):
     cu, q, k, v, g, beta, h0 = ctx.cu, ctx.q, ctx.k, ctx.v, ctx.g, ctx.beta, ctx.h0
     _, _, hc = gdn_chunk_fwd(cu, q, k, v, g, beta, h0, ctx.scale, True, ctx.chunk)
     do = torch.zeros_like(ctx.outputs[0]) if do is None else do
-    dq, dk, dv, dg, db, dh0 = gdn_chunk_bwd(cu, q, k, v, g, beta, h0, hc, do.contiguous(), 
+    dq, dk, dv, dg, db, dh0 = gdn_chunk_bwd(cu, q, k, v, g, beta, h0, hc, do.contiguous(),
                                              None if dht is None else dht.float().contiguous(), ctx.scale, ctx.chunk)
     hq, hv = q.shape[0], v.shape[0]
     r = hv // hq
@@ -476,6 +477,24 @@ def _fwd_backward(ctx, do, dht, dhc):
 
 
 # ----------------------------------------------------------------------------------------- decode kernel
+def _token_steps(q, k, v, g, beta, s0, scale):
+    """The token loop of the module docstring on the VPU (no MXU: a ``(1, K) x (K, V)`` matmul would load the
+    whole state into the MXU per token), for the few tokens of a decode step: ``(o (T, V), S_end)``.
+
+    q, k: ``(K, T)`` (tokens as columns: the host passes them transposed); v: ``(T, V)``; g, beta: ``(T, 1)``.
+    """
+    s = s0
+    outs = []
+    for t in range(q.shape[1]):
+        kc, qc = k[:, t:t + 1], q[:, t:t + 1]  # (K, 1)
+        s = jnp.exp(g[t:t + 1, :]) * s
+        kv = jnp.sum(s * kc, axis=0, keepdims=True)  # S^T k, (1, V)
+        u = beta[t:t + 1, :] * (v[t:t + 1] - kv)
+        s = s + kc * u
+        outs.append(scale * jnp.sum(s * qc, axis=0, keepdims=True))
+    return (outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)), s
+
+
 def _rec_body(idx_ref, q_ref, k_ref, v_ref, g_ref, b_ref, *rest, scale, has_h0, bh, per_q):
     """``bh`` value heads per step; value head j of the block reads q/k head ``j // per_q`` of its q/k block."""
     it = iter(rest)
@@ -486,14 +505,14 @@ def _rec_body(idx_ref, q_ref, k_ref, v_ref, g_ref, b_ref, *rest, scale, has_h0, 
         q, k = q_ref[qj].astype(F32), k_ref[qj].astype(F32)
         v, g, beta = v_ref[j].astype(F32), g_ref[j].astype(F32), b_ref[j].astype(F32)
         s0 = h0_ref[j] if has_h0 else jnp.zeros(ht_ref.shape[1:], F32)
-        o, s_end = _chunk_step(q, k, v, g, beta, s0, scale)
+        o, s_end = _token_steps(q, k, v, g, beta, s0, scale)
         o_ref[j] = o.astype(o_ref.dtype)
         ht_ref[j] = s_end
 
 
 def _rec_out(idx, q, k, v, g, beta, h0, scale):
     b, hv, t, vd = v.shape
-    return (tk.OutSpec((b, hv, t, vd), v.dtype), tk.OutSpec((b, hv, q.shape[3], vd), F32))
+    return (tk.OutSpec((b, hv, t, vd), v.dtype), tk.OutSpec((b, hv, q.shape[2], vd), F32))
 
 
 #: value heads per decode grid step (the state blocks of bh heads move together).
@@ -516,7 +535,7 @@ def _rec_heuristic(idx, q, k, v, g, beta, h0, scale):
     """The most heads per step whose state blocks (in and out, double-buffered) fit
     :data:`DECODE_VMEM_BUDGET_BYTES`: a decode step moves ``2 * K * V * 4`` bytes per head, so few heads per
     step leave the per-step overhead (~0.35 us) larger than the HBM time. Not measured on a chip yet."""
-    kd, vd = q.shape[3], v.shape[3]
+    kd, vd = q.shape[2], v.shape[3]
     best = 1
     for bh in BLOCK_H:
         if 4 * bh * kd * vd * 4 <= DECODE_VMEM_BUDGET_BYTES:
@@ -535,8 +554,8 @@ def gdn_recurrent_fwd(
 
     Args:
         idx: int32 ``[B]``: row b reads state ``h0[idx[b]]`` (scalar-prefetched; ``arange(B)`` for plain rows).
-        q, k: ``[B, H, T, K]``; v: ``[B, HV, T, V]``; g, beta: float32 ``[B, HV, T, 1]``.
-        h0: float32 ``[S, HV, K, V]`` state pool or None (zeros). scale: the query scale.
+        q, k: ``[B, H, K, T]`` (transposed: tokens as columns); v: ``[B, HV, T, V]``; g, beta: float32
+            ``[B, HV, T, 1]``. h0: float32 ``[S, HV, K, V]`` state pool or None (zeros). scale: the query scale.
         block_h: value heads per grid step (tunable; see :func:`_rec_block_h`).
 
     Returns:
@@ -544,10 +563,10 @@ def gdn_recurrent_fwd(
     """
     where = "tpukernels::gdn_recurrent_fwd"
     if len(q.shape) != 4 or tuple(k.shape) != tuple(q.shape) or len(v.shape) != 4 or v.shape[0] != q.shape[0] \
-            or v.shape[2] != q.shape[2] or v.shape[1] % q.shape[1]:
-        raise ArgumentError(f"{where}: q, k must be [B, H, T, K] and v [B, HV, T, V] (HV a multiple of H), got "
+            or v.shape[2] != q.shape[3] or v.shape[1] % q.shape[1]:
+        raise ArgumentError(f"{where}: q, k must be [B, H, K, T] and v [B, HV, T, V] (HV a multiple of H), got "
                             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    b, hq, t, kd = q.shape
+    b, hq, kd, t = q.shape
     hv, vd = v.shape[1], v.shape[3]
     for name, x in (("g", g), ("beta", beta)):
         if tuple(x.shape) != (b, hv, t, 1) or np.dtype(x.dtype) != np.float32:
@@ -562,10 +581,10 @@ def gdn_recurrent_fwd(
     bh = _rec_block_h(block_h, hq, hv)
     if bh >= r:  # a q/k block of bh / r heads, at block index h
         qb, per_q = bh // r, r
-        qk_spec = pl.BlockSpec((None, qb, t, kd), lambda i, h, *_: (i, h, 0, 0))
+        qk_spec = pl.BlockSpec((None, qb, kd, t), lambda i, h, *_: (i, h, 0, 0))
     else:  # bh divides r: one q/k head, at head index h * bh // r
         per_q = bh
-        qk_spec = pl.BlockSpec((None, 1, t, kd), lambda i, h, *_: (i, (h * bh) // r, 0, 0))
+        qk_spec = pl.BlockSpec((None, 1, kd, t), lambda i, h, *_: (i, (h * bh) // r, 0, 0))
     row = lambda d: pl.BlockSpec((None, bh, t, d), lambda i, h, *_: (i, h, 0, 0))  # noqa: E731
     in_specs = [qk_spec, qk_spec, row(vd), row(1), row(1)]
     if h0 is not None:
@@ -755,7 +774,8 @@ def fused_recurrent_gated_delta_rule(
     b, t, h, kd = q.shape
     hv, vd = v.shape[2], v.shape[3]
     if ssm_state_indices is not None:
-        if not _is_t(ssm_state_indices) or ssm_state_indices.dtype not in _INT or tuple(ssm_state_indices.shape) != (n,):
+        sidx = ssm_state_indices
+        if not _is_t(sidx) or sidx.dtype not in _INT or tuple(sidx.shape) != (n,):
             raise ArgumentError(f"{op}: ssm_state_indices must be an int tensor [N] = [{n}], got "
                                 f"{_shape(ssm_state_indices)}")
         idx = ssm_state_indices.long()
@@ -787,14 +807,15 @@ def fused_recurrent_gated_delta_rule(
             q, k = _l2norm(q), _l2norm(k)
         rows, tl = (b, t) if cu_seqlens is None else (n, lens[0])
 
-        def rowwise(x):  # [B, T, heads, d] -> [rows, heads, tl, d]
-            return x.reshape(rows, tl, x.shape[2], x.shape[3]).transpose(1, 2).contiguous()
+        def rowwise(x, cols=False):  # [B, T, heads, d] -> [rows, heads, tl, d] (cols: [rows, heads, d, tl])
+            y = x.reshape(rows, tl, x.shape[2], x.shape[3])
+            return (y.permute(0, 2, 3, 1) if cols else y.transpose(1, 2)).contiguous()
 
         gate = lambda x: x.float().reshape(rows, tl, hv).transpose(1, 2)[..., None].contiguous()  # noqa: E731
         idx32 = (ssm_state_indices.to(torch.int32) if ssm_state_indices is not None
                  else torch.arange(rows, dtype=torch.int32, device=q.device))
         h0 = None if initial_state is None else initial_state.contiguous()
-        o, ht = gdn_recurrent_fwd(idx32, rowwise(q), rowwise(k), rowwise(v), gate(g), gate(beta), h0, scale_f)
+        o, ht = gdn_recurrent_fwd(idx32, rowwise(q, True), rowwise(k, True), rowwise(v), gate(g), gate(beta), h0, scale_f)
         o = o.transpose(1, 2).reshape(b, t, hv, vd)
     if inplace_final_state:
         with torch.no_grad():
@@ -850,6 +871,6 @@ STANDARD_SHAPES = [
     (gdn_chunk_bwd, ("2:i32", "16x4096x128:bf16", "16x4096x128:bf16", "32x4096x128:bf16", "32x4096x1:f32",
                      "32x4096x1:f32", "1x32x128x128:f32", "32x64x128x128:f32", "32x4096x128:bf16",
                      "1x32x128x128:f32"), {"scale": 128 ** -0.5, "chunk": 64}),
-    (gdn_recurrent_fwd, ("64:i32", "64x16x1x128:bf16", "64x16x1x128:bf16", "64x32x1x128:bf16", "64x32x1x1:f32",
+    (gdn_recurrent_fwd, ("64:i32", "64x16x128x1:bf16", "64x16x128x1:bf16", "64x32x1x128:bf16", "64x32x1x1:f32",
                          "64x32x1x1:f32", "256x32x128x128:f32"), {"scale": 128 ** -0.5}),
 ]
