@@ -52,11 +52,31 @@ start, then one kernel walks the chunks in reverse (grid over ``NC - 1 - c``), r
 and applies its exact transpose (hand-derived, written out in ``_chunk_bwd``), carrying ``dS`` backward
 in scratch. Grouped heads: dq / dk are per value head in float32, summed over the group on the host.
 
-Decode (``fused_recurrent_gated_delta_rule``): the same chunk step over the few new tokens of each row
-(grid ``(B, HV)``, all parallel), state in and out; with ``ssm_state_indices`` (vLLM) row ``b`` reads
-``initial_state[ssm_state_indices[b]]`` and, with ``inplace_final_state=True``, writes it back there (the
-pool aliased in place, vLLM's contract); otherwise the passed state is never modified. Gradients through
-it run the chunked kernels.
+Decode (``fused_recurrent_gated_delta_rule``): the token loop itself on the VPU (grid ``(B, HV / block_h)``, all
+parallel; q / k passed transposed so a token's key is a column for the outer product ``k u^T``; no MXU, whose
+``M = 1`` matmuls would reload the whole state per token), ``block_h`` value heads per step (tunable; the
+heuristic takes the most whose state blocks fit :data:`DECODE_VMEM_BUDGET_BYTES`), state in and out. With
+``ssm_state_indices`` (vLLM) row ``b`` reads ``initial_state[ssm_state_indices[b]]`` through the index map (no
+gather copy) and, with ``inplace_final_state=True``, the new states are scattered back there after the kernel
+(``index_copy_`` of the B updated states, never a whole-pool copy; the kernel output is not aliased to the
+pool); otherwise nothing passed in is modified. Gradients through it run the chunked kernels.
+
+Performance notes (compile-only: every kernel lowers for v5e, v6e and tpu7x at Qwen3-Next-80B-A3B's layer,
+16 q/k heads, 32 v heads, K = V = 128; not yet timed on a chip; libtpu's static cycle estimate aborts on
+these kernels). Prefill forward, chunk 64: per grid step blocks q, k ``(64, 128)`` bf16, v / o ``(64, 128)``,
+g / beta ``(64, 1)`` f32, state scratch 64 KiB; 0.5 MiB of VMEM (backward 0.9 MiB). Per chunk and head ~17
+MFLOP of matmuls (``KK^T``, ``QK^T``, ``K S``, ``Q S``, ``T R``, ``P U``, ``K^T W U``: 10.5 M; the inverse's 12
+dependent ``64^3`` products: 6.3 M), all at ``Precision.HIGHEST`` (6 bf16 passes), i.e. ~200 GFLOP-equivalent
+for 4096 tokens x 32 heads against ~135 MB of HBM traffic: MXU-bound (>= 0.2 ms on v6e, >= 1 ms on v5e) before
+any overhead. Levers, in order: bf16 operands where they are exact (``QK^T``, ``KK^T`` of bf16 inputs) and
+``HIGH`` (3 passes) for the state products (fla runs these in tf32 on GPUs); a 16-row block substitution
+for the inverse (fewer, smaller levels); split heads' V across a grid axis for megacore when HV is small;
+head-major BlockSpecs over fla's ``[B, T, H, K]`` layout to drop the host transposes (one extra HBM pass of
+q / k / v / o each); a lane-dense layout for g / beta. Packed batches: a chunk holding the boundary of m
+sequences is processed m times (fine for long prompts; many very short sequences belong on the decode
+kernel). Decode, 64 rows x 32 heads from a pool: 268 MB of state read + written per step (HBM roofline
+0.17 ms on v6e, 0.33 ms on v5e); ``block_h = 32`` moves 8 MiB per grid step (11 MiB of VMEM with
+double-buffering).
 
 Not covered (vs fla): ``use_qk_l2norm_in_kernel`` normalizes q and k in torch before the kernel (eps 1e-6, as
 fla's l2norm and tpu-inference's reference), not inside it; fla's ``gk`` / ``gv`` (per-channel gates: KDA),
@@ -863,11 +883,14 @@ def gated_delta_rule_reference(q, k, v, g, beta, scale=None, initial_state=None,
 
 
 #: ``(args, kwargs)`` of the kernels at Qwen3-Next-80B-A3B's GDN layer (16 q/k heads, 32 v heads, K = V = 128):
-#: prefill of 4096 tokens in chunks of 64 (one sequence; the backward too) and decode of 64 rows from a
-#: 256-slot state pool. Compiled by the aot tests; not ``STANDARD_CASES`` (no tuning tables yet).
+#: prefill of 4096 tokens in chunks of 64 (one sequence, and 8 packed sequences with their states; the backward
+#: too) and decode of 64 rows from a 256-slot state pool. Compiled by the aot tests; not ``STANDARD_CASES`` (no
+#: tuning tables yet).
 STANDARD_SHAPES = [
     (gdn_chunk_fwd, ("2:i32", "16x4096x128:bf16", "16x4096x128:bf16", "32x4096x128:bf16", "32x4096x1:f32",
                      "32x4096x1:f32", "1x32x128x128:f32"), {"scale": 128 ** -0.5, "save_states": False, "chunk": 64}),
+    (gdn_chunk_fwd, ("9:i32", "16x4096x128:bf16", "16x4096x128:bf16", "32x4096x128:bf16", "32x4096x1:f32",
+                     "32x4096x1:f32", "8x32x128x128:f32"), {"scale": 128 ** -0.5, "save_states": True, "chunk": 64}),
     (gdn_chunk_bwd, ("2:i32", "16x4096x128:bf16", "16x4096x128:bf16", "32x4096x128:bf16", "32x4096x1:f32",
                      "32x4096x1:f32", "1x32x128x128:f32", "32x64x128x128:f32", "32x4096x128:bf16",
                      "1x32x128x128:f32"), {"scale": 128 ** -0.5, "chunk": 64}),
