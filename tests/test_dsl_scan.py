@@ -181,3 +181,17 @@ def test_compile_only(chip, tmp_cache):
         assert r.ok, r.summary()
     r = compile_for(carry, chip, "2x5:i32", "2x5x8x128:f32", with_mlir=False)
     assert r.ok, r.summary()
+
+
+def test_matmul_forms_match_float64():
+    """matmul's transposed forms, and exact_bf16 (one bf16 pass) on operands holding bf16 values."""
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((16, 32)).astype(np.float32)
+    b = rng.standard_normal((16, 32)).astype(np.float32)
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    np.testing.assert_allclose(np.asarray(scan.matmul(a, b, trans_b=True)), a64 @ b64.T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(scan.matmul(a, b, trans_a=True)), a64.T @ b64, rtol=1e-5, atol=1e-5)
+    ab = np.asarray(jnp.asarray(a).astype(jnp.bfloat16).astype(jnp.float32))  # bf16 values held in float32
+    bb = np.asarray(jnp.asarray(b).astype(jnp.bfloat16).astype(jnp.float32))
+    got = np.asarray(scan.matmul(ab, bb, trans_b=True, exact_bf16=True))
+    np.testing.assert_allclose(got, ab.astype(np.float64) @ bb.astype(np.float64).T, rtol=1e-6, atol=1e-5)

@@ -40,16 +40,21 @@ def _jax():
     return jax, jnp
 
 
-def matmul(a, b, *, trans_a: bool = False, trans_b: bool = False):
-    """``a @ b`` (or with ``a`` / ``b`` transposed) in float32 with highest precision (6-pass bf16 on the MXU).
+def matmul(a, b, *, trans_a: bool = False, trans_b: bool = False, exact_bf16: bool = False):
+    """``a @ b`` (or with ``a`` / ``b`` transposed), float32 result, highest precision (6-pass bf16 on the MXU).
 
     Args:
         a, b: 2-D float arrays. trans_a: contract ``a``'s axis 0 (``a.T @ b``). trans_b: contract ``b``'s axis 1
             (``a @ b.T``).
+        exact_bf16: the caller guarantees both operands hold bfloat16 values (e.g. bf16 inputs, selected with
+            ``jnp.where``): one bf16 pass with float32 accumulation is then exact, and is what runs.
     """
     jax, jnp = _jax()
     ca = 0 if trans_a else 1
     cb = 1 if trans_b else 0
+    if exact_bf16:
+        return jax.lax.dot_general(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), (((ca,), (cb,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
     return jax.lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), (((ca,), (cb,)), ((), ())),
                                precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
 

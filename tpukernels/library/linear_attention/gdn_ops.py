@@ -68,7 +68,7 @@ g / beta ``(64, 1)`` f32, state scratch 64 KiB; 0.5 MiB of VMEM (backward 0.9 Mi
 MFLOP of matmuls (``KK^T``, ``QK^T``, ``K S``, ``Q S``, ``T R``, ``P U``, ``K^T W U``: 10.5 M; the inverse's 12
 dependent ``64^3`` products: 6.3 M), all at ``Precision.HIGHEST`` (6 bf16 passes), i.e. ~200 GFLOP-equivalent
 for 4096 tokens x 32 heads against ~135 MB of HBM traffic: MXU-bound (>= 0.2 ms on v6e, >= 1 ms on v5e) before
-any overhead. Levers, in order: bf16 operands where they are exact (``QK^T``, ``KK^T`` of bf16 inputs) and
+any overhead (``QK^T`` and ``KK^T`` of bf16 inputs already run as exact single bf16 passes). Levers, in order:
 ``HIGH`` (3 passes) for the state products (fla runs these in tf32 on GPUs); a 16-row block substitution
 for the inverse (fewer, smaller levels); split heads' V across a grid axis for megacore when HV is small;
 head-major BlockSpecs over fla's ``[B, T, H, K]`` layout to drop the host transposes (one extra HBM pass of
@@ -117,28 +117,29 @@ VMEM_LIMIT_BYTES = 48 * MiB
 
 
 # ----------------------------------------------------------------------------------------- chunk step
-def _chunk_step(q, k, v, g, beta, s0, scale):
-    """One chunk of one sequence (rows of other sequences already zero): ``(o, S_end, U)``, float32.
+def _chunk_step(q, k, v, g, beta, s0, scale, bf16_qk=False):
+    """One chunk of one sequence (rows of other sequences already zero): ``(o, S_end)``, float32.
 
-    q, k ``(C, K)``; v ``(C, V)``; g, beta ``(C, 1)``; s0 ``(K, V)``.
+    q, k ``(C, K)``; v ``(C, V)``; g, beta ``(C, 1)``; s0 ``(K, V)``. bf16_qk: q and k hold bf16 values, so
+    ``K K^T`` and ``Q K^T`` run as exact single-pass bf16 matmuls.
     """
     c = q.shape[0]
     G = scan.segment_cumsum(g)
     eG = jnp.exp(G)
     dq = scan.pairwise_decay(G, scan.lower_mask(c))
     dm = scan.pairwise_decay(G, scan.lower_mask(c, strict=True))
-    kk = scan.matmul(k, k, trans_b=True)
+    kk = scan.matmul(k, k, trans_b=True, exact_bf16=bf16_qk)
     tinv = scan.unit_lower_inverse(beta * kk * dm)
     ks = scan.matmul(k, s0)
     u = scan.matmul(tinv, beta * (v - eG * ks))
-    p = scan.matmul(q, k, trans_b=True) * dq
+    p = scan.matmul(q, k, trans_b=True, exact_bf16=bf16_qk) * dq
     o = scale * (eG * scan.matmul(q, s0) + scan.matmul(p, u))
     gl = G[c - 1:c, :]
     s_end = jnp.exp(gl) * s0 + scan.matmul(k, jnp.exp(gl - G) * u, trans_a=True)
     return o, s_end
 
 
-def _chunk_bwd(q, k, v, g, beta, s0, do, dsf, scale):
+def _chunk_bwd(q, k, v, g, beta, s0, do, dsf, scale, bf16_qk=False):
     """The transpose of :func:`_chunk_step`: ``(dq, dk, dv, dg, dbeta, ds0)`` given ``do (C, V)`` and the
     gradient ``dsf (K, V)`` of the end state. Recomputes the forward (float32 throughout)."""
     c = q.shape[0]
@@ -148,12 +149,12 @@ def _chunk_bwd(q, k, v, g, beta, s0, do, dsf, scale):
     lo, st = scan.lower_mask(c), scan.lower_mask(c, strict=True)
     Dq = scan.pairwise_decay(G, lo)
     Dm = scan.pairwise_decay(G, st)
-    KK = scan.matmul(k, k, trans_b=True)
+    KK = scan.matmul(k, k, trans_b=True, exact_bf16=bf16_qk)
     tinv = scan.unit_lower_inverse(beta * KK * Dm)
     KS = scan.matmul(k, s0)
     X = v - eG * KS
     U = scan.matmul(tinv, beta * X)
-    QK = scan.matmul(q, k, trans_b=True)
+    QK = scan.matmul(q, k, trans_b=True, exact_bf16=bf16_qk)
     P = QK * Dq
     QS = scan.matmul(q, s0)
     gl = G[c - 1:c, :]
@@ -245,6 +246,7 @@ def _fwd_body(lo_ref, hi_ref, st_ref, en_ref, q_ref, k_ref, v_ref, g_ref, b_ref,
     o_ref, ht_hbm, hc_ref = next(it), next(it), next(it)
     carry_ref, buf_ref, sem = next(it), next(it), next(it)
     h, c = pl.program_id(0), pl.program_id(1)
+    bf16_qk = q_ref.dtype == jnp.bfloat16
     scan.reset_carry(carry_ref, axis=1)
     if save_states:
         hc_ref[...] = carry_ref[...]
@@ -265,7 +267,7 @@ def _fwd_body(lo_ref, hi_ref, st_ref, en_ref, q_ref, k_ref, v_ref, g_ref, b_ref,
                 buf_ref[...] = jnp.zeros(buf_ref.shape, F32)
         s0 = jnp.where(continuing, carry_ref[...], buf_ref[...])
         z = lambda x: jnp.where(m, x, 0.0)  # noqa: E731
-        o, s_end = _chunk_step(z(q), z(k), z(v), z(g), z(beta), s0, scale)
+        o, s_end = _chunk_step(z(q), z(k), z(v), z(g), z(beta), s0, scale, bf16_qk)
         ends_here = end <= (c + 1) * chunk
 
         @pl.when(ends_here)
@@ -372,6 +374,7 @@ def _bwd_body(lo_ref, hi_ref, st_ref, en_ref, q_ref, k_ref, v_ref, g_ref, b_ref,
     dcarry_ref, buf_ref, dbuf_ref, sem = next(it), next(it), next(it), next(it)
     h, cr = pl.program_id(0), pl.program_id(1)
     c = nc - 1 - cr
+    bf16_qk = q_ref.dtype == jnp.bfloat16
     scan.reset_carry(dcarry_ref, axis=1)
     q, k, v = q_ref[...].astype(F32), k_ref[...].astype(F32), v_ref[...].astype(F32)
     g, beta, do = g_ref[...].astype(F32), b_ref[...].astype(F32), do_ref[...].astype(F32)
@@ -403,7 +406,7 @@ def _bwd_body(lo_ref, hi_ref, st_ref, en_ref, q_ref, k_ref, v_ref, g_ref, b_ref,
                 dbuf_ref[...] = jnp.zeros(dbuf_ref.shape, F32)
         dsf = jnp.where(ends_here, dbuf_ref[...], dcarry_ref[...])
         z = lambda x: jnp.where(m, x, 0.0)  # noqa: E731
-        grads = _chunk_bwd(z(q), z(k), z(v), z(g), z(beta), s0, z(do), dsf, scale)
+        grads = _chunk_bwd(z(q), z(k), z(v), z(g), z(beta), s0, z(do), dsf, scale, bf16_qk)
         ds0 = grads[-1]
 
         @pl.when(continuing)
