@@ -26,6 +26,12 @@ API (stable; used by ``tpukernels.library.linear_attention``):
   doubling: ``2 * ceil(log2 n)`` matmuls, forward-stable), :func:`matmul` (float32, highest precision).
 
 Each is tested on its own against numpy float64 in ``tests/test_dsl_scan.py``.
+
+Packed sequences, two ways. (1) Segment-aware helpers: pass ``seg`` to :func:`segment_cumsum` /
+:func:`lower_mask` and mask every pairwise term, when all segments of a chunk share one initial state (zeros).
+(2) One pass per sequence touching the chunk (``tpukernels.library.linear_attention.gdn_ops``): select that
+sequence's rows with ``jnp.where`` (other rows exactly 0, their gates 0), run the plain chunk step from that
+sequence's own initial state, keep its rows of the result; needed when sequences carry their own states.
 """
 
 from __future__ import annotations
