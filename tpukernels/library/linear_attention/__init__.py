@@ -1,0 +1,3 @@
+"""Linear attention of hybrid models: gated DeltaNet (``gdn_ops``), KDA, Mamba2 SSD, written with the DSL."""
+
+from .gdn_ops import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, gated_delta_rule_reference  # noqa: F401
