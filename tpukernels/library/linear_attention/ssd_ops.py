@@ -89,29 +89,17 @@ MIN_CHUNK = 8
 F32 = jnp.float32
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 _INT = (torch.int32, torch.int64)
-_HI = jax.lax.Precision.HIGHEST
-_NN = (((1,), (0,)), ((), ()))  # a @ b
-_NT = (((1,), (1,)), ((), ()))  # a @ b.T
-_TN = (((0,), (0,)), ((), ()))  # a.T @ b
 
 
-# ----------------------------------------------------------------------------------------- in-kernel helpers
-def _dot(a, b, dims=_NN):
-    return jax.lax.dot_general(a, b, dims, precision=_HI, preferred_element_type=F32)
-
-
-def _col_to_row(col):
-    """(Q, 1) -> (1, Q) (an XLU transpose of a sublane-replicated tile)."""
-    return jnp.transpose(jnp.broadcast_to(col, (col.shape[0], 128)))[:1, :]
-
-
-def _row_to_col(row):
-    """(1, Q) -> (Q, 1)."""
-    return jnp.transpose(jnp.broadcast_to(row, (8, row.shape[1])))[:, :1]
+# ----------------------------------------------------------------------------------------- per-chunk values
+mm = tk.scan.matmul  # float32, highest precision; trans_a / trans_b contract the stored layouts
 
 
 class _Chunk:
-    """The per-chunk quantities the forward and backward share (module docstring, Design)."""
+    """The per-chunk quantities the forward and backward share (module docstring, Design), from the blocks of
+    chunk ``ci``. ``cs`` restarts at each sequence start (``dsl.scan.segment_cumsum``): every decay below pairs
+    two tokens of one sequence, or the chunk start with a token of the entering state's sequence (the chunk's
+    first run), where it equals the chunk-local cumsum."""
 
     def __init__(self, dt_ref, a_ref, seg_ref, sin_ref, x_ref, b_ref, c_ref, chunk: int, length: int, ci):
         q = chunk
@@ -121,24 +109,25 @@ class _Chunk:
         self.B = jnp.where(self.valid, b_ref[0, 0].astype(F32), 0.0)  # (Q, N)
         self.C = jnp.where(self.valid, c_ref[0, 0].astype(F32), 0.0)
         self.dt = dt_ref[0, 0]  # (Q, 1) float32, zero-padded by the wrapper
-        a = a_ref[0, 0]
-        seg = seg_ref[0].astype(F32)  # (Q, 1) run ids (< 2**24: exact), padded with the last id
-        s_in = sin_ref[0, 0].astype(F32)  # (1, 1)
-        ii = jax.lax.broadcasted_iota(jnp.int32, (q, q), 0)
-        jj = jax.lax.broadcasted_iota(jnp.int32, (q, q), 1)
-        self.tri = jj <= ii
-        self.cs = _dot(jnp.where(self.tri, 1.0, 0.0), a)  # (Q, 1) inclusive cumsum
-        self.cs_row = _col_to_row(self.cs)
-        self.dt_row = _col_to_row(self.dt)
-        self.mask = self.tri & (seg == _col_to_row(seg))
-        self.L = jnp.where(self.mask, jnp.exp(jnp.where(self.mask, self.cs - self.cs_row, 0.0)), 0.0)
-        self.G = _dot(self.C, self.B, _NT)  # (Q, Q) C_i . B_j
-        self.e = jnp.where(seg == s_in, jnp.exp(self.cs), 0.0)  # (Q, 1) decay of the entering state
-        s_last = seg[q - 1:q]
+        self.seg = seg_ref[0]  # (Q, 1) int32 run ids, padded with the last id
+        s_in = sin_ref[0, 0]  # (1, 1) int32
+        self.cs = tk.scan.segment_cumsum(a_ref[0, 0], self.seg)  # (Q, 1)
+        self.dt_row = tk.scan.col_to_row(self.dt)
+        self.mask = tk.scan.lower_mask(q, seg=self.seg)
+        self.L = tk.scan.pairwise_decay(self.cs, self.mask)
+        self.G = mm(self.C, self.B, trans_b=True)  # (Q, Q) C_i . B_j
+        self.e = jnp.where(self.seg == s_in, jnp.exp(self.cs), 0.0)  # (Q, 1) decay of the entering state
+        s_last = self.seg[q - 1:q]
         self.cs_last = self.cs[q - 1:q]
         self.f = jnp.where(s_last == s_in, jnp.exp(self.cs_last), 0.0)  # (1, 1)
-        self.u = jnp.where(seg == s_last, jnp.exp(self.cs_last - self.cs), 0.0)  # (Q, 1)
+        self.last_run = self.seg == s_last
+        self.u = jnp.where(self.last_run, jnp.exp(jnp.where(self.last_run, self.cs_last - self.cs, 0.0)), 0.0)
         self.v = self.u * self.dt
+
+
+def _col_sums(m):
+    """``(Q, Q) -> (Q, 1)``: ``sum_i m[i, j]`` as a column (a transposed matmul with ones)."""
+    return mm(m, jnp.ones((m.shape[0], 1), F32), trans_a=True)
 
 
 # ----------------------------------------------------------------------------------------- forward kernel
@@ -149,16 +138,13 @@ def _fwd_body(*refs, chunk: int, length: int, n_chunks: int, has_init: bool):
     y_ref, st_ref, fin_ref, s_scr = it
     c = pl.program_id(2)
 
-    @pl.when(c == 0)
-    def _():
-        s_scr[...] = init_ref[0, 0].astype(F32) if has_init else jnp.zeros(s_scr.shape, F32)
-
+    tk.scan.reset_carry(s_scr, axis=2, value=init_ref[0, 0] if has_init else None)
     k = _Chunk(dt_ref, a_ref, seg_ref, sin_ref, x_ref, b_ref, c_ref, chunk, length, c)
     s = s_scr[...]  # (P, N) state entering this chunk
     st_ref[0, 0, 0] = s
-    y = _dot(k.G * k.L * k.dt_row, k.x) + k.e * _dot(k.C, s, _NT)
+    y = mm(k.G * k.L * k.dt_row, k.x) + k.e * mm(k.C, s, trans_b=True)
     y_ref[0, 0] = y.astype(y_ref.dtype)
-    s_new = k.f * s + _dot(k.x, k.v * k.B, _TN)
+    s_new = k.f * s + mm(k.x, k.v * k.B, trans_a=True)
     s_scr[...] = s_new
 
     @pl.when(c == n_chunks - 1)
@@ -285,37 +271,36 @@ def _bwd_body(*refs, chunk: int, length: int, n_chunks: int, has_dfinal: bool):
     ci = n_chunks - 1 - c
     q = chunk
 
-    @pl.when(c == 0)
-    def _():
-        ds_scr[...] = dfin_ref[0, 0].astype(F32) if has_dfinal else jnp.zeros(ds_scr.shape, F32)
-
+    tk.scan.reset_carry(ds_scr, axis=2, value=dfin_ref[0, 0] if has_dfinal else None)
     k = _Chunk(dt_ref, a_ref, seg_ref, sin_ref, x_ref, b_ref, c_ref, q, length, ci)
     ds_next = ds_scr[...]
     s = st_ref[0, 0, 0]
     dy = jnp.where(k.valid, dy_ref[0, 0].astype(F32), 0.0)
     w = k.G * k.L * k.dt_row
-    dw = _dot(dy, k.x, _NT)  # (Q, Q)
-    dx = _dot(w, dy, _TN)
+    dw = mm(dy, k.x, trans_b=True)  # (Q, Q)
+    dx = mm(w, dy, trans_a=True)
     dg = dw * k.L * k.dt_row
-    dC = _dot(dg, k.B)
-    dB = _dot(dg, k.C, _TN)
-    ddt = _row_to_col(jnp.sum(dw * k.G * k.L, axis=0, keepdims=True))
+    dC = mm(dg, k.B)
+    dB = mm(dg, k.C, trans_a=True)
+    ddt = _col_sums(dw * k.G * k.L)
     pm = dw * w
-    dcs = jnp.sum(pm, axis=1, keepdims=True) - _row_to_col(jnp.sum(pm, axis=0, keepdims=True))
-    cs_s = _dot(k.C, s, _NT)  # (Q, P)
-    dC = dC + k.e * _dot(dy, s)
+    dcs = jnp.sum(pm, axis=1, keepdims=True) - _col_sums(pm)
+    cs_s = mm(k.C, s, trans_b=True)  # (Q, P)
+    dC = dC + k.e * mm(dy, s)
     dcs = dcs + k.e * jnp.sum(dy * cs_s, axis=1, keepdims=True)
-    ds = _dot(k.e * dy, k.C, _TN) + k.f * ds_next
-    xds = _dot(k.x, ds_next)  # (Q, N)
-    dx = dx + k.v * _dot(k.B, ds_next, _NT)
+    ds = mm(k.e * dy, k.C, trans_a=True) + k.f * ds_next
+    xds = mm(k.x, ds_next)  # (Q, N)
+    dx = dx + k.v * mm(k.B, ds_next, trans_b=True)
     dB = dB + k.v * xds
     dv = jnp.sum(k.B * xds, axis=1, keepdims=True)
     ddt = ddt + dv * k.u
+    # cs_last enters f (state kept across the chunk) and v (tokens of the last run): add its gradient to the
+    # last token's dcs, whose reverse segment cumsum spreads it over the last run (the whole chunk when f != 0)
     last = k.f * jnp.sum(ds_next * s, keepdims=True).reshape(1, 1) + jnp.sum(dv * k.v, keepdims=True).reshape(1, 1)
     dcs = dcs - dv * k.v
     row = jax.lax.broadcasted_iota(jnp.int32, (q, 1), 0)
     dcs = jnp.where(row == q - 1, dcs + last, dcs)
-    da = _dot(jnp.where(k.tri, 1.0, 0.0), dcs, _TN)  # da_j = sum_{i >= j} dcs_i
+    da = tk.scan.segment_cumsum(dcs, k.seg, reverse=True)  # da_j = sum_{i >= j, same run} dcs_i
     dx_ref[0, 0] = dx
     db_ref[0, 0] = dB
     dc_ref[0, 0] = dC
@@ -930,3 +915,27 @@ def selective_state_update_reference(state, x, dt, A, B, C, D=None, z=None, dt_b
     if z is not None:
         out = out * z.double() * torch.sigmoid(z.double())
     return out, s
+
+
+def _scan_shapes(b, h, l, p, g, n, q, dtype="bf16", init=True):
+    nc = tk.cdiv(l, q)
+    col = f"{b}x{h}x{nc * q}x1:f32"
+    common = (col, col, f"{b}x{nc * q}x1:i32", f"{b}x{nc}x1x1:i32", f"{b}x{h}x{l}x{p}:{dtype}",
+              f"{b}x{g}x{l}x{n}:{dtype}", f"{b}x{g}x{l}x{n}:{dtype}")
+    fwd = (common + (f"{b}x{h}x{p}x{n}:f32" if init else None,), {"chunk_size": q})
+    bwd = (common + (f"{b}x{h}x{nc}x{p}x{n}:f32", f"{b}x{h}x{l}x{p}:f32", f"{b}x{h}x{p}x{n}:f32"), {"chunk_size": q})
+    return fwd, bwd
+
+
+#: ``(kernel, args, kwargs)`` at Mamba2 / Nemotron-H mixer shapes (headdim 64, dstate 128; 8 of the heads: the
+#: grid is per head): prefill 4096 tokens with chunk 256 (Mamba2) and 128 (Nemotron-H, 8 groups), and decode of
+#: 64 rows from a pool of 256 states. Compiled by the aot tests; no tuning tables are shipped for these kernels.
+STANDARD_SHAPES = [
+    (ssd_chunk_scan_fwd, *_scan_shapes(1, 8, 4096, 64, 1, 128, 256)[0]),
+    (ssd_chunk_scan_bwd, *_scan_shapes(1, 8, 4096, 64, 1, 128, 256)[1]),
+    (ssd_chunk_scan_fwd, *_scan_shapes(1, 8, 4096, 64, 8, 128, 128, init=False)[0]),
+    (ssd_chunk_scan_bwd, *_scan_shapes(1, 8, 4096, 64, 8, 128, 128)[1]),
+    (ssd_state_update, ("64:i32", "256x8x64x128:f32", "64x8x64x1:bf16", "64x8x64x1:bf16", "8x64x128:f32",
+                        "64x8x1x128:bf16", "64x8x1x128:bf16", "8x64x1:f32", "64x8x64x1:bf16", "8x64x1:f32"),
+     {"softplus": True}),
+]
