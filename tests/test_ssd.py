@@ -62,10 +62,12 @@ def check(got, want, m, dtype, what=""):
     assert not bad.any(), f"{what}: {int(bad.sum())}/{bad.numel()} out of tolerance, worst {float(err[bad].max()):.3g}"
 
 
-def check_state(got, want, what=""):
-    assert got.dtype == F32 and got.shape == want.shape, (what, got.dtype, got.shape, want.shape)
+def check_state(got, want, what="", dtype=F32):
+    """A returned state (C's dtype by default, as mamba_ssm): float32 arithmetic rounded once to ``dtype``."""
+    assert got.dtype == dtype and got.shape == want.shape, (what, got.dtype, got.shape, want.shape)
     err = (got.double() - want).abs()
-    assert bool((err <= F32_REL * (want.abs() + want.abs().max() + 1)).all()), (what, float(err.max()))
+    assert bool((err <= U[dtype] * want.abs() + F32_REL * (want.abs() + want.abs().max() + 1)).all()), (
+        what, float(err.max()))
 
 
 def packed(lens):
@@ -135,9 +137,9 @@ def test_forward_matches_float64(where, g, dtype, d_kind, has_z, has_init, packi
     out, final = res[0], res[1]
     ref, ref_final, ref_varlen = S.ssd_reference(**kw, seq_idx=seq_idx, cu_seqlens=cu, dt_softplus=True)
     check(out, ref, mass(kw, seq_idx, cu), dtype, "out")
-    check_state(final, ref_final, "final_states")
+    check_state(final, ref_final, "final_states", dtype)
     if cu is not None:
-        check_state(res[2], ref_varlen, "varlen_states")
+        check_state(res[2], ref_varlen, "varlen_states", dtype)
     if before is not None:
         assert torch.equal(kw["initial_states"], before)
 
@@ -157,6 +159,9 @@ def test_chunk_size_and_split_with_carried_state_do_not_change_the_result():
     b_, fb = S.mamba_chunk_scan_combined(**second, chunk_size=8, dt_softplus=True, return_final_states=True)
     torch.testing.assert_close(torch.cat([a, b_], 1), one, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fb, fin, rtol=1e-5, atol=1e-5)
+    _, fin16 = S.mamba_chunk_scan_combined(**kw, chunk_size=8, dt_softplus=True, return_final_states=True,
+                                           state_dtype=BF16)
+    assert fin16.dtype == BF16 and torch.equal(fin16, fin.to(BF16))  # state_dtype: the returned states' dtype
     ref, _, _ = S.ssd_reference(**kw, dt_softplus=True)
     fresh, _, _ = S.ssd_reference(**{**second, "initial_states": None}, dt_softplus=True)
     assert (one.double() - ref).abs().max() < 1e-4 < (ref[:, 16:] - fresh).abs().max()  # the carried state matters
@@ -230,7 +235,8 @@ def test_backward_matches_float64(dtype, g, packing):
     leaves = {k: v.clone().requires_grad_() for k, v in kw.items()}
     out, final = S.mamba_chunk_scan_combined(**leaves, chunk_size=8, seq_idx=seq_idx, dt_softplus=True,
                                              dt_limit=(0.0, 1.2), return_final_states=True)
-    go, gf = rand(*out.shape, dtype=dtype, seed=20).float(), rand(*final.shape, seed=21)  # go: exact in out's dtype
+    # gradients exact in out's / final's dtype (autograd rounds them to it)
+    go, gf = rand(*out.shape, dtype=dtype, seed=20).float(), rand(*final.shape, dtype=dtype, seed=21).float()
     grads = torch.autograd.grad((out.float() * go).sum() + (final * gf).sum(), list(leaves.values()))
     d64 = {k: v.detach().double().requires_grad_() for k, v in kw.items()}
     ref, ref_final, _ = S.ssd_reference(**d64, seq_idx=seq_idx, dt_softplus=True, dt_limit=(0.0, 1.2))
@@ -359,6 +365,7 @@ def test_bad_input_is_typed_and_names_the_argument():
         (dict(dt_limit=3), ArgumentError, "dt_limit must be a pair"),
         (dict(dt_softplus="yes"), ArgumentError, "dt_softplus must be a bool"),
         (dict(D=torch.zeros(4, device="meta")), DeviceError, "D is on meta"),
+        (dict(state_dtype=torch.int32), DTypeError, "state_dtype must be"),
     ]
     one = {k: (v[:1] if k not in ("A", "D", "dt_bias") else v) for k, v in kw.items()}
     cases1 = [

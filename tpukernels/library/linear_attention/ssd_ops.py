@@ -6,7 +6,7 @@ Public API (torch tensors)::
 
     mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
                               seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, inf),
-                              return_final_states=False, return_varlen_states=False)
+                              return_final_states=False, return_varlen_states=False, state_dtype=None)
         -> out | (out, final_states) | (out, varlen_states) | (out, final_states, varlen_states)
                                                       mamba_ssm ``ops/triton/ssd_combined.py``, same name
     selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
@@ -56,7 +56,8 @@ share a compiled kernel. Decode (``selective_state_update``) is one kernel step 
 ``state_batch_indices`` (scalar prefetch), its new rows written back into ``state`` by the wrapper.
 
 Not covered (vs mamba_ssm): per-sequence *initial* states with cu_seqlens (vLLM's varlen form) — only the
-row's first sequence (seq_idx 0) starts from ``initial_states``; ``state_dtype`` (states are float32);
+row's first sequence (seq_idx 0) starts from ``initial_states``; ``state_dtype`` sets only the returned states'
+dtype (the states between chunks stay float32);
 gradients through ``varlen_states`` (mamba_ssm refuses them too: a typed error here); chunk sizes below 8.
 Performance gaps (correct first): the head-major transposes and the float32 ``y`` cost extra HBM passes, dB / dC
 are per head before their group sum, and decode copies the selected state rows.
@@ -77,6 +78,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from ... import dsl as tk
 from ...errors import ArgumentError, DeviceError, DTypeError
+from ..causal_conv1d import check_cu_seqlens
 
 __all__ = [
     "mamba_chunk_scan_combined", "selective_state_update", "selective_state_step", "ssd_chunk_scan_fwd",
@@ -471,8 +473,9 @@ def ssd_state_update(
 
     Args:
         idx: ``[Bt]`` int32 state row of each batch row (negative: a padding row, its output 0).
-        state: ``[S, H, P, N]`` (bf16/f32) the state pool. x, dt, z: ``[Bt, H, P, 1]``. A: ``[H, P, N]``.
-        B, C: ``[Bt, H, 1, N]`` (each head's group). D, dt_bias: ``[H, P, 1]`` or None.
+        state: ``[S, H, P, N]`` (bf16/f32) the state pool. x, z: ``[Bt, H, P, 1]``. dt: ``[Bt, H, P, 1]`` or
+        ``[Bt, H, 1, 1]`` (one per head). A: ``[H, P, N]`` or ``[H, 1, 1]``. B, C: ``[Bt, H, 1, N]`` (each head's
+        group). D, dt_bias: ``[H, P, 1]``, ``[H, 1, 1]`` or None.
         softplus: apply softplus (where ``dt + dt_bias <= 20``).
 
     Returns:
@@ -489,15 +492,15 @@ def ssd_state_update(
     hd = lambda i, j, ix: (i, j, 0, 0)  # noqa: E731
     vec = lambda i, j, ix: (j, 0, 0)  # noqa: E731
     in_specs = [pl.BlockSpec((1, bh, p, n), lambda i, j, ix: (jnp.maximum(ix[i], 0), j, 0, 0)),
-                pl.BlockSpec((1, bh, p, 1), hd), pl.BlockSpec((1, bh, p, 1), hd),
-                pl.BlockSpec((bh, p, n), vec),
+                pl.BlockSpec((1, bh, p, 1), hd), pl.BlockSpec((1, bh, dt.shape[2], 1), hd),
+                pl.BlockSpec((bh, *A.shape[1:]), vec),
                 pl.BlockSpec((1, bh, 1, n), hd), pl.BlockSpec((1, bh, 1, n), hd)]
     if D is not None:
-        in_specs.append(pl.BlockSpec((bh, p, 1), vec))
+        in_specs.append(pl.BlockSpec((bh, D.shape[1], 1), vec))
     if z is not None:
         in_specs.append(pl.BlockSpec((1, bh, p, 1), hd))
     if dt_bias is not None:
-        in_specs.append(pl.BlockSpec((bh, p, 1), vec))
+        in_specs.append(pl.BlockSpec((bh, dt_bias.shape[1], 1), vec))
     return tk.Launch(
         grid=(bt, h // bh),
         in_specs=in_specs,
@@ -541,19 +544,6 @@ def _check_shape(op, name, t, want, what):
 def _check_bool(op, name, v):
     if not isinstance(v, bool):
         raise ArgumentError(f"{op}: {name} must be a bool, got {v!r}")
-
-
-def _check_cu_seqlens(op, cu, l, device):
-    if not _is_t(cu) or cu.dim() != 1 or cu.dtype not in _INT or cu.numel() < 2:
-        raise ArgumentError(f"{op}: cu_seqlens must be a 1-D int32/int64 tensor [N + 1] (N >= 1 sequences), got "
-                            f"{_shape(cu)} {getattr(cu, 'dtype', '')}")
-    if cu.device != device:
-        raise DeviceError(f"{op}: cu_seqlens is on {cu.device} but x is on {device}")
-    c = cu.tolist()
-    if c[0] != 0 or c[-1] != l or any(e < s for s, e in zip(c, c[1:])):
-        raise ArgumentError(f"{op}: cu_seqlens must start at 0, never decrease and end at the token count L = {l}, "
-                            f"got {c[:8]}{' ...' if len(c) > 8 else ''} (ends at {c[-1]})")
-    return c
 
 
 def _check_seq_idx(op, seq_idx, b, l, device):
@@ -618,7 +608,7 @@ def _check_scan_public(op, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_st
         if b != 1:
             raise ArgumentError(f"{op}: with cu_seqlens, x holds the packed sequences in one row: batch must be 1, "
                                 f"got {b}")
-        cu = _check_cu_seqlens(op, cu_seqlens, l, x.device)
+        cu = check_cu_seqlens(op, cu_seqlens, l, x.device)
         if seq_idx is not None:
             runs = seq_idx[0]
             starts = [s for s, e in zip(cu, cu[1:]) if e > s]
@@ -714,6 +704,7 @@ def mamba_chunk_scan_combined(
     initial_states: Optional[torch.Tensor] = None, seq_idx: Optional[torch.Tensor] = None,
     cu_seqlens: Optional[torch.Tensor] = None, dt_softplus: bool = False,
     dt_limit: tuple = (0.0, float("inf")), return_final_states: bool = False, return_varlen_states: bool = False,
+    state_dtype: Optional[torch.dtype] = None,
 ):
     """Mamba2's chunked SSD scan with mamba_ssm's ``mamba_chunk_scan_combined`` semantics (module docstring).
 
@@ -733,10 +724,12 @@ def mamba_chunk_scan_combined(
             changes).
         cu_seqlens: int ``[N + 1]`` offsets of N packed sequences (batch 1): masks like the seq_idx it implies
             (with seq_idx, both must agree), and gives the sequence ends for ``return_varlen_states``.
-        return_final_states: also return ``final_states [batch, nheads, headdim, dstate]`` float32, the state
-            after the last token.
-        return_varlen_states: also return ``varlen_states [N, nheads, headdim, dstate]`` float32, the state after
-            each sequence's last token (needs cu_seqlens; not differentiable, as mamba_ssm's).
+        return_final_states: also return ``final_states [batch, nheads, headdim, dstate]``, the state after the
+            last token.
+        return_varlen_states: also return ``varlen_states [N, nheads, headdim, dstate]``, the state after each
+            sequence's last token (needs cu_seqlens; not differentiable, as mamba_ssm's).
+        state_dtype: dtype of the returned states (default C's dtype, as mamba_ssm). mamba_ssm also stores the
+            states passed between chunks in it; here they stay float32 whatever it is (rounded only on return).
 
     Returns:
         ``out [batch, seqlen, nheads, headdim]`` in x's dtype (float32 arithmetic, rounded once), then
@@ -754,6 +747,10 @@ def mamba_chunk_scan_combined(
     b, l, h, p, g, n, q, limit, cu = _check_scan_public(
         op, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus, dt_limit,
         return_final_states, return_varlen_states)
+    if state_dtype is not None and state_dtype not in _FLOATS:
+        raise DTypeError(f"{op}: state_dtype must be torch.bfloat16, torch.float16 or torch.float32 (or None: C's "
+                         f"dtype), got {state_dtype!r}")
+    sd = C.dtype if state_dtype is None else state_dtype
     if return_varlen_states and torch.is_grad_enabled() and any(
             _is_t(t) and t.requires_grad for t in (x, dt, A, B, C, D, z, dt_bias, initial_states)):
         raise ArgumentError(f"{op}: return_varlen_states is not differentiable (as mamba_ssm's): run it under "
@@ -785,7 +782,8 @@ def mamba_chunk_scan_combined(
             y = y * F.silu(z.float())
         out = y.to(x.dtype)
         varlen = (_varlen_states(xk, bk, dt_k, a_k, states, seg, runs, cu, q) if return_varlen_states else None)
-    res = (out,) + ((final,) if return_final_states else ()) + ((varlen,) if return_varlen_states else ())
+    res = ((out,) + ((final.to(sd),) if return_final_states else ())
+           + ((varlen.to(sd),) if return_varlen_states else ()))
     return res[0] if len(res) == 1 else res
 
 
@@ -844,6 +842,12 @@ def _step(op, state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_ind
         if live.unique().numel() != live.numel():
             raise ArgumentError(f"{op}: state_batch_indices must be distinct (two rows cannot update one state)")
     rep = h // b3.shape[1]
+    # Mamba2 passes A, dt, dt_bias and D expanded over dim (and dstate) with stride 0: the kernel reads them once
+    # per head then ([H, 1, 1], [Bt, H, 1, 1]) instead of a materialized copy (mamba_ssm's TIE_HDIM)
+    tied = lambda t: t is not None and t.shape[-1] > 0 and t.stride(-1) == 0  # noqa: E731
+    if tied(a3) and a3.stride(-2) == 0:
+        a3 = a3[:, :1, :1]
+    dt3, d2, bias2 = (t[..., :1] if tied(t) else t for t in (dt3, d2, bias2))
     col = lambda t: None if t is None else _widen(t).reshape(*t.shape, 1).contiguous()  # noqa: E731
     out, new = ssd_state_update(
         idx.to(torch.int32), _widen(s4).contiguous(), col(x3), col(dt3), _widen(a3).contiguous(),
