@@ -36,7 +36,8 @@ def inputs(b, l, h, p, g, n, dtype=F32, seed=0):
     """x, dt (raw, before softplus), A (negative), B, C, D [h], z, dt_bias, initial_states."""
     a = -(torch.rand(h, generator=torch.Generator().manual_seed(seed + 9), dtype=torch.float64) + 0.3)
     return dict(x=rand(b, l, h, p, dtype=dtype, seed=seed), dt=rand(b, l, h, dtype=dtype, seed=seed + 1, scale=0.7),
-                A=a.float(), B=rand(b, l, g, n, dtype=dtype, seed=seed + 2), C=rand(b, l, g, n, dtype=dtype, seed=seed + 3),
+                A=a.float(), B=rand(b, l, g, n, dtype=dtype, seed=seed + 2),
+                C=rand(b, l, g, n, dtype=dtype, seed=seed + 3),
                 D=rand(h, seed=seed + 4), z=rand(b, l, h, p, dtype=dtype, seed=seed + 5),
                 dt_bias=rand(h, seed=seed + 6, scale=0.3), initial_states=rand(b, h, p, n, seed=seed + 7))
 
@@ -294,7 +295,8 @@ def test_selective_state_update_matches_reference(heads, indexed, dtype):
     live = torch.tensor([True, not indexed, True])
     got = out if heads else out[:, None]
     err = (got[live].double() - ref_out[live]).abs()
-    assert bool((err <= U[dtype] * ref_out[live].abs() + 1e-5 * (ref_out[live].abs().max() + 1)).all()), float(err.max())
+    bound = U[dtype] * ref_out[live].abs() + 1e-5 * (ref_out[live].abs().max() + 1)
+    assert bool((err <= bound).all()), float(err.max())
     if indexed:
         assert torch.equal(got[1], torch.zeros_like(got[1]))  # padding row
     new = state if heads else state[:, None]
@@ -405,7 +407,8 @@ def test_update_bad_input_leaves_the_state_unchanged():
          ArgumentError, "state_batch_indices must be an int32/int64"),
         (lambda: S.selective_state_update(state.to(torch.int32), x, dt, A, B, B, state_batch_indices=idx), DTypeError,
          "state dtype"),
-        (lambda: S.selective_state_update(state, x[0], dt, A, B, B), ArgumentError, r"x must be \[batch, nheads, dim\]"),
+        (lambda: S.selective_state_update(state, x[0], dt, A, B, B), ArgumentError,
+         r"x must be \[batch, nheads, dim\]"),
         (lambda: S.selective_state_update(state, x, dt, A, B, B, D=rand(h), state_batch_indices=idx), ArgumentError,
          r"D must be \[nheads, dim\]"),
     ]

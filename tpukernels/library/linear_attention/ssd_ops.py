@@ -52,8 +52,9 @@ kernels, in torch (elementwise on ``[B, L, H]`` / ``[B, L, H, P]``, differentiat
 processing, ``a = dt' A``, the head-major transposes, the D skip and the z gate, the sum of dB / dC over the
 heads of a group, and the per-sequence final states (one chunk of tokens per sequence).
 The tokens are zero-padded to whole chunks, their count bucketed (:func:`chunk_count`): lengths of one bucket
-share a compiled kernel. Decode (``selective_state_update``) is one kernel step per batch row over all heads, the state rows read by
-``state_batch_indices`` (scalar prefetch), its new rows written back into ``state`` by the wrapper.
+share a compiled kernel. Decode (``selective_state_update``) is one kernel step per batch row and block of heads,
+the state rows read by ``state_batch_indices`` (scalar prefetch), its new rows written back into ``state`` by the
+wrapper.
 
 Not covered (vs mamba_ssm): per-sequence *initial* states with cu_seqlens (vLLM's varlen form) — only the
 row's first sequence (seq_idx 0) starts from ``initial_states``; ``state_dtype`` sets only the returned states'
@@ -65,7 +66,6 @@ are per head before their group sum, and decode copies the selected state rows.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import jax
