@@ -37,13 +37,20 @@ Sources: state-spaces/mamba ``mamba_ssm/ops/triton/ssd_combined.py`` (argument s
 
 Design. The scan kernel works on one ``(batch row, head)`` per grid row and one chunk of ``Q = chunk_size``
 tokens per step, the chunk axis sequential (``"arbitrary"``) with the ``[P, N]`` float32 state in VMEM
-scratch. Per chunk (``cs`` the chunk-local inclusive cumsum of ``a = dt' A``, ``seg`` the sequence of each
-token, ``s_in`` the sequence of the state entering the chunk)::
+scratch. Per chunk (``cs`` the inclusive cumsum of ``a = dt' A`` from the chunk start, restarting where a
+sequence starts (``dsl.scan.segment_cumsum``), ``seg`` the sequence (run) of each token, ``s_in`` the run of the
+state entering the chunk)::
 
     L[i, j]  = exp(cs_i - cs_j)  where j <= i and seg_i == seg_j, else 0       (jnp.where, never a product)
     y        = ((C Bᵀ) ∘ L ∘ dt'ᵀ) x  +  where(seg == s_in, exp(cs), 0) ∘ (C Sᵀ)
     S_next   = where(seg_last == s_in, exp(cs_last), 0) S  +  xᵀ (v ∘ B),   v_j = where(seg_j == seg_last,
                exp(cs_last - cs_j), 0) dt'_j
+
+Packed sequences inside one chunk never meet: every ``(Q, Q)`` pair product is selected to pairs of one run, the
+state terms to the rows of their run, and each contraction over the chunk's tokens (``W x`` and the backward's
+three) runs once per run present with its operands selected to that run (a loop whose bounds come from a
+scalar-prefetched run table: one step unless a sequence starts inside the chunk; a chunk of k packed sequences
+costs k such matmuls). So a NaN / inf in one sequence reaches no other through a ``0 * NaN``.
 
 The kernel also writes the state entering each chunk (``[B, H, n_chunks, P, N]`` float32), which the
 backward reads; the backward kernel walks the chunks in reverse with the state gradient in scratch and
@@ -56,10 +63,12 @@ share a compiled kernel. Decode (``selective_state_update``) is one kernel step 
 the state rows read by ``state_batch_indices`` (scalar prefetch), its new rows written back into ``state`` by the
 wrapper.
 
-Not covered (vs mamba_ssm): per-sequence *initial* states with cu_seqlens (vLLM's varlen form) — only the
-row's first sequence (seq_idx 0) starts from ``initial_states``; ``state_dtype`` sets only the returned states'
-dtype (the states between chunks stay float32);
-gradients through ``varlen_states`` (mamba_ssm refuses them too: a typed error here); chunk sizes below 8.
+Not covered (vs mamba_ssm): per-sequence *initial* states with cu_seqlens (vLLM's varlen form; only the row's
+first sequence, seq_idx 0, starts from ``initial_states``, as in mamba_ssm); ``state_dtype`` sets only the returned
+states' dtype (the states between chunks stay float32, where mamba_ssm rounds them to it); gradients through
+``varlen_states`` (mamba_ssm refuses them too: a typed error here); chunk sizes below 8; seq_idx that decreases
+(a typed error: mamba_ssm would let equal ids far apart in one chunk see each other). float16 is computed as
+float32 (Mosaic loads no float16 vectors on v5e / v6e / tpu7x).
 Performance gaps (correct first): the head-major transposes and the float32 ``y`` cost extra HBM passes, dB / dC
 are per head before their group sum, and decode copies the selected state rows.
 """
