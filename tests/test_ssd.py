@@ -112,7 +112,7 @@ def test_reference_and_kernels_match_transformers_mamba2_torch_paths():
 
 
 # ----------------------------------------------------------------------------------------- forward
-@settings(max_examples=8)
+@settings(max_examples=6)  # derandomized ("ci" profile): every length class, both packings, bf16 among them
 @given(
     where=st.sampled_from(["1", "q-1", "q", "q+1", "several"]), g=st.sampled_from([1, 2]),
     dtype=st.sampled_from([F32, BF16]), d_kind=st.sampled_from([None, "h", "hp"]), has_z=st.booleans(),
