@@ -111,6 +111,26 @@ def test_reference_and_kernels_match_transformers_mamba2_torch_paths():
     torch.testing.assert_close(s_ours, s_peer, rtol=1e-5, atol=1e-5)
 
 
+def test_drop_in_for_transformers_mamba2_mixer(monkeypatch):
+    """A tiny random transformers Mamba2 LM (tests/hf_tiny.py: 4 heads, chunk 8) with our two functions in place of
+    the torch paths its mixers call by these names: the logits of a 13-token prefill match stock, and
+    greedy generate() with the model's own cache (prefill, then one-step decodes with its tied A / dt / D
+    expanded over head_dim) gives the same tokens."""
+    m2 = pytest.importorskip("transformers.models.mamba2.modeling_mamba2")
+    from hf_tiny import tiny_causal_lm  # tests/ is on sys.path (pytest's rootdir-relative import), as the sweep's
+
+    model = tiny_causal_lm("mamba2").eval()
+    ids = torch.randint(3, 96, (2, 13), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref, ref_tokens = model(ids).logits, model.generate(ids, max_new_tokens=3, do_sample=False, use_cache=True)
+    monkeypatch.setattr(m2, "mamba2_chunk_scan", S.mamba_chunk_scan_combined)
+    monkeypatch.setattr(m2, "mamba2_selective_state_update", S.selective_state_update)
+    with torch.no_grad():
+        got, tokens = model(ids).logits, model.generate(ids, max_new_tokens=3, do_sample=False, use_cache=True)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(tokens, ref_tokens)
+
+
 # ----------------------------------------------------------------------------------------- forward
 @settings(max_examples=6)  # derandomized ("ci" profile): every length class, both packings, bf16 among them
 @given(
