@@ -1,0 +1,759 @@
+"""KDA (Kimi Delta Attention): the gated delta rule with a per-channel decay, chunked prefill and recurrent decode.
+
+Written with the tpukernels DSL (``@tpu_kernel``), torch namespace ``tpukernels``.
+
+Public API (torch tensors)::
+
+    chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+              use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
+              use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, chunk_size=64) -> (o, final_state or None)
+    fused_recurrent_kda(q, k, v, g, beta, *, ...same...) -> (o, final_state or None)        decode (few tokens)
+    kda_reference(...)                                                          float64 naive recurrence
+
+Formula (fla ``naive_recurrent_kda``), per sequence and value head, state ``S [K, V]`` (float32), tokens t::
+
+    S   <- diag(exp(g_t)) S                         (g: log-space decay per key channel, g <= 0)
+    S   <- S + beta_t k_t (v_t - k_t^T S)^T        (the delta rule)
+    o_t  = scale * q_t^T S                          (scale = K ** -0.5 by default)
+
+Shapes (fla's): ``q, k [B, T, H, K]``, ``v [B, T, HV, V]``, ``g [B, T, HV, K]``, ``beta [B, T, HV]`` with
+``HV % H == 0`` (grouped value heads: value head ``h`` reads q/k head ``h // (HV / H)``); states
+``[N, HV, K, V]`` float32 with N = B, or N = the number of packed sequences with ``cu_seqlens [N + 1]`` and B = 1.
+
+Sources: flash-linear-attention (fla-core 0.6.0) ``fla/ops/kda/{chunk,fused_recurrent,naive,gate}.py`` (the
+signature, the chunked UT form, the gate ``-exp(A_log) * softplus(g + dt_bias)``); transformers 5.24
+``models/kimi_linear/modeling_kimi_linear.py`` (calls ``chunk_kda`` / ``fused_recurrent_kda`` with a
+precomputed g, ``beta = sigmoid(b_proj(x))``, ``use_qk_l2norm_in_kernel=True``, float32 states).
+
+Design. Tokens stay packed, never padded per sequence: the inputs are made head-major (``q [H, T, K]``,
+``v [HV, T, V]``, ``beta [HV, T, 1]``, one transpose each) and cut into aligned blocks of ``chunk_size`` tokens of
+the packed stream. A *work item* is one (sequence, block) pair: the tokens ``[lo, hi)`` of the block that belong to
+the sequence (:func:`work_items`, scalar-prefetched). A block holding a sequence boundary is visited once per
+sequence in it, consecutively, so its output block stays in VMEM and each visit writes only its own rows
+(``jnp.where``: another sequence's rows, even NaN, never enter). Grid ``(HV, items)``: heads parallel, items
+sequential, the state ``[K, V]`` float32 carried in VMEM scratch across the items of a sequence; a sequence's first
+item loads its ``initial_state`` block (zeros without), every item writes the running state to the sequence's
+``final_state`` block (the last write wins). A zero-length sequence has one empty item (final = initial).
+
+* ``kda_chunk_fwd`` (prefill): per item the chunked UT form (fla ``naive_chunk_kda``): G = chunk cumsum of g (a
+  lower-triangular matmul), ``A_kk[j, i] = sum_c k_jc k_ic exp(G_jc - G_ic)`` (i < j) and ``A_qk`` (i <= j),
+  ``T = (I + diag(beta) A_kk)^-1`` (unit lower triangular: the product of ``I + N^(2^m)``, N = -diag(beta) A_kk),
+  ``u = T beta v``, ``w = T beta (k * exp(G))``, ``delta = u - w S``, ``o = scale ((q * exp(G)) S + A_qk delta)``,
+  ``S <- exp(G_last) * S + (k * exp(G_last - G))^T delta``. Numerics: no ``exp`` of a positive number is formed
+  (for g <= 0): the chunk is cut into sub-chunks of 16 rows; the part of ``A`` left of a row sub-chunk J factors
+  through the cumulative decay at J's start (both factors <= 1), the 16 x 16 diagonal blocks use the direct
+  ``[16, 16, K]`` decays.
+* ``kda_recurrent_fwd`` (decode): the token recurrence above, one token per step (``fori_loop`` over the item's
+  rows), for one or a few tokens per sequence.
+* ``kda_recurrent_bwd`` (the backward of both): items in reverse order; each item re-runs its tokens from the
+  state saved at its start (the forward's ``item_states``) into a ``[chunk, K, V]`` scratch, then walks back::
+
+      dS += scale q do^T;  dq = scale S do;  dd = dS^T k;  dk = dS delta + S_hat dr;  dbeta = dd . (v - k^T S_hat)
+      dv = beta dd;  dr = -beta dd;  dS_hat = dS + k dr^T;  dg = rowsum(dS_hat * S_hat);  dS <- exp(g) * dS_hat
+
+  (S_hat = exp(g) * S_prev, the decayed state before the delta update); dS is carried across items, seeded by the
+  final state's gradient, and its value at a sequence's start is ``d initial_state``.
+
+Gate and beta pre-processing (``use_gate_in_kernel``: ``g = -exp(A_log) * softplus(g + dt_bias)``;
+``use_beta_sigmoid_in_kernel``: ``beta = sigmoid(beta)``, times 2 with ``allow_neg_eigval``) and
+``use_qk_l2norm_in_kernel`` (``x / sqrt(sum x^2 + 1e-6)``, fla's l2norm) run in torch in float32 before the kernels
+(autograd differentiates them): a gap against fla, which fuses them. Not supported (typed errors): fla's
+``safe_gate`` / ``lower_bound`` gate, ``state_v_first``, ``return_intermediate_states``, ``cp_context``,
+``use_graph``; ``K > 256`` (fla's bound too).
+
+Tuning: ``chunk_size`` (16, 32, 64 or 128 tokens per item: the public argument, fla's default 64). No per-chip
+tables are shipped yet.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from ... import dsl as tk
+from ...errors import ArgumentError, DeviceError, DTypeError
+
+__all__ = [
+    "chunk_kda", "fused_recurrent_kda", "kda_reference", "kda_gate_reference", "work_items", "kda_chunk_fwd",
+    "kda_recurrent_fwd", "kda_recurrent_bwd", "CHUNK_SIZES", "SUB_CHUNK", "MAX_HEAD_DIM",
+]
+
+NAMESPACE = "tpukernels"
+#: ``chunk_size`` values (tokens per work item); fla's KDA takes 32 or 64.
+CHUNK_SIZES = (16, 32, 64, 128)
+#: rows of the diagonal blocks whose decays are formed directly (``[16, 16, K]``).
+SUB_CHUNK = 16
+#: largest K (fla: 256).
+MAX_HEAD_DIM = 256
+F32 = jnp.float32
+HI = jax.lax.Precision.HIGHEST
+_SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
+_INT = (torch.int32, torch.int64)
+
+
+# ----------------------------------------------------------------------------------------- in-kernel algebra
+def _mm(a, b):
+    """a @ b in float32 (HIGHEST precision)."""
+    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=HI, preferred_element_type=F32)
+
+
+def _mm_nt(a, b):
+    """a @ b^T in float32."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=HI, preferred_element_type=F32)
+
+
+def _mm_tn(a, b):
+    """a^T @ b in float32 (an outer product for two rows)."""
+    return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=HI, preferred_element_type=F32)
+
+
+def _col(row):
+    """A ``(1, n)`` row as an ``(n, 1)`` column."""
+    return _mm_tn(row, jnp.ones((1, 1), F32))
+
+
+def _unit_lower_inverse(n):
+    """``(I - n)^-1`` for a strictly lower triangular ``(C, C)`` n (C a power of two): the product of
+    ``I + n^(2^m)``, m < log2(C) (n is nilpotent: the Neumann series ends at n^(C-1))."""
+    c = n.shape[0]
+    eye = (jax.lax.broadcasted_iota(jnp.int32, (c, c), 0) == jax.lax.broadcasted_iota(jnp.int32, (c, c), 1))
+    eye = eye.astype(F32)
+    p, acc = n, eye + n
+    for _ in range(max(1, math.ceil(math.log2(c))) - 1):
+        p = _mm(p, p)
+        acc = _mm(acc, eye + p)
+    return acc
+
+
+def _decay_products(G, k, q, sub):
+    """``(A_kk, A_qk)`` ``(C, C)``: ``sum_c x_jc k_ic exp(G_jc - G_ic)`` for i < j (kk, x = k) and i <= j (qk, x = q),
+    zero elsewhere, never forming exp of a positive exponent when G is non-increasing (module docstring)."""
+    c, kd = k.shape
+    col = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0)
+    ii = jax.lax.broadcasted_iota(jnp.int32, (sub, sub), 1)
+    jj = jax.lax.broadcasted_iota(jnp.int32, (sub, sub), 0)
+    rows_kk, rows_qk = [], []
+    for j in range(c // sub):
+        s0 = j * sub
+        gj, kj, qj = G[s0:s0 + sub], k[s0:s0 + sub], q[s0:s0 + sub]
+        # diagonal block, direct decays [sub, sub, K] (exponent masked to -inf above the diagonal)
+        diff = gj[:, None, :] - gj[None, :, :]
+        dkk = jnp.exp(jnp.where((jj > ii)[:, :, None], diff, -jnp.inf))
+        dqk = jnp.exp(jnp.where((jj >= ii)[:, :, None], diff, -jnp.inf))
+        kk_d = jnp.sum(kj[:, None, :] * dkk * kj[None, :, :], axis=-1)  # (sub, sub)
+        qk_d = jnp.sum(qj[:, None, :] * dqk * kj[None, :, :], axis=-1)
+        # place the diagonal block at columns [s0, s0 + sub) of the (sub, C) row block (an exact 0/1 matmul)
+        place = (jax.lax.broadcasted_iota(jnp.int32, (sub, c), 1)
+                 == jax.lax.broadcasted_iota(jnp.int32, (sub, c), 0) + s0).astype(F32)
+        kk, qk = _mm(kk_d, place), _mm(qk_d, place)
+        if j:
+            r = G[s0 - 1:s0]  # cumulative decay just before this row block
+            left = col < s0  # columns left of the block: factor exp(r - G_i) <= 1, exp(G_j - r) <= 1
+            kl = k * jnp.exp(jnp.where(left, r - G, -jnp.inf))
+            fj = jnp.exp(gj - r)
+            kk = kk + _mm_nt(kj * fj, kl)
+            qk = qk + _mm_nt(qj * fj, kl)
+        rows_kk.append(kk)
+        rows_qk.append(qk)
+    return jnp.concatenate(rows_kk, axis=0), jnp.concatenate(rows_qk, axis=0)
+
+
+def _rows(lo, hi, c):
+    """(c, 1) bool: rows lo <= r < hi of a block."""
+    r = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0)
+    return (r >= lo) & (r < hi)
+
+
+# ----------------------------------------------------------------------------------------- work items
+def work_items(cu: list, t: int, chunk: int) -> np.ndarray:
+    """int32 ``[6, n_items]`` table: per item its sequence, block (of ``chunk`` tokens, the block size the kernels
+    use: ``min(chunk, T)``), first and last row ``[lo, hi)`` in the block, and whether it is the sequence's first
+    and last item. Items are in token order; a zero-length sequence has one empty item (lo = hi)."""
+    blk = chunk if t > chunk else max(t, 1)
+    seq, block, lo, hi, first, last = [], [], [], [], [], []
+    for n in range(len(cu) - 1):
+        a, b = int(cu[n]), int(cu[n + 1])
+        if a == b:
+            bb = min(a, max(t - 1, 0)) // blk
+            seq.append(n), block.append(bb), lo.append(0), hi.append(0), first.append(1), last.append(1)
+            continue
+        for bb in range(a // blk, (b - 1) // blk + 1):
+            s, e = max(a, bb * blk), min(b, (bb + 1) * blk)
+            seq.append(n), block.append(bb), lo.append(s - bb * blk), hi.append(e - bb * blk)
+            first.append(int(s == a)), last.append(int(e == b))
+    return np.asarray([seq, block, lo, hi, first, last], dtype=np.int32)
+
+
+def _block_t(t: int, chunk: int) -> int:
+    return chunk if t > chunk else max(t, 1)
+
+
+# ----------------------------------------------------------------------------------------- chunk forward
+def _chunk_fwd_body(items_ref, q_ref, k_ref, v_ref, g_ref, b_ref, *rest, scale: float, has_h0: bool,
+                    save_states: bool, sub: int):
+    it = iter(rest)
+    h0_ref = next(it) if has_h0 else None
+    o_ref, ht_ref, hs_ref = next(it), next(it), next(it)  # hs_ref: an unused ANY ref without save_states
+    s_ref = next(it)
+    i = pl.program_id(1)
+    lo, hi, first = items_ref[2, i], items_ref[3, i], items_ref[4, i]
+    c = q_ref.shape[0]
+    valid = _rows(lo, hi, c)
+
+    @pl.when(first == 1)
+    def _():
+        s_ref[...] = h0_ref[...].astype(F32) if has_h0 else jnp.zeros(s_ref.shape, F32)
+
+    z = lambda ref: jnp.where(valid, ref[...].astype(F32), 0.0)  # noqa: E731
+    q, k, v, g, beta = z(q_ref), z(k_ref), z(v_ref), z(g_ref), z(b_ref)
+    tri = (jax.lax.broadcasted_iota(jnp.int32, (c, c), 0) >= jax.lax.broadcasted_iota(jnp.int32, (c, c), 1))
+    G = _mm(tri.astype(F32), g)  # chunk-local cumulative log decay (rows before lo / after hi add 0)
+    if c % sub or c < sub:
+        sub = c
+    akk, aqk = _decay_products(G, k, q, sub)
+    tinv = _unit_lower_inverse(-beta * akk)
+    u = _mm(tinv, beta * v)
+    w = _mm(tinv, beta * k * jnp.exp(G))
+    s0 = s_ref[...]
+    if save_states:
+        hs_ref[...] = s0
+    delta = u - _mm(w, s0)
+    o = scale * (_mm(q * jnp.exp(G), s0) + _mm(aqk, delta))
+    o_ref[...] = jnp.where(valid, o, o_ref[...].astype(F32)).astype(o_ref.dtype)
+    glast = G[c - 1:c]
+    s1 = _col(jnp.exp(glast)) * s0 + _mm_tn(k * jnp.exp(glast - G), delta)
+    s_ref[...] = s1
+    ht_ref[...] = s1
+
+
+def _common_specs(items, q, v, g, h0, chunk):
+    """Grid, q/k/v/g/beta/h0 BlockSpecs and the block size of the item kernels."""
+    hq, t, kd = q.shape
+    hv, _, vd = v.shape
+    grp = hv // hq
+    bt = _block_t(t, chunk)
+
+    def qmap(h, i, it):
+        return (h // grp, it[1, i], 0)
+
+    def vmap(h, i, it):
+        return (h, it[1, i], 0)
+
+    def smap(h, i, it):
+        return (it[0, i], h, 0, 0)
+
+    specs = [pl.BlockSpec((None, bt, kd), qmap), pl.BlockSpec((None, bt, kd), qmap),
+             pl.BlockSpec((None, bt, vd), vmap), pl.BlockSpec((None, bt, kd), vmap),
+             pl.BlockSpec((None, bt, 1), vmap)]
+    if h0 is not None:
+        specs.append(pl.BlockSpec((None, None, kd, vd), smap))
+    return (hv, items.shape[1]), specs, bt, vmap, smap
+
+
+def _check_kernel_args(op, items, q, k, v, g, beta, h0, n_seq):
+    if len(q.shape) != 3 or tuple(k.shape) != tuple(q.shape):
+        raise ArgumentError(f"{op}: q and k must be [H, T, K] alike, got {tuple(q.shape)} and {tuple(k.shape)}")
+    hq, t, kd = q.shape
+    if len(v.shape) != 3 or v.shape[1] != t or v.shape[0] % max(hq, 1):
+        raise ArgumentError(f"{op}: v must be [HV, T={t}, V] with HV a multiple of H={hq}, got {tuple(v.shape)}")
+    hv, _, vd = v.shape
+    if tuple(g.shape) != (hv, t, kd) or tuple(beta.shape) != (hv, t, 1):
+        raise ArgumentError(f"{op}: g must be [HV, T, K] = {[hv, t, kd]} and beta [HV, T, 1], got {tuple(g.shape)}, "
+                            f"{tuple(beta.shape)}")
+    if len(items.shape) != 2 or items.shape[0] != 6 or np.dtype(items.dtype).name != "int32":
+        raise ArgumentError(f"{op}: items must be the int32 [6, n_items] table of work_items(), got "
+                            f"{tuple(items.shape)} {np.dtype(items.dtype).name}")
+    if h0 is not None and (tuple(h0.shape) != (n_seq, hv, kd, vd) or np.dtype(h0.dtype).name != "float32"):
+        raise ArgumentError(f"{op}: h0 must be float32 [N, HV, K, V] = {[n_seq, hv, kd, vd]}, got {tuple(h0.shape)} "
+                            f"{np.dtype(h0.dtype).name}")
+
+
+def _fwd_out_shapes(q, v, items, n_seq, save_states):
+    hv, t, vd = v.shape
+    kd = q.shape[2]
+    outs = [tk.OutSpec((hv, t, vd), v.dtype), tk.OutSpec((n_seq, hv, kd, vd), np.float32)]
+    outs.append(tk.OutSpec((items.shape[1] if save_states else 1, hv, kd, vd), np.float32))  # 1: never written
+    return tuple(outs)
+
+
+def _launch_fwd(body, items, q, k, v, g, beta, h0, n_seq, scale, chunk, save_states, op, extra_kw, scratch):
+    _check_kernel_args(op, items, q, k, v, g, beta, h0, n_seq)
+    grid, specs, bt, vmap, smap = _common_specs(items, q, v, g, h0, chunk)
+    hv, t, vd = v.shape
+    kd = q.shape[2]
+    out_specs = [pl.BlockSpec((None, bt, vd), vmap), pl.BlockSpec((None, None, kd, vd), smap)]
+    out_specs.append(pl.BlockSpec((None, None, kd, vd), lambda h, i, it: (i, h, 0, 0)) if save_states
+                     else pl.BlockSpec(memory_space=pl.ANY))
+    n_items = items.shape[1]
+    flops = 2 * hv * n_items * bt * (bt * (kd + vd) + 3 * kd * vd)
+    return tk.Launch(
+        grid=grid, in_specs=specs, out_specs=out_specs,
+        out_shape=_fwd_out_shapes(q, v, items, n_seq, save_states),
+        scratch_shapes=[pltpu.VMEM((kd, vd), np.float32), *scratch(bt, kd, vd)],
+        num_scalar_prefetch=1,
+        dimension_semantics=("parallel", "arbitrary"),
+        vmem_limit_bytes=64 * 1024 * 1024,
+        cost_estimate=pl.CostEstimate(flops=int(flops), transcendentals=int(hv * n_items * bt * kd * 3),
+                                      bytes_accessed=int(4 * hv * t * (2 * kd + vd + 1) + 8 * n_seq * hv * kd * vd)),
+        body_kwargs={"scale": float(scale), "has_h0": h0 is not None, "save_states": save_states, **extra_kw},
+    )
+
+
+def _fwd_out(items, q, k, v, g, beta, h0, n_seq, scale, chunk, save_states):
+    return _fwd_out_shapes(q, v, items, n_seq, save_states)
+
+
+@tk.tpu_kernel(_chunk_fwd_body, name="kda_chunk_fwd", namespace=NAMESPACE, out_shape=_fwd_out)
+def kda_chunk_fwd(
+    items: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    h0: Optional[torch.Tensor], n_seq: int, scale: float, chunk: int, save_states: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Chunked KDA forward over work items (internal op ``tpukernels::kda_chunk_fwd``; use :func:`chunk_kda`).
+
+    Args:
+        items: int32 ``[6, n_items]`` from :func:`work_items` (scalar-prefetched).
+        q, k: ``[H, T, K]`` bf16/f32 (head-major packed tokens); v: ``[HV, T, V]``; g: ``[HV, T, K]`` log decay;
+            beta: ``[HV, T, 1]``; h0: float32 ``[N, HV, K, V]`` or None (zeros).
+        n_seq: N. scale: the query scale. chunk: tokens per block (a power of two, 16..128).
+        save_states: also return every item's starting state (for the backward).
+
+    Returns:
+        ``(o [HV, T, V] in v's dtype, final states float32 [N, HV, K, V], item states float32
+        [n_items, HV, K, V]`` (``[1, HV, K, V]``, unwritten, without save_states)``.
+    """
+    return _launch_fwd(_chunk_fwd_body, items, q, k, v, g, beta, h0, n_seq, scale, chunk, save_states,
+                       "tpukernels::kda_chunk_fwd", {"sub": SUB_CHUNK}, lambda bt, kd, vd: [])
+
+
+# ----------------------------------------------------------------------------------------- recurrent forward
+def _rec_fwd_body(items_ref, q_ref, k_ref, v_ref, g_ref, b_ref, *rest, scale: float, has_h0: bool,
+                  save_states: bool):
+    it = iter(rest)
+    h0_ref = next(it) if has_h0 else None
+    o_ref, ht_ref, hs_ref = next(it), next(it), next(it)  # hs_ref: an unused ANY ref without save_states
+    s_ref, x_ref, of_ref = next(it), next(it), next(it)
+    i = pl.program_id(1)
+    lo, hi, first = items_ref[2, i], items_ref[3, i], items_ref[4, i]
+    kd = q_ref.shape[1]
+
+    @pl.when(first == 1)
+    def _():
+        s_ref[...] = h0_ref[...].astype(F32) if has_h0 else jnp.zeros(s_ref.shape, F32)
+
+    if save_states:
+        hs_ref[...] = s_ref[...]
+    # float32 copies of the block's rows: [q | k | g | v | beta] (rows read one at a time)
+    x_ref[:, 0:kd] = q_ref[...].astype(F32)
+    x_ref[:, kd:2 * kd] = k_ref[...].astype(F32)
+    x_ref[:, 2 * kd:3 * kd] = g_ref[...].astype(F32)
+    x_ref[:, 3 * kd:] = jnp.concatenate([v_ref[...].astype(F32), b_ref[...].astype(F32)], axis=1)
+    vd = v_ref.shape[1]
+
+    def step(t, carry):
+        row = x_ref[pl.ds(t, 1), :]
+        qr, kr, gr = row[:, 0:kd], row[:, kd:2 * kd], row[:, 2 * kd:3 * kd]
+        vr, br = row[:, 3 * kd:3 * kd + vd], row[:, 3 * kd + vd:3 * kd + vd + 1]
+        sh = _col(jnp.exp(gr)) * s_ref[...]
+        delta = br * (vr - _mm(kr, sh))
+        s = sh + _mm_tn(kr, delta)
+        s_ref[...] = s
+        of_ref[pl.ds(t, 1), :] = scale * _mm(qr, s)
+        return carry
+
+    jax.lax.fori_loop(lo, hi, step, 0)
+    valid = _rows(lo, hi, q_ref.shape[0])
+    o_ref[...] = jnp.where(valid, of_ref[...], o_ref[...].astype(F32)).astype(o_ref.dtype)
+    ht_ref[...] = s_ref[...]
+
+
+@tk.tpu_kernel(_rec_fwd_body, name="kda_recurrent_fwd", namespace=NAMESPACE, out_shape=_fwd_out)
+def kda_recurrent_fwd(
+    items: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    h0: Optional[torch.Tensor], n_seq: int, scale: float, chunk: int, save_states: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token-by-token KDA forward over work items (internal op ``tpukernels::kda_recurrent_fwd``; use
+    :func:`fused_recurrent_kda`). Arguments and results as :func:`kda_chunk_fwd`."""
+    return _launch_fwd(_rec_fwd_body, items, q, k, v, g, beta, h0, n_seq, scale, chunk, save_states,
+                       "tpukernels::kda_recurrent_fwd", {},
+                       lambda bt, kd, vd: [pltpu.VMEM((bt, 3 * kd + vd + 1), np.float32),
+                                           pltpu.VMEM((bt, vd), np.float32)])
+
+
+# ----------------------------------------------------------------------------------------- backward
+def _rec_bwd_body(items_ref, q_ref, k_ref, v_ref, g_ref, b_ref, hs_ref, do_ref, *rest, scale: float,
+                  has_dht: bool):
+    it = iter(rest)
+    dht_ref = next(it) if has_dht else None
+    dq_ref, dk_ref, dv_ref, dg_ref, db_ref, dh0_ref = (next(it) for _ in range(6))
+    ds_ref, sp_ref, x_ref, y_ref = next(it), next(it), next(it), next(it)
+    i = pl.program_id(1)
+    lo, hi, last = items_ref[2, i], items_ref[3, i], items_ref[5, i]
+    kd, vd = q_ref.shape[1], v_ref.shape[1]
+    c = q_ref.shape[0]
+
+    @pl.when(last == 1)
+    def _():
+        ds_ref[...] = dht_ref[...].astype(F32) if has_dht else jnp.zeros(ds_ref.shape, F32)
+
+    x_ref[:, 0:kd] = q_ref[...].astype(F32)
+    x_ref[:, kd:2 * kd] = k_ref[...].astype(F32)
+    x_ref[:, 2 * kd:3 * kd] = g_ref[...].astype(F32)
+    x_ref[:, 3 * kd:] = jnp.concatenate([v_ref[...].astype(F32), b_ref[...].astype(F32),
+                                         do_ref[...].astype(F32)], axis=1)
+
+    def unpack(t):
+        row = x_ref[pl.ds(t, 1), :]
+        o = 3 * kd
+        return (row[:, 0:kd], row[:, kd:2 * kd], row[:, 2 * kd:o], row[:, o:o + vd], row[:, o + vd:o + vd + 1],
+                row[:, o + vd + 1:o + 2 * vd + 1])
+
+    def decayed(t, s_prev):
+        qr, kr, gr, vr, br, dor = unpack(t)
+        a = _col(jnp.exp(gr))
+        sh = a * s_prev
+        vm = vr - _mm(kr, sh)
+        delta = br * vm
+        return qr, kr, vr, br, dor, a, sh, vm, delta
+
+    def fwd(t, s):  # the state before each token, from the item's starting state
+        sp_ref[t] = s
+        _, kr, _, _, _, _, sh, _, delta = decayed(t, s)
+        return sh + _mm_tn(kr, delta)
+
+    jax.lax.fori_loop(lo, hi, fwd, hs_ref[...])
+    ones_v = jnp.ones((1, vd), F32)
+
+    def back(j, carry):
+        t = hi - 1 - j
+        qr, kr, vr, br, dor, a, sh, vm, delta = decayed(t, sp_ref[t])
+        s = sh + _mm_tn(kr, delta)
+        ds = ds_ref[...] + scale * _mm_tn(qr, dor)
+        dd = _mm(kr, ds)
+        dr = -br * dd
+        dsh = ds + _mm_tn(kr, dr)
+        y_ref[pl.ds(t, 1), :] = jnp.concatenate([
+            scale * _mm_nt(dor, s),                       # dq
+            _mm_nt(delta, ds) + _mm_nt(dr, sh),           # dk
+            _mm_nt(ones_v, dsh * sh),                     # dg
+            br * dd,                                      # dv
+            jnp.sum(dd * vm, axis=1, keepdims=True),      # dbeta
+        ], axis=1)
+        ds_ref[...] = a * dsh
+        return carry
+
+    jax.lax.fori_loop(0, hi - lo, back, 0)
+    valid = _rows(lo, hi, c)
+    y = y_ref[...]
+    for ref, a0, a1 in ((dq_ref, 0, kd), (dk_ref, kd, 2 * kd), (dg_ref, 2 * kd, 3 * kd),
+                        (dv_ref, 3 * kd, 3 * kd + vd), (db_ref, 3 * kd + vd, 3 * kd + vd + 1)):
+        ref[...] = jnp.where(valid, y[:, a0:a1], ref[...])
+    dh0_ref[...] = ds_ref[...]
+
+
+def _bwd_out(items, q, k, v, g, beta, hs, do, dht, n_seq, scale, chunk):
+    hv, t, vd = v.shape
+    kd = q.shape[2]
+    f = np.float32
+    return (tk.OutSpec((hv, t, kd), f), tk.OutSpec((hv, t, kd), f), tk.OutSpec((hv, t, vd), f),
+            tk.OutSpec((hv, t, kd), f), tk.OutSpec((hv, t, 1), f), tk.OutSpec((n_seq, hv, kd, vd), f))
+
+
+@tk.tpu_kernel(_rec_bwd_body, name="kda_recurrent_bwd", namespace=NAMESPACE, out_shape=_bwd_out)
+def kda_recurrent_bwd(
+    items: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    hs: torch.Tensor, do: torch.Tensor, dht: Optional[torch.Tensor], n_seq: int, scale: float, chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """KDA backward by the reverse token recurrence (internal op ``tpukernels::kda_recurrent_bwd``).
+
+    Args:
+        items: the forward's work items, **in reverse order** (``work_items(...)[:, ::-1]``).
+        q, k, v, g, beta: as the forward; hs: float32 ``[n_items, HV, K, V]`` the forward's item starting states
+            (reversed like items); do: ``[HV, T, V]`` the output's gradient; dht: float32 ``[N, HV, K, V]`` the final
+            state's gradient or None.
+
+    Returns:
+        float32 ``(dq [HV, T, K], dk [HV, T, K], dv [HV, T, V], dg [HV, T, K], dbeta [HV, T, 1],
+        dh0 [N, HV, K, V])`` (dq / dk per value head: the caller sums each group of HV / H heads).
+    """
+    op = "tpukernels::kda_recurrent_bwd"
+    _check_kernel_args(op, items, q, k, v, g, beta, None, n_seq)
+    hv, t, vd = v.shape
+    kd = q.shape[2]
+    n_items = items.shape[1]
+    for name, x, want in (("hs", hs, (n_items, hv, kd, vd)), ("do", do, (hv, t, vd)),
+                          ("dht", dht, (n_seq, hv, kd, vd))):
+        if x is not None and tuple(x.shape) != want:
+            raise ArgumentError(f"{op}: {name} must be {list(want)}, got {tuple(x.shape)}")
+    grid, specs, bt, vmap, smap = _common_specs(items, q, v, g, None, chunk)
+    specs += [pl.BlockSpec((None, None, kd, vd), lambda h, i, it: (i, h, 0, 0)),
+              pl.BlockSpec((None, bt, vd), vmap)]
+    if dht is not None:
+        specs.append(pl.BlockSpec((None, None, kd, vd), smap))
+    kspec, vspec = pl.BlockSpec((None, bt, kd), vmap), pl.BlockSpec((None, bt, vd), vmap)
+    return tk.Launch(
+        grid=grid, in_specs=specs,
+        out_specs=[kspec, kspec, vspec, kspec, pl.BlockSpec((None, bt, 1), vmap),
+                   pl.BlockSpec((None, None, kd, vd), smap)],
+        out_shape=_bwd_out(items, q, k, v, g, beta, hs, do, dht, n_seq, scale, chunk),
+        scratch_shapes=[pltpu.VMEM((kd, vd), np.float32), pltpu.VMEM((bt, kd, vd), np.float32),
+                        pltpu.VMEM((bt, 3 * kd + 2 * vd + 1), np.float32),
+                        pltpu.VMEM((bt, 3 * kd + vd + 1), np.float32)],
+        num_scalar_prefetch=1,
+        dimension_semantics=("parallel", "arbitrary"),
+        vmem_limit_bytes=64 * 1024 * 1024,
+        cost_estimate=pl.CostEstimate(flops=int(2 * hv * t * kd * vd * 14), transcendentals=int(2 * hv * t * kd),
+                                      bytes_accessed=int(4 * hv * t * 2 * (3 * kd + 2 * vd + 1))),
+        body_kwargs={"scale": float(scale), "has_dht": dht is not None},
+    )
+
+
+def _fwd_backward(ctx, do, dht, _dhs):
+    """Gradients of both forward kernels: the reverse token recurrence from the saved item states."""
+    items, n_seq = ctx.items, ctx.n_seq
+    hs = ctx.outputs[2]
+    if do is None:
+        do = torch.zeros_like(ctx.outputs[0])
+    rev = torch.flip(items, dims=(1,)).contiguous()
+    hsr = torch.flip(hs, dims=(0,)).contiguous()
+    dq, dk, dv, dg, db, dh0 = kda_recurrent_bwd(rev, ctx.q, ctx.k, ctx.v, ctx.g, ctx.beta, hsr,
+                                                do.contiguous(), None if dht is None else dht.float().contiguous(),
+                                                n_seq, ctx.scale, ctx.chunk)
+    hq, hv = ctx.q.shape[0], ctx.v.shape[0]
+    grp = hv // hq
+    out = {}
+    for name, grad in (("q", dq), ("k", dk)):
+        if ctx.needs_input_grad.get(name):
+            grad = grad.reshape(hq, grp, *grad.shape[1:]).sum(1)
+            out[name] = grad.to(getattr(ctx, name).dtype)
+    for name, grad in (("v", dv), ("g", dg), ("beta", db), ("h0", dh0)):
+        if ctx.needs_input_grad.get(name):
+            out[name] = grad.to(getattr(ctx, name).dtype)
+    return out
+
+
+kda_chunk_fwd.def_backward(_fwd_backward, op="chunk_kda")
+kda_recurrent_fwd.def_backward(_fwd_backward, op="fused_recurrent_kda")
+
+
+# ----------------------------------------------------------------------------------------- public API
+def _is_t(x):
+    return isinstance(x, torch.Tensor)
+
+
+def _shape(x):
+    return list(x.shape) if _is_t(x) else type(x).__name__
+
+
+def _check_public(op, q, k, v, g, beta, scale, initial_state, cu_seqlens, use_gate_in_kernel, A_log, dt_bias,
+                  chunk_size):
+    """Every argument rule of the public ops (module docstring), before anything runs; returns N."""
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if not _is_t(x):
+            raise ArgumentError(f"{op}: {name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dtype not in _SUPPORTED:
+            raise DTypeError(f"{op}: {name} dtype {x.dtype} is not supported: use bfloat16, float16 or float32")
+        if x.device != q.device:
+            raise DeviceError(f"{op}: {name} is on {x.device} but q is on {q.device}")
+    if q.dim() != 4:
+        raise ArgumentError(f"{op}: q must be [B, T, H, K], got {_shape(q)}")
+    b, t, h, kd = q.shape
+    if tuple(k.shape) != tuple(q.shape):
+        raise ArgumentError(f"{op}: k must have q's shape [B, T, H, K] = {list(q.shape)}, got {_shape(k)}")
+    if not 1 <= kd <= MAX_HEAD_DIM:
+        raise ArgumentError(f"{op}: the key head dim K = {kd} must be in [1, {MAX_HEAD_DIM}] (fla's bound)")
+    if v.dim() != 4 or tuple(v.shape[:2]) != (b, t) or v.shape[2] % h or v.shape[2] == 0:
+        raise ArgumentError(f"{op}: v must be [B, T, HV, V] = [{b}, {t}, HV, V] with HV a multiple of the q/k "
+                            f"heads H = {h}, got {_shape(v)}")
+    hv, vd = v.shape[2], v.shape[3]
+    if g.dim() != 4 or tuple(g.shape) != (b, t, hv, kd):
+        raise ArgumentError(f"{op}: g (the per-channel log decay) must be [B, T, HV, K] = {[b, t, hv, kd]}, "
+                            f"got {_shape(g)}")
+    if tuple(beta.shape) != (b, t, hv):
+        raise ArgumentError(f"{op}: beta must be [B, T, HV] = {[b, t, hv]}, got {_shape(beta)}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                              or not math.isfinite(scale)):
+        raise ArgumentError(f"{op}: scale must be a finite float or None, got {scale!r}")
+    if chunk_size not in CHUNK_SIZES or isinstance(chunk_size, bool):
+        raise ArgumentError(f"{op}: chunk_size must be a power of two in {list(CHUNK_SIZES)}, got {chunk_size!r}")
+    n = b
+    if cu_seqlens is not None:
+        if not _is_t(cu_seqlens) or cu_seqlens.dim() != 1 or cu_seqlens.dtype not in _INT or cu_seqlens.numel() < 2:
+            raise ArgumentError(f"{op}: cu_seqlens must be a 1-D int32/int64 tensor [N + 1] (N >= 1 sequences), got "
+                                f"{_shape(cu_seqlens)} {getattr(cu_seqlens, 'dtype', '')}")
+        if b != 1:
+            raise ArgumentError(f"{op}: with cu_seqlens the sequences are packed in one row: B must be 1, got {b}")
+        c = cu_seqlens.tolist()
+        if c[0] != 0 or c[-1] != t or any(y < x for x, y in zip(c, c[1:])):
+            raise ArgumentError(f"{op}: cu_seqlens must start at 0, never decrease and end at the token count "
+                                f"T = {t}, got {c[:8]}{' ...' if len(c) > 8 else ''}")
+        n = len(c) - 1
+    if initial_state is not None:
+        if not _is_t(initial_state) or tuple(initial_state.shape) != (n, hv, kd, vd):
+            what = "N sequences" if cu_seqlens is not None else "B"
+            raise ArgumentError(f"{op}: initial_state must be [{what}, HV, K, V] = {[n, hv, kd, vd]}, got "
+                                f"{_shape(initial_state)}")
+        if initial_state.dtype != torch.float32:
+            raise DTypeError(f"{op}: initial_state must be float32 (as fla's), got {initial_state.dtype}")
+        if initial_state.device != q.device:
+            raise DeviceError(f"{op}: initial_state is on {initial_state.device} but q is on {q.device}")
+    if use_gate_in_kernel:
+        if not _is_t(A_log) or A_log.numel() != hv:
+            raise ArgumentError(f"{op}: use_gate_in_kernel needs A_log with HV = {hv} elements, got {_shape(A_log)}")
+        if dt_bias is not None and (not _is_t(dt_bias) or dt_bias.numel() != hv * kd):
+            raise ArgumentError(f"{op}: dt_bias must have HV * K = {hv * kd} elements, got {_shape(dt_bias)}")
+    elif A_log is not None or dt_bias is not None:
+        raise ArgumentError(f"{op}: A_log / dt_bias are used only with use_gate_in_kernel=True")
+    return n
+
+
+def kda_gate_reference(g, A_log, dt_bias=None):
+    """fla's KDA gate ``-exp(A_log) * softplus(g + dt_bias)`` in float32, ``g [..., HV, K]`` (fla ``naive_kda_gate``)."""
+    hv, kd = g.shape[-2:]
+    x = g.float()
+    if dt_bias is not None:
+        x = x + dt_bias.float().reshape(hv, kd)
+    return -A_log.float().reshape(hv, 1).exp() * torch.nn.functional.softplus(x)
+
+
+def _l2norm(x):
+    x = x.float()
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+def _widen(x):
+    return x.float() if x.dtype == torch.float16 else x
+
+
+_UNSUPPORTED = ("safe_gate", "lower_bound", "state_v_first", "return_intermediate_states", "cp_context", "use_graph",
+                "cu_seqlens_cpu", "disable_recompute", "max_num_seqs", "ssm_state_indices", "num_accepted_tokens",
+                "inplace_final_state", "out")
+
+
+def _run(op, kernel, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+         use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+         chunk_size, kwargs):
+    for name, val in kwargs.items():
+        if name in _UNSUPPORTED:
+            if val in (None, False):
+                continue
+            raise ArgumentError(f"{op}: {name}={val!r} is not supported (fla's option; see the module docstring)")
+        raise ArgumentError(f"{op}: unknown argument {name!r}")
+    n = _check_public(op, q, k, v, g, beta, scale, initial_state, cu_seqlens, use_gate_in_kernel, A_log, dt_bias,
+                      chunk_size)
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise ArgumentError(f"{op}: allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True (as fla)")
+    b, t, h, kd = q.shape
+    hv = v.shape[2]
+    scale = kd ** -0.5 if scale is None else float(scale)
+    if use_qk_l2norm_in_kernel:
+        q, k = _l2norm(q), _l2norm(k)
+    if use_gate_in_kernel:
+        g = kda_gate_reference(g, A_log, dt_bias)
+    if use_beta_sigmoid_in_kernel:
+        beta = torch.sigmoid(beta.float()) * (2.0 if allow_neg_eigval else 1.0)
+    cu = list(range(0, b * t + 1, t)) if cu_seqlens is None else [int(x) for x in cu_seqlens.tolist()]
+    if t == 0:  # nothing to run: the final states are the initial ones
+        o = v.new_zeros(v.shape)
+        fin = (initial_state.clone() if initial_state is not None
+               else q.new_zeros((n, hv, kd, v.shape[3]), dtype=torch.float32)) if output_final_state else None
+        return o, fin
+    items = torch.from_numpy(work_items(cu, b * t, chunk_size)).to(q.device)
+
+    def head_major(x):  # [B, T, H, D] -> [H, B*T, D]
+        return _widen(x).reshape(b * t, *x.shape[2:]).transpose(0, 1).contiguous()
+
+    qh, kh, vh, gh = head_major(q), head_major(k), head_major(v), head_major(g)
+    bh = _widen(beta).reshape(b * t, hv).transpose(0, 1).unsqueeze(-1).contiguous()
+    save = torch.is_grad_enabled() and any(x is not None and x.requires_grad
+                                           for x in (qh, kh, vh, gh, bh, initial_state))
+    o, fin, _ = kernel(items, qh, kh, vh, gh, bh, initial_state, n, scale, chunk_size, bool(save))
+    o = o.transpose(0, 1).reshape(b, t, hv, v.shape[3]).to(v.dtype)
+    return o, (fin if output_final_state else None)
+
+
+def chunk_kda(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
+    scale: Optional[float] = None, initial_state: Optional[torch.Tensor] = None, output_final_state: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None, use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False, A_log: Optional[torch.Tensor] = None, dt_bias: Optional[torch.Tensor] = None,
+    use_beta_sigmoid_in_kernel: bool = False, allow_neg_eigval: bool = False, chunk_size: int = 64, **kwargs,
+):
+    """Chunked KDA (prefill) with flash-linear-attention's ``chunk_kda`` semantics (module docstring).
+
+    Args:
+        q, k: ``[B, T, H, K]`` bf16/f16/f32, ``K <= 256``. v: ``[B, T, HV, V]``, ``HV`` a multiple of H.
+        g: ``[B, T, HV, K]`` per-channel log decay (<= 0; with ``use_gate_in_kernel`` the raw gate input).
+        beta: ``[B, T, HV]`` (post-sigmoid; raw logits with ``use_beta_sigmoid_in_kernel``).
+        scale: query scale, default ``K ** -0.5``.
+        initial_state: float32 ``[N, HV, K, V]`` (N = B, or the number of sequences with cu_seqlens). Never
+            modified.
+        output_final_state: also return the float32 final states ``[N, HV, K, V]``.
+        cu_seqlens: int ``[N + 1]``: N sequences packed in ``T`` tokens (B = 1), 0, non-decreasing, ending at T.
+        use_qk_l2norm_in_kernel: l2-normalize q and k over K first (fla's ``x / sqrt(sum x^2 + 1e-6)``).
+        use_gate_in_kernel, A_log ``[HV]``, dt_bias ``[HV * K]``: g becomes ``-exp(A_log) * softplus(g + dt_bias)``.
+        use_beta_sigmoid_in_kernel, allow_neg_eigval: beta becomes ``sigmoid(beta)`` (times 2).
+        chunk_size: tokens per chunk, a power of two in :data:`CHUNK_SIZES` (default 64).
+
+    Returns:
+        ``(o [B, T, HV, V] in v's dtype, final_state float32 [N, HV, K, V] or None)``. Differentiable in q, k, v,
+        g, beta and initial_state (A_log, dt_bias through torch).
+
+    Raises:
+        ArgumentError: shapes (each argument named with the shape it must have), mismatched heads, bad
+            cu_seqlens, B != 1 with cu_seqlens, chunk_size not a power of two in range, unsupported fla options.
+        DTypeError: dtypes other than bf16/f16/f32, a state not float32. DeviceError: arguments on other devices.
+    """
+    return _run("tpukernels.chunk_kda", kda_chunk_fwd, q, k, v, g, beta, scale, initial_state, output_final_state,
+                cu_seqlens, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel,
+                allow_neg_eigval, chunk_size, kwargs)
+
+
+def fused_recurrent_kda(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
+    scale: Optional[float] = None, initial_state: Optional[torch.Tensor] = None, output_final_state: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None, use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False, A_log: Optional[torch.Tensor] = None, dt_bias: Optional[torch.Tensor] = None,
+    use_beta_sigmoid_in_kernel: bool = False, allow_neg_eigval: bool = False, chunk_size: int = 16, **kwargs,
+):
+    """Recurrent KDA (decode: one or a few tokens per sequence, state in and out), fla's ``fused_recurrent_kda``.
+
+    Arguments, results and errors as :func:`chunk_kda` (``chunk_size``: tokens per work item, default 16). The
+    state is returned, never updated in place (fla's ``inplace_final_state`` / ``ssm_state_indices`` are typed
+    errors).
+    """
+    return _run("tpukernels.fused_recurrent_kda", kda_recurrent_fwd, q, k, v, g, beta, scale, initial_state,
+                output_final_state, cu_seqlens, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias,
+                use_beta_sigmoid_in_kernel, allow_neg_eigval, chunk_size, kwargs)
+
+
+# ----------------------------------------------------------------------------------------- float64 reference
+def kda_reference(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None):
+    """float64 ``(o [B, T, HV, V], final_state [N, HV, K, V])`` of the given values: the naive token recurrence
+    (module docstring), per row or per packed sequence."""
+    b, t, h, kd = q.shape
+    hv, vd = v.shape[2], v.shape[3]
+    grp = hv // h
+    scale = kd ** -0.5 if scale is None else scale
+    qd = q.double().repeat_interleave(grp, dim=2).reshape(b * t, hv, kd) * scale
+    kk = k.double().repeat_interleave(grp, dim=2).reshape(b * t, hv, kd)
+    vv, gg, bb = v.double().reshape(b * t, hv, vd), g.double().reshape(b * t, hv, kd), beta.double().reshape(b * t, hv)
+    cu = list(range(0, b * t + 1, t)) if cu_seqlens is None else [int(x) for x in cu_seqlens]
+    o = torch.zeros(b * t, hv, vd, dtype=torch.float64)
+    finals = []
+    for n in range(len(cu) - 1):
+        s = (initial_state[n].double().clone() if initial_state is not None
+             else torch.zeros(hv, kd, vd, dtype=torch.float64))
+        for i in range(cu[n], cu[n + 1]):
+            s = s * gg[i].exp()[..., None]
+            delta = bb[i][:, None] * (vv[i] - torch.einsum("hk,hkv->hv", kk[i], s))
+            s = s + kk[i][..., None] * delta[:, None, :]
+            o[i] = torch.einsum("hk,hkv->hv", qd[i], s)
+        finals.append(s)
+    return o.reshape(b, t, hv, vd), torch.stack(finals)
