@@ -37,7 +37,7 @@ item loads its ``initial_state`` block (zeros without), every item writes the ru
 
 * ``kda_chunk_fwd`` (prefill): per item the chunked UT form (fla ``naive_chunk_kda``): G = chunk cumsum of g (a
   lower-triangular matmul), ``A_kk[j, i] = sum_c k_jc k_ic exp(G_jc - G_ic)`` (i < j) and ``A_qk`` (i <= j),
-  ``T = (I + diag(beta) A_kk)^-1`` (unit lower triangular: the product of ``I + N^(2^m)``, N = -diag(beta) A_kk),
+  ``T = (I + diag(beta) A_kk)^-1`` (``dsl.scan.unit_lower_inverse``), G by ``dsl.scan.segment_cumsum``,
   ``u = T beta v``, ``w = T beta (k * exp(G))``, ``delta = u - w S``, ``o = scale ((q * exp(G)) S + A_qk delta)``,
   ``S <- exp(G_last) * S + (k * exp(G_last - G))^T delta``. Numerics: no ``exp`` of a positive number is formed
   (for g <= 0): the chunk is cut into sub-chunks of 16 rows; the part of ``A`` left of a row sub-chunk J factors
@@ -99,37 +99,12 @@ _INT = (torch.int32, torch.int64)
 
 
 # ----------------------------------------------------------------------------------------- in-kernel algebra
-def _mm(a, b):
-    """a @ b in float32 (HIGHEST precision)."""
-    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=HI, preferred_element_type=F32)
-
-
-def _mm_nt(a, b):
-    """a @ b^T in float32."""
-    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=HI, preferred_element_type=F32)
-
-
-def _mm_tn(a, b):
-    """a^T @ b in float32 (an outer product for two rows)."""
-    return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=HI, preferred_element_type=F32)
+_mm = tk.scan.matmul  # float32, highest precision; trans_a= / trans_b= for a^T b and a b^T
 
 
 def _col(row):
-    """A ``(1, n)`` row as an ``(n, 1)`` column."""
-    return _mm_tn(row, jnp.ones((1, 1), F32))
-
-
-def _unit_lower_inverse(n):
-    """``(I - n)^-1`` for a strictly lower triangular ``(C, C)`` n (C a power of two): the product of
-    ``I + n^(2^m)``, m < log2(C) (n is nilpotent: the Neumann series ends at n^(C-1))."""
-    c = n.shape[0]
-    eye = (jax.lax.broadcasted_iota(jnp.int32, (c, c), 0) == jax.lax.broadcasted_iota(jnp.int32, (c, c), 1))
-    eye = eye.astype(F32)
-    p, acc = n, eye + n
-    for _ in range(max(1, math.ceil(math.log2(c))) - 1):
-        p = _mm(p, p)
-        acc = _mm(acc, eye + p)
-    return acc
+    """A ``(1, n)`` row as an ``(n, 1)`` column (an outer product with ``[[1]]``: exact, entry by entry)."""
+    return _mm(row, jnp.ones((1, 1), F32), trans_a=True)
 
 
 def _decay_products(G, k, q, sub):
@@ -158,8 +133,8 @@ def _decay_products(G, k, q, sub):
             left = col < s0  # columns left of the block: factor exp(r - G_i) <= 1, exp(G_j - r) <= 1
             kl = k * jnp.exp(jnp.where(left, r - G, -jnp.inf))
             fj = jnp.exp(gj - r)
-            kk = kk + _mm_nt(kj * fj, kl)
-            qk = qk + _mm_nt(qj * fj, kl)
+            kk = kk + _mm(kj * fj, kl, trans_b=True)
+            qk = qk + _mm(qj * fj, kl, trans_b=True)
         rows_kk.append(kk)
         rows_qk.append(qk)
     return jnp.concatenate(rows_kk, axis=0), jnp.concatenate(rows_qk, axis=0)
@@ -207,18 +182,15 @@ def _chunk_fwd_body(items_ref, q_ref, k_ref, v_ref, g_ref, b_ref, *rest, scale: 
     c = q_ref.shape[0]
     valid = _rows(lo, hi, c)
 
-    @pl.when(first == 1)
-    def _():
-        s_ref[...] = h0_ref[...].astype(F32) if has_h0 else jnp.zeros(s_ref.shape, F32)
+    tk.scan.reset_carry(s_ref, when=first == 1, value=h0_ref[...] if has_h0 else None)
 
     z = lambda ref: jnp.where(valid, ref[...].astype(F32), 0.0)  # noqa: E731
     q, k, v, g, beta = z(q_ref), z(k_ref), z(v_ref), z(g_ref), z(b_ref)
-    tri = (jax.lax.broadcasted_iota(jnp.int32, (c, c), 0) >= jax.lax.broadcasted_iota(jnp.int32, (c, c), 1))
-    G = _mm(tri.astype(F32), g)  # chunk-local cumulative log decay (rows before lo / after hi add 0)
+    G = tk.scan.segment_cumsum(g)  # chunk-local cumulative log decay (rows before lo / after hi add 0)
     if c % sub or c < sub:
         sub = c
     akk, aqk = _decay_products(G, k, q, sub)
-    tinv = _unit_lower_inverse(-beta * akk)
+    tinv = tk.scan.unit_lower_inverse(beta * akk)  # (I + diag(beta) A_kk)^-1
     u = _mm(tinv, beta * v)
     w = _mm(tinv, beta * k * jnp.exp(G))
     s0 = s_ref[...]
@@ -228,7 +200,7 @@ def _chunk_fwd_body(items_ref, q_ref, k_ref, v_ref, g_ref, b_ref, *rest, scale: 
     o = scale * (_mm(q * jnp.exp(G), s0) + _mm(aqk, delta))
     o_ref[...] = jnp.where(valid, o, o_ref[...].astype(F32)).astype(o_ref.dtype)
     glast = G[c - 1:c]
-    s1 = _col(jnp.exp(glast)) * s0 + _mm_tn(k * jnp.exp(glast - G), delta)
+    s1 = _col(jnp.exp(glast)) * s0 + _mm(k * jnp.exp(glast - G), delta, trans_a=True)
     s_ref[...] = s1
     ht_ref[...] = s1
 
@@ -343,9 +315,7 @@ def _rec_fwd_body(items_ref, q_ref, k_ref, v_ref, g_ref, b_ref, *rest, scale: fl
     lo, hi, first = items_ref[2, i], items_ref[3, i], items_ref[4, i]
     kd = q_ref.shape[1]
 
-    @pl.when(first == 1)
-    def _():
-        s_ref[...] = h0_ref[...].astype(F32) if has_h0 else jnp.zeros(s_ref.shape, F32)
+    tk.scan.reset_carry(s_ref, when=first == 1, value=h0_ref[...] if has_h0 else None)
 
     if save_states:
         hs_ref[...] = s_ref[...]
@@ -362,7 +332,7 @@ def _rec_fwd_body(items_ref, q_ref, k_ref, v_ref, g_ref, b_ref, *rest, scale: fl
         vr, br = row[:, 3 * kd:3 * kd + vd], row[:, 3 * kd + vd:3 * kd + vd + 1]
         sh = _col(jnp.exp(gr)) * s_ref[...]
         delta = br * (vr - _mm(kr, sh))
-        s = sh + _mm_tn(kr, delta)
+        s = sh + _mm(kr, delta, trans_a=True)
         s_ref[...] = s
         of_ref[pl.ds(t, 1), :] = scale * _mm(qr, s)
         return carry
@@ -398,9 +368,7 @@ def _rec_bwd_body(items_ref, q_ref, k_ref, v_ref, g_ref, b_ref, hs_ref, do_ref, 
     kd, vd = q_ref.shape[1], v_ref.shape[1]
     c = q_ref.shape[0]
 
-    @pl.when(last == 1)
-    def _():
-        ds_ref[...] = dht_ref[...].astype(F32) if has_dht else jnp.zeros(ds_ref.shape, F32)
+    tk.scan.reset_carry(ds_ref, when=last == 1, value=dht_ref[...] if has_dht else None)
 
     x_ref[:, 0:kd] = q_ref[...].astype(F32)
     x_ref[:, kd:2 * kd] = k_ref[...].astype(F32)
@@ -425,7 +393,7 @@ def _rec_bwd_body(items_ref, q_ref, k_ref, v_ref, g_ref, b_ref, hs_ref, do_ref, 
     def fwd(t, s):  # the state before each token, from the item's starting state
         sp_ref[t] = s
         _, kr, _, _, _, _, sh, _, delta = decayed(t, s)
-        return sh + _mm_tn(kr, delta)
+        return sh + _mm(kr, delta, trans_a=True)
 
     jax.lax.fori_loop(lo, hi, fwd, hs_ref[...])
     ones_v = jnp.ones((1, vd), F32)
@@ -433,17 +401,17 @@ def _rec_bwd_body(items_ref, q_ref, k_ref, v_ref, g_ref, b_ref, hs_ref, do_ref, 
     def back(j, carry):
         t = hi - 1 - j
         qr, kr, vr, br, dor, a, sh, vm, delta = decayed(t, sp_ref[t])
-        s = sh + _mm_tn(kr, delta)
-        ds = ds_ref[...] + scale * _mm_tn(qr, dor)
+        s = sh + _mm(kr, delta, trans_a=True)
+        ds = ds_ref[...] + scale * _mm(qr, dor, trans_a=True)
         dd = _mm(kr, ds)
         dr = -br * dd
-        dsh = ds + _mm_tn(kr, dr)
+        dsh = ds + _mm(kr, dr, trans_a=True)
         y_ref[pl.ds(t, 1), :] = jnp.concatenate([
-            scale * _mm_nt(dor, s),                       # dq
-            _mm_nt(delta, ds) + _mm_nt(dr, sh),           # dk
-            _mm_nt(ones_v, dsh * sh),                     # dg
-            br * dd,                                      # dv
-            jnp.sum(dd * vm, axis=1, keepdims=True),      # dbeta
+            scale * _mm(dor, s, trans_b=True),                         # dq
+            _mm(delta, ds, trans_b=True) + _mm(dr, sh, trans_b=True),  # dk
+            _mm(ones_v, dsh * sh, trans_b=True),                       # dg
+            br * dd,                                                   # dv
+            jnp.sum(dd * vm, axis=1, keepdims=True),                   # dbeta
         ], axis=1)
         ds_ref[...] = a * dsh
         return carry
