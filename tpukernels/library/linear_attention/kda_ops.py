@@ -82,7 +82,7 @@ from ...errors import ArgumentError, DeviceError, DTypeError
 
 __all__ = [
     "chunk_kda", "fused_recurrent_kda", "kda_reference", "kda_gate_reference", "work_items", "kda_chunk_fwd",
-    "kda_recurrent_fwd", "kda_recurrent_bwd", "CHUNK_SIZES", "SUB_CHUNK", "MAX_HEAD_DIM",
+    "kda_recurrent_fwd", "kda_recurrent_bwd", "CHUNK_SIZES", "SUB_CHUNK", "MAX_HEAD_DIM", "VMEM_LIMIT_BYTES",
 ]
 
 NAMESPACE = "tpukernels"
@@ -92,6 +92,9 @@ CHUNK_SIZES = (16, 32, 64, 128)
 SUB_CHUNK = 16
 #: largest K (fla: 256).
 MAX_HEAD_DIM = 256
+#: Mosaic scoped-VMEM limit of the three kernels (the backward's ``[chunk, K, V]`` state scratch: 4 MiB at 64 x 128 x
+#: 128; every chip has at least 64 MiB of VMEM).
+VMEM_LIMIT_BYTES = 32 * 1024 * 1024
 F32 = jnp.float32
 HI = jax.lax.Precision.HIGHEST
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
@@ -112,16 +115,16 @@ def _decay_products(G, k, q, sub):
     zero elsewhere, never forming exp of a positive exponent when G is non-increasing (module docstring)."""
     c, kd = k.shape
     col = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0)
-    ii = jax.lax.broadcasted_iota(jnp.int32, (sub, sub), 1)
-    jj = jax.lax.broadcasted_iota(jnp.int32, (sub, sub), 0)
+    jj = jax.lax.broadcasted_iota(jnp.int32, (sub, sub, kd), 0)  # 3-D iotas: Mosaic reshapes no bool arrays
+    ii = jax.lax.broadcasted_iota(jnp.int32, (sub, sub, kd), 1)
     rows_kk, rows_qk = [], []
     for j in range(c // sub):
         s0 = j * sub
         gj, kj, qj = G[s0:s0 + sub], k[s0:s0 + sub], q[s0:s0 + sub]
         # diagonal block, direct decays [sub, sub, K] (exponent masked to -inf above the diagonal)
         diff = gj[:, None, :] - gj[None, :, :]
-        dkk = jnp.exp(jnp.where((jj > ii)[:, :, None], diff, -jnp.inf))
-        dqk = jnp.exp(jnp.where((jj >= ii)[:, :, None], diff, -jnp.inf))
+        dkk = jnp.exp(jnp.where(jj > ii, diff, -jnp.inf))
+        dqk = jnp.exp(jnp.where(jj >= ii, diff, -jnp.inf))
         kk_d = jnp.sum(kj[:, None, :] * dkk * kj[None, :, :], axis=-1)  # (sub, sub)
         qk_d = jnp.sum(qj[:, None, :] * dqk * kj[None, :, :], axis=-1)
         # place the diagonal block at columns [s0, s0 + sub) of the (sub, C) row block (an exact 0/1 matmul)
@@ -271,7 +274,7 @@ def _launch_fwd(body, items, q, k, v, g, beta, h0, n_seq, scale, chunk, save_sta
         scratch_shapes=[pltpu.VMEM((kd, vd), np.float32), *scratch(bt, kd, vd)],
         num_scalar_prefetch=1,
         dimension_semantics=("parallel", "arbitrary"),
-        vmem_limit_bytes=64 * 1024 * 1024,
+        vmem_limit_bytes=VMEM_LIMIT_BYTES,
         cost_estimate=pl.CostEstimate(flops=int(flops), transcendentals=int(hv * n_items * bt * kd * 3),
                                       bytes_accessed=int(4 * hv * t * (2 * kd + vd + 1) + 8 * n_seq * hv * kd * vd)),
         body_kwargs={"scale": float(scale), "has_h0": h0 is not None, "save_states": save_states, **extra_kw},
@@ -475,7 +478,7 @@ def kda_recurrent_bwd(
                         pltpu.VMEM((bt, 3 * kd + vd + 1), np.float32)],
         num_scalar_prefetch=1,
         dimension_semantics=("parallel", "arbitrary"),
-        vmem_limit_bytes=64 * 1024 * 1024,
+        vmem_limit_bytes=VMEM_LIMIT_BYTES,
         cost_estimate=pl.CostEstimate(flops=int(2 * hv * t * kd * vd * 14), transcendentals=int(2 * hv * t * kd),
                                       bytes_accessed=int(4 * hv * t * 2 * (3 * kd + 2 * vd + 1))),
         body_kwargs={"scale": float(scale), "has_dht": dht is not None},
