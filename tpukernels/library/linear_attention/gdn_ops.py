@@ -1,0 +1,814 @@
+"""Gated DeltaNet (GDN): chunked prefill and recurrent decode, forward and backward.
+
+Written with the tpukernels DSL (``@tpu_kernel``; the in-kernel helpers of :mod:`tpukernels.dsl.scan`), torch
+namespace ``tpukernels``.
+
+Public API (torch tensors; flash-linear-attention's signatures, the functions transformers' Qwen3-Next calls)::
+
+    chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+                           cu_seqlens=None, use_qk_l2norm_in_kernel=False, chunk_size=64)
+        -> (o, final_state or None)                      fla ``fla.ops.gated_delta_rule.chunk_gated_delta_rule``
+    fused_recurrent_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None,
+                                     output_final_state=False, cu_seqlens=None, use_qk_l2norm_in_kernel=False,
+                                     ssm_state_indices=None, inplace_final_state=False)
+        -> (o, final_state or None)                      fla ``fused_recurrent_gated_delta_rule`` (+ vLLM's indices)
+    gated_delta_rule_reference(...)                      float64 naive recurrence (the executable specification)
+
+Formula (per sequence, per value head ``h``; ``q, k`` of query/key head ``h // (HV / H)``; state ``S [K, V]``)::
+
+    S_t = exp(g_t) S_{t-1}                                 (g: log-space decay, <= 0)
+    u_t = beta_t (v_t - S_t^T k_t)                         (the delta rule: v minus what S recalls for k)
+    S_t = S_t + k_t u_t^T
+    o_t = scale * S_t^T q_t                                (scale default K ** -0.5)
+
+Shapes: ``q, k [B, T, H, K]``, ``v [B, T, HV, V]``, ``g, beta [B, T, HV]`` with ``HV`` a multiple of ``H`` (fla's
+grouped value heads: Qwen3-Next has 16 key heads and 32 value heads; fla maps value head ``i`` to key head
+``i // (HV / H)``, which is what ``repeat_interleave`` of q / k in transformers' torch path does, so no repeat
+is needed here). States ``[N, HV, K, V]`` float32, ``N = B`` or the number of packed sequences. ``o`` is
+``[B, T, HV, V]`` in v's dtype. bf16 / f32 inputs; float32 arithmetic and state.
+
+Chunked form (the UT / WY transform; fla's ``chunk.py`` and ``naive.py``). For a chunk of ``C`` tokens of one
+sequence with state ``S0`` at its start, ``G = cumsum(g)``, ``D[i, j] = exp(G_i - G_j)`` (``i >= j``)::
+
+    A = strict_lower(diag(beta) (K K^T o D));  T = (I + A)^-1
+    U = T diag(beta) (V - diag(exp G) K S0)                (U = the u_t of the chunk, "v_new" in fla)
+    O = scale * (diag(exp G) Q S0 + (Q K^T o D) U)
+    S_C = exp(G_C) S0 + K^T diag(exp(G_C - G)) U
+
+Design. Tokens are packed head-major (``[H, B*T, K]``: a transpose on the host; B rows without cu_seqlens are
+N = B packed sequences of length T). One kernel per direction, grid ``(HV, cdiv(B*T, C))``, the chunk axis
+sequential (``"arbitrary"``) with the running state in VMEM scratch (``dsl.scan.reset_carry`` semantics).
+``cu_seqlens`` is scalar-prefetched; the launch derives per chunk the range of sequences that touch it. A
+chunk is processed once per sequence touching it (usually one; two at a boundary): the chunk step above runs
+on the rows of that sequence only, every other row selected to zero with ``jnp.where`` (so another
+sequence's NaN never reaches it), its initial state the carried one (sequence continues from the previous
+chunk) or its own ``initial_state`` (read by DMA from HBM), its end state carried on or written (DMA) as
+that sequence's final state. Packed sequences are never padded: a sequence starting mid-chunk costs one
+more pass over that chunk. The triangular inverse is ``dsl.scan.unit_lower_inverse`` (block substitution
+by doubling, MXU matmuls); the decays ``dsl.scan.segment_cumsum`` / ``pairwise_decay``.
+
+Backward (``dq, dk, dv, dg, dbeta, dinitial_state``): the forward is re-run saving the state at every chunk
+start, then one kernel walks the chunks in reverse (grid over ``NC - 1 - c``), recomputes each chunk step
+and applies its exact transpose (hand-derived, written out in ``_chunk_bwd``), carrying ``dS`` backward
+in scratch. Grouped heads: dq / dk are per value head in float32, summed over the group on the host.
+
+Decode (``fused_recurrent_gated_delta_rule``): the same chunk step over the few new tokens of each row
+(grid ``(B, HV)``, all parallel), state in and out; with ``ssm_state_indices`` (vLLM) row ``b`` reads
+``initial_state[ssm_state_indices[b]]`` and, with ``inplace_final_state=True``, writes it back there (the
+pool aliased in place, vLLM's contract); otherwise the passed state is never modified. Gradients through
+it run the chunked kernels.
+
+Not covered (vs fla): ``use_qk_l2norm_in_kernel`` normalizes q and k in torch before the kernel (eps 1e-6, as
+fla's l2norm and tpu-inference's reference), not inside it; fla's ``gk`` / ``gv`` (per-channel gates: KDA),
+``use_gate_in_kernel`` / ``A_log`` / ``dt_bias``, ``state_v_first``, context parallelism, and ``head_first``
+layouts are not offered; fla's ``chunk_indices`` is derived here. Gradients with ``ssm_state_indices`` are
+not supported (a typed error).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from ... import dsl as tk
+from ...chips import MiB
+from ...dsl import scan
+from ...errors import ArgumentError, DeviceError, DTypeError, NotSupportedError
+
+__all__ = [
+    "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "gated_delta_rule_reference",
+    "gdn_chunk_fwd", "gdn_chunk_bwd", "gdn_recurrent_fwd", "CHUNK_SIZES", "STANDARD_SHAPES",
+]
+
+NAMESPACE = "tpukernels"
+#: chunk sizes accepted (powers of two; 64 is fla's and the default).
+CHUNK_SIZES = (16, 32, 64, 128)
+DEFAULT_CHUNK = 64
+F32 = jnp.float32
+_SUPPORTED = (torch.bfloat16, torch.float32)
+_INT = (torch.int32, torch.int64)
+VMEM_LIMIT_BYTES = 48 * MiB
+
+
+# ----------------------------------------------------------------------------------------- chunk step
+def _chunk_step(q, k, v, g, beta, s0, scale):
+    """One chunk of one sequence (rows of other sequences already zero): ``(o, S_end, U)``, float32.
+
+    q, k ``(C, K)``; v ``(C, V)``; g, beta ``(C, 1)``; s0 ``(K, V)``.
+    """
+    c = q.shape[0]
+    G = scan.segment_cumsum(g)
+    eG = jnp.exp(G)
+    dq = scan.pairwise_decay(G, scan.lower_mask(c))
+    dm = scan.pairwise_decay(G, scan.lower_mask(c, strict=True))
+    kk = scan.matmul(k, k, trans_b=True)
+    tinv = scan.unit_lower_inverse(beta * kk * dm)
+    ks = scan.matmul(k, s0)
+    u = scan.matmul(tinv, beta * (v - eG * ks))
+    p = scan.matmul(q, k, trans_b=True) * dq
+    o = scale * (eG * scan.matmul(q, s0) + scan.matmul(p, u))
+    gl = G[c - 1:c, :]
+    s_end = jnp.exp(gl) * s0 + scan.matmul(k, jnp.exp(gl - G) * u, trans_a=True)
+    return o, s_end
+
+
+def _chunk_bwd(q, k, v, g, beta, s0, do, dsf, scale):
+    """The transpose of :func:`_chunk_step`: ``(dq, dk, dv, dg, dbeta, ds0)`` given ``do (C, V)`` and the
+    gradient ``dsf (K, V)`` of the end state. Recomputes the forward (float32 throughout)."""
+    c = q.shape[0]
+    row = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0)
+    G = scan.segment_cumsum(g)
+    eG = jnp.exp(G)
+    lo, st = scan.lower_mask(c), scan.lower_mask(c, strict=True)
+    Dq = scan.pairwise_decay(G, lo)
+    Dm = scan.pairwise_decay(G, st)
+    KK = scan.matmul(k, k, trans_b=True)
+    tinv = scan.unit_lower_inverse(beta * KK * Dm)
+    KS = scan.matmul(k, s0)
+    X = v - eG * KS
+    U = scan.matmul(tinv, beta * X)
+    QK = scan.matmul(q, k, trans_b=True)
+    P = QK * Dq
+    QS = scan.matmul(q, s0)
+    gl = G[c - 1:c, :]
+    egl = jnp.exp(gl)
+    wdec = jnp.exp(gl - G)
+
+    def total(x):  # (1, 1)
+        return jnp.sum(jnp.sum(x, axis=1, keepdims=True), axis=0, keepdims=True)
+
+    dos = scale * do
+    # o = eG * QS + P U
+    dQS = eG * dos
+    deG = jnp.sum(dos * QS, axis=1, keepdims=True)
+    dP = scan.matmul(dos, U, trans_b=True)
+    dU = scan.matmul(P, dos, trans_a=True)
+    ds0 = scan.matmul(q, dQS, trans_a=True)
+    dq = scan.matmul(dQS, s0, trans_b=True)
+    dQK = dP * Dq
+    dDq = dP * QK
+    dq = dq + scan.matmul(dQK, k)
+    dk = scan.matmul(dQK, q, trans_a=True)
+    # S_end = egl * s0 + K^T (wdec * U)
+    ds0 = ds0 + egl * dsf
+    dgl = total(dsf * s0) * egl
+    WU = wdec * U
+    dWU = scan.matmul(k, dsf)
+    dk = dk + scan.matmul(WU, dsf, trans_b=True)
+    dU = dU + wdec * dWU
+    t = jnp.sum(dWU * U, axis=1, keepdims=True) * wdec
+    dgl = dgl + total(t)
+    dG = -t
+    # U = tinv (beta * X)
+    dR = scan.matmul(tinv, dU, trans_a=True)
+    dA = jnp.where(st, -scan.matmul(dR, U, trans_b=True), 0.0)
+    dbeta = jnp.sum(dR * X, axis=1, keepdims=True)
+    dX = beta * dR
+    dv = dX
+    deG = deG - jnp.sum(dX * KS, axis=1, keepdims=True)
+    dKS = -eG * dX
+    dk = dk + scan.matmul(dKS, s0, trans_b=True)
+    ds0 = ds0 + scan.matmul(k, dKS, trans_a=True)
+    # A = beta * KK * Dm
+    dbeta = dbeta + jnp.sum(dA * KK * Dm, axis=1, keepdims=True)
+    dKKD = beta * dA
+    dKK = dKKD * Dm
+    dDm = dKKD * KK
+    dk = dk + scan.matmul(dKK, k) + scan.matmul(dKK, k, trans_a=True)
+    # D = exp(G_i - G_j): dG_i += sum_j dE_ij, dG_j -= sum_i dE_ij
+    dE = dDq * Dq + dDm * Dm
+    ones = jnp.ones((c, 1), F32)
+    dG = dG + jnp.sum(dE, axis=1, keepdims=True) - scan.matmul(dE, ones, trans_a=True)
+    dG = dG + deG * eG
+    dG = dG + jnp.where(row == c - 1, dgl, 0.0)
+    dg = scan.segment_cumsum(dG, reverse=True)
+    return dq, dk, dv, dg, dbeta, ds0
+
+
+# ----------------------------------------------------------------------------------------- chunk tables
+def _chunk_tables(cu, ntok: int, chunk: int):
+    """``(lo, hi, starts, ends)`` int32 from ``cu [N + 1]``: chunk ``c`` is touched by sequences
+    ``lo[c] .. hi[c]`` (an empty sequence belongs to the chunk holding its start, the last chunk at the end)."""
+    nc = max(-(-ntok // chunk), 1)
+    cu = cu.astype(jnp.int32)
+    st, en = cu[:-1], cu[1:]
+    fc = jnp.minimum(st // chunk, nc - 1)
+    lc = jnp.maximum(fc, (en - 1) // chunk)
+    c = jnp.arange(nc, dtype=jnp.int32)
+    lo = jnp.searchsorted(lc, c, side="left").astype(jnp.int32)
+    hi = (jnp.searchsorted(fc, c, side="right") - 1).astype(jnp.int32)
+    return lo, hi, st, en
+
+
+def _seq_mask(c, chunk, start, end):
+    pos = c * chunk + jax.lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
+    return jnp.logical_and(pos >= start, pos < end)
+
+
+def _dma(src, dst, sem):
+    cp = pltpu.make_async_copy(src, dst, sem)
+    cp.start()
+    cp.wait()
+
+
+# ----------------------------------------------------------------------------------------- forward kernel
+def _fwd_body(lo_ref, hi_ref, st_ref, en_ref, q_ref, k_ref, v_ref, g_ref, b_ref, *rest, chunk, scale, has_h0,
+              save_states):
+    it = iter(rest)
+    h0_hbm = next(it) if has_h0 else None
+    o_ref, ht_hbm, hc_ref = next(it), next(it), next(it)
+    carry_ref, buf_ref, sem = next(it), next(it), next(it)
+    h, c = pl.program_id(0), pl.program_id(1)
+    scan.reset_carry(carry_ref, axis=1)
+    if save_states:
+        hc_ref[...] = carry_ref[...]
+    q, k, v = q_ref[...].astype(F32), k_ref[...].astype(F32), v_ref[...].astype(F32)
+    g, beta = g_ref[...].astype(F32), b_ref[...].astype(F32)
+
+    def one(s, o_acc):
+        start, end = st_ref[s], en_ref[s]
+        m = _seq_mask(c, chunk, start, end)
+        continuing = start < c * chunk
+        if has_h0:
+            @pl.when(jnp.logical_not(continuing))
+            def _():
+                _dma(h0_hbm.at[s, h], buf_ref, sem)
+        else:
+            @pl.when(jnp.logical_not(continuing))
+            def _():
+                buf_ref[...] = jnp.zeros(buf_ref.shape, F32)
+        s0 = jnp.where(continuing, carry_ref[...], buf_ref[...])
+        z = lambda x: jnp.where(m, x, 0.0)  # noqa: E731
+        o, s_end = _chunk_step(z(q), z(k), z(v), z(g), z(beta), s0, scale)
+        ends_here = end <= (c + 1) * chunk
+
+        @pl.when(ends_here)
+        def _():
+            buf_ref[...] = s_end
+            _dma(buf_ref, ht_hbm.at[s, h], sem)
+
+        @pl.when(jnp.logical_not(ends_here))
+        def _():
+            carry_ref[...] = s_end
+
+        return jnp.where(m, o, o_acc)
+
+    o_acc = jax.lax.fori_loop(lo_ref[c], hi_ref[c] + 1, one, jnp.zeros(o_ref.shape, F32))
+    o_ref[...] = o_acc.astype(o_ref.dtype)
+
+
+def _check_kernel_args(where, cu, q, k, v, g, beta, h0, chunk):
+    if len(q.shape) != 3 or tuple(k.shape) != tuple(q.shape):
+        raise ArgumentError(f"{where}: q and k must be [H, T, K] alike, got {tuple(q.shape)} and {tuple(k.shape)}")
+    hq, t, kd = q.shape
+    if len(v.shape) != 3 or v.shape[1] != t or v.shape[0] % hq:
+        raise ArgumentError(f"{where}: v must be [HV, T={t}, V] with HV a multiple of H={hq}, got {tuple(v.shape)}")
+    hv = v.shape[0]
+    for name, x in (("g", g), ("beta", beta)):
+        if tuple(x.shape) != (hv, t, 1):
+            raise ArgumentError(f"{where}: {name} must be [HV, T, 1] = [{hv}, {t}, 1], got {tuple(x.shape)}")
+        if np.dtype(x.dtype) != np.float32:
+            raise DTypeError(f"{where}: {name} must be float32, got {np.dtype(x.dtype).name}")
+    if len(cu.shape) != 1 or np.dtype(cu.dtype) != np.int32:
+        raise ArgumentError(f"{where}: cu_seqlens must be int32 [N + 1], got {tuple(cu.shape)} {np.dtype(cu.dtype)}")
+    n = cu.shape[0] - 1
+    if h0 is not None and (tuple(h0.shape) != (n, hv, kd, v.shape[2]) or np.dtype(h0.dtype) != np.float32):
+        raise ArgumentError(f"{where}: h0 must be float32 [N, HV, K, V] = [{n}, {hv}, {kd}, {v.shape[2]}], got "
+                            f"{tuple(h0.shape)} {np.dtype(h0.dtype).name}")
+    if chunk not in CHUNK_SIZES:
+        raise ArgumentError(f"{where}: chunk must be one of {CHUNK_SIZES}, got {chunk}")
+    return hq, hv, t, kd, v.shape[2], n
+
+
+def _fwd_out(cu, q, k, v, g, beta, h0, scale, save_states, chunk):
+    hq, t, kd = q.shape
+    hv, vd = v.shape[0], v.shape[2]
+    n = cu.shape[0] - 1
+    nc = max(-(-int(t) // int(chunk)), 1)
+    hc = (hv, nc, kd, vd) if save_states else (1, 1, kd, vd)
+    return (tk.OutSpec((hv, t, vd), v.dtype), tk.OutSpec((n, hv, kd, vd), F32), tk.OutSpec(hc, F32))
+
+
+@tk.tpu_kernel(_fwd_body, name="gdn_chunk_fwd", namespace=NAMESPACE, out_shape=_fwd_out)
+def gdn_chunk_fwd(
+    cu: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    h0: Optional[torch.Tensor], scale: float, save_states: bool, chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Chunked GDN forward on head-major packed tokens (internal op; use :func:`chunk_gated_delta_rule`).
+
+    Args:
+        cu: int32 ``[N + 1]`` sequence offsets (0, non-decreasing, T; scalar-prefetched).
+        q, k: ``[H, T, K]`` bf16/f32. v: ``[HV, T, V]`` (HV a multiple of H). g, beta: float32 ``[HV, T, 1]``
+            (log decay, write strength). h0: float32 ``[N, HV, K, V]`` or None (zeros).
+        scale: the query scale. save_states: also return the state at every chunk start (for the backward).
+        chunk: tokens per chunk (a power of two in :data:`CHUNK_SIZES`).
+
+    Returns:
+        ``(o [HV, T, V] in v's dtype, final states [N, HV, K, V] f32, chunk-start states [HV, NC, K, V] f32
+        (``[1, 1, K, V]``, unwritten, without save_states))``.
+    """
+    hq, hv, t, kd, vd, n = _check_kernel_args("tpukernels::gdn_chunk_fwd", cu, q, k, v, g, beta, h0, chunk)
+    r = hv // hq
+    nc = max(tk.cdiv(t, chunk), 1)
+    qk_spec = lambda d: pl.BlockSpec((None, chunk, d), lambda h, c, *_: (h // r, c, 0))  # noqa: E731
+    v_spec = lambda d: pl.BlockSpec((None, chunk, d), lambda h, c, *_: (h, c, 0))  # noqa: E731
+    in_specs = [qk_spec(kd), qk_spec(kd), v_spec(vd), v_spec(1), v_spec(1)]
+    if h0 is not None:
+        in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
+    hc_spec = (pl.BlockSpec((None, None, kd, vd), lambda h, c, *_: (h, c, 0, 0)) if save_states
+               else pl.BlockSpec((None, None, kd, vd), lambda h, c, *_: (0, 0, 0, 0)))
+    flops = hv * t * (4 * chunk * kd + 2 * chunk * vd + 6 * kd * vd)
+    return tk.Launch(
+        grid=(hv, nc if t else 0),
+        in_specs=in_specs,
+        out_specs=[v_spec(vd), pl.BlockSpec(memory_space=pl.ANY), hc_spec],
+        out_shape=_fwd_out(cu, q, k, v, g, beta, h0, scale, save_states, chunk),
+        scratch_shapes=[pltpu.VMEM((kd, vd), F32), pltpu.VMEM((kd, vd), F32), pltpu.SemaphoreType.DMA],
+        num_scalar_prefetch=1,
+        prefetch=lambda cu_: _chunk_tables(cu_, int(t), int(chunk)),
+        dimension_semantics=("parallel", "arbitrary"),
+        vmem_limit_bytes=VMEM_LIMIT_BYTES,
+        cost_estimate=pl.CostEstimate(flops=int(flops), transcendentals=int(hv * t * chunk),
+                                      bytes_accessed=int(q.size * q.itemsize * 2 + v.size * v.itemsize * 2)),
+        body_kwargs={"chunk": int(chunk), "scale": float(scale), "has_h0": h0 is not None,
+                     "save_states": bool(save_states)},
+    )
+
+
+# ----------------------------------------------------------------------------------------- backward kernel
+def _bwd_body(lo_ref, hi_ref, st_ref, en_ref, q_ref, k_ref, v_ref, g_ref, b_ref, *rest, chunk, scale, has_h0,
+              has_dht, nc):
+    it = iter(rest)
+    h0_hbm = next(it) if has_h0 else None
+    hc_ref, do_ref = next(it), next(it)
+    dht_hbm = next(it) if has_dht else None
+    dq_ref, dk_ref, dv_ref, dg_ref, db_ref, dh0_hbm = (next(it) for _ in range(6))
+    dcarry_ref, buf_ref, dbuf_ref, sem = next(it), next(it), next(it), next(it)
+    h, cr = pl.program_id(0), pl.program_id(1)
+    c = nc - 1 - cr
+    scan.reset_carry(dcarry_ref, axis=1)
+    q, k, v = q_ref[...].astype(F32), k_ref[...].astype(F32), v_ref[...].astype(F32)
+    g, beta, do = g_ref[...].astype(F32), b_ref[...].astype(F32), do_ref[...].astype(F32)
+    lo, hi = lo_ref[c], hi_ref[c]
+    kd, vd = q.shape[1], v.shape[1]
+
+    def one(i, acc):
+        s = hi - i
+        start, end = st_ref[s], en_ref[s]
+        m = _seq_mask(c, chunk, start, end)
+        continuing = start < c * chunk
+        ends_here = end <= (c + 1) * chunk
+        if has_h0:
+            @pl.when(jnp.logical_not(continuing))
+            def _():
+                _dma(h0_hbm.at[s, h], buf_ref, sem)
+        else:
+            @pl.when(jnp.logical_not(continuing))
+            def _():
+                buf_ref[...] = jnp.zeros(buf_ref.shape, F32)
+        s0 = jnp.where(continuing, hc_ref[...], buf_ref[...])
+        if has_dht:
+            @pl.when(ends_here)
+            def _():
+                _dma(dht_hbm.at[s, h], dbuf_ref, sem)
+        else:
+            @pl.when(ends_here)
+            def _():
+                dbuf_ref[...] = jnp.zeros(dbuf_ref.shape, F32)
+        dsf = jnp.where(ends_here, dbuf_ref[...], dcarry_ref[...])
+        z = lambda x: jnp.where(m, x, 0.0)  # noqa: E731
+        grads = _chunk_bwd(z(q), z(k), z(v), z(g), z(beta), s0, z(do), dsf, scale)
+        ds0 = grads[-1]
+
+        @pl.when(continuing)
+        def _():
+            dcarry_ref[...] = ds0
+
+        @pl.when(jnp.logical_not(continuing))
+        def _():
+            dbuf_ref[...] = ds0
+            _dma(dbuf_ref, dh0_hbm.at[s, h], sem)
+
+        return tuple(jnp.where(m, new, old) for new, old in zip(grads[:-1], acc))
+
+    zeros = (jnp.zeros((chunk, kd), F32), jnp.zeros((chunk, kd), F32), jnp.zeros((chunk, vd), F32),
+             jnp.zeros((chunk, 1), F32), jnp.zeros((chunk, 1), F32))
+    acc = jax.lax.fori_loop(0, hi - lo + 1, one, zeros)
+    for ref, val in zip((dq_ref, dk_ref, dv_ref, dg_ref, db_ref), acc):
+        ref[...] = val.astype(ref.dtype)
+
+
+def _bwd_out(cu, q, k, v, g, beta, h0, hc, do, dht, scale, chunk):
+    hq, t, kd = q.shape
+    hv, vd = v.shape[0], v.shape[2]
+    n = cu.shape[0] - 1
+    return (tk.OutSpec((hv, t, kd), F32), tk.OutSpec((hv, t, kd), F32), tk.OutSpec((hv, t, vd), F32),
+            tk.OutSpec((hv, t, 1), F32), tk.OutSpec((hv, t, 1), F32), tk.OutSpec((n, hv, kd, vd), F32))
+
+
+@tk.tpu_kernel(_bwd_body, name="gdn_chunk_bwd", namespace=NAMESPACE, out_shape=_bwd_out)
+def gdn_chunk_bwd(
+    cu: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    h0: Optional[torch.Tensor], hc: torch.Tensor, do: torch.Tensor, dht: Optional[torch.Tensor], scale: float,
+    chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Chunked GDN backward (internal op): the arguments of :func:`gdn_chunk_fwd`, its chunk-start states
+    ``hc [HV, NC, K, V]``, ``do [HV, T, V]`` and ``dht [N, HV, K, V]`` (or None).
+
+    Returns:
+        float32 ``(dq [HV, T, K], dk [HV, T, K], dv [HV, T, V], dg [HV, T, 1], dbeta [HV, T, 1], dh0 [N, HV, K, V])``
+        (dq / dk per value head: the caller sums each group of HV / H).
+    """
+    hq, hv, t, kd, vd, n = _check_kernel_args("tpukernels::gdn_chunk_bwd", cu, q, k, v, g, beta, h0, chunk)
+    r = hv // hq
+    nc = max(tk.cdiv(t, chunk), 1)
+    if tuple(hc.shape) != (hv, nc, kd, vd) or tuple(do.shape) != (hv, t, vd):
+        raise ArgumentError(f"tpukernels::gdn_chunk_bwd: hc must be [{hv}, {nc}, {kd}, {vd}] and do [{hv}, {t}, {vd}], "
+                            f"got {tuple(hc.shape)} and {tuple(do.shape)}")
+    if dht is not None and tuple(dht.shape) != (n, hv, kd, vd):
+        raise ArgumentError(f"tpukernels::gdn_chunk_bwd: dht must be [{n}, {hv}, {kd}, {vd}], got {tuple(dht.shape)}")
+    rev = lambda c: nc - 1 - c  # noqa: E731
+    qk_spec = pl.BlockSpec((None, chunk, kd), lambda h, c, *_: (h // r, rev(c), 0))
+    row_spec = lambda d: pl.BlockSpec((None, chunk, d), lambda h, c, *_: (h, rev(c), 0))  # noqa: E731
+    in_specs = [qk_spec, qk_spec, row_spec(vd), row_spec(1), row_spec(1)]
+    if h0 is not None:
+        in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
+    in_specs += [pl.BlockSpec((None, None, kd, vd), lambda h, c, *_: (h, rev(c), 0, 0)), row_spec(vd)]
+    if dht is not None:
+        in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
+    return tk.Launch(
+        grid=(hv, nc if t else 0),
+        in_specs=in_specs,
+        out_specs=[row_spec(kd), row_spec(kd), row_spec(vd), row_spec(1), row_spec(1), pl.BlockSpec(memory_space=pl.ANY)],
+        out_shape=_bwd_out(cu, q, k, v, g, beta, h0, hc, do, dht, scale, chunk),
+        scratch_shapes=[pltpu.VMEM((kd, vd), F32), pltpu.VMEM((kd, vd), F32), pltpu.VMEM((kd, vd), F32),
+                        pltpu.SemaphoreType.DMA],
+        num_scalar_prefetch=1,
+        prefetch=lambda cu_: _chunk_tables(cu_, int(t), int(chunk)),
+        dimension_semantics=("parallel", "arbitrary"),
+        vmem_limit_bytes=VMEM_LIMIT_BYTES,
+        body_kwargs={"chunk": int(chunk), "scale": float(scale), "has_h0": h0 is not None,
+                     "has_dht": dht is not None, "nc": int(nc)},
+    )
+
+
+@gdn_chunk_fwd.def_backward(op="chunk_gated_delta_rule")
+def _fwd_backward(ctx, do, dht, dhc):
+    """Re-run the forward saving the chunk-start states, then the reverse chunk kernel."""
+    cu, q, k, v, g, beta, h0 = ctx.cu, ctx.q, ctx.k, ctx.v, ctx.g, ctx.beta, ctx.h0
+    _, _, hc = gdn_chunk_fwd(cu, q, k, v, g, beta, h0, ctx.scale, True, ctx.chunk)
+    do = torch.zeros_like(ctx.outputs[0]) if do is None else do
+    dq, dk, dv, dg, db, dh0 = gdn_chunk_bwd(cu, q, k, v, g, beta, h0, hc, do.contiguous(), 
+                                             None if dht is None else dht.float().contiguous(), ctx.scale, ctx.chunk)
+    hq, hv = q.shape[0], v.shape[0]
+    r = hv // hq
+    out = {"q": dq.view(hq, r, *dq.shape[1:]).sum(1).to(q.dtype), "k": dk.view(hq, r, *dk.shape[1:]).sum(1).to(k.dtype),
+           "v": dv.to(v.dtype), "g": dg, "beta": db}
+    if h0 is not None:
+        out["h0"] = dh0
+    return out
+
+
+# ----------------------------------------------------------------------------------------- decode kernel
+def _rec_body(idx_ref, q_ref, k_ref, v_ref, g_ref, b_ref, *rest, scale, has_h0):
+    it = iter(rest)
+    h0_ref = next(it) if has_h0 else None
+    o_ref, ht_ref = next(it), next(it)
+    q, k, v = q_ref[...].astype(F32), k_ref[...].astype(F32), v_ref[...].astype(F32)
+    g, beta = g_ref[...].astype(F32), b_ref[...].astype(F32)
+    s0 = h0_ref[...] if has_h0 else jnp.zeros(ht_ref.shape, F32)
+    o, s_end = _chunk_step(q, k, v, g, beta, s0, scale)
+    o_ref[...] = o.astype(o_ref.dtype)
+    ht_ref[...] = s_end
+
+
+def _rec_out(idx, q, k, v, g, beta, h0, scale):
+    b, hv, t, vd = v.shape
+    return (tk.OutSpec((b, hv, t, vd), v.dtype), tk.OutSpec((b, hv, q.shape[3], vd), F32))
+
+
+@tk.tpu_kernel(_rec_body, name="gdn_recurrent_fwd", namespace=NAMESPACE, out_shape=_rec_out)
+def gdn_recurrent_fwd(
+    idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    h0: Optional[torch.Tensor], scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GDN over the few new tokens of each row (internal op; use :func:`fused_recurrent_gated_delta_rule`).
+
+    Args:
+        idx: int32 ``[B]``: row b reads state ``h0[idx[b]]`` (scalar-prefetched; ``arange(B)`` for plain rows).
+        q, k: ``[B, H, T, K]``; v: ``[B, HV, T, V]``; g, beta: float32 ``[B, HV, T, 1]``.
+        h0: float32 ``[S, HV, K, V]`` state pool or None (zeros). scale: the query scale.
+
+    Returns:
+        ``(o [B, HV, T, V] in v's dtype, new states [B, HV, K, V] float32)``.
+    """
+    where = "tpukernels::gdn_recurrent_fwd"
+    if len(q.shape) != 4 or tuple(k.shape) != tuple(q.shape) or len(v.shape) != 4 or v.shape[0] != q.shape[0] \
+            or v.shape[2] != q.shape[2] or v.shape[1] % q.shape[1]:
+        raise ArgumentError(f"{where}: q, k must be [B, H, T, K] and v [B, HV, T, V] (HV a multiple of H), got "
+                            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    b, hq, t, kd = q.shape
+    hv, vd = v.shape[1], v.shape[3]
+    for name, x in (("g", g), ("beta", beta)):
+        if tuple(x.shape) != (b, hv, t, 1) or np.dtype(x.dtype) != np.float32:
+            raise ArgumentError(f"{where}: {name} must be float32 [B, HV, T, 1] = [{b}, {hv}, {t}, 1], got "
+                                f"{tuple(x.shape)} {np.dtype(x.dtype).name}")
+    if tuple(idx.shape) != (b,) or np.dtype(idx.dtype) != np.int32:
+        raise ArgumentError(f"{where}: idx must be int32 [B] = [{b}], got {tuple(idx.shape)}")
+    if h0 is not None and (tuple(h0.shape[1:]) != (hv, kd, vd) or np.dtype(h0.dtype) != np.float32):
+        raise ArgumentError(f"{where}: h0 must be float32 [S, HV, K, V] with (HV, K, V) = ({hv}, {kd}, {vd}), got "
+                            f"{tuple(h0.shape)} {np.dtype(h0.dtype).name}")
+    r = hv // hq
+    qk_spec = pl.BlockSpec((None, None, t, kd), lambda i, h, *_: (i, h // r, 0, 0))
+    row = lambda d: pl.BlockSpec((None, None, t, d), lambda i, h, *_: (i, h, 0, 0))  # noqa: E731
+    in_specs = [qk_spec, qk_spec, row(vd), row(1), row(1)]
+    if h0 is not None:
+        in_specs.append(pl.BlockSpec((None, None, kd, vd), lambda i, h, ix: (ix[i], h, 0, 0)))
+    return tk.Launch(
+        grid=(b, hv),
+        in_specs=in_specs,
+        out_specs=[row(vd), pl.BlockSpec((None, None, kd, vd), lambda i, h, *_: (i, h, 0, 0))],
+        out_shape=_rec_out(idx, q, k, v, g, beta, h0, scale),
+        num_scalar_prefetch=1,
+        dimension_semantics=("parallel", "parallel"),
+        cost_estimate=pl.CostEstimate(flops=int(b * hv * t * 6 * kd * vd), transcendentals=int(b * hv * t),
+                                      bytes_accessed=int(b * hv * kd * vd * 8)),
+        body_kwargs={"scale": float(scale), "has_h0": h0 is not None},
+    )
+
+
+# ----------------------------------------------------------------------------------------- public checks
+def _is_t(x):
+    return isinstance(x, torch.Tensor)
+
+
+def _shape(x):
+    return tuple(x.shape) if _is_t(x) else type(x).__name__
+
+
+def _check_public(op, q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, state_rows=None):
+    """Every rule of the public functions (module docstring), before any kernel runs; returns N."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not _is_t(x) or x.dim() != 4:
+            raise ArgumentError(f"{op}: {name} must be a 4-D tensor [B, T, heads, dim], got {_shape(x)}")
+        if x.dtype not in _SUPPORTED:
+            raise DTypeError(f"{op}: {name} dtype {x.dtype} is not supported: use bfloat16 or float32")
+    if tuple(k.shape) != tuple(q.shape):
+        raise ArgumentError(f"{op}: k must have q's shape [B, T, H, K] = {list(q.shape)}, got {list(k.shape)}")
+    b, t, h, kd = q.shape
+    if tuple(v.shape[:2]) != (b, t) or v.shape[2] % h:
+        raise ArgumentError(f"{op}: v must be [B, T, HV, V] with B, T = {b}, {t} and HV a multiple of the "
+                            f"{h} q/k heads (mismatched head counts), got {list(v.shape)}")
+    hv, vd = v.shape[2], v.shape[3]
+    for name, x in (("g", g), ("beta", beta)):
+        if not _is_t(x) or x.dim() != 3:
+            raise ArgumentError(f"{op}: {name} must be a 3-D tensor [B, T, HV] (one gate per token and value "
+                                f"head), got {_shape(x)}")
+        if tuple(x.shape) != (b, t, hv):
+            raise ArgumentError(f"{op}: {name} must be [B, T, HV] = [{b}, {t}, {hv}], got {list(x.shape)}")
+        if not x.dtype.is_floating_point:
+            raise DTypeError(f"{op}: {name} must be a float tensor, got {x.dtype}")
+    for name, x in (("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state),
+                    ("cu_seqlens", cu_seqlens)):
+        if _is_t(x) and x.device != q.device:
+            raise DeviceError(f"{op}: {name} is on {x.device} but q is on {q.device}")
+    if scale is not None and (not isinstance(scale, (int, float)) or isinstance(scale, bool) or not scale > 0):
+        raise ArgumentError(f"{op}: scale must be a positive float or None (K ** -0.5), got {scale!r}")
+    if chunk_size not in CHUNK_SIZES:
+        raise ArgumentError(f"{op}: chunk_size must be a power of two in {CHUNK_SIZES}, got {chunk_size!r}")
+    n = b
+    if cu_seqlens is not None:
+        if not _is_t(cu_seqlens) or cu_seqlens.dim() != 1 or cu_seqlens.dtype not in _INT or cu_seqlens.numel() < 2:
+            raise ArgumentError(f"{op}: cu_seqlens must be a 1-D int32/int64 tensor [N + 1] (N >= 1), got "
+                                f"{_shape(cu_seqlens)} {getattr(cu_seqlens, 'dtype', '')}")
+        if b != 1:
+            raise ArgumentError(f"{op}: with cu_seqlens the sequences are packed in one row: B must be 1, got {b}")
+        c = cu_seqlens.tolist()
+        if c[0] != 0:
+            raise ArgumentError(f"{op}: cu_seqlens must start at 0, got {c[0]}")
+        if any(y < x for x, y in zip(c, c[1:])):
+            raise ArgumentError(f"{op}: cu_seqlens must be non-decreasing (increasing offsets), got {c[:8]}"
+                                f"{' ...' if len(c) > 8 else ''}")
+        if c[-1] != t:
+            raise ArgumentError(f"{op}: cu_seqlens must end at the token count T = {t}, got {c[-1]}")
+        n = len(c) - 1
+    if initial_state is not None:
+        rows = n if state_rows is None else state_rows
+        if not _is_t(initial_state) or initial_state.dim() != 4 or tuple(initial_state.shape[1:]) != (hv, kd, vd) \
+                or (rows is not None and initial_state.shape[0] != rows):
+            want = f"[{rows if rows is not None else 'S'}, {hv}, {kd}, {vd}]"
+            raise ArgumentError(f"{op}: initial_state must be [N, HV, K, V] = {want}, got {_shape(initial_state)}")
+        if initial_state.dtype != torch.float32:
+            raise DTypeError(f"{op}: initial_state must be float32 (the state is kept in float32), got "
+                             f"{initial_state.dtype}")
+    return n
+
+
+def _l2norm(x, eps=1e-6):
+    xf = x.float()
+    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _head_major(x):
+    """``[B, T, H, D] -> [H, B*T, D]`` contiguous."""
+    b, t, h, d = x.shape
+    return x.reshape(b * t, h, d).transpose(0, 1).contiguous()
+
+
+# ----------------------------------------------------------------------------------------- public ops
+def chunk_gated_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
+    scale: Optional[float] = None, initial_state: Optional[torch.Tensor] = None, output_final_state: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None, use_qk_l2norm_in_kernel: bool = False, chunk_size: int = DEFAULT_CHUNK,
+):
+    """Gated DeltaNet, chunked (prefill and training), with fla's ``chunk_gated_delta_rule`` semantics.
+
+    Args:
+        q, k: ``[B, T, H, K]`` bf16/f32 queries and keys. v: ``[B, T, HV, V]``, HV a multiple of H (value head
+            i reads q/k head ``i // (HV / H)``, as fla).
+        g: ``[B, T, HV]`` log-space decay per token (``S <- exp(g) S``; <= 0 in practice). beta: ``[B, T, HV]``
+            write strength (sigmoid outputs in Qwen3-Next). Any float dtype (read as float32).
+        scale: query scale, default ``K ** -0.5``.
+        initial_state: float32 ``[N, HV, K, V]`` (N = B, or the number of sequences with cu_seqlens) or None
+            (zeros). Never modified.
+        output_final_state: also return the final states ``[N, HV, K, V]`` float32.
+        cu_seqlens: int ``[N + 1]`` offsets of N sequences packed in ``B = 1`` rows (0, non-decreasing, T).
+        use_qk_l2norm_in_kernel: l2-normalize q and k over K first (eps 1e-6; done in torch, differentiable).
+        chunk_size: tokens per chunk, a power of two in :data:`CHUNK_SIZES` (64, fla's).
+
+    Returns:
+        ``(o [B, T, HV, V] in v's dtype, final_state or None)``. Differentiable in q, k, v, g, beta and
+        initial_state (Pallas backward kernels).
+
+    Raises:
+        ArgumentError: wrong ranks / shapes (mismatched head counts, gates not [B, T, HV], state shape), bad
+            cu_seqlens (not starting at 0, decreasing, not ending at T, B != 1), chunk_size not a power of two
+            in CHUNK_SIZES, bad scale. DTypeError: q/k/v not bf16/f32, state not float32. DeviceError.
+    """
+    op = "tpukernels.chunk_gated_delta_rule"
+    n = _check_public(op, q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size)
+    b, t, h, kd = q.shape
+    hv, vd = v.shape[2], v.shape[3]
+    scale = float(kd ** -0.5 if scale is None else scale)
+    if use_qk_l2norm_in_kernel:
+        q, k = _l2norm(q), _l2norm(k)
+    if b * t == 0:
+        o = v.new_zeros(b, t, hv, vd)
+        ht = initial_state.clone() if initial_state is not None else v.new_zeros(n, hv, kd, vd, dtype=torch.float32)
+        return o, (ht if output_final_state else None)
+    if cu_seqlens is not None:
+        cu = cu_seqlens.to(torch.int32)
+    else:
+        cu = torch.arange(b + 1, dtype=torch.int32, device=q.device) * t
+    gh = g.float().reshape(b * t, hv).transpose(0, 1).reshape(hv, b * t, 1).contiguous()
+    bh = beta.float().reshape(b * t, hv).transpose(0, 1).reshape(hv, b * t, 1).contiguous()
+    h0 = None if initial_state is None else initial_state.contiguous()
+    o, ht, _ = gdn_chunk_fwd(cu, _head_major(q), _head_major(k), _head_major(v), gh, bh, h0, scale, False,
+                             int(chunk_size))
+    o = o.transpose(0, 1).reshape(b, t, hv, vd)
+    return o, (ht if output_final_state else None)
+
+
+def fused_recurrent_gated_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
+    scale: Optional[float] = None, initial_state: Optional[torch.Tensor] = None, output_final_state: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None, use_qk_l2norm_in_kernel: bool = False,
+    ssm_state_indices: Optional[torch.Tensor] = None, inplace_final_state: bool = False,
+):
+    """Gated DeltaNet for decode (one or a few new tokens per sequence), fla's ``fused_recurrent_gated_delta_rule``.
+
+    Args:
+        q, k, v, g, beta, scale, use_qk_l2norm_in_kernel: as :func:`chunk_gated_delta_rule`.
+        initial_state: float32 ``[N, HV, K, V]``, or with ``ssm_state_indices`` a state pool ``[S, HV, K, V]``.
+        output_final_state: return the new states.
+        cu_seqlens: int ``[N + 1]`` packed sequences in B = 1 (equal lengths run the decode kernel, one row per
+            sequence; unequal lengths run the chunked kernel, same results).
+        ssm_state_indices: int ``[N]`` (vLLM): sequence i reads ``initial_state[ssm_state_indices[i]]``;
+            values in ``[0, S)``, distinct.
+        inplace_final_state: with ssm_state_indices, write the new states back into ``initial_state`` at those
+            indices (in place; the returned final_state is ``initial_state``). Otherwise nothing passed in is
+            modified.
+
+    Returns:
+        ``(o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] float32 (or the pool when in place) or None)``.
+        Differentiable (through the chunked kernels) without ssm_state_indices.
+
+    Raises:
+        ArgumentError / DTypeError / DeviceError: as :func:`chunk_gated_delta_rule`; indices out of range or
+            repeated, inplace_final_state without ssm_state_indices. NotSupportedError: gradients with
+            ssm_state_indices.
+    """
+    op = "tpukernels.fused_recurrent_gated_delta_rule"
+    if ssm_state_indices is not None and initial_state is None:
+        raise ArgumentError(f"{op}: ssm_state_indices index initial_state (the state pool): pass initial_state")
+    if inplace_final_state and ssm_state_indices is None:
+        raise ArgumentError(f"{op}: inplace_final_state needs ssm_state_indices (the slots to write)")
+    n = _check_public(op, q, k, v, g, beta, scale, initial_state, cu_seqlens, DEFAULT_CHUNK,
+                      state_rows=None if ssm_state_indices is not None else (
+                          q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1))
+    b, t, h, kd = q.shape
+    hv, vd = v.shape[2], v.shape[3]
+    if ssm_state_indices is not None:
+        if not _is_t(ssm_state_indices) or ssm_state_indices.dtype not in _INT or tuple(ssm_state_indices.shape) != (n,):
+            raise ArgumentError(f"{op}: ssm_state_indices must be an int tensor [N] = [{n}], got "
+                                f"{_shape(ssm_state_indices)}")
+        idx = ssm_state_indices.long()
+        if n and (int(idx.min()) < 0 or int(idx.max()) >= initial_state.shape[0]):
+            raise ArgumentError(f"{op}: ssm_state_indices must be in [0, {initial_state.shape[0]}) "
+                                f"(initial_state.shape[0])")
+        if idx.unique().numel() != n:
+            raise ArgumentError(f"{op}: ssm_state_indices must be distinct (two sequences cannot share a state)")
+        if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, g, beta, initial_state)):
+            raise NotSupportedError(f"{op}: gradients with ssm_state_indices are not supported (inference path)")
+    lens = None
+    if cu_seqlens is not None:
+        lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    uniform = lens is None or (len(set(lens)) == 1 and lens[0] > 0)
+    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, g, beta) + (
+        (initial_state,) if initial_state is not None else ()))
+    if needs_grad or not uniform or b * t == 0:
+        if ssm_state_indices is not None:
+            state = initial_state[ssm_state_indices.long()]
+            o, ht = chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=state, output_final_state=True,
+                                           cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        else:
+            o, ht = chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                           output_final_state=True, cu_seqlens=cu_seqlens,
+                                           use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    else:
+        scale_f = float(kd ** -0.5 if scale is None else scale)
+        if use_qk_l2norm_in_kernel:
+            q, k = _l2norm(q), _l2norm(k)
+        rows, tl = (b, t) if cu_seqlens is None else (n, lens[0])
+
+        def rowwise(x):  # [B, T, heads, d] -> [rows, heads, tl, d]
+            return x.reshape(rows, tl, x.shape[2], x.shape[3]).transpose(1, 2).contiguous()
+
+        gate = lambda x: x.float().reshape(rows, tl, hv).transpose(1, 2)[..., None].contiguous()  # noqa: E731
+        idx32 = (ssm_state_indices.to(torch.int32) if ssm_state_indices is not None
+                 else torch.arange(rows, dtype=torch.int32, device=q.device))
+        h0 = None if initial_state is None else initial_state.contiguous()
+        o, ht = gdn_recurrent_fwd(idx32, rowwise(q), rowwise(k), rowwise(v), gate(g), gate(beta), h0, scale_f)
+        o = o.transpose(1, 2).reshape(b, t, hv, vd)
+    if inplace_final_state:
+        with torch.no_grad():
+            initial_state.index_copy_(0, ssm_state_indices.long(), ht)
+        ht = initial_state
+    return o, (ht if output_final_state else None)
+
+
+# ----------------------------------------------------------------------------------------- float64 reference
+def gated_delta_rule_reference(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None,
+                               use_qk_l2norm_in_kernel=False):
+    """float64 ``(o [B, T, HV, V], final_state [N, HV, K, V])`` by the token loop of the module docstring (per
+    row, or per packed sequence of cu_seqlens with its own state); differentiable (torch autograd)."""
+    qd, kd_, vd_, gd, bd = (x.double() for x in (q, k, v, g, beta))
+    if use_qk_l2norm_in_kernel:
+        qd = qd * torch.rsqrt((qd * qd).sum(-1, keepdim=True) + 1e-6)
+        kd_ = kd_ * torch.rsqrt((kd_ * kd_).sum(-1, keepdim=True) + 1e-6)
+    b, t, h, dk = q.shape
+    hv, dv = v.shape[2], v.shape[3]
+    r = hv // h
+    qd, kd_ = qd.repeat_interleave(r, 2), kd_.repeat_interleave(r, 2)
+    scale = dk ** -0.5 if scale is None else scale
+    if cu_seqlens is not None:
+        c = [int(x) for x in cu_seqlens]
+        spans = [(0, c[i], c[i + 1]) for i in range(len(c) - 1)]
+    else:
+        spans = [(i, 0, t) for i in range(b)]
+    outs = [[None] * t for _ in range(b)]
+    finals = []
+    for n, (row, s, e) in enumerate(spans):
+        S = (initial_state[n].double() if initial_state is not None
+             else torch.zeros(hv, dk, dv, dtype=torch.float64, device=q.device))
+        for i in range(s, e):
+            S = S * torch.exp(gd[row, i])[:, None, None]
+            kv = torch.einsum("hk,hkv->hv", kd_[row, i], S)
+            u = bd[row, i][:, None] * (vd_[row, i] - kv)
+            S = S + kd_[row, i][:, :, None] * u[:, None, :]
+            outs[row][i] = scale * torch.einsum("hk,hkv->hv", qd[row, i], S)
+        finals.append(S)
+    zero = torch.zeros(hv, dv, dtype=torch.float64, device=q.device)
+    o = torch.stack([torch.stack([x if x is not None else zero for x in rw]) if t else
+                     torch.zeros(0, hv, dv, dtype=torch.float64) for rw in outs])
+    return o, torch.stack(finals)
+
+
+#: ``(args, kwargs)`` of the kernels at Qwen3-Next-80B-A3B's GDN layer (16 q/k heads, 32 v heads, K = V = 128):
+#: prefill of 4096 tokens in chunks of 64 (one sequence; the backward too) and decode of 64 rows from a
+#: 256-slot state pool. Compiled by the aot tests; not ``STANDARD_CASES`` (no tuning tables yet).
+STANDARD_SHAPES = [
+    (gdn_chunk_fwd, ("2:i32", "16x4096x128:bf16", "16x4096x128:bf16", "32x4096x128:bf16", "32x4096x1:f32",
+                     "32x4096x1:f32", "1x32x128x128:f32"), {"scale": 128 ** -0.5, "save_states": False, "chunk": 64}),
+    (gdn_chunk_bwd, ("2:i32", "16x4096x128:bf16", "16x4096x128:bf16", "32x4096x128:bf16", "32x4096x1:f32",
+                     "32x4096x1:f32", "1x32x128x128:f32", "32x64x128x128:f32", "32x4096x128:bf16",
+                     "1x32x128x128:f32"), {"scale": 128 ** -0.5, "chunk": 64}),
+    (gdn_recurrent_fwd, ("64:i32", "64x16x1x128:bf16", "64x16x1x128:bf16", "64x32x1x128:bf16", "64x32x1x1:f32",
+                         "64x32x1x1:f32", "256x32x128x128:f32"), {"scale": 128 ** -0.5}),
+]
