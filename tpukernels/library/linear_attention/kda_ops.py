@@ -67,7 +67,6 @@ tables are shipped yet.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import jax
@@ -78,16 +77,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ... import dsl as tk
-from ...errors import ArgumentError, DeviceError, DTypeError
+from ...errors import ArgumentError
+from .common import check_delta_rule_args, head_major, shape_of
 
 __all__ = [
     "chunk_kda", "fused_recurrent_kda", "kda_reference", "kda_gate_reference", "work_items", "kda_chunk_fwd",
-    "kda_recurrent_fwd", "kda_recurrent_bwd", "CHUNK_SIZES", "SUB_CHUNK", "MAX_HEAD_DIM", "VMEM_LIMIT_BYTES",
+    "kda_recurrent_fwd", "kda_recurrent_bwd", "SUB_CHUNK", "MAX_HEAD_DIM", "VMEM_LIMIT_BYTES",
 ]
 
 NAMESPACE = "tpukernels"
-#: ``chunk_size`` values (tokens per work item); fla's KDA takes 32 or 64.
-CHUNK_SIZES = (16, 32, 64, 128)
 #: rows of the diagonal blocks whose decays are formed directly (``[16, 16, K]``).
 SUB_CHUNK = 16
 #: largest K (fla: 256).
@@ -98,7 +96,6 @@ VMEM_LIMIT_BYTES = 32 * 1024 * 1024
 F32 = jnp.float32
 HI = jax.lax.Precision.HIGHEST
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
-_INT = (torch.int32, torch.int64)
 
 
 # ----------------------------------------------------------------------------------------- in-kernel algebra
@@ -514,71 +511,19 @@ kda_recurrent_fwd.def_backward(_fwd_backward, op="fused_recurrent_kda")
 
 
 # ----------------------------------------------------------------------------------------- public API
-def _is_t(x):
-    return isinstance(x, torch.Tensor)
-
-
-def _shape(x):
-    return list(x.shape) if _is_t(x) else type(x).__name__
-
-
 def _check_public(op, q, k, v, g, beta, scale, initial_state, cu_seqlens, use_gate_in_kernel, A_log, dt_bias,
                   chunk_size):
     """Every argument rule of the public ops (module docstring), before anything runs; returns N."""
-    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        if not _is_t(x):
-            raise ArgumentError(f"{op}: {name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.dtype not in _SUPPORTED:
-            raise DTypeError(f"{op}: {name} dtype {x.dtype} is not supported: use bfloat16, float16 or float32")
-        if x.device != q.device:
-            raise DeviceError(f"{op}: {name} is on {x.device} but q is on {q.device}")
-    if q.dim() != 4:
-        raise ArgumentError(f"{op}: q must be [B, T, H, K], got {_shape(q)}")
-    b, t, h, kd = q.shape
-    if tuple(k.shape) != tuple(q.shape):
-        raise ArgumentError(f"{op}: k must have q's shape [B, T, H, K] = {list(q.shape)}, got {_shape(k)}")
-    if not 1 <= kd <= MAX_HEAD_DIM:
-        raise ArgumentError(f"{op}: the key head dim K = {kd} must be in [1, {MAX_HEAD_DIM}] (fla's bound)")
-    if v.dim() != 4 or tuple(v.shape[:2]) != (b, t) or v.shape[2] % h or v.shape[2] == 0:
-        raise ArgumentError(f"{op}: v must be [B, T, HV, V] = [{b}, {t}, HV, V] with HV a multiple of the q/k "
-                            f"heads H = {h}, got {_shape(v)}")
-    hv, vd = v.shape[2], v.shape[3]
-    if g.dim() != 4 or tuple(g.shape) != (b, t, hv, kd):
-        raise ArgumentError(f"{op}: g (the per-channel log decay) must be [B, T, HV, K] = {[b, t, hv, kd]}, "
-                            f"got {_shape(g)}")
-    if tuple(beta.shape) != (b, t, hv):
-        raise ArgumentError(f"{op}: beta must be [B, T, HV] = {[b, t, hv]}, got {_shape(beta)}")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
-                              or not math.isfinite(scale)):
-        raise ArgumentError(f"{op}: scale must be a finite float or None, got {scale!r}")
-    if chunk_size not in CHUNK_SIZES or isinstance(chunk_size, bool):
-        raise ArgumentError(f"{op}: chunk_size must be a power of two in {list(CHUNK_SIZES)}, got {chunk_size!r}")
-    n = b
-    if cu_seqlens is not None:
-        if not _is_t(cu_seqlens) or cu_seqlens.dim() != 1 or cu_seqlens.dtype not in _INT or cu_seqlens.numel() < 2:
-            raise ArgumentError(f"{op}: cu_seqlens must be a 1-D int32/int64 tensor [N + 1] (N >= 1 sequences), got "
-                                f"{_shape(cu_seqlens)} {getattr(cu_seqlens, 'dtype', '')}")
-        if b != 1:
-            raise ArgumentError(f"{op}: with cu_seqlens the sequences are packed in one row: B must be 1, got {b}")
-        c = cu_seqlens.tolist()
-        if c[0] != 0 or c[-1] != t or any(y < x for x, y in zip(c, c[1:])):
-            raise ArgumentError(f"{op}: cu_seqlens must start at 0, never decrease and end at the token count "
-                                f"T = {t}, got {c[:8]}{' ...' if len(c) > 8 else ''}")
-        n = len(c) - 1
-    if initial_state is not None:
-        if not _is_t(initial_state) or tuple(initial_state.shape) != (n, hv, kd, vd):
-            what = "N sequences" if cu_seqlens is not None else "B"
-            raise ArgumentError(f"{op}: initial_state must be [{what}, HV, K, V] = {[n, hv, kd, vd]}, got "
-                                f"{_shape(initial_state)}")
-        if initial_state.dtype != torch.float32:
-            raise DTypeError(f"{op}: initial_state must be float32 (as fla's), got {initial_state.dtype}")
-        if initial_state.device != q.device:
-            raise DeviceError(f"{op}: initial_state is on {initial_state.device} but q is on {q.device}")
+    n = check_delta_rule_args(op, q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                              chunk_size=chunk_size, per_channel_gate=True, dtypes=_SUPPORTED)
+    kd, hv = q.shape[3], v.shape[2]
+    if kd > MAX_HEAD_DIM:
+        raise ArgumentError(f"{op}: the key head dim K = {kd} must be at most {MAX_HEAD_DIM} (fla's bound)")
     if use_gate_in_kernel:
-        if not _is_t(A_log) or A_log.numel() != hv:
-            raise ArgumentError(f"{op}: use_gate_in_kernel needs A_log with HV = {hv} elements, got {_shape(A_log)}")
-        if dt_bias is not None and (not _is_t(dt_bias) or dt_bias.numel() != hv * kd):
-            raise ArgumentError(f"{op}: dt_bias must have HV * K = {hv * kd} elements, got {_shape(dt_bias)}")
+        if not isinstance(A_log, torch.Tensor) or A_log.numel() != hv:
+            raise ArgumentError(f"{op}: use_gate_in_kernel needs A_log with HV = {hv} elements, got {shape_of(A_log)}")
+        if dt_bias is not None and (not isinstance(dt_bias, torch.Tensor) or dt_bias.numel() != hv * kd):
+            raise ArgumentError(f"{op}: dt_bias must have HV * K = {hv * kd} elements, got {shape_of(dt_bias)}")
     elif A_log is not None or dt_bias is not None:
         raise ArgumentError(f"{op}: A_log / dt_bias are used only with use_gate_in_kernel=True")
     return n
@@ -637,10 +582,7 @@ def _run(op, kernel, q, k, v, g, beta, scale, initial_state, output_final_state,
         return o, fin
     items = torch.from_numpy(work_items(cu, b * t, chunk_size)).to(q.device)
 
-    def head_major(x):  # [B, T, H, D] -> [H, B*T, D]
-        return _widen(x).reshape(b * t, *x.shape[2:]).transpose(0, 1).contiguous()
-
-    qh, kh, vh, gh = head_major(q), head_major(k), head_major(v), head_major(g)
+    qh, kh, vh, gh = (head_major(_widen(x)) for x in (q, k, v, g))
     bh = _widen(beta).reshape(b * t, hv).transpose(0, 1).unsqueeze(-1).contiguous()
     save = torch.is_grad_enabled() and any(x is not None and x.requires_grad
                                            for x in (qh, kh, vh, gh, bh, initial_state))
@@ -670,7 +612,7 @@ def chunk_kda(
         use_qk_l2norm_in_kernel: l2-normalize q and k over K first (fla's ``x / sqrt(sum x^2 + 1e-6)``).
         use_gate_in_kernel, A_log ``[HV]``, dt_bias ``[HV * K]``: g becomes ``-exp(A_log) * softplus(g + dt_bias)``.
         use_beta_sigmoid_in_kernel, allow_neg_eigval: beta becomes ``sigmoid(beta)`` (times 2).
-        chunk_size: tokens per chunk, a power of two in :data:`CHUNK_SIZES` (default 64).
+        chunk_size: tokens per chunk, a power of two in ``common.CHUNK_SIZES`` (16..128, default 64).
 
     Returns:
         ``(o [B, T, HV, V] in v's dtype, final_state float32 [N, HV, K, V] or None)``. Differentiable in q, k, v,
