@@ -292,19 +292,25 @@ def test_work_items_cover_every_token_once():
 @pytest.mark.aot
 @pytest.mark.parametrize("chip", ["v5e", "v6e", "tpu7x"])
 def test_compile_only(chip, tmp_cache):
-    """The three kernels at a Kimi-Linear layer's head shape (K = V = 128, bf16, chunk 64), 4 heads of 2048 tokens
-    packed as two sequences, compile for the chip."""
+    """Both forward kernels at Kimi-Linear's layer shapes (``STANDARD_SHAPES``) and the backward (4 heads, two packed
+    sequences, K = V = 128, chunk 64) compile for the chip within the VMEM limit."""
     from tpukernels.targets.compile_only import compile_for
 
+    cases = [(kern, args, kw) for kern in (K.kda_chunk_fwd, K.kda_recurrent_fwd) for args, kw in K.STANDARD_SHAPES]
     t, hv, d = 2048, 4, 128
-    items = K.work_items([0, 1000, t], t, 64)
-    n = items.shape[1]
+    n = K.work_items([0, 1000, t], t, 64).shape[1]
     x = f"{hv}x{t}x{d}:bf16"
-    base = (f"6x{n}:i32", x, x, x, x, f"{hv}x{t}x1:bf16")
-    for kern, args in ((K.kda_chunk_fwd, base + (f"2x{hv}x{d}x{d}:f32", 2, d ** -0.5, 64, True)),
-                       (K.kda_recurrent_fwd, base + (None, 2, d ** -0.5, 64, False)),
-                       (K.kda_recurrent_bwd, base + (f"{n}x{hv}x{d}x{d}:f32", x, f"2x{hv}x{d}x{d}:f32", 2, d ** -0.5,
-                                                     64))):
-        r = compile_for(kern, chip, *args, with_mlir=False)
+    cases.append((K.kda_recurrent_bwd, (f"6x{n}:i32", x, x, x, x, f"{hv}x{t}x1:bf16", f"{n}x{hv}x{d}x{d}:f32", x,
+                                        f"2x{hv}x{d}x{d}:f32"), {"n_seq": 2, "scale": d ** -0.5, "chunk": 64}))
+    for kern, args, kw in cases:
+        r = compile_for(kern, chip, *args, with_mlir=False, **kw)
         assert r.ok, r.summary()
         assert r.vmem_estimate_bytes <= K.VMEM_LIMIT_BYTES, r.summary()
+
+
+def test_kernel_op_passes_opcheck():
+    items = torch.from_numpy(K.work_items([0, 3, 8], 8, C))
+    q, k, v, g, beta = (x[0].transpose(0, 1).contiguous() for x in inputs(8))
+    args = (items, q, k, v, g, beta[..., None], state(2), 2, 0.25, C, True)
+    torch.library.opcheck(torch.ops.tpukernels.kda_recurrent_fwd.default, args,
+                          test_utils=("test_schema", "test_faketensor"))

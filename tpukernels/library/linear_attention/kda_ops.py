@@ -82,7 +82,7 @@ from .common import check_delta_rule_args, head_major, shape_of
 
 __all__ = [
     "chunk_kda", "fused_recurrent_kda", "kda_reference", "kda_gate_reference", "work_items", "kda_chunk_fwd",
-    "kda_recurrent_fwd", "kda_recurrent_bwd", "SUB_CHUNK", "MAX_HEAD_DIM", "VMEM_LIMIT_BYTES",
+    "kda_recurrent_fwd", "kda_recurrent_bwd", "SUB_CHUNK", "MAX_HEAD_DIM", "VMEM_LIMIT_BYTES", "STANDARD_SHAPES",
 ]
 
 NAMESPACE = "tpukernels"
@@ -485,6 +485,9 @@ def kda_recurrent_bwd(
 def _fwd_backward(ctx, do, dht, _dhs):
     """Gradients of both forward kernels: the reverse token recurrence from the saved item states."""
     items, n_seq = ctx.items, ctx.n_seq
+    if not ctx.save_states:
+        raise ArgumentError("tpukernels::kda_chunk_fwd / kda_recurrent_fwd: gradients need save_states=True (the "
+                            "backward restarts from the item states; chunk_kda / fused_recurrent_kda set it)")
     hs = ctx.outputs[2]
     if do is None:
         do = torch.zeros_like(ctx.outputs[0])
@@ -670,3 +673,14 @@ def kda_reference(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=N
             o[i] = torch.einsum("hk,hkv->hv", qd[i], s)
         finals.append(s)
     return o.reshape(b, t, hv, vd), torch.stack(finals)
+
+
+#: ``(args, kwargs)`` of the forward kernels at Kimi-Linear-48B-A3B's KDA layer (32 heads, K = V = 128, bf16, chunk
+#: 64): prefill of 4096 tokens as one sequence and as two packed ones (1000 + 3096) with initial states. Compiled by
+#: the aot tests; no tuning tables are shipped for these kernels.
+STANDARD_SHAPES = [
+    ((f"6x{work_items(cu, 4096, 64).shape[1]}:i32", "32x4096x128:bf16", "32x4096x128:bf16", "32x4096x128:bf16",
+      "32x4096x128:bf16", "32x4096x1:bf16", state), {"n_seq": len(cu) - 1, "scale": 128 ** -0.5, "chunk": 64,
+                                                    "save_states": False})
+    for cu, state in (([0, 4096], None), ([0, 1000, 4096], "2x32x128x128:f32"))
+]
