@@ -12,7 +12,7 @@ import pathlib
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tpukernels.errors import ArgumentError, DeviceError, DTypeError
@@ -103,12 +103,13 @@ def test_matches_transformers_kimi_linear_fallbacks():
 
 
 # ----------------------------------------------------------------------------------------- forward
-@settings(max_examples=8)
+@settings(max_examples=6)
 @given(
     t=st.sampled_from([1, C - 1, C, C + 1, 3 * C + 5]), fn=st.sampled_from(sorted(FNS)),
     dtype=st.sampled_from([F32, BF16]), gate=st.sampled_from([1e-4, 1.0, 30.0, 1e3]),
     b=st.integers(1, 2), gva=st.booleans(), has_h0=st.booleans(),
 )
+@example(t=3 * C + 5, fn="chunk", dtype=F32, gate=1e3, b=2, gva=True, has_h0=True)  # decays that underflow
 def test_forward_matches_float64(t, fn, dtype, gate, b, gva, has_h0):
     fn = FNS[fn]
     q, k, v, g, beta = inputs(t, b=b, h=1 if gva else 2, hv=2, dtype=dtype, gate=gate)
@@ -123,7 +124,7 @@ def test_forward_matches_float64(t, fn, dtype, gate, b, gva, has_h0):
         assert torch.equal(h0, h0_copy)  # never modified
 
 
-@settings(max_examples=6)
+@settings(max_examples=5)
 @given(lens=st.lists(st.sampled_from([0, 1, C - 1, C, C + 1, 2 * C + 3]), min_size=1, max_size=4),
        fn=st.sampled_from(sorted(FNS)), has_h0=st.booleans())
 def test_packed_sequences_match_float64(lens, fn, has_h0):
@@ -163,7 +164,7 @@ def test_packed_sequences_never_read_each_other(fn, interpret):
 @pytest.mark.parametrize("fn", sorted(FNS))
 def test_two_halves_with_carried_state_equal_the_whole(fn):
     fn = FNS[fn]
-    q, k, v, g, beta = inputs(3 * C + 2, b=2, gate=1.0)
+    q, k, v, g, beta = inputs(3 * C + 2, gate=1.0)
     whole, whole_f = fn(q, k, v, g, beta, output_final_state=True, chunk_size=C)
     cut = C + 5
     a, fa = fn(*(x[:, :cut] for x in (q, k, v, g, beta)), output_final_state=True, chunk_size=C)

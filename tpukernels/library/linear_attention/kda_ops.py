@@ -533,7 +533,8 @@ def _check_public(op, q, k, v, g, beta, scale, initial_state, cu_seqlens, use_ga
 
 
 def kda_gate_reference(g, A_log, dt_bias=None):
-    """fla's KDA gate ``-exp(A_log) * softplus(g + dt_bias)`` in float32, ``g [..., HV, K]`` (fla ``naive_kda_gate``)."""
+    """fla's KDA gate ``-exp(A_log) * softplus(g + dt_bias)`` in float32, ``g [..., HV, K]`` (fla
+    ``naive_kda_gate``)."""
     hv, kd = g.shape[-2:]
     x = g.float()
     if dt_bias is not None:
