@@ -225,6 +225,36 @@ def test_backward_matches_float64_autograd(fn, dtype):
         assert (err <= tol).all(), (name, float(err.max()), float(exp.abs().max()))
 
 
+def test_backward_of_one_sequence_never_reads_another():
+    """A NaN in one packed sequence leaves the other sequences' gradients finite and equal to their gradients
+    without it (the backward kernel in NaN-poisoned interpret mode)."""
+    import tpukernels.dsl as tk
+
+    cu = torch.tensor([0, C + 3, C + 8, 2 * C + 7])
+    clean = inputs(int(cu[-1]), gate=2.0)
+    dirty = [x.clone() for x in clean]
+    for x in dirty[:4]:
+        x[0, C + 5] = float("nan")  # in sequence 1
+    h0 = state(3)
+    others = torch.ones(int(cu[-1]), dtype=torch.bool)
+    others[C + 3:C + 8] = False
+    gen = torch.Generator().manual_seed(3)
+    do, df = torch.randn(1, int(cu[-1]), 2, 8, generator=gen), torch.randn(3, 2, 16, 8, generator=gen)
+    grads = []
+    with tk.interpret_mode("tpu"):
+        for xs in (clean, dirty):
+            leaves = [x.clone().requires_grad_() for x in (*xs, h0)]
+            o, f = K.chunk_kda(*leaves[:5], initial_state=leaves[5], output_final_state=True, cu_seqlens=cu,
+                               chunk_size=C)
+            # the loss reads the other sequences only (torch.where: no NaN * 0 in the loss itself)
+            loss = torch.where(others[None, :, None, None], o * do, 0.0).sum() + (f * df)[[0, 2]].sum()
+            grads.append(torch.autograd.grad(loss, leaves))
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), *grads):
+        assert torch.equal(a[0, others], b[0, others]), name
+        assert b[0, C + 3:C + 8].isnan().any(), name  # the poisoned sequence's own gradients do see it
+    assert torch.equal(grads[0][5][[0, 2]], grads[1][5][[0, 2]])
+
+
 # ----------------------------------------------------------------------------------------- bad input
 def test_bad_input_is_typed_names_the_argument_and_leaves_the_state_unchanged():
     q, k, v, g, beta = inputs(10, b=2, h=2, hv=2)

@@ -42,7 +42,9 @@ item loads its ``initial_state`` block (zeros without), every item writes the ru
   ``S <- exp(G_last) * S + (k * exp(G_last - G))^T delta``. Numerics: no ``exp`` of a positive number is formed
   (for g <= 0): the chunk is cut into sub-chunks of 16 rows; the part of ``A`` left of a row sub-chunk J factors
   through the cumulative decay at J's start (both factors <= 1), the 16 x 16 diagonal blocks use the direct
-  ``[16, 16, K]`` decays.
+  ``[16, 16, K]`` decays. The decays are differences of chunk-cumulative gates, exact to one float32 ulp of the
+  cumulative gate (as fla's): with gates of -1000 per token the outputs carry ~1e-4 relative errors the token
+  recurrence does not have.
 * ``kda_recurrent_fwd`` (decode): the token recurrence above, one token per step (``fori_loop`` over the item's
   rows), for one or a few tokens per sequence.
 * ``kda_recurrent_bwd`` (the backward of both): items in reverse order; each item re-runs its tokens from the
@@ -579,7 +581,7 @@ def _run(op, kernel, q, k, v, g, beta, scale, initial_state, output_final_state,
     if use_beta_sigmoid_in_kernel:
         beta = torch.sigmoid(beta.float()) * (2.0 if allow_neg_eigval else 1.0)
     cu = list(range(0, b * t + 1, t)) if cu_seqlens is None else [int(x) for x in cu_seqlens.tolist()]
-    if t == 0:  # nothing to run: the final states are the initial ones
+    if b * t == 0:  # nothing to run: the final states are the initial ones
         o = v.new_zeros(v.shape)
         fin = (initial_state.clone() if initial_state is not None
                else q.new_zeros((n, hv, kd, v.shape[3]), dtype=torch.float32)) if output_final_state else None
