@@ -142,6 +142,41 @@ def _decay_products(G, k, q, sub):
     return jnp.concatenate(rows_kk, axis=0), jnp.concatenate(rows_qk, axis=0)
 
 
+def _decay_transposes(G, da, x, sub, want_x=True, want_y=True):
+    """The transposes of :func:`_decay_products` (its backward): ``(X, Y)`` ``(C, K)`` with
+    ``X_j = sum_{i <= j} da[j, i] x_i exp(G_j - G_i)`` and ``Y_i = sum_{j >= i} da[j, i] x_j exp(G_j - G_i)`` (``da``
+    zero above the diagonal), by the same sub-chunk factoring (no exp of a positive exponent for non-increasing G)."""
+    c, kd = x.shape
+    col = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0)
+    row = jax.lax.broadcasted_iota(jnp.int32, (sub, 1), 0)
+    xs, ys = [], []
+    for b in range(c // sub):
+        s0, s1 = b * sub, (b + 1) * sub
+        gb, xb = G[s0:s1], x[s0:s1]
+        place = (jax.lax.broadcasted_iota(jnp.int32, (sub, c), 1)
+                 == jax.lax.broadcasted_iota(jnp.int32, (sub, c), 0) + s0).astype(F32)
+        da_rows = da[s0:s1]                         # da[s0 + j', :]
+        da_cols = _mm(place, da, trans_b=True)      # da[:, s0 + i'] as rows
+        d_bb = _mm(da_rows, place, trans_b=True)    # da[s0 + j', s0 + i']
+        dt_bb = _mm(da_cols, place, trans_b=True)   # da[s0 + j', s0 + i'] at [i', j']
+        xo = jnp.zeros((sub, kd), F32)
+        yo = jnp.zeros((sub, kd), F32)
+        for t in range(sub):  # the diagonal block, one column / row at a time (direct decays)
+            if want_x:
+                xo = xo + d_bb[:, t:t + 1] * xb[t:t + 1] * jnp.exp(jnp.where(row >= t, gb - gb[t:t + 1], -jnp.inf))
+            if want_y:
+                yo = yo + dt_bb[:, t:t + 1] * xb[t:t + 1] * jnp.exp(jnp.where(row <= t, gb[t:t + 1] - gb, -jnp.inf))
+        if b and want_x:  # columns left of the block, through the cumulative decay just before it
+            r = G[s0 - 1:s0]
+            xo = xo + jnp.exp(gb - r) * _mm(da_rows, x * jnp.exp(jnp.where(col < s0, r - G, -jnp.inf)))
+        if s1 < c and want_y:  # rows below the block, through the cumulative decay at its end
+            r = G[s1 - 1:s1]
+            yo = yo + jnp.exp(r - gb) * _mm(da_cols, x * jnp.exp(jnp.where(col >= s1, G - r, -jnp.inf)))
+        xs.append(xo)
+        ys.append(yo)
+    return jnp.concatenate(xs, axis=0), jnp.concatenate(ys, axis=0)
+
+
 def _rows(lo, hi, c):
     """(c, 1) bool: rows lo <= r < hi of a block."""
     r = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0)
@@ -452,7 +487,13 @@ def kda_recurrent_bwd(
         float32 ``(dq [HV, T, K], dk [HV, T, K], dv [HV, T, V], dg [HV, T, K], dbeta [HV, T, 1],
         dh0 [N, HV, K, V])`` (dq / dk per value head: the caller sums each group of HV / H heads).
     """
-    op = "tpukernels::kda_recurrent_bwd"
+    return _launch_bwd("tpukernels::kda_recurrent_bwd", items, q, k, v, g, beta, hs, do, dht, n_seq, scale, chunk,
+                       lambda bt, kd, vd: [pltpu.VMEM((bt, kd, vd), np.float32),
+                                           pltpu.VMEM((bt, 3 * kd + 2 * vd + 1), np.float32),
+                                           pltpu.VMEM((bt, 3 * kd + vd + 1), np.float32)], {})
+
+
+def _launch_bwd(op, items, q, k, v, g, beta, hs, do, dht, n_seq, scale, chunk, scratch, extra_kw):
     _check_kernel_args(op, items, q, k, v, g, beta, None, n_seq)
     hv, t, vd = v.shape
     kd = q.shape[2]
@@ -472,20 +513,96 @@ def kda_recurrent_bwd(
         out_specs=[kspec, kspec, vspec, kspec, pl.BlockSpec((None, bt, 1), vmap),
                    pl.BlockSpec((None, None, kd, vd), smap)],
         out_shape=_bwd_out(items, q, k, v, g, beta, hs, do, dht, n_seq, scale, chunk),
-        scratch_shapes=[pltpu.VMEM((kd, vd), np.float32), pltpu.VMEM((bt, kd, vd), np.float32),
-                        pltpu.VMEM((bt, 3 * kd + 2 * vd + 1), np.float32),
-                        pltpu.VMEM((bt, 3 * kd + vd + 1), np.float32)],
+        scratch_shapes=[pltpu.VMEM((kd, vd), np.float32), *scratch(bt, kd, vd)],
         num_scalar_prefetch=1,
         dimension_semantics=("parallel", "arbitrary"),
         vmem_limit_bytes=VMEM_LIMIT_BYTES,
         cost_estimate=pl.CostEstimate(flops=int(2 * hv * t * kd * vd * 14), transcendentals=int(2 * hv * t * kd),
                                       bytes_accessed=int(4 * hv * t * 2 * (3 * kd + 2 * vd + 1))),
-        body_kwargs={"scale": float(scale), "has_dht": dht is not None},
+        body_kwargs={"scale": float(scale), "has_dht": dht is not None, **extra_kw},
     )
 
 
-def _fwd_backward(ctx, do, dht, _dhs):
-    """Gradients of both forward kernels: the reverse token recurrence from the saved item states."""
+def _chunk_bwd_body(items_ref, q_ref, k_ref, v_ref, g_ref, b_ref, hs_ref, do_ref, *rest, scale: float,
+                    has_dht: bool, sub: int):
+    it = iter(rest)
+    dht_ref = next(it) if has_dht else None
+    dq_ref, dk_ref, dv_ref, dg_ref, db_ref, dh0_ref = (next(it) for _ in range(6))
+    ds_ref = next(it)
+    i = pl.program_id(1)
+    lo, hi, last = items_ref[2, i], items_ref[3, i], items_ref[5, i]
+    c = q_ref.shape[0]
+    valid = _rows(lo, hi, c)
+    tk.scan.reset_carry(ds_ref, when=last == 1, value=dht_ref[...] if has_dht else None)
+    z = lambda ref: jnp.where(valid, ref[...].astype(F32), 0.0)  # noqa: E731
+    q, k, v, g, beta, do = z(q_ref), z(k_ref), z(v_ref), z(g_ref), z(b_ref), z(do_ref)
+    if c % sub or c < sub:
+        sub = c
+    # the forward of the chunk, again (module docstring)
+    G = tk.scan.segment_cumsum(g)
+    akk, aqk = _decay_products(G, k, q, sub)
+    tinv = tk.scan.unit_lower_inverse(beta * akk)
+    eg = jnp.exp(G)
+    bv, bk = beta * v, beta * k * eg
+    w = _mm(tinv, bk)
+    s0 = hs_ref[...]
+    delta = _mm(tinv, bv) - _mm(w, s0)
+    qe = q * eg
+    glast = G[c - 1:c]
+    el = jnp.exp(glast - G)
+    kl = k * el
+    ds1 = ds_ref[...]
+    # o = scale (qe S0 + A_qk delta);  S1 = exp(G_last) S0 + kl^T delta
+    dd = scale * _mm(aqk, do, trans_a=True) + _mm(kl, ds1)
+    daqk = jnp.where(tk.scan.lower_mask(c), scale * _mm(do, delta, trans_b=True), 0.0)
+    dqe = scale * _mm(do, s0, trans_b=True)
+    dkl = _mm(delta, ds1, trans_b=True)
+    ds0 = scale * _mm(qe, do, trans_a=True) + _col(jnp.exp(glast)) * ds1 - _mm(w, dd, trans_a=True)
+    dq = dqe * eg
+    dk = dkl * el
+    dG = dqe * qe - dkl * kl
+    dglast = (jnp.sum(dkl * kl, axis=0, keepdims=True)
+              + _mm(jnp.ones((1, ds1.shape[1]), F32), ds1 * s0, trans_b=True) * jnp.exp(glast))
+    # delta = T bv - T bk S0
+    dw = -_mm(dd, s0, trans_b=True)
+    dT = _mm(dd, bv, trans_b=True) + _mm(dw, bk, trans_b=True)
+    dbv = _mm(tinv, dd, trans_a=True)
+    dbk = _mm(tinv, dw, trans_a=True)
+    dv = beta * dbv
+    dbeta = jnp.sum(v * dbv, axis=1, keepdims=True) + jnp.sum(k * eg * dbk, axis=1, keepdims=True)
+    dk = dk + beta * eg * dbk
+    dG = dG + bk * dbk
+    # T = (I + diag(beta) A_kk)^-1
+    dl = jnp.where(tk.scan.lower_mask(c, strict=True), -_mm(_mm(tinv, dT, trans_a=True), tinv, trans_b=True), 0.0)
+    dbeta = dbeta + jnp.sum(dl * akk, axis=1, keepdims=True)
+    xk, yk = _decay_transposes(G, beta * dl, k, sub)   # A_kk[j, i] = sum k_j k_i exp(G_j - G_i)
+    xq, _ = _decay_transposes(G, daqk, k, sub, want_y=False)  # A_qk[j, i] = sum q_j k_i exp(G_j - G_i): X for dq,
+    _, yqq = _decay_transposes(G, daqk, q, sub, want_x=False)  # Y (of q) for dk
+    dk = dk + xk + yk + yqq
+    dq = dq + xq
+    dG = dG + k * xk - k * yk + q * xq - k * yqq
+    last_row = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0) == c - 1
+    dG = dG + jnp.where(last_row, dglast, 0.0)
+    dg = tk.scan.segment_cumsum(dG, reverse=True)
+    for ref, val in ((dq_ref, dq), (dk_ref, dk), (dv_ref, dv), (dg_ref, dg), (db_ref, dbeta)):
+        ref[...] = jnp.where(valid, val, ref[...])
+    ds_ref[...] = ds0
+    dh0_ref[...] = ds0
+
+
+@tk.tpu_kernel(_chunk_bwd_body, name="kda_chunk_bwd", namespace=NAMESPACE, out_shape=_bwd_out)
+def kda_chunk_bwd(
+    items: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    hs: torch.Tensor, do: torch.Tensor, dht: Optional[torch.Tensor], n_seq: int, scale: float, chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """KDA backward chunk by chunk (internal op ``tpukernels::kda_chunk_bwd``): the transpose of the chunked form,
+    items in reverse order, dS carried back. Arguments and results as :func:`kda_recurrent_bwd`."""
+    return _launch_bwd("tpukernels::kda_chunk_bwd", items, q, k, v, g, beta, hs, do, dht, n_seq, scale, chunk,
+                       lambda bt, kd, vd: [], {"sub": SUB_CHUNK})
+
+
+def _gradients(bwd, ctx, do, dht):
+    """Gradients of a forward kernel by the backward kernel ``bwd`` (items reversed, from the saved item states)."""
     items, n_seq = ctx.items, ctx.n_seq
     if not ctx.save_states:
         raise ArgumentError("tpukernels::kda_chunk_fwd / kda_recurrent_fwd: gradients need save_states=True (the "
@@ -495,9 +612,9 @@ def _fwd_backward(ctx, do, dht, _dhs):
         do = torch.zeros_like(ctx.outputs[0])
     rev = torch.flip(items, dims=(1,)).contiguous()
     hsr = torch.flip(hs, dims=(0,)).contiguous()
-    dq, dk, dv, dg, db, dh0 = kda_recurrent_bwd(rev, ctx.q, ctx.k, ctx.v, ctx.g, ctx.beta, hsr,
-                                                do.contiguous(), None if dht is None else dht.float().contiguous(),
-                                                n_seq, ctx.scale, ctx.chunk)
+    dq, dk, dv, dg, db, dh0 = bwd(rev, ctx.q, ctx.k, ctx.v, ctx.g, ctx.beta, hsr,
+                                  do.contiguous(), None if dht is None else dht.float().contiguous(), n_seq, ctx.scale,
+                                  ctx.chunk)
     hq, hv = ctx.q.shape[0], ctx.v.shape[0]
     grp = hv // hq
     out = {}
@@ -511,8 +628,14 @@ def _fwd_backward(ctx, do, dht, _dhs):
     return out
 
 
-kda_chunk_fwd.def_backward(_fwd_backward, op="chunk_kda")
-kda_recurrent_fwd.def_backward(_fwd_backward, op="fused_recurrent_kda")
+@kda_chunk_fwd.def_backward(op="chunk_kda")
+def _chunk_fwd_backward(ctx, do, dht, _dhs):
+    return _gradients(kda_chunk_bwd, ctx, do, dht)
+
+
+@kda_recurrent_fwd.def_backward(op="fused_recurrent_kda")
+def _recurrent_fwd_backward(ctx, do, dht, _dhs):
+    return _gradients(kda_recurrent_bwd, ctx, do, dht)
 
 
 # ----------------------------------------------------------------------------------------- public API
