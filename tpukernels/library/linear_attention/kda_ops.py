@@ -9,6 +9,7 @@ Public API (torch tensors)::
               use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, chunk_size=64) -> (o, final_state or None)
     fused_recurrent_kda(q, k, v, g, beta, *, ...same...) -> (o, final_state or None)        decode (few tokens)
     kda_reference(...)                                                          float64 naive recurrence
+    torch.ops.tpukernels.kda_{chunk,recurrent}_{fwd,bwd}                       the kernels (internal layouts)
 
 Formula (fla ``naive_recurrent_kda``), per sequence and value head, state ``S [K, V]`` (float32), tokens t::
 
@@ -35,9 +36,9 @@ sequential, the state ``[K, V]`` float32 carried in VMEM scratch across the item
 item loads its ``initial_state`` block (zeros without), every item writes the running state to the sequence's
 ``final_state`` block (the last write wins). A zero-length sequence has one empty item (final = initial).
 
-* ``kda_chunk_fwd`` (prefill): per item the chunked UT form (fla ``naive_chunk_kda``): G = chunk cumsum of g (a
-  lower-triangular matmul), ``A_kk[j, i] = sum_c k_jc k_ic exp(G_jc - G_ic)`` (i < j) and ``A_qk`` (i <= j),
-  ``T = (I + diag(beta) A_kk)^-1`` (``dsl.scan.unit_lower_inverse``), G by ``dsl.scan.segment_cumsum``,
+* ``kda_chunk_fwd`` (prefill): per item the chunked UT form (fla ``naive_chunk_kda``): G = chunk cumsum of g
+  (``dsl.scan.segment_cumsum``), ``A_kk[j, i] = sum_c k_jc k_ic exp(G_jc - G_ic)`` (i < j) and ``A_qk`` (i <= j),
+  ``T = (I + diag(beta) A_kk)^-1`` (``dsl.scan.unit_lower_inverse``),
   ``u = T beta v``, ``w = T beta (k * exp(G))``, ``delta = u - w S``, ``o = scale ((q * exp(G)) S + A_qk delta)``,
   ``S <- exp(G_last) * S + (k * exp(G_last - G))^T delta``. Numerics: no ``exp`` of a positive number is formed
   (for g <= 0): the chunk is cut into sub-chunks of 16 rows; the part of ``A`` left of a row sub-chunk J factors
@@ -47,14 +48,18 @@ item loads its ``initial_state`` block (zeros without), every item writes the ru
   recurrence does not have.
 * ``kda_recurrent_fwd`` (decode): the token recurrence above, one token per step (``fori_loop`` over the item's
   rows), for one or a few tokens per sequence.
-* ``kda_recurrent_bwd`` (the backward of both): items in reverse order; each item re-runs its tokens from the
-  state saved at its start (the forward's ``item_states``) into a ``[chunk, K, V]`` scratch, then walks back::
+* ``kda_chunk_bwd`` (the backward of ``chunk_kda``): items in reverse order; each re-runs its chunk's forward from
+  the state saved at its start (the forward's ``item_states``) and applies the transpose of every step (``dT ->
+  dL = -T^T dT T^T``; the decay products' transposes by the same sub-chunk factoring, :func:`_decay_transposes`;
+  ``dg`` the reverse cumulative sum of ``dG``), carrying ``dS`` back across items: seeded by the final state's
+  gradient, its value at a sequence's start is ``d initial_state``.
+* ``kda_recurrent_bwd`` (the backward of ``fused_recurrent_kda``): the same walk token by token; each item re-runs
+  its tokens into a ``[chunk, K, V]`` scratch of states, then::
 
       dS += scale q do^T;  dq = scale S do;  dd = dS^T k;  dk = dS delta + S_hat dr;  dbeta = dd . (v - k^T S_hat)
       dv = beta dd;  dr = -beta dd;  dS_hat = dS + k dr^T;  dg = rowsum(dS_hat * S_hat);  dS <- exp(g) * dS_hat
 
-  (S_hat = exp(g) * S_prev, the decayed state before the delta update); dS is carried across items, seeded by the
-  final state's gradient, and its value at a sequence's start is ``d initial_state``.
+  (S_hat = exp(g) * S_prev, the decayed state before the delta update).
 
 Gate and beta pre-processing (``use_gate_in_kernel``: ``g = -exp(A_log) * softplus(g + dt_bias)``;
 ``use_beta_sigmoid_in_kernel``: ``beta = sigmoid(beta)``, times 2 with ``allow_neg_eigval``) and
@@ -84,7 +89,8 @@ from .common import check_delta_rule_args, head_major, shape_of
 
 __all__ = [
     "chunk_kda", "fused_recurrent_kda", "kda_reference", "kda_gate_reference", "work_items", "kda_chunk_fwd",
-    "kda_recurrent_fwd", "kda_recurrent_bwd", "SUB_CHUNK", "MAX_HEAD_DIM", "VMEM_LIMIT_BYTES", "STANDARD_SHAPES",
+    "kda_recurrent_fwd", "kda_chunk_bwd", "kda_recurrent_bwd", "SUB_CHUNK", "MAX_HEAD_DIM", "VMEM_LIMIT_BYTES",
+    "STANDARD_SHAPES",
 ]
 
 NAMESPACE = "tpukernels"
@@ -159,13 +165,14 @@ def _decay_transposes(G, da, x, sub, want_x=True, want_y=True):
         da_cols = _mm(place, da, trans_b=True)      # da[:, s0 + i'] as rows
         d_bb = _mm(da_rows, place, trans_b=True)    # da[s0 + j', s0 + i']
         dt_bb = _mm(da_cols, place, trans_b=True)   # da[s0 + j', s0 + i'] at [i', j']
-        xo = jnp.zeros((sub, kd), F32)
-        yo = jnp.zeros((sub, kd), F32)
-        for t in range(sub):  # the diagonal block, one column / row at a time (direct decays)
-            if want_x:
-                xo = xo + d_bb[:, t:t + 1] * xb[t:t + 1] * jnp.exp(jnp.where(row >= t, gb - gb[t:t + 1], -jnp.inf))
-            if want_y:
-                yo = yo + dt_bb[:, t:t + 1] * xb[t:t + 1] * jnp.exp(jnp.where(row <= t, gb[t:t + 1] - gb, -jnp.inf))
+        jj = jax.lax.broadcasted_iota(jnp.int32, (sub, sub, kd), 0)
+        ii = jax.lax.broadcasted_iota(jnp.int32, (sub, sub, kd), 1)
+        diff = gb[:, None, :] - gb[None, :, :]  # [j, i, :] = G_j - G_i
+        xo = yo = jnp.zeros((sub, kd), F32)
+        if want_x:  # the diagonal block, direct decays [sub, sub, K]
+            xo = jnp.sum(d_bb[:, :, None] * xb[None, :, :] * jnp.exp(jnp.where(jj >= ii, diff, -jnp.inf)), axis=1)
+        if want_y:  # [i, j, :]: da[j, i] x_j exp(G_j - G_i), j >= i
+            yo = jnp.sum(dt_bb[:, :, None] * xb[None, :, :] * jnp.exp(jnp.where(ii >= jj, -diff, -jnp.inf)), axis=1)
         if b and want_x:  # columns left of the block, through the cumulative decay just before it
             r = G[s0 - 1:s0]
             xo = xo + jnp.exp(gb - r) * _mm(da_rows, x * jnp.exp(jnp.where(col < s0, r - G, -jnp.inf)))
