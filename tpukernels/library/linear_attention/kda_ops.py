@@ -215,36 +215,48 @@ def _block_t(t: int, chunk: int) -> int:
 
 
 # ----------------------------------------------------------------------------------------- chunk forward
+def _item(items_ref, refs):
+    """This grid step's work item: ``(lo, hi, first, last, valid, arrays)``, the float32 rows of ``refs`` with every
+    row outside ``[lo, hi)`` (another sequence's, or past the end) selected to 0."""
+    i = pl.program_id(1)
+    lo, hi, first, last = items_ref[2, i], items_ref[3, i], items_ref[4, i], items_ref[5, i]
+    valid = _rows(lo, hi, refs[0].shape[0])
+    return lo, hi, first, last, valid, [jnp.where(valid, r[...].astype(F32), 0.0) for r in refs]
+
+
+def _chunk_step(q, k, v, g, beta, s0, sub):
+    """The chunked form of one item from its starting state ``s0`` (module docstring): the intermediates, which the
+    backward needs too; ``o = scale * (qe s0 + aqk delta)``, ``S1 = exp(glast) * s0 + kl^T delta``."""
+    c = q.shape[0]
+    if c % sub or c < sub:
+        sub = c
+    G = tk.scan.segment_cumsum(g)  # chunk-local cumulative log decay (rows outside [lo, hi) add 0)
+    akk, aqk = _decay_products(G, k, q, sub)
+    tinv = tk.scan.unit_lower_inverse(beta * akk)  # (I + diag(beta) A_kk)^-1
+    eg = jnp.exp(G)
+    bv, bk = beta * v, beta * k * eg
+    w = _mm(tinv, bk)
+    glast = G[c - 1:c]
+    el = jnp.exp(glast - G)
+    return dict(sub=sub, G=G, akk=akk, aqk=aqk, tinv=tinv, eg=eg, bv=bv, bk=bk, w=w, delta=_mm(tinv, bv) - _mm(w, s0),
+                glast=glast, el=el, kl=k * el, qe=q * eg)
+
+
 def _chunk_fwd_body(items_ref, q_ref, k_ref, v_ref, g_ref, b_ref, *rest, scale: float, has_h0: bool,
                     save_states: bool, sub: int):
     it = iter(rest)
     h0_ref = next(it) if has_h0 else None
     o_ref, ht_ref, hs_ref = next(it), next(it), next(it)  # hs_ref: an unused ANY ref without save_states
     s_ref = next(it)
-    i = pl.program_id(1)
-    lo, hi, first = items_ref[2, i], items_ref[3, i], items_ref[4, i]
-    c = q_ref.shape[0]
-    valid = _rows(lo, hi, c)
-
+    _, _, first, _, valid, (q, k, v, g, beta) = _item(items_ref, (q_ref, k_ref, v_ref, g_ref, b_ref))
     tk.scan.reset_carry(s_ref, when=first == 1, value=h0_ref[...] if has_h0 else None)
-
-    z = lambda ref: jnp.where(valid, ref[...].astype(F32), 0.0)  # noqa: E731
-    q, k, v, g, beta = z(q_ref), z(k_ref), z(v_ref), z(g_ref), z(b_ref)
-    G = tk.scan.segment_cumsum(g)  # chunk-local cumulative log decay (rows before lo / after hi add 0)
-    if c % sub or c < sub:
-        sub = c
-    akk, aqk = _decay_products(G, k, q, sub)
-    tinv = tk.scan.unit_lower_inverse(beta * akk)  # (I + diag(beta) A_kk)^-1
-    u = _mm(tinv, beta * v)
-    w = _mm(tinv, beta * k * jnp.exp(G))
     s0 = s_ref[...]
     if save_states:
         hs_ref[...] = s0
-    delta = u - _mm(w, s0)
-    o = scale * (_mm(q * jnp.exp(G), s0) + _mm(aqk, delta))
+    f = _chunk_step(q, k, v, g, beta, s0, sub)
+    o = scale * (_mm(f["qe"], s0) + _mm(f["aqk"], f["delta"]))
     o_ref[...] = jnp.where(valid, o, o_ref[...].astype(F32)).astype(o_ref.dtype)
-    glast = G[c - 1:c]
-    s1 = _col(jnp.exp(glast)) * s0 + _mm(k * jnp.exp(glast - G), delta, trans_a=True)
+    s1 = _col(jnp.exp(f["glast"])) * s0 + _mm(f["kl"], f["delta"], trans_a=True)
     s_ref[...] = s1
     ht_ref[...] = s1
 
@@ -536,28 +548,13 @@ def _chunk_bwd_body(items_ref, q_ref, k_ref, v_ref, g_ref, b_ref, hs_ref, do_ref
     dht_ref = next(it) if has_dht else None
     dq_ref, dk_ref, dv_ref, dg_ref, db_ref, dh0_ref = (next(it) for _ in range(6))
     ds_ref = next(it)
-    i = pl.program_id(1)
-    lo, hi, last = items_ref[2, i], items_ref[3, i], items_ref[5, i]
-    c = q_ref.shape[0]
-    valid = _rows(lo, hi, c)
+    _, _, _, last, valid, (q, k, v, g, beta, do) = _item(items_ref, (q_ref, k_ref, v_ref, g_ref, b_ref, do_ref))
     tk.scan.reset_carry(ds_ref, when=last == 1, value=dht_ref[...] if has_dht else None)
-    z = lambda ref: jnp.where(valid, ref[...].astype(F32), 0.0)  # noqa: E731
-    q, k, v, g, beta, do = z(q_ref), z(k_ref), z(v_ref), z(g_ref), z(b_ref), z(do_ref)
-    if c % sub or c < sub:
-        sub = c
-    # the forward of the chunk, again (module docstring)
-    G = tk.scan.segment_cumsum(g)
-    akk, aqk = _decay_products(G, k, q, sub)
-    tinv = tk.scan.unit_lower_inverse(beta * akk)
-    eg = jnp.exp(G)
-    bv, bk = beta * v, beta * k * eg
-    w = _mm(tinv, bk)
     s0 = hs_ref[...]
-    delta = _mm(tinv, bv) - _mm(w, s0)
-    qe = q * eg
-    glast = G[c - 1:c]
-    el = jnp.exp(glast - G)
-    kl = k * el
+    f = _chunk_step(q, k, v, g, beta, s0, sub)  # the forward of the chunk, again
+    sub, G, akk, aqk, tinv, eg, bv, bk, w, delta, glast, el, kl, qe = (
+        f[n] for n in ("sub", "G", "akk", "aqk", "tinv", "eg", "bv", "bk", "w", "delta", "glast", "el", "kl", "qe"))
+    c = q.shape[0]
     ds1 = ds_ref[...]
     # o = scale (qe S0 + A_qk delta);  S1 = exp(G_last) S0 + kl^T delta
     dd = scale * _mm(aqk, do, trans_a=True) + _mm(kl, ds1)
