@@ -9,7 +9,7 @@ Public API (torch tensors)::
               use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, chunk_size=64) -> (o, final_state or None)
     fused_recurrent_kda(q, k, v, g, beta, *, ...same...) -> (o, final_state or None)        decode (few tokens)
     kda_reference(...)                                                          float64 naive recurrence
-    torch.ops.tpukernels.kda_{chunk,recurrent}_{fwd,bwd}                       the kernels (internal layouts)
+    torch.ops.tpukernels.kda_chunk_fwd / kda_recurrent_fwd / kda_chunk_bwd     the kernels (internal layouts)
 
 Formula (fla ``naive_recurrent_kda``), per sequence and value head, state ``S [K, V]`` (float32), tokens t::
 
@@ -48,18 +48,11 @@ item loads its ``initial_state`` block (zeros without), every item writes the ru
   recurrence does not have.
 * ``kda_recurrent_fwd`` (decode): the token recurrence above, one token per step (``fori_loop`` over the item's
   rows), for one or a few tokens per sequence.
-* ``kda_chunk_bwd`` (the backward of ``chunk_kda``): items in reverse order; each re-runs its chunk's forward from
-  the state saved at its start (the forward's ``item_states``) and applies the transpose of every step (``dT ->
-  dL = -T^T dT T^T``; the decay products' transposes by the same sub-chunk factoring, :func:`_decay_transposes`;
-  ``dg`` the reverse cumulative sum of ``dG``), carrying ``dS`` back across items: seeded by the final state's
-  gradient, its value at a sequence's start is ``d initial_state``.
-* ``kda_recurrent_bwd`` (the backward of ``fused_recurrent_kda``): the same walk token by token; each item re-runs
-  its tokens into a ``[chunk, K, V]`` scratch of states, then::
-
-      dS += scale q do^T;  dq = scale S do;  dd = dS^T k;  dk = dS delta + S_hat dr;  dbeta = dd . (v - k^T S_hat)
-      dv = beta dd;  dr = -beta dd;  dS_hat = dS + k dr^T;  dg = rowsum(dS_hat * S_hat);  dS <- exp(g) * dS_hat
-
-  (S_hat = exp(g) * S_prev, the decayed state before the delta update).
+* ``kda_chunk_bwd`` (the backward of both): items in reverse order; each re-runs its chunk's forward from the state
+  saved at its start (the forward's ``item_states``) and applies the transpose of every step (``dT -> dL = -T^T dT
+  T^T``; the decay products' transposes by the same sub-chunk factoring, :func:`_decay_transposes`; ``dg`` the
+  reverse cumulative sum of ``dG``), carrying ``dS`` back across items: seeded by the final state's gradient, its
+  value at a sequence's start is ``d initial_state``.
 
 Gate and beta pre-processing (``use_gate_in_kernel``: ``g = -exp(A_log) * softplus(g + dt_bias)``;
 ``use_beta_sigmoid_in_kernel``: ``beta = sigmoid(beta)``, times 2 with ``allow_neg_eigval``) and
@@ -89,7 +82,7 @@ from .common import check_delta_rule_args, head_major, shape_of
 
 __all__ = [
     "chunk_kda", "fused_recurrent_kda", "kda_reference", "kda_gate_reference", "work_items", "kda_chunk_fwd",
-    "kda_recurrent_fwd", "kda_chunk_bwd", "kda_recurrent_bwd", "SUB_CHUNK", "MAX_HEAD_DIM", "VMEM_LIMIT_BYTES",
+    "kda_recurrent_fwd", "kda_chunk_bwd", "SUB_CHUNK", "MAX_HEAD_DIM", "VMEM_LIMIT_BYTES",
     "STANDARD_SHAPES",
 ]
 
@@ -98,8 +91,8 @@ NAMESPACE = "tpukernels"
 SUB_CHUNK = 16
 #: largest K (fla: 256).
 MAX_HEAD_DIM = 256
-#: Mosaic scoped-VMEM limit of the three kernels (the backward's ``[chunk, K, V]`` state scratch: 4 MiB at 64 x 128 x
-#: 128; every chip has at least 64 MiB of VMEM).
+#: Mosaic scoped-VMEM limit of the three kernels (they use ~1 MiB at K = V = 128, chunk 64; every chip has at least
+#: 64 MiB of VMEM).
 VMEM_LIMIT_BYTES = 32 * 1024 * 1024
 F32 = jnp.float32
 HI = jax.lax.Precision.HIGHEST
@@ -413,133 +406,12 @@ def kda_recurrent_fwd(
 
 
 # ----------------------------------------------------------------------------------------- backward
-def _rec_bwd_body(items_ref, q_ref, k_ref, v_ref, g_ref, b_ref, hs_ref, do_ref, *rest, scale: float,
-                  has_dht: bool):
-    it = iter(rest)
-    dht_ref = next(it) if has_dht else None
-    dq_ref, dk_ref, dv_ref, dg_ref, db_ref, dh0_ref = (next(it) for _ in range(6))
-    ds_ref, sp_ref, x_ref, y_ref = next(it), next(it), next(it), next(it)
-    i = pl.program_id(1)
-    lo, hi, last = items_ref[2, i], items_ref[3, i], items_ref[5, i]
-    kd, vd = q_ref.shape[1], v_ref.shape[1]
-    c = q_ref.shape[0]
-
-    tk.scan.reset_carry(ds_ref, when=last == 1, value=dht_ref[...] if has_dht else None)
-
-    x_ref[:, 0:kd] = q_ref[...].astype(F32)
-    x_ref[:, kd:2 * kd] = k_ref[...].astype(F32)
-    x_ref[:, 2 * kd:3 * kd] = g_ref[...].astype(F32)
-    x_ref[:, 3 * kd:] = jnp.concatenate([v_ref[...].astype(F32), b_ref[...].astype(F32),
-                                         do_ref[...].astype(F32)], axis=1)
-
-    def unpack(t):
-        row = x_ref[pl.ds(t, 1), :]
-        o = 3 * kd
-        return (row[:, 0:kd], row[:, kd:2 * kd], row[:, 2 * kd:o], row[:, o:o + vd], row[:, o + vd:o + vd + 1],
-                row[:, o + vd + 1:o + 2 * vd + 1])
-
-    def decayed(t, s_prev):
-        qr, kr, gr, vr, br, dor = unpack(t)
-        a = _col(jnp.exp(gr))
-        sh = a * s_prev
-        vm = vr - _mm(kr, sh)
-        delta = br * vm
-        return qr, kr, vr, br, dor, a, sh, vm, delta
-
-    def fwd(t, s):  # the state before each token, from the item's starting state
-        sp_ref[t] = s
-        _, kr, _, _, _, _, sh, _, delta = decayed(t, s)
-        return sh + _mm(kr, delta, trans_a=True)
-
-    jax.lax.fori_loop(lo, hi, fwd, hs_ref[...])
-    ones_v = jnp.ones((1, vd), F32)
-
-    def back(j, carry):
-        t = hi - 1 - j
-        qr, kr, vr, br, dor, a, sh, vm, delta = decayed(t, sp_ref[t])
-        s = sh + _mm(kr, delta, trans_a=True)
-        ds = ds_ref[...] + scale * _mm(qr, dor, trans_a=True)
-        dd = _mm(kr, ds)
-        dr = -br * dd
-        dsh = ds + _mm(kr, dr, trans_a=True)
-        y_ref[pl.ds(t, 1), :] = jnp.concatenate([
-            scale * _mm(dor, s, trans_b=True),                         # dq
-            _mm(delta, ds, trans_b=True) + _mm(dr, sh, trans_b=True),  # dk
-            _mm(ones_v, dsh * sh, trans_b=True),                       # dg
-            br * dd,                                                   # dv
-            jnp.sum(dd * vm, axis=1, keepdims=True),                   # dbeta
-        ], axis=1)
-        ds_ref[...] = a * dsh
-        return carry
-
-    jax.lax.fori_loop(0, hi - lo, back, 0)
-    valid = _rows(lo, hi, c)
-    y = y_ref[...]
-    for ref, a0, a1 in ((dq_ref, 0, kd), (dk_ref, kd, 2 * kd), (dg_ref, 2 * kd, 3 * kd),
-                        (dv_ref, 3 * kd, 3 * kd + vd), (db_ref, 3 * kd + vd, 3 * kd + vd + 1)):
-        ref[...] = jnp.where(valid, y[:, a0:a1], ref[...])
-    dh0_ref[...] = ds_ref[...]
-
-
 def _bwd_out(items, q, k, v, g, beta, hs, do, dht, n_seq, scale, chunk):
     hv, t, vd = v.shape
     kd = q.shape[2]
     f = np.float32
     return (tk.OutSpec((hv, t, kd), f), tk.OutSpec((hv, t, kd), f), tk.OutSpec((hv, t, vd), f),
             tk.OutSpec((hv, t, kd), f), tk.OutSpec((hv, t, 1), f), tk.OutSpec((n_seq, hv, kd, vd), f))
-
-
-@tk.tpu_kernel(_rec_bwd_body, name="kda_recurrent_bwd", namespace=NAMESPACE, out_shape=_bwd_out)
-def kda_recurrent_bwd(
-    items: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    hs: torch.Tensor, do: torch.Tensor, dht: Optional[torch.Tensor], n_seq: int, scale: float, chunk: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """KDA backward by the reverse token recurrence (internal op ``tpukernels::kda_recurrent_bwd``).
-
-    Args:
-        items: the forward's work items, **in reverse order** (``work_items(...)[:, ::-1]``).
-        q, k, v, g, beta: as the forward; hs: float32 ``[n_items, HV, K, V]`` the forward's item starting states
-            (reversed like items); do: ``[HV, T, V]`` the output's gradient; dht: float32 ``[N, HV, K, V]`` the final
-            state's gradient or None.
-
-    Returns:
-        float32 ``(dq [HV, T, K], dk [HV, T, K], dv [HV, T, V], dg [HV, T, K], dbeta [HV, T, 1],
-        dh0 [N, HV, K, V])`` (dq / dk per value head: the caller sums each group of HV / H heads).
-    """
-    return _launch_bwd("tpukernels::kda_recurrent_bwd", items, q, k, v, g, beta, hs, do, dht, n_seq, scale, chunk,
-                       lambda bt, kd, vd: [pltpu.VMEM((bt, kd, vd), np.float32),
-                                           pltpu.VMEM((bt, 3 * kd + 2 * vd + 1), np.float32),
-                                           pltpu.VMEM((bt, 3 * kd + vd + 1), np.float32)], {})
-
-
-def _launch_bwd(op, items, q, k, v, g, beta, hs, do, dht, n_seq, scale, chunk, scratch, extra_kw):
-    _check_kernel_args(op, items, q, k, v, g, beta, None, n_seq)
-    hv, t, vd = v.shape
-    kd = q.shape[2]
-    n_items = items.shape[1]
-    for name, x, want in (("hs", hs, (n_items, hv, kd, vd)), ("do", do, (hv, t, vd)),
-                          ("dht", dht, (n_seq, hv, kd, vd))):
-        if x is not None and tuple(x.shape) != want:
-            raise ArgumentError(f"{op}: {name} must be {list(want)}, got {tuple(x.shape)}")
-    grid, specs, bt, vmap, smap = _common_specs(items, q, v, g, None, chunk)
-    specs += [pl.BlockSpec((None, None, kd, vd), lambda h, i, it: (i, h, 0, 0)),
-              pl.BlockSpec((None, bt, vd), vmap)]
-    if dht is not None:
-        specs.append(pl.BlockSpec((None, None, kd, vd), smap))
-    kspec, vspec = pl.BlockSpec((None, bt, kd), vmap), pl.BlockSpec((None, bt, vd), vmap)
-    return tk.Launch(
-        grid=grid, in_specs=specs,
-        out_specs=[kspec, kspec, vspec, kspec, pl.BlockSpec((None, bt, 1), vmap),
-                   pl.BlockSpec((None, None, kd, vd), smap)],
-        out_shape=_bwd_out(items, q, k, v, g, beta, hs, do, dht, n_seq, scale, chunk),
-        scratch_shapes=[pltpu.VMEM((kd, vd), np.float32), *scratch(bt, kd, vd)],
-        num_scalar_prefetch=1,
-        dimension_semantics=("parallel", "arbitrary"),
-        vmem_limit_bytes=VMEM_LIMIT_BYTES,
-        cost_estimate=pl.CostEstimate(flops=int(2 * hv * t * kd * vd * 14), transcendentals=int(2 * hv * t * kd),
-                                      bytes_accessed=int(4 * hv * t * 2 * (3 * kd + 2 * vd + 1))),
-        body_kwargs={"scale": float(scale), "has_dht": dht is not None, **extra_kw},
-    )
 
 
 def _chunk_bwd_body(items_ref, q_ref, k_ref, v_ref, g_ref, b_ref, hs_ref, do_ref, *rest, scale: float,
@@ -600,13 +472,51 @@ def kda_chunk_bwd(
     hs: torch.Tensor, do: torch.Tensor, dht: Optional[torch.Tensor], n_seq: int, scale: float, chunk: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """KDA backward chunk by chunk (internal op ``tpukernels::kda_chunk_bwd``): the transpose of the chunked form,
-    items in reverse order, dS carried back. Arguments and results as :func:`kda_recurrent_bwd`."""
-    return _launch_bwd("tpukernels::kda_chunk_bwd", items, q, k, v, g, beta, hs, do, dht, n_seq, scale, chunk,
-                       lambda bt, kd, vd: [], {"sub": SUB_CHUNK})
+    items in reverse order, dS carried back; the backward of both forward kernels.
+
+    Args:
+        items: the forward's work items, **in reverse order** (``work_items(...)[:, ::-1]``).
+        q, k, v, g, beta: as the forward; hs: float32 ``[n_items, HV, K, V]`` the forward's item starting states
+            (reversed like items); do: ``[HV, T, V]`` the output's gradient; dht: float32 ``[N, HV, K, V]`` the final
+            state's gradient or None.
+
+    Returns:
+        float32 ``(dq [HV, T, K], dk [HV, T, K], dv [HV, T, V], dg [HV, T, K], dbeta [HV, T, 1],
+        dh0 [N, HV, K, V])`` (dq / dk per value head: the caller sums each group of HV / H heads).
+    """
+    op = "tpukernels::kda_chunk_bwd"
+    _check_kernel_args(op, items, q, k, v, g, beta, None, n_seq)
+    hv, t, vd = v.shape
+    kd = q.shape[2]
+    n_items = items.shape[1]
+    for name, x, want in (("hs", hs, (n_items, hv, kd, vd)), ("do", do, (hv, t, vd)),
+                          ("dht", dht, (n_seq, hv, kd, vd))):
+        if x is not None and tuple(x.shape) != want:
+            raise ArgumentError(f"{op}: {name} must be {list(want)}, got {tuple(x.shape)}")
+    grid, specs, bt, vmap, smap = _common_specs(items, q, v, g, None, chunk)
+    specs += [pl.BlockSpec((None, None, kd, vd), lambda h, i, it: (i, h, 0, 0)),
+              pl.BlockSpec((None, bt, vd), vmap)]
+    if dht is not None:
+        specs.append(pl.BlockSpec((None, None, kd, vd), smap))
+    kspec, vspec = pl.BlockSpec((None, bt, kd), vmap), pl.BlockSpec((None, bt, vd), vmap)
+    return tk.Launch(
+        grid=grid, in_specs=specs,
+        out_specs=[kspec, kspec, vspec, kspec, pl.BlockSpec((None, bt, 1), vmap),
+                   pl.BlockSpec((None, None, kd, vd), smap)],
+        out_shape=_bwd_out(items, q, k, v, g, beta, hs, do, dht, n_seq, scale, chunk),
+        scratch_shapes=[pltpu.VMEM((kd, vd), np.float32)],
+        num_scalar_prefetch=1,
+        dimension_semantics=("parallel", "arbitrary"),
+        vmem_limit_bytes=VMEM_LIMIT_BYTES,
+        cost_estimate=pl.CostEstimate(flops=int(6 * hv * n_items * bt * (bt * (kd + vd) + 3 * kd * vd)),
+                                      transcendentals=int(hv * n_items * bt * kd * 6),
+                                      bytes_accessed=int(4 * hv * t * 2 * (3 * kd + 2 * vd + 1))),
+        body_kwargs={"scale": float(scale), "has_dht": dht is not None, "sub": SUB_CHUNK},
+    )
 
 
-def _gradients(bwd, ctx, do, dht):
-    """Gradients of a forward kernel by the backward kernel ``bwd`` (items reversed, from the saved item states)."""
+def _gradients(ctx, do, dht, _dhs):
+    """Gradients of either forward kernel by :func:`kda_chunk_bwd` (items reversed, from the saved item states)."""
     items, n_seq = ctx.items, ctx.n_seq
     if not ctx.save_states:
         raise ArgumentError("tpukernels::kda_chunk_fwd / kda_recurrent_fwd: gradients need save_states=True (the "
@@ -616,9 +526,9 @@ def _gradients(bwd, ctx, do, dht):
         do = torch.zeros_like(ctx.outputs[0])
     rev = torch.flip(items, dims=(1,)).contiguous()
     hsr = torch.flip(hs, dims=(0,)).contiguous()
-    dq, dk, dv, dg, db, dh0 = bwd(rev, ctx.q, ctx.k, ctx.v, ctx.g, ctx.beta, hsr,
-                                  do.contiguous(), None if dht is None else dht.float().contiguous(), n_seq, ctx.scale,
-                                  ctx.chunk)
+    dq, dk, dv, dg, db, dh0 = kda_chunk_bwd(rev, ctx.q, ctx.k, ctx.v, ctx.g, ctx.beta, hsr,
+                                            do.contiguous(), None if dht is None else dht.float().contiguous(),
+                                            n_seq, ctx.scale, ctx.chunk)
     hq, hv = ctx.q.shape[0], ctx.v.shape[0]
     grp = hv // hq
     out = {}
@@ -632,14 +542,8 @@ def _gradients(bwd, ctx, do, dht):
     return out
 
 
-@kda_chunk_fwd.def_backward(op="chunk_kda")
-def _chunk_fwd_backward(ctx, do, dht, _dhs):
-    return _gradients(kda_chunk_bwd, ctx, do, dht)
-
-
-@kda_recurrent_fwd.def_backward(op="fused_recurrent_kda")
-def _recurrent_fwd_backward(ctx, do, dht, _dhs):
-    return _gradients(kda_recurrent_bwd, ctx, do, dht)
+kda_chunk_fwd.def_backward(_gradients, op="chunk_kda")
+kda_recurrent_fwd.def_backward(_gradients, op="fused_recurrent_kda")
 
 
 # ----------------------------------------------------------------------------------------- public API
