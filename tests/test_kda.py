@@ -203,20 +203,26 @@ def test_gate_beta_and_l2norm_options_match_explicit_forms():
 
 
 # ----------------------------------------------------------------------------------------- backward
+#: packed sequences of the backward tests: one empty, one sharing a chunk with two others, one spanning two chunks
+BWD_CU = torch.tensor([0, C + 3, C + 3, C + 8, 2 * C + 7])
+
+
 @pytest.mark.parametrize("fn, dtype", [("chunk", F32), ("chunk", BF16), ("recurrent", F32)])
 def test_backward_matches_float64_autograd(fn, dtype):
-    """kda_chunk_bwd after either forward kernel: grouped heads, packed sequences (one empty, one spanning two
-    chunks), initial and final states."""
-    fn = FNS[fn]
-    lens = [C + 3, 0, 5, C - 1]
-    cu = torch.tensor([0, C + 3, C + 3, C + 8, 2 * C + 7])
+    """kda_chunk_bwd after either forward kernel (NaN-poisoned interpret mode): grouped heads, packed sequences,
+    initial and final states."""
+    import tpukernels.dsl as tk
+
+    fn, cu = FNS[fn], BWD_CU
     q, k, v, g, beta = inputs(int(cu[-1]), h=1, hv=2, dtype=dtype, gate=2.0)
-    h0 = state(len(lens))
+    h0 = state(4)
     leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
-    o, f = fn(*leaves[:5], initial_state=leaves[5], output_final_state=True, cu_seqlens=cu, chunk_size=C)
-    # do in o's dtype: autograd rounds the gradient of a bf16 output to bf16 before the kernel sees it
-    do, df = torch.randn(o.shape, dtype=torch.float64).to(dtype).double(), torch.randn(f.shape, dtype=torch.float64)
-    grads = torch.autograd.grad((o.double() * do).sum() + (f.double() * df).sum(), leaves)
+    with tk.interpret_mode("tpu"):
+        o, f = fn(*leaves[:5], initial_state=leaves[5], output_final_state=True, cu_seqlens=cu, chunk_size=C)
+        # do in o's dtype: autograd rounds the gradient of a bf16 output to bf16 before the kernel sees it
+        do = torch.randn(o.shape, dtype=torch.float64).to(dtype).double()
+        df = torch.randn(f.shape, dtype=torch.float64)
+        grads = torch.autograd.grad((o.double() * do).sum() + (f.double() * df).sum(), leaves)
     d64 = [x.detach().double().requires_grad_() for x in leaves]
     ro, rf = K.kda_reference(*d64[:5], initial_state=d64[5], cu_seqlens=cu)
     want = torch.autograd.grad((ro * do).sum() + (rf * df).sum(), d64)
@@ -229,19 +235,19 @@ def test_backward_matches_float64_autograd(fn, dtype):
 
 def test_backward_of_one_sequence_never_reads_another():
     """A NaN in one packed sequence leaves the other sequences' gradients finite and equal to their gradients
-    without it (the backward kernel in NaN-poisoned interpret mode)."""
+    without it (the backward kernel in NaN-poisoned interpret mode; the shapes of the test above)."""
     import tpukernels.dsl as tk
 
-    cu = torch.tensor([0, C + 3, C + 8, 2 * C + 7])
-    clean = inputs(int(cu[-1]), gate=2.0)
+    cu = BWD_CU
+    clean = inputs(int(cu[-1]), h=1, hv=2, gate=2.0)
     dirty = [x.clone() for x in clean]
     for x in dirty[:4]:
-        x[0, C + 5] = float("nan")  # in sequence 1
-    h0 = state(3)
+        x[0, C + 5] = float("nan")  # in sequence 2 (tokens C + 3 .. C + 7)
+    h0 = state(4)
     others = torch.ones(int(cu[-1]), dtype=torch.bool)
     others[C + 3:C + 8] = False
     gen = torch.Generator().manual_seed(3)
-    do, df = torch.randn(1, int(cu[-1]), 2, 8, generator=gen), torch.randn(3, 2, 16, 8, generator=gen)
+    do, df = torch.randn(1, int(cu[-1]), 2, 8, generator=gen), torch.randn(4, 2, 16, 8, generator=gen)
     grads = []
     with tk.interpret_mode("tpu"):
         for xs in (clean, dirty):
@@ -249,12 +255,12 @@ def test_backward_of_one_sequence_never_reads_another():
             o, f = K.chunk_kda(*leaves[:5], initial_state=leaves[5], output_final_state=True, cu_seqlens=cu,
                                chunk_size=C)
             # the loss reads the other sequences only (torch.where: no NaN * 0 in the loss itself)
-            loss = torch.where(others[None, :, None, None], o * do, 0.0).sum() + (f * df)[[0, 2]].sum()
+            loss = torch.where(others[None, :, None, None], o * do, 0.0).sum() + (f * df)[[0, 1, 3]].sum()
             grads.append(torch.autograd.grad(loss, leaves))
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), *grads):
         assert torch.equal(a[0, others], b[0, others]), name
         assert b[0, C + 3:C + 8].isnan().any(), name  # the poisoned sequence's own gradients do see it
-    assert torch.equal(grads[0][5][[0, 2]], grads[1][5][[0, 2]])
+    assert torch.equal(grads[0][5][[0, 1, 3]], grads[1][5][[0, 1, 3]])
 
 
 # ----------------------------------------------------------------------------------------- bad input
