@@ -17,7 +17,7 @@ API (stable; used by ``tpukernels.library.linear_attention``):
 
 * carried state: :func:`reset_carry` (write zeros / a value into a scratch ref at the first step of a grid
   axis, or whenever a condition holds, e.g. a sequence starts), :func:`is_first_step`.
-* layout: :func:`col_to_row` (``(n, 1) -> (1, n)``, exact).
+* layout: :func:`col_to_row` (``(n, 1) -> (1, n)``, exact), :func:`row_to_col` (its inverse).
 * masks: :func:`lower_mask` (``i >= j``, or ``i > j`` strict, optionally same segment).
 * sums and decays: :func:`segment_cumsum` (inclusive / exclusive, forward / reverse, segment-aware log-step
   scan),
@@ -102,6 +102,16 @@ def col_to_row(col):
     eye = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0) == jax.lax.broadcasted_iota(jnp.int32, (n, n), 1)
     full = jnp.broadcast_to(col.astype(jnp.float32), (n, n))
     return jnp.sum(jnp.where(eye, full, 0.0), axis=0, keepdims=True)
+
+
+def row_to_col(row):
+    """``(1, n) -> (n, 1)`` float32, exactly, entry by entry (a masked lane reduction; the inverse of
+    :func:`col_to_row`), e.g. a key loaded as a row, needed as a column for an outer product ``k u^T``."""
+    jax, jnp = _jax()
+    n = row.shape[1]
+    eye = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0) == jax.lax.broadcasted_iota(jnp.int32, (n, n), 1)
+    full = jnp.broadcast_to(row.astype(jnp.float32), (n, n))
+    return jnp.sum(jnp.where(eye, full, 0.0), axis=1, keepdims=True)
 
 
 def lower_mask(n: int, *, strict: bool = False, seg=None):
@@ -195,5 +205,5 @@ def unit_lower_inverse(a):
     return x
 
 
-__all__ = ["matmul", "is_first_step", "reset_carry", "col_to_row", "lower_mask", "segment_cumsum",
+__all__ = ["matmul", "is_first_step", "reset_carry", "col_to_row", "row_to_col", "lower_mask", "segment_cumsum",
            "pairwise_decay", "unit_lower_inverse"]
