@@ -331,11 +331,12 @@ def test_work_items_cover_every_token_once():
 @pytest.mark.aot
 @pytest.mark.parametrize("chip", ["v5e", "v6e", "tpu7x"])
 def test_compile_only(chip, tmp_cache):
-    """Both forward kernels at Kimi-Linear's layer shapes (``STANDARD_SHAPES``) and the backward (4 heads, two packed
-    sequences, K = V = 128, chunk 64) compile for the chip within the VMEM limit."""
+    """The forward kernels at Kimi-Linear's layer shapes (prefill ``STANDARD_SHAPES``, decode ``DECODE_SHAPES``) and
+    the backward (4 heads, two packed sequences, K = V = 128, chunk 64) compile for the chip within the VMEM limit."""
     from tpukernels.targets.compile_only import compile_for
 
-    cases = [(kern, args, kw) for kern in (K.kda_chunk_fwd, K.kda_recurrent_fwd) for args, kw in K.STANDARD_SHAPES]
+    cases = [(K.kda_chunk_fwd, args, kw) for args, kw in K.STANDARD_SHAPES]
+    cases += [(K.kda_recurrent_fwd, args, kw) for args, kw in K.DECODE_SHAPES]
     t, hv, d = 2048, 4, 128
     n = K.work_items([0, 1000, t], t, 64).shape[1]
     x = f"{hv}x{t}x{d}:bf16"

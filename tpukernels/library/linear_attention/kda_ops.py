@@ -46,8 +46,10 @@ item loads its ``initial_state`` block (zeros without), every item writes the ru
   ``[16, 16, K]`` decays. The decays are differences of chunk-cumulative gates, exact to one float32 ulp of the
   cumulative gate (as fla's): with gates of -1000 per token the outputs carry ~1e-4 relative errors the token
   recurrence does not have.
-* ``kda_recurrent_fwd`` (decode): the token recurrence above, one token per step (``fori_loop`` over the item's
-  rows), for one or a few tokens per sequence.
+* ``kda_recurrent_fwd`` (decode): the token recurrence above, one token per step, for one or a few tokens per
+  sequence, on the VPU (q, k, g transposed in VMEM so each token is a column; the state scaled, reduced over K and
+  updated by broadcasts, no M = 1 matmuls); the steps are unrolled over the item's block (``chunk_size``, 16 by
+  default), each run only for the item's rows.
 * ``kda_chunk_bwd`` (the backward of both): items in reverse order; each re-runs its chunk's forward from the state
   saved at its start (the forward's ``item_states``) and applies the transpose of every step (``dT -> dL = -T^T dT
   T^T``; the decay products' transposes by the same sub-chunk factoring, :func:`_decay_transposes`; ``dg`` the
@@ -83,7 +85,7 @@ from .common import check_delta_rule_args, head_major, shape_of
 __all__ = [
     "chunk_kda", "fused_recurrent_kda", "kda_reference", "kda_gate_reference", "work_items", "kda_chunk_fwd",
     "kda_recurrent_fwd", "kda_chunk_bwd", "SUB_CHUNK", "MAX_HEAD_DIM", "VMEM_LIMIT_BYTES",
-    "STANDARD_SHAPES",
+    "STANDARD_SHAPES", "DECODE_SHAPES",
 ]
 
 NAMESPACE = "tpukernels"
@@ -101,11 +103,6 @@ _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
 
 # ----------------------------------------------------------------------------------------- in-kernel algebra
 _mm = tk.scan.matmul  # float32, highest precision; trans_a= / trans_b= for a^T b and a b^T
-
-
-def _col(row):
-    """A ``(1, n)`` row as an ``(n, 1)`` column (an outer product with ``[[1]]``: exact, entry by entry)."""
-    return _mm(row, jnp.ones((1, 1), F32), trans_a=True)
 
 
 def _decay_products(G, k, q, sub):
@@ -249,7 +246,7 @@ def _chunk_fwd_body(items_ref, q_ref, k_ref, v_ref, g_ref, b_ref, *rest, scale: 
     f = _chunk_step(q, k, v, g, beta, s0, sub)
     o = scale * (_mm(f["qe"], s0) + _mm(f["aqk"], f["delta"]))
     o_ref[...] = jnp.where(valid, o, o_ref[...].astype(F32)).astype(o_ref.dtype)
-    s1 = _col(jnp.exp(f["glast"])) * s0 + _mm(f["kl"], f["delta"], trans_a=True)
+    s1 = tk.scan.row_to_col(jnp.exp(f["glast"])) * s0 + _mm(f["kl"], f["delta"], trans_a=True)
     s_ref[...] = s1
     ht_ref[...] = s1
 
@@ -359,36 +356,27 @@ def _rec_fwd_body(items_ref, q_ref, k_ref, v_ref, g_ref, b_ref, *rest, scale: fl
     it = iter(rest)
     h0_ref = next(it) if has_h0 else None
     o_ref, ht_ref, hs_ref = next(it), next(it), next(it)  # hs_ref: an unused ANY ref without save_states
-    s_ref, x_ref, of_ref = next(it), next(it), next(it)
+    s_ref, of_ref = next(it), next(it)
     i = pl.program_id(1)
     lo, hi, first = items_ref[2, i], items_ref[3, i], items_ref[4, i]
-    kd = q_ref.shape[1]
-
     tk.scan.reset_carry(s_ref, when=first == 1, value=h0_ref[...] if has_h0 else None)
-
     if save_states:
         hs_ref[...] = s_ref[...]
-    # float32 copies of the block's rows: [q | k | g | v | beta] (rows read one at a time)
-    x_ref[:, 0:kd] = q_ref[...].astype(F32)
-    x_ref[:, kd:2 * kd] = k_ref[...].astype(F32)
-    x_ref[:, 2 * kd:3 * kd] = g_ref[...].astype(F32)
-    x_ref[:, 3 * kd:] = jnp.concatenate([v_ref[...].astype(F32), b_ref[...].astype(F32)], axis=1)
-    vd = v_ref.shape[1]
+    bt = q_ref.shape[0]
+    # on the VPU (a (1, K) x (K, V) matmul would load the whole state into the MXU per token): q, k, g with the
+    # tokens as columns, the state scaled, reduced over K and updated by broadcasts
+    qt, kt, gt = (r[...].astype(F32).T for r in (q_ref, k_ref, g_ref))  # (K, bt)
+    v, beta = v_ref[...].astype(F32), b_ref[...].astype(F32)
+    for t in range(bt):
+        @pl.when((lo <= t) & (t < hi))
+        def _():
+            kc = kt[:, t:t + 1]
+            s = jnp.exp(gt[:, t:t + 1]) * s_ref[...]
+            s = s + kc * (beta[t:t + 1] * (v[t:t + 1] - jnp.sum(s * kc, axis=0, keepdims=True)))
+            s_ref[...] = s
+            of_ref[t:t + 1, :] = scale * jnp.sum(s * qt[:, t:t + 1], axis=0, keepdims=True)
 
-    def step(t, carry):
-        row = x_ref[pl.ds(t, 1), :]
-        qr, kr, gr = row[:, 0:kd], row[:, kd:2 * kd], row[:, 2 * kd:3 * kd]
-        vr, br = row[:, 3 * kd:3 * kd + vd], row[:, 3 * kd + vd:3 * kd + vd + 1]
-        sh = _col(jnp.exp(gr)) * s_ref[...]
-        delta = br * (vr - _mm(kr, sh))
-        s = sh + _mm(kr, delta, trans_a=True)
-        s_ref[...] = s
-        of_ref[pl.ds(t, 1), :] = scale * _mm(qr, s)
-        return carry
-
-    jax.lax.fori_loop(lo, hi, step, 0)
-    valid = _rows(lo, hi, q_ref.shape[0])
-    o_ref[...] = jnp.where(valid, of_ref[...], o_ref[...].astype(F32)).astype(o_ref.dtype)
+    o_ref[...] = jnp.where(_rows(lo, hi, bt), of_ref[...], o_ref[...].astype(F32)).astype(o_ref.dtype)
     ht_ref[...] = s_ref[...]
 
 
@@ -401,8 +389,7 @@ def kda_recurrent_fwd(
     :func:`fused_recurrent_kda`). Arguments and results as :func:`kda_chunk_fwd`."""
     return _launch_fwd(_rec_fwd_body, items, q, k, v, g, beta, h0, n_seq, scale, chunk, save_states,
                        "tpukernels::kda_recurrent_fwd", {},
-                       lambda bt, kd, vd: [pltpu.VMEM((bt, 3 * kd + vd + 1), np.float32),
-                                           pltpu.VMEM((bt, vd), np.float32)])
+                       lambda bt, kd, vd: [pltpu.VMEM((bt, vd), np.float32)])
 
 
 # ----------------------------------------------------------------------------------------- backward
@@ -433,7 +420,7 @@ def _chunk_bwd_body(items_ref, q_ref, k_ref, v_ref, g_ref, b_ref, hs_ref, do_ref
     daqk = jnp.where(tk.scan.lower_mask(c), scale * _mm(do, delta, trans_b=True), 0.0)
     dqe = scale * _mm(do, s0, trans_b=True)
     dkl = _mm(delta, ds1, trans_b=True)
-    ds0 = scale * _mm(qe, do, trans_a=True) + _col(jnp.exp(glast)) * ds1 - _mm(w, dd, trans_a=True)
+    ds0 = scale * _mm(qe, do, trans_a=True) + tk.scan.row_to_col(jnp.exp(glast)) * ds1 - _mm(w, dd, trans_a=True)
     dq = dqe * eg
     dk = dkl * el
     dG = dqe * qe - dkl * kl
@@ -709,12 +696,18 @@ def kda_reference(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=N
     return o.reshape(b, t, hv, vd), torch.stack(finals)
 
 
-#: ``(args, kwargs)`` of the forward kernels at Kimi-Linear-48B-A3B's KDA layer (32 heads, K = V = 128, bf16, chunk
+def _shapes(cu, chunk, state):
+    """``(args, kwargs)`` of a forward kernel on 32 heads, K = V = 128, bf16, sequences packed by ``cu``."""
+    t, n = cu[-1], len(cu) - 1
+    x = f"32x{t}x128:bf16"
+    return ((f"6x{work_items(cu, t, chunk).shape[1]}:i32", x, x, x, x, f"32x{t}x1:bf16", state),
+            {"n_seq": n, "scale": 128 ** -0.5, "chunk": chunk, "save_states": False})
+
+
+#: ``(args, kwargs)`` of :func:`kda_chunk_fwd` at Kimi-Linear-48B-A3B's KDA layer (32 heads, K = V = 128, bf16, chunk
 #: 64): prefill of 4096 tokens as one sequence and as two packed ones (1000 + 3096) with initial states. Compiled by
 #: the aot tests; no tuning tables are shipped for these kernels.
-STANDARD_SHAPES = [
-    ((f"6x{work_items(cu, 4096, 64).shape[1]}:i32", "32x4096x128:bf16", "32x4096x128:bf16", "32x4096x128:bf16",
-      "32x4096x128:bf16", "32x4096x1:bf16", state), {"n_seq": len(cu) - 1, "scale": 128 ** -0.5, "chunk": 64,
-                                                    "save_states": False})
-    for cu, state in (([0, 4096], None), ([0, 1000, 4096], "2x32x128x128:f32"))
-]
+STANDARD_SHAPES = [_shapes([0, 4096], 64, None), _shapes([0, 1000, 4096], 64, "2x32x128x128:f32")]
+#: ``(args, kwargs)`` of :func:`kda_recurrent_fwd` at the same layer: decode of 256 and of 4 sequences, one token
+#: each, with their states (chunk 16, the default of fused_recurrent_kda).
+DECODE_SHAPES = [_shapes(list(range(n + 1)), 16, f"{n}x32x128x128:f32") for n in (256, 4)]
