@@ -161,7 +161,7 @@ def test_packed_sequences_never_read_each_other(fn, interpret):
     assert o[:, s1.start + 1:s1.stop].isnan().all() and f[1].isnan().any()  # the poisoned one does see it
 
 
-@pytest.mark.parametrize("fn", sorted(FNS))
+@pytest.mark.parametrize("fn", ["chunk", pytest.param("recurrent", marks=pytest.mark.slow)])
 def test_two_halves_with_carried_state_equal_the_whole(fn):
     fn = FNS[fn]
     q, k, v, g, beta = inputs(3 * C + 2, gate=1.0)
@@ -207,7 +207,8 @@ def test_gate_beta_and_l2norm_options_match_explicit_forms():
 BWD_CU = torch.tensor([0, C + 3, C + 3, C + 8, 2 * C + 7])
 
 
-@pytest.mark.parametrize("fn, dtype", [("chunk", F32), ("chunk", BF16), ("recurrent", F32)])
+@pytest.mark.parametrize("fn, dtype", [("chunk", F32), pytest.param("chunk", BF16, marks=pytest.mark.slow),
+                                       ("recurrent", F32)])
 def test_backward_matches_float64_autograd(fn, dtype):
     """kda_chunk_bwd after either forward kernel (NaN-poisoned interpret mode): grouped heads, packed sequences,
     initial and final states."""
