@@ -97,7 +97,6 @@ MAX_HEAD_DIM = 256
 #: 64 MiB of VMEM).
 VMEM_LIMIT_BYTES = 32 * 1024 * 1024
 F32 = jnp.float32
-HI = jax.lax.Precision.HIGHEST
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -144,7 +143,8 @@ def _decay_transposes(G, da, x, sub, want_x=True, want_y=True):
     zero above the diagonal), by the same sub-chunk factoring (no exp of a positive exponent for non-increasing G)."""
     c, kd = x.shape
     col = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0)
-    row = jax.lax.broadcasted_iota(jnp.int32, (sub, 1), 0)
+    jj = jax.lax.broadcasted_iota(jnp.int32, (sub, sub, kd), 0)
+    ii = jax.lax.broadcasted_iota(jnp.int32, (sub, sub, kd), 1)
     xs, ys = [], []
     for b in range(c // sub):
         s0, s1 = b * sub, (b + 1) * sub
@@ -155,8 +155,6 @@ def _decay_transposes(G, da, x, sub, want_x=True, want_y=True):
         da_cols = _mm(place, da, trans_b=True)      # da[:, s0 + i'] as rows
         d_bb = _mm(da_rows, place, trans_b=True)    # da[s0 + j', s0 + i']
         dt_bb = _mm(da_cols, place, trans_b=True)   # da[s0 + j', s0 + i'] at [i', j']
-        jj = jax.lax.broadcasted_iota(jnp.int32, (sub, sub, kd), 0)
-        ii = jax.lax.broadcasted_iota(jnp.int32, (sub, sub, kd), 1)
         diff = gb[:, None, :] - gb[None, :, :]  # [j, i, :] = G_j - G_i
         xo = yo = jnp.zeros((sub, kd), F32)
         if want_x:  # the diagonal block, direct decays [sub, sub, K]
@@ -185,7 +183,7 @@ def work_items(cu: list, t: int, chunk: int) -> np.ndarray:
     """int32 ``[6, n_items]`` table: per item its sequence, block (of ``chunk`` tokens, the block size the kernels
     use: ``min(chunk, T)``), first and last row ``[lo, hi)`` in the block, and whether it is the sequence's first
     and last item. Items are in token order; a zero-length sequence has one empty item (lo = hi)."""
-    blk = chunk if t > chunk else max(t, 1)
+    blk = _block_t(t, chunk)
     seq, block, lo, hi, first, last = [], [], [], [], [], []
     for n in range(len(cu) - 1):
         a, b = int(cu[n]), int(cu[n + 1])
@@ -201,6 +199,7 @@ def work_items(cu: list, t: int, chunk: int) -> np.ndarray:
 
 
 def _block_t(t: int, chunk: int) -> int:
+    """Tokens per block: ``chunk``, or all of T when T is no larger (a block equal to the array's dim)."""
     return chunk if t > chunk else max(t, 1)
 
 
