@@ -99,7 +99,8 @@ from jax.experimental.pallas import tpu as pltpu
 from ... import dsl as tk
 from ...chips import MiB
 from ...dsl import scan
-from ...errors import ArgumentError, DeviceError, DTypeError, NotSupportedError
+from ...errors import ArgumentError, DTypeError, NotSupportedError
+from .common import CHUNK_SIZES, INT_DTYPES, check_delta_rule_args, head_major
 
 __all__ = [
     "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "gated_delta_rule_reference",
@@ -107,12 +108,9 @@ __all__ = [
 ]
 
 NAMESPACE = "tpukernels"
-#: chunk sizes accepted (powers of two; 64 is fla's and the default).
-CHUNK_SIZES = (16, 32, 64, 128)
 DEFAULT_CHUNK = 64
 F32 = jnp.float32
-_SUPPORTED = (torch.bfloat16, torch.float32)
-_INT = (torch.int32, torch.int64)
+_INT = INT_DTYPES
 VMEM_LIMIT_BYTES = 48 * MiB
 
 
@@ -637,71 +635,14 @@ def _shape(x):
 def _check_public(op, q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, state_pool=False):
     """Every rule of the public functions (module docstring), before any kernel runs; returns N. ``state_pool``:
     initial_state may have any number of rows (indexed by ssm_state_indices)."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not _is_t(x) or x.dim() != 4:
-            raise ArgumentError(f"{op}: {name} must be a 4-D tensor [B, T, heads, dim], got {_shape(x)}")
-        if x.dtype not in _SUPPORTED:
-            raise DTypeError(f"{op}: {name} dtype {x.dtype} is not supported: use bfloat16 or float32")
-    if tuple(k.shape) != tuple(q.shape):
-        raise ArgumentError(f"{op}: k must have q's shape [B, T, H, K] = {list(q.shape)}, got {list(k.shape)}")
-    b, t, h, kd = q.shape
-    if tuple(v.shape[:2]) != (b, t) or v.shape[2] % h:
-        raise ArgumentError(f"{op}: v must be [B, T, HV, V] with B, T = {b}, {t} and HV a multiple of the "
-                            f"{h} q/k heads (mismatched head counts), got {list(v.shape)}")
-    hv, vd = v.shape[2], v.shape[3]
-    for name, x in (("g", g), ("beta", beta)):
-        if not _is_t(x) or x.dim() != 3:
-            raise ArgumentError(f"{op}: {name} must be a 3-D tensor [B, T, HV] (one gate per token and value "
-                                f"head), got {_shape(x)}")
-        if tuple(x.shape) != (b, t, hv):
-            raise ArgumentError(f"{op}: {name} must be [B, T, HV] = [{b}, {t}, {hv}], got {list(x.shape)}")
-        if not x.dtype.is_floating_point:
-            raise DTypeError(f"{op}: {name} must be a float tensor, got {x.dtype}")
-    for name, x in (("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state),
-                    ("cu_seqlens", cu_seqlens)):
-        if _is_t(x) and x.device != q.device:
-            raise DeviceError(f"{op}: {name} is on {x.device} but q is on {q.device}")
-    if scale is not None and (not isinstance(scale, (int, float)) or isinstance(scale, bool) or not scale > 0):
-        raise ArgumentError(f"{op}: scale must be a positive float or None (K ** -0.5), got {scale!r}")
-    if chunk_size not in CHUNK_SIZES:
-        raise ArgumentError(f"{op}: chunk_size must be a power of two in {CHUNK_SIZES}, got {chunk_size!r}")
-    n = b
-    if cu_seqlens is not None:
-        if not _is_t(cu_seqlens) or cu_seqlens.dim() != 1 or cu_seqlens.dtype not in _INT or cu_seqlens.numel() < 2:
-            raise ArgumentError(f"{op}: cu_seqlens must be a 1-D int32/int64 tensor [N + 1] (N >= 1), got "
-                                f"{_shape(cu_seqlens)} {getattr(cu_seqlens, 'dtype', '')}")
-        if b != 1:
-            raise ArgumentError(f"{op}: with cu_seqlens the sequences are packed in one row: B must be 1, got {b}")
-        c = cu_seqlens.tolist()
-        if c[0] != 0:
-            raise ArgumentError(f"{op}: cu_seqlens must start at 0, got {c[0]}")
-        if any(y < x for x, y in zip(c, c[1:])):
-            raise ArgumentError(f"{op}: cu_seqlens must be non-decreasing (increasing offsets), got {c[:8]}"
-                                f"{' ...' if len(c) > 8 else ''}")
-        if c[-1] != t:
-            raise ArgumentError(f"{op}: cu_seqlens must end at the token count T = {t}, got {c[-1]}")
-        n = len(c) - 1
-    if initial_state is not None:
-        rows = None if state_pool else n
-        if not _is_t(initial_state) or initial_state.dim() != 4 or tuple(initial_state.shape[1:]) != (hv, kd, vd) \
-                or (rows is not None and initial_state.shape[0] != rows):
-            want = f"[{rows if rows is not None else 'S'}, {hv}, {kd}, {vd}]"
-            raise ArgumentError(f"{op}: initial_state must be [N, HV, K, V] = {want}, got {_shape(initial_state)}")
-        if initial_state.dtype != torch.float32:
-            raise DTypeError(f"{op}: initial_state must be float32 (the state is kept in float32), got "
-                             f"{initial_state.dtype}")
-    return n
+    return check_delta_rule_args(op, q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                 cu_seqlens=cu_seqlens, chunk_size=chunk_size, per_channel_gate=False,
+                                 state_rows=None if state_pool else "N")
 
 
 def _l2norm(x, eps=1e-6):
     xf = x.float()
     return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-def _head_major(x):
-    """``[B, T, H, D] -> [H, B*T, D]`` contiguous."""
-    b, t, h, d = x.shape
-    return x.reshape(b * t, h, d).transpose(0, 1).contiguous()
 
 
 # ----------------------------------------------------------------------------------------- public ops
@@ -752,7 +693,7 @@ def chunk_gated_delta_rule(
     gh = g.float().reshape(b * t, hv).transpose(0, 1).reshape(hv, b * t, 1).contiguous()
     bh = beta.float().reshape(b * t, hv).transpose(0, 1).reshape(hv, b * t, 1).contiguous()
     h0 = None if initial_state is None else initial_state.contiguous()
-    o, ht, _ = gdn_chunk_fwd(cu, _head_major(q), _head_major(k), _head_major(v), gh, bh, h0, scale, False,
+    o, ht, _ = gdn_chunk_fwd(cu, head_major(q), head_major(k), head_major(v), gh, bh, h0, scale, False,
                              int(chunk_size))
     o = o.transpose(0, 1).reshape(b, t, hv, vd)
     return o, (ht if output_final_state else None)
