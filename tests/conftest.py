@@ -81,3 +81,22 @@ def _sample_compile_only_chips(items):
 def pytest_collection_modifyitems(config, items):
     _sample_compile_only_chips(items)
     items.sort(key=lambda item: item.path.name in TORCHAX_MODULES)  # stable: the order is otherwise kept
+
+
+@pytest.fixture(autouse=True, scope="module")
+def release_compiled_code_after_each_module():
+    """Drop jax's compiled executables and traces when a test module ends.
+
+    A ``make test`` worker runs ~850 tests in one process; jax keeps every jitted function's executables (and
+    interpret mode's traced kernels) for the life of the process, so a worker grew past 6 GiB by the last modules
+    and CI's runner killed one (``worker 'gw0' crashed``, no traceback). Modules rarely share compiled code, so
+    clearing between modules costs little time and bounds the growth to one module's worth.
+    """
+    yield
+    import gc
+    import sys
+
+    jax = sys.modules.get("jax")
+    if jax is not None:
+        jax.clear_caches()
+    gc.collect()
