@@ -360,6 +360,8 @@ def __getattr__(name: str):
 
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: make ``--attention-backend tpukernels`` select this backend
+    for the attention layers and :class:`~tpukernels.integrations.vllm_tpu_gdn.TpuKernelsLinearAttentionBackend`
+    (tpukernels' causal conv1d + gated DeltaNet) for the GDN linear-attention layers of hybrid models
     (idempotent: vLLM may run plugins more than once per process).
 
     Raises:
@@ -370,7 +372,10 @@ def register() -> None:
     except ImportError as e:
         raise BackendUnavailableError(f"vllm_tpu: tpu-inference is not importable ({e}); install it with "
                                       f"pip install 'tpukernels[vllm]'") from e
-    register_attention_backend(NAME, attention=backend_class(), vllm_backend=VLLM_BACKEND)
+    from .vllm_tpu_gdn import linear_backend_class
+
+    register_attention_backend(NAME, attention=backend_class(), vllm_backend=VLLM_BACKEND,
+                               linear_attention=linear_backend_class())
 
 
 __all__ = ["NAME", "VLLM_BACKEND", "register", "backend_class", "kv_cache_shape", "kv_cache_view", "metadata_view",
