@@ -67,6 +67,8 @@ def _check(qkv, b, a, conv_state, recurrent_state, conv_weight, conv_bias, a_log
            state_indices, distribution, seq_lens, read_state_indices, read_offsets, *, n_kq, n_v, d_k, d_v,
            kernel_size, num_spec_tokens, compute_precision, chunk_size):
     """Every shape / dtype rule (static under jit), before any kernel runs."""
+    import jax.numpy as jnp
+
     from ..library.causal_conv1d import MAX_WIDTH
     from ..library.linear_attention.gdn_ops import CHUNK_SIZES
 
@@ -105,7 +107,7 @@ def _check(qkv, b, a, conv_state, recurrent_state, conv_weight, conv_bias, a_log
                             f"{d_v}] (num_blocks of conv_state), got {_shape(recurrent_state)}")
     for name, x in (("conv_state", conv_state), ("recurrent_state", recurrent_state), ("conv_weight", conv_weight),
                     ("conv_bias", conv_bias), ("A_log", a_log), ("dt_bias", dt_bias), ("b", b), ("a", a)):
-        if x is not None and not np.issubdtype(np.dtype(x.dtype), np.floating):
+        if x is not None and not jnp.issubdtype(x.dtype, jnp.floating):
             raise DTypeError(f"{_WHERE}: {name} must be a float array, got {np.dtype(x.dtype).name}")
     if _shape(conv_weight) != (dim, 1, kernel_size):
         raise ArgumentError(f"{_WHERE}: conv_weight must be [dim, 1, kernel_size] = [{dim}, 1, {kernel_size}], got "
@@ -126,7 +128,7 @@ def _check(qkv, b, a, conv_state, recurrent_state, conv_weight, conv_bias, a_log
         if _shape(x) != want:
             raise ArgumentError(f"{_WHERE}: {name} must be {list(want)} (num_seqs = state_indices.shape[0] = {s}), "
                                 f"got {_shape(x)}")
-        if not np.issubdtype(np.dtype(x.dtype), np.integer):
+        if not jnp.issubdtype(x.dtype, jnp.integer):
             raise DTypeError(f"{_WHERE}: {name} must be an int array, got {np.dtype(x.dtype).name}")
     return t, s, nb, dim
 
@@ -275,8 +277,12 @@ def fused_conv1d_gdn(qkv, b, a, conv_state, recurrent_state, conv_weight, conv_b
             [2, 8], compute_precision not float32. DTypeError: qkv / conv_weight not bf16/f32, int metadata not
             int. NotSupportedError: speculative decoding.
     """
+    from ..dsl.modes import current_interpret_mode
+
     if "fn" not in _JIT:
         _JIT["fn"] = _jitted()
+    # the interpret mode (used off TPU) is part of the jit key: a trace in one mode is not reused in another
+    interpret = interpret or current_interpret_mode()
     return _JIT["fn"](qkv, b, a, conv_state, recurrent_state, conv_weight, conv_bias, A_log, dt_bias,
                       query_start_loc, state_indices, distribution, seq_lens, read_state_indices, read_offsets,
                       n_kq=n_kq, n_v=n_v, d_k=d_k, d_v=d_v, kernel_size=kernel_size,
