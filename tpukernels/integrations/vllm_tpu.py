@@ -14,6 +14,10 @@ What the backend does per attention layer (:meth:`TpuKernelsAttentionBackend.att
    of the same cache (no copy, bit-exact: :func:`kv_cache_view`) and of the metadata
    (:func:`metadata_view`).
 
+The same name fills tpu-inference's linear-attention slot (``LinearAttentionBackend``: the GDN layers of
+Qwen3-Next / Qwen3.5) with :func:`tpukernels.integrations.vllm_tpu_gdn.fused_conv1d_gdn` (tpukernels' causal conv1d
+and gated DeltaNet kernels; :mod:`tpukernels.integrations.vllm_tpu_gdn`).
+
 Cache layouts (tpu-inference 0.32.0, ``get_kv_cache_shape`` of its RPA v3 kernels), all viewed as ours
 ``[P, page_size, 2*Hkv', D']`` (K of head h at combined head 2h, V at 2h+1):
 

@@ -20,26 +20,34 @@ One step, per layer (token-major ragged batch ``mixed_qkv [T, dim]``, ``dim = 2 
     conv_state[state_indices[s]] = the last kernel_size - 1 inputs of xp_s;  recurrent_state[state_indices[s]] = S
 
 Kernels: ``tpukernels::causal_conv1d_fwd`` (:mod:`tpukernels.library.causal_conv1d`) over the packed tokens with
-per-token segment ids (no tap crosses a sequence), and ``tpukernels::gdn_chunk_fwd``
-(:mod:`tpukernels.library.linear_attention.gdn_ops`) with ``cu_seqlens`` = ``query_start_loc`` (chunked for
-every row, decode rows included: one token is a chunk of one). Padding tokens form one more sequence of their
-own (zero state, output set to 0, state never written), so a NaN there reaches no real sequence; sequences past
-``num_seqs`` are empty and their state slots are not written.
+per-token segment ids (no tap crosses a sequence); then the gated delta rule by the rows' kind
+(``distribution``): the decode rows ``[0, decode_end)`` (one token each) by ``tpukernels::gdn_recurrent_fwd``
+(grid over rows and value heads, the initial state read from the cache through ``read_state_indices``), the
+prefill / mixed rows ``[decode_end, num_seqs)`` by ``tpukernels::gdn_chunk_fwd``
+(:mod:`tpukernels.library.linear_attention.gdn_ops`) with ``cu_seqlens`` from ``query_start_loc`` (the decode tokens
+one sequence of their own whose output is unused, the padding another). Each part runs under a ``lax.cond``
+only when the batch has such rows. Padding tokens (past ``query_start_loc[num_seqs]``) are never read by a real
+sequence (segment ids, per-sequence masks; ``jnp.where`` everywhere, so a NaN there stays there), their output is
+0 and no state is written for them; sequences past ``num_seqs`` write no state. Contract (vLLM-TPU's): a decode
+row has exactly one token; a slot written by one sequence in a step is not read by another in the same step.
 
 Layouts: what is mapped without a copy and where copies remain.
 
-* ``query_start_loc`` is the kernels' ``cu_seqlens`` as is (clamped past ``num_seqs``, the padding sequence
-  appended: ``S + 2`` int32);
-* the caches: read by a gather of the ``S`` rows ``read_state_indices`` (``recurrent_state`` ``S * n_v * d_k *
-  d_v`` floats, ``conv_state`` ``S * (W-1) * dim``) and written back by a scatter at ``state_indices`` (XLA's
-  ``.at[].set``: in place when the cache is donated, as this function's ``jax.jit`` does and vLLM-TPU's step
-  does). The gather remains a copy: ``gdn_chunk_fwd`` reads its initial states by sequence, not through an index
-  table (``gdn_recurrent_fwd`` does, but it takes one length for every row);
-* ``mixed_qkv`` ``[T, dim]`` -> the conv kernel's channels-first ``[1, dim, T]``, and the conv output -> the GDN
-  kernel's head-major ``[heads, T, d]``, and its output ``[n_v, T, d_v]`` -> ``[T, n_v * d_v]``: transposes
-  (copies of the activations, one each way: the kernels' layouts are channels-first / head-major);
-* the first ``W - 1`` conv outputs of each sequence with a state are recomputed from the gathered state in XLA
-  (``S * (W-1) * dim`` values, as tpu-inference's ragged reference and tpukernels' ``causal_conv1d_fn`` do).
+* ``query_start_loc`` is the kernels' ``cu_seqlens`` (clamped past ``num_seqs``; the decode block and the
+  padding sequence added: ``S + 3`` int32), ``state_indices`` / ``read_state_indices`` index the caches as they
+  are;
+* ``recurrent_state``: decode rows read it in place (the recurrent kernel's scalar-prefetched index table);
+  prefill rows read a gather of the ``S`` rows ``read_state_indices`` (a copy of ``S * n_v * d_k * d_v`` floats:
+  the chunked kernel reads its initial states by sequence). New states are written by XLA scatters at
+  ``state_indices`` (``.at[].set``): in place when the cache is donated, as this function's ``jax.jit`` and
+  vLLM-TPU's step do (checked on the compiled TPU program: the caches are aliased to the outputs and the
+  temporaries are smaller than one cache). A cache not float32 is converted (a copy);
+* ``conv_state``: a gather of the ``S`` rows (``S * (W-1) * dim``) and a scatter of the new ones; the first
+  ``W - 1`` conv outputs of each sequence (the ones that read the state) are recomputed from it in XLA
+  (``S * (W-1) * dim`` values, as tpu-inference's ragged reference and tpukernels' ``causal_conv1d_fn`` do);
+* ``mixed_qkv [T, dim]`` -> the conv kernel's channels-first ``[1, dim, T]`` and back, and the prefill rows'
+  q / k / v -> the chunked kernel's head-major ``[heads, T, d]``, its output back to ``[T, n_v * d_v]``:
+  transposes (copies of the activations; the decode rows' are gathers of one token per row).
 
 Differences from tpu-inference's v3 kernel: speculative decoding (``num_spec_tokens > 0`` / ``read_offsets``) is
 not supported (a typed error); ``decode_tile_size`` / ``mixed_tile_size`` (their tiling) are accepted and ignored;
@@ -183,7 +191,7 @@ def _fused_conv1d_gdn(qkv, b, a, conv_state, recurrent_state, conv_weight, conv_
     import jax
     import jax.numpy as jnp
 
-    from ..library.linear_attention.gdn_ops import gdn_chunk_fwd
+    from ..library.linear_attention.gdn_ops import gdn_chunk_fwd, gdn_recurrent_fwd
     from ..targets.jax_entry import jax_call
 
     del zero_initialize_out, decode_tile_size, mixed_tile_size
@@ -210,26 +218,68 @@ def _fused_conv1d_gdn(qkv, b, a, conv_state, recurrent_state, conv_weight, conv_
     # ---- causal conv1d (+ silu)
     y, conv_final = _conv(qkv, conv_state, conv_weight, conv_bias, cu, seg, rows, has_init, kernel_size, interpret)
     new_conv = conv_state.at[dest].set(conv_final.astype(conv_state.dtype), mode="drop")
-    # ---- gated delta rule (head-major layout of the kernel: a transpose)
-    kq = n_kq * d_k
-    f32 = jnp.float32
+    # ---- gated delta rule
+    kq, f32 = n_kq * d_k, jnp.float32
+    r = n_v // n_kq
+    scale = float(d_k) ** -0.5
 
     def l2norm(x):
         x = x.astype(f32)
         return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
 
-    q = l2norm(y[:, :kq].reshape(t, n_kq, d_k)).transpose(1, 0, 2)
-    k = l2norm(y[:, kq:2 * kq].reshape(t, n_kq, d_k)).transpose(1, 0, 2)
-    v = y[:, 2 * kq:].reshape(t, n_v, d_v).transpose(1, 0, 2)
+    q = l2norm(y[:, :kq].reshape(t, n_kq, d_k))  # [T, n_kq, d_k] float32
+    k = l2norm(y[:, kq:2 * kq].reshape(t, n_kq, d_k))
+    v = y[:, 2 * kq:].reshape(t, n_v, d_v)
     g = -jnp.exp(A_log.astype(f32)) * jax.nn.softplus(a.astype(f32) + dt_bias.astype(f32))  # [T, n_v]
     beta = jax.nn.sigmoid(b.astype(f32))
-    h0 = jnp.where(has_init[:, None, None, None], recurrent_state[rows].astype(f32), 0.0)
-    h0 = jnp.concatenate([h0, jnp.zeros((1, n_v, d_k, d_v), f32)])  # the padding sequence starts from zeros
-    o, ht, _ = jax_call(gdn_chunk_fwd, cu_ext, q, k, v, g.T[:, :, None], beta.T[:, :, None], h0,
-                        float(d_k) ** -0.5, False, int(chunk_size), interpret=interpret)
-    out = o.transpose(1, 0, 2).reshape(t, n_v * d_v)
-    out = jnp.where(live_tok[:, None], out, jnp.zeros((), out.dtype)).astype(qkv.dtype)
-    new_rec = recurrent_state.at[dest].set(ht[:s].astype(recurrent_state.dtype), mode="drop")
+    d0 = jnp.clip(distribution[0].astype(i32), 0, ns)  # sequences [0, d0) decode one token, [d0, ns) prefill
+    is_dec = jnp.arange(s) < d0
+    f32_pool = lambda rec: rec if rec.dtype == f32 else rec.astype(f32)  # noqa: E731  (a copy if not float32)
+    out0 = jnp.zeros((t, n_v * d_v), qkv.dtype)
+
+    def decode(carry):
+        """Rows [0, d0): the recurrent kernel, one token per row, states read from the cache through the
+        read indices (no gather); rows past d0 compute on the null block and are dropped."""
+        rec, out = carry
+        tok_s = jnp.clip(cu[:-1], 0, max(t - 1, 0))  # each row's token
+        qd, kd, vd = q[tok_s], k[tok_s], v[tok_s]
+        o, ht = jax_call(gdn_recurrent_fwd, jnp.where(is_dec, rows, 0), qd[:, :, None], kd[:, :, None],
+                         vd[:, :, None], g[tok_s][:, :, None, None], beta[tok_s][:, :, None, None], f32_pool(rec),
+                         scale, interpret=interpret)
+        # a row without a state (a new one-token prompt) starts from zeros: one step's closed form, selected
+        u = beta[tok_s][..., None] * vd.astype(f32)  # [S, n_v, d_v]
+        qk = jnp.repeat(jnp.sum(qd * kd, axis=-1), r, axis=1)  # [S, n_v]
+        o = jnp.where(has_init[:, None, None], o[:, :, 0].astype(f32), scale * qk[..., None] * u)
+        ht = jnp.where(has_init[:, None, None, None], ht,
+                       jnp.repeat(kd, r, axis=1)[..., None] * u[:, :, None, :])
+        rec = rec.at[jnp.where(is_dec, dest, nb)].set(ht.astype(rec.dtype), mode="drop")
+        out = out.at[jnp.where(is_dec, cu[:-1], t)].set(o.reshape(s, -1).astype(out.dtype), mode="drop")
+        return rec, out
+
+    def prefill(carry):
+        """Sequences [d0, ns): the chunked kernel over all tokens, the decode tokens [0, cu[d0]) one sequence of
+        their own (zero state, output unused: one pass per chunk), the padding another; initial states
+        gathered (a copy of S rows: the kernel reads them by sequence)."""
+        rec, out = carry
+        c_d0 = cu[d0]
+        cu_p = jnp.concatenate([jnp.zeros((1,), i32), c_d0[None], jnp.maximum(cu[1:], c_d0), jnp.full((1,), t, i32)])
+        pre = live_seq & jnp.logical_not(is_dec)
+        h0 = jnp.where((has_init & pre)[:, None, None, None], f32_pool(rec[rows]), 0.0)
+        zero = jnp.zeros((1, n_v, d_k, d_v), f32)
+        h0 = jnp.concatenate([zero, h0, zero])  # [S + 2]: decode block, sequences, padding
+        o, ht, _ = jax_call(gdn_chunk_fwd, cu_p, q.transpose(1, 0, 2), k.transpose(1, 0, 2), v.transpose(1, 0, 2),
+                            g.T[:, :, None], beta.T[:, :, None], h0, scale, False, int(chunk_size),
+                            interpret=interpret)  # head-major layout of the kernel: transposes
+        rec = rec.at[jnp.where(pre, dest, nb)].set(ht[1:s + 1].astype(rec.dtype), mode="drop")
+        pre_tok = (tok >= c_d0) & live_tok
+        out = jnp.where(pre_tok[:, None], o.transpose(1, 0, 2).reshape(t, n_v * d_v).astype(out.dtype), out)
+        return rec, out
+
+    # the carried cache is read and written by each branch in turn, so XLA updates it in place (both
+    # branches reading the cache passed in would keep it alive past the first write: a copy of the cache)
+    carry = (recurrent_state, out0)
+    carry = jax.lax.cond(d0 > 0, decode, lambda c: c, carry)
+    new_rec, out = jax.lax.cond(d0 < ns, prefill, lambda c: c, carry)
     return (new_conv, new_rec), out
 
 
