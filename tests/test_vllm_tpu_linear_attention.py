@@ -327,6 +327,63 @@ def test_bad_input_is_a_typed_error():
     assert np.isfinite(np.asarray(cs)).all() and np.isfinite(np.asarray(rs)).all()
 
 
+#: run in a fresh process with two cpu devices (XLA_FLAGS must be set before jax starts)
+_TP2_SCRIPT = r'''
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import numpy as np, jax, jax.numpy as jnp
+from tpukernels.integrations import torchax_ops
+torchax_ops.import_torchax()
+from tpu_inference.layers.common.gdn_attention import run_jax_gdn_attention
+from jax.sharding import Mesh
+from tpukernels.integrations import vllm_tpu_gdn as vg
+n_kq, n_v, d_k, d_v, W, tp = 2, 4, 16, 32, 4, 2
+lk, lv = n_kq // tp, n_v // tp
+ldim = 2 * lk * d_k + lv * d_v
+T, S, NB = 24, 3, 6
+rng = np.random.default_rng(0)
+f = lambda *s: rng.standard_normal(s).astype(np.float32)
+shards = [dict(x=f(T, ldim), b=f(T, lv), a=f(T, lv), cs=f(NB, W-1, ldim), rs=f(NB, lv, d_k, d_v)*0.3,
+               cw=f(ldim, 1, W)*0.5, cb=f(ldim)*0.1, A=f(lv)*0.5, dt=f(lv)*0.5) for _ in range(tp)]
+for sh in shards:
+    for k in ("x", "b", "a"): sh[k][20:] = np.nan
+cu = jnp.asarray([0, 1, 8, 20], jnp.int32); si = jnp.asarray([2, 4, 1], jnp.int32)
+dist = jnp.asarray([1, 1, 3], jnp.int32); sl = jnp.asarray([5, 7, 15], jnp.int32)
+cat = lambda k, ax: jnp.asarray(np.concatenate([sh[k] for sh in shards], axis=ax))
+axes = ("data", "pcp", "attn_dp", "attn_dp_expert", "model", "expert", "dcp")
+mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 1, 1, 1, 2, 1, 1), axes)
+glob = [cat(k, ax) for k, ax in (("x", 1), ("b", 1), ("a", 1), ("cs", 2), ("rs", 1), ("cw", 0), ("cb", 0),
+                                  ("A", 0), ("dt", 0))]
+(gc, gr), go = run_jax_gdn_attention(*glob, si, cu, dist, sl, n_kq, n_v, d_k, d_v, W, mesh,
+                                     read_state_indices=si, conv1d_gdn_kernel=vg.fused_conv1d_gdn)
+errs = []
+for h, sh in enumerate(shards):
+    arrs = [jnp.asarray(sh[k]) for k in ("x", "b", "a", "cs", "rs", "cw", "cb", "A", "dt")]
+    (c, r), o = vg.fused_conv1d_gdn(*arrs, cu, si, dist, sl, si, n_kq=lk, n_v=lv, d_k=d_k, d_v=d_v, kernel_size=W)
+    errs += [float(jnp.max(jnp.abs(go[:, h * lv * d_v:(h + 1) * lv * d_v] - o))),
+             float(jnp.max(jnp.abs(gc[:, :, h * ldim:(h + 1) * ldim] - c))),
+             float(jnp.max(jnp.abs(gr[:, h * lv:(h + 1) * lv] - r)))]
+assert errs == [0.0] * len(errs), errs
+print("TP2 OK")
+'''
+
+
+@pytest.mark.slow
+def test_tensor_parallel_two_shards_through_their_shard_map():
+    """tpu-inference's run_jax_gdn_attention over a mesh with model = 2 (two cpu devices, heads split over
+    them: each shard's q | k | v block, caches and weights by head) is bit-identical to our function on each
+    shard's slice alone (the per-shard n_kq / n_v statics are theirs)."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               TPU_ACCELERATOR_TYPE="v5litepod-1", TPU_WORKER_HOSTNAMES="localhost")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    r = subprocess.run([sys.executable, "-c", _TP2_SCRIPT], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0 and "TP2 OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+
+
 @pytest.mark.aot
 @pytest.mark.parametrize("chip", ["v5e", "v6e", "tpu7x"])
 def test_compile_only_qwen3_next_shard_in_place(chip):
