@@ -309,9 +309,11 @@ def fused_conv1d_gdn(qkv, b, a, conv_state, recurrent_state, conv_weight, conv_b
         conv_weight: ``[dim, 1, kernel_size]``; conv_bias: ``[dim]`` or None; A_log, dt_bias: ``[n_v]``.
         query_start_loc: int ``[num_seqs + 1]``; state_indices, seq_lens (tokens computed + scheduled),
             read_state_indices: int ``[num_seqs]``; distribution: int ``[3]`` ``(decode_end, prefill_end,
-            num_valid_seqs)``. A sequence ``s < num_valid_seqs`` reads its initial states at
-            ``read_state_indices[s]`` (zeros when ``seq_lens[s]`` equals its query length: a new prompt) and
-            writes them at ``state_indices[s]``.
+            num_valid_seqs)``: sequences ``[0, decode_end)`` have one token each (the recurrent kernel), the rest
+            up to ``num_valid_seqs`` any number (the chunked kernel). A sequence ``s < num_valid_seqs`` reads its
+            initial states at ``read_state_indices[s]`` (zeros when ``seq_lens[s]`` equals its query length: a new
+            prompt) and writes them at ``state_indices[s]`` (distinct; a slot written in the step is read by no
+            other sequence: vLLM-TPU's allocation).
         read_offsets, num_spec_tokens: speculative decoding; must be None / 0.
         n_kq, n_v, d_k, d_v, kernel_size: the layer's (per-shard) head counts, head dims and conv width.
         zero_initialize_out, decode_tile_size, mixed_tile_size: their kernel's knobs, ignored (padding output is
