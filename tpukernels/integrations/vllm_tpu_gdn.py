@@ -305,7 +305,8 @@ def fused_conv1d_gdn(qkv, b, a, conv_state, recurrent_state, conv_weight, conv_b
         qkv: ``mixed_qkv [T, dim]`` bf16/f32, ``dim = 2 * n_kq * d_k + n_v * d_v`` (q | k | v). b, a:
             ``[T, n_v]`` (beta = sigmoid(b); a: the decay's input).
         conv_state: ``[num_blocks, kernel_size - 1, dim]``; recurrent_state: ``[num_blocks, n_v, d_k, d_v]``
-            (float32 kept in float32; block 0 is vLLM's null block, never written here).
+            (float32 kept in float32; only the rows state_indices names for live sequences are written: vLLM's null
+            block 0 and the slots of padding entries are not).
         conv_weight: ``[dim, 1, kernel_size]``; conv_bias: ``[dim]`` or None; A_log, dt_bias: ``[n_v]``.
         query_start_loc: int ``[num_seqs + 1]``; state_indices, seq_lens (tokens computed + scheduled),
             read_state_indices: int ``[num_seqs]``; distribution: int ``[3]`` ``(decode_end, prefill_end,
