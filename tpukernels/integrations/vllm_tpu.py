@@ -14,6 +14,10 @@ What the backend does per attention layer (:meth:`TpuKernelsAttentionBackend.att
    of the same cache (no copy, bit-exact: :func:`kv_cache_view`) and of the metadata
    (:func:`metadata_view`).
 
+The same name fills tpu-inference's linear-attention slot (``LinearAttentionBackend``: the GDN layers of
+Qwen3-Next / Qwen3.5) with :func:`tpukernels.integrations.vllm_tpu_gdn.fused_conv1d_gdn` (tpukernels' causal conv1d
+and gated DeltaNet kernels; :mod:`tpukernels.integrations.vllm_tpu_gdn`).
+
 Cache layouts (tpu-inference 0.32.0, ``get_kv_cache_shape`` of its RPA v3 kernels), all viewed as ours
 ``[P, page_size, 2*Hkv', D']`` (K of head h at combined head 2h, V at 2h+1):
 
@@ -360,6 +364,8 @@ def __getattr__(name: str):
 
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: make ``--attention-backend tpukernels`` select this backend
+    for the attention layers and :class:`~tpukernels.integrations.vllm_tpu_gdn.TpuKernelsLinearAttentionBackend`
+    (tpukernels' causal conv1d + gated DeltaNet) for the GDN linear-attention layers of hybrid models
     (idempotent: vLLM may run plugins more than once per process).
 
     Raises:
@@ -370,7 +376,10 @@ def register() -> None:
     except ImportError as e:
         raise BackendUnavailableError(f"vllm_tpu: tpu-inference is not importable ({e}); install it with "
                                       f"pip install 'tpukernels[vllm]'") from e
-    register_attention_backend(NAME, attention=backend_class(), vllm_backend=VLLM_BACKEND)
+    from .vllm_tpu_gdn import linear_backend_class
+
+    register_attention_backend(NAME, attention=backend_class(), vllm_backend=VLLM_BACKEND,
+                               linear_attention=linear_backend_class())
 
 
 __all__ = ["NAME", "VLLM_BACKEND", "register", "backend_class", "kv_cache_shape", "kv_cache_view", "metadata_view",
