@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from tpukernels.errors import ArgumentError, DTypeError, NotSupportedError
 from tpukernels.library.linear_attention import gdn_ops as G
+from tpukernels.library.linear_attention.common import head_major
 
 BF16, F32 = torch.bfloat16, torch.float32
 U = {BF16: 2.0**-8, F32: 2.0**-24}  # one rounding of the float32 result to the output dtype
@@ -293,7 +294,7 @@ def test_backward_nan_in_one_sequence_reaches_no_other_gradient(interpret):
 
 def test_kernel_ops_pass_opcheck():
     q, k, v, g, beta = inputs(1, 20, 1, 2, 16, 8)
-    hm = lambda x: G._head_major(x)  # noqa: E731
+    hm = head_major
     gate = lambda x: x.reshape(20, 2).T.reshape(2, 20, 1).contiguous()  # noqa: E731
     args = (torch.tensor([0, 7, 20], dtype=torch.int32), hm(q), hm(k), hm(v), gate(g), gate(beta), rand(2, 2, 16, 8),
             0.25, False, 16)

@@ -236,6 +236,19 @@ def _dma(src, dst, sem):
     cp.wait()
 
 
+def _start_state(continuing, carry, has_h0, h0_src, buf_ref, sem):
+    """The state a sequence's chunk starts from: the carried one, else its ``initial_state`` row (DMA from HBM)
+    or zeros."""
+    @pl.when(jnp.logical_not(continuing))
+    def _():
+        if has_h0:
+            _dma(h0_src, buf_ref, sem)
+        else:
+            buf_ref[...] = jnp.zeros(buf_ref.shape, F32)
+
+    return jnp.where(continuing, carry, buf_ref[...])
+
+
 # ----------------------------------------------------------------------------------------- forward kernel
 def _fwd_body(lo_ref, hi_ref, st_ref, en_ref, q_ref, k_ref, v_ref, g_ref, b_ref, *rest, chunk, scale, has_h0,
               save_states):
@@ -255,15 +268,7 @@ def _fwd_body(lo_ref, hi_ref, st_ref, en_ref, q_ref, k_ref, v_ref, g_ref, b_ref,
         start, end = st_ref[s], en_ref[s]
         m = _seq_mask(c, chunk, start, end)
         continuing = start < c * chunk
-        if has_h0:
-            @pl.when(jnp.logical_not(continuing))
-            def _():
-                _dma(h0_hbm.at[s, h], buf_ref, sem)
-        else:
-            @pl.when(jnp.logical_not(continuing))
-            def _():
-                buf_ref[...] = jnp.zeros(buf_ref.shape, F32)
-        s0 = jnp.where(continuing, carry_ref[...], buf_ref[...])
+        s0 = _start_state(continuing, carry_ref[...], has_h0, h0_hbm.at[s, h] if has_h0 else None, buf_ref, sem)
         z = lambda x: jnp.where(m, x, 0.0)  # noqa: E731
         o, s_end = _chunk_step(z(q), z(k), z(v), z(g), z(beta), s0, scale, bf16_qk)
         ends_here = end <= (c + 1) * chunk
@@ -385,15 +390,7 @@ def _bwd_body(lo_ref, hi_ref, st_ref, en_ref, q_ref, k_ref, v_ref, g_ref, b_ref,
         m = _seq_mask(c, chunk, start, end)
         continuing = start < c * chunk
         ends_here = end <= (c + 1) * chunk
-        if has_h0:
-            @pl.when(jnp.logical_not(continuing))
-            def _():
-                _dma(h0_hbm.at[s, h], buf_ref, sem)
-        else:
-            @pl.when(jnp.logical_not(continuing))
-            def _():
-                buf_ref[...] = jnp.zeros(buf_ref.shape, F32)
-        s0 = jnp.where(continuing, hc_ref[...], buf_ref[...])
+        s0 = _start_state(continuing, hc_ref[...], has_h0, h0_hbm.at[s, h] if has_h0 else None, buf_ref, sem)
         if has_dht:
             @pl.when(ends_here)
             def _():
