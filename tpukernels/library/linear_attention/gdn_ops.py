@@ -474,16 +474,19 @@ def _fwd_backward(ctx, do, dht, dhc):
 
 
 # ----------------------------------------------------------------------------------------- decode kernel
-def _rec_body(idx_ref, q_ref, k_ref, v_ref, g_ref, b_ref, *rest, scale, has_h0):
+def _rec_body(idx_ref, q_ref, k_ref, v_ref, g_ref, b_ref, *rest, scale, has_h0, bh, per_q):
+    """``bh`` value heads per step; value head j of the block reads q/k head ``j // per_q`` of its q/k block."""
     it = iter(rest)
     h0_ref = next(it) if has_h0 else None
     o_ref, ht_ref = next(it), next(it)
-    q, k, v = q_ref[...].astype(F32), k_ref[...].astype(F32), v_ref[...].astype(F32)
-    g, beta = g_ref[...].astype(F32), b_ref[...].astype(F32)
-    s0 = h0_ref[...] if has_h0 else jnp.zeros(ht_ref.shape, F32)
-    o, s_end = _chunk_step(q, k, v, g, beta, s0, scale)
-    o_ref[...] = o.astype(o_ref.dtype)
-    ht_ref[...] = s_end
+    for j in range(bh):
+        qj = j // per_q
+        q, k = q_ref[qj].astype(F32), k_ref[qj].astype(F32)
+        v, g, beta = v_ref[j].astype(F32), g_ref[j].astype(F32), b_ref[j].astype(F32)
+        s0 = h0_ref[j] if has_h0 else jnp.zeros(ht_ref.shape[1:], F32)
+        o, s_end = _chunk_step(q, k, v, g, beta, s0, scale)
+        o_ref[j] = o.astype(o_ref.dtype)
+        ht_ref[j] = s_end
 
 
 def _rec_out(idx, q, k, v, g, beta, h0, scale):
@@ -491,10 +494,40 @@ def _rec_out(idx, q, k, v, g, beta, h0, scale):
     return (tk.OutSpec((b, hv, t, vd), v.dtype), tk.OutSpec((b, hv, q.shape[3], vd), F32))
 
 
-@tk.tpu_kernel(_rec_body, name="gdn_recurrent_fwd", namespace=NAMESPACE, out_shape=_rec_out)
+#: value heads per decode grid step (the state blocks of bh heads move together).
+BLOCK_H = (1, 2, 4, 8, 16, 32)
+#: VMEM for the decode kernel's double-buffered state blocks (in and out).
+DECODE_VMEM_BUDGET_BYTES = 8 * MiB
+
+
+def _rec_block_h(block_h, hq, hv):
+    """The launched heads per step: the largest divisor of HV <= block_h that lines up with the q/k groups
+    (a multiple of HV / H, or a divisor of it)."""
+    r = hv // hq
+    for bh in range(min(int(block_h), hv), 0, -1):
+        if hv % bh == 0 and (bh % r == 0 or r % bh == 0):
+            return bh
+    return 1
+
+
+def _rec_heuristic(idx, q, k, v, g, beta, h0, scale):
+    """The most heads per step whose state blocks (in and out, double-buffered) fit
+    :data:`DECODE_VMEM_BUDGET_BYTES`: a decode step moves ``2 * K * V * 4`` bytes per head, so few heads per
+    step leave the per-step overhead (~0.35 us) larger than the HBM time. Not measured on a chip yet."""
+    kd, vd = q.shape[3], v.shape[3]
+    best = 1
+    for bh in BLOCK_H:
+        if 4 * bh * kd * vd * 4 <= DECODE_VMEM_BUDGET_BYTES:
+            best = bh
+    return {"block_h": best}
+
+
+@tk.tpu_kernel(_rec_body, name="gdn_recurrent_fwd", namespace=NAMESPACE, out_shape=_rec_out,
+               heuristic=_rec_heuristic,
+               tunables={"block_h": tk.Tunable(BLOCK_H, default=8, doc="value heads per grid step (upper bound)")})
 def gdn_recurrent_fwd(
     idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    h0: Optional[torch.Tensor], scale: float,
+    h0: Optional[torch.Tensor], scale: float, *, block_h: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GDN over the few new tokens of each row (internal op; use :func:`fused_recurrent_gated_delta_rule`).
 
@@ -502,6 +535,7 @@ def gdn_recurrent_fwd(
         idx: int32 ``[B]``: row b reads state ``h0[idx[b]]`` (scalar-prefetched; ``arange(B)`` for plain rows).
         q, k: ``[B, H, T, K]``; v: ``[B, HV, T, V]``; g, beta: float32 ``[B, HV, T, 1]``.
         h0: float32 ``[S, HV, K, V]`` state pool or None (zeros). scale: the query scale.
+        block_h: value heads per grid step (tunable; see :func:`_rec_block_h`).
 
     Returns:
         ``(o [B, HV, T, V] in v's dtype, new states [B, HV, K, V] float32)``.
@@ -523,21 +557,27 @@ def gdn_recurrent_fwd(
         raise ArgumentError(f"{where}: h0 must be float32 [S, HV, K, V] with (HV, K, V) = ({hv}, {kd}, {vd}), got "
                             f"{tuple(h0.shape)} {np.dtype(h0.dtype).name}")
     r = hv // hq
-    qk_spec = pl.BlockSpec((None, None, t, kd), lambda i, h, *_: (i, h // r, 0, 0))
-    row = lambda d: pl.BlockSpec((None, None, t, d), lambda i, h, *_: (i, h, 0, 0))  # noqa: E731
+    bh = _rec_block_h(block_h, hq, hv)
+    if bh >= r:  # a q/k block of bh / r heads, at block index h
+        qb, per_q = bh // r, r
+        qk_spec = pl.BlockSpec((None, qb, t, kd), lambda i, h, *_: (i, h, 0, 0))
+    else:  # bh divides r: one q/k head, at head index h * bh // r
+        per_q = bh
+        qk_spec = pl.BlockSpec((None, 1, t, kd), lambda i, h, *_: (i, (h * bh) // r, 0, 0))
+    row = lambda d: pl.BlockSpec((None, bh, t, d), lambda i, h, *_: (i, h, 0, 0))  # noqa: E731
     in_specs = [qk_spec, qk_spec, row(vd), row(1), row(1)]
     if h0 is not None:
-        in_specs.append(pl.BlockSpec((None, None, kd, vd), lambda i, h, ix: (ix[i], h, 0, 0)))
+        in_specs.append(pl.BlockSpec((None, bh, kd, vd), lambda i, h, ix: (ix[i], h, 0, 0)))
     return tk.Launch(
-        grid=(b, hv),
+        grid=(b, hv // bh),
         in_specs=in_specs,
-        out_specs=[row(vd), pl.BlockSpec((None, None, kd, vd), lambda i, h, *_: (i, h, 0, 0))],
+        out_specs=[row(vd), pl.BlockSpec((None, bh, kd, vd), lambda i, h, *_: (i, h, 0, 0))],
         out_shape=_rec_out(idx, q, k, v, g, beta, h0, scale),
         num_scalar_prefetch=1,
         dimension_semantics=("parallel", "parallel"),
         cost_estimate=pl.CostEstimate(flops=int(b * hv * t * 6 * kd * vd), transcendentals=int(b * hv * t),
                                       bytes_accessed=int(b * hv * kd * vd * 8)),
-        body_kwargs={"scale": float(scale), "has_h0": h0 is not None},
+        body_kwargs={"scale": float(scale), "has_h0": h0 is not None, "bh": int(bh), "per_q": int(per_q)},
     )
 
 
@@ -708,11 +748,12 @@ def fused_recurrent_gated_delta_rule(
 def gated_delta_rule_reference(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None,
                                use_qk_l2norm_in_kernel=False):
     """float64 ``(o [B, T, HV, V], final_state [N, HV, K, V])`` by the token loop of the module docstring (per
-    row, or per packed sequence of cu_seqlens with its own state); differentiable (torch autograd)."""
+    row, or per packed sequence of cu_seqlens with its own state); differentiable (torch autograd). With
+    ``use_qk_l2norm_in_kernel`` the normalized q / k are rounded to their dtype first, as the public ops do."""
     qd, kd_, vd_, gd, bd = (x.double() for x in (q, k, v, g, beta))
-    if use_qk_l2norm_in_kernel:
-        qd = qd * torch.rsqrt((qd * qd).sum(-1, keepdim=True) + 1e-6)
-        kd_ = kd_ * torch.rsqrt((kd_ * kd_).sum(-1, keepdim=True) + 1e-6)
+    if use_qk_l2norm_in_kernel:  # normalized, then rounded to the input dtype (as fla's l2norm and ours)
+        qd = (qd * torch.rsqrt((qd * qd).sum(-1, keepdim=True) + 1e-6)).to(q.dtype).double()
+        kd_ = (kd_ * torch.rsqrt((kd_ * kd_).sum(-1, keepdim=True) + 1e-6)).to(k.dtype).double()
     b, t, h, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
     r = hv // h
