@@ -23,8 +23,9 @@ from .linear_cross_entropy_ops import linear_cross_entropy  # noqa: E402,F401
 from .rope import apply_rope, apply_rotary_pos_emb  # noqa: E402,F401
 from .gated_mlp import TPUGatedMLP, gated_activation, geglu, swiglu  # noqa: E402,F401
 from .causal_conv1d import causal_conv1d_fn, causal_conv1d_update  # noqa: E402,F401
-from .linear_attention import (chunk_gated_delta_rule, chunk_kda, fused_recurrent_gated_delta_rule,  # noqa: E402,F401
-                               fused_recurrent_kda, gated_delta_rule_reference, kda_reference)
+from .linear_attention import (chunk_gated_delta_rule, chunk_kda,  # noqa: E402,F401
+                               fused_recurrent_gated_delta_rule, fused_recurrent_kda, gated_delta_rule_reference,
+                               kda_reference)
 from .paged_attention import (paged_attention_reference, ragged_paged_attention, ragged_paged_attention_jax,  # noqa: E402,F401
                               update_kv_cache)
 

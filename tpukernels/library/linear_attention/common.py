@@ -87,8 +87,9 @@ def check_delta_rule_args(op, q, k, v, g, beta, *, scale, initial_state, cu_seql
         n = len(c) - 1
     if initial_state is not None:
         rows = n if state_rows == "N" else state_rows
-        if (not isinstance(initial_state, torch.Tensor) or initial_state.dim() != 4
-                or tuple(initial_state.shape[1:]) != (hv, kd, vd) or (rows is not None and initial_state.shape[0] != rows)):
+        st = initial_state
+        if (not isinstance(st, torch.Tensor) or st.dim() != 4 or tuple(st.shape[1:]) != (hv, kd, vd)
+                or (rows is not None and st.shape[0] != rows)):
             want = f"[{rows if rows is not None else 'S'}, {hv}, {kd}, {vd}]"
             raise ArgumentError(f"{op}: initial_state must be [N, HV, K, V] = {want}, got {shape_of(initial_state)}")
         if initial_state.dtype != torch.float32:

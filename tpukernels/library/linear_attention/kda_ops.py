@@ -9,6 +9,7 @@ Public API (torch tensors)::
               use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, chunk_size=64) -> (o, final_state or None)
     fused_recurrent_kda(q, k, v, g, beta, *, ...same...) -> (o, final_state or None)        decode (few tokens)
     kda_reference(...)                                                          float64 naive recurrence
+    torch.ops.tpukernels.kda_{chunk,recurrent}_{fwd,bwd}                       the kernels (internal layouts)
 
 Formula (fla ``naive_recurrent_kda``), per sequence and value head, state ``S [K, V]`` (float32), tokens t::
 
@@ -35,24 +36,30 @@ sequential, the state ``[K, V]`` float32 carried in VMEM scratch across the item
 item loads its ``initial_state`` block (zeros without), every item writes the running state to the sequence's
 ``final_state`` block (the last write wins). A zero-length sequence has one empty item (final = initial).
 
-* ``kda_chunk_fwd`` (prefill): per item the chunked UT form (fla ``naive_chunk_kda``): G = chunk cumsum of g (a
-  lower-triangular matmul), ``A_kk[j, i] = sum_c k_jc k_ic exp(G_jc - G_ic)`` (i < j) and ``A_qk`` (i <= j),
-  ``T = (I + diag(beta) A_kk)^-1`` (``dsl.scan.unit_lower_inverse``), G by ``dsl.scan.segment_cumsum``,
+* ``kda_chunk_fwd`` (prefill): per item the chunked UT form (fla ``naive_chunk_kda``): G = chunk cumsum of g
+  (``dsl.scan.segment_cumsum``), ``A_kk[j, i] = sum_c k_jc k_ic exp(G_jc - G_ic)`` (i < j) and ``A_qk`` (i <= j),
+  ``T = (I + diag(beta) A_kk)^-1`` (``dsl.scan.unit_lower_inverse``),
   ``u = T beta v``, ``w = T beta (k * exp(G))``, ``delta = u - w S``, ``o = scale ((q * exp(G)) S + A_qk delta)``,
   ``S <- exp(G_last) * S + (k * exp(G_last - G))^T delta``. Numerics: no ``exp`` of a positive number is formed
   (for g <= 0): the chunk is cut into sub-chunks of 16 rows; the part of ``A`` left of a row sub-chunk J factors
   through the cumulative decay at J's start (both factors <= 1), the 16 x 16 diagonal blocks use the direct
-  ``[16, 16, K]`` decays.
+  ``[16, 16, K]`` decays. The decays are differences of chunk-cumulative gates, exact to one float32 ulp of the
+  cumulative gate (as fla's): with gates of -1000 per token the outputs carry ~1e-4 relative errors the token
+  recurrence does not have.
 * ``kda_recurrent_fwd`` (decode): the token recurrence above, one token per step (``fori_loop`` over the item's
   rows), for one or a few tokens per sequence.
-* ``kda_recurrent_bwd`` (the backward of both): items in reverse order; each item re-runs its tokens from the
-  state saved at its start (the forward's ``item_states``) into a ``[chunk, K, V]`` scratch, then walks back::
+* ``kda_chunk_bwd`` (the backward of ``chunk_kda``): items in reverse order; each re-runs its chunk's forward from
+  the state saved at its start (the forward's ``item_states``) and applies the transpose of every step (``dT ->
+  dL = -T^T dT T^T``; the decay products' transposes by the same sub-chunk factoring, :func:`_decay_transposes`;
+  ``dg`` the reverse cumulative sum of ``dG``), carrying ``dS`` back across items: seeded by the final state's
+  gradient, its value at a sequence's start is ``d initial_state``.
+* ``kda_recurrent_bwd`` (the backward of ``fused_recurrent_kda``): the same walk token by token; each item re-runs
+  its tokens into a ``[chunk, K, V]`` scratch of states, then::
 
       dS += scale q do^T;  dq = scale S do;  dd = dS^T k;  dk = dS delta + S_hat dr;  dbeta = dd . (v - k^T S_hat)
       dv = beta dd;  dr = -beta dd;  dS_hat = dS + k dr^T;  dg = rowsum(dS_hat * S_hat);  dS <- exp(g) * dS_hat
 
-  (S_hat = exp(g) * S_prev, the decayed state before the delta update); dS is carried across items, seeded by the
-  final state's gradient, and its value at a sequence's start is ``d initial_state``.
+  (S_hat = exp(g) * S_prev, the decayed state before the delta update).
 
 Gate and beta pre-processing (``use_gate_in_kernel``: ``g = -exp(A_log) * softplus(g + dt_bias)``;
 ``use_beta_sigmoid_in_kernel``: ``beta = sigmoid(beta)``, times 2 with ``allow_neg_eigval``) and
@@ -82,7 +89,8 @@ from .common import check_delta_rule_args, head_major, shape_of
 
 __all__ = [
     "chunk_kda", "fused_recurrent_kda", "kda_reference", "kda_gate_reference", "work_items", "kda_chunk_fwd",
-    "kda_recurrent_fwd", "kda_recurrent_bwd", "SUB_CHUNK", "MAX_HEAD_DIM", "VMEM_LIMIT_BYTES", "STANDARD_SHAPES",
+    "kda_recurrent_fwd", "kda_chunk_bwd", "kda_recurrent_bwd", "SUB_CHUNK", "MAX_HEAD_DIM", "VMEM_LIMIT_BYTES",
+    "STANDARD_SHAPES",
 ]
 
 NAMESPACE = "tpukernels"
@@ -138,6 +146,42 @@ def _decay_products(G, k, q, sub):
         rows_kk.append(kk)
         rows_qk.append(qk)
     return jnp.concatenate(rows_kk, axis=0), jnp.concatenate(rows_qk, axis=0)
+
+
+def _decay_transposes(G, da, x, sub, want_x=True, want_y=True):
+    """The transposes of :func:`_decay_products` (its backward): ``(X, Y)`` ``(C, K)`` with
+    ``X_j = sum_{i <= j} da[j, i] x_i exp(G_j - G_i)`` and ``Y_i = sum_{j >= i} da[j, i] x_j exp(G_j - G_i)`` (``da``
+    zero above the diagonal), by the same sub-chunk factoring (no exp of a positive exponent for non-increasing G)."""
+    c, kd = x.shape
+    col = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0)
+    row = jax.lax.broadcasted_iota(jnp.int32, (sub, 1), 0)
+    xs, ys = [], []
+    for b in range(c // sub):
+        s0, s1 = b * sub, (b + 1) * sub
+        gb, xb = G[s0:s1], x[s0:s1]
+        place = (jax.lax.broadcasted_iota(jnp.int32, (sub, c), 1)
+                 == jax.lax.broadcasted_iota(jnp.int32, (sub, c), 0) + s0).astype(F32)
+        da_rows = da[s0:s1]                         # da[s0 + j', :]
+        da_cols = _mm(place, da, trans_b=True)      # da[:, s0 + i'] as rows
+        d_bb = _mm(da_rows, place, trans_b=True)    # da[s0 + j', s0 + i']
+        dt_bb = _mm(da_cols, place, trans_b=True)   # da[s0 + j', s0 + i'] at [i', j']
+        jj = jax.lax.broadcasted_iota(jnp.int32, (sub, sub, kd), 0)
+        ii = jax.lax.broadcasted_iota(jnp.int32, (sub, sub, kd), 1)
+        diff = gb[:, None, :] - gb[None, :, :]  # [j, i, :] = G_j - G_i
+        xo = yo = jnp.zeros((sub, kd), F32)
+        if want_x:  # the diagonal block, direct decays [sub, sub, K]
+            xo = jnp.sum(d_bb[:, :, None] * xb[None, :, :] * jnp.exp(jnp.where(jj >= ii, diff, -jnp.inf)), axis=1)
+        if want_y:  # [i, j, :]: da[j, i] x_j exp(G_j - G_i), j >= i
+            yo = jnp.sum(dt_bb[:, :, None] * xb[None, :, :] * jnp.exp(jnp.where(ii >= jj, -diff, -jnp.inf)), axis=1)
+        if b and want_x:  # columns left of the block, through the cumulative decay just before it
+            r = G[s0 - 1:s0]
+            xo = xo + jnp.exp(gb - r) * _mm(da_rows, x * jnp.exp(jnp.where(col < s0, r - G, -jnp.inf)))
+        if s1 < c and want_y:  # rows below the block, through the cumulative decay at its end
+            r = G[s1 - 1:s1]
+            yo = yo + jnp.exp(r - gb) * _mm(da_cols, x * jnp.exp(jnp.where(col >= s1, G - r, -jnp.inf)))
+        xs.append(xo)
+        ys.append(yo)
+    return jnp.concatenate(xs, axis=0), jnp.concatenate(ys, axis=0)
 
 
 def _rows(lo, hi, c):
@@ -450,7 +494,13 @@ def kda_recurrent_bwd(
         float32 ``(dq [HV, T, K], dk [HV, T, K], dv [HV, T, V], dg [HV, T, K], dbeta [HV, T, 1],
         dh0 [N, HV, K, V])`` (dq / dk per value head: the caller sums each group of HV / H heads).
     """
-    op = "tpukernels::kda_recurrent_bwd"
+    return _launch_bwd("tpukernels::kda_recurrent_bwd", items, q, k, v, g, beta, hs, do, dht, n_seq, scale, chunk,
+                       lambda bt, kd, vd: [pltpu.VMEM((bt, kd, vd), np.float32),
+                                           pltpu.VMEM((bt, 3 * kd + 2 * vd + 1), np.float32),
+                                           pltpu.VMEM((bt, 3 * kd + vd + 1), np.float32)], {})
+
+
+def _launch_bwd(op, items, q, k, v, g, beta, hs, do, dht, n_seq, scale, chunk, scratch, extra_kw):
     _check_kernel_args(op, items, q, k, v, g, beta, None, n_seq)
     hv, t, vd = v.shape
     kd = q.shape[2]
@@ -470,20 +520,96 @@ def kda_recurrent_bwd(
         out_specs=[kspec, kspec, vspec, kspec, pl.BlockSpec((None, bt, 1), vmap),
                    pl.BlockSpec((None, None, kd, vd), smap)],
         out_shape=_bwd_out(items, q, k, v, g, beta, hs, do, dht, n_seq, scale, chunk),
-        scratch_shapes=[pltpu.VMEM((kd, vd), np.float32), pltpu.VMEM((bt, kd, vd), np.float32),
-                        pltpu.VMEM((bt, 3 * kd + 2 * vd + 1), np.float32),
-                        pltpu.VMEM((bt, 3 * kd + vd + 1), np.float32)],
+        scratch_shapes=[pltpu.VMEM((kd, vd), np.float32), *scratch(bt, kd, vd)],
         num_scalar_prefetch=1,
         dimension_semantics=("parallel", "arbitrary"),
         vmem_limit_bytes=VMEM_LIMIT_BYTES,
         cost_estimate=pl.CostEstimate(flops=int(2 * hv * t * kd * vd * 14), transcendentals=int(2 * hv * t * kd),
                                       bytes_accessed=int(4 * hv * t * 2 * (3 * kd + 2 * vd + 1))),
-        body_kwargs={"scale": float(scale), "has_dht": dht is not None},
+        body_kwargs={"scale": float(scale), "has_dht": dht is not None, **extra_kw},
     )
 
 
-def _fwd_backward(ctx, do, dht, _dhs):
-    """Gradients of both forward kernels: the reverse token recurrence from the saved item states."""
+def _chunk_bwd_body(items_ref, q_ref, k_ref, v_ref, g_ref, b_ref, hs_ref, do_ref, *rest, scale: float,
+                    has_dht: bool, sub: int):
+    it = iter(rest)
+    dht_ref = next(it) if has_dht else None
+    dq_ref, dk_ref, dv_ref, dg_ref, db_ref, dh0_ref = (next(it) for _ in range(6))
+    ds_ref = next(it)
+    i = pl.program_id(1)
+    lo, hi, last = items_ref[2, i], items_ref[3, i], items_ref[5, i]
+    c = q_ref.shape[0]
+    valid = _rows(lo, hi, c)
+    tk.scan.reset_carry(ds_ref, when=last == 1, value=dht_ref[...] if has_dht else None)
+    z = lambda ref: jnp.where(valid, ref[...].astype(F32), 0.0)  # noqa: E731
+    q, k, v, g, beta, do = z(q_ref), z(k_ref), z(v_ref), z(g_ref), z(b_ref), z(do_ref)
+    if c % sub or c < sub:
+        sub = c
+    # the forward of the chunk, again (module docstring)
+    G = tk.scan.segment_cumsum(g)
+    akk, aqk = _decay_products(G, k, q, sub)
+    tinv = tk.scan.unit_lower_inverse(beta * akk)
+    eg = jnp.exp(G)
+    bv, bk = beta * v, beta * k * eg
+    w = _mm(tinv, bk)
+    s0 = hs_ref[...]
+    delta = _mm(tinv, bv) - _mm(w, s0)
+    qe = q * eg
+    glast = G[c - 1:c]
+    el = jnp.exp(glast - G)
+    kl = k * el
+    ds1 = ds_ref[...]
+    # o = scale (qe S0 + A_qk delta);  S1 = exp(G_last) S0 + kl^T delta
+    dd = scale * _mm(aqk, do, trans_a=True) + _mm(kl, ds1)
+    daqk = jnp.where(tk.scan.lower_mask(c), scale * _mm(do, delta, trans_b=True), 0.0)
+    dqe = scale * _mm(do, s0, trans_b=True)
+    dkl = _mm(delta, ds1, trans_b=True)
+    ds0 = scale * _mm(qe, do, trans_a=True) + _col(jnp.exp(glast)) * ds1 - _mm(w, dd, trans_a=True)
+    dq = dqe * eg
+    dk = dkl * el
+    dG = dqe * qe - dkl * kl
+    dglast = (jnp.sum(dkl * kl, axis=0, keepdims=True)
+              + _mm(jnp.ones((1, ds1.shape[1]), F32), ds1 * s0, trans_b=True) * jnp.exp(glast))
+    # delta = T bv - T bk S0
+    dw = -_mm(dd, s0, trans_b=True)
+    dT = _mm(dd, bv, trans_b=True) + _mm(dw, bk, trans_b=True)
+    dbv = _mm(tinv, dd, trans_a=True)
+    dbk = _mm(tinv, dw, trans_a=True)
+    dv = beta * dbv
+    dbeta = jnp.sum(v * dbv, axis=1, keepdims=True) + jnp.sum(k * eg * dbk, axis=1, keepdims=True)
+    dk = dk + beta * eg * dbk
+    dG = dG + bk * dbk
+    # T = (I + diag(beta) A_kk)^-1
+    dl = jnp.where(tk.scan.lower_mask(c, strict=True), -_mm(_mm(tinv, dT, trans_a=True), tinv, trans_b=True), 0.0)
+    dbeta = dbeta + jnp.sum(dl * akk, axis=1, keepdims=True)
+    xk, yk = _decay_transposes(G, beta * dl, k, sub)   # A_kk[j, i] = sum k_j k_i exp(G_j - G_i)
+    xq, _ = _decay_transposes(G, daqk, k, sub, want_y=False)  # A_qk[j, i] = sum q_j k_i exp(G_j - G_i): X for dq,
+    _, yqq = _decay_transposes(G, daqk, q, sub, want_x=False)  # Y (of q) for dk
+    dk = dk + xk + yk + yqq
+    dq = dq + xq
+    dG = dG + k * xk - k * yk + q * xq - k * yqq
+    last_row = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0) == c - 1
+    dG = dG + jnp.where(last_row, dglast, 0.0)
+    dg = tk.scan.segment_cumsum(dG, reverse=True)
+    for ref, val in ((dq_ref, dq), (dk_ref, dk), (dv_ref, dv), (dg_ref, dg), (db_ref, dbeta)):
+        ref[...] = jnp.where(valid, val, ref[...])
+    ds_ref[...] = ds0
+    dh0_ref[...] = ds0
+
+
+@tk.tpu_kernel(_chunk_bwd_body, name="kda_chunk_bwd", namespace=NAMESPACE, out_shape=_bwd_out)
+def kda_chunk_bwd(
+    items: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    hs: torch.Tensor, do: torch.Tensor, dht: Optional[torch.Tensor], n_seq: int, scale: float, chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """KDA backward chunk by chunk (internal op ``tpukernels::kda_chunk_bwd``): the transpose of the chunked form,
+    items in reverse order, dS carried back. Arguments and results as :func:`kda_recurrent_bwd`."""
+    return _launch_bwd("tpukernels::kda_chunk_bwd", items, q, k, v, g, beta, hs, do, dht, n_seq, scale, chunk,
+                       lambda bt, kd, vd: [], {"sub": SUB_CHUNK})
+
+
+def _gradients(bwd, ctx, do, dht):
+    """Gradients of a forward kernel by the backward kernel ``bwd`` (items reversed, from the saved item states)."""
     items, n_seq = ctx.items, ctx.n_seq
     if not ctx.save_states:
         raise ArgumentError("tpukernels::kda_chunk_fwd / kda_recurrent_fwd: gradients need save_states=True (the "
@@ -493,9 +619,9 @@ def _fwd_backward(ctx, do, dht, _dhs):
         do = torch.zeros_like(ctx.outputs[0])
     rev = torch.flip(items, dims=(1,)).contiguous()
     hsr = torch.flip(hs, dims=(0,)).contiguous()
-    dq, dk, dv, dg, db, dh0 = kda_recurrent_bwd(rev, ctx.q, ctx.k, ctx.v, ctx.g, ctx.beta, hsr,
-                                                do.contiguous(), None if dht is None else dht.float().contiguous(),
-                                                n_seq, ctx.scale, ctx.chunk)
+    dq, dk, dv, dg, db, dh0 = bwd(rev, ctx.q, ctx.k, ctx.v, ctx.g, ctx.beta, hsr,
+                                  do.contiguous(), None if dht is None else dht.float().contiguous(), n_seq, ctx.scale,
+                                  ctx.chunk)
     hq, hv = ctx.q.shape[0], ctx.v.shape[0]
     grp = hv // hq
     out = {}
@@ -509,8 +635,14 @@ def _fwd_backward(ctx, do, dht, _dhs):
     return out
 
 
-kda_chunk_fwd.def_backward(_fwd_backward, op="chunk_kda")
-kda_recurrent_fwd.def_backward(_fwd_backward, op="fused_recurrent_kda")
+@kda_chunk_fwd.def_backward(op="chunk_kda")
+def _chunk_fwd_backward(ctx, do, dht, _dhs):
+    return _gradients(kda_chunk_bwd, ctx, do, dht)
+
+
+@kda_recurrent_fwd.def_backward(op="fused_recurrent_kda")
+def _recurrent_fwd_backward(ctx, do, dht, _dhs):
+    return _gradients(kda_recurrent_bwd, ctx, do, dht)
 
 
 # ----------------------------------------------------------------------------------------- public API
@@ -533,7 +665,8 @@ def _check_public(op, q, k, v, g, beta, scale, initial_state, cu_seqlens, use_ga
 
 
 def kda_gate_reference(g, A_log, dt_bias=None):
-    """fla's KDA gate ``-exp(A_log) * softplus(g + dt_bias)`` in float32, ``g [..., HV, K]`` (fla ``naive_kda_gate``)."""
+    """fla's KDA gate ``-exp(A_log) * softplus(g + dt_bias)`` in float32, ``g [..., HV, K]`` (fla
+    ``naive_kda_gate``)."""
     hv, kd = g.shape[-2:]
     x = g.float()
     if dt_bias is not None:
@@ -578,7 +711,7 @@ def _run(op, kernel, q, k, v, g, beta, scale, initial_state, output_final_state,
     if use_beta_sigmoid_in_kernel:
         beta = torch.sigmoid(beta.float()) * (2.0 if allow_neg_eigval else 1.0)
     cu = list(range(0, b * t + 1, t)) if cu_seqlens is None else [int(x) for x in cu_seqlens.tolist()]
-    if t == 0:  # nothing to run: the final states are the initial ones
+    if b * t == 0:  # nothing to run: the final states are the initial ones
         o = v.new_zeros(v.shape)
         fin = (initial_state.clone() if initial_state is not None
                else q.new_zeros((n, hv, kd, v.shape[3]), dtype=torch.float32)) if output_final_state else None
