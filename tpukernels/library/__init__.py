@@ -25,7 +25,8 @@ from .gated_mlp import TPUGatedMLP, gated_activation, geglu, swiglu  # noqa: E40
 from .causal_conv1d import causal_conv1d_fn, causal_conv1d_update  # noqa: E402,F401
 from .linear_attention import (chunk_gated_delta_rule, chunk_kda,  # noqa: E402,F401
                                fused_recurrent_gated_delta_rule, fused_recurrent_kda, gated_delta_rule_reference,
-                               kda_reference)
+                               kda_reference, mamba_chunk_scan_combined, selective_state_step,
+                               selective_state_update)
 from .paged_attention import (paged_attention_reference, ragged_paged_attention, ragged_paged_attention_jax,  # noqa: E402,F401
                               update_kv_cache)
 

@@ -377,7 +377,13 @@ def _check_activation(op, activation):
         raise ArgumentError(f"{op}: activation must be None, 'silu' or 'swish', got {activation!r}")
 
 
-def _check_cu_seqlens(op, cu, l, device):
+def check_cu_seqlens(op: str, cu, l: int, device) -> list:
+    """``cu_seqlens`` as a list after the checks every packed (varlen) op shares: a 1-D int32/int64 tensor of
+    ``N + 1 >= 2`` offsets on ``device``, starting at 0, never decreasing, ending at the token count ``l``.
+
+    Raises:
+        ArgumentError: naming ``op`` and the rule broken. DeviceError: on another device.
+    """
     if not _is_t(cu) or cu.dim() != 1 or cu.dtype not in _INT or cu.numel() < 2:
         raise ArgumentError(f"{op}: cu_seqlens must be a 1-D int32/int64 tensor [N + 1] (N >= 1 sequences), got "
                             f"{_shape(cu)} {getattr(cu, 'dtype', '')}")
@@ -435,7 +441,7 @@ def _check_public(op, x, weight, bias, activation, seq_idx, cu_seqlens, initial_
         if b != 1:
             raise ArgumentError(f"{op}: with cu_seqlens, x holds the packed tokens in one row: B must be 1, "
                                 f"got B = {b}")
-        n = len(_check_cu_seqlens(op, cu_seqlens, l, x.device)) - 1
+        n = len(check_cu_seqlens(op, cu_seqlens, l, x.device)) - 1
     if initial_states is not None and tuple(initial_states.shape) != (n, d, w - 1):
         what = "N sequences" if cu_seqlens is not None else "B"
         raise ArgumentError(f"{op}: initial_states must be [{what}, D, W-1] = [{n}, {d}, {w - 1}], got "

@@ -6,7 +6,7 @@ Public API (torch tensors)::
 
     mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
                               seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, inf),
-                              return_final_states=False, return_varlen_states=False)
+                              return_final_states=False, return_varlen_states=False, state_dtype=None)
         -> out | (out, final_states) | (out, varlen_states) | (out, final_states, varlen_states)
                                                       mamba_ssm ``ops/triton/ssd_combined.py``, same name
     selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
@@ -37,13 +37,20 @@ Sources: state-spaces/mamba ``mamba_ssm/ops/triton/ssd_combined.py`` (argument s
 
 Design. The scan kernel works on one ``(batch row, head)`` per grid row and one chunk of ``Q = chunk_size``
 tokens per step, the chunk axis sequential (``"arbitrary"``) with the ``[P, N]`` float32 state in VMEM
-scratch. Per chunk (``cs`` the chunk-local inclusive cumsum of ``a = dt' A``, ``seg`` the sequence of each
-token, ``s_in`` the sequence of the state entering the chunk)::
+scratch. Per chunk (``cs`` the inclusive cumsum of ``a = dt' A`` from the chunk start, restarting where a
+sequence starts (``dsl.scan.segment_cumsum``), ``seg`` the sequence (run) of each token, ``s_in`` the run of the
+state entering the chunk)::
 
     L[i, j]  = exp(cs_i - cs_j)  where j <= i and seg_i == seg_j, else 0       (jnp.where, never a product)
     y        = ((C Bᵀ) ∘ L ∘ dt'ᵀ) x  +  where(seg == s_in, exp(cs), 0) ∘ (C Sᵀ)
     S_next   = where(seg_last == s_in, exp(cs_last), 0) S  +  xᵀ (v ∘ B),   v_j = where(seg_j == seg_last,
                exp(cs_last - cs_j), 0) dt'_j
+
+Packed sequences inside one chunk never meet: every ``(Q, Q)`` pair product is selected to pairs of one run, the
+state terms to the rows of their run, and each contraction over the chunk's tokens (``W x`` and the backward's
+three) runs once per run present with its operands selected to that run (a loop whose bounds come from a
+scalar-prefetched run table: one step unless a sequence starts inside the chunk; a chunk of k packed sequences
+costs k such matmuls). So a NaN / inf in one sequence reaches no other through a ``0 * NaN``.
 
 The kernel also writes the state entering each chunk (``[B, H, n_chunks, P, N]`` float32), which the
 backward reads; the backward kernel walks the chunks in reverse with the state gradient in scratch and
@@ -51,19 +58,23 @@ returns dx, per-head dB / dC, d(dt'), d(a) and d(initial_states) (derivation bes
 kernels, in torch (elementwise on ``[B, L, H]`` / ``[B, L, H, P]``, differentiated by autograd): the dt
 processing, ``a = dt' A``, the head-major transposes, the D skip and the z gate, the sum of dB / dC over the
 heads of a group, and the per-sequence final states (one chunk of tokens per sequence).
-Decode (``selective_state_update``) is one kernel step per batch row over all heads, the state rows read by
-``state_batch_indices`` (scalar prefetch), its new rows written back into ``state`` by the wrapper.
+The tokens are zero-padded to whole chunks, their count bucketed (:func:`chunk_count`): lengths of one bucket
+share a compiled kernel. Decode (``selective_state_update``) is one kernel step per batch row and block of heads,
+the state rows read by ``state_batch_indices`` (scalar prefetch), its new rows written back into ``state`` by the
+wrapper.
 
-Not covered (vs mamba_ssm): per-sequence *initial* states with cu_seqlens (vLLM's varlen form) — only the
-row's first sequence (seq_idx 0) starts from ``initial_states``; ``state_dtype`` (states are float32);
-gradients through ``varlen_states`` (mamba_ssm refuses them too: a typed error here); chunk sizes below 8.
+Not covered (vs mamba_ssm): per-sequence *initial* states with cu_seqlens (vLLM's varlen form; only the row's
+first sequence, seq_idx 0, starts from ``initial_states``, as in mamba_ssm); ``state_dtype`` sets only the returned
+states' dtype (the states between chunks stay float32, where mamba_ssm rounds them to it); gradients through
+``varlen_states`` (mamba_ssm refuses them too: a typed error here); chunk sizes below 8; seq_idx that decreases
+(a typed error: mamba_ssm would let equal ids far apart in one chunk see each other). float16 is computed as
+float32 (Mosaic loads no float16 vectors on v5e / v6e / tpu7x).
 Performance gaps (correct first): the head-major transposes and the float32 ``y`` cost extra HBM passes, dB / dC
 are per head before their group sum, and decode copies the selected state rows.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import jax
@@ -76,6 +87,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from ... import dsl as tk
 from ...errors import ArgumentError, DeviceError, DTypeError
+from ..causal_conv1d import check_cu_seqlens
 
 __all__ = [
     "mamba_chunk_scan_combined", "selective_state_update", "selective_state_step", "ssd_chunk_scan_fwd",
@@ -93,36 +105,58 @@ _INT = (torch.int32, torch.int64)
 
 # ----------------------------------------------------------------------------------------- per-chunk values
 mm = tk.scan.matmul  # float32, highest precision; trans_a / trans_b contract the stored layouts
+RUN_FIELDS = 3  # per (row, chunk) in the scalar-prefetched run table: entering state's run, first run, last run
 
 
 class _Chunk:
     """The per-chunk quantities the forward and backward share (module docstring, Design), from the blocks of
-    chunk ``ci``. ``cs`` restarts at each sequence start (``dsl.scan.segment_cumsum``): every decay below pairs
-    two tokens of one sequence, or the chunk start with a token of the entering state's sequence (the chunk's
-    first run), where it equals the chunk-local cumsum."""
+    chunk ``ci`` of batch row ``bi``.
 
-    def __init__(self, dt_ref, a_ref, seg_ref, sin_ref, x_ref, b_ref, c_ref, chunk: int, length: int, ci):
+    Isolation of packed sequences (runs): every (Q, Q) product of two tokens is selected (``jnp.where``) to pairs
+    of one run; the decays use ``dsl.scan.segment_cumsum``, which restarts at each run (every decay pairs two
+    tokens of one run, or the chunk start with a token of the entering state's run, the chunk's first, where it
+    equals the chunk-local cumsum); the entering state is selected onto its run's rows, and a contraction over
+    the chunk's tokens runs once per run (:func:`_per_run`) with its operands selected to that run."""
+
+    def __init__(self, runs_ref, dt_ref, a_ref, seg_ref, x_ref, b_ref, c_ref, chunk: int, n_chunks: int, bi, ci):
         q = chunk
-        row = jax.lax.broadcasted_iota(jnp.int32, (q, 1), 0)
-        self.valid = ci * q + row < length  # tail of the last chunk: garbage memory, selected away
-        self.x = jnp.where(self.valid, x_ref[0, 0].astype(F32), 0.0)  # (Q, P)
-        self.B = jnp.where(self.valid, b_ref[0, 0].astype(F32), 0.0)  # (Q, N)
-        self.C = jnp.where(self.valid, c_ref[0, 0].astype(F32), 0.0)
+        self.x = x_ref[0, 0].astype(F32)  # (Q, P)   (zero-padded to whole chunks by the wrapper)
+        self.B = b_ref[0, 0].astype(F32)  # (Q, N)
+        self.C = c_ref[0, 0].astype(F32)
         self.dt = dt_ref[0, 0]  # (Q, 1) float32, zero-padded by the wrapper
         self.seg = seg_ref[0]  # (Q, 1) int32 run ids, padded with the last id
-        s_in = sin_ref[0, 0]  # (1, 1) int32
+        base = (bi * n_chunks + ci) * RUN_FIELDS
+        s_in, self.first, self.last = runs_ref[base], runs_ref[base + 1], runs_ref[base + 2]
         self.cs = tk.scan.segment_cumsum(a_ref[0, 0], self.seg)  # (Q, 1)
         self.dt_row = tk.scan.col_to_row(self.dt)
         self.mask = tk.scan.lower_mask(q, seg=self.seg)
         self.L = tk.scan.pairwise_decay(self.cs, self.mask)
-        self.G = mm(self.C, self.B, trans_b=True)  # (Q, Q) C_i . B_j
-        self.e = jnp.where(self.seg == s_in, jnp.exp(self.cs), 0.0)  # (Q, 1) decay of the entering state
-        s_last = self.seg[q - 1:q]
+        self.G = jnp.where(self.mask, mm(self.C, self.B, trans_b=True), 0.0)  # (Q, Q) C_i . B_j, one run, i >= j
+        self.W = jnp.where(self.mask, self.G * self.L * self.dt_row, 0.0)
+        self.entering = self.seg == s_in  # rows of the entering state's run
+        self.e = jnp.where(self.entering, jnp.exp(self.cs), 0.0)  # (Q, 1) decay of the entering state
+        self.kept = self.last == s_in  # the whole chunk is the entering state's run
         self.cs_last = self.cs[q - 1:q]
-        self.f = jnp.where(s_last == s_in, jnp.exp(self.cs_last), 0.0)  # (1, 1)
-        self.last_run = self.seg == s_last
+        self.f = jnp.where(self.kept, jnp.exp(self.cs_last), 0.0)  # (1, 1)
+        self.last_run = self.seg == self.last  # rows of the run the leaving state belongs to
         self.u = jnp.where(self.last_run, jnp.exp(jnp.where(self.last_run, self.cs_last - self.cs, 0.0)), 0.0)
-        self.v = self.u * self.dt
+        self.v = jnp.where(self.last_run, self.u * self.dt, 0.0)
+
+
+def _per_run(k: _Chunk, fn, shapes):
+    """``out[i] = fn(seg == r)[i]`` for the run r of row i, over the runs ``first..last`` of the chunk (one step
+    unless sequences start inside it): ``fn(m)`` contracts over the chunk's tokens with its operands selected to
+    the tokens of ``m``, so no run's values (NaN included) reach another run's rows through a matmul."""
+
+    def step(r, acc):
+        m = k.seg == r
+        return tuple(jnp.where(m, v, a) for v, a in zip(fn(m), acc))
+
+    return jax.lax.fori_loop(k.first, k.last + 1, step, tuple(jnp.zeros(s, F32) for s in shapes))
+
+
+def _sel(m, t):
+    return jnp.where(m, t, 0.0)
 
 
 def _col_sums(m):
@@ -131,45 +165,49 @@ def _col_sums(m):
 
 
 # ----------------------------------------------------------------------------------------- forward kernel
-def _fwd_body(*refs, chunk: int, length: int, n_chunks: int, has_init: bool):
+def _fwd_body(runs_ref, *refs, chunk: int, n_chunks: int, has_init: bool):
     it = iter(refs)
-    dt_ref, a_ref, seg_ref, sin_ref, x_ref, b_ref, c_ref = (next(it) for _ in range(7))
+    dt_ref, a_ref, seg_ref, x_ref, b_ref, c_ref = (next(it) for _ in range(6))
     init_ref = next(it) if has_init else None
     y_ref, st_ref, fin_ref, s_scr = it
-    c = pl.program_id(2)
-
+    bi, c = pl.program_id(0), pl.program_id(2)
     tk.scan.reset_carry(s_scr, axis=2, value=init_ref[0, 0] if has_init else None)
-    k = _Chunk(dt_ref, a_ref, seg_ref, sin_ref, x_ref, b_ref, c_ref, chunk, length, c)
+    k = _Chunk(runs_ref, dt_ref, a_ref, seg_ref, x_ref, b_ref, c_ref, chunk, n_chunks, bi, c)
     s = s_scr[...]  # (P, N) state entering this chunk
     st_ref[0, 0, 0] = s
-    y = mm(k.G * k.L * k.dt_row, k.x) + k.e * mm(k.C, s, trans_b=True)
+    q, p = k.x.shape
+    (y,) = _per_run(k, lambda m: (mm(k.W, _sel(m, k.x)),), [(q, p)])
+    y = y + jnp.where(k.entering, k.e * mm(k.C, s, trans_b=True), 0.0)
     y_ref[0, 0] = y.astype(y_ref.dtype)
-    s_new = k.f * s + mm(k.x, k.v * k.B, trans_a=True)
+    s_new = (jnp.where(k.kept, k.f * s, 0.0)
+             + mm(_sel(k.last_run, k.x), _sel(k.last_run, k.v * k.B), trans_a=True))
     s_scr[...] = s_new
 
     @pl.when(c == n_chunks - 1)
     def _():
-        fin_ref[0, 0] = s_new
+        fin_ref[0, 0, 0] = s_new
 
 
-def _check_scan_args(op, dt, a, seg, sin, x, B, C, init, chunk_size):
+def _check_scan_args(op, runs, dt, a, seg, x, B, C, init, chunk_size):
     if len(x.shape) != 4:
         raise ArgumentError(f"{op}: x must be [B, H, L, P] (head-major), got {tuple(x.shape)}")
     b, h, l, p = x.shape
-    if len(B.shape) != 4 or B.shape[0] != b or B.shape[2] != l or h % max(B.shape[1], 1) or B.shape[1] == 0:
+    if len(B.shape) != 4 or B.shape[0] != b or B.shape[2] != l or B.shape[1] == 0 or h % B.shape[1]:
         raise ArgumentError(f"{op}: B must be [B, G, L, N] with G dividing H = {h}, got {tuple(B.shape)}")
     if tuple(C.shape) != tuple(B.shape):
         raise ArgumentError(f"{op}: C must be shaped like B {tuple(B.shape)}, got {tuple(C.shape)}")
     n = B.shape[3]
     if chunk_size < MIN_CHUNK or chunk_size & (chunk_size - 1):
         raise ArgumentError(f"{op}: chunk_size must be a power of two >= {MIN_CHUNK}, got {chunk_size}")
-    nc = tk.cdiv(l, chunk_size)
-    lp = nc * chunk_size
-    for name, t, want in (("dt", dt, (b, h, lp, 1)), ("a", a, (b, h, lp, 1)), ("seg", seg, (b, lp, 1)),
-                          ("sin", sin, (b, nc, 1, 1)), ("init", init, (b, h, p, n))):
+    if l % chunk_size or l == 0:
+        raise ArgumentError(f"{op}: the token count L = {l} must be a positive multiple of chunk_size = {chunk_size} "
+                            f"(the public op zero-pads)")
+    nc = l // chunk_size
+    for name, t, want in (("runs", runs, (b * nc * RUN_FIELDS,)), ("dt", dt, (b, h, l, 1)), ("a", a, (b, h, l, 1)),
+                          ("seg", seg, (b, l, 1)), ("init", init, (b, h, p, n))):
         if t is not None and tuple(t.shape) != want:
             raise ArgumentError(f"{op}: {name} must be {list(want)}, got {tuple(t.shape)}")
-    for name, t, want in (("dt", dt, "float32"), ("a", a, "float32"), ("seg", seg, "int32"), ("sin", sin, "int32"),
+    for name, t, want in (("runs", runs, "int32"), ("dt", dt, "float32"), ("a", a, "float32"), ("seg", seg, "int32"),
                           ("init", init, "float32")):
         if t is not None and np.dtype(t.dtype).name != want:
             raise DTypeError(f"{op}: {name} must be {want}, got {np.dtype(t.dtype).name}")
@@ -179,79 +217,80 @@ def _check_scan_args(op, dt, a, seg, sin, x, B, C, init, chunk_size):
     return b, h, l, p, B.shape[1], n, nc
 
 
-def _scan_specs(b, h, g, p, n, q):
+def _spec(block, index_map, nc=None):
+    """A BlockSpec on the ``(row, head, chunk)`` grid (chunks in reverse when ``nc`` is given: the backward)."""
+    if nc is None:
+        return pl.BlockSpec(block, lambda i, j, c, runs: index_map(i, j, c))
+    return pl.BlockSpec(block, lambda i, j, c, runs: index_map(i, j, nc - 1 - c))
+
+
+def _scan_specs(h, g, p, n, q, nc=None):
+    """BlockSpecs of dt, a, seg, x, B, C (``nc``: reversed, for the backward)."""
     rep = h // g
-    col = pl.BlockSpec((1, 1, q, 1), lambda i, j, c: (i, j, c, 0))
-    return [
-        col, col,
-        pl.BlockSpec((1, q, 1), lambda i, j, c: (i, c, 0)),
-        pl.BlockSpec((1, 1, 1, 1), lambda i, j, c: (i, c, 0, 0)),
-        pl.BlockSpec((1, 1, q, p), lambda i, j, c: (i, j, c, 0)),
-        pl.BlockSpec((1, 1, q, n), lambda i, j, c: (i, j // rep, c, 0)),
-        pl.BlockSpec((1, 1, q, n), lambda i, j, c: (i, j // rep, c, 0)),
-    ]
+    col = _spec((1, 1, q, 1), lambda i, j, c: (i, j, c, 0), nc)
+    return [col, col, _spec((1, q, 1), lambda i, j, c: (i, c, 0), nc),
+            _spec((1, 1, q, p), lambda i, j, c: (i, j, c, 0), nc),
+            _spec((1, 1, q, n), lambda i, j, c: (i, j // rep, c, 0), nc),
+            _spec((1, 1, q, n), lambda i, j, c: (i, j // rep, c, 0), nc)]
 
 
-def _rev(spec_map, nc):
-    """An index map of a (i, j, c) grid read in reverse chunk order."""
-    return lambda i, j, c: spec_map(i, j, nc - 1 - c)
-
-
-def _fwd_out(dt, a, seg, sin, x, B, C, init, chunk_size):
+def _fwd_out(runs, dt, a, seg, x, B, C, init, chunk_size):
     b, h, l, p = x.shape
     n = B.shape[3]
-    nc = tk.cdiv(l, chunk_size)
-    return (tk.OutSpec((b, h, l, p), F32), tk.OutSpec((b, h, nc, p, n), F32), tk.OutSpec((b, h, p, n), F32))
+    nc = max(l // chunk_size, 1)
+    return (tk.OutSpec((b, h, l, p), F32), tk.OutSpec((b, h, nc, p, n), F32), tk.OutSpec((b, h, 1, p, n), F32))
 
 
 @tk.tpu_kernel(_fwd_body, name="ssd_chunk_scan_fwd", namespace=NAMESPACE, out_shape=_fwd_out)
 def ssd_chunk_scan_fwd(
-    dt: torch.Tensor, a: torch.Tensor, seg: torch.Tensor, sin: torch.Tensor, x: torch.Tensor, B: torch.Tensor,
+    runs: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, seg: torch.Tensor, x: torch.Tensor, B: torch.Tensor,
     C: torch.Tensor, init: Optional[torch.Tensor], chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The SSD chunked scan, head-major (internal op ``tpukernels::ssd_chunk_scan_fwd``; use
     :func:`mamba_chunk_scan_combined`).
 
     Args:
-        dt: ``[B, H, Lp, 1]`` float32 processed step (dt'), ``Lp = n_chunks * chunk_size``, zeros past L.
-        a: ``[B, H, Lp, 1]`` float32 ``dt' * A``, zeros past L.
-        seg: ``[B, Lp, 1]`` int32 run id of each token (0, 1, ... per row; < 2**24), past L the last id.
-        sin: ``[B, n_chunks, 1, 1]`` int32 run id of the state entering each chunk (chunk 0: the initial
-            state's, -1 when it belongs to no run).
+        runs: ``[B * n_chunks * 3]`` int32 (scalar prefetch): per row and chunk, the run id of the state entering
+            the chunk (chunk 0: the initial state's, -1 when it belongs to no run), of its first and last token.
+        dt: ``[B, H, L, 1]`` float32 processed step (dt'); ``L = n_chunks * chunk_size`` (the public op pads the
+            tokens with zeros: dt' = 0 and x = B = C = 0 there, which leaves the state as it was).
+        a: ``[B, H, L, 1]`` float32 ``dt' * A``.
+        seg: ``[B, L, 1]`` int32 run id of each token (0, 1, ... consecutive per row; the padding: the last id).
         x: ``[B, H, L, P]`` bf16/f32. B, C: ``[B, G, L, N]`` bf16/f32, G dividing H.
         init: ``[B, H, P, N]`` float32 initial state or None (zeros).
         chunk_size: Q, a power of two >= 8.
 
     Returns:
-        ``(y [B, H, L, P], states [B, H, n_chunks, P, N], final [B, H, P, N])`` float32: y without D / z,
-        the state entering each chunk, the state after the last token.
+        ``(y [B, H, L, P], states [B, H, n_chunks, P, N], final [B, H, 1, P, N])`` float32: y without D / z,
+        the state entering each chunk, the state after the last token (5-D, like states).
     """
-    b, h, l, p, g, n, nc = _check_scan_args("tpukernels::ssd_chunk_scan_fwd", dt, a, seg, sin, x, B, C, init,
+    b, h, l, p, g, n, nc = _check_scan_args("tpukernels::ssd_chunk_scan_fwd", runs, dt, a, seg, x, B, C, init,
                                             chunk_size)
     q = chunk_size
-    in_specs = _scan_specs(b, h, g, p, n, q)
+    in_specs = _scan_specs(h, g, p, n, q)
     if init is not None:
-        in_specs.append(pl.BlockSpec((1, 1, p, n), lambda i, j, c: (i, j, 0, 0)))
+        in_specs.append(_spec((1, 1, p, n), lambda i, j, c: (i, j, 0, 0)))
     flops = 2 * b * h * nc * (q * q * n + q * q * p + 2 * q * p * n)
     return tk.Launch(
         grid=(b, h, nc),
         in_specs=in_specs,
-        out_specs=[pl.BlockSpec((1, 1, q, p), lambda i, j, c: (i, j, c, 0)),
-                   pl.BlockSpec((1, 1, 1, p, n), lambda i, j, c: (i, j, c, 0, 0)),
-                   pl.BlockSpec((1, 1, p, n), lambda i, j, c: (i, j, 0, 0))],
-        out_shape=_fwd_out(dt, a, seg, sin, x, B, C, init, chunk_size),
+        out_specs=[_spec((1, 1, q, p), lambda i, j, c: (i, j, c, 0)),
+                   _spec((1, 1, 1, p, n), lambda i, j, c: (i, j, c, 0, 0)),
+                   _spec((1, 1, 1, p, n), lambda i, j, c: (i, j, 0, 0, 0))],
+        out_shape=_fwd_out(runs, dt, a, seg, x, B, C, init, chunk_size),
         scratch_shapes=[pltpu.VMEM((p, n), F32)],
+        num_scalar_prefetch=1,
         dimension_semantics=("parallel", "parallel", "arbitrary"),  # the state is carried along the chunks
         cost_estimate=pl.CostEstimate(
             flops=int(flops), transcendentals=int(b * h * nc * q * (q + 3)),
             bytes_accessed=int(x.size * x.itemsize + 2 * B.size * B.itemsize * h // g + 4 * b * h * l * p
                                + 4 * b * h * nc * p * n)),
-        body_kwargs={"chunk": q, "length": int(l), "n_chunks": int(nc), "has_init": init is not None},
+        body_kwargs={"chunk": q, "n_chunks": int(nc), "has_init": init is not None},
     )
 
 
 # ----------------------------------------------------------------------------------------- backward kernel
-def _bwd_body(*refs, chunk: int, length: int, n_chunks: int, has_dfinal: bool):
+def _bwd_body(runs_ref, *refs, chunk: int, n_chunks: int, has_dfinal: bool):
     """One chunk of the backward, chunks in reverse; ``dS`` (scratch) is the gradient of the state leaving it.
 
     With W = (C Bᵀ) ∘ L ∘ dt'ᵀ and y = W x + e ∘ (C Sᵀ), S_next = f S + xᵀ (v ∘ B)::
@@ -261,42 +300,47 @@ def _bwd_body(*refs, chunk: int, length: int, n_chunks: int, has_dfinal: bool):
         d dt'_j = Σ_i (dW ∘ C Bᵀ ∘ L)_ij + u_j Σ_n (B ∘ x dS)_jn
         d cs_i += Σ_j P_ij − Σ_j P_ji (P = dW ∘ W) + e_i Σ_p (dy ∘ C Sᵀ)_ip − v_i Σ_n (B ∘ x dS)_in,
         d cs_last += f Σ (dS ∘ S) + Σ_j v_j Σ_n (B ∘ x dS)_jn
-        dS_entering = (e ∘ dy)ᵀ C + f dS,            d a = reverse cumsum of d cs (cs is a chunk-local cumsum)
+        dS_entering = (e ∘ dy)ᵀ C + f dS,            d a = reverse segment cumsum of d cs (cs is one)
+
+    The same isolation as the forward (:class:`_Chunk`): pair products selected to one run, contractions over
+    tokens per run, the state terms selected onto their run's rows.
     """
     it = iter(refs)
-    dt_ref, a_ref, seg_ref, sin_ref, x_ref, b_ref, c_ref, st_ref, dy_ref = (next(it) for _ in range(9))
+    dt_ref, a_ref, seg_ref, x_ref, b_ref, c_ref, st_ref, dy_ref = (next(it) for _ in range(8))
     dfin_ref = next(it) if has_dfinal else None
     dx_ref, db_ref, dc_ref, ddt_ref, da_ref, dinit_ref, ds_scr = it
-    c = pl.program_id(2)
+    bi, c = pl.program_id(0), pl.program_id(2)
     ci = n_chunks - 1 - c
     q = chunk
-
     tk.scan.reset_carry(ds_scr, axis=2, value=dfin_ref[0, 0] if has_dfinal else None)
-    k = _Chunk(dt_ref, a_ref, seg_ref, sin_ref, x_ref, b_ref, c_ref, q, length, ci)
+    k = _Chunk(runs_ref, dt_ref, a_ref, seg_ref, x_ref, b_ref, c_ref, q, n_chunks, bi, ci)
     ds_next = ds_scr[...]
     s = st_ref[0, 0, 0]
-    dy = jnp.where(k.valid, dy_ref[0, 0].astype(F32), 0.0)
-    w = k.G * k.L * k.dt_row
-    dw = mm(dy, k.x, trans_b=True)  # (Q, Q)
-    dx = mm(w, dy, trans_a=True)
-    dg = dw * k.L * k.dt_row
-    dC = mm(dg, k.B)
-    dB = mm(dg, k.C, trans_a=True)
+    dy = dy_ref[0, 0]
+    p, n = s.shape
+    dw = jnp.where(k.mask, mm(dy, k.x, trans_b=True), 0.0)  # (Q, Q) dy_i . x_j, one run, i >= j
+    dg = jnp.where(k.mask, dw * k.L * k.dt_row, 0.0)
+    dx, dC, dB = _per_run(k, lambda m: (mm(k.W, _sel(m, dy), trans_a=True), mm(dg, _sel(m, k.B)),
+                                        mm(dg, _sel(m, k.C), trans_a=True)), [(q, p), (q, n), (q, n)])
     ddt = _col_sums(dw * k.G * k.L)
-    pm = dw * w
+    pm = dw * k.W
     dcs = jnp.sum(pm, axis=1, keepdims=True) - _col_sums(pm)
+    # the entering state (its run's rows only)
     cs_s = mm(k.C, s, trans_b=True)  # (Q, P)
-    dC = dC + k.e * mm(dy, s)
-    dcs = dcs + k.e * jnp.sum(dy * cs_s, axis=1, keepdims=True)
-    ds = mm(k.e * dy, k.C, trans_a=True) + k.f * ds_next
+    dC = dC + jnp.where(k.entering, k.e * mm(dy, s), 0.0)
+    dcs = dcs + jnp.where(k.entering, k.e * jnp.sum(dy * cs_s, axis=1, keepdims=True), 0.0)
+    ds = (mm(_sel(k.entering, k.e * dy), _sel(k.entering, k.C), trans_a=True)
+          + jnp.where(k.kept, k.f * ds_next, 0.0))
+    # the leaving state (the last run's rows only)
     xds = mm(k.x, ds_next)  # (Q, N)
-    dx = dx + k.v * mm(k.B, ds_next, trans_b=True)
-    dB = dB + k.v * xds
-    dv = jnp.sum(k.B * xds, axis=1, keepdims=True)
+    dx = dx + jnp.where(k.last_run, k.v * mm(k.B, ds_next, trans_b=True), 0.0)
+    dB = dB + jnp.where(k.last_run, k.v * xds, 0.0)
+    dv = jnp.where(k.last_run, jnp.sum(k.B * xds, axis=1, keepdims=True), 0.0)
     ddt = ddt + dv * k.u
     # cs_last enters f (state kept across the chunk) and v (tokens of the last run): add its gradient to the
     # last token's dcs, whose reverse segment cumsum spreads it over the last run (the whole chunk when f != 0)
-    last = k.f * jnp.sum(ds_next * s, keepdims=True).reshape(1, 1) + jnp.sum(dv * k.v, keepdims=True).reshape(1, 1)
+    last = (jnp.where(k.kept, k.f * jnp.sum(ds_next * s, keepdims=True).reshape(1, 1), 0.0)
+            + jnp.sum(dv * k.v, keepdims=True).reshape(1, 1))
     dcs = dcs - dv * k.v
     row = jax.lax.broadcasted_iota(jnp.int32, (q, 1), 0)
     dcs = jnp.where(row == q - 1, dcs + last, dcs)
@@ -304,69 +348,69 @@ def _bwd_body(*refs, chunk: int, length: int, n_chunks: int, has_dfinal: bool):
     dx_ref[0, 0] = dx
     db_ref[0, 0] = dB
     dc_ref[0, 0] = dC
-    ddt_ref[0, 0] = jnp.where(k.valid, ddt, 0.0)
-    da_ref[0, 0] = jnp.where(k.valid, da, 0.0)
+    ddt_ref[0, 0] = ddt
+    da_ref[0, 0] = da
     ds_scr[...] = ds
 
     @pl.when(c == n_chunks - 1)
     def _():
-        dinit_ref[0, 0] = ds
+        dinit_ref[0, 0, 0] = ds
 
 
-def _bwd_out(dt, a, seg, sin, x, B, C, states, dy, dfinal, chunk_size):
+def _bwd_out(runs, dt, a, seg, x, B, C, states, dy, dfinal, chunk_size):
     b, h, l, p = x.shape
-    n, lp = B.shape[3], dt.shape[2]
+    n = B.shape[3]
     return (tk.OutSpec((b, h, l, p), F32), tk.OutSpec((b, h, l, n), F32), tk.OutSpec((b, h, l, n), F32),
-            tk.OutSpec((b, h, lp, 1), F32), tk.OutSpec((b, h, lp, 1), F32), tk.OutSpec((b, h, p, n), F32))
+            tk.OutSpec((b, h, l, 1), F32), tk.OutSpec((b, h, l, 1), F32), tk.OutSpec((b, h, 1, p, n), F32))
 
 
 @tk.tpu_kernel(_bwd_body, name="ssd_chunk_scan_bwd", namespace=NAMESPACE, out_shape=_bwd_out)
 def ssd_chunk_scan_bwd(
-    dt: torch.Tensor, a: torch.Tensor, seg: torch.Tensor, sin: torch.Tensor, x: torch.Tensor, B: torch.Tensor,
+    runs: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, seg: torch.Tensor, x: torch.Tensor, B: torch.Tensor,
     C: torch.Tensor, states: torch.Tensor, dy: torch.Tensor, dfinal: Optional[torch.Tensor], chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of :func:`ssd_chunk_scan_fwd` (internal op ``tpukernels::ssd_chunk_scan_bwd``).
 
     Args:
-        dt, a, seg, sin, x, B, C, chunk_size: as the forward's. states: the forward's ``[B, H, n_chunks, P, N]``.
+        runs, dt, a, seg, x, B, C, chunk_size: as the forward's. states: the forward's ``[B, H, n_chunks, P, N]``.
         dy: ``[B, H, L, P]`` float32 gradient of y. dfinal: ``[B, H, P, N]`` float32 gradient of the final
             state, or None.
 
     Returns:
-        float32 ``(dx [B, H, L, P], dB [B, H, L, N], dC [B, H, L, N], ddt [B, H, Lp, 1], da [B, H, Lp, 1],
-        dinit [B, H, P, N])``: dB / dC per head (the caller sums the heads of a group).
+        float32 ``(dx [B, H, L, P], dB [B, H, L, N], dC [B, H, L, N], ddt [B, H, L, 1], da [B, H, L, 1],
+        dinit [B, H, 1, P, N])``: dB / dC per head (the caller sums the heads of a group).
     """
-    b, h, l, p, g, n, nc = _check_scan_args("tpukernels::ssd_chunk_scan_bwd", dt, a, seg, sin, x, B, C, None,
+    b, h, l, p, g, n, nc = _check_scan_args("tpukernels::ssd_chunk_scan_bwd", runs, dt, a, seg, x, B, C, None,
                                             chunk_size)
     for name, t, want in (("states", states, (b, h, nc, p, n)), ("dy", dy, (b, h, l, p)),
                           ("dfinal", dfinal, (b, h, p, n))):
         if t is not None and tuple(t.shape) != want:
             raise ArgumentError(f"tpukernels::ssd_chunk_scan_bwd: {name} must be {list(want)}, got {tuple(t.shape)}")
     q = chunk_size
-    fwd = _scan_specs(b, h, g, p, n, q)
-    in_specs = [pl.BlockSpec(s.block_shape, _rev(s.index_map, nc)) for s in fwd]
-    in_specs += [pl.BlockSpec((1, 1, 1, p, n), _rev(lambda i, j, c: (i, j, c, 0, 0), nc)),
-                 pl.BlockSpec((1, 1, q, p), _rev(lambda i, j, c: (i, j, c, 0), nc))]
+    in_specs = _scan_specs(h, g, p, n, q, nc)
+    in_specs += [_spec((1, 1, 1, p, n), lambda i, j, c: (i, j, c, 0, 0), nc),
+                 _spec((1, 1, q, p), lambda i, j, c: (i, j, c, 0), nc)]
     if dfinal is not None:
-        in_specs.append(pl.BlockSpec((1, 1, p, n), lambda i, j, c: (i, j, 0, 0)))
-    col = pl.BlockSpec((1, 1, q, 1), _rev(lambda i, j, c: (i, j, c, 0), nc))
+        in_specs.append(_spec((1, 1, p, n), lambda i, j, c: (i, j, 0, 0)))
+    col = _spec((1, 1, q, 1), lambda i, j, c: (i, j, c, 0), nc)
     flops = 2 * b * h * nc * (3 * q * q * n + 3 * q * q * p + 6 * q * p * n)
     return tk.Launch(
         grid=(b, h, nc),
         in_specs=in_specs,
-        out_specs=[pl.BlockSpec((1, 1, q, p), _rev(lambda i, j, c: (i, j, c, 0), nc)),
-                   pl.BlockSpec((1, 1, q, n), _rev(lambda i, j, c: (i, j, c, 0), nc)),
-                   pl.BlockSpec((1, 1, q, n), _rev(lambda i, j, c: (i, j, c, 0), nc)),
+        out_specs=[_spec((1, 1, q, p), lambda i, j, c: (i, j, c, 0), nc),
+                   _spec((1, 1, q, n), lambda i, j, c: (i, j, c, 0), nc),
+                   _spec((1, 1, q, n), lambda i, j, c: (i, j, c, 0), nc),
                    col, col,
-                   pl.BlockSpec((1, 1, p, n), lambda i, j, c: (i, j, 0, 0))],
-        out_shape=_bwd_out(dt, a, seg, sin, x, B, C, states, dy, dfinal, chunk_size),
+                   _spec((1, 1, 1, p, n), lambda i, j, c: (i, j, 0, 0, 0))],
+        out_shape=_bwd_out(runs, dt, a, seg, x, B, C, states, dy, dfinal, chunk_size),
         scratch_shapes=[pltpu.VMEM((p, n), F32)],
+        num_scalar_prefetch=1,
         dimension_semantics=("parallel", "parallel", "arbitrary"),
         cost_estimate=pl.CostEstimate(
             flops=int(flops), transcendentals=int(b * h * nc * q * (q + 3)),
             bytes_accessed=int(2 * x.size * x.itemsize + 4 * B.size * B.itemsize * h // g + 8 * b * h * l * p
                                + 4 * b * h * nc * p * n)),
-        body_kwargs={"chunk": q, "length": int(l), "n_chunks": int(nc), "has_dfinal": dfinal is not None},
+        body_kwargs={"chunk": q, "n_chunks": int(nc), "has_dfinal": dfinal is not None},
     )
 
 
@@ -374,8 +418,8 @@ def ssd_chunk_scan_bwd(
 def _scan_backward(ctx, dy, _dstates, dfinal):
     y, states, _final = ctx.outputs
     dy = torch.zeros_like(y) if dy is None else dy.float().contiguous()
-    dfinal = None if dfinal is None else dfinal.float().contiguous()
-    dx, dB, dC, ddt, da, dinit = ssd_chunk_scan_bwd(ctx.dt, ctx.a, ctx.seg, ctx.sin, ctx.x, ctx.B, ctx.C, states,
+    dfinal = None if dfinal is None else dfinal[:, :, 0].float().contiguous()
+    dx, dB, dC, ddt, da, dinit = ssd_chunk_scan_bwd(ctx.runs, ctx.dt, ctx.a, ctx.seg, ctx.x, ctx.B, ctx.C, states,
                                                     dy, dfinal, ctx.chunk_size)
     b, g, l, n = ctx.B.shape
     h = ctx.x.shape[1]
@@ -386,7 +430,7 @@ def _scan_backward(ctx, dy, _dstates, dfinal):
     out = {"x": dx.to(ctx.x.dtype), "B": group_sum(dB).to(ctx.B.dtype), "C": group_sum(dC).to(ctx.C.dtype),
            "dt": ddt, "a": da}
     if ctx.init is not None:
-        out["init"] = dinit
+        out["init"] = dinit[:, :, 0]
     return out
 
 
@@ -438,8 +482,9 @@ def ssd_state_update(
 
     Args:
         idx: ``[Bt]`` int32 state row of each batch row (negative: a padding row, its output 0).
-        state: ``[S, H, P, N]`` (bf16/f32) the state pool. x, dt, z: ``[Bt, H, P, 1]``. A: ``[H, P, N]``.
-        B, C: ``[Bt, H, 1, N]`` (each head's group). D, dt_bias: ``[H, P, 1]`` or None.
+        state: ``[S, H, P, N]`` (bf16/f32) the state pool. x, z: ``[Bt, H, P, 1]``. dt: ``[Bt, H, P, 1]`` or
+        ``[Bt, H, 1, 1]`` (one per head). A: ``[H, P, N]`` or ``[H, 1, 1]``. B, C: ``[Bt, H, 1, N]`` (each head's
+        group). D, dt_bias: ``[H, P, 1]``, ``[H, 1, 1]`` or None.
         softplus: apply softplus (where ``dt + dt_bias <= 20``).
 
     Returns:
@@ -456,15 +501,15 @@ def ssd_state_update(
     hd = lambda i, j, ix: (i, j, 0, 0)  # noqa: E731
     vec = lambda i, j, ix: (j, 0, 0)  # noqa: E731
     in_specs = [pl.BlockSpec((1, bh, p, n), lambda i, j, ix: (jnp.maximum(ix[i], 0), j, 0, 0)),
-                pl.BlockSpec((1, bh, p, 1), hd), pl.BlockSpec((1, bh, p, 1), hd),
-                pl.BlockSpec((bh, p, n), vec),
+                pl.BlockSpec((1, bh, p, 1), hd), pl.BlockSpec((1, bh, dt.shape[2], 1), hd),
+                pl.BlockSpec((bh, *A.shape[1:]), vec),
                 pl.BlockSpec((1, bh, 1, n), hd), pl.BlockSpec((1, bh, 1, n), hd)]
     if D is not None:
-        in_specs.append(pl.BlockSpec((bh, p, 1), vec))
+        in_specs.append(pl.BlockSpec((bh, D.shape[1], 1), vec))
     if z is not None:
         in_specs.append(pl.BlockSpec((1, bh, p, 1), hd))
     if dt_bias is not None:
-        in_specs.append(pl.BlockSpec((bh, p, 1), vec))
+        in_specs.append(pl.BlockSpec((bh, dt_bias.shape[1], 1), vec))
     return tk.Launch(
         grid=(bt, h // bh),
         in_specs=in_specs,
@@ -508,19 +553,6 @@ def _check_shape(op, name, t, want, what):
 def _check_bool(op, name, v):
     if not isinstance(v, bool):
         raise ArgumentError(f"{op}: {name} must be a bool, got {v!r}")
-
-
-def _check_cu_seqlens(op, cu, l, device):
-    if not _is_t(cu) or cu.dim() != 1 or cu.dtype not in _INT or cu.numel() < 2:
-        raise ArgumentError(f"{op}: cu_seqlens must be a 1-D int32/int64 tensor [N + 1] (N >= 1 sequences), got "
-                            f"{_shape(cu)} {getattr(cu, 'dtype', '')}")
-    if cu.device != device:
-        raise DeviceError(f"{op}: cu_seqlens is on {cu.device} but x is on {device}")
-    c = cu.tolist()
-    if c[0] != 0 or c[-1] != l or any(e < s for s, e in zip(c, c[1:])):
-        raise ArgumentError(f"{op}: cu_seqlens must start at 0, never decrease and end at the token count L = {l}, "
-                            f"got {c[:8]}{' ...' if len(c) > 8 else ''} (ends at {c[-1]})")
-    return c
 
 
 def _check_seq_idx(op, seq_idx, b, l, device):
@@ -585,7 +617,7 @@ def _check_scan_public(op, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_st
         if b != 1:
             raise ArgumentError(f"{op}: with cu_seqlens, x holds the packed sequences in one row: batch must be 1, "
                                 f"got {b}")
-        cu = _check_cu_seqlens(op, cu_seqlens, l, x.device)
+        cu = check_cu_seqlens(op, cu_seqlens, l, x.device)
         if seq_idx is not None:
             runs = seq_idx[0]
             starts = [s for s, e in zip(cu, cu[1:]) if e > s]
@@ -607,6 +639,14 @@ def _widen(t):
     return t.float() if t is not None and t.dtype == torch.float16 else t
 
 
+def chunk_count(l: int, chunk_size: int) -> int:
+    """Chunks the scan kernel runs for ``l`` tokens: ``cdiv(l, chunk_size)``, then past 8 rounded up to
+    :func:`tpukernels.dsl.bucket` (4 buckets per power of two, at most 25% of zero chunks), so prefills of
+    nearby lengths share one compiled kernel."""
+    nc = tk.cdiv(l, chunk_size)
+    return nc if nc <= 8 else tk.bucket(nc)
+
+
 def _process_dt(dt, dt_bias, dt_softplus, dt_limit):
     """``clamp(softplus?(dt + dt_bias), *dt_limit)`` in float32 (mamba_ssm's ``_chunk_cumsum_fwd``)."""
     d = dt.float()
@@ -618,9 +658,9 @@ def _process_dt(dt, dt_bias, dt_softplus, dt_limit):
 
 
 def _segments(seq_idx, b, l, nc, q, device):
-    """Run id of each token ``[B, Lp, 1]`` (padded with the last) and of the state entering each chunk
-    ``[B, nc, 1, 1]`` (chunk 0: 0 when the row's first sequence is seq_idx 0, which owns the initial state, else
-    -1), int32."""
+    """int32 run id of each token ``[B, Lp, 1]`` (consecutive from 0 per row, padded with the last) and the run
+    table ``[B * nc * 3]``: per chunk the run of the entering state (chunk 0: 0 when the row's first sequence is
+    seq_idx 0, which owns the initial state, else -1), of its first and of its last token."""
     if seq_idx is None:
         run = torch.zeros(b, l, dtype=torch.int32, device=device)
         init_run = torch.zeros(b, dtype=torch.int32, device=device)
@@ -630,11 +670,13 @@ def _segments(seq_idx, b, l, nc, q, device):
         run = torch.cat([torch.zeros(b, 1, dtype=torch.int32, device=device), change.cumsum(1).int()], 1)
         init_run = torch.where(s[:, 0] == 0, 0, -1).int()
     run_p = torch.cat([run, run[:, -1:].expand(b, nc * q - l)], 1)
-    sin = torch.cat([init_run[:, None], run_p[:, q - 1::q][:, :nc - 1]], 1)
-    return run_p[..., None].contiguous(), sin.reshape(b, nc, 1, 1).contiguous()
+    last = run_p[:, q - 1::q]
+    sin = torch.cat([init_run[:, None], last[:, :nc - 1]], 1)
+    runs = torch.stack([sin, run_p[:, ::q], last], -1).int()
+    return run_p[..., None].contiguous(), runs.reshape(-1).contiguous()
 
 
-def _varlen_states(xk, Bk, dt_k, a_k, states, seg, sin, cu, q):
+def _varlen_states(xk, Bk, dt_k, a_k, states, seg, runs, cu, q):
     """``[N, H, P, N_state]`` float32: the state after each sequence's last token, from the state entering its
     last chunk and that chunk's tokens of the sequence (mamba_ssm's ``chunk_state_varlen``); zeros when empty."""
     _, h, l, p = xk.shape
@@ -656,7 +698,8 @@ def _varlen_states(xk, Bk, dt_k, a_k, states, seg, sin, cu, q):
     xs = torch.where(mine[None, :, :, None], xk[0][:, jx].float(), 0.0)  # [H, Nseq, Q, P]
     bs = torch.where(mine[None, :, :, None], Bk[0][:, jx].float(), 0.0).repeat_interleave(h // g, 0)
     contrib = torch.einsum("hsq,hsqp,hsqn->hspn", w, xs, bs)
-    carried = (sin[0, :, 0, 0][k] == seg[0, :, 0][last])[None, :, None]  # the entering state is this sequence's
+    sin = runs.reshape(-1, RUN_FIELDS)[:, 0]  # batch 1: per chunk
+    carried = (sin[k] == seg[0, :, 0][last])[None, :, None]  # the entering state is this sequence's
     decay = torch.where(carried, torch.exp(cs_end), 0.0)[..., None]
     s_in = states[0][:, k]  # [H, Nseq, P, N]
     fs = torch.where(decay != 0, decay * s_in, 0.0) + contrib
@@ -670,6 +713,7 @@ def mamba_chunk_scan_combined(
     initial_states: Optional[torch.Tensor] = None, seq_idx: Optional[torch.Tensor] = None,
     cu_seqlens: Optional[torch.Tensor] = None, dt_softplus: bool = False,
     dt_limit: tuple = (0.0, float("inf")), return_final_states: bool = False, return_varlen_states: bool = False,
+    state_dtype: Optional[torch.dtype] = None,
 ):
     """Mamba2's chunked SSD scan with mamba_ssm's ``mamba_chunk_scan_combined`` semantics (module docstring).
 
@@ -689,10 +733,12 @@ def mamba_chunk_scan_combined(
             changes).
         cu_seqlens: int ``[N + 1]`` offsets of N packed sequences (batch 1): masks like the seq_idx it implies
             (with seq_idx, both must agree), and gives the sequence ends for ``return_varlen_states``.
-        return_final_states: also return ``final_states [batch, nheads, headdim, dstate]`` float32, the state
-            after the last token.
-        return_varlen_states: also return ``varlen_states [N, nheads, headdim, dstate]`` float32, the state after
-            each sequence's last token (needs cu_seqlens; not differentiable, as mamba_ssm's).
+        return_final_states: also return ``final_states [batch, nheads, headdim, dstate]``, the state after the
+            last token.
+        return_varlen_states: also return ``varlen_states [N, nheads, headdim, dstate]``, the state after each
+            sequence's last token (needs cu_seqlens; not differentiable, as mamba_ssm's).
+        state_dtype: dtype of the returned states (default C's dtype, as mamba_ssm). mamba_ssm also stores the
+            states passed between chunks in it; here they stay float32 whatever it is (rounded only on return).
 
     Returns:
         ``out [batch, seqlen, nheads, headdim]`` in x's dtype (float32 arithmetic, rounded once), then
@@ -710,13 +756,17 @@ def mamba_chunk_scan_combined(
     b, l, h, p, g, n, q, limit, cu = _check_scan_public(
         op, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus, dt_limit,
         return_final_states, return_varlen_states)
+    if state_dtype is not None and state_dtype not in _FLOATS:
+        raise DTypeError(f"{op}: state_dtype must be torch.bfloat16, torch.float16 or torch.float32 (or None: C's "
+                         f"dtype), got {state_dtype!r}")
+    sd = C.dtype if state_dtype is None else state_dtype
     if return_varlen_states and torch.is_grad_enabled() and any(
             _is_t(t) and t.requires_grad for t in (x, dt, A, B, C, D, z, dt_bias, initial_states)):
         raise ArgumentError(f"{op}: return_varlen_states is not differentiable (as mamba_ssm's): run it under "
                             f"torch.no_grad() or on tensors that do not require grad")
     if seq_idx is None and cu is not None:
         seq_idx = _seq_idx_of(cu, l, x.device)
-    nc = tk.cdiv(l, q)
+    nc = chunk_count(l, q)
     d = _process_dt(dt, dt_bias, dt_softplus, limit)
     if l == 0:
         out = torch.empty_like(x)
@@ -725,22 +775,24 @@ def mamba_chunk_scan_combined(
         varlen = torch.zeros(len(cu) - 1, h, p, n, device=x.device) if return_varlen_states else None
     else:
         a = d * A.float()
-        pad = nc * q - l
-        dt_k = F.pad(d.transpose(1, 2), (0, pad)).unsqueeze(-1).contiguous()  # [B, H, Lp, 1]
-        a_k = F.pad(a.transpose(1, 2), (0, pad)).unsqueeze(-1).contiguous()
-        xk = _widen(x).transpose(1, 2).contiguous()  # [B, H, L, P]
-        bk, ck = (_widen(t).transpose(1, 2).contiguous() for t in (B, C))  # [B, G, L, N]
-        seg, sin = _segments(seq_idx, b, l, nc, q, x.device)
+        pad = nc * q - l  # whole chunks of zero tokens (dt' = 0, x = B = C = 0: the state passes unchanged)
+        dt_k, a_k = (F.pad(t.transpose(1, 2), (0, pad)).unsqueeze(-1) for t in (d, a))  # [B, H, Lp, 1]
+        xk = F.pad(_widen(x).transpose(1, 2), (0, 0, 0, pad))  # [B, H, Lp, P] (one copy: transpose + pad)
+        bk, ck = (F.pad(_widen(t).transpose(1, 2), (0, 0, 0, pad)) for t in (B, C))  # [B, G, Lp, N]
+        seg, runs = _segments(seq_idx, b, l, nc, q, x.device)
         init = None if initial_states is None else initial_states.float().contiguous()
-        y, states, final = ssd_chunk_scan_fwd(dt_k, a_k, seg, sin, xk, bk, ck, init, q)
-        y = y.transpose(1, 2)  # [B, L, H, P] float32
+        y, states, final = ssd_chunk_scan_fwd(runs, dt_k.contiguous(), a_k.contiguous(), seg, xk.contiguous(),
+                                              bk.contiguous(), ck.contiguous(), init, q)
+        final = final[:, :, 0]
+        y = y[:, :, :l].transpose(1, 2)  # [B, L, H, P] float32
         if D is not None:
             y = y + x.float() * (D.float()[:, None] if D.dim() == 1 else D.float())
         if z is not None:
             y = y * F.silu(z.float())
         out = y.to(x.dtype)
-        varlen = (_varlen_states(xk, bk, dt_k, a_k, states, seg, sin, cu, q) if return_varlen_states else None)
-    res = (out,) + ((final,) if return_final_states else ()) + ((varlen,) if return_varlen_states else ())
+        varlen = (_varlen_states(xk, bk, dt_k, a_k, states, seg, runs, cu, q) if return_varlen_states else None)
+    res = ((out,) + ((final.to(sd),) if return_final_states else ())
+           + ((varlen.to(sd),) if return_varlen_states else ()))
     return res[0] if len(res) == 1 else res
 
 
@@ -799,6 +851,12 @@ def _step(op, state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_ind
         if live.unique().numel() != live.numel():
             raise ArgumentError(f"{op}: state_batch_indices must be distinct (two rows cannot update one state)")
     rep = h // b3.shape[1]
+    # Mamba2 passes A, dt, dt_bias and D expanded over dim (and dstate) with stride 0: the kernel reads them once
+    # per head then ([H, 1, 1], [Bt, H, 1, 1]) instead of a materialized copy (mamba_ssm's TIE_HDIM)
+    tied = lambda t: t is not None and t.shape[-1] > 0 and t.stride(-1) == 0  # noqa: E731
+    if tied(a3) and a3.stride(-2) == 0:
+        a3 = a3[:, :1, :1]
+    dt3, d2, bias2 = (t[..., :1] if tied(t) else t for t in (dt3, d2, bias2))
     col = lambda t: None if t is None else _widen(t).reshape(*t.shape, 1).contiguous()  # noqa: E731
     out, new = ssd_state_update(
         idx.to(torch.int32), _widen(s4).contiguous(), col(x3), col(dt3), _widen(a3).contiguous(),
@@ -920,7 +978,7 @@ def selective_state_update_reference(state, x, dt, A, B, C, D=None, z=None, dt_b
 def _scan_shapes(b, h, l, p, g, n, q, dtype="bf16", init=True):
     nc = tk.cdiv(l, q)
     col = f"{b}x{h}x{nc * q}x1:f32"
-    common = (col, col, f"{b}x{nc * q}x1:i32", f"{b}x{nc}x1x1:i32", f"{b}x{h}x{l}x{p}:{dtype}",
+    common = (f"{b * nc * RUN_FIELDS}:i32", col, col, f"{b}x{nc * q}x1:i32", f"{b}x{h}x{l}x{p}:{dtype}",
               f"{b}x{g}x{l}x{n}:{dtype}", f"{b}x{g}x{l}x{n}:{dtype}")
     fwd = (common + (f"{b}x{h}x{p}x{n}:f32" if init else None,), {"chunk_size": q})
     bwd = (common + (f"{b}x{h}x{nc}x{p}x{n}:f32", f"{b}x{h}x{l}x{p}:f32", f"{b}x{h}x{p}x{n}:f32"), {"chunk_size": q})
