@@ -122,6 +122,24 @@ def test_hybrid_logits_and_generate_match_stock(model_type, spy):
     _check_family(model_type, spy)
 
 
+@pytest.mark.slow
+def test_qwen3_next_bfloat16_mixer_is_patched_and_close(spy):
+    """A bf16 model (how Qwen3-Next is served): the probe accepts the mixer at the bf16 tolerance, logits stay
+    within the whole-model bf16 tolerance."""
+    model = hf_tiny.tiny_causal_lm("qwen3_next").to(torch.bfloat16)
+    ids, mask = hf_tiny.probe_batch(96)
+    want = hf_tiny.logits(model, ids, mask)
+    _fresh()
+    report = tki.apply_tpukernels(model, attention=False, rms_norm=False, moe=False)
+    assert report["linear_attention"] == 1, report
+    spy.clear()
+    got = hf_tiny.logits(model, ids, mask)
+    keep = mask.bool()
+    err = float((got[keep] - want[keep]).abs().max() / want[keep].abs().max())
+    assert err <= patch_probes.MODEL_TOLERANCE[torch.bfloat16], err
+    assert {"causal_conv1d_fn", "chunk_gated_delta_rule"} <= set(spy), spy
+
+
 def test_a_mixer_whose_probe_fails_stays_stock_with_one_warning(monkeypatch, spy):
     def broken(*a, **k):
         raise RuntimeError("broken adapter")
