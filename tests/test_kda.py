@@ -161,7 +161,7 @@ def test_packed_sequences_never_read_each_other(fn, interpret):
     assert o[:, s1.start + 1:s1.stop].isnan().all() and f[1].isnan().any()  # the poisoned one does see it
 
 
-@pytest.mark.parametrize("fn", sorted(FNS))
+@pytest.mark.parametrize("fn", ["chunk", pytest.param("recurrent", marks=pytest.mark.slow)])
 def test_two_halves_with_carried_state_equal_the_whole(fn):
     fn = FNS[fn]
     q, k, v, g, beta = inputs(3 * C + 2, gate=1.0)
@@ -203,20 +203,27 @@ def test_gate_beta_and_l2norm_options_match_explicit_forms():
 
 
 # ----------------------------------------------------------------------------------------- backward
-@pytest.mark.parametrize("fn, dtype", [("chunk", F32), ("chunk", BF16), ("recurrent", F32)])
+#: packed sequences of the backward tests: one empty, one sharing a chunk with two others, one spanning two chunks
+BWD_CU = torch.tensor([0, C + 3, C + 3, C + 8, 2 * C + 7])
+
+
+@pytest.mark.parametrize("fn, dtype", [("chunk", F32), pytest.param("chunk", BF16, marks=pytest.mark.slow),
+                                       ("recurrent", F32)])
 def test_backward_matches_float64_autograd(fn, dtype):
-    """kda_chunk_bwd (chunk) and kda_recurrent_bwd (recurrent): grouped heads, packed sequences (one empty, one
-    spanning two chunks), initial and final states."""
-    fn = FNS[fn]
-    lens = [C + 3, 0, 5, C - 1]
-    cu = torch.tensor([0, C + 3, C + 3, C + 8, 2 * C + 7])
+    """kda_chunk_bwd after either forward kernel (NaN-poisoned interpret mode): grouped heads, packed sequences,
+    initial and final states."""
+    import tpukernels.dsl as tk
+
+    fn, cu = FNS[fn], BWD_CU
     q, k, v, g, beta = inputs(int(cu[-1]), h=1, hv=2, dtype=dtype, gate=2.0)
-    h0 = state(len(lens))
+    h0 = state(4)
     leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
-    o, f = fn(*leaves[:5], initial_state=leaves[5], output_final_state=True, cu_seqlens=cu, chunk_size=C)
-    # do in o's dtype: autograd rounds the gradient of a bf16 output to bf16 before the kernel sees it
-    do, df = torch.randn(o.shape, dtype=torch.float64).to(dtype).double(), torch.randn(f.shape, dtype=torch.float64)
-    grads = torch.autograd.grad((o.double() * do).sum() + (f.double() * df).sum(), leaves)
+    with tk.interpret_mode("tpu"):
+        o, f = fn(*leaves[:5], initial_state=leaves[5], output_final_state=True, cu_seqlens=cu, chunk_size=C)
+        # do in o's dtype: autograd rounds the gradient of a bf16 output to bf16 before the kernel sees it
+        do = torch.randn(o.shape, dtype=torch.float64).to(dtype).double()
+        df = torch.randn(f.shape, dtype=torch.float64)
+        grads = torch.autograd.grad((o.double() * do).sum() + (f.double() * df).sum(), leaves)
     d64 = [x.detach().double().requires_grad_() for x in leaves]
     ro, rf = K.kda_reference(*d64[:5], initial_state=d64[5], cu_seqlens=cu)
     want = torch.autograd.grad((ro * do).sum() + (rf * df).sum(), d64)
@@ -229,19 +236,19 @@ def test_backward_matches_float64_autograd(fn, dtype):
 
 def test_backward_of_one_sequence_never_reads_another():
     """A NaN in one packed sequence leaves the other sequences' gradients finite and equal to their gradients
-    without it (the backward kernel in NaN-poisoned interpret mode)."""
+    without it (the backward kernel in NaN-poisoned interpret mode; the shapes of the test above)."""
     import tpukernels.dsl as tk
 
-    cu = torch.tensor([0, C + 3, C + 8, 2 * C + 7])
-    clean = inputs(int(cu[-1]), gate=2.0)
+    cu = BWD_CU
+    clean = inputs(int(cu[-1]), h=1, hv=2, gate=2.0)
     dirty = [x.clone() for x in clean]
     for x in dirty[:4]:
-        x[0, C + 5] = float("nan")  # in sequence 1
-    h0 = state(3)
+        x[0, C + 5] = float("nan")  # in sequence 2 (tokens C + 3 .. C + 7)
+    h0 = state(4)
     others = torch.ones(int(cu[-1]), dtype=torch.bool)
     others[C + 3:C + 8] = False
     gen = torch.Generator().manual_seed(3)
-    do, df = torch.randn(1, int(cu[-1]), 2, 8, generator=gen), torch.randn(3, 2, 16, 8, generator=gen)
+    do, df = torch.randn(1, int(cu[-1]), 2, 8, generator=gen), torch.randn(4, 2, 16, 8, generator=gen)
     grads = []
     with tk.interpret_mode("tpu"):
         for xs in (clean, dirty):
@@ -249,12 +256,12 @@ def test_backward_of_one_sequence_never_reads_another():
             o, f = K.chunk_kda(*leaves[:5], initial_state=leaves[5], output_final_state=True, cu_seqlens=cu,
                                chunk_size=C)
             # the loss reads the other sequences only (torch.where: no NaN * 0 in the loss itself)
-            loss = torch.where(others[None, :, None, None], o * do, 0.0).sum() + (f * df)[[0, 2]].sum()
+            loss = torch.where(others[None, :, None, None], o * do, 0.0).sum() + (f * df)[[0, 1, 3]].sum()
             grads.append(torch.autograd.grad(loss, leaves))
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), *grads):
         assert torch.equal(a[0, others], b[0, others]), name
         assert b[0, C + 3:C + 8].isnan().any(), name  # the poisoned sequence's own gradients do see it
-    assert torch.equal(grads[0][5][[0, 2]], grads[1][5][[0, 2]])
+    assert torch.equal(grads[0][5][[0, 1, 3]], grads[1][5][[0, 1, 3]])
 
 
 # ----------------------------------------------------------------------------------------- bad input
@@ -325,17 +332,17 @@ def test_work_items_cover_every_token_once():
 @pytest.mark.aot
 @pytest.mark.parametrize("chip", ["v5e", "v6e", "tpu7x"])
 def test_compile_only(chip, tmp_cache):
-    """Both forward kernels at Kimi-Linear's layer shapes (``STANDARD_SHAPES``) and both backward kernels (4 heads, two
-    packed sequences, K = V = 128, chunk 64) compile for the chip within the VMEM limit."""
+    """The forward kernels at Kimi-Linear's layer shapes (prefill ``STANDARD_SHAPES``, decode ``DECODE_SHAPES``) and
+    the backward (4 heads, two packed sequences, K = V = 128, chunk 64) compile for the chip within the VMEM limit."""
     from tpukernels.targets.compile_only import compile_for
 
-    cases = [(kern, args, kw) for kern in (K.kda_chunk_fwd, K.kda_recurrent_fwd) for args, kw in K.STANDARD_SHAPES]
+    cases = [(K.kda_chunk_fwd, args, kw) for args, kw in K.STANDARD_SHAPES]
+    cases += [(K.kda_recurrent_fwd, args, kw) for args, kw in K.DECODE_SHAPES]
     t, hv, d = 2048, 4, 128
     n = K.work_items([0, 1000, t], t, 64).shape[1]
     x = f"{hv}x{t}x{d}:bf16"
-    for kern in (K.kda_chunk_bwd, K.kda_recurrent_bwd):
-        cases.append((kern, (f"6x{n}:i32", x, x, x, x, f"{hv}x{t}x1:bf16", f"{n}x{hv}x{d}x{d}:f32", x,
-                             f"2x{hv}x{d}x{d}:f32"), {"n_seq": 2, "scale": d ** -0.5, "chunk": 64}))
+    cases.append((K.kda_chunk_bwd, (f"6x{n}:i32", x, x, x, x, f"{hv}x{t}x1:bf16", f"{n}x{hv}x{d}x{d}:f32", x,
+                                    f"2x{hv}x{d}x{d}:f32"), {"n_seq": 2, "scale": d ** -0.5, "chunk": 64}))
     for kern, args, kw in cases:
         r = compile_for(kern, chip, *args, with_mlir=False, **kw)
         assert r.ok, r.summary()

@@ -632,11 +632,12 @@ def _shape(x):
     return tuple(x.shape) if _is_t(x) else type(x).__name__
 
 
-def _check_public(op, q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, state_rows="N"):
-    """Every rule of the public functions (module docstring), before any kernel runs; returns N."""
+def _check_public(op, q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, state_pool=False):
+    """Every rule of the public functions (module docstring), before any kernel runs; returns N. ``state_pool``:
+    initial_state may have any number of rows (indexed by ssm_state_indices)."""
     return check_delta_rule_args(op, q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                  cu_seqlens=cu_seqlens, chunk_size=chunk_size, per_channel_gate=False,
-                                 state_rows=state_rows)
+                                 state_rows=None if state_pool else "N")
 
 
 def _l2norm(x, eps=1e-6):
@@ -733,8 +734,7 @@ def fused_recurrent_gated_delta_rule(
     if inplace_final_state and ssm_state_indices is None:
         raise ArgumentError(f"{op}: inplace_final_state needs ssm_state_indices (the slots to write)")
     n = _check_public(op, q, k, v, g, beta, scale, initial_state, cu_seqlens, DEFAULT_CHUNK,
-                      state_rows=None if ssm_state_indices is not None else (
-                          q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1))
+                      state_pool=ssm_state_indices is not None)
     b, t, h, kd = q.shape
     hv, vd = v.shape[2], v.shape[3]
     if ssm_state_indices is not None:

@@ -9,7 +9,7 @@ Public API (torch tensors)::
               use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, chunk_size=64) -> (o, final_state or None)
     fused_recurrent_kda(q, k, v, g, beta, *, ...same...) -> (o, final_state or None)        decode (few tokens)
     kda_reference(...)                                                          float64 naive recurrence
-    torch.ops.tpukernels.kda_{chunk,recurrent}_{fwd,bwd}                       the kernels (internal layouts)
+    torch.ops.tpukernels.kda_chunk_fwd / kda_recurrent_fwd / kda_chunk_bwd     the kernels (internal layouts)
 
 Formula (fla ``naive_recurrent_kda``), per sequence and value head, state ``S [K, V]`` (float32), tokens t::
 
@@ -46,20 +46,15 @@ item loads its ``initial_state`` block (zeros without), every item writes the ru
   ``[16, 16, K]`` decays. The decays are differences of chunk-cumulative gates, exact to one float32 ulp of the
   cumulative gate (as fla's): with gates of -1000 per token the outputs carry ~1e-4 relative errors the token
   recurrence does not have.
-* ``kda_recurrent_fwd`` (decode): the token recurrence above, one token per step (``fori_loop`` over the item's
-  rows), for one or a few tokens per sequence.
-* ``kda_chunk_bwd`` (the backward of ``chunk_kda``): items in reverse order; each re-runs its chunk's forward from
-  the state saved at its start (the forward's ``item_states``) and applies the transpose of every step (``dT ->
-  dL = -T^T dT T^T``; the decay products' transposes by the same sub-chunk factoring, :func:`_decay_transposes`;
-  ``dg`` the reverse cumulative sum of ``dG``), carrying ``dS`` back across items: seeded by the final state's
-  gradient, its value at a sequence's start is ``d initial_state``.
-* ``kda_recurrent_bwd`` (the backward of ``fused_recurrent_kda``): the same walk token by token; each item re-runs
-  its tokens into a ``[chunk, K, V]`` scratch of states, then::
-
-      dS += scale q do^T;  dq = scale S do;  dd = dS^T k;  dk = dS delta + S_hat dr;  dbeta = dd . (v - k^T S_hat)
-      dv = beta dd;  dr = -beta dd;  dS_hat = dS + k dr^T;  dg = rowsum(dS_hat * S_hat);  dS <- exp(g) * dS_hat
-
-  (S_hat = exp(g) * S_prev, the decayed state before the delta update).
+* ``kda_recurrent_fwd`` (decode): the token recurrence above, one token per step, for one or a few tokens per
+  sequence, on the VPU (q, k, g transposed in VMEM so each token is a column; the state scaled, reduced over K and
+  updated by broadcasts, no M = 1 matmuls); the steps are unrolled over the item's block (``chunk_size``, 16 by
+  default), each run only for the item's rows.
+* ``kda_chunk_bwd`` (the backward of both): items in reverse order; each re-runs its chunk's forward from the state
+  saved at its start (the forward's ``item_states``) and applies the transpose of every step (``dT -> dL = -T^T dT
+  T^T``; the decay products' transposes by the same sub-chunk factoring, :func:`_decay_transposes`; ``dg`` the
+  reverse cumulative sum of ``dG``), carrying ``dS`` back across items: seeded by the final state's gradient, its
+  value at a sequence's start is ``d initial_state``.
 
 Gate and beta pre-processing (``use_gate_in_kernel``: ``g = -exp(A_log) * softplus(g + dt_bias)``;
 ``use_beta_sigmoid_in_kernel``: ``beta = sigmoid(beta)``, times 2 with ``allow_neg_eigval``) and
@@ -89,8 +84,8 @@ from .common import check_delta_rule_args, head_major, shape_of
 
 __all__ = [
     "chunk_kda", "fused_recurrent_kda", "kda_reference", "kda_gate_reference", "work_items", "kda_chunk_fwd",
-    "kda_recurrent_fwd", "kda_chunk_bwd", "kda_recurrent_bwd", "SUB_CHUNK", "MAX_HEAD_DIM", "VMEM_LIMIT_BYTES",
-    "STANDARD_SHAPES",
+    "kda_recurrent_fwd", "kda_chunk_bwd", "SUB_CHUNK", "MAX_HEAD_DIM", "VMEM_LIMIT_BYTES",
+    "STANDARD_SHAPES", "DECODE_SHAPES",
 ]
 
 NAMESPACE = "tpukernels"
@@ -98,21 +93,15 @@ NAMESPACE = "tpukernels"
 SUB_CHUNK = 16
 #: largest K (fla: 256).
 MAX_HEAD_DIM = 256
-#: Mosaic scoped-VMEM limit of the three kernels (the backward's ``[chunk, K, V]`` state scratch: 4 MiB at 64 x 128 x
-#: 128; every chip has at least 64 MiB of VMEM).
+#: Mosaic scoped-VMEM limit of the three kernels (they use ~1 MiB at K = V = 128, chunk 64; every chip has at least
+#: 64 MiB of VMEM).
 VMEM_LIMIT_BYTES = 32 * 1024 * 1024
 F32 = jnp.float32
-HI = jax.lax.Precision.HIGHEST
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
 
 
 # ----------------------------------------------------------------------------------------- in-kernel algebra
 _mm = tk.scan.matmul  # float32, highest precision; trans_a= / trans_b= for a^T b and a b^T
-
-
-def _col(row):
-    """A ``(1, n)`` row as an ``(n, 1)`` column (an outer product with ``[[1]]``: exact, entry by entry)."""
-    return _mm(row, jnp.ones((1, 1), F32), trans_a=True)
 
 
 def _decay_products(G, k, q, sub):
@@ -154,7 +143,8 @@ def _decay_transposes(G, da, x, sub, want_x=True, want_y=True):
     zero above the diagonal), by the same sub-chunk factoring (no exp of a positive exponent for non-increasing G)."""
     c, kd = x.shape
     col = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0)
-    row = jax.lax.broadcasted_iota(jnp.int32, (sub, 1), 0)
+    jj = jax.lax.broadcasted_iota(jnp.int32, (sub, sub, kd), 0)
+    ii = jax.lax.broadcasted_iota(jnp.int32, (sub, sub, kd), 1)
     xs, ys = [], []
     for b in range(c // sub):
         s0, s1 = b * sub, (b + 1) * sub
@@ -165,8 +155,6 @@ def _decay_transposes(G, da, x, sub, want_x=True, want_y=True):
         da_cols = _mm(place, da, trans_b=True)      # da[:, s0 + i'] as rows
         d_bb = _mm(da_rows, place, trans_b=True)    # da[s0 + j', s0 + i']
         dt_bb = _mm(da_cols, place, trans_b=True)   # da[s0 + j', s0 + i'] at [i', j']
-        jj = jax.lax.broadcasted_iota(jnp.int32, (sub, sub, kd), 0)
-        ii = jax.lax.broadcasted_iota(jnp.int32, (sub, sub, kd), 1)
         diff = gb[:, None, :] - gb[None, :, :]  # [j, i, :] = G_j - G_i
         xo = yo = jnp.zeros((sub, kd), F32)
         if want_x:  # the diagonal block, direct decays [sub, sub, K]
@@ -195,7 +183,7 @@ def work_items(cu: list, t: int, chunk: int) -> np.ndarray:
     """int32 ``[6, n_items]`` table: per item its sequence, block (of ``chunk`` tokens, the block size the kernels
     use: ``min(chunk, T)``), first and last row ``[lo, hi)`` in the block, and whether it is the sequence's first
     and last item. Items are in token order; a zero-length sequence has one empty item (lo = hi)."""
-    blk = chunk if t > chunk else max(t, 1)
+    blk = _block_t(t, chunk)
     seq, block, lo, hi, first, last = [], [], [], [], [], []
     for n in range(len(cu) - 1):
         a, b = int(cu[n]), int(cu[n + 1])
@@ -211,40 +199,53 @@ def work_items(cu: list, t: int, chunk: int) -> np.ndarray:
 
 
 def _block_t(t: int, chunk: int) -> int:
+    """Tokens per block: ``chunk``, or all of T when T is no larger (a block equal to the array's dim)."""
     return chunk if t > chunk else max(t, 1)
 
 
 # ----------------------------------------------------------------------------------------- chunk forward
+def _item(items_ref, refs):
+    """This grid step's work item: ``(lo, hi, first, last, valid, arrays)``, the float32 rows of ``refs`` with every
+    row outside ``[lo, hi)`` (another sequence's, or past the end) selected to 0."""
+    i = pl.program_id(1)
+    lo, hi, first, last = items_ref[2, i], items_ref[3, i], items_ref[4, i], items_ref[5, i]
+    valid = _rows(lo, hi, refs[0].shape[0])
+    return lo, hi, first, last, valid, [jnp.where(valid, r[...].astype(F32), 0.0) for r in refs]
+
+
+def _chunk_step(q, k, v, g, beta, s0, sub):
+    """The chunked form of one item from its starting state ``s0`` (module docstring): the intermediates, which the
+    backward needs too; ``o = scale * (qe s0 + aqk delta)``, ``S1 = exp(glast) * s0 + kl^T delta``."""
+    c = q.shape[0]
+    if c % sub or c < sub:
+        sub = c
+    G = tk.scan.segment_cumsum(g)  # chunk-local cumulative log decay (rows outside [lo, hi) add 0)
+    akk, aqk = _decay_products(G, k, q, sub)
+    tinv = tk.scan.unit_lower_inverse(beta * akk)  # (I + diag(beta) A_kk)^-1
+    eg = jnp.exp(G)
+    bv, bk = beta * v, beta * k * eg
+    w = _mm(tinv, bk)
+    glast = G[c - 1:c]
+    el = jnp.exp(glast - G)
+    return dict(sub=sub, G=G, akk=akk, aqk=aqk, tinv=tinv, eg=eg, bv=bv, bk=bk, w=w, delta=_mm(tinv, bv) - _mm(w, s0),
+                glast=glast, el=el, kl=k * el, qe=q * eg)
+
+
 def _chunk_fwd_body(items_ref, q_ref, k_ref, v_ref, g_ref, b_ref, *rest, scale: float, has_h0: bool,
                     save_states: bool, sub: int):
     it = iter(rest)
     h0_ref = next(it) if has_h0 else None
     o_ref, ht_ref, hs_ref = next(it), next(it), next(it)  # hs_ref: an unused ANY ref without save_states
     s_ref = next(it)
-    i = pl.program_id(1)
-    lo, hi, first = items_ref[2, i], items_ref[3, i], items_ref[4, i]
-    c = q_ref.shape[0]
-    valid = _rows(lo, hi, c)
-
+    _, _, first, _, valid, (q, k, v, g, beta) = _item(items_ref, (q_ref, k_ref, v_ref, g_ref, b_ref))
     tk.scan.reset_carry(s_ref, when=first == 1, value=h0_ref[...] if has_h0 else None)
-
-    z = lambda ref: jnp.where(valid, ref[...].astype(F32), 0.0)  # noqa: E731
-    q, k, v, g, beta = z(q_ref), z(k_ref), z(v_ref), z(g_ref), z(b_ref)
-    G = tk.scan.segment_cumsum(g)  # chunk-local cumulative log decay (rows before lo / after hi add 0)
-    if c % sub or c < sub:
-        sub = c
-    akk, aqk = _decay_products(G, k, q, sub)
-    tinv = tk.scan.unit_lower_inverse(beta * akk)  # (I + diag(beta) A_kk)^-1
-    u = _mm(tinv, beta * v)
-    w = _mm(tinv, beta * k * jnp.exp(G))
     s0 = s_ref[...]
     if save_states:
         hs_ref[...] = s0
-    delta = u - _mm(w, s0)
-    o = scale * (_mm(q * jnp.exp(G), s0) + _mm(aqk, delta))
+    f = _chunk_step(q, k, v, g, beta, s0, sub)
+    o = scale * (_mm(f["qe"], s0) + _mm(f["aqk"], f["delta"]))
     o_ref[...] = jnp.where(valid, o, o_ref[...].astype(F32)).astype(o_ref.dtype)
-    glast = G[c - 1:c]
-    s1 = _col(jnp.exp(glast)) * s0 + _mm(k * jnp.exp(glast - G), delta, trans_a=True)
+    s1 = tk.scan.row_to_col(jnp.exp(f["glast"])) * s0 + _mm(f["kl"], f["delta"], trans_a=True)
     s_ref[...] = s1
     ht_ref[...] = s1
 
@@ -354,36 +355,27 @@ def _rec_fwd_body(items_ref, q_ref, k_ref, v_ref, g_ref, b_ref, *rest, scale: fl
     it = iter(rest)
     h0_ref = next(it) if has_h0 else None
     o_ref, ht_ref, hs_ref = next(it), next(it), next(it)  # hs_ref: an unused ANY ref without save_states
-    s_ref, x_ref, of_ref = next(it), next(it), next(it)
+    s_ref, of_ref = next(it), next(it)
     i = pl.program_id(1)
     lo, hi, first = items_ref[2, i], items_ref[3, i], items_ref[4, i]
-    kd = q_ref.shape[1]
-
     tk.scan.reset_carry(s_ref, when=first == 1, value=h0_ref[...] if has_h0 else None)
-
     if save_states:
         hs_ref[...] = s_ref[...]
-    # float32 copies of the block's rows: [q | k | g | v | beta] (rows read one at a time)
-    x_ref[:, 0:kd] = q_ref[...].astype(F32)
-    x_ref[:, kd:2 * kd] = k_ref[...].astype(F32)
-    x_ref[:, 2 * kd:3 * kd] = g_ref[...].astype(F32)
-    x_ref[:, 3 * kd:] = jnp.concatenate([v_ref[...].astype(F32), b_ref[...].astype(F32)], axis=1)
-    vd = v_ref.shape[1]
+    bt = q_ref.shape[0]
+    # on the VPU (a (1, K) x (K, V) matmul would load the whole state into the MXU per token): q, k, g with the
+    # tokens as columns, the state scaled, reduced over K and updated by broadcasts
+    qt, kt, gt = (r[...].astype(F32).T for r in (q_ref, k_ref, g_ref))  # (K, bt)
+    v, beta = v_ref[...].astype(F32), b_ref[...].astype(F32)
+    for t in range(bt):
+        @pl.when((lo <= t) & (t < hi))
+        def _():
+            kc = kt[:, t:t + 1]
+            s = jnp.exp(gt[:, t:t + 1]) * s_ref[...]
+            s = s + kc * (beta[t:t + 1] * (v[t:t + 1] - jnp.sum(s * kc, axis=0, keepdims=True)))
+            s_ref[...] = s
+            of_ref[t:t + 1, :] = scale * jnp.sum(s * qt[:, t:t + 1], axis=0, keepdims=True)
 
-    def step(t, carry):
-        row = x_ref[pl.ds(t, 1), :]
-        qr, kr, gr = row[:, 0:kd], row[:, kd:2 * kd], row[:, 2 * kd:3 * kd]
-        vr, br = row[:, 3 * kd:3 * kd + vd], row[:, 3 * kd + vd:3 * kd + vd + 1]
-        sh = _col(jnp.exp(gr)) * s_ref[...]
-        delta = br * (vr - _mm(kr, sh))
-        s = sh + _mm(kr, delta, trans_a=True)
-        s_ref[...] = s
-        of_ref[pl.ds(t, 1), :] = scale * _mm(qr, s)
-        return carry
-
-    jax.lax.fori_loop(lo, hi, step, 0)
-    valid = _rows(lo, hi, q_ref.shape[0])
-    o_ref[...] = jnp.where(valid, of_ref[...], o_ref[...].astype(F32)).astype(o_ref.dtype)
+    o_ref[...] = jnp.where(_rows(lo, hi, bt), of_ref[...], o_ref[...].astype(F32)).astype(o_ref.dtype)
     ht_ref[...] = s_ref[...]
 
 
@@ -396,79 +388,10 @@ def kda_recurrent_fwd(
     :func:`fused_recurrent_kda`). Arguments and results as :func:`kda_chunk_fwd`."""
     return _launch_fwd(_rec_fwd_body, items, q, k, v, g, beta, h0, n_seq, scale, chunk, save_states,
                        "tpukernels::kda_recurrent_fwd", {},
-                       lambda bt, kd, vd: [pltpu.VMEM((bt, 3 * kd + vd + 1), np.float32),
-                                           pltpu.VMEM((bt, vd), np.float32)])
+                       lambda bt, kd, vd: [pltpu.VMEM((bt, vd), np.float32)])
 
 
 # ----------------------------------------------------------------------------------------- backward
-def _rec_bwd_body(items_ref, q_ref, k_ref, v_ref, g_ref, b_ref, hs_ref, do_ref, *rest, scale: float,
-                  has_dht: bool):
-    it = iter(rest)
-    dht_ref = next(it) if has_dht else None
-    dq_ref, dk_ref, dv_ref, dg_ref, db_ref, dh0_ref = (next(it) for _ in range(6))
-    ds_ref, sp_ref, x_ref, y_ref = next(it), next(it), next(it), next(it)
-    i = pl.program_id(1)
-    lo, hi, last = items_ref[2, i], items_ref[3, i], items_ref[5, i]
-    kd, vd = q_ref.shape[1], v_ref.shape[1]
-    c = q_ref.shape[0]
-
-    tk.scan.reset_carry(ds_ref, when=last == 1, value=dht_ref[...] if has_dht else None)
-
-    x_ref[:, 0:kd] = q_ref[...].astype(F32)
-    x_ref[:, kd:2 * kd] = k_ref[...].astype(F32)
-    x_ref[:, 2 * kd:3 * kd] = g_ref[...].astype(F32)
-    x_ref[:, 3 * kd:] = jnp.concatenate([v_ref[...].astype(F32), b_ref[...].astype(F32),
-                                         do_ref[...].astype(F32)], axis=1)
-
-    def unpack(t):
-        row = x_ref[pl.ds(t, 1), :]
-        o = 3 * kd
-        return (row[:, 0:kd], row[:, kd:2 * kd], row[:, 2 * kd:o], row[:, o:o + vd], row[:, o + vd:o + vd + 1],
-                row[:, o + vd + 1:o + 2 * vd + 1])
-
-    def decayed(t, s_prev):
-        qr, kr, gr, vr, br, dor = unpack(t)
-        a = _col(jnp.exp(gr))
-        sh = a * s_prev
-        vm = vr - _mm(kr, sh)
-        delta = br * vm
-        return qr, kr, vr, br, dor, a, sh, vm, delta
-
-    def fwd(t, s):  # the state before each token, from the item's starting state
-        sp_ref[t] = s
-        _, kr, _, _, _, _, sh, _, delta = decayed(t, s)
-        return sh + _mm(kr, delta, trans_a=True)
-
-    jax.lax.fori_loop(lo, hi, fwd, hs_ref[...])
-    ones_v = jnp.ones((1, vd), F32)
-
-    def back(j, carry):
-        t = hi - 1 - j
-        qr, kr, vr, br, dor, a, sh, vm, delta = decayed(t, sp_ref[t])
-        s = sh + _mm(kr, delta, trans_a=True)
-        ds = ds_ref[...] + scale * _mm(qr, dor, trans_a=True)
-        dd = _mm(kr, ds)
-        dr = -br * dd
-        dsh = ds + _mm(kr, dr, trans_a=True)
-        y_ref[pl.ds(t, 1), :] = jnp.concatenate([
-            scale * _mm(dor, s, trans_b=True),                         # dq
-            _mm(delta, ds, trans_b=True) + _mm(dr, sh, trans_b=True),  # dk
-            _mm(ones_v, dsh * sh, trans_b=True),                       # dg
-            br * dd,                                                   # dv
-            jnp.sum(dd * vm, axis=1, keepdims=True),                   # dbeta
-        ], axis=1)
-        ds_ref[...] = a * dsh
-        return carry
-
-    jax.lax.fori_loop(0, hi - lo, back, 0)
-    valid = _rows(lo, hi, c)
-    y = y_ref[...]
-    for ref, a0, a1 in ((dq_ref, 0, kd), (dk_ref, kd, 2 * kd), (dg_ref, 2 * kd, 3 * kd),
-                        (dv_ref, 3 * kd, 3 * kd + vd), (db_ref, 3 * kd + vd, 3 * kd + vd + 1)):
-        ref[...] = jnp.where(valid, y[:, a0:a1], ref[...])
-    dh0_ref[...] = ds_ref[...]
-
-
 def _bwd_out(items, q, k, v, g, beta, hs, do, dht, n_seq, scale, chunk):
     hv, t, vd = v.shape
     kd = q.shape[2]
@@ -477,94 +400,26 @@ def _bwd_out(items, q, k, v, g, beta, hs, do, dht, n_seq, scale, chunk):
             tk.OutSpec((hv, t, kd), f), tk.OutSpec((hv, t, 1), f), tk.OutSpec((n_seq, hv, kd, vd), f))
 
 
-@tk.tpu_kernel(_rec_bwd_body, name="kda_recurrent_bwd", namespace=NAMESPACE, out_shape=_bwd_out)
-def kda_recurrent_bwd(
-    items: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    hs: torch.Tensor, do: torch.Tensor, dht: Optional[torch.Tensor], n_seq: int, scale: float, chunk: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """KDA backward by the reverse token recurrence (internal op ``tpukernels::kda_recurrent_bwd``).
-
-    Args:
-        items: the forward's work items, **in reverse order** (``work_items(...)[:, ::-1]``).
-        q, k, v, g, beta: as the forward; hs: float32 ``[n_items, HV, K, V]`` the forward's item starting states
-            (reversed like items); do: ``[HV, T, V]`` the output's gradient; dht: float32 ``[N, HV, K, V]`` the final
-            state's gradient or None.
-
-    Returns:
-        float32 ``(dq [HV, T, K], dk [HV, T, K], dv [HV, T, V], dg [HV, T, K], dbeta [HV, T, 1],
-        dh0 [N, HV, K, V])`` (dq / dk per value head: the caller sums each group of HV / H heads).
-    """
-    return _launch_bwd("tpukernels::kda_recurrent_bwd", items, q, k, v, g, beta, hs, do, dht, n_seq, scale, chunk,
-                       lambda bt, kd, vd: [pltpu.VMEM((bt, kd, vd), np.float32),
-                                           pltpu.VMEM((bt, 3 * kd + 2 * vd + 1), np.float32),
-                                           pltpu.VMEM((bt, 3 * kd + vd + 1), np.float32)], {})
-
-
-def _launch_bwd(op, items, q, k, v, g, beta, hs, do, dht, n_seq, scale, chunk, scratch, extra_kw):
-    _check_kernel_args(op, items, q, k, v, g, beta, None, n_seq)
-    hv, t, vd = v.shape
-    kd = q.shape[2]
-    n_items = items.shape[1]
-    for name, x, want in (("hs", hs, (n_items, hv, kd, vd)), ("do", do, (hv, t, vd)),
-                          ("dht", dht, (n_seq, hv, kd, vd))):
-        if x is not None and tuple(x.shape) != want:
-            raise ArgumentError(f"{op}: {name} must be {list(want)}, got {tuple(x.shape)}")
-    grid, specs, bt, vmap, smap = _common_specs(items, q, v, g, None, chunk)
-    specs += [pl.BlockSpec((None, None, kd, vd), lambda h, i, it: (i, h, 0, 0)),
-              pl.BlockSpec((None, bt, vd), vmap)]
-    if dht is not None:
-        specs.append(pl.BlockSpec((None, None, kd, vd), smap))
-    kspec, vspec = pl.BlockSpec((None, bt, kd), vmap), pl.BlockSpec((None, bt, vd), vmap)
-    return tk.Launch(
-        grid=grid, in_specs=specs,
-        out_specs=[kspec, kspec, vspec, kspec, pl.BlockSpec((None, bt, 1), vmap),
-                   pl.BlockSpec((None, None, kd, vd), smap)],
-        out_shape=_bwd_out(items, q, k, v, g, beta, hs, do, dht, n_seq, scale, chunk),
-        scratch_shapes=[pltpu.VMEM((kd, vd), np.float32), *scratch(bt, kd, vd)],
-        num_scalar_prefetch=1,
-        dimension_semantics=("parallel", "arbitrary"),
-        vmem_limit_bytes=VMEM_LIMIT_BYTES,
-        cost_estimate=pl.CostEstimate(flops=int(2 * hv * t * kd * vd * 14), transcendentals=int(2 * hv * t * kd),
-                                      bytes_accessed=int(4 * hv * t * 2 * (3 * kd + 2 * vd + 1))),
-        body_kwargs={"scale": float(scale), "has_dht": dht is not None, **extra_kw},
-    )
-
-
 def _chunk_bwd_body(items_ref, q_ref, k_ref, v_ref, g_ref, b_ref, hs_ref, do_ref, *rest, scale: float,
                     has_dht: bool, sub: int):
     it = iter(rest)
     dht_ref = next(it) if has_dht else None
     dq_ref, dk_ref, dv_ref, dg_ref, db_ref, dh0_ref = (next(it) for _ in range(6))
     ds_ref = next(it)
-    i = pl.program_id(1)
-    lo, hi, last = items_ref[2, i], items_ref[3, i], items_ref[5, i]
-    c = q_ref.shape[0]
-    valid = _rows(lo, hi, c)
+    _, _, _, last, valid, (q, k, v, g, beta, do) = _item(items_ref, (q_ref, k_ref, v_ref, g_ref, b_ref, do_ref))
     tk.scan.reset_carry(ds_ref, when=last == 1, value=dht_ref[...] if has_dht else None)
-    z = lambda ref: jnp.where(valid, ref[...].astype(F32), 0.0)  # noqa: E731
-    q, k, v, g, beta, do = z(q_ref), z(k_ref), z(v_ref), z(g_ref), z(b_ref), z(do_ref)
-    if c % sub or c < sub:
-        sub = c
-    # the forward of the chunk, again (module docstring)
-    G = tk.scan.segment_cumsum(g)
-    akk, aqk = _decay_products(G, k, q, sub)
-    tinv = tk.scan.unit_lower_inverse(beta * akk)
-    eg = jnp.exp(G)
-    bv, bk = beta * v, beta * k * eg
-    w = _mm(tinv, bk)
     s0 = hs_ref[...]
-    delta = _mm(tinv, bv) - _mm(w, s0)
-    qe = q * eg
-    glast = G[c - 1:c]
-    el = jnp.exp(glast - G)
-    kl = k * el
+    f = _chunk_step(q, k, v, g, beta, s0, sub)  # the forward of the chunk, again
+    sub, G, akk, aqk, tinv, eg, bv, bk, w, delta, glast, el, kl, qe = (
+        f[n] for n in ("sub", "G", "akk", "aqk", "tinv", "eg", "bv", "bk", "w", "delta", "glast", "el", "kl", "qe"))
+    c = q.shape[0]
     ds1 = ds_ref[...]
     # o = scale (qe S0 + A_qk delta);  S1 = exp(G_last) S0 + kl^T delta
     dd = scale * _mm(aqk, do, trans_a=True) + _mm(kl, ds1)
     daqk = jnp.where(tk.scan.lower_mask(c), scale * _mm(do, delta, trans_b=True), 0.0)
     dqe = scale * _mm(do, s0, trans_b=True)
     dkl = _mm(delta, ds1, trans_b=True)
-    ds0 = scale * _mm(qe, do, trans_a=True) + _col(jnp.exp(glast)) * ds1 - _mm(w, dd, trans_a=True)
+    ds0 = scale * _mm(qe, do, trans_a=True) + tk.scan.row_to_col(jnp.exp(glast)) * ds1 - _mm(w, dd, trans_a=True)
     dq = dqe * eg
     dk = dkl * el
     dG = dqe * qe - dkl * kl
@@ -603,13 +458,51 @@ def kda_chunk_bwd(
     hs: torch.Tensor, do: torch.Tensor, dht: Optional[torch.Tensor], n_seq: int, scale: float, chunk: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """KDA backward chunk by chunk (internal op ``tpukernels::kda_chunk_bwd``): the transpose of the chunked form,
-    items in reverse order, dS carried back. Arguments and results as :func:`kda_recurrent_bwd`."""
-    return _launch_bwd("tpukernels::kda_chunk_bwd", items, q, k, v, g, beta, hs, do, dht, n_seq, scale, chunk,
-                       lambda bt, kd, vd: [], {"sub": SUB_CHUNK})
+    items in reverse order, dS carried back; the backward of both forward kernels.
+
+    Args:
+        items: the forward's work items, **in reverse order** (``work_items(...)[:, ::-1]``).
+        q, k, v, g, beta: as the forward; hs: float32 ``[n_items, HV, K, V]`` the forward's item starting states
+            (reversed like items); do: ``[HV, T, V]`` the output's gradient; dht: float32 ``[N, HV, K, V]`` the final
+            state's gradient or None.
+
+    Returns:
+        float32 ``(dq [HV, T, K], dk [HV, T, K], dv [HV, T, V], dg [HV, T, K], dbeta [HV, T, 1],
+        dh0 [N, HV, K, V])`` (dq / dk per value head: the caller sums each group of HV / H heads).
+    """
+    op = "tpukernels::kda_chunk_bwd"
+    _check_kernel_args(op, items, q, k, v, g, beta, None, n_seq)
+    hv, t, vd = v.shape
+    kd = q.shape[2]
+    n_items = items.shape[1]
+    for name, x, want in (("hs", hs, (n_items, hv, kd, vd)), ("do", do, (hv, t, vd)),
+                          ("dht", dht, (n_seq, hv, kd, vd))):
+        if x is not None and tuple(x.shape) != want:
+            raise ArgumentError(f"{op}: {name} must be {list(want)}, got {tuple(x.shape)}")
+    grid, specs, bt, vmap, smap = _common_specs(items, q, v, g, None, chunk)
+    specs += [pl.BlockSpec((None, None, kd, vd), lambda h, i, it: (i, h, 0, 0)),
+              pl.BlockSpec((None, bt, vd), vmap)]
+    if dht is not None:
+        specs.append(pl.BlockSpec((None, None, kd, vd), smap))
+    kspec, vspec = pl.BlockSpec((None, bt, kd), vmap), pl.BlockSpec((None, bt, vd), vmap)
+    return tk.Launch(
+        grid=grid, in_specs=specs,
+        out_specs=[kspec, kspec, vspec, kspec, pl.BlockSpec((None, bt, 1), vmap),
+                   pl.BlockSpec((None, None, kd, vd), smap)],
+        out_shape=_bwd_out(items, q, k, v, g, beta, hs, do, dht, n_seq, scale, chunk),
+        scratch_shapes=[pltpu.VMEM((kd, vd), np.float32)],
+        num_scalar_prefetch=1,
+        dimension_semantics=("parallel", "arbitrary"),
+        vmem_limit_bytes=VMEM_LIMIT_BYTES,
+        cost_estimate=pl.CostEstimate(flops=int(6 * hv * n_items * bt * (bt * (kd + vd) + 3 * kd * vd)),
+                                      transcendentals=int(hv * n_items * bt * kd * 6),
+                                      bytes_accessed=int(4 * hv * t * 2 * (3 * kd + 2 * vd + 1))),
+        body_kwargs={"scale": float(scale), "has_dht": dht is not None, "sub": SUB_CHUNK},
+    )
 
 
-def _gradients(bwd, ctx, do, dht):
-    """Gradients of a forward kernel by the backward kernel ``bwd`` (items reversed, from the saved item states)."""
+def _gradients(ctx, do, dht, _dhs):
+    """Gradients of either forward kernel by :func:`kda_chunk_bwd` (items reversed, from the saved item states)."""
     items, n_seq = ctx.items, ctx.n_seq
     if not ctx.save_states:
         raise ArgumentError("tpukernels::kda_chunk_fwd / kda_recurrent_fwd: gradients need save_states=True (the "
@@ -619,9 +512,9 @@ def _gradients(bwd, ctx, do, dht):
         do = torch.zeros_like(ctx.outputs[0])
     rev = torch.flip(items, dims=(1,)).contiguous()
     hsr = torch.flip(hs, dims=(0,)).contiguous()
-    dq, dk, dv, dg, db, dh0 = bwd(rev, ctx.q, ctx.k, ctx.v, ctx.g, ctx.beta, hsr,
-                                  do.contiguous(), None if dht is None else dht.float().contiguous(), n_seq, ctx.scale,
-                                  ctx.chunk)
+    dq, dk, dv, dg, db, dh0 = kda_chunk_bwd(rev, ctx.q, ctx.k, ctx.v, ctx.g, ctx.beta, hsr,
+                                            do.contiguous(), None if dht is None else dht.float().contiguous(),
+                                            n_seq, ctx.scale, ctx.chunk)
     hq, hv = ctx.q.shape[0], ctx.v.shape[0]
     grp = hv // hq
     out = {}
@@ -635,14 +528,8 @@ def _gradients(bwd, ctx, do, dht):
     return out
 
 
-@kda_chunk_fwd.def_backward(op="chunk_kda")
-def _chunk_fwd_backward(ctx, do, dht, _dhs):
-    return _gradients(kda_chunk_bwd, ctx, do, dht)
-
-
-@kda_recurrent_fwd.def_backward(op="fused_recurrent_kda")
-def _recurrent_fwd_backward(ctx, do, dht, _dhs):
-    return _gradients(kda_recurrent_bwd, ctx, do, dht)
+kda_chunk_fwd.def_backward(_gradients, op="chunk_kda")
+kda_recurrent_fwd.def_backward(_gradients, op="fused_recurrent_kda")
 
 
 # ----------------------------------------------------------------------------------------- public API
@@ -808,12 +695,18 @@ def kda_reference(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=N
     return o.reshape(b, t, hv, vd), torch.stack(finals)
 
 
-#: ``(args, kwargs)`` of the forward kernels at Kimi-Linear-48B-A3B's KDA layer (32 heads, K = V = 128, bf16, chunk
+def _shapes(cu, chunk, state):
+    """``(args, kwargs)`` of a forward kernel on 32 heads, K = V = 128, bf16, sequences packed by ``cu``."""
+    t, n = cu[-1], len(cu) - 1
+    x = f"32x{t}x128:bf16"
+    return ((f"6x{work_items(cu, t, chunk).shape[1]}:i32", x, x, x, x, f"32x{t}x1:bf16", state),
+            {"n_seq": n, "scale": 128 ** -0.5, "chunk": chunk, "save_states": False})
+
+
+#: ``(args, kwargs)`` of :func:`kda_chunk_fwd` at Kimi-Linear-48B-A3B's KDA layer (32 heads, K = V = 128, bf16, chunk
 #: 64): prefill of 4096 tokens as one sequence and as two packed ones (1000 + 3096) with initial states. Compiled by
 #: the aot tests; no tuning tables are shipped for these kernels.
-STANDARD_SHAPES = [
-    ((f"6x{work_items(cu, 4096, 64).shape[1]}:i32", "32x4096x128:bf16", "32x4096x128:bf16", "32x4096x128:bf16",
-      "32x4096x128:bf16", "32x4096x1:bf16", state), {"n_seq": len(cu) - 1, "scale": 128 ** -0.5, "chunk": 64,
-                                                    "save_states": False})
-    for cu, state in (([0, 4096], None), ([0, 1000, 4096], "2x32x128x128:f32"))
-]
+STANDARD_SHAPES = [_shapes([0, 4096], 64, None), _shapes([0, 1000, 4096], 64, "2x32x128x128:f32")]
+#: ``(args, kwargs)`` of :func:`kda_recurrent_fwd` at the same layer: decode of 256 and of 4 sequences, one token
+#: each, with their states (chunk 16, the default of fused_recurrent_kda).
+DECODE_SHAPES = [_shapes(list(range(n + 1)), 16, f"{n}x32x128x128:f32") for n in (256, 4)]
