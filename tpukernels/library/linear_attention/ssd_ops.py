@@ -639,6 +639,12 @@ def _widen(t):
     return t.float() if t is not None and t.dtype == torch.float16 else t
 
 
+def _head_major(t, pad: int):
+    """``[B, L, H, K] -> [B, H, L + pad, K]`` contiguous, zeros in the pad (one copy, none when already laid out)."""
+    t = t.transpose(1, 2)
+    return (F.pad(t, (0, 0, 0, pad)) if pad else t).contiguous()
+
+
 def chunk_count(l: int, chunk_size: int) -> int:
     """Chunks the scan kernel runs for ``l`` tokens: ``cdiv(l, chunk_size)``, then past 8 rounded up to
     :func:`tpukernels.dsl.bucket` (4 buckets per power of two, at most 25% of zero chunks), so prefills of
@@ -776,13 +782,12 @@ def mamba_chunk_scan_combined(
     else:
         a = d * A.float()
         pad = nc * q - l  # whole chunks of zero tokens (dt' = 0, x = B = C = 0: the state passes unchanged)
-        dt_k, a_k = (F.pad(t.transpose(1, 2), (0, pad)).unsqueeze(-1) for t in (d, a))  # [B, H, Lp, 1]
-        xk = F.pad(_widen(x).transpose(1, 2), (0, 0, 0, pad))  # [B, H, Lp, P] (one copy: transpose + pad)
-        bk, ck = (F.pad(_widen(t).transpose(1, 2), (0, 0, 0, pad)) for t in (B, C))  # [B, G, Lp, N]
+        dt_k, a_k = (_head_major(t[..., None], pad) for t in (d, a))  # [B, H, Lp, 1]
+        xk = _head_major(_widen(x), pad)  # [B, H, Lp, P]
+        bk, ck = (_head_major(_widen(t), pad) for t in (B, C))  # [B, G, Lp, N] (a view when G = 1 and no padding)
         seg, runs = _segments(seq_idx, b, l, nc, q, x.device)
         init = None if initial_states is None else initial_states.float().contiguous()
-        y, states, final = ssd_chunk_scan_fwd(runs, dt_k.contiguous(), a_k.contiguous(), seg, xk.contiguous(),
-                                              bk.contiguous(), ck.contiguous(), init, q)
+        y, states, final = ssd_chunk_scan_fwd(runs, dt_k, a_k, seg, xk, bk, ck, init, q)
         final = final[:, :, 0]
         y = y[:, :, :l].transpose(1, 2)  # [B, L, H, P] float32
         if D is not None:
