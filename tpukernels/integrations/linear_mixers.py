@@ -141,7 +141,7 @@ def ssd_chunk(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, init
                                     initial_states=initial_states, dt_softplus=dt_softplus,
                                     dt_limit=tuple(dt_limit), return_final_states=return_final_states)
     # transformers' callers ``.view()`` the output (FalconH1Mixer): contiguous, as mamba_ssm's and the torch
-    # reference's are (ours is a transposed view for float32 inputs)
+    # reference's are (ours returns a transposed view: reported to the ssd branch)
     if return_final_states:
         return res[0].contiguous(), res[1]
     return res.contiguous()
