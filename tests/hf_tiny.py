@@ -21,7 +21,8 @@ SIZES = dict(
     decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=2, n_layer=2, n_head=4, n_embd=64,
     d_model=64, n_positions=128, ffn_dim=128, encoder_ffn_dim=128, decoder_ffn_dim=128, num_layers=2,
     state_size=8, expand=2, conv_kernel=4, n_groups=1, mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=1,
-    mamba_d_state=8, mamba_d_conv=4, chunk_size=8, time_step_rank=8, ssm_state_size=8, mamba_headdim=32,
+    mamba_d_state=8, mamba_d_conv=4, mamba_d_ssm=128, chunk_size=8, time_step_rank=8, ssm_state_size=8,
+    mamba_headdim=32,
     index_n_heads=2, index_head_dim=16, index_topk=4, rotary_dim=8, partial_rotary_factor=0.5,
     pad_token_id=0, bos_token_id=1, eos_token_id=2, attention_dropout=0.0, hidden_dropout=0.0,
     use_cache=False,
@@ -172,8 +173,8 @@ def markdown_row(r: dict) -> str:
         return f"| `{r['model_type']}` | not built here ({r['status']}) | | |"
     rep = r["report"]
     done = [k for k in ("attention",) if rep[k]] + [f"{k} {rep[k]}" for k in
-                                                    ("rms_norm", "gated_rms_norm", "layer_norm", "moe_experts", "gated_mlp",
-                                                     "rope")
+                                                    ("rms_norm", "gated_rms_norm", "linear_attention", "layer_norm",
+                                                     "moe_experts", "gated_mlp", "rope")
                                                     if rep.get(k)]
     stock = ", ".join(sorted(rep["stock"])) or "-"
     status = "equal" if r["err"] <= TOL else f"DIFFERS {r['err']:.3g}"

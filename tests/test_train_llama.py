@@ -31,7 +31,7 @@ RTOL = 1e-5
 def test_loss_curve_matches_stock_eager_and_compiled():
     r = train_llama.run(steps=50, batch=2, seq=16, compile="aot_eager", layers=1, dim=64, vocab=256, ffn=128)
     assert r["patched"] == {"attention": True, "rms_norm": 3, "gated_rms_norm": 0, "layer_norm": 0, "linear": 8,
-                            "moe_experts": 0,
+                            "linear_attention": 0, "moe_experts": 0,
                             "stock": {}}
     assert len(r["stock"]) == 50
     assert r["stock"][-1] < 0.7 * r["stock"][0], "the synthetic task must be learnable (loss falls)"

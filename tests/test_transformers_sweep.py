@@ -70,7 +70,7 @@ def test_qwen3_next_norms_use_the_one_plus_w_form():
     model = tiny_causal_lm("qwen3_next")
     ids, mask = probe_batch()
     want = _logits(model, ids, mask)
-    report = tki.apply_tpukernels(model, attention=False, moe=False)
+    report = tki.apply_tpukernels(model, attention=False, moe=False, linear_attention=False)  # the norms alone
     norm = model.model.norm
     assert norm.casting == "gemma" and norm.offset == 1.0 and report["rms_norm"] > 0
     err = (_logits(model, ids, mask) - want)[mask.bool()].abs().max() / want.abs().max()
@@ -166,7 +166,7 @@ def test_gated_norms_take_the_probed_form(model_type, norm_before_gate, group):
     ids, mask = probe_batch(model.get_input_embeddings().num_embeddings)
     want = _logits(model, ids, mask)
     patch_probes.verdicts.clear()
-    report = tki.apply_tpukernels(model, attention=False)
+    report = tki.apply_tpukernels(model, attention=False, linear_attention=False)  # the gated norms alone
     norms = [m for m in model.modules() if isinstance(m, TPUGatedRMSNorm)]
     assert report["gated_rms_norm"] == len(norms) > 0
     assert {(m.norm_before_gate, m.group_size) for m in norms} == {(norm_before_gate, group)}

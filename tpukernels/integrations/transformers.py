@@ -415,6 +415,7 @@ def apply_tpukernels(
     moe: bool = True,
     rope: bool = False,
     gated_mlp: bool = False,
+    linear_attention: bool = True,
     dry_run: bool = False,
     probe_inputs: Optional[dict] = None,
 ) -> dict:
@@ -471,6 +472,13 @@ def apply_tpukernels(
             ``act_fn`` by :class:`tpukernels.library.gated_mlp.TPUGatedMLP` (the fused ``act(gate) * up``;
             the same linear modules, so state dicts are unchanged). Opt-in; the activation is identified
             by evaluating ``act_fn`` in float64, never by its name; the module is probed as a whole.
+        linear_attention: run the linear-attention / SSM mixers of hybrid models on our kernels
+            (:mod:`tpukernels.integrations.linear_mixers`): Qwen3-Next / Qwen3.5 gated DeltaNet (causal conv1d
+            prefill + decode, chunked + recurrent gated delta rule), Kimi-Linear KDA, and the Mamba2 mixers of
+            Mamba2 / Nemotron-H / Falcon-H1 / Bamba / Granite-4 (conv, SSD chunked scan, ``selective_state_update``);
+            their gated norms go through ``rms_norm``. A mixer class is patched where a probe of the mixer on its
+            own weights (prefill, decode steps with the model's cache, cache states) agrees with transformers'
+            functions; a mixer is a candidate because its forward calls those functions, not by its name.
         dry_run: plan and probe only: return the report, change nothing (the model keeps its modules and its
             attention implementation).
         probe_inputs: keyword arguments of ``model(**probe_inputs)`` for the attention probe (default: a
@@ -479,7 +487,7 @@ def apply_tpukernels(
 
     Returns:
         ``{"attention": bool, "rms_norm": n, "gated_rms_norm": n, "layer_norm": n, "linear": n, "moe_experts": n,
-        "stock": {...}}``
+        "linear_attention": n, "stock": {...}}``
         (plus ``"quantized": n`` with ``quantize``; ``"rope"``: patched modeling modules, ``"gated_mlp"``: n
         with those options) — what was patched (with ``dry_run``: what would be). ``"stock"`` maps each class
         (``"attention"`` for the attention implementation, ``"<module>.apply_rotary_pos_emb"`` for RoPE) left
@@ -512,7 +520,8 @@ def apply_tpukernels(
         from .quantizers import check_can_mark
 
         check_can_mark(model, quantize, x_quant)
-    counts = {"attention": False, "rms_norm": 0, "gated_rms_norm": 0, "layer_norm": 0, "linear": 0}
+    counts = {"attention": False, "rms_norm": 0, "gated_rms_norm": 0, "layer_norm": 0, "linear": 0,
+              "linear_attention": 0}
     if quantize:
         counts["quantized"] = 0
     stock: dict = {}  # class (or "attention" / a modeling module) -> why it stays stock
@@ -546,6 +555,11 @@ def apply_tpukernels(
                 stock.setdefault(type(child).__name__, why)
             elif new is not None:
                 plan.append((parent, child_name, new, key))
+    mixer_plan = []
+    if linear_attention:
+        from .linear_mixers import plan_mixers
+
+        mixer_plan = plan_mixers(model, stock)
     rope_plan = _plan_rope(model, stock) if rope else []
     mlp_plan = _plan_gated_mlp(model, stock) if gated_mlp else []
     moe_candidates = moe and any(isinstance(getattr(m, "gate_up_proj", None), torch.nn.Parameter) for m in model.modules())
@@ -566,6 +580,7 @@ def apply_tpukernels(
         counts["layer_norm"] = sum(k == "layer_norm" for *_, k in plan)
         counts["linear"] = sum(k == "linear" for *_, k in plan)
         counts["gated_rms_norm"] = sum(k == "gated_rms_norm" for *_, k in plan)
+        counts["linear_attention"] = len(mixer_plan)
         if quantize:
             counts["quantized"] = len(quantized)
         if rope:
@@ -583,6 +598,10 @@ def apply_tpukernels(
     for parent, child_name, new, key in plan:
         setattr(parent, child_name, new)
         counts[key] += 1
+    if linear_attention:
+        from .linear_mixers import apply_mixers
+
+        counts["linear_attention"] = apply_mixers(mixer_plan)
     if quantize:  # what save_pretrained writes as config.json's quantization_config (from_pretrained reads it)
         from .quantizers import mark_quantized
 
