@@ -1,0 +1,385 @@
+"""Linear attention family: tpukernels' gated DeltaNet (GDN) kernels vs tpu-inference's GDN kernels and XLA.
+
+Shapes: one GDN layer of Qwen3-Next-80B-A3B (transformers' ``Qwen3NextConfig`` defaults: 16 query/key heads,
+32 value heads, head dims ``K = V = 128``, conv kernel 4), bf16 activations, float32 state and gates:
+
+* **prefill** of one sequence of ``T = 4096, 16384, 32768`` tokens (forward; zero initial state, final state
+  written): ours is ``gdn_chunk_fwd`` (the chunked kernel ``chunk_gated_delta_rule`` runs) at chunk 64 plus
+  the XLA layout ops its wrapper runs (token-major ``[T, H, D]`` to head-major ``[H, T, D]`` and back);
+* **decode** of ``B = 64, 256`` sequences, one token each, states read from a pool of ``B + 1`` slots and
+  the new states written (``fused_recurrent_gated_delta_rule`` with ``ssm_state_indices``): ours is
+  ``gdn_recurrent_fwd``, whose new states go to a ``[B, HV, K, V]`` output (the in-place write into the pool
+  is a separate index-copy, not counted).
+
+Bytes: q, k, v, g, beta read once, o written once, and the state: for decode the ``B`` states read and
+written (``2 x B x 32 x 128 x 128 x 4`` bytes: the whole HBM roofline, so ``% roofline`` of a decode row
+**is** its % of the HBM roofline), for prefill one state written. FLOPs: the chunked form's MXU work at
+chunk 64 (per token and value head ``4 C K + 2 C V + 6 K V``, the kernel's own cost estimate; the decode
+rows ``6 K V``).
+
+Implementations:
+
+* ``tpu-inference v3``: tpu-inference 0.32.0's ``kernels.gdn.v3.wrapper.fused_conv1d_gdn``, the kernel
+  its ``GDNLinearAttentionBackend`` serves Qwen3-Next with (chunked scan over tiles of ``mixed_tile_size=64``
+  tokens for prefill, the token recurrence over tiles of ``decode_tile_size=4`` sequences for decode; its
+  defaults). It does **more** than ours: the causal conv1d with its conv state, silu, q/k l2norm and the gate
+  and beta transforms (``-exp(A_log) softplus(a + dt_bias)``, ``sigmoid(b)``) are fused in, over f32
+  activations (its wrapper upcasts the bf16 input). Its call always runs two kernels (batched-decode mode,
+  then per-sequence mode, each skipping the sequences ``distribution`` gives the other) and both iterate
+  with ``emit_pipeline`` over a tile count read from SMEM: libtpu's static estimate cannot see that trip
+  count (see the paged_attention family: such loops are estimated at a fixed count), so its figures are
+  **not tied to T or B**; the config column shows the ratio of its two sizes' estimates.
+* ``tpu-inference v2``: for decode its decode-only kernel ``kernels.gdn.v2.gdn_decode_kernel.
+  ragged_gated_delta_rule_decode_only`` (pure GDN after the conv: l2norm and gates in the kernel), for prefill
+  its chunked ``kernels.gdn.v2.recurrent_scan_v2.recurrent_scan`` (chunk 128, "for TPU v7"). Both also loop
+  over SMEM-held counts (same caveat).
+* ``xla``: the chunked algorithm in ``jax.numpy`` (:func:`xla_prefill`: per chunk the WY / UT transform
+  with ``solve_triangular``, all chunks at once, then a ``lax.scan`` over chunks carrying the state) and for
+  decode the one-token recurrence (:func:`xla_decode`: gather the states, update, return them), compiled by
+  XLA for the chip.
+
+tokamax: its newest wheel (0.0.12) has no GDN or other linear-attention op (its ops: attention, flex
+attention, gated linear unit, linear softmax cross-entropy, normalization, ragged dot, triangle
+multiplication); the torch_tpu GDN / KDA ops in its repository are not released, so there is no column.
+
+Targets (benchmark, not test; issue 37): ahead of tpu-inference's kernel on every chip; decode >= 80% of the
+HBM roofline.
+"""
+
+from __future__ import annotations
+
+from .core import Case, Impl
+
+FAMILY = "linear_attention"
+LIBRARY = ("linear_attention",)  # the library modules its figures depend on (bench.core.source_digest)
+#: Qwen3-Next-80B-A3B's GDN layer (transformers' Qwen3NextConfig: linear_num_key_heads, linear_num_value_heads,
+#: linear_key_head_dim, linear_value_head_dim, linear_conv_kernel_dim)
+H, HV, K, V, CONV = 16, 32, 128, 128, 4
+CHUNK = 64
+PREFILL = (4096, 16384, 32768)
+DECODE = (64, 256)
+SCALE = K ** -0.5
+
+REASONS: dict = {}
+
+
+def _s(shape, dtype):
+    import jax
+
+    return jax.ShapeDtypeStruct(tuple(shape), dtype)
+
+
+def prefill_bytes(T: int) -> int:
+    act = T * (2 * H * K * 2 + 2 * HV * V * 2 + 2 * HV * 4)  # q, k, v, o (bf16); g, beta (f32)
+    return act + HV * K * V * 4  # the final state
+
+
+def decode_bytes(B: int) -> int:
+    return B * (2 * H * K * 2 + 2 * HV * V * 2 + 2 * HV * 4) + 2 * B * HV * K * V * 4
+
+
+def prefill_flops(T: int) -> int:
+    return HV * T * (4 * CHUNK * K + 2 * CHUNK * V + 6 * K * V)
+
+
+def decode_flops(B: int) -> int:
+    return HV * B * 6 * K * V
+
+
+# ----------------------------------------------------------------------------------------------- shared
+def gates(a, b, a_log, dt_bias):
+    """Qwen3-Next's gates from the layer's projections (``Qwen3NextGatedDeltaNet.forward``, computed before the
+    GDN call): ``g = -exp(A_log) softplus(a + dt_bias)``, ``beta = sigmoid(b)``, float32."""
+    import jax
+    import jax.numpy as jnp
+
+    g = -jnp.exp(a_log) * jax.nn.softplus(a.astype(jnp.float32) + dt_bias)
+    return g, jax.nn.sigmoid(b.astype(jnp.float32))
+
+
+def l2norm(x, axis=-1):
+    """``use_qk_l2norm_in_kernel``'s normalization (eps 1e-6, back to x's dtype), as the public ops run it."""
+    import jax
+    import jax.numpy as jnp
+
+    xf = x.astype(jnp.float32)
+    return (xf * jax.lax.rsqrt(jnp.sum(xf * xf, axis, keepdims=True) + 1e-6)).astype(x.dtype)
+
+
+def _gate_structs(n: int):
+    import jax.numpy as jnp
+
+    return [_s((n, HV), jnp.bfloat16), _s((n, HV), jnp.bfloat16), _s((HV,), jnp.float32), _s((HV,), jnp.float32)]
+
+
+# ----------------------------------------------------------------------------------------------- ours
+def _ours(kernel, args, kwargs, wrap, structs, note: str, extra_bytes: int = 0) -> Impl:
+    """Ours as the public op runs it: one program taking the op's inputs (``structs``), running the wrapper's
+    XLA ops (``wrap(kernel_fn, *inputs)``) around the kernel lowered for the chip at the config a call gets,
+    plus ``extra_bytes`` of layout copies charged at the HBM roofline (module docstring)."""
+    import jax
+
+    from ..perf import clock_hz, hbm_bandwidth
+    from .core import kernel_program
+
+    def cycles(est, chip):
+        fn, _, cfg, source = kernel_program(kernel, chip, args, kwargs)
+        prog = jax.jit(lambda *xs: wrap(fn, *xs))
+        extra = int(extra_bytes / hbm_bandwidth(chip) * clock_hz(chip))
+        return est.cycles(prog, structs, chip) + extra, dict(cfg, source=source, **({"wrapper": note} if note else {}))
+
+    return Impl("tpukernels", "ours", cycles)
+
+
+def wrapper_bytes(n: int, layout: bool) -> int:
+    """HBM bytes of the XLA ops the public op runs around its kernel for ``n`` tokens, charged at the HBM
+    roofline (module docstring): the q / k l2norm (read and write q, k), the gates (read a, b bf16, write g,
+    beta f32) and, with ``layout``, the transposes of q, k, v, o between token-major and head-major."""
+    qk = 2 * n * H * K * 2
+    return 2 * qk + n * HV * (2 * 2 + 2 * 4) + (2 * (qk + 2 * n * HV * V * 2) if layout else 0)
+
+
+def ours_prefill(T: int, chunk: int = CHUNK) -> Impl:
+    """``chunk_gated_delta_rule(..., use_qk_l2norm_in_kernel=True, output_final_state=True)`` at ``T`` tokens (one
+    sequence, zero initial state): the ``gdn_chunk_fwd`` kernel, plus :func:`wrapper_bytes` at the HBM roofline."""
+    import jax.numpy as jnp
+
+    from ..library.linear_attention.gdn_ops import gdn_chunk_fwd
+
+    args = ("2:i32", f"{H}x{T}x{K}:bf16", f"{H}x{T}x{K}:bf16", f"{HV}x{T}x{V}:bf16", f"{HV}x{T}x1:f32",
+            f"{HV}x{T}x1:f32", None)
+
+    def wrap(fn, q, k, v, g, beta):  # g, beta [HV * T, 1]: the kernel's [HV, T, 1] by a bitcast
+        o, ht, _ = fn(jnp.array([0, T], jnp.int32), q, k, v, g.reshape(HV, T, 1), beta.reshape(HV, T, 1))
+        return o, ht
+
+    bf, f32 = jnp.bfloat16, jnp.float32
+    structs = [_s((H, T, K), bf), _s((H, T, K), bf), _s((HV, T, V), bf), _s((HV * T, 1), f32), _s((HV * T, 1), f32)]
+    return _ours(gdn_chunk_fwd, args, {"scale": SCALE, "save_states": False, "chunk": chunk}, wrap, structs,
+                 "+ l2norm, gates, transposes at the HBM roofline", extra_bytes=wrapper_bytes(T, True))
+
+
+def ours_decode(B: int) -> Impl:
+    """``fused_recurrent_gated_delta_rule(..., use_qk_l2norm_in_kernel=True, ssm_state_indices=...)``: the
+    ``gdn_recurrent_fwd`` kernel over ``B`` rows of one token, states gathered from a pool of ``B + 1`` slots, new
+    states out ``[B, HV, K, V]``, plus :func:`wrapper_bytes` (no transposes at T = 1) at the HBM roofline."""
+    import jax.numpy as jnp
+
+    from ..library.linear_attention.gdn_ops import gdn_recurrent_fwd
+
+    args = (f"{B}:i32", f"{B}x{H}x1x{K}:bf16", f"{B}x{H}x1x{K}:bf16", f"{B}x{HV}x1x{V}:bf16", f"{B}x{HV}x1x1:f32",
+            f"{B}x{HV}x1x1:f32", f"{B + 1}x{HV}x{K}x{V}:f32")
+
+    def wrap(fn, idx, q, k, v, g, beta, pool):  # T = 1: [B, 1, heads, d] -> [B, heads, 1, d] is a reshape
+        r = lambda x: x.reshape(B, x.shape[2], 1, x.shape[3])  # noqa: E731
+        o, ht = fn(idx, r(q), r(k), r(v), g.reshape(B, HV, 1, 1), beta.reshape(B, HV, 1, 1), pool)
+        return o.reshape(B, 1, HV, V), ht
+
+    bf, f32 = jnp.bfloat16, jnp.float32
+    structs = [_s((B,), jnp.int32), _s((B, 1, H, K), bf), _s((B, 1, H, K), bf), _s((B, 1, HV, V), bf),
+               _s((B, 1, HV), f32), _s((B, 1, HV), f32), _s((B + 1, HV, K, V), f32)]
+    return _ours(gdn_recurrent_fwd, args, {"scale": SCALE}, wrap, structs, "+ l2norm, gates at the HBM roofline",
+                 extra_bytes=wrapper_bytes(B, False))
+
+
+# ----------------------------------------------------------------------------------------------- xla
+def xla_prefill(q, k, v, g, beta, chunk: int = CHUNK):
+    """The chunked GDN forward in ``jax.numpy`` on our kernel's operands (zero initial state):
+    ``(o [HV, T, V], final state [HV, K, V])``.
+
+    q, k ``[H, T, K]`` bf16 (l2-normalized); v ``[HV, T, V]`` bf16; g, beta ``[HV * T, 1]`` f32 (gates); T a
+    multiple of ``chunk``. Per chunk the WY / UT transform (``solve_triangular``), all chunks at once, then a
+    ``lax.scan`` over the chunks carrying the state."""
+    import jax
+    import jax.numpy as jnp
+
+    h, T, kd = q.shape
+    hv, vd = v.shape[0], v.shape[2]
+    n = T // chunk
+    f = lambda x, d: x.astype(jnp.float32).reshape(-1, n, chunk, d)  # noqa: E731
+    qc = jnp.repeat(f(q, kd), hv // h, axis=0)  # [HV, n, C, K]
+    kc = jnp.repeat(f(k, kd), hv // h, axis=0)
+    vc = f(v, vd)
+    gc, bc = f(g, 1), f(beta, 1)  # [HV, n, C, 1]
+    G = jnp.cumsum(gc, axis=2)
+    eG = jnp.exp(G)
+    lo = jnp.tril(jnp.ones((chunk, chunk), bool))
+    st = jnp.tril(jnp.ones((chunk, chunk), bool), -1)
+    D = jnp.where(lo, jnp.exp(jnp.where(lo, G - jnp.swapaxes(G, 2, 3), 0.0)), 0.0)
+    mm = lambda x, y: jnp.matmul(x, y, precision=jax.lax.Precision.HIGHEST)  # noqa: E731
+    A = jnp.where(st, bc * mm(kc, jnp.swapaxes(kc, 2, 3)) * D, 0.0)
+    eye = jnp.eye(chunk, dtype=jnp.float32)
+    Tinv = jax.scipy.linalg.solve_triangular(eye + A, jnp.broadcast_to(eye, A.shape), lower=True,
+                                             unit_diagonal=True)
+    Ub = mm(Tinv, bc * vc)  # U = Ub - W S0
+    W = mm(Tinv, bc * eG * kc)
+    P = mm(qc, jnp.swapaxes(kc, 2, 3)) * D
+    gl = G[:, :, -1:, :]  # [HV, n, 1, 1]
+    wdec = jnp.exp(gl - G)
+
+    def step(S, xs):
+        qc_, kc_, eG_, Ub_, W_, P_, gl_, wd_ = xs
+        u = Ub_ - mm(W_, S)
+        o = SCALE * (eG_ * mm(qc_, S) + mm(P_, u))
+        return jnp.exp(gl_) * S + mm(jnp.swapaxes(kc_, 1, 2), wd_ * u), o
+
+    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (qc, kc, eG, Ub, W, P, gl, wdec))  # chunks first
+    S, o = jax.lax.scan(step, jnp.zeros((hv, kd, vd), jnp.float32), xs)
+    return jnp.moveaxis(o, 0, 1).reshape(hv, T, vd).astype(v.dtype), S
+
+
+def xla_decode(idx, q, k, v, g, beta, pool):
+    """One GDN token per row in ``jax.numpy`` on our kernel's operands: ``(o [B, HV, V], new states [B, HV, K,
+    V])``. idx ``[B]`` int32; q, k ``[B, H, K]`` (l2-normalized); v ``[B, HV, V]``; g, beta ``[B, HV]`` f32;
+    pool ``[P, HV, K, V]`` f32."""
+    import jax.numpy as jnp
+
+    r = v.shape[1] // q.shape[1]
+    qf = jnp.repeat(q.astype(jnp.float32), r, axis=1)
+    kf = jnp.repeat(k.astype(jnp.float32), r, axis=1)
+    S = pool[idx] * jnp.exp(g)[..., None, None]
+    u = beta[..., None] * (v.astype(jnp.float32) - jnp.einsum("bhk,bhkv->bhv", kf, S))
+    S = S + kf[..., :, None] * u[..., None, :]
+    return (SCALE * jnp.einsum("bhk,bhkv->bhv", qf, S)).astype(v.dtype), S
+
+
+def _xla(fn, structs, n: int, layout: bool) -> Impl:
+    """XLA's compilation of ``fn``, plus the same wrapper bytes at the HBM roofline as ours."""
+    from ..perf import clock_hz, hbm_bandwidth
+
+    def cycles(est, chip):
+        extra = wrapper_bytes(n, layout) / hbm_bandwidth(chip) * clock_hz(chip)
+        return est.cycles(fn, structs, chip) + int(extra), None
+
+    return Impl("xla", "xla", cycles, config="XLA fusion + l2norm, gates" + (", transposes" if layout else "")
+                + " at the HBM roofline")
+
+
+def xla_prefill_impl(T: int) -> Impl:
+    import jax
+    import jax.numpy as jnp
+
+    bf, f32 = jnp.bfloat16, jnp.float32
+    return _xla(jax.jit(xla_prefill), [_s((H, T, K), bf), _s((H, T, K), bf), _s((HV, T, V), bf), _s((HV * T, 1), f32),
+                                       _s((HV * T, 1), f32)], T, True)
+
+
+def xla_decode_impl(B: int) -> Impl:
+    import jax
+    import jax.numpy as jnp
+
+    bf, f32 = jnp.bfloat16, jnp.float32
+    return _xla(jax.jit(xla_decode), [_s((B,), jnp.int32), _s((B, H, K), bf), _s((B, H, K), bf), _s((B, HV, V), bf),
+                                      _s((B, HV), f32), _s((B, HV), f32), _s((B + 1, HV, K, V), f32)],
+                B, False)
+
+
+# ----------------------------------------------------------------------------------------------- tpu-inference
+def _tpu_inference(what: str):
+    from ..errors import BackendUnavailableError
+
+    try:
+        if what == "v3":
+            from tpu_inference.kernels.gdn.v3 import wrapper as m
+        elif what == "v2 decode":
+            from tpu_inference.kernels.gdn.v2 import gdn_decode_kernel as m
+        else:
+            from tpu_inference.kernels.gdn.v2 import recurrent_scan_v2 as m
+    except ImportError as e:
+        raise BackendUnavailableError(f"tpu-inference's GDN kernels do not import ({e}); install it with "
+                                      "`pip install --no-deps tpu-inference==0.32.0` (make test does)") from e
+    return m
+
+
+def v3_program(T: int, N: int):
+    """``(fn, structs)``: tpu-inference 0.32.0's ``fused_conv1d_gdn`` over ``T`` tokens of ``N`` sequences
+    (prefill: ``N = 1``; decode: ``T = N``), state pool of ``N + 1`` slots, its default tile sizes."""
+    import jax
+    import jax.numpy as jnp
+
+    W = _tpu_inference("v3")
+    dim = 2 * H * K + HV * V
+
+    def tpu_inference_v3(qkv, b, a, conv_state, rec_state, conv_w, a_log, dt_bias, qsl, si, dist, lens, rsi):
+        (_, rs), out = W.fused_conv1d_gdn(qkv, b, a, conv_state, rec_state, conv_w, None, a_log, dt_bias, qsl, si,
+                                          dist, lens, rsi, n_kq=H, n_v=HV, d_k=K, d_v=V, kernel_size=CONV)
+        return out, rs
+
+    bf, f32, i32 = jnp.bfloat16, jnp.float32, jnp.int32
+    structs = [_s((T, dim), bf), _s((T, HV), bf), _s((T, HV), bf), _s((N + 1, CONV - 1, dim), bf),
+               _s((N + 1, HV, K, V), f32), _s((dim, 1, CONV), bf), _s((HV,), f32), _s((HV,), f32),
+               _s((N + 1,), i32), _s((N,), i32), _s((3,), i32), _s((N,), i32), _s((N,), i32)]
+    return jax.jit(tpu_inference_v3, donate_argnums=(3, 4)), structs  # its state caches are updated in place
+
+
+def v2_decode_program(B: int):
+    import jax
+    import jax.numpy as jnp
+
+    m = _tpu_inference("v2 decode")
+    dim = 2 * H * K + HV * V
+
+    def tpu_inference_v2_decode(qkv, b, a, rec_state, a_log, dt_bias, qsl, si, dist):
+        rs, out = m.ragged_gated_delta_rule_decode_only(qkv, b, a, rec_state, a_log, dt_bias, qsl, si, dist,
+                                                        n_kq=H, n_v=HV, d_k=K, d_v=V)
+        return out, rs
+
+    bf, f32, i32 = jnp.bfloat16, jnp.float32, jnp.int32
+    structs = [_s((B, dim), bf), _s((B, HV), bf), _s((B, HV), bf), _s((B + 1, HV, K, V), f32), _s((HV,), f32),
+               _s((HV,), f32), _s((B + 1,), i32), _s((B,), i32), _s((3,), i32)]
+    return jax.jit(tpu_inference_v2_decode, donate_argnums=(3,)), structs
+
+
+def v2_prefill_program(T: int):
+    import jax
+    import jax.numpy as jnp
+
+    m = _tpu_inference("v2 prefill")
+    dim = 2 * H * K + HV * V
+
+    def tpu_inference_v2_scan(qkv, b, a, rec_state, a_log, dt_bias, qsl, si, dist):
+        rs, out = m.recurrent_scan(qkv, b, a, rec_state, a_log, dt_bias, qsl, si, dist, n_kq=H, n_v=HV, d_k=K, d_v=V)
+        return out, rs
+
+    bf, f32, i32 = jnp.bfloat16, jnp.float32, jnp.int32
+    structs = [_s((T, dim), bf), _s((T, HV), bf), _s((T, HV), bf), _s((2, HV, K, V), f32), _s((HV,), f32),
+               _s((HV,), f32), _s((2,), i32), _s((1,), i32), _s((3,), i32)]
+    return jax.jit(tpu_inference_v2_scan, donate_argnums=(3,)), structs
+
+
+def _peer(name: str, program, size, config: str, floor_us) -> Impl:
+    """A tpu-inference kernel (``program(*size)``); where libtpu cannot estimate it, its roofline is given as a
+    floor (a lower bound, marked as such)."""
+
+    def cycles(est, chip):
+        fn, structs = program(*size)
+        return est.cycles(fn, structs, chip), config
+
+    return Impl(name, "public", cycles, config=config, floor_us=floor_us)
+
+
+# ----------------------------------------------------------------------------------------------- cases
+def cases(chips) -> list[Case]:
+    from ..perf import model_time
+
+    out = []
+    specs = [("prefill fwd", f"T={T}", prefill_bytes(T), prefill_flops(T), ours_prefill(T), [
+        ("tpu-inference v3", v3_program, (T, 1), "fused_conv1d_gdn, mixed_tile_size=64 (+ conv1d, gates, l2norm)"),
+        ("tpu-inference v2", v2_prefill_program, (T,), "recurrent_scan, chunk_size=128, BT=128 (+ gates, l2norm)"),
+    ], xla_prefill_impl(T)) for T in PREFILL]
+    specs += [("decode", f"B={B}", decode_bytes(B), decode_flops(B), ours_decode(B), [
+        ("tpu-inference v3", v3_program, (B, B), "fused_conv1d_gdn, decode_tile_size=4 (+ conv1d, gates, l2norm)"),
+        ("tpu-inference v2", v2_decode_program, (B,), "ragged_gated_delta_rule_decode_only (+ gates, l2norm)"),
+    ], xla_decode_impl(B)) for B in DECODE]
+    for op, shape, hbm, flops, ours, peers, xla in specs:
+        def floor(chip, hbm=hbm, flops=flops):
+            return model_time(chip, None, hbm, flops).roofline_us
+
+        for chip in chips:
+            impls = [ours] + [_peer(n, prog, size, cfg, floor) for n, prog, size, cfg in peers] + [xla]
+            out.append(Case(FAMILY, op, shape, chip, hbm_bytes=hbm, flops=flops, impls=impls))
+    return out
+
+
+def reason(row: dict) -> str | None:
+    return REASONS.get((row["chip"], row["op"], row["shape"]))
