@@ -41,15 +41,16 @@ def test_rows_cover_the_issue_shapes_chips_and_implementations():
     assert pre.flops == 32 * 4096 * (4 * 64 * 128 + 2 * 64 * 128 + 6 * 128 * 128)
 
 
-def test_ours_decode_adds_the_wrapper_bytes_to_the_kernel_estimate():
+def test_ours_decode_scales_the_reduced_batch_and_adds_the_wrapper_bytes():
     (case,) = [c for c in bla.cases(["v6e"]) if c.shape == "B=64"]
     est = _FakeEstimator(1000)
     cycles, cfg = case.impls[0].cycles(est, "v6e")
+    b = bla.DECODE_EST_B
     extra = int(bla.wrapper_bytes(64, False) / hbm_bandwidth("v6e") * clock_hz("v6e"))
-    assert cycles == 1000 + extra and extra > 0
-    assert est.seen == [[(64,), (64, 1, 16, 128), (64, 1, 16, 128), (64, 1, 32, 128), (64, 1, 32), (64, 1, 32),
-                         (65, 32, 128, 128)]]
-    assert "source" in cfg and "gates" in cfg["wrapper"]
+    assert cycles == 1000 * (64 // b) + extra and extra > 0
+    assert est.seen == [[(b,), (b, 1, 16, 128), (b, 1, 16, 128), (b, 1, 32, 128), (b, 1, 32), (b, 1, 32),
+                         (b + 1, 32, 128, 128)]]
+    assert "source" in cfg and f"x{64 // b}" in cfg["estimated"]
 
 
 def test_a_peer_libtpu_cannot_estimate_gets_its_roofline_as_a_floor():
@@ -102,3 +103,9 @@ def test_xla_decode_baseline_is_one_gated_deltanet_step():
                           jnp.asarray(beta[:, 0].numpy()), jnp.asarray(pool.numpy()))
     np.testing.assert_allclose(np.asarray(o.astype(jnp.float32)), ref_o[:, 0].numpy(), atol=3e-2, rtol=3e-2)
     np.testing.assert_allclose(np.asarray(s), ref_s.numpy(), atol=2e-3, rtol=2e-3)
+
+
+def test_reasons_name_the_lever_per_op():
+    assert "VPU" in bla.reason({"op": "decode", "chip": "v6e", "shape": "B=64"})
+    assert "chunk_size" in bla.reason({"op": "prefill fwd", "chip": "v5e", "shape": "T=4096"})
+    assert bla.reason({"op": "other", "chip": "v6e", "shape": "-"}) is None
