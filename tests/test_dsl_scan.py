@@ -19,7 +19,8 @@ import tpukernels.dsl as tk
 from tpukernels.dsl import scan
 
 
-def _helpers_body(x_ref, seg_ref, a_ref, cum_ref, cumx_ref, rcum_ref, rcumx_ref, inv_ref, dec_ref, row_ref, mask_ref):
+def _helpers_body(x_ref, seg_ref, a_ref, cum_ref, cumx_ref, rcum_ref, rcumx_ref, inv_ref, dec_ref, row_ref, mask_ref,
+                  col_ref):
     x, seg, a = x_ref[...], seg_ref[...], a_ref[...]
     cum_ref[...] = scan.segment_cumsum(x, seg)
     cumx_ref[...] = scan.segment_cumsum(x, seg, exclusive=True)
@@ -29,18 +30,22 @@ def _helpers_body(x_ref, seg_ref, a_ref, cum_ref, cumx_ref, rcum_ref, rcumx_ref,
     g = scan.segment_cumsum(x[:, :1], seg)
     dec_ref[...] = scan.pairwise_decay(g, scan.lower_mask(x.shape[0], seg=seg))
     row_ref[...] = scan.col_to_row(x[:, :1])
+    col_ref[...] = scan.row_to_col(row_ref[...])
     mask_ref[...] = scan.lower_mask(x.shape[0], strict=True, seg=seg).astype(jnp.float32)
 
 
 @tk.tpu_kernel(_helpers_body, name="scan_helpers", namespace="tktest_scan")
-def helpers(x: torch.Tensor, seg: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def helpers(x: torch.Tensor, seg: torch.Tensor, a: torch.Tensor) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+        torch.Tensor]:
     """Every helper of tpukernels.dsl.scan on one block: x [n, m] f32, seg [n, 1] i32, a [n, n] f32."""
     n, m = x.shape
     full = lambda *s: pl.BlockSpec(s, lambda i: (0,) * len(s))  # noqa: E731
     outs = (tk.OutSpec((n, m), jnp.float32),) * 4 + (tk.OutSpec((n, n), jnp.float32),) * 2 + (
-        tk.OutSpec((1, n), jnp.float32), tk.OutSpec((n, n), jnp.float32))
+        tk.OutSpec((1, n), jnp.float32), tk.OutSpec((n, n), jnp.float32), tk.OutSpec((n, 1), jnp.float32))
     return tk.Launch(grid=(1,), in_specs=[full(n, m), full(n, 1), full(n, n)],
-                     out_specs=[full(n, m)] * 4 + [full(n, n)] * 2 + [full(1, n), full(n, n)], out_shape=outs)
+                     out_specs=[full(n, m)] * 4 + [full(n, n)] * 2 + [full(1, n), full(n, n), full(n, 1)],
+                     out_shape=outs)
 
 
 def _carry_body(start_ref, x_ref, o_ref, acc_ref):
@@ -94,7 +99,7 @@ def test_helpers_match_float64(nm, which, seed):
     x[:, 0] = -np.abs(x[:, 0])  # log-decays (<= 0)
     a = (rng.standard_normal((n, n)) * 0.5).astype(np.float32)
     outs = helpers(torch.from_numpy(x), torch.from_numpy(seg[:, None].astype(np.int32)), torch.from_numpy(a))
-    cum, cumx, rcum, rcumx, inv, dec, row, mask = (o.double().numpy() for o in outs)
+    cum, cumx, rcum, rcumx, inv, dec, row, mask, col = (o.double().numpy() for o in outs)
     x64 = x.astype(np.float64)
     for got, rev, exc in ((cum, False, False), (cumx, False, True), (rcum, True, False), (rcumx, True, True)):
         want = seg_cumsum64(x64, seg, rev, exc)
@@ -111,6 +116,7 @@ def test_helpers_match_float64(nm, which, seed):
     np.testing.assert_allclose(dec, want_dec, rtol=1e-5, atol=1e-6)
     assert np.all(dec[~(low & same)] == 0)
     assert np.array_equal(row[0], x[:, 0].astype(np.float64))
+    assert np.array_equal(col[:, 0], x[:, 0].astype(np.float64))
     assert np.array_equal(mask, (np.tril(np.ones((n, n)), -1).astype(bool) & same).astype(np.float64))
 
 
@@ -130,7 +136,7 @@ def test_nan_in_one_segment_stays_there(interpret):
     x = np.random.default_rng(0).standard_normal((n, 1)).astype(np.float32)
     x[14, 0] = np.nan  # segment 1
     outs = helpers(torch.from_numpy(x), torch.from_numpy(seg[:, None].astype(np.int32)), torch.zeros(n, n))
-    cum, cumx, rcum, rcumx, _, dec, row, _ = (o.double().numpy() for o in outs)
+    cum, cumx, rcum, rcumx, _, dec, row, _, col = (o.double().numpy() for o in outs)
     other = seg != 1
     for o in (cum, cumx, rcum, rcumx):
         assert np.isfinite(o[other]).all()
@@ -138,6 +144,7 @@ def test_nan_in_one_segment_stays_there(interpret):
     both = other[:, None] & other[None, :]
     assert np.isfinite(dec[both]).all() and np.isnan(dec).any()
     assert np.isnan(row[0, 14]) and np.isfinite(np.delete(row[0], 14)).all()
+    assert np.isnan(col[14, 0]) and np.isfinite(np.delete(col[:, 0], 14)).all()
 
 
 def test_reset_carry_restarts_at_rows_and_flags(interpret):
@@ -174,3 +181,17 @@ def test_compile_only(chip, tmp_cache):
         assert r.ok, r.summary()
     r = compile_for(carry, chip, "2x5:i32", "2x5x8x128:f32", with_mlir=False)
     assert r.ok, r.summary()
+
+
+def test_matmul_forms_match_float64():
+    """matmul's transposed forms, and exact_bf16 (one bf16 pass) on operands holding bf16 values."""
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((16, 32)).astype(np.float32)
+    b = rng.standard_normal((16, 32)).astype(np.float32)
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    np.testing.assert_allclose(np.asarray(scan.matmul(a, b, trans_b=True)), a64 @ b64.T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(scan.matmul(a, b, trans_a=True)), a64.T @ b64, rtol=1e-5, atol=1e-5)
+    ab = np.asarray(jnp.asarray(a).astype(jnp.bfloat16).astype(jnp.float32))  # bf16 values held in float32
+    bb = np.asarray(jnp.asarray(b).astype(jnp.bfloat16).astype(jnp.float32))
+    got = np.asarray(scan.matmul(ab, bb, trans_b=True, exact_bf16=True))
+    np.testing.assert_allclose(got, ab.astype(np.float64) @ bb.astype(np.float64).T, rtol=1e-6, atol=1e-5)

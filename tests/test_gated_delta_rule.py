@@ -132,7 +132,8 @@ def test_forward_matches_float64(t, b, ratio, dtype, gate, has_h0):
         assert torch.equal(h0, h0_copy)  # never modified
 
 
-@pytest.mark.parametrize("lens", [[5, 0, 16, 19, 34], [1], [16, 16], [40, 1, 1, 3]])
+@pytest.mark.parametrize("lens", [[5, 0, 16, 19, 34], [40, 1, 1, 3], pytest.param([1], marks=pytest.mark.slow),
+                                  pytest.param([16, 16], marks=pytest.mark.slow)])
 def test_packed_sequences_with_states_in_and_out(lens):
     """cu_seqlens: boundaries inside chunks, on chunk edges, empty and one-token sequences; each sequence equals
     the reference of that sequence alone with its own initial state (the empty one returns its state)."""
@@ -151,6 +152,23 @@ def test_packed_sequences_with_states_in_and_out(lens):
     whole, _ = G.gated_delta_rule_reference(q, k, v, g, beta)
     if n > 1 and t:
         assert not torch.allclose(o.double(), whole, atol=1e-3)  # the boundaries matter for this input
+
+
+@settings(max_examples=4)
+@given(cuts=st.lists(st.integers(0, 48), min_size=3, max_size=3))
+def test_ragged_batches_match_float64(cuts):
+    """4 sequences of random lengths (empty ones included) packed in 48 tokens, states in and out (one compiled
+    shape)."""
+    cu = torch.tensor([0] + sorted(cuts) + [48])
+    q, k, v, g, beta = inputs(1, 48, 1, 1, 16, 8, seed=21)
+    h0 = rand(4, 1, 16, 8, seed=22)
+    o, ht = G.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                                     chunk_size=C)
+    ref, ref_ht = G.gated_delta_rule_reference(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu)
+    check(o, ref, F32, "o")
+    check(ht, ref_ht, F32, "final_state")
+    o2, none = G.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, chunk_size=C)
+    assert none is None and torch.equal(o2, o)
 
 
 def test_nan_in_one_sequence_reaches_no_other(interpret):
@@ -215,6 +233,20 @@ def test_fused_recurrent_forms_match_reference():
     assert torch.equal(h0, h0_copy)
 
 
+@pytest.mark.parametrize("h, hv, bh", [(1, 4, 2), (2, 8, 8), (2, 4, 1)])
+def test_decode_heads_per_step(monkeypatch, h, hv, bh):
+    """block_h value heads per grid step, grouped heads lined up (bh a multiple of HV / H, or a divisor)."""
+    monkeypatch.setattr(G.gdn_recurrent_fwd, "heuristic", lambda *a, **k: {"block_h": bh})
+    G.gdn_recurrent_fwd._plans.clear()
+    q, k, v, g, beta = inputs(3, 2, h, hv, 16, 8, seed=19)
+    h0 = rand(3, hv, 16, 8, seed=20)
+    o, ht = G.fused_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    ref, ref_ht = G.gated_delta_rule_reference(q, k, v, g, beta, initial_state=h0)
+    check(o, ref, F32, "o")
+    check(ht, ref_ht, F32, "ht")
+    G.gdn_recurrent_fwd._plans.clear()
+
+
 # ----------------------------------------------------------------------------------------- backward
 @pytest.mark.parametrize("dtype, packed, ratio", [(F32, True, 2), pytest.param(F32, False, 1, marks=pytest.mark.slow),
                                                   pytest.param(BF16, False, 2, marks=pytest.mark.slow)])
@@ -249,7 +281,8 @@ def test_backward_nan_in_one_sequence_reaches_no_other_gradient(interpret):
     grads = torch.autograd.grad(o.nansum() + ht.nansum(), xs + [h0])
     for i in (0, 2):
         s, e = int(cu[i]), int(cu[i + 1])
-        x64 = [x.detach()[:, s:e].double().requires_grad_() for x in xs] + [h0.detach()[i:i + 1].double().requires_grad_()]
+        x64 = [x.detach()[:, s:e].double().requires_grad_() for x in xs]
+        x64.append(h0.detach()[i:i + 1].double().requires_grad_())
         ref, ref_ht = G.gated_delta_rule_reference(*x64[:5], initial_state=x64[5])
         want = torch.autograd.grad(ref.sum() + ref_ht.sum(), x64)
         for name, got, exp in zip(("dq", "dk", "dv", "dg", "dbeta"), grads, want):

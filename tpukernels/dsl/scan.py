@@ -17,7 +17,7 @@ API (stable; used by ``tpukernels.library.linear_attention``):
 
 * carried state: :func:`reset_carry` (write zeros / a value into a scratch ref at the first step of a grid
   axis, or whenever a condition holds, e.g. a sequence starts), :func:`is_first_step`.
-* layout: :func:`col_to_row` (``(n, 1) -> (1, n)``, exact).
+* layout: :func:`col_to_row` (``(n, 1) -> (1, n)``, exact), :func:`row_to_col` (its inverse).
 * masks: :func:`lower_mask` (``i >= j``, or ``i > j`` strict, optionally same segment).
 * sums and decays: :func:`segment_cumsum` (inclusive / exclusive, forward / reverse, segment-aware log-step
   scan),
@@ -26,6 +26,12 @@ API (stable; used by ``tpukernels.library.linear_attention``):
   doubling: ``2 * ceil(log2 n)`` matmuls, forward-stable), :func:`matmul` (float32, highest precision).
 
 Each is tested on its own against numpy float64 in ``tests/test_dsl_scan.py``.
+
+Packed sequences, two ways. (1) Segment-aware helpers: pass ``seg`` to :func:`segment_cumsum` /
+:func:`lower_mask` and mask every pairwise term, when all segments of a chunk share one initial state (zeros).
+(2) One pass per sequence touching the chunk (``tpukernels.library.linear_attention.gdn_ops``): select that
+sequence's rows with ``jnp.where`` (other rows exactly 0, their gates 0), run the plain chunk step from that
+sequence's own initial state, keep its rows of the result; needed when sequences carry their own states.
 """
 
 from __future__ import annotations
@@ -40,16 +46,21 @@ def _jax():
     return jax, jnp
 
 
-def matmul(a, b, *, trans_a: bool = False, trans_b: bool = False):
-    """``a @ b`` (or with ``a`` / ``b`` transposed) in float32 with highest precision (6-pass bf16 on the MXU).
+def matmul(a, b, *, trans_a: bool = False, trans_b: bool = False, exact_bf16: bool = False):
+    """``a @ b`` (or with ``a`` / ``b`` transposed), float32 result, highest precision (6-pass bf16 on the MXU).
 
     Args:
         a, b: 2-D float arrays. trans_a: contract ``a``'s axis 0 (``a.T @ b``). trans_b: contract ``b``'s axis 1
             (``a @ b.T``).
+        exact_bf16: the caller guarantees both operands hold bfloat16 values (e.g. bf16 inputs, selected with
+            ``jnp.where``): one bf16 pass with float32 accumulation is then exact, and is what runs.
     """
     jax, jnp = _jax()
     ca = 0 if trans_a else 1
     cb = 1 if trans_b else 0
+    if exact_bf16:
+        return jax.lax.dot_general(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), (((ca,), (cb,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
     return jax.lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), (((ca,), (cb,)), ((), ())),
                                precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
 
@@ -102,6 +113,16 @@ def col_to_row(col):
     eye = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0) == jax.lax.broadcasted_iota(jnp.int32, (n, n), 1)
     full = jnp.broadcast_to(col.astype(jnp.float32), (n, n))
     return jnp.sum(jnp.where(eye, full, 0.0), axis=0, keepdims=True)
+
+
+def row_to_col(row):
+    """``(1, n) -> (n, 1)`` float32, exactly, entry by entry (a masked lane reduction; the inverse of
+    :func:`col_to_row`), e.g. a key loaded as a row, needed as a column for an outer product ``k u^T``."""
+    jax, jnp = _jax()
+    n = row.shape[1]
+    eye = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0) == jax.lax.broadcasted_iota(jnp.int32, (n, n), 1)
+    full = jnp.broadcast_to(row.astype(jnp.float32), (n, n))
+    return jnp.sum(jnp.where(eye, full, 0.0), axis=1, keepdims=True)
 
 
 def lower_mask(n: int, *, strict: bool = False, seg=None):
@@ -195,5 +216,5 @@ def unit_lower_inverse(a):
     return x
 
 
-__all__ = ["matmul", "is_first_step", "reset_carry", "col_to_row", "lower_mask", "segment_cumsum",
+__all__ = ["matmul", "is_first_step", "reset_carry", "col_to_row", "row_to_col", "lower_mask", "segment_cumsum",
            "pairwise_decay", "unit_lower_inverse"]

@@ -52,11 +52,31 @@ start, then one kernel walks the chunks in reverse (grid over ``NC - 1 - c``), r
 and applies its exact transpose (hand-derived, written out in ``_chunk_bwd``), carrying ``dS`` backward
 in scratch. Grouped heads: dq / dk are per value head in float32, summed over the group on the host.
 
-Decode (``fused_recurrent_gated_delta_rule``): the same chunk step over the few new tokens of each row
-(grid ``(B, HV)``, all parallel), state in and out; with ``ssm_state_indices`` (vLLM) row ``b`` reads
-``initial_state[ssm_state_indices[b]]`` and, with ``inplace_final_state=True``, writes it back there (the
-pool aliased in place, vLLM's contract); otherwise the passed state is never modified. Gradients through
-it run the chunked kernels.
+Decode (``fused_recurrent_gated_delta_rule``): the token loop itself on the VPU (grid ``(B, HV / block_h)``, all
+parallel; q / k passed transposed so a token's key is a column for the outer product ``k u^T``; no MXU, whose
+``M = 1`` matmuls would reload the whole state per token), ``block_h`` value heads per step (tunable; the
+heuristic takes the most whose state blocks fit :data:`DECODE_VMEM_BUDGET_BYTES`), state in and out. With
+``ssm_state_indices`` (vLLM) row ``b`` reads ``initial_state[ssm_state_indices[b]]`` through the index map (no
+gather copy) and, with ``inplace_final_state=True``, the new states are scattered back there after the kernel
+(``index_copy_`` of the B updated states, never a whole-pool copy; the kernel output is not aliased to the
+pool); otherwise nothing passed in is modified. Gradients through it run the chunked kernels.
+
+Performance notes (compile-only: every kernel lowers for v5e, v6e and tpu7x at Qwen3-Next-80B-A3B's layer,
+16 q/k heads, 32 v heads, K = V = 128; not yet timed on a chip; libtpu's static cycle estimate aborts on
+these kernels). Prefill forward, chunk 64: per grid step blocks q, k ``(64, 128)`` bf16, v / o ``(64, 128)``,
+g / beta ``(64, 1)`` f32, state scratch 64 KiB; 0.5 MiB of VMEM (backward 0.9 MiB). Per chunk and head ~17
+MFLOP of matmuls (``KK^T``, ``QK^T``, ``K S``, ``Q S``, ``T R``, ``P U``, ``K^T W U``: 10.5 M; the inverse's 12
+dependent ``64^3`` products: 6.3 M), all at ``Precision.HIGHEST`` (6 bf16 passes), i.e. ~200 GFLOP-equivalent
+for 4096 tokens x 32 heads against ~135 MB of HBM traffic: MXU-bound (>= 0.2 ms on v6e, >= 1 ms on v5e) before
+any overhead (``QK^T`` and ``KK^T`` of bf16 inputs already run as exact single bf16 passes). Levers, in order:
+``HIGH`` (3 passes) for the state products (fla runs these in tf32 on GPUs); a 16-row block substitution
+for the inverse (fewer, smaller levels); split heads' V across a grid axis for megacore when HV is small;
+head-major BlockSpecs over fla's ``[B, T, H, K]`` layout to drop the host transposes (one extra HBM pass of
+q / k / v / o each); a lane-dense layout for g / beta. Packed batches: a chunk holding the boundary of m
+sequences is processed m times (fine for long prompts; many very short sequences belong on the decode
+kernel). Decode, 64 rows x 32 heads from a pool: 268 MB of state read + written per step (HBM roofline
+0.17 ms on v6e, 0.33 ms on v5e); ``block_h = 32`` moves 8 MiB per grid step (11 MiB of VMEM with
+double-buffering).
 
 Not covered (vs fla): ``use_qk_l2norm_in_kernel`` normalizes q and k in torch before the kernel (eps 1e-6, as
 fla's l2norm and tpu-inference's reference), not inside it; fla's ``gk`` / ``gv`` (per-channel gates: KDA),
@@ -97,28 +117,29 @@ VMEM_LIMIT_BYTES = 48 * MiB
 
 
 # ----------------------------------------------------------------------------------------- chunk step
-def _chunk_step(q, k, v, g, beta, s0, scale):
-    """One chunk of one sequence (rows of other sequences already zero): ``(o, S_end, U)``, float32.
+def _chunk_step(q, k, v, g, beta, s0, scale, bf16_qk=False):
+    """One chunk of one sequence (rows of other sequences already zero): ``(o, S_end)``, float32.
 
-    q, k ``(C, K)``; v ``(C, V)``; g, beta ``(C, 1)``; s0 ``(K, V)``.
+    q, k ``(C, K)``; v ``(C, V)``; g, beta ``(C, 1)``; s0 ``(K, V)``. bf16_qk: q and k hold bf16 values, so
+    ``K K^T`` and ``Q K^T`` run as exact single-pass bf16 matmuls.
     """
     c = q.shape[0]
     G = scan.segment_cumsum(g)
     eG = jnp.exp(G)
     dq = scan.pairwise_decay(G, scan.lower_mask(c))
     dm = scan.pairwise_decay(G, scan.lower_mask(c, strict=True))
-    kk = scan.matmul(k, k, trans_b=True)
+    kk = scan.matmul(k, k, trans_b=True, exact_bf16=bf16_qk)
     tinv = scan.unit_lower_inverse(beta * kk * dm)
     ks = scan.matmul(k, s0)
     u = scan.matmul(tinv, beta * (v - eG * ks))
-    p = scan.matmul(q, k, trans_b=True) * dq
+    p = scan.matmul(q, k, trans_b=True, exact_bf16=bf16_qk) * dq
     o = scale * (eG * scan.matmul(q, s0) + scan.matmul(p, u))
     gl = G[c - 1:c, :]
     s_end = jnp.exp(gl) * s0 + scan.matmul(k, jnp.exp(gl - G) * u, trans_a=True)
     return o, s_end
 
 
-def _chunk_bwd(q, k, v, g, beta, s0, do, dsf, scale):
+def _chunk_bwd(q, k, v, g, beta, s0, do, dsf, scale, bf16_qk=False):
     """The transpose of :func:`_chunk_step`: ``(dq, dk, dv, dg, dbeta, ds0)`` given ``do (C, V)`` and the
     gradient ``dsf (K, V)`` of the end state. Recomputes the forward (float32 throughout)."""
     c = q.shape[0]
@@ -128,12 +149,12 @@ def _chunk_bwd(q, k, v, g, beta, s0, do, dsf, scale):
     lo, st = scan.lower_mask(c), scan.lower_mask(c, strict=True)
     Dq = scan.pairwise_decay(G, lo)
     Dm = scan.pairwise_decay(G, st)
-    KK = scan.matmul(k, k, trans_b=True)
+    KK = scan.matmul(k, k, trans_b=True, exact_bf16=bf16_qk)
     tinv = scan.unit_lower_inverse(beta * KK * Dm)
     KS = scan.matmul(k, s0)
     X = v - eG * KS
     U = scan.matmul(tinv, beta * X)
-    QK = scan.matmul(q, k, trans_b=True)
+    QK = scan.matmul(q, k, trans_b=True, exact_bf16=bf16_qk)
     P = QK * Dq
     QS = scan.matmul(q, s0)
     gl = G[c - 1:c, :]
@@ -225,6 +246,7 @@ def _fwd_body(lo_ref, hi_ref, st_ref, en_ref, q_ref, k_ref, v_ref, g_ref, b_ref,
     o_ref, ht_hbm, hc_ref = next(it), next(it), next(it)
     carry_ref, buf_ref, sem = next(it), next(it), next(it)
     h, c = pl.program_id(0), pl.program_id(1)
+    bf16_qk = q_ref.dtype == jnp.bfloat16
     scan.reset_carry(carry_ref, axis=1)
     if save_states:
         hc_ref[...] = carry_ref[...]
@@ -245,7 +267,7 @@ def _fwd_body(lo_ref, hi_ref, st_ref, en_ref, q_ref, k_ref, v_ref, g_ref, b_ref,
                 buf_ref[...] = jnp.zeros(buf_ref.shape, F32)
         s0 = jnp.where(continuing, carry_ref[...], buf_ref[...])
         z = lambda x: jnp.where(m, x, 0.0)  # noqa: E731
-        o, s_end = _chunk_step(z(q), z(k), z(v), z(g), z(beta), s0, scale)
+        o, s_end = _chunk_step(z(q), z(k), z(v), z(g), z(beta), s0, scale, bf16_qk)
         ends_here = end <= (c + 1) * chunk
 
         @pl.when(ends_here)
@@ -352,6 +374,7 @@ def _bwd_body(lo_ref, hi_ref, st_ref, en_ref, q_ref, k_ref, v_ref, g_ref, b_ref,
     dcarry_ref, buf_ref, dbuf_ref, sem = next(it), next(it), next(it), next(it)
     h, cr = pl.program_id(0), pl.program_id(1)
     c = nc - 1 - cr
+    bf16_qk = q_ref.dtype == jnp.bfloat16
     scan.reset_carry(dcarry_ref, axis=1)
     q, k, v = q_ref[...].astype(F32), k_ref[...].astype(F32), v_ref[...].astype(F32)
     g, beta, do = g_ref[...].astype(F32), b_ref[...].astype(F32), do_ref[...].astype(F32)
@@ -383,7 +406,7 @@ def _bwd_body(lo_ref, hi_ref, st_ref, en_ref, q_ref, k_ref, v_ref, g_ref, b_ref,
                 dbuf_ref[...] = jnp.zeros(dbuf_ref.shape, F32)
         dsf = jnp.where(ends_here, dbuf_ref[...], dcarry_ref[...])
         z = lambda x: jnp.where(m, x, 0.0)  # noqa: E731
-        grads = _chunk_bwd(z(q), z(k), z(v), z(g), z(beta), s0, z(do), dsf, scale)
+        grads = _chunk_bwd(z(q), z(k), z(v), z(g), z(beta), s0, z(do), dsf, scale, bf16_qk)
         ds0 = grads[-1]
 
         @pl.when(continuing)
@@ -445,7 +468,8 @@ def gdn_chunk_bwd(
     return tk.Launch(
         grid=(hv, nc if t else 0),
         in_specs=in_specs,
-        out_specs=[row_spec(kd), row_spec(kd), row_spec(vd), row_spec(1), row_spec(1), pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=[row_spec(kd), row_spec(kd), row_spec(vd), row_spec(1), row_spec(1),
+                   pl.BlockSpec(memory_space=pl.ANY)],
         out_shape=_bwd_out(cu, q, k, v, g, beta, h0, hc, do, dht, scale, chunk),
         scratch_shapes=[pltpu.VMEM((kd, vd), F32), pltpu.VMEM((kd, vd), F32), pltpu.VMEM((kd, vd), F32),
                         pltpu.SemaphoreType.DMA],
@@ -464,7 +488,7 @@ def _fwd_backward(ctx, do, dht, dhc):
     cu, q, k, v, g, beta, h0 = ctx.cu, ctx.q, ctx.k, ctx.v, ctx.g, ctx.beta, ctx.h0
     _, _, hc = gdn_chunk_fwd(cu, q, k, v, g, beta, h0, ctx.scale, True, ctx.chunk)
     do = torch.zeros_like(ctx.outputs[0]) if do is None else do
-    dq, dk, dv, dg, db, dh0 = gdn_chunk_bwd(cu, q, k, v, g, beta, h0, hc, do.contiguous(), 
+    dq, dk, dv, dg, db, dh0 = gdn_chunk_bwd(cu, q, k, v, g, beta, h0, hc, do.contiguous(),
                                              None if dht is None else dht.float().contiguous(), ctx.scale, ctx.chunk)
     hq, hv = q.shape[0], v.shape[0]
     r = hv // hq
@@ -476,44 +500,96 @@ def _fwd_backward(ctx, do, dht, dhc):
 
 
 # ----------------------------------------------------------------------------------------- decode kernel
-def _rec_body(idx_ref, q_ref, k_ref, v_ref, g_ref, b_ref, *rest, scale, has_h0):
+def _token_steps(q, k, v, g, beta, s0, scale):
+    """The token loop of the module docstring on the VPU (no MXU: a ``(1, K) x (K, V)`` matmul would load the
+    whole state into the MXU per token), for the few tokens of a decode step: ``(o (T, V), S_end)``.
+
+    q, k: ``(K, T)`` (tokens as columns: the host passes them transposed); v: ``(T, V)``; g, beta: ``(T, 1)``.
+    """
+    s = s0
+    outs = []
+    for t in range(q.shape[1]):
+        kc, qc = k[:, t:t + 1], q[:, t:t + 1]  # (K, 1)
+        s = jnp.exp(g[t:t + 1, :]) * s
+        kv = jnp.sum(s * kc, axis=0, keepdims=True)  # S^T k, (1, V)
+        u = beta[t:t + 1, :] * (v[t:t + 1] - kv)
+        s = s + kc * u
+        outs.append(scale * jnp.sum(s * qc, axis=0, keepdims=True))
+    return (outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)), s
+
+
+def _rec_body(idx_ref, q_ref, k_ref, v_ref, g_ref, b_ref, *rest, scale, has_h0, bh, per_q):
+    """``bh`` value heads per step; value head j of the block reads q/k head ``j // per_q`` of its q/k block."""
     it = iter(rest)
     h0_ref = next(it) if has_h0 else None
     o_ref, ht_ref = next(it), next(it)
-    q, k, v = q_ref[...].astype(F32), k_ref[...].astype(F32), v_ref[...].astype(F32)
-    g, beta = g_ref[...].astype(F32), b_ref[...].astype(F32)
-    s0 = h0_ref[...] if has_h0 else jnp.zeros(ht_ref.shape, F32)
-    o, s_end = _chunk_step(q, k, v, g, beta, s0, scale)
-    o_ref[...] = o.astype(o_ref.dtype)
-    ht_ref[...] = s_end
+    for j in range(bh):
+        qj = j // per_q
+        q, k = q_ref[qj].astype(F32), k_ref[qj].astype(F32)
+        v, g, beta = v_ref[j].astype(F32), g_ref[j].astype(F32), b_ref[j].astype(F32)
+        s0 = h0_ref[j] if has_h0 else jnp.zeros(ht_ref.shape[1:], F32)
+        o, s_end = _token_steps(q, k, v, g, beta, s0, scale)
+        o_ref[j] = o.astype(o_ref.dtype)
+        ht_ref[j] = s_end
 
 
 def _rec_out(idx, q, k, v, g, beta, h0, scale):
     b, hv, t, vd = v.shape
-    return (tk.OutSpec((b, hv, t, vd), v.dtype), tk.OutSpec((b, hv, q.shape[3], vd), F32))
+    return (tk.OutSpec((b, hv, t, vd), v.dtype), tk.OutSpec((b, hv, q.shape[2], vd), F32))
 
 
-@tk.tpu_kernel(_rec_body, name="gdn_recurrent_fwd", namespace=NAMESPACE, out_shape=_rec_out)
+#: value heads per decode grid step (the state blocks of bh heads move together).
+BLOCK_H = (1, 2, 4, 8, 16, 32)
+#: VMEM for the decode kernel's double-buffered state blocks (in and out).
+DECODE_VMEM_BUDGET_BYTES = 8 * MiB
+
+
+def _rec_block_h(block_h, hq, hv):
+    """The launched heads per step: the largest divisor of HV <= block_h that lines up with the q/k groups
+    (a multiple of HV / H, or a divisor of it)."""
+    r = hv // hq
+    for bh in range(min(int(block_h), hv), 0, -1):
+        if hv % bh == 0 and (bh % r == 0 or r % bh == 0):
+            return bh
+    return 1
+
+
+def _rec_heuristic(idx, q, k, v, g, beta, h0, scale):
+    """The most heads per step whose state blocks (in and out, double-buffered) fit
+    :data:`DECODE_VMEM_BUDGET_BYTES`: a decode step moves ``2 * K * V * 4`` bytes per head, so few heads per
+    step leave the per-step overhead (~0.35 us) larger than the HBM time. Not measured on a chip yet."""
+    kd, vd = q.shape[2], v.shape[3]
+    best = 1
+    for bh in BLOCK_H:
+        if 4 * bh * kd * vd * 4 <= DECODE_VMEM_BUDGET_BYTES:
+            best = bh
+    return {"block_h": best}
+
+
+@tk.tpu_kernel(_rec_body, name="gdn_recurrent_fwd", namespace=NAMESPACE, out_shape=_rec_out,
+               heuristic=_rec_heuristic,
+               tunables={"block_h": tk.Tunable(BLOCK_H, default=8, doc="value heads per grid step (upper bound)")})
 def gdn_recurrent_fwd(
     idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    h0: Optional[torch.Tensor], scale: float,
+    h0: Optional[torch.Tensor], scale: float, *, block_h: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GDN over the few new tokens of each row (internal op; use :func:`fused_recurrent_gated_delta_rule`).
 
     Args:
         idx: int32 ``[B]``: row b reads state ``h0[idx[b]]`` (scalar-prefetched; ``arange(B)`` for plain rows).
-        q, k: ``[B, H, T, K]``; v: ``[B, HV, T, V]``; g, beta: float32 ``[B, HV, T, 1]``.
-        h0: float32 ``[S, HV, K, V]`` state pool or None (zeros). scale: the query scale.
+        q, k: ``[B, H, K, T]`` (transposed: tokens as columns); v: ``[B, HV, T, V]``; g, beta: float32
+            ``[B, HV, T, 1]``. h0: float32 ``[S, HV, K, V]`` state pool or None (zeros). scale: the query scale.
+        block_h: value heads per grid step (tunable; see :func:`_rec_block_h`).
 
     Returns:
         ``(o [B, HV, T, V] in v's dtype, new states [B, HV, K, V] float32)``.
     """
     where = "tpukernels::gdn_recurrent_fwd"
     if len(q.shape) != 4 or tuple(k.shape) != tuple(q.shape) or len(v.shape) != 4 or v.shape[0] != q.shape[0] \
-            or v.shape[2] != q.shape[2] or v.shape[1] % q.shape[1]:
-        raise ArgumentError(f"{where}: q, k must be [B, H, T, K] and v [B, HV, T, V] (HV a multiple of H), got "
+            or v.shape[2] != q.shape[3] or v.shape[1] % q.shape[1]:
+        raise ArgumentError(f"{where}: q, k must be [B, H, K, T] and v [B, HV, T, V] (HV a multiple of H), got "
                             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    b, hq, t, kd = q.shape
+    b, hq, kd, t = q.shape
     hv, vd = v.shape[1], v.shape[3]
     for name, x in (("g", g), ("beta", beta)):
         if tuple(x.shape) != (b, hv, t, 1) or np.dtype(x.dtype) != np.float32:
@@ -525,21 +601,27 @@ def gdn_recurrent_fwd(
         raise ArgumentError(f"{where}: h0 must be float32 [S, HV, K, V] with (HV, K, V) = ({hv}, {kd}, {vd}), got "
                             f"{tuple(h0.shape)} {np.dtype(h0.dtype).name}")
     r = hv // hq
-    qk_spec = pl.BlockSpec((None, None, t, kd), lambda i, h, *_: (i, h // r, 0, 0))
-    row = lambda d: pl.BlockSpec((None, None, t, d), lambda i, h, *_: (i, h, 0, 0))  # noqa: E731
+    bh = _rec_block_h(block_h, hq, hv)
+    if bh >= r:  # a q/k block of bh / r heads, at block index h
+        qb, per_q = bh // r, r
+        qk_spec = pl.BlockSpec((None, qb, kd, t), lambda i, h, *_: (i, h, 0, 0))
+    else:  # bh divides r: one q/k head, at head index h * bh // r
+        per_q = bh
+        qk_spec = pl.BlockSpec((None, 1, kd, t), lambda i, h, *_: (i, (h * bh) // r, 0, 0))
+    row = lambda d: pl.BlockSpec((None, bh, t, d), lambda i, h, *_: (i, h, 0, 0))  # noqa: E731
     in_specs = [qk_spec, qk_spec, row(vd), row(1), row(1)]
     if h0 is not None:
-        in_specs.append(pl.BlockSpec((None, None, kd, vd), lambda i, h, ix: (ix[i], h, 0, 0)))
+        in_specs.append(pl.BlockSpec((None, bh, kd, vd), lambda i, h, ix: (ix[i], h, 0, 0)))
     return tk.Launch(
-        grid=(b, hv),
+        grid=(b, hv // bh),
         in_specs=in_specs,
-        out_specs=[row(vd), pl.BlockSpec((None, None, kd, vd), lambda i, h, *_: (i, h, 0, 0))],
+        out_specs=[row(vd), pl.BlockSpec((None, bh, kd, vd), lambda i, h, *_: (i, h, 0, 0))],
         out_shape=_rec_out(idx, q, k, v, g, beta, h0, scale),
         num_scalar_prefetch=1,
         dimension_semantics=("parallel", "parallel"),
         cost_estimate=pl.CostEstimate(flops=int(b * hv * t * 6 * kd * vd), transcendentals=int(b * hv * t),
                                       bytes_accessed=int(b * hv * kd * vd * 8)),
-        body_kwargs={"scale": float(scale), "has_h0": h0 is not None},
+        body_kwargs={"scale": float(scale), "has_h0": h0 is not None, "bh": int(bh), "per_q": int(per_q)},
     )
 
 
@@ -715,7 +797,8 @@ def fused_recurrent_gated_delta_rule(
     b, t, h, kd = q.shape
     hv, vd = v.shape[2], v.shape[3]
     if ssm_state_indices is not None:
-        if not _is_t(ssm_state_indices) or ssm_state_indices.dtype not in _INT or tuple(ssm_state_indices.shape) != (n,):
+        sidx = ssm_state_indices
+        if not _is_t(sidx) or sidx.dtype not in _INT or tuple(sidx.shape) != (n,):
             raise ArgumentError(f"{op}: ssm_state_indices must be an int tensor [N] = [{n}], got "
                                 f"{_shape(ssm_state_indices)}")
         idx = ssm_state_indices.long()
@@ -747,14 +830,15 @@ def fused_recurrent_gated_delta_rule(
             q, k = _l2norm(q), _l2norm(k)
         rows, tl = (b, t) if cu_seqlens is None else (n, lens[0])
 
-        def rowwise(x):  # [B, T, heads, d] -> [rows, heads, tl, d]
-            return x.reshape(rows, tl, x.shape[2], x.shape[3]).transpose(1, 2).contiguous()
+        def rowwise(x, cols=False):  # [B, T, heads, d] -> [rows, heads, tl, d] (cols: [rows, heads, d, tl])
+            y = x.reshape(rows, tl, x.shape[2], x.shape[3])
+            return (y.permute(0, 2, 3, 1) if cols else y.transpose(1, 2)).contiguous()
 
         gate = lambda x: x.float().reshape(rows, tl, hv).transpose(1, 2)[..., None].contiguous()  # noqa: E731
         idx32 = (ssm_state_indices.to(torch.int32) if ssm_state_indices is not None
                  else torch.arange(rows, dtype=torch.int32, device=q.device))
         h0 = None if initial_state is None else initial_state.contiguous()
-        o, ht = gdn_recurrent_fwd(idx32, rowwise(q), rowwise(k), rowwise(v), gate(g), gate(beta), h0, scale_f)
+        o, ht = gdn_recurrent_fwd(idx32, rowwise(q, True), rowwise(k, True), rowwise(v), gate(g), gate(beta), h0, scale_f)
         o = o.transpose(1, 2).reshape(b, t, hv, vd)
     if inplace_final_state:
         with torch.no_grad():
@@ -802,14 +886,17 @@ def gated_delta_rule_reference(q, k, v, g, beta, scale=None, initial_state=None,
 
 
 #: ``(args, kwargs)`` of the kernels at Qwen3-Next-80B-A3B's GDN layer (16 q/k heads, 32 v heads, K = V = 128):
-#: prefill of 4096 tokens in chunks of 64 (one sequence; the backward too) and decode of 64 rows from a
-#: 256-slot state pool. Compiled by the aot tests; not ``STANDARD_CASES`` (no tuning tables yet).
+#: prefill of 4096 tokens in chunks of 64 (one sequence, and 8 packed sequences with their states; the backward
+#: too) and decode of 64 rows from a 256-slot state pool. Compiled by the aot tests; not ``STANDARD_CASES`` (no
+#: tuning tables yet).
 STANDARD_SHAPES = [
     (gdn_chunk_fwd, ("2:i32", "16x4096x128:bf16", "16x4096x128:bf16", "32x4096x128:bf16", "32x4096x1:f32",
                      "32x4096x1:f32", "1x32x128x128:f32"), {"scale": 128 ** -0.5, "save_states": False, "chunk": 64}),
+    (gdn_chunk_fwd, ("9:i32", "16x4096x128:bf16", "16x4096x128:bf16", "32x4096x128:bf16", "32x4096x1:f32",
+                     "32x4096x1:f32", "8x32x128x128:f32"), {"scale": 128 ** -0.5, "save_states": True, "chunk": 64}),
     (gdn_chunk_bwd, ("2:i32", "16x4096x128:bf16", "16x4096x128:bf16", "32x4096x128:bf16", "32x4096x1:f32",
                      "32x4096x1:f32", "1x32x128x128:f32", "32x64x128x128:f32", "32x4096x128:bf16",
                      "1x32x128x128:f32"), {"scale": 128 ** -0.5, "chunk": 64}),
-    (gdn_recurrent_fwd, ("64:i32", "64x16x1x128:bf16", "64x16x1x128:bf16", "64x32x1x128:bf16", "64x32x1x1:f32",
+    (gdn_recurrent_fwd, ("64:i32", "64x16x128x1:bf16", "64x16x128x1:bf16", "64x32x1x128:bf16", "64x32x1x1:f32",
                          "64x32x1x1:f32", "256x32x128x128:f32"), {"scale": 128 ** -0.5}),
 ]
