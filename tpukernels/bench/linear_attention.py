@@ -22,8 +22,9 @@ into VMEM). So:
   head-major, g / beta ``[HV * T, 1]`` reshaped to the kernel's ``[HV, T, 1]``; decode rows ``[B, 1, heads,
   d]`` reshaped to ``[B, heads, 1, d]``), its estimate scaled from a smaller grid (libtpu's estimate of these
   kernels takes minutes per thousand grid steps on this host, and both grids are uniform: every step the same
-  work): prefill at 1/8 of the heads (``H = 2, HV = 4``) and ``T <= 2048`` tokens (x 8 x T / 2048), decode at
-  16 rows (x B / 16); the fixed per-call cost is scaled too (an upper bound). The XLA ops the public wrapper
+  work): prefill at 1/8 of the heads (``H = 2, HV = 4``) and ``T <= 2048`` tokens (x 8 x T / 2048; the fixed
+  per-call cost is scaled too: an upper bound), decode at 16 rows (x B / 16; at 64 rows libtpu's profiler aborts
+  on the program: a copy XLA adds around the kernel). The XLA ops the public wrapper
   runs around the kernel (q / k l2norm, the gates ``g = -exp(A_log) softplus(a + dt_bias)`` and
   ``beta = sigmoid(b)`` from the layer's bf16 projections, and for prefill the transposes of q, k, v, o) are
   charged at the HBM roofline (their bytes / HBM bandwidth, as cycles). The config column says so.
@@ -72,30 +73,26 @@ SCALE = K ** -0.5
 
 #: why tpukernels is where it is (per op), from the figures and the experiments named in each text
 REASONS: dict = {
-    "decode": "libtpu estimates gdn_recurrent_fwd compute-bound, far from its HBM time: its grid is one step per "
-    "(row, value head), B x 32 steps of one 128 x 128 f32 state (64 KiB in, 64 KiB out: ~0.08 µs of HBM time "
-    "on v6e) that each cost ~0.55 µs (v6e: 491,577 cycles for 16 x 32 steps, within 1% of the full B=64 "
-    "estimate). Each step runs the chunk step at C = 1: k^T S, q^T S and the k u^T outer product as f32 "
-    "HIGHEST-precision MXU matmuls with one row (a full 128 x 128 weight load per pass for 128 useful MACs "
-    "per column) plus the triangular-inverse and cumulative-sum machinery on 1 x 1 blocks, and the "
-    "per-step pipeline overhead. No tunable: the kernel has no block-size config. Lever (gdn owner): a "
-    "decode kernel that blocks several rows or all 32 value heads per grid step (state blocks of "
-    "[bt, HV, K, V], double-buffered DMA gathered by ssm_state_indices, as tpu-inference's decode kernels "
-    "do) and does the one-token update on the VPU (S *= exp(g); kS = sum_k k[:, None] * S; S += k[:, None] * "
-    "u[None, :]; o = sum_k q[:, None] * S: broadcast multiply-adds and sublane reductions, no MXU, no "
-    "triangular solve at T = 1)",
-    "prefill fwd": "libtpu estimates gdn_chunk_fwd compute-bound at ~3 µs per (value head, chunk of 64) grid "
-    "step on v6e (689,025 cycles for 4 x 32 steps), two orders of magnitude above the roofline. The chunk "
-    "step's matmuls run in f32 at HIGHEST precision (dsl.scan.matmul: ~6 MXU passes each), q / k / v are "
-    "upcast to f32 in the kernel, g and beta are (C, 1) columns (one lane used of 128; the cumulative sum, "
-    "pairwise decays and masks work on lane-sparse or C x C f32 tiles), and the unit lower-triangular inverse "
-    "runs per chunk on the critical path of the sequential chunk axis. Not isolated further. Tunable tried "
-    "(chunk_size, the kernel's only one; v6e, T=4096, same scaled estimate): 32: 9,841 µs, 64 (the default, "
-    "fla's): 6,447 µs, 128: 4,591 µs (1.40x faster; still ~70x the roofline). Levers (gdn owner): bf16 operands into the MXU with f32 "
-    "accumulation for the K / V-sized matmuls (q k^T, k S, q S, k^T U), keeping f32 only for the "
-    "triangular solve; lane-dense gates ([HV, T] blocks, not [HV, T, 1]); and splitting the chunk-local work "
-    "(A, its inverse, W = T beta K exp(G), U' = T beta V: no dependence on the state) into a parallel pass "
-    "before the sequential state pass, as fla's chunk kernels and tpu-inference's v3 do",
+    "decode": "v5e / v6e: at the HBM roofline (libtpu's cycles below the HBM time). tpu7x: cycle-bound, 95.4 µs of "
+    "cycles against 73.0 µs of HBM time at B=64 (76.5% of the roofline: below the 80% target). Tunable tried "
+    "(block_h, value heads per grid step; tpu7x, B=64, estimated at 16 rows x4): 32 (the heuristic's, = HV) "
+    "95.4 µs, 16: 100.9, 8: 125.7, 4: 179.6, so 32 is the best reachable by config. Lever (gdn owner): one "
+    "pass over the state per token on the VPU: k^T S and q^T S read from the old state in the same pass "
+    "(o = scale (exp(g) q^T S + (q . k) u), u = beta (v - exp(g) S^T k)), then S' = exp(g) S + k u^T written "
+    "once, instead of scaling S, reducing it, updating it and reducing it again (each a full pass over the "
+    "32 x 64 KiB of state in VMEM)",
+    "prefill fwd": "libtpu estimates gdn_chunk_fwd compute-bound at ~3 µs per (value head, chunk of 64) grid step "
+    "(v6e, T=4096: 6,286 µs, 1% of the roofline; tpu7x 5,629 µs), two orders of magnitude above the roofline "
+    "and above XLA's own chunked form where that estimates. The chunk step's state matmuls run in f32 at "
+    "HIGHEST precision (~6 MXU passes; only QK^T / KK^T are single exact bf16 passes), g and beta are (C, 1) "
+    "columns (one lane of 128), and the triangular inverse (12 dependent 64^3 products) runs per chunk on the "
+    "critical path of the sequential chunk axis. Not isolated further. Tunable tried (chunk_size, the only one; "
+    "v6e, T=4096, same scaled estimate): 64 (the default, fla's): 6,286 µs, 128: 4,434 µs (1.42x faster; "
+    "still ~70x the roofline); 32 was 9,841 µs on the kernel before its exact-bf16 QK^T (64 then: 6,447). "
+    "Levers (gdn owner): HIGH (3 "
+    "passes) or bf16 operands with f32 accumulation for the state products; the chunk-local work (A, its "
+    "inverse, W = T beta exp(G) K, U' = T beta V: no dependence on the state) in a parallel pass before the "
+    "sequential state pass, as fla's chunk kernels do; lane-dense gates ([HV, T] blocks)",
 }
 
 
@@ -213,12 +210,13 @@ def ours_decode(B: int) -> Impl:
     from ..library.linear_attention.gdn_ops import gdn_recurrent_fwd
 
     b = min(B, DECODE_EST_B)
-    args = (f"{b}:i32", f"{b}x{H}x1x{K}:bf16", f"{b}x{H}x1x{K}:bf16", f"{b}x{HV}x1x{V}:bf16", f"{b}x{HV}x1x1:f32",
+    args = (f"{b}:i32", f"{b}x{H}x{K}x1:bf16", f"{b}x{H}x{K}x1:bf16", f"{b}x{HV}x1x{V}:bf16", f"{b}x{HV}x1x1:f32",
             f"{b}x{HV}x1x1:f32", f"{b + 1}x{HV}x{K}x{V}:f32")
 
-    def wrap(fn, idx, q, k, v, g, beta, pool):  # T = 1: [b, 1, heads, d] -> [b, heads, 1, d] is a reshape
+    def wrap(fn, idx, q, k, v, g, beta, pool):  # T = 1: [b, 1, heads, d] -> [b, heads, 1, d] (q, k: [b, H, K, 1])
         r = lambda x: x.reshape(b, x.shape[2], 1, x.shape[3])  # noqa: E731
-        o, ht = fn(idx, r(q), r(k), r(v), g.reshape(b, HV, 1, 1), beta.reshape(b, HV, 1, 1), pool)
+        c = lambda x: x.reshape(b, x.shape[2], x.shape[3], 1)  # noqa: E731
+        o, ht = fn(idx, c(q), c(k), r(v), g.reshape(b, HV, 1, 1), beta.reshape(b, HV, 1, 1), pool)
         return o.reshape(b, 1, HV, V), ht
 
     bf, f32 = jnp.bfloat16, jnp.float32
