@@ -51,7 +51,7 @@ CREDIBLE_FRACTION = 0.95
 #: the benchmark families (one module each in this package; ``tpukernels bench --family``): model estimates,
 #: then the host-side measurements
 MODEL_FAMILIES = ("norms", "matmul", "attention", "quantized_matmul", "linear_cross_entropy", "grouped_matmul",
-                  "paged_attention")
+                  "paged_attention", "linear_attention")
 FAMILIES = MODEL_FAMILIES + ("host",)
 DEFAULT_CHIPS = ("v5e", "v6e", "tpu7x")
 

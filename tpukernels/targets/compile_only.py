@@ -622,7 +622,17 @@ def _compile_exported_main(blob_path: str, chip_name: str) -> None:
     sharding = jax.sharding.SingleDeviceSharding(dev)
     structs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in exp.in_avals]
     with jax.default_device(dev):
-        jax.jit(exp.call).lower(*structs).compile()
+        jax.jit(exp.call, donate_argnums=donated_args(exp)).lower(*structs).compile()
+
+
+def donated_args(exported) -> tuple[int, ...]:
+    """The arguments an exported program was jitted to donate (``tf.aliasing_output`` / ``jax.buffer_donor`` on
+    its ``main``), so that its compile here donates them too: without it, a kernel that updates an argument in
+    place (``input_output_aliases``) gets a whole-buffer copy of it first (a DMA libtpu's static profiler
+    cannot model: "Unsupported DMA direction ... dma-general")."""
+    line = next((ln for ln in exported.mlir_module().splitlines() if "func.func public @main(" in ln), "")
+    args = line.split(") -> (", 1)[0].split("%arg")[1:]
+    return tuple(i for i, a in enumerate(args) if "tf.aliasing_output" in a or "jax.buffer_donor" in a)
 
 
 if __name__ == "__main__":
