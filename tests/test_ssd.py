@@ -156,6 +156,7 @@ def test_forward_matches_float64(where, g, dtype, d_kind, has_z, has_init, packi
     res = S.mamba_chunk_scan_combined(**kw, chunk_size=q, seq_idx=seq_idx, cu_seqlens=cu, dt_softplus=True,
                                       return_final_states=True, return_varlen_states=cu is not None)
     out, final = res[0], res[1]
+    assert out.is_contiguous(), "callers .view() the output (transformers' FalconH1Mixer), as mamba_ssm's allows"
     ref, ref_final, ref_varlen = S.ssd_reference(**kw, seq_idx=seq_idx, cu_seqlens=cu, dt_softplus=True)
     check(out, ref, mass(kw, seq_idx, cu), dtype, "out")
     check_state(final, ref_final, "final_states", dtype)

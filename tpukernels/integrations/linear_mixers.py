@@ -137,14 +137,9 @@ def ssd_chunk(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, init
     from ..library.linear_attention import mamba_chunk_scan_combined
 
     _refuse("mamba_chunk_scan_combined", kwargs)
-    res = mamba_chunk_scan_combined(hidden_states, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias,
-                                    initial_states=initial_states, dt_softplus=dt_softplus,
-                                    dt_limit=tuple(dt_limit), return_final_states=return_final_states)
-    # transformers' callers ``.view()`` the output (FalconH1Mixer): contiguous, as mamba_ssm's and the torch
-    # reference's are (ours returns a transposed view: reported to the ssd branch)
-    if return_final_states:
-        return res[0].contiguous(), res[1]
-    return res.contiguous()
+    return mamba_chunk_scan_combined(hidden_states, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias,
+                                     initial_states=initial_states, dt_softplus=dt_softplus,
+                                     dt_limit=tuple(dt_limit), return_final_states=return_final_states)
 
 
 def ssd_update(state, hidden_states, dt, A, B, C, D=None, dt_bias=None, dt_softplus=False, z=None, **kwargs):

@@ -243,7 +243,7 @@ def _fused_conv1d_gdn(qkv, b, a, conv_state, recurrent_state, conv_weight, conv_
         rec, out = carry
         tok_s = jnp.clip(cu[:-1], 0, max(t - 1, 0))  # each row's token
         qd, kd, vd = q[tok_s], k[tok_s], v[tok_s]
-        o, ht = jax_call(gdn_recurrent_fwd, jnp.where(is_dec, rows, 0), qd[:, :, None], kd[:, :, None],
+        o, ht = jax_call(gdn_recurrent_fwd, jnp.where(is_dec, rows, 0), qd[..., None], kd[..., None],  # [S, H, K, 1]
                          vd[:, :, None], g[tok_s][:, :, None, None], beta[tok_s][:, :, None, None], f32_pool(rec),
                          scale, interpret=interpret)
         # a row without a state (a new one-token prompt) starts from zeros: one step's closed form, selected

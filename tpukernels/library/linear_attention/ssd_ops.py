@@ -794,7 +794,7 @@ def mamba_chunk_scan_combined(
             y = y + x.float() * (D.float()[:, None] if D.dim() == 1 else D.float())
         if z is not None:
             y = y * F.silu(z.float())
-        out = y.to(x.dtype)
+        out = y.to(x.dtype).contiguous()  # contiguous [B, L, H, P], as mamba_ssm's (callers .view() it)
         varlen = (_varlen_states(xk, bk, dt_k, a_k, states, seg, runs, cu, q) if return_varlen_states else None)
     res = ((out,) + ((final.to(sd),) if return_final_states else ())
            + ((varlen.to(sd),) if return_varlen_states else ()))
