@@ -395,7 +395,7 @@ def heuristic(q, k, v, *rest, **statics):
     """Shape-dependent defaults (used when no tuning-DB entry applies), from libtpu static estimates on
     v5e / v6e / tpu7x (``benchmarks/attention.py``, causal GQA D=128 bf16): big query and key blocks amortise
     the per-step cost and keep the MXU busy per K/V byte; 512-key compute sub-blocks (256 was 2-17% slower on
-    v6e, and a boundary block is only split into sub-blocks of >= 512, see ``_Plan.MIN_SUB``)."""
+    v6e, and a boundary block is only split into sub-blocks of >= 512, see ``Plan.MIN_SUB``)."""
     if len(q.shape) != 4 or len(k.shape) != 4:  # malformed: the launch function raises the typed error
         return {}
     Sq, Skv = int(q.shape[2]), int(k.shape[2])

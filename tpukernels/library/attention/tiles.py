@@ -1,5 +1,5 @@
 """In-kernel helpers shared by the forward and backward bodies: dots, lane/row relayouts, element masks of a
-tile (:func:`_visible`), base-2 logits, and the skip / mask-free / masked dispatch of blocks and sub-blocks;
+tile (:func:`visible`), base-2 logits, and the skip / mask-free / masked dispatch of blocks and sub-blocks;
 plus the BlockSpecs of the query-major kernels (forward, dQ).
 """
 
@@ -56,7 +56,7 @@ def pl_ds(start: int, size: int):
     return pl.ds(start, size)
 
 def _window(p: Plan, i):
-    """With :attr:`_Plan.rows_whole`: the 128-aligned lane window holding query block ``i``'s lanes and
+    """With :attr:`Plan.rows_whole`: the 128-aligned lane window holding query block ``i``'s lanes and
     their offset inside it (``128 % bq == 0``, so a block never straddles two windows)."""
     from jax.experimental import pallas as pl
 
@@ -68,7 +68,7 @@ def _window(p: Plan, i):
 def read_row(ref, lead: tuple, p: Plan, i, r0: int = 0, n: int | None = None):
     """Lanes of a position-row block (lse, di, q segment ids) for query rows ``[r0, r0 + n)`` of query
     block ``i``, as ``(1, n)``; ``lead`` indexes the block's leading dims. The block is ``(.., bq)``, or with
-    :attr:`_Plan.rows_whole` a whole row: Mosaic needs 128-aligned dynamic lane offsets, so the aligned
+    :attr:`Plan.rows_whole` a whole row: Mosaic needs 128-aligned dynamic lane offsets, so the aligned
     128-lane window is read and rotated (``pltpu.roll``) to bring the block's lanes to lane 0."""
     import jax
     from jax.experimental.pallas import tpu as pltpu
@@ -144,7 +144,7 @@ class _Tiles:
     d: object  # ik - iq
 
 def tile_iotas(p: Plan, shape, q_axis: int, *, q_tail: bool, kv_tail: bool) -> _Tiles:
-    """The index tiles :func:`_visible` needs for ``shape`` (queries along ``q_axis``), None where unused."""
+    """The index tiles :func:`visible` needs for ``shape`` (queries along ``q_axis``), None where unused."""
     import jax
     import jax.numpy as jnp
 
@@ -164,7 +164,7 @@ def visible(p: Plan, tiles: _Tiles, qbase, kbase, qseg=None, kseg=None, *, q_tai
     """bool tile of visible (query, key) pairs, or None if every pair is visible.
 
     Args:
-        tiles: :func:`_tile_iotas` of the tile; qbase, kbase: global position of the tile's first query
+        tiles: :func:`tile_iotas` of the tile; qbase, kbase: global position of the tile's first query
             and key (traced int32 scalars), so every comparison is a vector against one scalar.
         qseg, kseg: segment ids broadcastable to the tile (or None).
         q_tail, kv_tail: also hide query / key positions past ``Sq`` / ``Skv``.
@@ -263,14 +263,14 @@ def kv_index_fn(p: Plan):
 
 
 def exp_units(p: Plan, x):
-    """Forward running max / logit differences -> base-2 exponent units. With :attr:`_Plan.bounded_exp` the
+    """Forward running max / logit differences -> base-2 exponent units. With :attr:`Plan.bounded_exp` the
     forward keeps the running max of the raw dot products, so ``raw - max`` is formed at the dot products'
     magnitude (exactly 0 at the maximum, never positive) and only then scaled; else ``x`` already is."""
     return x * (p.scale * LOG2E) if p.bounded_exp else x
 
 
 def exp2_le1(p: Plan, x):
-    """``exp2(x)`` for ``x`` that is ``<= 0`` in exact arithmetic (see :attr:`_Plan.bounded_exp`)."""
+    """``exp2(x)`` for ``x`` that is ``<= 0`` in exact arithmetic (see :attr:`Plan.bounded_exp`)."""
     import jax.numpy as jnp
 
     return jnp.exp2(jnp.minimum(x, 0.0)) if p.bounded_exp else jnp.exp2(x)

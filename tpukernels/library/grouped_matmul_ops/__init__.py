@@ -39,7 +39,7 @@ Backward (autograd, ``dO`` the incoming gradient cast to the operand dtype)::
 
 Empty groups get a zero ``d_rhs[g]`` (and ``d_rhs_bias[g]``). ``group_sizes`` / ``group_offset`` get no
 gradient. The backward is itself made of differentiable grouped matmuls (``grouped_matmul`` and ``tgmm`` ops with
-their own backward, :func:`_tgmm_backward`), so second derivatives run through the same kernels (``d_rhs_bias``
+their own backward, :func:`tgmm_backward`), so second derivatives run through the same kernels (``d_rhs_bias``
 is a plain torch segment sum).
 
 Kernels (both Pallas TPU kernels with scalar prefetch and data-dependent index maps):
@@ -48,7 +48,7 @@ Kernels (both Pallas TPU kernels with scalar prefetch and data-dependent index m
   a static bound. Work item ``i`` is one visit of one ``bm``-row output tile by one group (a tile shared by
   two groups is visited twice, consecutively, each storing only its rows with a select; rows of no group get
   one visit that stores zeros). Items past the real count repeat the last block indices, so they move no
-  data and the body skips them. The visit list (``_fwd_schedule``) is computed on device from
+  data and the body skips them. The visit list (``fwd_schedule``) is computed on device from
   ``group_sizes`` inside the same jitted function (``tk.Launch.prefetch``) and lives in SMEM.
   **rhs prefetch chain** (tunable ``rhs_prefetch``, default on; used at one K step, ``bk >= K``, with ``bn``
   dividing ``N``): the grid pipeline fetches a block one step ahead, so at ``bk = K``, where a group's

@@ -88,7 +88,7 @@ trail it by 3-9%.
 
 from __future__ import annotations
 
-from .common import (  # noqa: F401  (_row_bytes, _heuristic_rows: the sizing rule, tested)
+from .common import (  # noqa: F401  (row_bytes, heuristic_rows: the sizing rule, tested)
     BLOCK_ROWS,
     CASTINGS,
     DEFAULT_LAYER_NORM_EPS,

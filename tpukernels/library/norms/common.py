@@ -53,7 +53,7 @@ def fit_block_rows(block_rows: int, n: int, per_row: int, fixed: int = 0) -> int
 
     Args:
         block_rows: the config value (upper bound); n: rows of the array (bucketed: a multiple of 8).
-        per_row: VMEM bytes per block row (:func:`_row_bytes`); fixed: bytes of row-independent blocks.
+        per_row: VMEM bytes per block row (:func:`row_bytes`); fixed: bytes of row-independent blocks.
     """
     bm = int(block_rows)
     while bm > 8 and bm * per_row + fixed > VMEM_BUDGET_BYTES:

@@ -80,7 +80,7 @@ def _impl(x, w_q, w_scale, x_quant=None, out_dtype=None, config=None):
     if K == 0 or N == 0 or math.prod(lead) == 0:
         return torch.zeros(*lead, N, dtype=getattr(torch, odt), device=x.device)
     # w8a8 rounds x: no gradient. The forward runs (inference without torch.no_grad() is common: HF weights
-    # require grad); a backward that reaches it raises (_QuantizedInputHasNoGradient)
+    # require grad); a backward that reaches it raises (QuantizedInputHasNoGradient)
     guard = x_quant is not None and x.requires_grad and torch.is_grad_enabled()
     x2 = (x.detach() if guard else x).reshape(-1, K)
     ws = w_scale.reshape(1, N)

@@ -100,7 +100,7 @@ _reciprocal = reciprocal  # the kernel bodies here keep this name: the tuning DB
 
 def quantize_values(x, recip, qm, is_int, dtype):
     """``x [rows, c]`` -> ``q`` in ``dtype`` given the rows' reciprocal scales ``[rows, 1]``
-    (:func:`_reciprocal`; module docstring formula).
+    (:func:`reciprocal`; module docstring formula).
 
     The one definition both w8a8 paths use (``quantize_per_token_kernel`` and the fused
     ``quantized_matmul_w8a8_kernel``), so they produce the same ``q`` for the same ``x`` and scale."""
