@@ -243,10 +243,12 @@ def check_bwd(q, k, v, do, lse, di, qs, ks, statics, where):
     check_args(q, k, v, qs, ks, **statics, where=where)
     B, Hq, Sq, _ = q.shape
     if tuple(do.shape) != (B, Hq, Sq, v.shape[3]) or dtype_name(do) != dtype_name(q):
-        raise ArgumentError(f"{where}: do must be {dtype_name(q)} [B, Hq, Sq, Dv] = {(B, Hq, Sq, v.shape[3])}, got {dtype_name(do)} {tuple(do.shape)}")
+        raise ArgumentError(f"{where}: do must be {dtype_name(q)} [B, Hq, Sq, Dv] = {(B, Hq, Sq, v.shape[3])}, "
+                            f"got {dtype_name(do)} {tuple(do.shape)}")
     for name, x in (("lse", lse), ("di", di)):
         if tuple(x.shape) != (B, Hq, 1, Sq) or dtype_name(x) != "float32":
-            raise ArgumentError(f"{where}: {name} must be float32 [B, Hq, 1, Sq] = {(B, Hq, 1, Sq)}, got {dtype_name(x)} {tuple(x.shape)}")
+            raise ArgumentError(f"{where}: {name} must be float32 [B, Hq, 1, Sq] = {(B, Hq, 1, Sq)}, "
+                                f"got {dtype_name(x)} {tuple(x.shape)}")
 
 def _launch_dq(q, k, v, do, lse, di, qs, ks, statics, cfg) -> Launch:
     from jax.experimental import pallas as pl

@@ -45,7 +45,8 @@ def check_args(q, k, v, q_segment_ids, kv_segment_ids, *, causal, causal_alignme
                    "to float32)") if dtype_name(x) == "float16" else ""
             raise DTypeError(f"{where}: {name} dtype {dtype_name(x)} is not supported; use bfloat16 or float32{why}")
     if not (dtype_name(q) == dtype_name(k) == dtype_name(v)):
-        raise DTypeError(f"{where}: q, k, v must share one dtype, got {dtype_name(q)}, {dtype_name(k)}, {dtype_name(v)}")
+        raise DTypeError(f"{where}: q, k, v must share one dtype, "
+                         f"got {dtype_name(q)}, {dtype_name(k)}, {dtype_name(v)}")
     B, Hq, Sq, D = q.shape
     if k.shape[0] != B or v.shape[0] != B:
         raise ArgumentError(f"{where}: batch sizes differ: q {B}, k {k.shape[0]}, v {v.shape[0]}")
