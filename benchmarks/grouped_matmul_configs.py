@@ -1,7 +1,7 @@
 """How the shipped forward grouped-matmul configs were chosen (issue 15): two models, no measurement.
 
 * ``rank``: every ``(bm, bk, bn)`` whose scoped-VMEM request fits the chip (``scoped_vmem_limit`` of
-  :mod:`tpukernels.library._vmem`: 7/8 of jax's ``vmem_capacity_bytes``), ranked by the *analytic
+  :mod:`tpukernels.library.vmem`: 7/8 of jax's ``vmem_capacity_bytes``), ranked by the *analytic
   schedule model* ``max(MXU, HBM) + 0.35 µs per grid step``: the exact Pallas block copies and MXU work of the
   real work-item schedule at skewed Mixtral group sizes (:func:`tpukernels.bench.grouped_matmul.data_cost`).
 * ``estimate``: libtpu's static cycle estimate of given configs, fitted from reduced problems exactly as
@@ -52,7 +52,7 @@ def need_bytes(M, K, N, bm, bk, bn, tr) -> int:
     from tpukernels.dsl.validate import padded_bytes
 
     gm = _gm()
-    bm_, bk_, bn_ = gm._clamp(M, bm), gm._clamp(K, bk), gm._clamp(N, bn)
+    bm_, bk_, bn_ = gm.clamp(M, bm), gm.clamp(K, bk), gm.clamp(N, bn)
     acc = (bm_, bn_) if -(-K // bk_) > 1 else (8, 128)
     rb = (bn_, bk_) if tr else (bk_, bn_)
     b16 = jnp.bfloat16
@@ -70,7 +70,7 @@ def analytic(chip, case, bm, bk, bn) -> dict:
     mx = gm.MIXTRAL
     sizes = gm.skewed_group_sizes(mx["tokens"], mx["top_k"], mx["experts"], SKEW)
     c = data_cost("grouped_matmul_fwd", M, K, N, sizes, dict(bm=bm, bk=bk, bn=bn), tr)
-    bk_, bn_ = gm._clamp(K, bk), gm._clamp(N, bn)
+    bk_, bn_ = gm.clamp(K, bk), gm.clamp(N, bn)
     steps = -(-N // bn_) * c["items"] * -(-K // bk_)
     mxu = c["mxu_flops"] / peak_flops(chip) * 1e6
     hbm = c["hbm_bytes"] / hbm_bandwidth(chip) * 1e6
@@ -102,9 +102,9 @@ def pipelined(chip, case, bm, bk, bn, rhs_prefetch=True) -> dict:
     _, _, _, M, K, N, tr = _dims(case)
     mx = gm.MIXTRAL
     sizes = gm.skewed_group_sizes(mx["tokens"], mx["top_k"], mx["experts"], SKEW)
-    bm_, bk_, bn_ = gm._clamp(M, bm), gm._clamp(K, bk), gm._clamp(N, bn)
+    bm_, bk_, bn_ = gm.clamp(M, bm), gm.clamp(K, bk), gm.clamp(N, bn)
     T = gm.num_items(M, len(sizes), bm_)
-    (tab,) = gm._fwd_schedule(jnp.asarray(sizes, jnp.int32), jnp.zeros(1, jnp.int32), M=M, G=len(sizes), bm=bm_, T=T)
+    (tab,) = gm.fwd_schedule(jnp.asarray(sizes, jnp.int32), jnp.zeros(1, jnp.int32), M=M, G=len(sizes), bm=bm_, T=T)
     tab = np.asarray(tab).reshape(gm.N_FIELDS_FWD, T)
     compute = ((tab[gm.F_FLAGS] ^ gm.ALL) & gm.COMPUTE) != 0
     gk, gn = -(-K // bk_), -(-N // bn_)
@@ -204,7 +204,7 @@ def main(argv=None):
                    help="write: record the config even where libtpu cannot estimate it (the error goes into the evidence)")
     a = p.parse_args(argv)
     gm = _gm()
-    from tpukernels.library._vmem import MiB, vmem_cap
+    from tpukernels.library.vmem import MiB, vmem_cap
     _, _, _, M, K, N, tr = _dims(a.case)
     if a.what == "rank":
         rows = []

@@ -46,7 +46,7 @@ def analytic(chip, bm, bk, bn) -> dict:
     mx = gm.MIXTRAL
     sizes = gm.skewed_group_sizes(mx["tokens"], mx["top_k"], mx["experts"], bgm.SKEW)
     c = bgm.data_cost("tgmm", M, K, N, sizes, dict(bm=bm, bk=bk, bn=bn))
-    bm_, bk_, bn_ = gm._clamp(M, bm), gm._clamp(K, bk), gm._clamp(N, bn)
+    bm_, bk_, bn_ = gm.clamp(M, bm), gm.clamp(K, bk), gm.clamp(N, bn)
     steps = c["items"] * -(-K // bk_) * -(-N // bn_)
     t = max(c["mxu_flops"] / peak_flops(chip), c["hbm_bytes"] / hbm_bandwidth(chip)) * 1e6 + steps * STEP_US
     ideal = 2 * M * K * N / peak_flops(chip) * 1e6

@@ -12,7 +12,7 @@ Shape: the attention benchmark's forward, causal, B=1, Hq=32, Hkv=8, S=4096, D=1
 * ``library fa_forward_rope + rope k``: the shipped form (:mod:`tpukernels.library.attention.rope_fused`): q
   rotated into the resident ``q_rot`` output block (written back: the backward's rotated q), k via ``rope_fwd``.
 
-The fused kernels wrap today's forward body unchanged (:func:`tpukernels.library.attention.forward._fwd_body`
+The fused kernels wrap today's forward body unchanged (:func:`tpukernels.library.attention.forward.fwd_body`
 reads q / k through the scratch refs). Attention kernels are estimated at 1/8 of the heads (Hq=4, Hkv=1) at the
 config a full-size call gets and scaled x8, as ``tpukernels bench --family attention`` does; ``rope_fwd`` is
 estimated at full size. Every part's model time is ``max(cycles / clock, HBM bytes / bandwidth, MXU FLOPs /
@@ -60,9 +60,9 @@ import torch  # noqa: E402
 
 from tpukernels.dsl import Launch, tpu_kernel  # noqa: E402
 from tpukernels.library.attention import plan as _pl  # noqa: E402
-from tpukernels.library.attention.forward import _fwd_body, _fwd_out_shape  # noqa: E402
+from tpukernels.library.attention.forward import fwd_body, fwd_out_shape  # noqa: E402
 from tpukernels.library.attention.rope_fused import fa_forward_rope  # noqa: E402
-from tpukernels.library.attention.tiles import _common_specs, _kv_index_fn, _q_major_step  # noqa: E402
+from tpukernels.library.attention.tiles import common_specs, kv_index_fn, q_major_step  # noqa: E402
 
 S, HQ, HKV, D, DIV = 4096, 32, 8, 128, 8
 CFG = dict(block_q=2048, block_kv=2048, block_kv_compute=512, block_h=1)  # the shipped v6e / tpu7x config
@@ -74,7 +74,7 @@ def _rotate(x, cos, sin, rotary_dim: int):
     import jax.numpy as jnp
     from jax.experimental.pallas import tpu as pltpu
 
-    from tpukernels.library.rope import _lane_tables
+    from tpukernels.library.rope import lane_tables
 
     f32 = jnp.float32
     d = x.shape[-1]
@@ -84,7 +84,7 @@ def _rotate(x, cos, sin, rotary_dim: int):
     if rotary_dim == d and d % 2 == 0:  # full rotary: one lane roll by D/2 serves both halves
         lane = jax.lax.broadcasted_iota(jnp.int32, cos.shape, 1)
         return x * cos + pltpu.roll(x, d // 2, ax) * jnp.where(lane < d // 2, -sin, sin)
-    c, a, b, s = _lane_tables(cos, sin, rotary_dim, False)
+    c, a, b, s = lane_tables(cos, sin, rotary_dim, False)
     return x * c + pltpu.roll(x, d - s, ax) * a + pltpu.roll(x, s, ax) * b
 
 
@@ -109,7 +109,7 @@ def _rope_fwd_body(*refs, plan, rotary_dim: int, fuse_k: bool):
         q_ref, k_ref, v_ref, cq, sq, o_ref, lse_ref, m_sc, l_sc, acc_sc, q_sc = refs
         k_sc = k_ref
     i, t = pl.program_id(2), pl.program_id(3)
-    _, run, _, _ = _q_major_step(p, None, i, t)
+    _, run, _, _ = q_major_step(p, None, i, t)
 
     @pl.when(t == 0)
     def _rot_q():
@@ -120,16 +120,16 @@ def _rope_fwd_body(*refs, plan, rotary_dim: int, fuse_k: bool):
         def _rot_k():
             _rotate_into(k_sc, k_ref, ck, sk, rotary_dim)
 
-    _fwd_body(q_sc, k_sc, v_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc, plan=p)
+    fwd_body(q_sc, k_sc, v_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc, plan=p)
 
 
 def _launch(q, k, v, cos, sin, statics, cfg, fuse_k: bool) -> Launch:
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
 
-    p = _pl._make_plan(q, k, v, None, **statics, **cfg)
-    kv_index = _kv_index_fn(p)
-    q_spec, k_spec, v_spec, row_spec, _, _ = _common_specs(p, kv_index)
+    p = _pl.make_plan(q, k, v, None, **statics, **cfg)
+    kv_index = kv_index_fn(p)
+    q_spec, k_spec, v_spec, row_spec, _, _ = common_specs(p, kv_index)
     tq = pl.BlockSpec((p.bq, p.D), lambda b, h, i, t: (i, 0))
     tk = pl.BlockSpec((p.bkv, p.D), lambda b, h, i, t: (kv_index(i, t), 0))
     in_specs = [q_spec, k_spec, v_spec, tq, tq] + ([tk, tk] if fuse_k else [])
@@ -138,24 +138,24 @@ def _launch(q, k, v, cos, sin, statics, cfg, fuse_k: bool) -> Launch:
                pltpu.VMEM((p.rows, p.Dv), np.float32), pltpu.VMEM((p.hb, p.bq, p.D), q.dtype)]
     if fuse_k:
         scratch.append(pltpu.VMEM((p.bkv, p.D), k.dtype))
-    est = _pl._vmem_estimate(p, n_q_side=2, n_kv_side=2, acc_rows=p.rows, work=3)
+    est = _pl.vmem_estimate(p, n_q_side=2, n_kv_side=2, acc_rows=p.rows, work=3)
     est += p.rows * p.D * 2 + 2 * p.bq * p.D * 2 * 2 + (3 * p.bkv * p.D * 2 if fuse_k else 0)
     return Launch(
         grid=(p.B, p.Hq // p.hb, p.nq, p.kv_steps),
-        in_specs=in_specs, out_specs=[o_spec, row_spec], out_shape=_fwd_out_shape(q, k, v),
+        in_specs=in_specs, out_specs=[o_spec, row_spec], out_shape=fwd_out_shape(q, k, v),
         scratch_shapes=scratch,
         dimension_semantics=("parallel", "parallel", "arbitrary" if p.rows_whole else "parallel", "arbitrary"),
-        vmem_limit_bytes=_pl._vmem_limit(est), cost_estimate=_pl._cost(p, 1),
+        vmem_limit_bytes=_pl.vmem_limit(est), cost_estimate=_pl.cost(p, 1),
         body_kwargs={"plan": p, "rotary_dim": int(cos.shape[-1]), "fuse_k": fuse_k},
     )
 
 
-_T = _pl._tunables(_pl._DOC_H)
+_T = _pl.tunables(_pl.DOC_H)
 
 
 @tpu_kernel(_rope_fwd_body, name="probe_flash_rope_qk_fwd", namespace="tpukernels_probe", tunables=_T,
-            constraints=[_pl._compute_divides], heuristic=_pl._heuristic,
-            out_shape=lambda q, k, v, *a, **s: _fwd_out_shape(q, k, v))
+            constraints=[_pl.compute_divides], heuristic=_pl.heuristic,
+            out_shape=lambda q, k, v, *a, **s: fwd_out_shape(q, k, v))
 def fa_rope_qk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_q: torch.Tensor, sin_q: torch.Tensor,
                cos_k: torch.Tensor, sin_k: torch.Tensor, *, causal: bool = True, causal_alignment: str = "top_left",
                sm_scale: Optional[float] = None, window_left: Optional[int] = None, window_right: Optional[int] = None, softcap: Optional[float] = None,
@@ -168,8 +168,8 @@ def fa_rope_qk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_q: torch.T
 
 
 @tpu_kernel(_rope_fwd_body, name="probe_flash_rope_q_fwd", namespace="tpukernels_probe", tunables=_T,
-            constraints=[_pl._compute_divides], heuristic=_pl._heuristic,
-            out_shape=lambda q, k, v, *a, **s: _fwd_out_shape(q, k, v))
+            constraints=[_pl.compute_divides], heuristic=_pl.heuristic,
+            out_shape=lambda q, k, v, *a, **s: fwd_out_shape(q, k, v))
 def fa_rope_q(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_q: torch.Tensor, sin_q: torch.Tensor, *,
               causal: bool = True, causal_alignment: str = "top_left", sm_scale: Optional[float] = None,
               window_left: Optional[int] = None, window_right: Optional[int] = None, softcap: Optional[float] = None,
@@ -218,7 +218,7 @@ def main(argv=None) -> None:
 
     from tpukernels.bench.core import Estimator, default_cache_path, kernel_program
     from tpukernels.bench.attention import attention_flops, attention_io_bytes
-    from tpukernels.library.attention import _CAUSAL, fa_forward
+    from tpukernels.library.attention import CAUSAL, fa_forward
     from tpukernels.library.rope import rope_fwd
     from tpukernels.perf import model_time
     from tpukernels.autotune.evaluators import TpuModelEvaluator
@@ -263,7 +263,7 @@ def main(argv=None) -> None:
 
     tabs2, tabs4 = (tab, tab), (tab, tab, tab, tab)
     for chip in args.chips.split(","):
-        attn = model_time(chip, DIV * cyc(fa_forward, (q_sm, kv_sm, kv_sm), dict(_CAUSAL), CFG), io, flops).time_us
+        attn = model_time(chip, DIV * cyc(fa_forward, (q_sm, kv_sm, kv_sm), dict(CAUSAL), CFG), io, flops).time_us
         (rq, rq_floor), (rk, rk_floor) = rope_us(q_full), rope_us(kv_full)
         sep = attn + rq + rk
         print(f"{chip} (libtpu static estimate, a model): attention fwd {attn:.1f} us, rope q {rq:.1f} us, "
@@ -274,7 +274,7 @@ def main(argv=None) -> None:
                     ("library fa_forward_rope + rope k", fa_forward_rope, tabs2, {"rotary_dim": D}, rk))
         for label, kern, tabs, kw, extra_k in variants[args.first:]:
             try:
-                n = DIV * cyc(kern, (q_sm, kv_sm, kv_sm) + tabs, dict(_CAUSAL, **kw) if kw else {}, CFG)
+                n = DIV * cyc(kern, (q_sm, kv_sm, kv_sm) + tabs, dict(CAUSAL, **kw) if kw else {}, CFG)
             except Exception as e:  # noqa: BLE001  (e.g. VMEM overflow on a chip: reported, the rest goes on)
                 print(f"{chip}   {label:38}: {type(e).__name__}: {str(e)[:160]}", flush=True)
                 continue

@@ -279,7 +279,7 @@ def _plan(Sq, Skv, **kw):
     statics.update(kw)
     q = tk.TensorSpec((1, 8, Sq, 128), np.dtype("float32"))
     k = tk.TensorSpec((1, 2, Skv, 128), np.dtype("float32"))
-    return A._make_plan(q, k, k, None, **statics, block_q=512, block_kv=512, block_kv_compute=512, block_h=1)
+    return A.make_plan(q, k, k, None, **statics, block_q=512, block_kv=512, block_kv_compute=512, block_h=1)
 
 
 def _blocks_run(p):
@@ -306,7 +306,7 @@ def test_plain_causal_boundary_blocks_are_diagonal_and_their_sub_blocks_static()
         statics.update(kw)
         q = tk.TensorSpec((1, 8, Sq, 128), np.dtype("bfloat16"))
         k = tk.TensorSpec((1, 2, Skv, 128), np.dtype("bfloat16"))
-        return A._make_plan(q, k, k, None, **statics, block_q=bq, block_kv=bkv, block_kv_compute=bkvc, block_h=1)
+        return A.make_plan(q, k, k, None, **statics, block_q=bq, block_kv=bkv, block_kv_compute=bkvc, block_h=1)
 
     p = plan(8192, 8192, 2048, 2048, 512)
     assert p.diagonal_only and p.row_split == 4

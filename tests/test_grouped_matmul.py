@@ -40,7 +40,7 @@ def ideal(lhs, rhs, sizes, transpose_rhs=False, group_offset=0, out_dtype=None):
     """f32 accumulation per group, one rounding (what an ideal kernel returns)."""
     w = rhs.float().transpose(1, 2) if transpose_rhs else rhs.float()
     out = torch.zeros(lhs.shape[0], w.shape[2])
-    for g, (s, e) in enumerate(gm._ref_bounds_np(sizes.numpy(), [group_offset], lhs.shape[0], rhs.shape[0])):
+    for g, (s, e) in enumerate(gm.ref_bounds_np(sizes.numpy(), [group_offset], lhs.shape[0], rhs.shape[0])):
         out[s:e] = lhs[s:e].float() @ w[g]
     return out.to(out_dtype or lhs.dtype)
 
@@ -58,7 +58,7 @@ def assert_within_bound(out, lhs, rhs, sizes, transpose_rhs=False, group_offset=
         mk, mi = (out.double() - ref).abs().max().item(), (idl.double() - ref).abs().max().item()
         assert mk <= factor * mi + slack, f"max error {mk:.3e} > {factor} x {mi:.3e} (+{slack:.1e})"
     owned = torch.zeros(lhs.shape[0], dtype=torch.bool)
-    for s, e in gm._ref_bounds_np(sizes.numpy(), [group_offset], lhs.shape[0], rhs.shape[0]):
+    for s, e in gm.ref_bounds_np(sizes.numpy(), [group_offset], lhs.shape[0], rhs.shape[0]):
         owned[s:e] = True
     assert (out[~owned] == 0).all(), "rows no local group owns must be zero"
 
@@ -265,7 +265,7 @@ def test_fwd_schedule_rhs_runs_and_the_all_zero_table():
     M, G, bm = 1000, 6, 128
     sizes = [300, 0, 128, 1, 400, 0]  # empty groups, a one-row group, 171 rows of no group
     T = gm.num_items(M, G, bm)
-    (tab,) = gm._fwd_schedule(jnp.asarray(sizes, jnp.int32), jnp.zeros(1, jnp.int32), M=M, G=G, bm=bm, T=T)
+    (tab,) = gm.fwd_schedule(jnp.asarray(sizes, jnp.int32), jnp.zeros(1, jnp.int32), M=M, G=G, bm=bm, T=T)
     tab = np.asarray(tab).reshape(gm.N_FIELDS_FWD, T)
     group, run = tab[gm.F_GROUP], tab[gm.F_RUN]
     start = np.r_[True, group[1:] != group[:-1]]
@@ -450,9 +450,9 @@ def test_tgmm_schedule_flags_and_the_all_zero_table():
     M, G, bm = 1000, 5, 128
     sizes = [300, 0, 128, 1, 500]  # an empty group, a tile-aligned one, a one-row group, an M tail
     T = gm.num_items(M, G, bm)
-    (tab,) = gm._tgmm_schedule(jnp.asarray(sizes, jnp.int32), jnp.zeros(1, jnp.int32), M=M, G=G, bm=bm, T=T)
+    (tab,) = gm.tgmm_schedule(jnp.asarray(sizes, jnp.int32), jnp.zeros(1, jnp.int32), M=M, G=G, bm=bm, T=T)
     tab = np.asarray(tab).reshape(gm.N_FIELDS, T)
-    flags = np.asarray(gm._tgmm_flags(tab.reshape(-1), T, np.arange(T)))
+    flags = np.asarray(gm.tgmm_flags(tab.reshape(-1), T, np.arange(T)))
     group, tile = tab[gm.F_GROUP], tab[gm.F_TILE]
     bit = {n: (flags & b) != 0 for n, b in (("c", gm.COMPUTE), ("f", gm.FIRST), ("l", gm.LAST), ("p", gm.PARTIAL))}
     assert [int((bit["f"] & (group == g)).sum()) for g in range(G)] == [1] * G
@@ -463,7 +463,7 @@ def test_tgmm_schedule_flags_and_the_all_zero_table():
         assert sorted(tile[bit["c"] & (group == g)].tolist()) == want, g
         inside = [(t * bm >= starts[g]) and ((t + 1) * bm <= starts[g] + sizes[g]) for t in want]
         assert bit["p"][bit["c"] & (group == g)].tolist() == [not x for x in inside], g
-    zero = int(gm._tgmm_flags(np.zeros(gm.N_FIELDS, np.int32), 1, 0))
+    zero = int(gm.tgmm_flags(np.zeros(gm.N_FIELDS, np.int32), 1, 0))
     assert zero & gm.COMPUTE and not zero & (gm.FIRST | gm.LAST | gm.PARTIAL)
 
 

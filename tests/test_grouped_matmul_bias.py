@@ -49,7 +49,7 @@ def _sizes(draw, M, G):
 
 def _owned(sizes, offset, M, G):
     rows = torch.zeros(M, dtype=torch.bool)
-    for s, e in gm._ref_bounds_np(np.array(sizes), [offset], M, G):
+    for s, e in gm.ref_bounds_np(np.array(sizes), [offset], M, G):
         rows[s:e] = True
     return rows
 
@@ -57,7 +57,7 @@ def _owned(sizes, offset, M, G):
 def _check_bias_grad(grad, dO, sizes, offset, G, bias_dtype):
     """``grad [G, 1, N]`` against float64 per-group sums of ``dO`` (module docstring's bound)."""
     assert grad.dtype == bias_dtype and grad.shape[:2] == (G, 1)
-    for g, (s, e) in enumerate(gm._ref_bounds_np(np.array(sizes), [offset], dO.shape[0], G)):
+    for g, (s, e) in enumerate(gm.ref_bounds_np(np.array(sizes), [offset], dO.shape[0], G)):
         ref = dO[s:e].double().sum(0)
         bound = U[bias_dtype] * ref.abs() + (e - s) * U32 * dO[s:e].double().abs().sum(0)
         assert ((grad[g, 0].double() - ref).abs() <= bound).all(), f"d_rhs_bias[{g}]"

@@ -101,11 +101,11 @@ def test_group_bounds_of_garbage_sizes_do_not_wrap_around():
     sizes count as 0 and ends are capped at M, also when the int32 running sum would pass 2**31."""
     import jax.numpy as jnp
 
-    from tpukernels.library.grouped_matmul_ops import _group_bounds
+    from tpukernels.library.grouped_matmul_ops import group_bounds
 
     M = 100
     sizes = np.array([M - 1, 2**30, 2**30, 2**30, -5, 7], np.int32)
-    s, e = _group_bounds(jnp.asarray(sizes), jnp.zeros((), jnp.int32), M, len(sizes))
+    s, e = group_bounds(jnp.asarray(sizes), jnp.zeros((), jnp.int32), M, len(sizes))
     ends = np.minimum(np.cumsum(np.maximum(sizes.astype(np.int64), 0)), M)
     starts = np.concatenate([[0], ends[:-1]])
     np.testing.assert_array_equal(np.asarray(e), ends)

@@ -102,9 +102,9 @@ def test_quantized_experts_nan_poisoned_interpret(interpret, monkeypatch):
     The target chip is tpu7x, whose MXU takes ``(bfloat16, float8_e4m3fn)`` natively (jax's tpu_info), so the fp8
     tile goes to the dots unconverted (the native feed)."""
     monkeypatch.setenv("TPUKERNELS_TARGET_CHIP", "tpu7x")
-    from tpukernels.library.quantized_matmul_ops.common import _native_fp8
+    from tpukernels.library.quantized_matmul_ops.common import native_fp8
 
-    assert _native_fp8("bfloat16", "float8_e4m3fn")
+    assert native_fp8("bfloat16", "float8_e4m3fn")
     G, N, K = 3, 200, 320
     rhs, s, _ = _case("float8_e4m3fn", None, G, N, K, True, False, seed=3)
     s = s.reshape(G, N).clone().requires_grad_(True)

@@ -526,13 +526,13 @@ def test_bad_input_raises_typed_errors(call, err, words):
 
 # ---------------------------------------------------------------------------------------------- block sizing
 def test_block_rows_fit_vmem_budget_and_row_count():
-    per_row = N._row_bytes(8192, [jnp.bfloat16, jnp.bfloat16], 1)
+    per_row = N.row_bytes(8192, [jnp.bfloat16, jnp.bfloat16], 1)
     bm = N.fit_block_rows(1024, 8192, per_row)
     assert bm * per_row <= N.VMEM_BUDGET_BYTES < 2 * bm * per_row
     assert N.fit_block_rows(1024, 24, per_row) == 24  # small arrays: one full block
     assert N.fit_block_rows(64, 0, per_row) == 64  # empty: any legal block (the grid is empty)
-    assert N._heuristic_rows(per_row, 0)["block_rows"] == bm
-    assert N._heuristic_rows(N._row_bytes(1, [jnp.float32] * 2, 1), 0)["block_rows"] == 1024
+    assert N.heuristic_rows(per_row, 0)["block_rows"] == bm
+    assert N.heuristic_rows(N.row_bytes(1, [jnp.float32] * 2, 1), 0)["block_rows"] == 1024
 
 
 # ---------------------------------------------------------------------------------------------- compile-only

@@ -258,11 +258,11 @@ def test_a8_prefill_heuristic_picks_dequant_for_fp8(monkeypatch):
     f8 = torch.empty(1024, 512, dtype=torch.float8_e5m2)
     i8 = torch.empty(1024, 512, dtype=torch.int8)
     for chip, bm in (("v6e", 2048), ("tpu7x", 1024)):
-        monkeypatch.setattr(a8, "_target_chip", lambda c=chip: tk.get_chip(c))  # what a launch for chip sees
+        monkeypatch.setattr(a8, "target_chip", lambda c=chip: tk.get_chip(c))  # what a launch for chip sees
         assert a8._a8_heuristic(f8, None, None, None) == dict(bm=bm, bk=4096, bn=1024, form="dequant")
         assert a8._a8_heuristic(i8, None, None, None)["form"] == "groups"
         assert a8._a8_heuristic(f8[:16], None, None, None)["form"] == "groups"
-    monkeypatch.setattr(a8, "_target_chip", lambda: tk.get_chip("v5e"))  # no fp8 rate in tpu_info
+    monkeypatch.setattr(a8, "target_chip", lambda: tk.get_chip("v5e"))  # no fp8 rate in tpu_info
     assert a8._a8_heuristic(f8, None, None, None)["form"] == "groups"
 
 
@@ -341,7 +341,7 @@ def test_fp8_packed_needs_no_fp8_mxu_pair(monkeypatch, chip):
     monkeypatch.setenv("TPUKERNELS_TARGET_CHIP", chip)
     for fmt in ("int4", "fp4"):
         a8.check_chip_a8("fp8", fmt, "test")
-    monkeypatch.setattr(a8, "_target_chip", lambda: tk.get_chip(chip))
+    monkeypatch.setattr(a8, "target_chip", lambda: tk.get_chip(chip))
     f8 = torch.empty(1024, 512, dtype=torch.float8_e4m3fn)
     assert a8._a8_heuristic(f8, None, torch.empty(64, 256, dtype=torch.uint8), None)["form"] == "groups"
 

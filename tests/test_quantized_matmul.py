@@ -151,8 +151,8 @@ def test_fused_w8a8_equals_two_kernel_path(case, interpret):
     x[3] = 0  # a zero token: scale 0, output 0
     w_q, w_s = qmm.quantize_weight(w, wdtype)
     ws = w_s.reshape(1, N)
-    assert qmm.fused_plan(M, K, N, qmm._jnp("bfloat16"), qmm._jnp(wdtype), qmm._jnp("bfloat16"),
-                          **(cfg or qmm._w8a8_heuristic(x, w_q, ws))) is not None
+    assert qmm.fused_plan(M, K, N, qmm.jnp_dtype("bfloat16"), qmm.jnp_dtype(wdtype), qmm.jnp_dtype("bfloat16"),
+                          **(cfg or qmm.w8a8_heuristic(x, w_q, ws))) is not None
     y = qmm.quantized_matmul_w8a8_kernel(x, w_q, ws, None, config=cfg)
     xq, xs = qmm.quantize_per_token_kernel(x, wdtype)
     assert torch.equal(y, qmm.quantized_matmul_kernel(xq, w_q, ws, xs, None, config=cfg))
@@ -187,7 +187,7 @@ def test_stream_launch_equals_blocked(case, interpret, monkeypatch):
     M, K, N, cfg, x_quant, wdtype, out_dtype = case
     xv, w_q, w_s, xs = _stream_args(M, K, N, x_quant, wdtype, seed=M + N)
     ws = w_s.reshape(1, N)
-    odt = None if out_dtype is None else qmm._name(out_dtype)
+    odt = None if out_dtype is None else qmm.dtype_name(out_dtype)
     blocks = cfg or qmm.heuristic(xv, w_q, ws, xs)
     assert qmm.stream_plan(M, N, K, blocks["bm"], blocks["bk"], blocks["bn"]) is not None
     y = qmm.quantized_matmul_kernel(xv, w_q, ws, xs, odt, config=cfg)
@@ -217,8 +217,9 @@ def test_stream_plan_rule():
     assert plan(16, 96, 256, 512, 128, 96) is None and plan(16, 64, 256, 512, 128, 64) is not None  # 48 / 32 rows
     assert plan(8192, 14336, 4096, 1024, 4096, 2048) is None
     spec = tk.TensorSpec
-    launch = qmm.make_launch("nt", spec((16, 4096), qmm._jnp("bfloat16"), "x"),
-                             spec((14336, 4096), qmm._jnp("int8"), "w"), spec((1, 14336), qmm._jnp("float32"), "s"),
+    launch = qmm.make_launch("nt", spec((16, 4096), qmm.jnp_dtype("bfloat16"), "x"),
+                             spec((14336, 4096), qmm.jnp_dtype("int8"), "w"),
+                             spec((1, 14336), qmm.jnp_dtype("float32"), "s"),
                              None, None, 512, 2048, 3584)
     assert launch.grid == (1, 4, 2) and launch.in_specs[1].memory_space == pl.ANY
     assert launch.body_kwargs["stream"] == dict(n_j=4, blk_n=3584, ndma=2)
@@ -232,7 +233,7 @@ def test_stream_plan_rule():
                 continue
             assert (plan(M, N, K, cfg["bm"], cfg["bk"], cfg["bn"]) is not None) == (M <= 128), (chip, args, cfg)
     for M, K, N in ((16, 4096, 14336), (64, 14336, 4096), (1, 4096, 11008), (128, 5120, 13824), (8, 256, 64)):
-        h = qmm.heuristic(spec((M, K), qmm._jnp("bfloat16"), "x"), spec((N, K), qmm._jnp("int8"), "w"), None)
+        h = qmm.heuristic(spec((M, K), qmm.jnp_dtype("bfloat16"), "x"), spec((N, K), qmm.jnp_dtype("int8"), "w"), None)
         assert plan(M, N, K, h["bm"], h["bk"], h["bn"]) is not None, (M, K, N, h)
 
 
@@ -249,7 +250,7 @@ def test_property_stream_shapes(M, kb, nb, bk, bn, mode, seed):
 def test_fused_plan_rule():
     """fused_plan: bm halves until it divides M (multiples of 32), M itself when M <= bm, VMEM per chip
     from tpu_info (3/4 of vmem_capacity_bytes), None when no bm qualifies."""
-    bf, i8 = qmm._jnp("bfloat16"), qmm._jnp("int8")
+    bf, i8 = qmm.jnp_dtype("bfloat16"), qmm.jnp_dtype("int8")
     plan = lambda M, K, N, bm, chip=None: qmm.fused_plan(M, K, N, bf, i8, bf, bm, 2048, 1024, chip)  # noqa: E731
     assert plan(8192, 4096, 14336, 1024)["bm"] == 1024
     assert plan(200, 256, 256, 1024)["bm"] == 200  # one row block
@@ -438,10 +439,10 @@ def test_8bit_blocks_pack_32_rows():
     from tpukernels.errors import PerformanceWarning
 
     for dt in ("int8", "float8_e4m3fn", "float8_e5m2"):
-        assert sublane_tile(qmm._jnp(dt)) == 32 and padded_bytes((16, 128), qmm._jnp(dt)) == 32 * 128
+        assert sublane_tile(qmm.jnp_dtype(dt)) == 32 and padded_bytes((16, 128), qmm.jnp_dtype(dt)) == 32 * 128
         with warnings.catch_warnings(record=True) as rec:
             warnings.simplefilter("always")
-            check_block(pl.BlockSpec((16, 128), lambda i: (i, 0)), (64, 128), qmm._jnp(dt), "w_q")
+            check_block(pl.BlockSpec((16, 128), lambda i: (i, 0)), (64, 128), qmm.jnp_dtype(dt), "w_q")
         assert any(issubclass(r.category, PerformanceWarning) and "32" in str(r.message) for r in rec)
 
 
@@ -454,7 +455,7 @@ def test_supported_modes_come_from_tpu_info():
         modes = qmm.supported_modes(name)
         assert (("int8", "int8") in modes) == info.is_matmul_supported(np.int8, np.int8)
         for f8 in ("float8_e4m3fn", "float8_e5m2"):
-            f8d = qmm._jnp(f8)
+            f8d = qmm.jnp_dtype(f8)
             assert (("fp8", f8) in modes) == info.is_matmul_supported(f8d, f8d)
         assert (None, "int8") in modes
     # what jax 0.10.2's tables say (the docstring's summary; fails if jax changes them)
@@ -510,7 +511,7 @@ def _case_specs(args):
 
 def _runs_on(chip, args):
     w8a8 = len(args) == 4
-    wd = qmm._name(_spec(args[1], "w").dtype)
+    wd = qmm.dtype_name(_spec(args[1], "w").dtype)
     return (("int8" if wd == "int8" else "fp8") if w8a8 else None, wd) in qmm.supported_modes(chip)
 
 
@@ -538,12 +539,12 @@ def test_shipped_fused_w8a8_defaults_are_current():
     """Each chip has a shipped entry of the fused w8a8 kernel for its w8a8 mode at the standard prefill shapes
     (current kernel source), whose blocks have a fused plan on that chip; the evidence says what chose it."""
     kernel = qmm.quantized_matmul_w8a8_kernel
-    bf = qmm._jnp("bfloat16")
+    bf = qmm.jnp_dtype("bfloat16")
     for chip in CHIPS:
         path = db.shipped_db_path(kernel.qualname, chip)
         wd = _w8a8_mode(chip)[1]
         for _, args, _ in qmm.STANDARD_CASES_W8A8:
-            if qmm._name(_spec(args[1], "w").dtype) != wd:
+            if qmm.dtype_name(_spec(args[1], "w").dtype) != wd:
                 continue
             specs = tuple(_spec(a, n) for a, n in zip(args, ("x", "w_q", "w_scale")))
             entry, how = db.find(db.load(path), db.entry_key(kernel, specs, (("out_dtype", None),)))
@@ -581,19 +582,19 @@ def test_public_full_size_calls_get_the_shipped_config(monkeypatch, chip):
         monkeypatch.setattr(qmm.public, name, _Spy(getattr(qmm.public, name), calls))  # the names the op calls
     xq, wd = _w8a8_mode(chip)
     cases = [(None, a) for _, a, _ in qmm.STANDARD_CASES if len(a) == 3]
-    cases += [(xq, a) for _, a, _ in qmm.STANDARD_CASES_W8A8 if qmm._name(_spec(a[1], "w").dtype) == wd]
+    cases += [(xq, a) for _, a, _ in qmm.STANDARD_CASES_W8A8 if qmm.dtype_name(_spec(a[1], "w").dtype) == wd]
     for x_quant, args in cases:
         x, w = (_spec(a, "t") for a in args[:2])
         calls.clear()
         y = qmm.quantized_matmul(torch.empty(x.shape, dtype=torch.bfloat16, device="meta"),
-                                 torch.empty(w.shape, dtype=getattr(torch, qmm._name(w.dtype)), device="meta"),
+                                 torch.empty(w.shape, dtype=getattr(torch, qmm.dtype_name(w.dtype)), device="meta"),
                                  torch.empty(w.shape[0], device="meta"), x_quant=x_quant)
         assert y.shape == (x.shape[0], w.shape[0])
         want = (qmm.public.quantized_matmul_kernel if x_quant is None else qmm.public.quantized_matmul_w8a8_kernel).kernel
         assert [c[0] for c in calls] == [want], (chip, args, calls)
         kernel, cargs, _ = calls[0]
         tensors = [a for a in cargs if isinstance(a, torch.Tensor) or a is None][:4 if x_quant is None else 3]
-        specs = tuple(None if t is None else tk.TensorSpec(tuple(t.shape), qmm._jnp(qmm._name(t.dtype)), n)
+        specs = tuple(None if t is None else tk.TensorSpec(tuple(t.shape), qmm.jnp_dtype(qmm.dtype_name(t.dtype)), n)
                       for t, n in zip(tensors, ("x", "w_q", "w_scale", "x_scale")))
         out_dtype = cargs[len(tensors)]
         cfg, source = kernel.resolve_config(specs, (("out_dtype", out_dtype),), None, tk.get_chip(chip))
@@ -650,7 +651,7 @@ def test_compile_only_fused_w8a8(chip, args):
     """Mosaic compiles the fused w8a8 kernel at the shipped config (or heuristic) where the chip has the
     pair, within the VMEM limit it requests; ChipError where it does not."""
     kernel = qmm.quantized_matmul_w8a8_kernel
-    wd = qmm._name(_spec(args[1], "w").dtype)
+    wd = qmm.dtype_name(_spec(args[1], "w").dtype)
     if ("int8" if wd == "int8" else "fp8", wd) not in qmm.supported_modes(chip):
         with pytest.raises(ChipError, match=chip):
             tk.compile_for(kernel, chip, *args, with_mlir=False)
@@ -732,7 +733,7 @@ def test_bench_cases_and_peaks():
         assert perf.peak_flops(chip, "int8") == (info.int8_ops_per_second or info.bf16_ops_per_second)
     assert perf.peak_flops("v5e", "int8") == 2 * perf.peak_flops("v5e")
     # the tuner's model: per-channel f32 scales do not make it an f32 matmul
-    spec = lambda s, d: tk.TensorSpec(s, qmm._jnp(d))  # noqa: E731
+    spec = lambda s, d: tk.TensorSpec(s, qmm.jnp_dtype(d))  # noqa: E731
     w8a16 = [spec((64, 512), "bfloat16"), spec((256, 512), "int8"), spec((1, 256), "float32")]
     assert compute_dtype(w8a16) == "bfloat16"
     assert compute_dtype([spec((64, 512), "int8"), spec((256, 512), "int8"), spec((1, 256), "float32"),

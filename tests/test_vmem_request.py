@@ -1,23 +1,23 @@
-"""The one scoped-VMEM rule of the grouped and quantized matmul kernels (tpukernels.library._vmem)."""
+"""The one scoped-VMEM rule of the grouped and quantized matmul kernels (tpukernels.library.vmem)."""
 
 import pytest
 
 from tpukernels.chips import get_chip
-from tpukernels.library import _vmem
+from tpukernels.library import vmem
 
 MiB = 1 << 20
 
 
 @pytest.mark.parametrize("chip", ["v5e", "v6e", "tpu7x"])
 def test_cap_is_seven_eighths_of_the_chips_vmem(chip):
-    cap = _vmem.vmem_cap(chip)
+    cap = vmem.vmem_cap(chip)
     assert cap == get_chip(chip).vmem_capacity_bytes * 7 // 8
-    assert _vmem.vmem_cap(get_chip(chip)) == cap  # a Chip or its name
+    assert vmem.vmem_cap(get_chip(chip)) == cap  # a Chip or its name
 
 
 def test_no_chip_plans_for_the_smallest_shipped_chip(monkeypatch):
     monkeypatch.delenv("TPUKERNELS_TARGET_CHIP", raising=False)
-    assert _vmem.vmem_cap(None) == min(get_chip(c).vmem_capacity_bytes for c in _vmem.SHIPPED_CHIPS) * 7 // 8
+    assert vmem.vmem_cap(None) == min(get_chip(c).vmem_capacity_bytes for c in vmem.SHIPPED_CHIPS) * 7 // 8
 
 
 @pytest.mark.parametrize("need_mib, chip, want_mib", [
@@ -29,10 +29,10 @@ def test_no_chip_plans_for_the_smallest_shipped_chip(monkeypatch):
     (100, "v5e", 112),
 ])
 def test_request(need_mib, chip, want_mib):
-    got = _vmem.scoped_vmem_limit(need_mib * MiB, chip)
+    got = vmem.scoped_vmem_limit(need_mib * MiB, chip)
     assert got == (None if want_mib is None else want_mib * MiB)
 
 
 def test_request_rounds_up_to_a_mib():
-    got = _vmem.scoped_vmem_limit(40 * MiB + 1, "v6e")
+    got = vmem.scoped_vmem_limit(40 * MiB + 1, "v6e")
     assert got == 55 * MiB and got >= (40 * MiB + 1) * 5 // 4 + 4 * MiB

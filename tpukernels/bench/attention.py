@@ -152,7 +152,7 @@ def cases(chips) -> list[Case]:
 def _cases_at(S: int, chips) -> list[Case]:
     import functools
 
-    from ..library.attention import _CAUSAL, fa_backward_dkv, fa_backward_dq, fa_forward
+    from ..library.attention import CAUSAL, fa_backward_dkv, fa_backward_dq, fa_forward
 
     hq, hkv = HQ // DIV, HKV // DIV
     out = []
@@ -167,7 +167,7 @@ def _cases_at(S: int, chips) -> list[Case]:
         pas = "bwd" if backward else "fwd"
         small, full = specs(hq, hkv, backward), specs(HQ, HKV, backward)
         kernels = (fa_backward_dq, fa_backward_dkv) if backward else (fa_forward,)
-        nc = dict(_CAUSAL, causal=False)
+        nc = dict(CAUSAL, causal=False)
 
         def probe_ours(est, chip, kernels=kernels, small=small, full=full, nc=nc, backward=backward):
             impl = ours_impl([(k, small, nc, full) for k in kernels],
@@ -194,7 +194,7 @@ def _cases_at(S: int, chips) -> list[Case]:
 
         for chip in chips:
             impls = [
-                ours_impl([(k, small, dict(_CAUSAL), full) for k in kernels], scale=DIV,
+                ours_impl([(k, small, dict(CAUSAL), full) for k in kernels], scale=DIV,
                           extra=(lambda e, c: e.cycles(*progs()["di"], c)) if backward else None,
                           probe=probe_ours),
                 Impl("xla", "xla", xla_cycles, config="XLA fusion",

@@ -82,8 +82,8 @@ import importlib
 from .core import Case, EstimateError, Impl, kernel_program
 
 FAMILY = "grouped_matmul"
-#: library modules whose code and tuning data the figures depend on (``_vmem``: the scoped-VMEM request)
-LIBRARY = ("grouped_matmul_ops", "_vmem")
+#: library modules whose code and tuning data the figures depend on (``vmem``: the scoped-VMEM request)
+LIBRARY = ("grouped_matmul_ops", "vmem")
 JAX_TILING = (512, 1024, 1024)  # tm, tk, tn
 JAX_TILING_TGMM = (512, 512, 1024)
 #: the rows of the two reduced problems of the fit (group sizes scaled; see the module docstring)
@@ -529,9 +529,9 @@ def data_cost(kernel_name: str, M: int, K: int, N: int, sizes, config: dict, tra
 
     gm = importlib.import_module("tpukernels.library.grouped_matmul_ops")
     G = len(sizes)
-    bm, bk, bn = (gm._clamp(d, config[b]) for d, b in ((M, "bm"), (K, "bk"), (N, "bn")))
+    bm, bk, bn = (gm.clamp(d, config[b]) for d, b in ((M, "bm"), (K, "bk"), (N, "bn")))
     T = gm.num_items(M, G, bm)
-    sched = gm._fwd_schedule if kernel_name.endswith("fwd") else gm._tgmm_schedule
+    sched = gm.fwd_schedule if kernel_name.endswith("fwd") else gm.tgmm_schedule
     (tab,) = sched(jnp.asarray(sizes, jnp.int32), jnp.zeros(1, jnp.int32), M=M, G=G, bm=bm, T=T)
     tab = np.asarray(tab).reshape(gm.N_FIELDS_FWD if kernel_name.endswith("fwd") else gm.N_FIELDS, T)
     flags = tab[gm.F_FLAGS] ^ (gm.ALL if kernel_name.endswith("fwd") else gm.TGMM_COMPLEMENT)

@@ -82,7 +82,7 @@ def dispatch(n: int = 1000) -> list[dict]:
         ("rms_norm", N.rms_norm_fwd, (r(256, 1024), r(1, 1024)),
          {"eps": 1e-6, "offset": 0.0, "casting": "llama", "round_f16": False}),
         ("matmul", mm.matmul_nn, (r(1, 256, 256), r(1, 256, 256)), {}),
-        ("flash_attention", A.fa_forward, (r(1, 2, 256, 64), r(1, 2, 256, 64), r(1, 2, 256, 64)), dict(A._CAUSAL)),
+        ("flash_attention", A.fa_forward, (r(1, 2, 256, 64), r(1, 2, 256, 64), r(1, 2, 256, 64)), dict(A.CAUSAL)),
     ]
     rows = []
     with tk.interpret_mode("fast"):

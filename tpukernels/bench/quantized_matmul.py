@@ -50,8 +50,8 @@ from .core import Case, EstimateError, Impl, ours_impl, xla_impl
 
 FAMILY = "quantized_matmul"
 #: library modules whose code and tuning data the figures depend on (the bf16 comparison row is our matmul;
-#: ``_vmem``: the scoped-VMEM request)
-LIBRARY = ("quantized_matmul_ops", "matmul_ops", "_vmem")
+#: ``vmem``: the scoped-VMEM request)
+LIBRARY = ("quantized_matmul_ops", "matmul_ops", "vmem")
 
 _FUSED = ("the activation quantization is fused (quantized_matmul_w8a8_kernel: x read once as bf16, no x_q in HBM; "
           "before the fusion this op was 0.84-0.88x XLA on v6e). What is left, from the estimates: row block 0 is "

@@ -83,7 +83,7 @@ class TpuKernelsConfig(QuantizationConfigMixin):
 
     def __init__(self, weight_dtype: str = "int8", x_quant: Optional[str] = None, modules=(),
                  format_version: int = FORMAT_VERSION, experts=None, **kwargs):
-        from ..library.quantized_matmul_ops import _canon_x_quant, _weight_dtype, check_pair
+        from ..library.quantized_matmul_ops import canon_x_quant, weight_dtype_name, check_pair
 
         kwargs.pop("quant_method", None)
         if kwargs:
@@ -96,8 +96,8 @@ class TpuKernelsConfig(QuantizationConfigMixin):
             raise ArgumentError(f"quantization_config (quant_method={QUANT_METHOD!r}): modules must be a list of "
                                 f"module names, got {modules!r}")
         self.quant_method = QUANT_METHOD
-        self.weight_dtype = _weight_dtype(weight_dtype, "quantization_config.weight_dtype")
-        self.x_quant = _canon_x_quant(x_quant)
+        self.weight_dtype = weight_dtype_name(weight_dtype, "quantization_config.weight_dtype")
+        self.x_quant = canon_x_quant(x_quant)
         check_pair(self.x_quant, self.weight_dtype, "quantization_config")
         self.modules = list(modules)
         self.format_version = FORMAT_VERSION

@@ -390,13 +390,13 @@ def check_quant_pair(w_dtype: str, x_quant: Optional[str], in_features: int, whe
     """Raise the typed error a ``quantized_matmul`` call of ``w_dtype`` weights with ``x_quant`` activations and
     ``in_features`` = K would raise (int8 weights with ``x_quant='fp8'``, fp8 weights with ``'int8'``, K too large
     for an int8 x int8 sum, a target chip lacking the mode), before any module is built: the call's own check
-    (``quantized_matmul._check_public``) run on data-free meta tensors of the call's dtypes and K."""
-    from ..library.quantized_matmul_ops import _check_public
+    (``quantized_matmul.check_public``) run on data-free meta tensors of the call's dtypes and K."""
+    from ..library.quantized_matmul_ops import check_public
 
     x = torch.empty(1, in_features, device="meta")
     w_q = torch.empty(1, in_features, dtype=getattr(torch, w_dtype), device="meta")
     try:
-        _check_public(x, w_q, torch.empty(1, device="meta"), x_quant, None)
+        check_public(x, w_q, torch.empty(1, device="meta"), x_quant, None)
     except TpuKernelError as e:
         msg = str(e).removeprefix("tpukernels::quantized_matmul: ")
         raise type(e)(f"{where}: {msg}") from None
@@ -510,10 +510,10 @@ def apply_tpukernels(
                             f"activations of quantized linears are quantized: give quantize='int8' or 'fp8', "
                             f"or drop x_quant)")
     if quantize:
-        from ..library.quantized_matmul_ops import _canon_x_quant, _weight_dtype
+        from ..library.quantized_matmul_ops import canon_x_quant, weight_dtype_name
 
-        quantize = _weight_dtype(quantize, "apply_tpukernels(quantize=...)")
-        x_quant = _canon_x_quant(x_quant)
+        quantize = weight_dtype_name(quantize, "apply_tpukernels(quantize=...)")
+        x_quant = canon_x_quant(x_quant)
         ks = {c.in_features for p in model.modules() for n, c in p.named_children() if quantizable(n, c)}
         for k in sorted(ks):
             check_quant_pair(quantize, x_quant, k, f"apply_tpukernels(quantize={quantize!r}, x_quant={x_quant!r})")

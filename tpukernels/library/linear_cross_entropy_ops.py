@@ -141,7 +141,7 @@ PUBLIC_DTYPES = ("bfloat16", "float16", "float32")
 LABEL_DTYPES = (torch.int64, torch.int32)
 MiB = 1 << 20
 #: VMEM the heuristic aims for on chips with >= 64 MiB (launches raise the scoped limit); smaller chips (v4:
-#: 16 MiB) get what fits under :func:`tpukernels.library._vmem.vmem_cap` (see :func:`_heuristic`).
+#: 16 MiB) get what fits under :func:`tpukernels.library.vmem.vmem_cap` (see :func:`_heuristic`).
 VMEM_TARGET = 40 * MiB
 
 TUNABLES = {
@@ -472,8 +472,8 @@ def vmem_bytes(kind: str, bn: int, bv: int, H: int, dtype, out_dtype=None) -> in
 
 def _limit(need: int) -> int | None:
     """Scoped VMEM to request: above the smallest default (16 MiB) ask for need * 1.25 + 4 MiB, at least 32 MiB,
-    at most 64 MiB and :func:`~tpukernels.library._vmem.vmem_cap` of the launch chip (v4: 14 MiB)."""
-    from ._vmem import DEFAULT_SCOPED_VMEM, vmem_cap
+    at most 64 MiB and :func:`~tpukernels.library.vmem.vmem_cap` of the launch chip (v4: 14 MiB)."""
+    from .vmem import DEFAULT_SCOPED_VMEM, vmem_cap
 
     if need + 4 * MiB <= 16 * MiB:
         return None
@@ -497,7 +497,7 @@ def _statics(h, softcap):
 
 def _heuristic(kind: str):
     def heur(h, w, labels, *rest, **statics):
-        from ._vmem import vmem_cap
+        from .vmem import vmem_cap
 
         N, V, H = _check_kernel_args(h, w, labels, where=f"tpukernels::linear_cross_entropy_{kind}")
         target = min(VMEM_TARGET, (vmem_cap() - 4 * MiB) * 4 // 5)  # so that _limit(need) covers need

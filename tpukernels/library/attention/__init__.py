@@ -62,17 +62,17 @@ from .forward import fa_forward  # noqa: E402
 from .masked import fa_backward_dkv_masked, fa_backward_dq_masked, fa_forward_masked  # noqa: E402
 from .masks import (CausalMask, ChunkedCausalMask, FullMask, LocalMask, LogicalAnd, LogicalOr, Mask,  # noqa: E402
                     MultiHeadMask, NumpyMask, mask_tables)
-from .plan import _CAUSAL, ALIGNMENTS, DECODE_FOLD_MAX_SQ, NAMESPACE, _make_plan, _Plan  # noqa: E402,F401
+from .plan import CAUSAL, ALIGNMENTS, DECODE_FOLD_MAX_SQ, NAMESPACE, make_plan, Plan  # noqa: E402,F401
 from .reference import attention_reference  # noqa: E402
 from .rope_fused import fa_forward_rope  # noqa: E402
 
 #: The shapes the shipped defaults are tuned for (``benchmarks/attention.py``, ``tpukernels autotune
 #: --library``): Llama-3-8B-like attention (32 query heads, 8 kv heads, D=128), causal, bf16.
 STANDARD_CASES = [
-    (fa_forward, (f"1x32x{S}x128:bf16", f"1x8x{S}x128:bf16", f"1x8x{S}x128:bf16"), dict(_CAUSAL)) for S in (4096, 8192)
+    (fa_forward, (f"1x32x{S}x128:bf16", f"1x8x{S}x128:bf16", f"1x8x{S}x128:bf16"), dict(CAUSAL)) for S in (4096, 8192)
 ] + [
     (kernel, (f"1x32x{S}x128:bf16", f"1x8x{S}x128:bf16", f"1x8x{S}x128:bf16", f"1x32x{S}x128:bf16",
-              f"1x32x1x{S}:f32", f"1x32x1x{S}:f32"), dict(_CAUSAL))
+              f"1x32x1x{S}:f32", f"1x32x1x{S}:f32"), dict(CAUSAL))
     for kernel in (fa_backward_dq, fa_backward_dkv) for S in (4096, 8192)
 ]
 

@@ -439,7 +439,7 @@ def _table_tensors(spec: tuple, bq: int, bkv: int, nq_pad: int | None = None, nk
     Skv), (left, right), offset)``. Masks travel as a spec of constants and are (re)built here, not by the
     traced caller: dynamo cannot hand a mask object created in traced code to this constant-result function
     (it passes an instance without its attributes: ``'LogicalAnd' object has no attribute 'left'``)."""
-    from .masked import _tensors
+    from .masked import tensors
     from .masks import LocalMask, mask_from_spec, mask_tables
 
     mask = mask_from_spec(spec, leaves)
@@ -447,7 +447,7 @@ def _table_tensors(spec: tuple, bq: int, bkv: int, nq_pad: int | None = None, nk
         mask = mask & LocalMask(tuple(mask.shape[-2:]), local[:2], offset=local[2])
     tables = mask_tables(mask, bq, bkv)
     if nq_pad is None:
-        return _tensors(tables)
+        return tensors(tables)
     cache = tables.__dict__.setdefault("_padded", {})
     key = (nq_pad, nk_pad)
     if key not in cache:

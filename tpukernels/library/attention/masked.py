@@ -24,25 +24,27 @@ import torch
 
 from ...dsl import Launch, OutSpec, Tunable, tpu_kernel
 from ...errors import ArgumentError, DTypeError
-from .backward import _bwd_out_dkv, _bwd_out_dq, _check_bwd, _dkv_body, _dq_body
-from .forward import _fwd_body, _fwd_out_shape
-from .plan import NAMESPACE, _BLOCKS, _check_args, _cost, _div, _dt, _make_plan, _rem, _vmem_estimate, _vmem_limit
+# ``name as _name``: the kernel bodies and launch functions here keep the names they had, so their source, which
+# keys their entries in the tuning DB (tpukernels/autotune/db.py), is unchanged
+from .backward import bwd_out_dkv, bwd_out_dq, check_bwd, dkv_body as _dkv_body, dq_body as _dq_body
+from .forward import fwd_body as _fwd_body, fwd_out_shape
+from .plan import NAMESPACE, BLOCKS, check_args, cost, div, dtype_name, make_plan, rem, vmem_estimate, vmem_limit
 
 _MASK_STATICS = ("sm_scale", "softcap")
 
 
 def _tunables():
-    return {"block_kv_compute": Tunable(_BLOCKS, default=512,
+    return {"block_kv_compute": Tunable(BLOCKS, default=512,
                                         doc="key positions per compute sub-block (used if it divides the key block)")}
 
 
 def _check_tables(ft, bt, mb, mbt, q, k, where: str):
     for name, x in (("fwd_table", ft), ("bwd_table", bt)):
-        if len(x.shape) != 4 or x.shape[0] != 3 or _dt(x) != "int32":
-            raise ArgumentError(f"{where}: {name} must be int32 [3, Hm, n, T], got {_dt(x)} {tuple(x.shape)}")
+        if len(x.shape) != 4 or x.shape[0] != 3 or dtype_name(x) != "int32":
+            raise ArgumentError(f"{where}: {name} must be int32 [3, Hm, n, T], got {dtype_name(x)} {tuple(x.shape)}")
     for name, x in (("mask_blocks", mb), ("mask_blocks_t", mbt)):
-        if len(x.shape) != 3 or _dt(x) != "int8":
-            raise ArgumentError(f"{where}: {name} must be int8 [n, a, b], got {_dt(x)} {tuple(x.shape)}")
+        if len(x.shape) != 3 or dtype_name(x) != "int8":
+            raise ArgumentError(f"{where}: {name} must be int8 [n, a, b], got {dtype_name(x)} {tuple(x.shape)}")
     n, bq, bkv = (int(s) for s in mb.shape)
     if tuple(mbt.shape) != (n, bkv, bq):
         raise ArgumentError(f"{where}: mask_blocks_t must be mask_blocks transposed, got {tuple(mbt.shape)}")
@@ -57,9 +59,9 @@ def _check_tables(ft, bt, mb, mbt, q, k, where: str):
 
 def _plan(q, k, v, qs, ft, bt, mb, mbt, sm_scale, softcap, block_kv_compute, where):
     bq, bkv = _check_tables(ft, bt, mb, mbt, q, k, where)
-    p = _make_plan(q, k, v, qs, causal=False, causal_alignment="top_left", sm_scale=sm_scale, window_left=None,
-                   window_right=None, softcap=softcap, block_q=bq, block_kv=bkv,
-                   block_kv_compute=block_kv_compute, block_h=1)
+    p = make_plan(q, k, v, qs, causal=False, causal_alignment="top_left", sm_scale=sm_scale, window_left=None,
+                  window_right=None, softcap=softcap, block_q=bq, block_kv=bkv,
+                  block_kv_compute=block_kv_compute, block_h=1)
     return dataclasses.replace(p, hb=1, has_mask=True, mask_heads=int(ft.shape[1]),
                                mask_kv_steps=int(ft.shape[3]), mask_q_steps=int(bt.shape[3]))
 
@@ -80,8 +82,8 @@ def _q_major_specs(p):
     return dict(
         q=pl.BlockSpec((None, 1, p.bq, p.D), lambda b, h, i, t, ft, bt: (b, h, i, 0)),
         do=pl.BlockSpec((None, 1, p.bq, p.Dv), lambda b, h, i, t, ft, bt: (b, h, i, 0)),
-        k=pl.BlockSpec((None, None, p.bkv, p.D), lambda b, h, i, t, ft, bt: (b, _div(h, G), kv(b, h, i, t, ft, bt), 0)),
-        v=pl.BlockSpec((None, None, p.bkv, p.Dv), lambda b, h, i, t, ft, bt: (b, _div(h, G), kv(b, h, i, t, ft, bt), 0)),
+        k=pl.BlockSpec((None, None, p.bkv, p.D), lambda b, h, i, t, ft, bt: (b, div(h, G), kv(b, h, i, t, ft, bt), 0)),
+        v=pl.BlockSpec((None, None, p.bkv, p.Dv), lambda b, h, i, t, ft, bt: (b, div(h, G), kv(b, h, i, t, ft, bt), 0)),
         row=pl.BlockSpec((None, 1, 1, p.bq), lambda b, h, i, t, ft, bt: (b, h, 0, i)),
         mb=pl.BlockSpec((None, p.bq, p.bkv), lambda b, h, i, t, ft, bt: (ft[2, _hm(p, h), i, t], 0, 0)),
         mbt=pl.BlockSpec(memory_space=pl.ANY),
@@ -94,8 +96,8 @@ def _launch_fwd_masked(ft, bt, q, k, v, mb, mbt, qs, ks, sm_scale, softcap, bloc
     from jax.experimental.pallas import tpu as pltpu
 
     where = "flash_attention_masked_fwd"
-    _check_args(q, k, v, qs, ks, causal=False, causal_alignment="top_left", sm_scale=sm_scale, window_left=None,
-                window_right=None, softcap=softcap, where=where)
+    check_args(q, k, v, qs, ks, causal=False, causal_alignment="top_left", sm_scale=sm_scale, window_left=None,
+               window_right=None, softcap=softcap, where=where)
     p = _plan(q, k, v, qs, ft, bt, mb, mbt, sm_scale, softcap, block_kv_compute, where)
     s = _q_major_specs(p)
     in_specs = [s["q"], s["k"], s["v"], s["mb"], s["mbt"]] + ([s["qs"], s["ks"]] if p.has_seg else [])
@@ -106,20 +108,20 @@ def _launch_fwd_masked(ft, bt, q, k, v, mb, mbt, qs, ks, sm_scale, softcap, bloc
         grid=(p.B, p.Hq, p.nq, p.kv_steps if p.Skv else 0),
         in_specs=in_specs,
         out_specs=[o_spec, s["row"]],
-        out_shape=_fwd_out_shape(q, k, v),
+        out_shape=fwd_out_shape(q, k, v),
         scratch_shapes=[pltpu.VMEM((p.rows, 128), np.float32), pltpu.VMEM((p.rows, 128), np.float32),
                         pltpu.VMEM((p.rows, p.Dv), np.float32)],
         num_scalar_prefetch=2,
         dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
-        vmem_limit_bytes=_vmem_limit(_vmem_estimate(p, n_q_side=2, n_kv_side=2, acc_rows=p.rows, work=3)
-                                     + 2 * p.bq * p.bkv),
-        cost_estimate=_cost(p, 1),
+        vmem_limit_bytes=vmem_limit(vmem_estimate(p, n_q_side=2, n_kv_side=2, acc_rows=p.rows, work=3)
+                                    + 2 * p.bq * p.bkv),
+        cost_estimate=cost(p, 1),
         body_kwargs={"plan": p},
     )
 
 
 def _masked_fwd_out(ft, bt, q, k, v, mb, mbt, q_segment_ids=None, kv_segment_ids=None, **statics):
-    return _fwd_out_shape(q, k, v)
+    return fwd_out_shape(q, k, v)
 
 
 @tpu_kernel(_fwd_body, name="flash_attention_masked_fwd", namespace=NAMESPACE, tunables=_tunables(),
@@ -151,7 +153,7 @@ def _launch_dq_masked(ft, bt, q, k, v, do, lse, di, mb, mbt, qs, ks, sm_scale, s
     where = "flash_attention_masked_bwd_dq"
     statics = dict(causal=False, causal_alignment="top_left", sm_scale=sm_scale, window_left=None, window_right=None,
                    softcap=softcap)
-    _check_bwd(q, k, v, do, lse, di, qs, ks, statics, where)
+    check_bwd(q, k, v, do, lse, di, qs, ks, statics, where)
     p = _plan(q, k, v, qs, ft, bt, mb, mbt, sm_scale, softcap, bkvc, where)
     s = _q_major_specs(p)
     in_specs = [s["q"], s["k"], s["v"], s["do"], s["row"], s["row"], s["mb"], s["mbt"]]
@@ -165,9 +167,9 @@ def _launch_dq_masked(ft, bt, q, k, v, do, lse, di, mb, mbt, qs, ks, sm_scale, s
                         pltpu.VMEM((p.rows, 128), np.float32)],
         num_scalar_prefetch=2,
         dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
-        vmem_limit_bytes=_vmem_limit(_vmem_estimate(p, n_q_side=3, n_kv_side=2, acc_rows=p.rows, work=4)
-                                     + 2 * p.bq * p.bkv),
-        cost_estimate=_cost(p, 3 / 2),
+        vmem_limit_bytes=vmem_limit(vmem_estimate(p, n_q_side=3, n_kv_side=2, acc_rows=p.rows, work=4)
+                                    + 2 * p.bq * p.bkv),
+        cost_estimate=cost(p, 3 / 2),
         body_kwargs={"plan": p},
     )
 
@@ -179,15 +181,15 @@ def _launch_dkv_masked(ft, bt, q, k, v, do, lse, di, mb, mbt, qs, ks, sm_scale, 
     where = "flash_attention_masked_bwd_dkv"
     statics = dict(causal=False, causal_alignment="top_left", sm_scale=sm_scale, window_left=None, window_right=None,
                    softcap=softcap)
-    _check_bwd(q, k, v, do, lse, di, qs, ks, statics, where)
+    check_bwd(q, k, v, do, lse, di, qs, ks, statics, where)
     p = _plan(q, k, v, qs, ft, bt, mb, mbt, sm_scale, softcap, bkvc, where)
     G, qn = p.G, p.q_steps
 
     def head(h, t):
-        return h * G + _div(t, qn)
+        return h * G + div(t, qn)
 
     def qi(h, j, t, bt):
-        return bt[0, head(h, t) if p.mask_heads > 1 else 0, j, _rem(t, qn)]
+        return bt[0, head(h, t) if p.mask_heads > 1 else 0, j, rem(t, qn)]
 
     q_spec = pl.BlockSpec((None, 1, p.bq, p.D), lambda b, h, j, t, ft, bt: (b, head(h, t), qi(h, j, t, bt), 0))
     do_spec = pl.BlockSpec((None, 1, p.bq, p.Dv), lambda b, h, j, t, ft, bt: (b, head(h, t), qi(h, j, t, bt), 0))
@@ -195,7 +197,7 @@ def _launch_dkv_masked(ft, bt, q, k, v, do, lse, di, mb, mbt, qs, ks, sm_scale, 
     k_spec = pl.BlockSpec((None, None, p.bkv, p.D), lambda b, h, j, t, ft, bt: (b, h, j, 0))
     v_spec = pl.BlockSpec((None, None, p.bkv, p.Dv), lambda b, h, j, t, ft, bt: (b, h, j, 0))
     mbt_spec = pl.BlockSpec((None, p.bkv, p.bq), lambda b, h, j, t, ft, bt: (
-        bt[2, head(h, t) if p.mask_heads > 1 else 0, j, _rem(t, qn)], 0, 0))
+        bt[2, head(h, t) if p.mask_heads > 1 else 0, j, rem(t, qn)], 0, 0))
     qs_spec = pl.BlockSpec((None, 1, p.bq), lambda b, h, j, t, ft, bt: (b, 0, qi(h, j, t, bt)))
     ks_spec = pl.BlockSpec((None, 1, p.bkv), lambda b, h, j, t, ft, bt: (b, 0, j))
     in_specs = [q_spec, k_spec, v_spec, do_spec, row_spec, row_spec, pl.BlockSpec(memory_space=pl.ANY), mbt_spec]
@@ -208,19 +210,19 @@ def _launch_dkv_masked(ft, bt, q, k, v, do, lse, di, mb, mbt, qs, ks, sm_scale, 
         scratch_shapes=[pltpu.VMEM((p.bkv, p.D), np.float32), pltpu.VMEM((p.bkv, p.Dv), np.float32)],
         num_scalar_prefetch=2,
         dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
-        vmem_limit_bytes=_vmem_limit(_vmem_estimate(p, n_q_side=3, n_kv_side=4, acc_rows=p.bkv, work=5)
-                                     + 2 * p.bq * p.bkv),
-        cost_estimate=_cost(p, 2),
+        vmem_limit_bytes=vmem_limit(vmem_estimate(p, n_q_side=3, n_kv_side=4, acc_rows=p.bkv, work=5)
+                                    + 2 * p.bq * p.bkv),
+        cost_estimate=cost(p, 2),
         body_kwargs={"plan": p},
     )
 
 
 def _masked_dq_out(ft, bt, q, k, v, do, lse, di, mb, mbt, q_segment_ids=None, kv_segment_ids=None, **statics):
-    return _bwd_out_dq(q, k, v, do, lse, di)
+    return bwd_out_dq(q, k, v, do, lse, di)
 
 
 def _masked_dkv_out(ft, bt, q, k, v, do, lse, di, mb, mbt, q_segment_ids=None, kv_segment_ids=None, **statics):
-    return _bwd_out_dkv(q, k, v, do, lse, di)
+    return bwd_out_dkv(q, k, v, do, lse, di)
 
 
 @tpu_kernel(_dq_body, name="flash_attention_masked_bwd_dq", namespace=NAMESPACE, tunables=_tunables(),
@@ -294,7 +296,7 @@ def _fa_masked_backward(ctx, d_out, d_lse):
     return grads
 
 
-def _tensors(tables):
+def tensors(tables):
     """Torch tensors of a :class:`.masks.MaskTables` (made once per tables object)."""
     t = getattr(tables, "_torch", None)
     if t is None:

@@ -26,26 +26,27 @@ DECODE_FOLD_MAX_SQ = 16
 #: :func:`flash_attention` computes float16 inputs in float32 (exact upcast) and casts the output back.
 _FLOAT_DTYPES = ("bfloat16", "float32")
 
-_STATIC_NAMES = ("causal", "causal_alignment", "sm_scale", "window_left", "window_right", "softcap")
+STATIC_NAMES = ("causal", "causal_alignment", "sm_scale", "window_left", "window_right", "softcap")
 
-_CAUSAL = dict(causal=True, causal_alignment="top_left", sm_scale=None, window_left=None, window_right=None,
-               softcap=None)
+CAUSAL = dict(causal=True, causal_alignment="top_left", sm_scale=None, window_left=None, window_right=None,
+              softcap=None)
 
-def _dt(x) -> str:
+def dtype_name(x) -> str:
     return np.dtype(x.dtype).name
 
-def _check_args(q, k, v, q_segment_ids, kv_segment_ids, *, causal, causal_alignment, sm_scale, window_left,
-                window_right, softcap, where: str = "flash_attention") -> None:
+def check_args(q, k, v, q_segment_ids, kv_segment_ids, *, causal, causal_alignment, sm_scale, window_left,
+               window_right, softcap, where: str = "flash_attention") -> None:
     """Validate shapes, dtypes and static arguments; raise ArgumentError / DTypeError naming the argument."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if len(x.shape) != 4:
             raise ArgumentError(f"{where}: {name} must have rank 4 [B, H, S, D] (torch SDPA layout), got shape {tuple(x.shape)}")
-        if _dt(x) not in _FLOAT_DTYPES:
+        if dtype_name(x) not in _FLOAT_DTYPES:
             why = (" (Mosaic takes no float16 kernel arguments; tpukernels.library.flash_attention upcasts float16 "
-                   "to float32)") if _dt(x) == "float16" else ""
-            raise DTypeError(f"{where}: {name} dtype {_dt(x)} is not supported; use bfloat16 or float32{why}")
-    if not (_dt(q) == _dt(k) == _dt(v)):
-        raise DTypeError(f"{where}: q, k, v must share one dtype, got {_dt(q)}, {_dt(k)}, {_dt(v)}")
+                   "to float32)") if dtype_name(x) == "float16" else ""
+            raise DTypeError(f"{where}: {name} dtype {dtype_name(x)} is not supported; use bfloat16 or float32{why}")
+    if not (dtype_name(q) == dtype_name(k) == dtype_name(v)):
+        raise DTypeError(f"{where}: q, k, v must share one dtype, "
+                         f"got {dtype_name(q)}, {dtype_name(k)}, {dtype_name(v)}")
     B, Hq, Sq, D = q.shape
     if k.shape[0] != B or v.shape[0] != B:
         raise ArgumentError(f"{where}: batch sizes differ: q {B}, k {k.shape[0]}, v {v.shape[0]}")
@@ -69,8 +70,8 @@ def _check_args(q, k, v, q_segment_ids, kv_segment_ids, *, causal, causal_alignm
         for name, ids, S in (("q_segment_ids", q_segment_ids, Sq), ("kv_segment_ids", kv_segment_ids, k.shape[2])):
             if tuple(ids.shape) != (B, 1, S):
                 raise ArgumentError(f"{where}: {name} must have shape [B, 1, S] = {(B, 1, S)}, got {tuple(ids.shape)}")
-            if _dt(ids) != "int32":
-                raise DTypeError(f"{where}: {name} must be int32, got {_dt(ids)}")
+            if dtype_name(ids) != "int32":
+                raise DTypeError(f"{where}: {name} must be int32, got {dtype_name(ids)}")
     if not isinstance(causal, bool):
         raise ArgumentError(f"{where}: causal must be a bool, got {causal!r}")
     if causal_alignment not in ALIGNMENTS:
@@ -90,7 +91,7 @@ def _largest_divisor_at_most(n: int, cap: int) -> int:
     return 1
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
+class Plan:
     """Static facts of one attention call (shapes, blocks, mask bounds), shared by the three kernels."""
 
     B: int
@@ -178,23 +179,23 @@ class _Plan:
     def kv_range(self, i):
         """First and last kv block that query block ``i`` can see (last < first: none)."""
         qa = i * self.bq
-        qb = _min(qa + self.bq, self.Sq) - 1
-        j0 = 0 if self.left is None else _div(_max(qa + (self.off - self.left), 0), self.bkv)
+        qb = traced_min(qa + self.bq, self.Sq) - 1
+        j0 = 0 if self.left is None else div(_max(qa + (self.off - self.left), 0), self.bkv)
         if self.right is None:
             j1 = self.nk - 1
         else:
-            j1 = _min(_div(_max(qb + (self.off + self.right), -1) + self.bkv, self.bkv) - 1, self.nk - 1)
+            j1 = traced_min(div(_max(qb + (self.off + self.right), -1) + self.bkv, self.bkv) - 1, self.nk - 1)
         return j0, j1
 
     def q_range(self, j):
         """First and last query block that can see kv block ``j`` (last < first: none)."""
         ka = j * self.bkv
-        kb = _min(ka + self.bkv, self.Skv) - 1
-        i0 = 0 if self.right is None else _div(_max(ka - (self.off + self.right), 0), self.bq)
+        kb = traced_min(ka + self.bkv, self.Skv) - 1
+        i0 = 0 if self.right is None else div(_max(ka - (self.off + self.right), 0), self.bq)
         if self.left is None:
             i1 = self.nq - 1
         else:
-            i1 = _min(_div(_max(kb + (self.left - self.off), -1) + self.bq, self.bq) - 1, self.nq - 1)
+            i1 = traced_min(div(_max(kb + (self.left - self.off), -1) + self.bq, self.bq) - 1, self.nq - 1)
         return i0, i1
 
     @functools.cached_property
@@ -220,7 +221,7 @@ class _Plan:
         if self.has_seg:
             return False
         conds = []
-        qb = _min(qa + nq, self.Sq) - 1
+        qb = traced_min(qa + nq, self.Sq) - 1
         kb = ka + nk - 1
         if self.kv_tail:
             conds.append(kb < self.Skv)
@@ -230,14 +231,14 @@ class _Plan:
             conds.append(kb <= qa + (self.off + self.right))
         if self.left is not None:
             conds.append(ka >= qb + (self.off - self.left))
-        return _all(conds)
+        return traced_all(conds)
 
     def any_visible(self, qa, nq, ka, nk):
         """Some pair of valid queries ``[qa, qa + nq)`` x keys ``[ka, ka + nk)`` may be visible (segments
         are not looked at); False means the pairs can be skipped."""
         conds = []
-        qb = _min(qa + nq, self.Sq) - 1
-        kb = _min(ka + nk, self.Skv) - 1
+        qb = traced_min(qa + nq, self.Sq) - 1
+        kb = traced_min(ka + nk, self.Skv) - 1
         if self.q_tail:
             conds.append(qa < self.Sq)
         if self.kv_tail:
@@ -246,7 +247,7 @@ class _Plan:
             conds.append(ka <= qb + (self.off + self.right))
         if self.left is not None:
             conds.append(kb >= qa + (self.off - self.left))
-        return _all(conds)
+        return traced_all(conds)
 
     #: Smallest (rows x keys) sub-block a boundary block is split into. libtpu's estimates (v6e, S=4096,
     #: causal): splitting into 512 x 512 sub-blocks saves 3-13% of the forward; 256-wide sub-blocks cost
@@ -294,7 +295,7 @@ class _Plan:
 def _is_py(*xs) -> bool:
     return all(isinstance(x, (int, np.integer)) for x in xs)
 
-def _min(a, b):
+def traced_min(a, b):
     if _is_py(a, b):
         return min(a, b)
     import jax.numpy as jnp
@@ -308,7 +309,7 @@ def _max(a, b):
 
     return jnp.maximum(a, b)
 
-def _div(a, b: int):
+def div(a, b: int):
     """``a // b`` for ``a >= 0`` (traced: truncating lax.div, which lowers without jnp's sign fix-ups)."""
     if _is_py(a):
         return a // b
@@ -316,7 +317,7 @@ def _div(a, b: int):
 
     return jax.lax.div(a, jax.numpy.int32(b))
 
-def _rem(a, b: int):
+def rem(a, b: int):
     """``a % b`` for ``a >= 0`` (traced: lax.rem)."""
     if _is_py(a):
         return a % b
@@ -324,7 +325,7 @@ def _rem(a, b: int):
 
     return jax.lax.rem(a, jax.numpy.int32(b))
 
-def _all(conds):
+def traced_all(conds):
     """Conjunction of Python bools and traced bool scalars (Python True if nothing is traced)."""
     out = True
     for c in conds:
@@ -340,11 +341,11 @@ def _land(a, b):
 
     return jnp.logical_and(a, b)
 
-def _clip(x, lo, hi):
-    return _min(_max(x, lo), hi)
+def clip(x, lo, hi):
+    return traced_min(_max(x, lo), hi)
 
-def _make_plan(q, k, v, q_segment_ids, *, causal, causal_alignment, sm_scale, window_left, window_right, softcap,
-               block_q, block_kv, block_kv_compute, block_h) -> _Plan:
+def make_plan(q, k, v, q_segment_ids, *, causal, causal_alignment, sm_scale, window_left, window_right, softcap,
+              block_q, block_kv, block_kv_compute, block_h) -> Plan:
     B, Hq, Sq, D = (int(s) for s in q.shape)
     Hkv, Skv, Dv = int(k.shape[1]), int(k.shape[2]), int(v.shape[3])
     G = Hq // Hkv
@@ -365,37 +366,37 @@ def _make_plan(q, k, v, q_segment_ids, *, causal, causal_alignment, sm_scale, wi
                             f"64) or >= Sq ({Sq}) (the lse / di rows are laid out in 128-lane windows)")
     bkv = Skv if 0 < Skv <= block_kv else block_kv
     bkvc = block_kv_compute if (block_kv_compute < bkv and bkv % block_kv_compute == 0) else bkv
-    return _Plan(
-        B=B, Hq=Hq, Hkv=Hkv, Sq=Sq, Skv=Skv, D=D, Dv=Dv, dtype=_dt(q), hb=hb, bq=max(bq, 1), bkv=max(bkv, 1),
+    return Plan(
+        B=B, Hq=Hq, Hkv=Hkv, Sq=Sq, Skv=Skv, D=D, Dv=Dv, dtype=dtype_name(q), hb=hb, bq=max(bq, 1), bkv=max(bkv, 1),
         bkvc=max(bkvc, 1), scale=float(1.0 / math.sqrt(D) if sm_scale is None else sm_scale),
         softcap=None if softcap is None else float(softcap),
         off=(Skv - Sq) if causal_alignment == "bottom_right" else 0, left=left, right=right,
         has_seg=q_segment_ids is not None,
     )
 
-_BLOCKS = (128, 256, 512, 1024, 2048)
+BLOCKS = (128, 256, 512, 1024, 2048)
 
-def _compute_divides(cfg):
+def compute_divides(cfg):
     if cfg["block_kv_compute"] > cfg["block_kv"] or cfg["block_kv"] % cfg["block_kv_compute"]:
         return "block_kv_compute must divide block_kv"
     return True
 
-def _tunables(doc_h: str):
+def tunables(doc_h: str):
     return {
-        "block_q": Tunable(_BLOCKS, default=1024, doc="query positions per grid step (multiple of 128; Sq if smaller)"),
-        "block_kv": Tunable(_BLOCKS, default=1024, doc="key positions per K/V DMA block (multiple of 128; Skv if smaller)"),
-        "block_kv_compute": Tunable(_BLOCKS, default=512, doc="key positions per compute sub-block (divides block_kv)"),
+        "block_q": Tunable(BLOCKS, default=1024, doc="query positions per grid step (multiple of 128; Sq if smaller)"),
+        "block_kv": Tunable(BLOCKS, default=1024, doc="key positions per K/V DMA block (multiple of 128; Skv if smaller)"),
+        "block_kv_compute": Tunable(BLOCKS, default=512, doc="key positions per compute sub-block (divides block_kv)"),
         "block_h": Tunable((1, 2, 4, 8), default=1, doc=doc_h),
     }
 
-_DOC_H = ("query heads of one kv group per grid step (largest divisor of the group <= this; no effect without GQA, "
-          "where the group is 1 head); decode folds the whole group")
+DOC_H = ("query heads of one kv group per grid step (largest divisor of the group <= this; no effect without GQA, "
+         "where the group is 1 head); decode folds the whole group")
 
-def _heuristic(q, k, v, *rest, **statics):
+def heuristic(q, k, v, *rest, **statics):
     """Shape-dependent defaults (used when no tuning-DB entry applies), from libtpu static estimates on
     v5e / v6e / tpu7x (``benchmarks/attention.py``, causal GQA D=128 bf16): big query and key blocks amortise
     the per-step cost and keep the MXU busy per K/V byte; 512-key compute sub-blocks (256 was 2-17% slower on
-    v6e, and a boundary block is only split into sub-blocks of >= 512, see ``_Plan.MIN_SUB``)."""
+    v6e, and a boundary block is only split into sub-blocks of >= 512, see ``Plan.MIN_SUB``)."""
     if len(q.shape) != 4 or len(k.shape) != 4:  # malformed: the launch function raises the typed error
         return {}
     Sq, Skv = int(q.shape[2]), int(k.shape[2])
@@ -404,7 +405,7 @@ def _heuristic(q, k, v, *rest, **statics):
     big = 2048 if min(Sq, Skv) >= 4096 else 1024
     return {"block_q": big, "block_kv": big, "block_kv_compute": 512, "block_h": 1}
 
-def _bwd_heuristic(q, k, v, *rest, **statics):
+def bwd_heuristic(q, k, v, *rest, **statics):
     """Backward defaults (no DB entry): as the forward, 2048 blocks for long sequences, else 1024, with
     512-key compute sub-blocks (libtpu estimates on v6e / tpu7x, ``benchmarks/attention.py``)."""
     if len(q.shape) != 4 or len(k.shape) != 4:
@@ -415,19 +416,19 @@ def _bwd_heuristic(q, k, v, *rest, **statics):
     big = 2048 if min(Sq, Skv) >= 4096 else 1024
     return {"block_q": big, "block_kv": big, "block_kv_compute": 512, "block_h": 1}
 
-def _vmem_limit(est_bytes: int) -> int | None:
+def vmem_limit(est_bytes: int) -> int | None:
     """Scoped VMEM to request: None (chip default) for small footprints, else room for Mosaic's temporaries
     (logit / probability tiles). Capped at 40 MiB: tpu7x has 64 MiB per core and XLA needs some of it
     around the kernel (48 MiB overflowed there, libtpu 0.0.52); and at
-    :func:`~tpukernels.library._vmem.vmem_cap` of the launch chip (v4 has 16 MiB of VMEM: 14 MiB)."""
-    from .._vmem import DEFAULT_SCOPED_VMEM, vmem_cap
+    :func:`~tpukernels.library.vmem.vmem_cap` of the launch chip (v4 has 16 MiB of VMEM: 14 MiB)."""
+    from ..vmem import DEFAULT_SCOPED_VMEM, vmem_cap
 
     if est_bytes <= 6 << 20:
         return None
     limit = int(min(40 << 20, vmem_cap(), 2 * est_bytes + (16 << 20)))
     return None if limit <= DEFAULT_SCOPED_VMEM else limit  # v4: its 16 MiB default is all there is
 
-def _vmem_estimate(p: _Plan, n_q_side: int, n_kv_side: int, acc_rows: int, work: int) -> int:
+def vmem_estimate(p: Plan, n_q_side: int, n_kv_side: int, acc_rows: int, work: int) -> int:
     it = np.dtype(p.dtype).itemsize
     q_side = 2 * n_q_side * p.rows * max(p.D, p.Dv, 128) * it
     kv_side = 2 * n_kv_side * p.bkv * max(p.D, p.Dv, 128) * it
@@ -435,7 +436,7 @@ def _vmem_estimate(p: _Plan, n_q_side: int, n_kv_side: int, acc_rows: int, work:
     tmp = work * p.rows * p.bkvc * 4
     return q_side + kv_side + acc + tmp
 
-def _cost(p: _Plan, passes: int, extra_bytes: int = 0):
+def cost(p: Plan, passes: int, extra_bytes: int = 0):
     from jax.experimental import pallas as pl
 
     frac = 0.5 if p.right is not None and p.left is None and p.off == 0 and p.Sq == p.Skv else 1.0

@@ -7,7 +7,7 @@ forward, causal, B=1, Hq=32, Hkv=8, S=4096, D=128, bf16, at the shipped attentio
 
 * q is rotated in VMEM once per query block (at the first kv step, in row chunks, in float32, rounded once to
   q's dtype) into the ``q_rot`` output block, which stays resident for the whole kv loop and which the unchanged
-  forward body (:func:`.forward._fwd_body`) reads as its q. Writing ``q_rot`` back to HBM costs ~0.3% in the
+  forward body (:func:`.forward.fwd_body`) reads as its q. Writing ``q_rot`` back to HBM costs ~0.3% in the
   model (the kernel is compute-bound) and hands the backward the rotated q, so the backward runs today's
   dQ / dK/dV kernels unchanged: ``dq = rope^T(dq_rot)`` by the separate RoPE kernel's transposed form.
 * k is rotated by the separate :mod:`tpukernels.library.rope` kernel: under GQA K is ``Hq / Hkv`` times smaller
@@ -31,10 +31,12 @@ import numpy as np
 import torch
 
 from ...dsl import Launch, OutSpec, tpu_kernel
-from .forward import _fwd_body, _fwd_out_shape
-from .plan import (NAMESPACE, _DOC_H, _STATIC_NAMES, _check_args, _compute_divides, _cost, _heuristic, _make_plan,
-                   _tunables, _vmem_estimate, _vmem_limit)
-from .tiles import _common_specs, _kv_index_fn
+# ``name as _name``: the kernel bodies and launch functions here keep the names they had, so their source, which
+# keys their entries in the tuning DB (tpukernels/autotune/db.py), is unchanged
+from .forward import fwd_body as _fwd_body, fwd_out_shape
+from .plan import (DOC_H as _DOC_H, NAMESPACE, STATIC_NAMES, check_args, compute_divides as _compute_divides, cost,
+                   heuristic as _heuristic, make_plan, tunables as _tunables, vmem_estimate, vmem_limit)
+from .tiles import common_specs, kv_index_fn
 
 #: Query rows rotated per chunk (bounds the float32 temporaries of the rotation).
 ROTATE_CHUNK = 256
@@ -47,7 +49,7 @@ def _rotate(x, cos, sin, rotary_dim: int, interleaved: bool):
     import jax.numpy as jnp
     from jax.experimental.pallas import tpu as pltpu
 
-    from ..rope import _lane_tables
+    from ..rope import lane_tables
 
     f32 = jnp.float32
     d = x.shape[-1]
@@ -56,7 +58,7 @@ def _rotate(x, cos, sin, rotary_dim: int, interleaved: bool):
     if rotary_dim == d and not interleaved:  # full rotate-half: one roll by D/2 brings each lane's partner
         lane = jax.lax.broadcasted_iota(jnp.int32, cos.shape, 1)
         return x * cos + pltpu.roll(x, d // 2, ax) * jnp.where(lane < d // 2, -sin, sin)
-    c, a, b, s = _lane_tables(cos, sin, rotary_dim, interleaved)
+    c, a, b, s = lane_tables(cos, sin, rotary_dim, interleaved)
     return x * c + pltpu.roll(x, d - s, ax) * a + pltpu.roll(x, s, ax) * b
 
 
@@ -84,14 +86,14 @@ def _rope_fwd_body(*refs, plan, rotary_dim: int, interleaved: bool):
 def _rope_out_shape(q, k, v, cos, sin, q_segment_ids=None, kv_segment_ids=None, **statics):
     if statics:  # fake (meta) path: same typed errors as the real one
         _check_rope_kernel_args(q, k, v, cos, sin, q_segment_ids, kv_segment_ids, **statics)
-    return tuple(_fwd_out_shape(q, k, v)) + (OutSpec(tuple(q.shape), q.dtype),)
+    return tuple(fwd_out_shape(q, k, v)) + (OutSpec(tuple(q.shape), q.dtype),)
 
 
 def _check_rope_kernel_args(q, k, v, cos, sin, q_segment_ids, kv_segment_ids, *, rotary_dim, interleaved, **statics):
     from ...errors import ArgumentError, DTypeError
 
     where = "flash_attention_rope_fwd"
-    _check_args(q, k, v, q_segment_ids, kv_segment_ids, **statics, where=where)
+    check_args(q, k, v, q_segment_ids, kv_segment_ids, **statics, where=where)
     Sq, D = int(q.shape[2]), int(q.shape[3])
     for name, t in (("cos", cos), ("sin", sin)):
         if tuple(t.shape) != (Sq, D):
@@ -109,8 +111,8 @@ def _launch_rope_fwd(q, k, v, cos, sin, q_segment_ids, kv_segment_ids, statics, 
 
     _check_rope_kernel_args(q, k, v, cos, sin, q_segment_ids, kv_segment_ids, rotary_dim=rotary_dim,
                             interleaved=interleaved, **statics)
-    p = _make_plan(q, k, v, q_segment_ids, **statics, **cfg)
-    q_spec, k_spec, v_spec, row_spec, qs_spec, ks_spec = _common_specs(p, _kv_index_fn(p))
+    p = make_plan(q, k, v, q_segment_ids, **statics, **cfg)
+    q_spec, k_spec, v_spec, row_spec, qs_spec, ks_spec = common_specs(p, kv_index_fn(p))
     t_spec = pl.BlockSpec((p.bq, p.D), lambda b, h, i, t: (i, 0))
     in_specs = [q_spec, k_spec, v_spec, t_spec, t_spec] + ([qs_spec, ks_spec] if p.has_seg else [])
     o_spec = pl.BlockSpec((None, p.hb, p.bq, p.Dv), lambda b, h, i, t: (b, h, i, 0))
@@ -125,8 +127,9 @@ def _launch_rope_fwd(q, k, v, cos, sin, q_segment_ids, kv_segment_ids, statics, 
         out_shape=_rope_out_shape(q, k, v, cos, sin),
         scratch_shapes=scratch,
         dimension_semantics=("parallel", "parallel", "arbitrary" if p.rows_whole else "parallel", "arbitrary"),
-        vmem_limit_bytes=_vmem_limit(_vmem_estimate(p, n_q_side=2, n_kv_side=2, acc_rows=p.rows, work=3) + extra),
-        cost_estimate=_cost(p, 1, extra_bytes=p.B * p.Hq * p.Sq * p.D * it + 2 * p.Sq * p.D * np.dtype(cos.dtype).itemsize),
+        vmem_limit_bytes=vmem_limit(vmem_estimate(p, n_q_side=2, n_kv_side=2, acc_rows=p.rows, work=3) + extra),
+        cost_estimate=cost(p, 1,
+                           extra_bytes=p.B * p.Hq * p.Sq * p.D * it + 2 * p.Sq * p.D * np.dtype(cos.dtype).itemsize),
         body_kwargs={"plan": p, "rotary_dim": int(rotary_dim), "interleaved": bool(interleaved)},
     )
 
@@ -193,14 +196,14 @@ def fa_forward_rope(
 def _fa_rope_backward(ctx, d_out, d_lse, d_qrot):
     """Today's dQ / dK/dV kernels on the saved rotated q; ``dq = rope^T(dq_rot)`` (the RoPE kernel's transposed
     map, :data:`tpukernels.library.rope.rope_fwd` with ``transpose=True``); cos/sin gradients (when asked for)
-    from :func:`tpukernels.library.rope._table_grads`."""
-    from ..rope import _table_grads, rope_fwd
+    from :func:`tpukernels.library.rope.table_grads`."""
+    from ..rope import table_grads, rope_fwd
     from .backward import fa_backward_dkv, fa_backward_dq
 
     q, k, v, cos, sin = ctx.q, ctx.k, ctx.v, ctx.cos, ctx.sin
     qs, ks = ctx.q_segment_ids, ctx.kv_segment_ids
     out, lse, q_rot = ctx.outputs
-    statics = {n: ctx.args[n] for n in _STATIC_NAMES}
+    statics = {n: ctx.args[n] for n in STATIC_NAMES}
     r, inter = ctx.args["rotary_dim"], ctx.args["interleaved"]
     need = ctx.needs_input_grad
     need_qrot = need.get("q", True) or need.get("cos") or need.get("sin")
@@ -217,7 +220,7 @@ def _fa_rope_backward(ctx, d_out, d_lse, d_qrot):
         if need.get("q", True):
             grads["q"] = rope_fwd(dq_rot, cos[None], sin[None], r, inter, 2, True)
         if need.get("cos") or need.get("sin"):
-            dcos, dsin = _table_grads(dq_rot, q, cos[None], r, inter, 2, False)
+            dcos, dsin = table_grads(dq_rot, q, cos[None], r, inter, 2, False)
             grads["cos"] = dcos[0].to(cos.dtype) if need.get("cos") else None
             grads["sin"] = dsin[0].to(sin.dtype) if need.get("sin") else None
     if need.get("k", True) or need.get("v", True):

@@ -39,7 +39,7 @@ Backward (autograd, ``dO`` the incoming gradient cast to the operand dtype)::
 
 Empty groups get a zero ``d_rhs[g]`` (and ``d_rhs_bias[g]``). ``group_sizes`` / ``group_offset`` get no
 gradient. The backward is itself made of differentiable grouped matmuls (``grouped_matmul`` and ``tgmm`` ops with
-their own backward, :func:`_tgmm_backward`), so second derivatives run through the same kernels (``d_rhs_bias``
+their own backward, :func:`tgmm_backward`), so second derivatives run through the same kernels (``d_rhs_bias``
 is a plain torch segment sum).
 
 Kernels (both Pallas TPU kernels with scalar prefetch and data-dependent index maps):
@@ -48,7 +48,7 @@ Kernels (both Pallas TPU kernels with scalar prefetch and data-dependent index m
   a static bound. Work item ``i`` is one visit of one ``bm``-row output tile by one group (a tile shared by
   two groups is visited twice, consecutively, each storing only its rows with a select; rows of no group get
   one visit that stores zeros). Items past the real count repeat the last block indices, so they move no
-  data and the body skips them. The visit list (``_fwd_schedule``) is computed on device from
+  data and the body skips them. The visit list (``fwd_schedule``) is computed on device from
   ``group_sizes`` inside the same jitted function (``tk.Launch.prefetch``) and lives in SMEM.
   **rhs prefetch chain** (tunable ``rhs_prefetch``, default on; used at one K step, ``bk >= K``, with ``bn``
   dividing ``N``): the grid pipeline fetches a block one step ahead, so at ``bk = K``, where a group's
@@ -104,7 +104,7 @@ blocks). Smaller ``bm`` wastes less on tiles shared by two groups (each visit co
 pass. Defaults: per-chip shipped tuning data
 ``tpukernels/data/autotuning/<chip>/tpukernels.grouped_matmul_*.json`` at the Mixtral shapes of
 :data:`STANDARD_CASES`, else :func:`heuristic`. The scoped-VMEM request is capped per chip at 7/8 of jax's
-``vmem_capacity_bytes`` (:func:`tpukernels.library._vmem.vmem_cap`: 112 MiB on v5e / v6e, 56 MiB on tpu7x), so
+``vmem_capacity_bytes`` (:func:`tpukernels.library.vmem.vmem_cap`: 112 MiB on v5e / v6e, 56 MiB on tpu7x), so
 ``bk = K`` with a wide ``bn`` is used where the chip has the VMEM. The shipped forward entries were chosen with
 ``benchmarks/grouped_matmul_configs.py`` (evidence ``"libtpu-static-estimate+analytic-schedule-model"``:
 libtpu's fitted static estimate, the analytic schedule model below and a pipelined walk of the real schedule; on
@@ -185,18 +185,17 @@ bodies and launch functions are kept verbatim across moves: the tuning database 
 their source text.
 """
 
-from .common import KERNEL_DTYPES, _clamp, _dtype_name, _out_dtype, canonical_out_dtype  # noqa: F401
-from .schedule import (ALL, COMPUTE, F_FLAGS, F_GROUP, F_HI, F_LO, F_NEXT_GROUP, F_RUN, F_RUNS_M1,  # noqa: F401
-                       F_SRC_TILE, F_TILE, FIRST, LAST, N_FIELDS, N_FIELDS_FWD, PARTIAL, RUN_START, STORE,
-                       TGMM_COMPLEMENT, _bits, _count_le, _flags, _forward_fill, _fwd_schedule, _group_bounds,
-                       _take, _tgmm_flags, _tgmm_schedule, num_items)
-from .references import (_ref_bounds_np, reference, reference_fwd_jnp, reference_tgmm,  # noqa: F401
-                        reference_tgmm_jnp)
-from .kernels import (TUNABLES, TUNABLES_TGMM, _check_meta, _fwd_backward, _gmm_body,  # noqa: F401
-                      _rhs_prefetch_chain, _tgmm_backward, _tgmm_body, fwd_dims, grouped_matmul_fwd,
-                      grouped_matmul_tgmm, heuristic, heuristic_tgmm, tgmm_dims)
-from .public import (MIXTRAL, STANDARD_CASES, _check_public, _grouped_matmul_impl, _is_tracing,  # noqa: F401
-                     grouped_matmul, skewed_group_sizes)
+from .common import KERNEL_DTYPES, clamp, dtype_name, resolve_out_dtype, canonical_out_dtype  # noqa: F401
+from .schedule import (ALL, COMPUTE, FIRST, F_FLAGS, F_GROUP, F_HI, F_LO, F_NEXT_GROUP, F_RUN, F_RUNS_M1,  # noqa: F401
+                       F_SRC_TILE, F_TILE, LAST, N_FIELDS, N_FIELDS_FWD, PARTIAL, RUN_START, STORE, TGMM_COMPLEMENT,
+                       bits, count_le, forward_fill, fwd_schedule, group_bounds, item_flags, num_items, take,
+                       tgmm_flags, tgmm_schedule)
+from .references import ref_bounds_np, reference, reference_fwd_jnp, reference_tgmm, reference_tgmm_jnp  # noqa: F401
+from .kernels import (TUNABLES, TUNABLES_TGMM, check_meta, fwd_backward, fwd_dims, gmm_body,  # noqa: F401
+                      grouped_matmul_fwd, grouped_matmul_tgmm, heuristic, heuristic_tgmm, rhs_prefetch_chain,
+                      tgmm_backward, tgmm_body, tgmm_dims)
+from .public import (MIXTRAL, STANDARD_CASES, check_public, grouped_matmul, grouped_matmul_impl,  # noqa: F401
+                     is_tracing, skewed_group_sizes)
 from .quant import (TUNABLES_QUANT, TUNABLES_QUANT_DX, dequantize_experts, error_bound_quantized,  # noqa: F401
                     error_bound_quantized_dx, grouped_matmul_quant_dx, grouped_matmul_quant_fwd,
                     grouped_matmul_quantized, heuristic_quant, heuristic_quant_dx, pack_int4_experts, quant_dims,

@@ -11,13 +11,13 @@ from ...errors import DTypeError
 KERNEL_DTYPES = ("bfloat16", "float32")
 
 
-def _dtype_name(dt) -> str:
+def dtype_name(dt) -> str:
     if isinstance(dt, torch.dtype):
         return str(dt).replace("torch.", "")
     return np.dtype(dt).name
 
 
-def _clamp(dim: int, block: int) -> int:
+def clamp(dim: int, block: int) -> int:
     return dim if 0 < dim <= block else block
 
 
@@ -25,7 +25,7 @@ def canonical_out_dtype(out_dtype, where="grouped_matmul") -> str | None:
     """``None`` / torch dtype / name -> ``"bfloat16" | "float32"`` (or None). Raises DTypeError otherwise."""
     if out_dtype is None:
         return None
-    name = out_dtype if isinstance(out_dtype, str) else _dtype_name(out_dtype)
+    name = out_dtype if isinstance(out_dtype, str) else dtype_name(out_dtype)
     name = {"bf16": "bfloat16", "f32": "float32", "fp32": "float32", "float": "float32"}.get(name, name)
     if name not in KERNEL_DTYPES:
         raise DTypeError(f"{where}: out_dtype {out_dtype!r} is not supported; use one of {KERNEL_DTYPES}")
@@ -33,10 +33,10 @@ def canonical_out_dtype(out_dtype, where="grouped_matmul") -> str | None:
 
 
 
-def _out_dtype(out_dtype, x):
+def resolve_out_dtype(out_dtype, x):
     import jax.numpy as jnp
 
-    return np.dtype(getattr(jnp, canonical_out_dtype(out_dtype) or _dtype_name(x.dtype)))
+    return np.dtype(getattr(jnp, canonical_out_dtype(out_dtype) or dtype_name(x.dtype)))
 
 
 
@@ -50,8 +50,8 @@ def check_bias(rhs_bias, G: int, N: int, where: str) -> None:
     if tuple(rhs_bias.shape) != (G, 1, N):
         raise ArgumentError(f"{where}: rhs_bias must have shape [G, 1, N] = [{G}, 1, {N}] (megablox gmm's layout: "
                             f"one bias row per local group), got {tuple(rhs_bias.shape)}")
-    if _dtype_name(rhs_bias.dtype) not in KERNEL_DTYPES:
-        raise DTypeError(f"{where}: rhs_bias dtype {_dtype_name(rhs_bias.dtype)} is not one of {KERNEL_DTYPES}")
+    if dtype_name(rhs_bias.dtype) not in KERNEL_DTYPES:
+        raise DTypeError(f"{where}: rhs_bias dtype {dtype_name(rhs_bias.dtype)} is not one of {KERNEL_DTYPES}")
 
 
 def bias_grad(dout: torch.Tensor, group_sizes: torch.Tensor, group_offset: torch.Tensor,

@@ -12,13 +12,13 @@ from .common import canonical_out_dtype, check_bias
 from .kernels import fwd_dims, grouped_matmul_fwd, grouped_matmul_tgmm
 
 
-def _is_tracing(t: torch.Tensor) -> bool:
+def is_tracing(t: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import is_fake
 
     return is_fake(t) or torch.compiler.is_compiling()
 
 
-def _check_public(lhs, rhs, group_sizes, transpose_rhs, group_offset, out_dtype, rhs_bias=None):
+def check_public(lhs, rhs, group_sizes, transpose_rhs, group_offset, out_dtype, rhs_bias=None):
     where = "tpukernels::grouped_matmul"
     for t, n in ((lhs, "lhs"), (rhs, "rhs"), (group_sizes, "group_sizes")):
         if not isinstance(t, torch.Tensor):
@@ -36,15 +36,15 @@ def _check_public(lhs, rhs, group_sizes, transpose_rhs, group_offset, out_dtype,
     if group_offset is None and Gt != G:
         raise ArgumentError(f"{where}: rhs has {G} groups but group_sizes has {Gt}; pass group_offset for a shard")
     canonical_out_dtype(out_dtype, where)
-    _check_values(group_sizes, go, M, G, where)
+    check_values(group_sizes, go, M, G, where)
     return go.reshape(1)
 
 
-def _check_values(group_sizes, go, M: int, G: int, where: str) -> None:
+def check_values(group_sizes, go, M: int, G: int, where: str) -> None:
     """Value checks of the group metadata, only where the values are on the host and concrete (package
     docstring): no negative size, ``sum(group_sizes) <= M``, ``0 <= group_offset <= G_total - G``."""
     Gt = group_sizes.shape[0]
-    if group_sizes.device.type == "cpu" and not _is_tracing(group_sizes):
+    if group_sizes.device.type == "cpu" and not is_tracing(group_sizes):
         sizes = group_sizes.numpy()
         if (sizes < 0).any():
             g = int(np.argmax(sizes < 0))
@@ -52,7 +52,7 @@ def _check_values(group_sizes, go, M: int, G: int, where: str) -> None:
         total = int(sizes.astype(np.int64).sum())
         if total > M:
             raise ArgumentError(f"{where}: sum(group_sizes) = {total} exceeds lhs rows M = {M}")
-    if go.device.type == "cpu" and not _is_tracing(go):
+    if go.device.type == "cpu" and not is_tracing(go):
         off = int(go.reshape(-1)[0])
         if not 0 <= off <= Gt - G:
             raise ArgumentError(f"{where}: group_offset {off} must be in [0, len(group_sizes) - rhs.shape[0]] = "
@@ -69,11 +69,11 @@ def _widen_mixed(lhs, rhs):
     return lhs, rhs
 
 
-def _grouped_matmul_impl(lhs, rhs, group_sizes, transpose_rhs=False, group_offset=None, out_dtype=None, config=None,
-                         rhs_bias=None):
+def grouped_matmul_impl(lhs, rhs, group_sizes, transpose_rhs=False, group_offset=None, out_dtype=None, config=None,
+                        rhs_bias=None):
     if isinstance(lhs, torch.Tensor) and isinstance(rhs, torch.Tensor):
         lhs, rhs = _widen_mixed(lhs, rhs)
-    go = _check_public(lhs, rhs, group_sizes, transpose_rhs, group_offset, out_dtype, rhs_bias)
+    go = check_public(lhs, rhs, group_sizes, transpose_rhs, group_offset, out_dtype, rhs_bias)
     return torch.ops.tpukernels.grouped_matmul_fwd(group_sizes, go, lhs, rhs, rhs_bias, transpose_rhs,
                                                    canonical_out_dtype(out_dtype), config=config)
 
@@ -81,7 +81,7 @@ def _grouped_matmul_impl(lhs, rhs, group_sizes, transpose_rhs=False, group_offse
 _LIB = torch.library.Library("tpukernels", "FRAGMENT")
 _LIB.define("grouped_matmul(Tensor lhs, Tensor rhs, Tensor group_sizes, bool transpose_rhs=False, "
             "Tensor? group_offset=None, str? out_dtype=None, str? config=None, Tensor? rhs_bias=None) -> Tensor")
-_LIB.impl("grouped_matmul", _grouped_matmul_impl, "CompositeImplicitAutograd")
+_LIB.impl("grouped_matmul", grouped_matmul_impl, "CompositeImplicitAutograd")
 
 
 def grouped_matmul(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, *, transpose_rhs: bool = False,

@@ -34,7 +34,7 @@ Layout (``K_w`` = in features of the stored weight, ``N`` = out features, ``G`` 
 What runs (two kernel ops, new bodies; the bf16 / f32 grouped matmul kernels are untouched):
 
 * ``tpukernels::grouped_matmul_quant_fwd`` — grid ``(N/bn, T, K/bk)`` over the forward's work-item schedule
-  (:func:`~tpukernels.library.grouped_matmul_ops.schedule._fwd_schedule`, scalar-prefetched, the same visits, row
+  (:func:`~tpukernels.library.grouped_matmul_ops.schedule.fwd_schedule`, scalar-prefetched, the same visits, row
   selects and ``PARTIAL`` flags as ``grouped_matmul_fwd``; the grid pipeline's rhs blocks, no manual prefetch
   chain). The expert's weight tile (int8 / fp8 / packed bytes) is copied as stored and converted to ``lhs.dtype``
   in VMEM (exact: 8-bit and 4-bit values are bf16 values); fp8 tiles are fed to the MXU as they are where the
@@ -98,18 +98,20 @@ import torch
 
 from ... import dsl as _dsl
 from ...dsl.validate import padded_bytes
-from .._vmem import scoped_vmem_limit
+from ..vmem import scoped_vmem_limit
 from ...errors import ArgumentError, DTypeError
-from ..quantized_matmul_ops.blockwise import (BLOCK_SIZES, PACKED, _fp4_decode, dequantize_blockwise, dequantize_f32_jnp,
-                                          error_bound_blockwise, k_block, pack_int4, quantize_weight_blockwise,
-                                          resolve_format)
+# ``name as _name``: the kernel bodies and launch functions here keep the names they had, so their source, which
+# keys their entries in the tuning DB (tpukernels/autotune/db.py), is unchanged
+from ..quantized_matmul_ops.blockwise import (BLOCK_SIZES, PACKED, dequantize_blockwise, dequantize_f32_jnp,
+                                              error_bound_blockwise, fp4_decode as _fp4_decode, k_block, pack_int4,
+                                              quantize_weight_blockwise, resolve_format)
 from ..quantized_matmul_ops.blockwise_bwd import error_bound_blockwise_dx
-from ..quantized_matmul_ops.common import _native_fp8, check_chip
-from .common import KERNEL_DTYPES, _clamp, _dtype_name, _out_dtype, bias_grad, canonical_out_dtype, check_bias
-from .kernels import _check_meta
-from .references import _ref_bounds_np, reference_fwd_jnp
-from .schedule import (COMPUTE, F_GROUP, F_HI, F_LO, F_SRC_TILE, F_TILE, FIRST, PARTIAL, STORE, _bits, _flags,
-                       _fwd_schedule, num_items)
+from ..quantized_matmul_ops.common import native_fp8, check_chip
+from .common import KERNEL_DTYPES, clamp, dtype_name, resolve_out_dtype, bias_grad, canonical_out_dtype, check_bias
+from .kernels import check_meta
+from .references import ref_bounds_np, reference_fwd_jnp
+from .schedule import (COMPUTE, FIRST, F_GROUP, F_HI, F_LO, F_SRC_TILE, F_TILE, PARTIAL, STORE, bits as _bits,
+                       fwd_schedule, item_flags as _flags, num_items)
 
 WHERE_FWD = "tpukernels::grouped_matmul_quant_fwd"
 WHERE_DX = "tpukernels::grouped_matmul_quant_dx"
@@ -153,8 +155,8 @@ def quant_dims(group_sizes, group_offset, a, rhs, rhs_scale, rhs_zero_point, tra
     if len(rhs_scale.shape) != 4 or rhs_scale.shape[0] != G or rhs_scale.shape[2] != 1 or rhs_scale.shape[3] != N:
         raise ArgumentError(f"{where}: rhs_scale must have shape [G, num_blocks, 1, N] = [{G}, num_blocks, 1, {N}] "
                             f"(tpu-inference's gmm layout), got {tuple(rhs_scale.shape)}")
-    if _dtype_name(rhs_scale.dtype) != "float32":
-        raise DTypeError(f"{where}: rhs_scale must be float32, got {_dtype_name(rhs_scale.dtype)}")
+    if dtype_name(rhs_scale.dtype) != "float32":
+        raise DTypeError(f"{where}: rhs_scale must be float32, got {dtype_name(rhs_scale.dtype)}")
     nb = rhs_scale.shape[1]
     if nb < 1 or K_w % nb:
         raise ArgumentError(f"{where}: rhs_scale has num_blocks = {nb} blocks along K but rhs holds K_w = {K_w}: the "
@@ -175,18 +177,18 @@ def quant_dims(group_sizes, group_offset, a, rhs, rhs_scale, rhs_zero_point, tra
         if tuple(rhs_zero_point.shape) != tuple(rhs_scale.shape):
             raise ArgumentError(f"{where}: rhs_zero_point must have rhs_scale's shape {tuple(rhs_scale.shape)}, got "
                                 f"{tuple(rhs_zero_point.shape)}")
-        if _dtype_name(rhs_zero_point.dtype) != "float32":
-            raise DTypeError(f"{where}: rhs_zero_point must be float32, got {_dtype_name(rhs_zero_point.dtype)}")
+        if dtype_name(rhs_zero_point.dtype) != "float32":
+            raise DTypeError(f"{where}: rhs_zero_point must be float32, got {dtype_name(rhs_zero_point.dtype)}")
     name = "dO" if dx else "lhs"
     if len(a.shape) != 2:
         raise ArgumentError(f"{where}: {name} must be 2-D, got shape {tuple(a.shape)}")
-    if _dtype_name(a.dtype) not in KERNEL_DTYPES:
-        raise DTypeError(f"{where}: {name} dtype {_dtype_name(a.dtype)} is not one of {KERNEL_DTYPES}")
+    if dtype_name(a.dtype) not in KERNEL_DTYPES:
+        raise DTypeError(f"{where}: {name} dtype {dtype_name(a.dtype)} is not one of {KERNEL_DTYPES}")
     want = N if dx else K_w
     if a.shape[1] != want:
         raise ArgumentError(f"{where}: {name} {tuple(a.shape)} must have {want} columns ({'N' if dx else 'K_w'} of "
                             f"rhs {tuple(rhs.shape)}, transpose_rhs={transpose_rhs}; the public op pads lhs)")
-    _check_meta(group_sizes, group_offset, G, where)
+    check_meta(group_sizes, group_offset, G, where)
     return a.shape[0], K_w, N, G, bs, fmt, nb == 1 and not packed
 
 
@@ -341,14 +343,14 @@ def _quant_launch(group_sizes, group_offset, a, rhs, rhs_scale, rhs_zero_point, 
         check_chip(None, fmt, where=where)
     if rhs_bias is not None:
         check_bias(rhs_bias, G, N, where)
-    odt = _out_dtype(out_dtype, a)
+    odt = resolve_out_dtype(out_dtype, a)
     packed = fmt in PACKED
-    adt = _dtype_name(a.dtype)
-    native = fmt.startswith("float8") and _native_fp8(adt, fmt)
+    adt = dtype_name(a.dtype)
+    native = fmt.startswith("float8") and native_fp8(adt, fmt)
     dot_dtype = np.dtype(getattr(jnp, adt))
-    bm_ = _clamp(M, bm)
-    bk_ = _clamp(K_w, bk) if per_channel else k_block(K_w, bs, bk, packed)
-    bn_ = _clamp(N, bn)
+    bm_ = clamp(M, bm)
+    bk_ = clamp(K_w, bk) if per_channel else k_block(K_w, bs, bk, packed)
+    bn_ = clamp(N, bn)
     n_sub = 1 if per_channel else bk_ // bs
     T = num_items(M, G, bm_)
     gk, gn = _dsl.cdiv(K_w, bk_), _dsl.cdiv(N, bn_)
@@ -405,7 +407,7 @@ def _quant_launch(group_sizes, group_offset, a, rhs, rhs_scale, rhs_zero_point, 
         out_shape=_dsl.OutSpec(out_shape, odt),
         scratch_shapes=[pltpu.VMEM(acc_shape, jnp.float32)],
         num_scalar_prefetch=2,
-        prefetch=lambda gs, go: _fwd_schedule(gs, go, M=int(M), G=int(G), bm=int(bm_), T=int(T)),
+        prefetch=lambda gs, go: fwd_schedule(gs, go, M=int(M), G=int(G), bm=int(bm_), T=int(T)),
         dimension_semantics=("parallel", "arbitrary", "arbitrary"),
         vmem_limit_bytes=scoped_vmem_limit(need),
         cost_estimate=cost,
@@ -453,26 +455,26 @@ def heuristic_quant(group_sizes, group_offset, lhs, rhs, rhs_scale, rhs_zero_poi
     libtpu's static model (v6e, up projection at 2048 rows, one 2048-column block, int8 per channel) ``bk = K``
     took 87.2 µs against 123.6 µs at ``bk=1024`` (module docstring)."""
     K = lhs.shape[1]
-    return dict(bm=256, bk=4096 if K <= 4096 else 1024, bn=512 if _dtype_name(lhs.dtype) == "float32" else 1024)
+    return dict(bm=256, bk=4096 if K <= 4096 else 1024, bn=512 if dtype_name(lhs.dtype) == "float32" else 1024)
 
 
 def heuristic_quant_dx(group_sizes, group_offset, g, rhs, rhs_scale, rhs_zero_point=None, transpose_rhs=False,
                        out_dtype=None, weight_format=None) -> dict:
     """Not tuned: as :func:`heuristic_quant`."""
-    return dict(bm=256, bk=1024, bn=512 if _dtype_name(g.dtype) == "float32" else 1024)
+    return dict(bm=256, bk=1024, bn=512 if dtype_name(g.dtype) == "float32" else 1024)
 
 
 def _fwd_shape(gs, go, lhs, rhs, rhs_scale, rhs_zero_point=None, rhs_bias=None, transpose_rhs=False, out_dtype=None,
                weight_format=None):
     M, _, N, *_ = quant_dims(gs, go, lhs, rhs, rhs_scale, rhs_zero_point, transpose_rhs, weight_format, WHERE_FWD)
-    return _dsl.OutSpec((M, N), _out_dtype(out_dtype, lhs))
+    return _dsl.OutSpec((M, N), resolve_out_dtype(out_dtype, lhs))
 
 
 def _dx_shape(gs, go, g, rhs, rhs_scale, rhs_zero_point=None, transpose_rhs=False, out_dtype=None,
               weight_format=None):
     M, K_w, *_ = quant_dims(gs, go, g, rhs, rhs_scale, rhs_zero_point, transpose_rhs, weight_format, WHERE_DX,
                             dx=True)
-    return _dsl.OutSpec((M, K_w), _out_dtype(out_dtype, g))
+    return _dsl.OutSpec((M, K_w), resolve_out_dtype(out_dtype, g))
 
 
 @_dsl.tpu_kernel(_qgmm_body, name="grouped_matmul_quant_fwd", namespace="tpukernels", tunables=TUNABLES_QUANT,
@@ -573,7 +575,7 @@ def grouped_matmul_quantized(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: 
     """
     from ...errors import DeviceError
     from ...targets import config_to_json
-    from .public import _check_values
+    from .public import check_values
 
     where = "tpukernels::grouped_matmul_quantized"
     for t, n in ((lhs, "lhs"), (rhs, "rhs"), (group_sizes, "group_sizes")):
@@ -623,13 +625,13 @@ def grouped_matmul_quantized(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: 
     Gt = group_sizes.shape[0]
     if group_offset is None and Gt != G:
         raise ArgumentError(f"{where}: rhs has {G} groups but group_sizes has {Gt}; pass group_offset for a shard")
-    _check_values(group_sizes, go, M, G, where)
+    check_values(group_sizes, go, M, G, where)
     wf = fmt if fmt == "fp4" else None
     if M == 0 or N == 0 or G == 0:
         y = torch.nn.functional.linear(lhs, lhs.new_zeros(N, K_w))  # no kernel; keeps autograd's graph (d_lhs 0)
         if rhs_bias is not None:  # no row takes a bias: a zero that keeps its graph (d_rhs_bias 0)
             y = y + rhs_bias.reshape(-1)[:0].sum().to(y.dtype)
-        return y.to(getattr(torch, odt or _dtype_name(lhs.dtype)))[:, :N]
+        return y.to(getattr(torch, odt or dtype_name(lhs.dtype)))[:, :N]
     kw = {} if not config else dict(config=config_to_json(grouped_matmul_quant_fwd, config))
     y = torch.ops.tpukernels.grouped_matmul_quant_fwd(group_sizes, go.reshape(1), lhs, rhs, rhs_scale, rhs_zero_point,
                                                       rhs_bias, bool(transpose_rhs), odt, wf, **kw)
@@ -707,7 +709,7 @@ def _per_group(fn, out_cols, lhs, rhs, rhs_scale, rhs_zero_point, group_sizes, t
     off = 0 if group_offset is None else int(group_offset)
     M, G = lhs.shape[0], rhs.shape[0]
     out = torch.zeros(M, out_cols, dtype=torch.float64)
-    for g, (s, e) in enumerate(_ref_bounds_np(group_sizes.cpu().numpy(), [off], M, G)):
+    for g, (s, e) in enumerate(ref_bounds_np(group_sizes.cpu().numpy(), [off], M, G)):
         if e > s:
             wq, sc, zp, bs = _expert_args(rhs, rhs_scale, rhs_zero_point, transpose_rhs, weight_format, g)
             out[s:e] = fn(lhs[s:e], wq, sc, bs, zp)[:, :out_cols]
@@ -728,7 +730,7 @@ def _add_bias(out, rhs_bias, group_sizes, group_offset, G):
     if rhs_bias is None:
         return out
     off = 0 if group_offset is None else int(group_offset)
-    for g, (s, e) in enumerate(_ref_bounds_np(group_sizes.cpu().numpy(), [off], out.shape[0], G)):
+    for g, (s, e) in enumerate(ref_bounds_np(group_sizes.cpu().numpy(), [off], out.shape[0], G)):
         out[s:e] += rhs_bias[g].double()
     return out
 
@@ -760,7 +762,7 @@ def error_bound_quantized(lhs, rhs, group_sizes, rhs_scale, rhs_zero_point=None,
                           transpose_rhs, group_offset, weight_format)
     ref = reference_quantized(lhs, rhs, group_sizes, rhs_scale, rhs_zero_point, transpose_rhs=transpose_rhs,
                               group_offset=group_offset, weight_format=weight_format, rhs_bias=rhs_bias).abs()
-    odt = canonical_out_dtype(out_dtype) or _dtype_name(lhs.dtype)
+    odt = canonical_out_dtype(out_dtype) or dtype_name(lhs.dtype)
     u = {"bfloat16": 2.0 ** -8, "float32": 2.0 ** -24}[odt]
     # E = the float32 accumulator's bound; fl32(acc + bias) then the cast: E (1 + u32 + u) + (u32 + u) |ref|
     return b * (1 + 2.0 ** -7) + (u + 2 * 2.0 ** -24) * ref

@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .common import _out_dtype
-from .schedule import _group_bounds
+from .common import resolve_out_dtype
+from .schedule import group_bounds
 
 
-def _ref_bounds_np(group_sizes, group_offset, M, G):
+def ref_bounds_np(group_sizes, group_offset, M, G):
     sizes = np.maximum(np.asarray(group_sizes, dtype=np.int64), 0)
     ends = np.minimum(np.cumsum(sizes), M)
     starts = np.concatenate([[0], ends[:-1]])
@@ -25,7 +25,7 @@ def reference(lhs, rhs, group_sizes, *, transpose_rhs=False, group_offset=None, 
     w = rhs.double().transpose(1, 2) if transpose_rhs else rhs.double()
     out = torch.zeros(M, w.shape[2], dtype=torch.float64)
     off = 0 if group_offset is None else int(group_offset)
-    for g, (s, e) in enumerate(_ref_bounds_np(group_sizes.cpu().numpy(), [off], M, G)):
+    for g, (s, e) in enumerate(ref_bounds_np(group_sizes.cpu().numpy(), [off], M, G)):
         out[s:e] = lhs[s:e].double() @ w[g] + (0 if rhs_bias is None else rhs_bias[g].double())
     return out
 
@@ -34,7 +34,7 @@ def reference_tgmm(x, y, group_sizes, num_groups, group_offset=None) -> torch.Te
     """float64 reference of the tgmm kernel: ``[G, K, N]``."""
     off = 0 if group_offset is None else int(group_offset)
     out = torch.zeros(num_groups, x.shape[1], y.shape[1], dtype=torch.float64)
-    for g, (s, e) in enumerate(_ref_bounds_np(group_sizes.cpu().numpy(), [off], x.shape[0], num_groups)):
+    for g, (s, e) in enumerate(ref_bounds_np(group_sizes.cpu().numpy(), [off], x.shape[0], num_groups)):
         out[g] = x[s:e].double().T @ y[s:e].double()
     return out
 
@@ -45,7 +45,7 @@ def reference_fwd_jnp(group_sizes, group_offset, lhs, rhs, rhs_bias=None, transp
     import jax.numpy as jnp
 
     M, G = lhs.shape[0], rhs.shape[0]
-    s, e = _group_bounds(group_sizes, group_offset, M, G)
+    s, e = group_bounds(group_sizes, group_offset, M, G)
     w = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
     rows = jnp.arange(M)[:, None]
     member = (rows >= s[None, :]) & (rows < e[None, :])  # [M, G]
@@ -54,17 +54,17 @@ def reference_fwd_jnp(group_sizes, group_offset, lhs, rhs, rhs_bias=None, transp
     if rhs_bias is not None:
         z = z + jnp.einsum("mg,gn->mn", member.astype(jnp.float32), rhs_bias[:, 0, :].astype(jnp.float32),
                            precision=jax.lax.Precision.HIGHEST)
-    return z.astype(_out_dtype(out_dtype, lhs))
+    return z.astype(resolve_out_dtype(out_dtype, lhs))
 
 
 def reference_tgmm_jnp(group_sizes, group_offset, x, y, num_groups, out_dtype=None):
     import jax
     import jax.numpy as jnp
 
-    s, e = _group_bounds(group_sizes, group_offset, x.shape[0], num_groups)
+    s, e = group_bounds(group_sizes, group_offset, x.shape[0], num_groups)
     rows = jnp.arange(x.shape[0])[:, None]
     member = ((rows >= s[None, :]) & (rows < e[None, :])).astype(jnp.float32)
     z = jnp.einsum("mk,mn,mg->gkn", x.astype(jnp.float32), y.astype(jnp.float32), member,
                    precision=jax.lax.Precision.HIGHEST)
-    return z.astype(_out_dtype(out_dtype, x))
+    return z.astype(resolve_out_dtype(out_dtype, x))
 

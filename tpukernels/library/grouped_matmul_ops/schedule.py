@@ -34,21 +34,21 @@ TGMM_COMPLEMENT = COMPUTE
 RUN_START = 32
 
 
-def _bits(flags, bit):
+def bits(flags, bit):
     return (flags & bit) != 0
 
 
-def _flags(tab, T: int, i):
+def item_flags(tab, T: int, i):
     """Flag bits of work item ``i`` (stored complemented, see ``ALL``)."""
     return tab[F_FLAGS * T + i] ^ ALL
 
 
-def _tgmm_flags(tab, T: int, i):
+def tgmm_flags(tab, T: int, i):
     """Flag bits of tgmm work item ``i`` (COMPUTE stored complemented, see ``TGMM_COMPLEMENT``)."""
     return tab[F_FLAGS * T + i] ^ TGMM_COMPLEMENT
 
 
-def _group_bounds(sizes, offset, M: int, G: int):
+def group_bounds(sizes, offset, M: int, G: int):
     """(start, end) rows of the G local groups, clamped on device (module docstring), int32 [G] each."""
     import jax.numpy as jnp
 
@@ -62,10 +62,10 @@ def _group_bounds(sizes, offset, M: int, G: int):
     starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
     off = jnp.clip(offset.reshape(-1)[0], 0, sizes.shape[0] - G)
     idx = off + jnp.arange(G, dtype=jnp.int32)
-    return _take(starts, idx), _take(ends, idx)
+    return take(starts, idx), take(ends, idx)
 
 
-def _take(values, idx):
+def take(values, idx):
     """``values[idx]`` for a small int32 vector ``values`` as a one-hot select-and-sum, not a gather.
 
     The schedules are tiny (``T x tiles`` or ``T x G`` elements); dense compares keep them free of XLA
@@ -77,24 +77,24 @@ def _take(values, idx):
     return jnp.sum(jnp.where(hit, values[None, :], 0), axis=1).astype(jnp.int32)
 
 
-def _count_le(sorted_values, x):
+def count_le(sorted_values, x):
     """``searchsorted(sorted_values, x, side="right")``: how many entries are ``<= x`` (dense compare)."""
     import jax.numpy as jnp
 
     return jnp.sum(sorted_values[None, :] <= x[:, None], axis=1).astype(jnp.int32)
 
 
-def _forward_fill(values, valid):
+def forward_fill(values, valid):
     """``values[last j <= i with valid[j]]`` per i (0 where none yet)."""
     import jax.numpy as jnp
     from jax import lax
 
     T = values.shape[0]
     src = lax.cummax(jnp.where(valid, jnp.arange(T, dtype=jnp.int32), -1), axis=0)
-    return jnp.where(src >= 0, _take(values, jnp.maximum(src, 0)), 0)
+    return jnp.where(src >= 0, take(values, jnp.maximum(src, 0)), 0)
 
 
-def _fwd_schedule(sizes, offset, *, M: int, G: int, bm: int, T: int):
+def fwd_schedule(sizes, offset, *, M: int, G: int, bm: int, T: int):
     """The forward's work items as a flat int32 table (fields ``F_*``), ordered by output tile.
 
     Tile ``j`` is visited once per local nonempty group intersecting it (in group order), or once with no
@@ -106,7 +106,7 @@ def _fwd_schedule(sizes, offset, *, M: int, G: int, bm: int, T: int):
     from jax import lax
 
     tiles = -(-M // bm)
-    s, e = _group_bounds(sizes, offset, M, G)
+    s, e = group_bounds(sizes, offset, M, G)
     ne = e > s
     j = jnp.arange(tiles, dtype=jnp.int32)[:, None]
     inter = ne[None, :] & (s[None, :] < (j + 1) * bm) & (e[None, :] > j * bm)  # [tiles, G]
@@ -115,36 +115,36 @@ def _fwd_schedule(sizes, offset, *, M: int, G: int, bm: int, T: int):
     V = jnp.cumsum(v)
     i = jnp.arange(T, dtype=jnp.int32)
     real = i < V[-1]
-    tile = jnp.minimum(_count_le(V, i), tiles - 1)
-    l = i - (_take(V, tile) - _take(v, tile))
+    tile = jnp.minimum(count_le(V, i), tiles - 1)
+    l = i - (take(V, tile) - take(v, tile))
     tt = tile[:, None]  # the groups intersecting each item's tile, [T, G] (no gather of inter's rows)
     inter_t = ne[None, :] & (s[None, :] < (tt + 1) * bm) & (e[None, :] > tt * bm)
     rank = jnp.cumsum(inter_t.astype(jnp.int32), axis=1)  # [T, G]
     g = jnp.minimum((rank <= l[:, None]).sum(1), G - 1).astype(jnp.int32)
     compute = real & (inter_t.sum(1) > 0)
-    lo, hi = jnp.where(compute, _take(s, g), 0), jnp.where(compute, _take(e, g), 0)
+    lo, hi = jnp.where(compute, take(s, g), 0), jnp.where(compute, take(e, g), 0)
     flags = (compute * COMPUTE) | (real * STORE) | ((real & (l == 0)) * FIRST)
     flags = (flags ^ ALL) | ((compute & ((tile * bm < lo) | ((tile + 1) * bm > hi))) * PARTIAL)
-    src_tile = _forward_fill(tile, compute)
-    group = _forward_fill(g, compute)
+    src_tile = forward_fill(tile, compute)
+    group = forward_fill(g, compute)
     # rhs runs: items that do not compute keep the previous group (forward fill), so runs change only at
     # computing items of a new group
     run_start = jnp.concatenate([jnp.ones((1,), bool), group[1:] != group[:-1]])
     run = (jnp.cumsum(run_start.astype(jnp.int32)) - 1).astype(jnp.int32)
     nxt = jnp.where(run_start, i, T)  # the next run start strictly after item i: a reverse running minimum
     nxt = jnp.concatenate([lax.cummin(nxt, axis=0, reverse=True)[1:], jnp.full((1,), T, jnp.int32)])
-    next_group = jnp.where(nxt < T, _take(group, jnp.minimum(nxt, T - 1)), group[0])
+    next_group = jnp.where(nxt < T, take(group, jnp.minimum(nxt, T - 1)), group[0])
     flags = flags | ((run_start & (i > 0)) * RUN_START)
     runs_m1 = jnp.broadcast_to(run[-1], (T,))
     return (jnp.stack([tile, src_tile, group, lo, hi, flags.astype(jnp.int32), run, runs_m1,
                        next_group.astype(jnp.int32)]).reshape(-1),)
 
 
-def _tgmm_schedule(sizes, offset, *, M: int, G: int, bm: int, T: int):
+def tgmm_schedule(sizes, offset, *, M: int, G: int, bm: int, T: int):
     """tgmm work items, ordered by group: the tiles of each local group (one empty visit for an empty one)."""
     import jax.numpy as jnp
 
-    s, e = _group_bounds(sizes, offset, M, G)
+    s, e = group_bounds(sizes, offset, M, G)
     ne = e > s
     t0 = s // bm
     c = jnp.where(ne, (e - 1) // bm - t0 + 1, 0)
@@ -152,16 +152,16 @@ def _tgmm_schedule(sizes, offset, *, M: int, G: int, bm: int, T: int):
     W = jnp.cumsum(w)
     i = jnp.arange(T, dtype=jnp.int32)
     real = i < W[-1]
-    g = jnp.minimum(_count_le(W, i), G - 1)
-    wg = _take(w, g)
-    l = i - (_take(W, g) - wg)
-    compute = real & (_take(ne.astype(jnp.int32), g) > 0)
-    tile = jnp.where(compute, _take(t0, g) + l, 0).astype(jnp.int32)
-    lo, hi = jnp.where(compute, _take(s, g), 0), jnp.where(compute, _take(e, g), 0)
+    g = jnp.minimum(count_le(W, i), G - 1)
+    wg = take(w, g)
+    l = i - (take(W, g) - wg)
+    compute = real & (take(ne.astype(jnp.int32), g) > 0)
+    tile = jnp.where(compute, take(t0, g) + l, 0).astype(jnp.int32)
+    lo, hi = jnp.where(compute, take(s, g), 0), jnp.where(compute, take(e, g), 0)
     flags = ((compute * COMPUTE) | (real * STORE) | ((real & (l == 0)) * FIRST)
              | ((real & (l == wg - 1)) * LAST))
     flags = (flags ^ TGMM_COMPLEMENT) | ((compute & ((tile * bm < lo) | ((tile + 1) * bm > hi))) * PARTIAL)
-    src_tile = _forward_fill(tile, compute)
+    src_tile = forward_fill(tile, compute)
     return (jnp.stack([tile, src_tile, g, lo, hi, flags.astype(jnp.int32)]).reshape(-1),)
 
 

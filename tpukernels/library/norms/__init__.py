@@ -30,7 +30,7 @@ at |x| > 256); ``cast`` rounds to the input dtype; ``w`` is the weight upcast to
     rms:   dx = rstd * (g - n * mean(g * n)),                          dw = sum_rows(dy * n)
     layer: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)),          dw = sum_rows(dy * xhat), db = sum_rows(dy)
 
-Files: :mod:`._common` (defaults, VMEM-aware block sizing, checks, shared body helpers), :mod:`.rms_norm_ops`,
+Files: :mod:`.common` (defaults, VMEM-aware block sizing, checks, shared body helpers), :mod:`.rms_norm_ops`,
 :mod:`.fused_add_rms_norm_ops`, :mod:`.layer_norm_ops` and :mod:`.gated_rms_norm_ops` (the gated norm of hybrid
 linear-attention / SSM layers, with its own formulas; each: kernel bodies, kernels with their tunable space and
 backward, the public op, the float64 reference), :mod:`.modules` (``nn.Module`` drop-ins). Every name is
@@ -88,7 +88,7 @@ trail it by 3-9%.
 
 from __future__ import annotations
 
-from ._common import (  # noqa: F401  (_row_bytes, _heuristic_rows: the sizing rule, tested)
+from .common import (  # noqa: F401  (row_bytes, heuristic_rows: the sizing rule, tested)
     BLOCK_ROWS,
     CASTINGS,
     DEFAULT_LAYER_NORM_EPS,
@@ -96,10 +96,10 @@ from ._common import (  # noqa: F401  (_row_bytes, _heuristic_rows: the sizing r
     F32,
     NAMESPACE,
     VMEM_BUDGET_BYTES,
-    _heuristic_rows,
-    _row_bytes,
     fit_block_rows,
+    heuristic_rows,
     round_to_f16,
+    row_bytes,
 )
 from .fused_add_rms_norm_ops import fused_add_rms_norm, fused_add_rms_norm_fwd, fused_add_rms_norm_reference  # noqa: F401
 from .layer_norm_ops import layer_norm, layer_norm_bwd, layer_norm_fwd, layer_norm_reference  # noqa: F401

@@ -11,35 +11,37 @@ import torch
 
 from ... import dsl as tk
 from ...errors import ArgumentError, DeviceError, DTypeError
-from ._common import (
+# ``name as _name``: the kernel bodies and launch functions here keep the names they had, so their source, which
+# keys their entries in the tuning DB (tpukernels/autotune/db.py), is unchanged
+from .common import (
     DEFAULT_RMS_EPS,
     F32,
+    LIB,
     NAMESPACE,
-    _LIB,
-    _check_2d,
-    _check_casting,
-    _check_dtypes,
-    _check_number,
-    _check_rms_args,
-    _check_vec,
-    _cost,
-    _heuristic_rows,
-    _nbytes,
-    _round,
-    _row,
-    _row_bytes,
-    _rstd,
-    _stat,
-    _stat_out,
-    _tunables,
-    _vec,
-    _vec2d,
-    _vec_bytes,
-    _weight_grad,
-    _widen,
+    check_2d as _check_2d,
+    check_casting as _check_casting,
+    check_dtypes as _check_dtypes,
+    check_number,
+    check_rms_args,
+    check_vec as _check_vec,
+    cost as _cost,
     fit_block_rows,
+    heuristic_rows as _heuristic_rows,
+    inv_rms as _rstd,
+    round_to as _round,
+    row_bytes,
+    row_spec as _row,
+    spec_nbytes as _nbytes,
+    stat as _stat,
+    stat_out,
+    tunables as _tunables,
+    vec as _vec,
+    vec2d,
+    vec_bytes,
+    weight_grad,
+    widen,
 )
-from .rms_norm_ops import _rms_scale, rms_norm_bwd, rms_norm_reference
+from .rms_norm_ops import rms_norm_bwd, rms_norm_reference, rms_scale as _rms_scale
 
 
 def _fused_fwd_body(*refs, has_weight: bool, eps: float, offset: float, casting: str, round_f16: bool):
@@ -56,12 +58,12 @@ def _fused_fwd_body(*refs, has_weight: bool, eps: float, offset: float, casting:
 
 def _fused_fwd_sizes(x, residual, weight):
     h = x.shape[1]
-    return (_row_bytes(h, [x.dtype, residual.dtype, x.dtype, x.dtype], 1),
-            _vec_bytes(h, [weight.dtype] if weight is not None else []))
+    return (row_bytes(h, [x.dtype, residual.dtype, x.dtype, x.dtype], 1),
+            vec_bytes(h, [weight.dtype] if weight is not None else []))
 
 
 def _fused_fwd_out(x, residual, weight, eps, offset, casting, round_f16=False):
-    return tk.like(x), tk.like(x), _stat_out(x.shape[0])
+    return tk.like(x), tk.like(x), stat_out(x.shape[0])
 
 
 @tk.tpu_kernel(
@@ -104,7 +106,7 @@ def fused_add_rms_norm_fwd(
 def _fused_add_rms_norm_fwd_backward(ctx, dy, dres, _drstd):
     # new_residual = x + residual feeds y and is an output itself: d(new_residual) = rms_bwd(dy) + dres
     dh, dw = rms_norm_bwd(dy, ctx.outputs[1], ctx.outputs[2], ctx.weight, dres, ctx.offset)
-    return {"x": dh, "residual": dh, "weight": _weight_grad(ctx, "weight", dw)}
+    return {"x": dh, "residual": dh, "weight": weight_grad(ctx, "weight", dw)}
 
 
 def fused_add_rms_norm(
@@ -127,13 +129,13 @@ def fused_add_rms_norm(
         As :func:`rms_norm`; also ArgumentError / DTypeError when residual's shape / dtype differ from x's.
     """
     op = "tpukernels.fused_add_rms_norm"
-    _check_number(op, eps=eps, offset=offset)
+    check_number(op, eps=eps, offset=offset)
     return torch.ops.tpukernels.fused_add_rms_norm(x, residual, weight, eps, offset, casting)
 
 
 def _fused_add_rms_norm_impl(x, residual, weight=None, eps=DEFAULT_RMS_EPS, offset=0.0, casting="llama"):
     op = "tpukernels.fused_add_rms_norm"
-    h, eps, offset = _check_rms_args(op, x, weight, eps, offset, casting)
+    h, eps, offset = check_rms_args(op, x, weight, eps, offset, casting)
     if not isinstance(residual, torch.Tensor) or residual.shape != x.shape:
         got = tuple(residual.shape) if isinstance(residual, torch.Tensor) else type(residual).__name__
         raise ArgumentError(f"{op}: residual must have x's shape {tuple(x.shape)}, got {got}")
@@ -142,16 +144,16 @@ def _fused_add_rms_norm_impl(x, residual, weight=None, eps=DEFAULT_RMS_EPS, offs
     if residual.device != x.device:
         raise DeviceError(f"{op}: residual is on {residual.device} but x is on {x.device}")
     y, new_res, _ = torch.ops.tpukernels.fused_add_rms_norm_fwd(
-        _widen(x).reshape(-1, h), _widen(residual).reshape(-1, h), _vec2d(weight), eps, offset, casting,
+        widen(x).reshape(-1, h), widen(residual).reshape(-1, h), vec2d(weight), eps, offset, casting,
         x.dtype == torch.float16,
     )
     return y.reshape(x.shape).to(x.dtype), new_res.reshape(x.shape).to(x.dtype)
 
 
 # the public torch op: CompositeImplicitAutograd, so autograd / torch.compile see the kernel ops
-_LIB.define(f"fused_add_rms_norm(Tensor x, Tensor residual, Tensor? weight=None, float eps={DEFAULT_RMS_EPS!r}, "
-            "float offset=0.0, str casting='llama') -> (Tensor, Tensor)")
-_LIB.impl("fused_add_rms_norm", _fused_add_rms_norm_impl, "CompositeImplicitAutograd")
+LIB.define(f"fused_add_rms_norm(Tensor x, Tensor residual, Tensor? weight=None, float eps={DEFAULT_RMS_EPS!r}, "
+           "float offset=0.0, str casting='llama') -> (Tensor, Tensor)")
+LIB.impl("fused_add_rms_norm", _fused_add_rms_norm_impl, "CompositeImplicitAutograd")
 
 
 def fused_add_rms_norm_reference(x, residual, weight=None, eps=DEFAULT_RMS_EPS, offset=0.0):

@@ -60,33 +60,35 @@ from jax.experimental import pallas as pl
 from ... import dsl as tk
 from ...dsl.validate import LANES
 from ...errors import ArgumentError, DeviceError, DTypeError
-from ._common import (
+# ``name as _name``: the kernel bodies and launch functions here keep the names they had, so their source, which
+# keys their entries in the tuning DB (tpukernels/autotune/db.py), is unchanged
+from .common import (
     CASTINGS,
     DEFAULT_RMS_EPS,
     F32,
+    LIB,
     NAMESPACE,
-    _LIB,
-    _check_2d,
-    _check_dtypes,
-    _check_float,
-    _check_number,
-    _check_param,
-    _check_vec,
-    _check_x,
-    _cost,
-    _heuristic_rows,
-    _masked_row_sum,
-    _nbytes,
-    _round,
-    _row,
-    _row_bytes,
-    _tunables,
-    _vec,
-    _vec2d,
-    _vec_bytes,
-    _weight_grad,
-    _widen,
+    check_2d as _check_2d,
+    check_dtypes as _check_dtypes,
+    check_float,
+    check_number,
+    check_param,
+    check_vec as _check_vec,
+    check_x,
+    cost as _cost,
     fit_block_rows,
+    heuristic_rows as _heuristic_rows,
+    masked_row_sum as _masked_row_sum,
+    round_to as _round,
+    row_bytes,
+    row_spec as _row,
+    spec_nbytes as _nbytes,
+    tunables as _tunables,
+    vec as _vec,
+    vec2d,
+    vec_bytes,
+    weight_grad,
+    widen,
 )
 
 OP = "tpukernels.gated_rms_norm"
@@ -218,8 +220,8 @@ def _temp_bytes(h, n):
 
 def _fwd_sizes(x, z, weight, group_size):
     h = x.shape[1]
-    return (_row_bytes(h, [x.dtype, z.dtype, x.dtype], _stat_lanes(h, group_size)) + _temp_bytes(h, _FWD_TEMPS),
-            _vec_bytes(h, [weight.dtype] if weight is not None else []))
+    return (row_bytes(h, [x.dtype, z.dtype, x.dtype], _stat_lanes(h, group_size)) + _temp_bytes(h, _FWD_TEMPS),
+            vec_bytes(h, [weight.dtype] if weight is not None else []))
 
 
 def _fwd_out(x, z, weight, eps, norm_before_gate, group_size, activation="silu", casting="llama", round_scaled=False,
@@ -290,8 +292,8 @@ def gated_rms_norm_fwd(
 def _bwd_sizes(dy, x, z, weight, group_size):
     h = x.shape[1]
     rows = [dy.dtype, x.dtype, z.dtype, x.dtype, z.dtype]
-    return (_row_bytes(h, rows, _stat_lanes(h, group_size)) + _temp_bytes(h, _BWD_TEMPS),
-            _vec_bytes(h, [jnp.float32] + ([weight.dtype] if weight is not None else [])))
+    return (row_bytes(h, rows, _stat_lanes(h, group_size)) + _temp_bytes(h, _BWD_TEMPS),
+            vec_bytes(h, [jnp.float32] + ([weight.dtype] if weight is not None else [])))
 
 
 def _bwd_out(dy, x, z, rstd, weight, norm_before_gate, group_size, activation="silu"):
@@ -346,7 +348,7 @@ def gated_rms_norm_bwd(
 def _gated_rms_norm_fwd_backward(ctx, dy, _drstd):
     dx, dz, dw = gated_rms_norm_bwd(dy, ctx.x, ctx.z, ctx.outputs[1], ctx.weight, ctx.norm_before_gate,
                                     ctx.group_size, ctx.activation)
-    return {"x": dx, "z": dz, "weight": _weight_grad(ctx, "weight", dw)}
+    return {"x": dx, "z": dz, "weight": weight_grad(ctx, "weight", dw)}
 
 
 # ---------------------------------------------------------------------------------------------- public op
@@ -385,7 +387,7 @@ def gated_rms_norm(
             casting.
         DTypeError: x, z or weight not bf16/f16/f32. DeviceError: z or weight on another device than x.
     """
-    _check_number(OP, eps=eps)
+    check_number(OP, eps=eps)
     if not isinstance(norm_before_gate, bool):
         raise ArgumentError(f"{OP}: norm_before_gate must be a bool, got {norm_before_gate!r}")
     if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int)):
@@ -397,7 +399,7 @@ def gated_rms_norm(
 
 
 def _check_gated_args(op, x, z, weight, eps, group_size):
-    h = _check_x(op, x)
+    h = check_x(op, x)
     if not isinstance(z, torch.Tensor):
         raise ArgumentError(f"{op}: z (the gate) must be a torch.Tensor shaped like x {tuple(x.shape)}, "
                             f"got {type(z).__name__}")
@@ -407,8 +409,8 @@ def _check_gated_args(op, x, z, weight, eps, group_size):
         raise DTypeError(f"{op}: z dtype {z.dtype} is not supported: use bfloat16, float16 or float32")
     if z.device != x.device:
         raise DeviceError(f"{op}: z is on {z.device} but x is on {x.device}")
-    _check_param(op, "weight", weight, x, h)
-    eps = _check_float(op, "eps", eps, 0.0)
+    check_param(op, "weight", weight, x, h)
+    eps = check_float(op, "eps", eps, 0.0)
     gs = h if group_size is None else group_size
     if gs < 1 or h % gs:
         raise ArgumentError(f"{op}: group_size must be an int >= 1 dividing H = {h} (x.shape[-1]), got {group_size}")
@@ -422,15 +424,15 @@ def _gated_rms_norm_impl(x, z, weight=None, eps=DEFAULT_RMS_EPS, norm_before_gat
     half = x.dtype == torch.float16
     round_scaled = weight is not None and weight.dtype == x.dtype
     y, _ = torch.ops.tpukernels.gated_rms_norm_fwd(
-        _widen(x).reshape(-1, h), _widen(z).reshape(-1, h), _vec2d(weight), eps, bool(norm_before_gate), gs,
+        widen(x).reshape(-1, h), widen(z).reshape(-1, h), vec2d(weight), eps, bool(norm_before_gate), gs,
         activation, casting, round_scaled, half)
     return y.reshape(x.shape).to(x.dtype)
 
 
 # the public torch op: CompositeImplicitAutograd, so autograd / torch.compile see the kernel ops
-_LIB.define(f"gated_rms_norm(Tensor x, Tensor z, Tensor? weight, float eps={DEFAULT_RMS_EPS!r}, "
-            "bool norm_before_gate=True, int? group_size=None, str activation='silu', str casting='llama') -> Tensor")
-_LIB.impl("gated_rms_norm", _gated_rms_norm_impl, "CompositeImplicitAutograd")
+LIB.define(f"gated_rms_norm(Tensor x, Tensor z, Tensor? weight, float eps={DEFAULT_RMS_EPS!r}, "
+           "bool norm_before_gate=True, int? group_size=None, str activation='silu', str casting='llama') -> Tensor")
+LIB.impl("gated_rms_norm", _gated_rms_norm_impl, "CompositeImplicitAutograd")
 
 
 def gated_rms_norm_reference(x, z, weight=None, eps=DEFAULT_RMS_EPS, norm_before_gate=True, group_size=None,

@@ -14,33 +14,35 @@ from jax.experimental import pallas as pl
 
 from ... import dsl as tk
 from ...errors import ArgumentError
-from ._common import (
+# ``name as _name``: the kernel bodies and launch functions here keep the names they had, so their source, which
+# keys their entries in the tuning DB (tpukernels/autotune/db.py), is unchanged
+from .common import (
     DEFAULT_LAYER_NORM_EPS,
     F32,
+    LIB,
     NAMESPACE,
-    _LIB,
-    _check_2d,
-    _check_dtypes,
-    _check_float,
-    _check_number,
-    _check_param,
-    _check_vec,
-    _check_x,
-    _cost,
-    _heuristic_rows,
-    _masked_row_sum,
-    _nbytes,
-    _row,
-    _row_bytes,
-    _stat,
-    _stat_out,
-    _tunables,
-    _vec,
-    _vec2d,
-    _vec_bytes,
-    _weight_grad,
-    _widen,
+    check_2d as _check_2d,
+    check_dtypes as _check_dtypes,
+    check_float,
+    check_number,
+    check_param,
+    check_vec as _check_vec,
+    check_x,
+    cost as _cost,
     fit_block_rows,
+    heuristic_rows as _heuristic_rows,
+    masked_row_sum as _masked_row_sum,
+    row_bytes,
+    row_spec as _row,
+    spec_nbytes as _nbytes,
+    stat as _stat,
+    stat_out,
+    tunables as _tunables,
+    vec as _vec,
+    vec2d,
+    vec_bytes,
+    weight_grad,
+    widen,
 )
 
 
@@ -92,11 +94,11 @@ def _ln_bwd_body(*refs, has_weight: bool, n_rows: int):
 
 def _ln_fwd_sizes(x, weight, bias):
     h = x.shape[1]
-    return _row_bytes(h, [x.dtype, x.dtype], 2), _vec_bytes(h, [v.dtype for v in (weight, bias) if v is not None])
+    return row_bytes(h, [x.dtype, x.dtype], 2), vec_bytes(h, [v.dtype for v in (weight, bias) if v is not None])
 
 
 def _ln_fwd_out(x, weight, bias, eps):
-    return tk.like(x), _stat_out(x.shape[0]), _stat_out(x.shape[0])
+    return tk.like(x), stat_out(x.shape[0]), stat_out(x.shape[0])
 
 
 @tk.tpu_kernel(
@@ -133,8 +135,8 @@ def layer_norm_fwd(
 
 def _ln_bwd_sizes(dy, x, weight):
     h = x.shape[1]
-    return (_row_bytes(h, [dy.dtype, x.dtype, x.dtype], 2),
-            _vec_bytes(h, [np.float32, np.float32] + ([weight.dtype] if weight is not None else [])))
+    return (row_bytes(h, [dy.dtype, x.dtype, x.dtype], 2),
+            vec_bytes(h, [np.float32, np.float32] + ([weight.dtype] if weight is not None else [])))
 
 
 def _ln_bwd_out(dy, x, mean, rstd, weight):
@@ -181,7 +183,7 @@ def layer_norm_bwd(
 @layer_norm_fwd.def_backward(op="layer_norm")
 def _layer_norm_fwd_backward(ctx, dy, _dmean, _drstd):
     dx, dw, db = layer_norm_bwd(dy, ctx.x, ctx.outputs[1], ctx.outputs[2], ctx.weight)
-    return {"x": dx, "weight": _weight_grad(ctx, "weight", dw), "bias": _weight_grad(ctx, "bias", db)}
+    return {"x": dx, "weight": weight_grad(ctx, "weight", dw), "bias": weight_grad(ctx, "bias", db)}
 
 
 def layer_norm(
@@ -201,24 +203,24 @@ def layer_norm(
     Raises:
         ArgumentError, DTypeError, DeviceError: as :func:`rms_norm`.
     """
-    _check_number("tpukernels.layer_norm", eps=eps)
+    check_number("tpukernels.layer_norm", eps=eps)
     return torch.ops.tpukernels.layer_norm(x, weight, bias, eps)
 
 
 def _layer_norm_impl(x, weight=None, bias=None, eps=DEFAULT_LAYER_NORM_EPS):
     op = "tpukernels.layer_norm"
-    h = _check_x(op, x)
-    _check_param(op, "weight", weight, x, h)
-    _check_param(op, "bias", bias, x, h)
-    eps = _check_float(op, "eps", eps, 0.0)
-    y, _, _ = torch.ops.tpukernels.layer_norm_fwd(_widen(x).reshape(-1, h), _vec2d(weight), _vec2d(bias), eps)
+    h = check_x(op, x)
+    check_param(op, "weight", weight, x, h)
+    check_param(op, "bias", bias, x, h)
+    eps = check_float(op, "eps", eps, 0.0)
+    y, _, _ = torch.ops.tpukernels.layer_norm_fwd(widen(x).reshape(-1, h), vec2d(weight), vec2d(bias), eps)
     return y.reshape(x.shape).to(x.dtype)
 
 
 # the public torch op: CompositeImplicitAutograd, so autograd / torch.compile see the kernel ops
-_LIB.define(f"layer_norm(Tensor x, Tensor? weight=None, Tensor? bias=None, float eps={DEFAULT_LAYER_NORM_EPS!r}) "
-            "-> Tensor")
-_LIB.impl("layer_norm", _layer_norm_impl, "CompositeImplicitAutograd")
+LIB.define(f"layer_norm(Tensor x, Tensor? weight=None, Tensor? bias=None, float eps={DEFAULT_LAYER_NORM_EPS!r}) "
+           "-> Tensor")
+LIB.impl("layer_norm", _layer_norm_impl, "CompositeImplicitAutograd")
 
 
 def layer_norm_reference(x, weight=None, bias=None, eps=DEFAULT_LAYER_NORM_EPS):

@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from ...errors import ArgumentError
-from ._common import CASTINGS, DEFAULT_LAYER_NORM_EPS, DEFAULT_RMS_EPS, _check_float
+from .common import CASTINGS, DEFAULT_LAYER_NORM_EPS, DEFAULT_RMS_EPS, check_float
 from .fused_add_rms_norm_ops import fused_add_rms_norm
 from .gated_rms_norm_ops import ACTIVATIONS, gated_rms_norm
 from .layer_norm_ops import layer_norm
@@ -35,8 +35,8 @@ class TPURMSNorm(torch.nn.Module):
         if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size < 1:
             raise ArgumentError(f"{op}: hidden_size must be an int >= 1, got {hidden_size!r}")
         self.hidden_size = hidden_size
-        self.eps = _check_float(op, "eps", eps, 0.0)
-        self.offset = _check_float(op, "offset", offset)
+        self.eps = check_float(op, "eps", eps, 0.0)
+        self.offset = check_float(op, "offset", offset)
         if casting not in CASTINGS:
             raise ArgumentError(f"{op}: casting must be one of {CASTINGS}, got {casting!r}")
         if not elementwise_affine and self.offset != 0.0:
@@ -81,7 +81,7 @@ class TPULayerNorm(torch.nn.Module):
                 f"{op}: normalized_shape must be one int H >= 1 (normalization over the last dim), got {normalized_shape!r}"
             )
         self.normalized_shape = shape
-        self.eps = _check_float(op, "eps", eps, 0.0)
+        self.eps = check_float(op, "eps", eps, 0.0)
         self.elementwise_affine = elementwise_affine
         kw = {"device": device, "dtype": dtype}
         # registered even when absent (None), as torch.nn.LayerNorm does
@@ -134,7 +134,7 @@ class TPUGatedRMSNorm(torch.nn.Module):
         if not isinstance(norm_before_gate, bool):
             raise ArgumentError(f"{op}: norm_before_gate must be a bool, got {norm_before_gate!r}")
         self.hidden_size = hidden_size
-        self.eps = _check_float(op, "eps", eps, 0.0)
+        self.eps = check_float(op, "eps", eps, 0.0)
         self.group_size = group_size
         self.norm_before_gate = norm_before_gate
         activation = "silu" if activation == "swish" else activation

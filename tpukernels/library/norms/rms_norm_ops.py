@@ -13,38 +13,40 @@ from jax.experimental import pallas as pl
 
 from ... import dsl as tk
 from ...errors import ArgumentError
-from ._common import (
+# ``name as _name``: the kernel bodies and launch functions here keep the names they had, so their source, which
+# keys their entries in the tuning DB (tpukernels/autotune/db.py), is unchanged
+from .common import (
     DEFAULT_RMS_EPS,
     F32,
+    LIB,
     NAMESPACE,
-    _LIB,
-    _check_2d,
-    _check_casting,
-    _check_dtypes,
-    _check_number,
-    _check_rms_args,
-    _check_vec,
-    _cost,
-    _heuristic_rows,
-    _masked_row_sum,
-    _nbytes,
-    _round,
-    _row,
-    _row_bytes,
-    _rstd,
-    _stat,
-    _stat_out,
-    _tunables,
-    _vec,
-    _vec2d,
-    _vec_bytes,
-    _weight_grad,
-    _widen,
+    check_2d as _check_2d,
+    check_casting as _check_casting,
+    check_dtypes as _check_dtypes,
+    check_number,
+    check_rms_args,
+    check_vec as _check_vec,
+    cost as _cost,
     fit_block_rows,
+    heuristic_rows as _heuristic_rows,
+    inv_rms as _rstd,
+    masked_row_sum as _masked_row_sum,
+    round_to,
+    row_bytes,
+    row_spec as _row,
+    spec_nbytes as _nbytes,
+    stat as _stat,
+    stat_out,
+    tunables as _tunables,
+    vec as _vec,
+    vec2d,
+    vec_bytes,
+    weight_grad,
+    widen,
 )
 
 
-def _rms_scale(n, w_ref, offset, casting, dtype, round_f16):
+def rms_scale(n, w_ref, offset, casting, dtype, round_f16):
     """``y`` from the float32 normalized rows ``n`` (casting points: see module docstring)."""
     if w_ref is None:
         return n.astype(dtype)
@@ -58,8 +60,11 @@ def _rms_scale(n, w_ref, offset, casting, dtype, round_f16):
         return (n.astype(dtype).reshape(bm // 16, 16, h) * w16[None]).reshape(bm, h)
     scale = offset + w_ref[...].astype(F32)  # the offset is added in float32, never in the weight dtype
     if casting == "llama":
-        n = _round(n, dtype, round_f16)
+        n = round_to(n, dtype, round_f16)
     return (n * scale).astype(dtype)
+
+
+_rms_scale = rms_scale  # the kernel bodies here keep this name: the tuning DB keys them by their source
 
 
 def _rms_fwd_body(*refs, has_weight: bool, eps: float, offset: float, casting: str, round_f16: bool):
@@ -102,11 +107,11 @@ def _rms_bwd_body(*refs, has_weight: bool, has_dres: bool, offset: float, n_rows
 
 def _rms_fwd_sizes(x, weight):
     h = x.shape[1]
-    return _row_bytes(h, [x.dtype, x.dtype], 1), _vec_bytes(h, [weight.dtype] if weight is not None else [])
+    return row_bytes(h, [x.dtype, x.dtype], 1), vec_bytes(h, [weight.dtype] if weight is not None else [])
 
 
 def _rms_fwd_out(x, weight, eps, offset, casting, round_f16=False):
-    return tk.like(x), _stat_out(x.shape[0])
+    return tk.like(x), stat_out(x.shape[0])
 
 
 @tk.tpu_kernel(
@@ -152,7 +157,7 @@ def rms_norm_fwd(
 def _rms_bwd_sizes(dy, x, weight, dres):
     h = x.shape[1]
     rows = [dy.dtype, x.dtype, x.dtype] + ([dres.dtype] if dres is not None else [])
-    return _row_bytes(h, rows, 1), _vec_bytes(h, [np.float32] + ([weight.dtype] if weight is not None else []))
+    return row_bytes(h, rows, 1), vec_bytes(h, [np.float32] + ([weight.dtype] if weight is not None else []))
 
 
 def _rms_bwd_out(dy, x, rstd, weight, dres, offset):
@@ -204,7 +209,7 @@ def rms_norm_bwd(
 @rms_norm_fwd.def_backward(op="rms_norm")
 def _rms_norm_fwd_backward(ctx, dy, _drstd):
     dx, dw = rms_norm_bwd(dy, ctx.x, ctx.outputs[1], ctx.weight, None, ctx.offset)
-    return {"x": dx, "weight": _weight_grad(ctx, "weight", dw)}
+    return {"x": dx, "weight": weight_grad(ctx, "weight", dw)}
 
 
 def rms_norm(
@@ -230,21 +235,21 @@ def rms_norm(
             casting, offset != 0 without weight. DTypeError: dtype not bf16/f16/f32. DeviceError: weight on
             another device.
     """
-    _check_number("tpukernels.rms_norm", eps=eps, offset=offset)
+    check_number("tpukernels.rms_norm", eps=eps, offset=offset)
     return torch.ops.tpukernels.rms_norm(x, weight, eps, offset, casting)
 
 
 def _rms_norm_impl(x, weight=None, eps=DEFAULT_RMS_EPS, offset=0.0, casting="llama"):
-    h, eps, offset = _check_rms_args("tpukernels.rms_norm", x, weight, eps, offset, casting)
+    h, eps, offset = check_rms_args("tpukernels.rms_norm", x, weight, eps, offset, casting)
     half = x.dtype == torch.float16
-    y, _ = torch.ops.tpukernels.rms_norm_fwd(_widen(x).reshape(-1, h), _vec2d(weight), eps, offset, casting, half)
+    y, _ = torch.ops.tpukernels.rms_norm_fwd(widen(x).reshape(-1, h), vec2d(weight), eps, offset, casting, half)
     return y.reshape(x.shape).to(x.dtype)
 
 
 # the public torch op: CompositeImplicitAutograd, so autograd / torch.compile see the kernel ops
-_LIB.define(f"rms_norm(Tensor x, Tensor? weight=None, float eps={DEFAULT_RMS_EPS!r}, float offset=0.0, "
-            "str casting='llama') -> Tensor")
-_LIB.impl("rms_norm", _rms_norm_impl, "CompositeImplicitAutograd")
+LIB.define(f"rms_norm(Tensor x, Tensor? weight=None, float eps={DEFAULT_RMS_EPS!r}, float offset=0.0, "
+           "str casting='llama') -> Tensor")
+LIB.impl("rms_norm", _rms_norm_impl, "CompositeImplicitAutograd")
 
 
 def rms_norm_reference(x, weight=None, eps=DEFAULT_RMS_EPS, offset=0.0):

@@ -162,16 +162,16 @@ per-channel scales applied after the dot) for the layout of the epilogue.
 
 from __future__ import annotations
 
-from .common import (INT32_MAX_K, OUT_DTYPES, U32, WEIGHT_DTYPES, X_DTYPES, X_QUANT, _jnp, _name, check_chip, qmax,
-                     supported_modes)
-from .quantize import (TUNABLES_Q, _weight_dtype, quantize_per_token, quantize_per_token_kernel, quantize_reference,
-                       quantize_weight)
+from .common import (INT32_MAX_K, OUT_DTYPES, U32, WEIGHT_DTYPES, X_DTYPES, X_QUANT, check_chip, dtype_name, jnp_dtype,
+                     qmax, supported_modes)
+from .quantize import (TUNABLES_Q, quantize_per_token, quantize_per_token_kernel, quantize_reference, quantize_weight,
+                       weight_dtype_name)
 from .references import dequantize, error_bound, reference
 from .w8a16 import (STANDARD_CASES, STREAM_MAX_M, TUNABLES, WEIGHT_DMAS, heuristic, make_launch, problem,
                     quantized_matmul_bwd_dx, quantized_matmul_kernel, stream_plan, vmem_bytes)
-from .w8a8 import (QCHUNK, STANDARD_CASES_W8A8, TUNABLES_W8A8, _w8a8_heuristic, fused_plan, fused_vmem_bytes,
-                   quantized_matmul_w8a8_kernel, vmem_budget)
-from .public import TPUQuantLinear, _canon_x_quant, _check_public, check_pair, quantized_matmul
+from .w8a8 import (QCHUNK, STANDARD_CASES_W8A8, TUNABLES_W8A8, fused_plan, fused_vmem_bytes,
+                   quantized_matmul_w8a8_kernel, vmem_budget, w8a8_heuristic)
+from .public import TPUQuantLinear, canon_x_quant, check_public, check_pair, quantized_matmul
 from .blockwise import (BLOCK_SIZES, FP4_VALUES, WEIGHT_FORMATS, TPUBlockQuantLinear, dequantize_blockwise,
                         error_bound_blockwise, fp4_values, k_block, pack_int4, pad_k, quantize_weight_blockwise,
                         quantized_matmul_blockwise,

@@ -105,9 +105,12 @@ import torch
 
 from ... import dsl as _dsl
 from ...dsl.validate import padded_bytes
-from .._vmem import scoped_vmem_limit
+from ..vmem import scoped_vmem_limit
 from ...errors import ArgumentError, DTypeError
-from .common import U32, WEIGHT_DTYPES, X_DTYPES, _clamp, _jnp, _name, _out_dtype, _target_chip, check_chip
+# ``name as _name``: the kernel bodies and launch functions here keep the names they had, so their source, which
+# keys their entries in the tuning DB (tpukernels/autotune/db.py), is unchanged
+from .common import (U32, WEIGHT_DTYPES, X_DTYPES, check_chip, clamp as _clamp, dtype_name as _name, jnp_dtype as _jnp,
+                     resolve_out_dtype as _out_dtype, target_chip as _target_chip)
 
 #: block sizes (group sizes along K) the kernel takes: multiples of 32 from 32 to 512
 BLOCK_SIZES = tuple(range(32, 513, 32))
@@ -117,7 +120,7 @@ WEIGHT_FORMATS = (*WEIGHT_DTYPES, "int4", "fp4")
 PACKED = ("int4", "fp4")
 #: ``quantized_matmul_blockwise``'s ``x_quant`` path: ``blockwise_a8.quantized_matmul_blockwise_a8``, set when that
 #: module (which builds on this one) is imported — the package's ``__init__`` imports it
-_X_QUANT_PATH = None
+X_QUANT_PATH = None
 #: the e2m1 (OCP MX fp4) values of the codes 0..7 (sign bit 3): 0, 0.5, 1, 1.5, 2, 3, 4, 6
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
@@ -311,7 +314,7 @@ def k_block(K_w: int, block_size: int, bk: int, int4: bool) -> int:
     return best or K_w
 
 
-def _fp4_decode(n, dt):
+def fp4_decode(n, dt):
     """e2m1 codes (int32 ``0..15``) -> values in ``dt`` (exact): ``2 v = m`` (exponent 0) or ``(2 + m) << (e - 1)``."""
     import jax.numpy as jnp
 
@@ -319,6 +322,9 @@ def _fp4_decode(n, dt):
     v2 = jnp.where(e == 0, m, jnp.left_shift(2 + m, jnp.maximum(e - 1, 0)))
     v2 = jnp.where(n >= 8, -v2, v2)
     return v2.astype(dt) * np.asarray(0.5, dtype=dt)
+
+
+_fp4_decode = fp4_decode  # the kernel bodies here keep this name: the tuning DB keys them by their source
 
 
 def _diag_part(x_ref, w_ref, s_ref, z_ref, *, bs, n_sub, fp4, dequant_to, precision):
@@ -339,7 +345,7 @@ def _diag_part(x_ref, w_ref, s_ref, z_ref, *, bs, n_sub, fp4, dequant_to, precis
     XH = jnp.concatenate([jnp.where(grp == g, xh, zero) for g in range(n_sub)], axis=0)
     b = w_ref[...].astype(jnp.int32)
     if fp4:
-        lo, hi = _fp4_decode(b & 15, dequant_to), _fp4_decode(b >> 4, dequant_to)
+        lo, hi = fp4_decode(b & 15, dequant_to), fp4_decode(b >> 4, dequant_to)
     else:
         lo, hi = ((b & 15) - 8).astype(dequant_to), ((b >> 4) - 8).astype(dequant_to)
     Z = (jax.lax.dot_general(XL, lo, dims, precision=precision, preferred_element_type=jnp.float32)
@@ -438,7 +444,7 @@ def _block_body(x_ref, w_ref, s_ref, *refs, bs, n_sub, n_k, int4, has_zp, dequan
     accumulate_k_step(part, k, n_k, acc_ref, o_ref)
 
 
-def _problem(x, w_q, w_scale, w_zero_point, block_size, where, wfmt=None):
+def problem(x, w_q, w_scale, w_zero_point, block_size, where, wfmt=None):
     """``(M, N, K_w, fmt)`` after checking every operand against the layout (typed errors naming the tensor)."""
     for t, n in ((x, "x"), (w_q, "w_q"), (w_scale, "w_scale")):
         if len(t.shape) != (3 if n == "w_scale" else 2):
@@ -482,6 +488,9 @@ def _problem(x, w_q, w_scale, w_zero_point, block_size, where, wfmt=None):
     return M, N, K_w, fmt
 
 
+_problem = problem  # the kernel bodies here keep this name: the tuning DB keys them by their source
+
+
 #: the most rows of the decode form's block-diagonal ``x`` (``bm * bk / block_size``; module docstring, "Decode")
 DIAG_ROWS = 256
 
@@ -511,7 +520,7 @@ def _block_heuristic(x, w_q, w_scale, w_zero_point=None, block_size=128, out_dty
 
 def _block_shape(x, w_q, w_scale, w_zero_point=None, block_size=128, out_dtype=None, weight_format=None):
     where = "tpukernels::quantized_matmul_blockwise_kernel"
-    M, N, _, _ = _problem(x, w_q, w_scale, w_zero_point, block_size, where, weight_format)
+    M, N, _, _ = problem(x, w_q, w_scale, w_zero_point, block_size, where, weight_format)
     return _dsl.OutSpec((M, N), _out_dtype(out_dtype, x, where))
 
 
@@ -525,7 +534,7 @@ def dequantize_f32_jnp(w_q, w_scale, w_zero_point=None, block_size=128, weight_f
         b = w_q.astype(jnp.int32).reshape(N, -1, 1, block_size // 2)
         c = jnp.concatenate([b & 15, b >> 4], axis=2).reshape(N, -1)
         if weight_format == "fp4":
-            q = _fp4_decode(c, jnp.float32)
+            q = fp4_decode(c, jnp.float32)
         else:
             z = 8.0 if w_zero_point is None else jnp.repeat(w_zero_point[:, 0, :].T, block_size, axis=1)
             q = c.astype(jnp.float32) - z
@@ -653,7 +662,7 @@ def quantized_matmul_blockwise(x: torch.Tensor, w_q: torch.Tensor, w_scale: torc
             ``x_quant`` pair its MXU does not multiply natively (names the chip and the modes it supports).
     """
     from ...errors import DeviceError
-    from .public import _QuantizedInputHasNoGradient, _canon_out, _canon_x_quant
+    from .public import QuantizedInputHasNoGradient, canon_out, canon_x_quant
 
     where = "tpukernels::quantized_matmul_blockwise"
     ts = [(x, "x"), (w_q, "w_q"), (w_scale, "w_scale")] + ([(w_zero_point, "w_zero_point")]
@@ -666,8 +675,8 @@ def quantized_matmul_blockwise(x: torch.Tensor, w_q: torch.Tensor, w_scale: torc
     block_size = _dsl.check_int(where, "block_size", block_size)  # 64.9 must not run as 64
     if x.dim() < 1:
         raise ArgumentError(f"{where}: x must have rank >= 1 ([..., K]), got a scalar")
-    odt = _canon_out(out_dtype)
-    _canon_x_quant(x_quant)
+    odt = canon_out(out_dtype)
+    canon_x_quant(x_quant)
     if w_q.dim() != 2:
         raise ArgumentError(f"{where}: w_q must be 2-D, got shape {tuple(w_q.shape)}")
     fmt = resolve_format(w_q, where, weight_format)
@@ -688,17 +697,17 @@ def quantized_matmul_blockwise(x: torch.Tensor, w_q: torch.Tensor, w_scale: torc
         x2 = torch.nn.functional.pad(x2, (0, K_w - K_x))  # the padding rule: zero columns meet the padded weight
     kout = None if odt is None or odt == _name(x.dtype) else odt
     if x2.shape[0] == 0 or w_q.shape[0] == 0:
-        _problem(x2, w_q, w_scale, w_zero_point, block_size, where, weight_format)
+        problem(x2, w_q, w_scale, w_zero_point, block_size, where, weight_format)
         # an empty product (no kernel); a linear with an empty operand keeps autograd's graph (d_x = 0)
         y = torch.nn.functional.linear(x2, x2.new_zeros(w_q.shape[0], K_w))
         return y.to(getattr(torch, odt or _name(x.dtype))).reshape(*lead, w_q.shape[0])
     if x_quant is not None:
         # rounding x has no gradient: the forward runs (inference without no_grad), a backward raises
         guard = x.requires_grad and torch.is_grad_enabled()
-        _problem(x2, w_q, w_scale, w_zero_point, block_size, where, weight_format)
-        y = _X_QUANT_PATH(x2.detach() if guard else x2, w_q, w_scale, w_zero_point, int(block_size),
+        problem(x2, w_q, w_scale, w_zero_point, block_size, where, weight_format)
+        y = X_QUANT_PATH(x2.detach() if guard else x2, w_q, w_scale, w_zero_point, int(block_size),
                                           fmt, x_quant, odt or _name(x.dtype), config).reshape(*lead, w_q.shape[0])
-        return _QuantizedInputHasNoGradient.apply(x, y, x_quant) if guard else y
+        return QuantizedInputHasNoGradient.apply(x, y, x_quant) if guard else y
     kw = {} if config is None else dict(config=config)
     y = quantized_matmul_blockwise_kernel(x2, w_q, w_scale, w_zero_point, int(block_size), kout,
                                           None if fmt == "int4" or fmt not in PACKED else fmt, **kw)

@@ -94,13 +94,17 @@ import torch
 
 from ... import dsl as _dsl
 from ...dsl.validate import padded_bytes
-from .._vmem import MiB, scoped_vmem_limit
+from ..vmem import MiB, scoped_vmem_limit
 from ...errors import ArgumentError, ChipError, DTypeError
 from . import blockwise as _blockwise
-from .blockwise import (BLOCK_SIZES, PACKED, _fp4_decode, _problem, accumulate_k_step, expand_block_scale,  # noqa: F401
-                        k_block)  # (BLOCK_SIZES, expand_block_scale, k_block: re-exported)
-from .common import U32, X_DTYPES, _clamp, _describe, _jnp, _name, _out_dtype, _target_chip, check_chip, qmax
-from .quantize import _quantize_values, _reciprocal
+# ``name as _name``: the kernel bodies and launch functions here keep the names they had, so their source, which
+# keys their entries in the tuning DB (tpukernels/autotune/db.py), is unchanged
+# (BLOCK_SIZES, expand_block_scale, k_block: re-exported)
+from .blockwise import (BLOCK_SIZES, PACKED, accumulate_k_step, expand_block_scale,  # noqa: F401
+                        fp4_decode as _fp4_decode, k_block, problem)
+from .common import (U32, X_DTYPES, check_chip, clamp as _clamp, describe, dtype_name, jnp_dtype as _jnp, qmax,
+                     resolve_out_dtype as _out_dtype, target_chip)
+from .quantize import quantize_values as _quantize_values, reciprocal as _reciprocal
 
 #: activation dtypes of the a8 kernel
 XQ_DTYPES = ("int8", "float8_e4m3fn", "float8_e5m2")
@@ -133,14 +137,14 @@ def check_chip_a8(x_quant: str, fmt: str, where: str, chip=None) -> None:
         return check_chip(x_quant, fmt, chip=chip, where=where)
     from .common import supported_modes
 
-    chip = _target_chip() if chip is None else chip
+    chip = target_chip() if chip is None else chip
     if chip is None:
         return
     modes = supported_modes(chip)
     if ("int8", "int8") not in modes:
         raise ChipError(f"{where}: x_quant='int8' with int4 weights (w4a8: nibbles unpacked to int8 in VMEM) is not "
                         f"supported on {chip.name}: jax's tpu_info.is_matmul_supported says its MXU does not take "
-                        f"(int8, int8) natively; supported on {chip.name}: {_describe(modes)}, and w4a16 (int4 "
+                        f"(int8, int8) natively; supported on {chip.name}: {describe(modes)}, and w4a16 (int4 "
                         f"weights, x_quant=None) everywhere")
 
 
@@ -169,8 +173,8 @@ def _qb_body(x_ref, q_ref, s_ref, *, bs, n_groups, qm, is_int):
 def _qb_check(x, dtype, block_size, where):
     if len(x.shape) != 2:
         raise ArgumentError(f"{where}: x must be 2-D [M, K], got {tuple(x.shape)}")
-    if _name(x.dtype) not in X_DTYPES:
-        raise DTypeError(f"{where}: x dtype {_name(x.dtype)} is not one of {X_DTYPES}")
+    if dtype_name(x.dtype) not in X_DTYPES:
+        raise DTypeError(f"{where}: x dtype {dtype_name(x.dtype)} is not one of {X_DTYPES}")
     if dtype not in XQ_DTYPES:
         raise DTypeError(f"{where}: dtype {dtype!r} is not one of {XQ_DTYPES}")
     if not isinstance(block_size, int) or block_size not in BLOCK_SIZES:
@@ -272,7 +276,7 @@ def error_bound_blockwise_a8(x_q, x_scale, w_q, w_scale, block_size: int, w_zero
     G = K_w // block_size
     mag = _x_dequant(x_q, x_scale, block_size).abs() @ mw.T
     groups = u * ref.abs() + (block_size + G + 2) * U32 * mag + (K_w + 2) * 2.0**-52 * mag
-    if form == "groups" or _name(x_q.dtype) == "int8" or fmt in PACKED:
+    if form == "groups" or dtype_name(x_q.dtype) == "int8" or fmt in PACKED:
         return groups
     dequant = (u * ref.abs() + 1.01 * (2.0**-7 + 2.0**-16 + 5 * U32 + 1.02 * (K_w + 2) * U32) * mag
                + (K_w + 2) * 2.0**-52 * mag)
@@ -369,13 +373,13 @@ def _a8_problem(x_q, x_scale, w_q, w_scale, w_zero_point, block_size, where, wei
     """``(M, N, K_w, fmt, x_quant)`` after the checks (typed errors naming the tensor)."""
     if len(x_q.shape) != 2:
         raise ArgumentError(f"{where}: x_q must be 2-D [M, K_w], got {tuple(x_q.shape)}")
-    xd = _name(x_q.dtype)
+    xd = dtype_name(x_q.dtype)
     if xd not in XQ_DTYPES:
         raise DTypeError(f"{where}: x_q dtype {xd} is not one of {XQ_DTYPES} (quantize x with "
                          f"quantize_per_block_kernel)")
     # the weight side's checks (block size, packing, w_scale / w_zero_point shapes) on a stand-in bf16 x
     stand_in = types.SimpleNamespace(shape=tuple(x_q.shape), dtype=np.dtype("float32"))
-    M, N, K_w, fmt = _problem(stand_in, w_q, w_scale, w_zero_point, block_size, where, weight_format)
+    M, N, K_w, fmt = problem(stand_in, w_q, w_scale, w_zero_point, block_size, where, weight_format)
     if xd == "int8" and fmt not in ("int8", "int4"):
         raise DTypeError(f"{where}: int8 x_q needs int8 or int4 w_q, got {fmt} (fp8 x_q for fp8, int4 or fp4 "
                          f"weights)")
@@ -385,8 +389,8 @@ def _a8_problem(x_q, x_scale, w_q, w_scale, w_zero_point, block_size, where, wei
     if tuple(x_scale.shape) != (M, G):
         raise ArgumentError(f"{where}: x_scale must have shape (M, K/block_size) = ({M}, {G}), got "
                             f"{tuple(x_scale.shape)}")
-    if _name(x_scale.dtype) != "float32":
-        raise DTypeError(f"{where}: x_scale must be float32, got {_name(x_scale.dtype)}")
+    if dtype_name(x_scale.dtype) != "float32":
+        raise DTypeError(f"{where}: x_scale must be float32, got {dtype_name(x_scale.dtype)}")
     return M, N, K_w, fmt, "int8" if xd == "int8" else "fp8"
 
 
@@ -401,9 +405,9 @@ def _a8_heuristic(x_q, x_scale, w_q, w_scale, w_zero_point=None, block_size=128,
     M = x_q.shape[0]
     if M <= 128:
         return dict(bm=128, bk=2048, bn=512, form="groups")
-    chip = _target_chip()
-    packed = w_q is not None and _name(w_q.dtype) == "uint8"
-    if _name(x_q.dtype).startswith("float8") and not packed and (chip is None or chip.info.fp8_ops_per_second):
+    chip = target_chip()
+    packed = w_q is not None and dtype_name(w_q.dtype) == "uint8"
+    if dtype_name(x_q.dtype).startswith("float8") and not packed and (chip is None or chip.info.fp8_ops_per_second):
         big = chip is None or chip.vmem_capacity_bytes >= 128 * MiB
         K_w = x_q.shape[1]
         one_step = k_block(K_w, block_size, 4096, False) == K_w
@@ -524,4 +528,4 @@ def quantized_matmul_blockwise_a8(x2: torch.Tensor, w_q, w_scale, w_zero_point, 
 
 # the public op's x_quant path (quantized_matmul_blockwise lives in .blockwise, which this module builds on: it
 # reaches this function through the hook instead of importing this module back)
-_blockwise._X_QUANT_PATH = quantized_matmul_blockwise_a8
+_blockwise.X_QUANT_PATH = quantized_matmul_blockwise_a8

@@ -72,11 +72,14 @@ import torch
 
 from ... import dsl as _dsl
 from ...dsl.validate import padded_bytes
-from .._vmem import scoped_vmem_limit
+from ..vmem import scoped_vmem_limit
 from ...errors import ArgumentError, DTypeError
-from .blockwise import (PACKED, _fp4_decode, _problem, dequantize_blockwise, dequantize_f32_jnp, k_block,
+# ``name as _name``: the kernel bodies and launch functions here keep the names they had, so their source, which
+# keys their entries in the tuning DB (tpukernels/autotune/db.py), is unchanged
+from .blockwise import (PACKED, dequantize_blockwise, dequantize_f32_jnp, fp4_decode as _fp4_decode, k_block, problem,
                         quantized_matmul_blockwise_kernel, resolve_format)
-from .common import U32, X_DTYPES, _clamp, _jnp, _name, _out_dtype, check_chip
+from .common import (U32, X_DTYPES, check_chip, clamp as _clamp, dtype_name as _name, jnp_dtype as _jnp,
+                     resolve_out_dtype as _out_dtype)
 
 WHERE = "tpukernels::quantized_matmul_blockwise_bwd_dx"
 
@@ -211,7 +214,7 @@ def _dx_problem(g, w_q, w_scale, w_zero_point, block_size, weight_format):
                             f"equal w_q's rows N = {w_q.shape[0]}")
     # the weight side exactly as the forward checks it (x stands in with the matching K)
     stand_in = types.SimpleNamespace(shape=(g.shape[0], K_w), dtype=g.dtype)
-    M, N, K_w, fmt = _problem(stand_in, w_q, w_scale, w_zero_point, block_size, WHERE, weight_format)
+    M, N, K_w, fmt = problem(stand_in, w_q, w_scale, w_zero_point, block_size, WHERE, weight_format)
     return M, N, K_w, fmt
 
 

@@ -20,13 +20,13 @@ U32 = 2.0**-24
 
 
 # ----------------------------------------------------------------------------------------------- dtypes, chips
-def _name(dt) -> str:
+def dtype_name(dt) -> str:
     if isinstance(dt, torch.dtype):
         return str(dt).replace("torch.", "")
     return np.dtype(dt).name
 
 
-def _jnp(name: str):
+def jnp_dtype(name: str):
     import jax.numpy as jnp
 
     return np.dtype(getattr(jnp, name))
@@ -34,7 +34,7 @@ def _jnp(name: str):
 
 def qmax(dtype) -> float:
     """Largest magnitude of the symmetric grid of ``dtype``: 127 for int8, the largest finite fp8 value."""
-    name = _name(dtype)
+    name = dtype_name(dtype)
     if name == "int8":
         return 127.0
     if name in ("float8_e4m3fn", "float8_e5m2"):
@@ -44,7 +44,7 @@ def qmax(dtype) -> float:
 
 def _mxu_ok(chip, lhs: str, rhs: str) -> bool:
     """jax's ``TpuInfo.is_matmul_supported`` for one core of ``chip`` (natively, no casting)."""
-    return bool(chip.info.is_matmul_supported(_jnp(lhs), _jnp(rhs)))
+    return bool(chip.info.is_matmul_supported(jnp_dtype(lhs), jnp_dtype(rhs)))
 
 
 def supported_modes(chip) -> list[tuple[Optional[str], str]]:
@@ -71,11 +71,11 @@ def supported_modes(chip) -> list[tuple[Optional[str], str]]:
     return out
 
 
-def _describe(modes) -> str:
+def describe(modes) -> str:
     return ", ".join(f"{'w8a16' if xq is None else 'w8a8'} {w} (x_quant={xq!r})" for xq, w in modes)
 
 
-def _target_chip():
+def target_chip():
     """The chip this call is for: the launch target, else the dispatch chip (live TPU / env), else None."""
     from ...lowering import launch_chip
 
@@ -91,7 +91,7 @@ def _target_chip():
 
 def check_chip(x_quant: Optional[str], w_dtype: str, chip=None, where: str = "quantized_matmul") -> None:
     """Raise :class:`ChipError` if ``chip`` (default: the call's target, None: unchecked) lacks the mode."""
-    chip = _target_chip() if chip is None else chip
+    chip = target_chip() if chip is None else chip
     if chip is None:
         return
     modes = supported_modes(chip)
@@ -102,22 +102,22 @@ def check_chip(x_quant: Optional[str], w_dtype: str, chip=None, where: str = "qu
         raise ChipError(
             f"{where}: x_quant={x_quant!r} with {w_dtype} weights is not supported on {chip.name}: jax's "
             f"tpu_info.is_matmul_supported says its MXU does not take {pair} natively; supported on "
-            f"{chip.name}: {_describe(modes)}"
+            f"{chip.name}: {describe(modes)}"
         )
 
 
-def _native_fp8(x_dtype: str, w_dtype: str) -> bool:
+def native_fp8(x_dtype: str, w_dtype: str) -> bool:
     """Feed a w8a16 fp8 tile to the MXU as is (the target chip takes the pair natively)?"""
-    chip = _target_chip()
+    chip = target_chip()
     return chip is not None and w_dtype.startswith("float8") and _mxu_ok(chip, x_dtype, w_dtype)
 
 
-def _clamp(dim: int, block: int) -> int:
+def clamp(dim: int, block: int) -> int:
     return dim if 0 < dim <= block else block
 
 
-def _out_dtype(out_dtype, x, where):
-    name = out_dtype or (_name(x.dtype) if _name(x.dtype) in OUT_DTYPES else "bfloat16")
+def resolve_out_dtype(out_dtype, x, where):
+    name = out_dtype or (dtype_name(x.dtype) if dtype_name(x.dtype) in OUT_DTYPES else "bfloat16")
     if name not in OUT_DTYPES:
         raise DTypeError(f"{where}: out_dtype {name!r} is not one of {OUT_DTYPES}")
-    return _jnp(name)
+    return jnp_dtype(name)

@@ -11,14 +11,14 @@ from typing import Optional
 import torch
 
 from ...errors import ArgumentError, DeviceError, DTypeError
-from .common import (INT32_MAX_K, OUT_DTYPES, WEIGHT_DTYPES, X_DTYPES, X_QUANT, _jnp, _name, _target_chip,
-                     check_chip)
-from .quantize import _weight_dtype, quantize_per_token_kernel, quantize_weight
+from .common import (INT32_MAX_K, OUT_DTYPES, WEIGHT_DTYPES, X_DTYPES, X_QUANT, check_chip, dtype_name, jnp_dtype,
+                     target_chip)
+from .quantize import weight_dtype_name, quantize_per_token_kernel, quantize_weight
 from .w8a16 import quantized_matmul_kernel
 from .w8a8 import fused_plan, quantized_matmul_w8a8_kernel
 
 
-def _canon_x_quant(x_quant):
+def canon_x_quant(x_quant):
     if x_quant not in X_QUANT:
         raise ArgumentError(f"quantized_matmul: x_quant {x_quant!r} is not one of {X_QUANT}")
     return x_quant
@@ -37,7 +37,7 @@ def check_pair(x_quant: Optional[str], w_dtype: str, where: str) -> None:
         raise DTypeError(f"{where}: x_quant='fp8' needs float8 w_q, got {w_dtype} (use x_quant='int8')")
 
 
-def _check_public(x, w_q, w_scale, x_quant, out_dtype):
+def check_public(x, w_q, w_scale, x_quant, out_dtype):
     where = "tpukernels::quantized_matmul"
     for t, n in ((x, "x"), (w_q, "w_q"), (w_scale, "w_scale")):
         if not isinstance(t, torch.Tensor):
@@ -46,27 +46,27 @@ def _check_public(x, w_q, w_scale, x_quant, out_dtype):
     if len(devs) > 1:
         raise DeviceError(f"{where}: x, w_q and w_scale must be on one device, got "
                           f"{x.device}, {w_q.device}, {w_scale.device}")
-    _canon_x_quant(x_quant)
+    canon_x_quant(x_quant)
     if x.dim() < 1:
         raise ArgumentError(f"{where}: x must have rank >= 1 ([..., K]), got a scalar")
     if w_q.dim() != 2:
         raise ArgumentError(f"{where}: w_q must be 2-D [N, K], got shape {tuple(w_q.shape)}")
-    dw = _name(w_q.dtype)
+    dw = dtype_name(w_q.dtype)
     if dw not in WEIGHT_DTYPES:
         raise DTypeError(f"{where}: w_q dtype {dw} is not one of {WEIGHT_DTYPES} (quantize with quantize_weight)")
-    if _name(x.dtype) not in X_DTYPES:
-        raise DTypeError(f"{where}: x dtype {_name(x.dtype)} is not one of {X_DTYPES}")
+    if dtype_name(x.dtype) not in X_DTYPES:
+        raise DTypeError(f"{where}: x dtype {dtype_name(x.dtype)} is not one of {X_DTYPES}")
     N, K = w_q.shape
     if x.shape[-1] != K:
         raise ArgumentError(f"{where}: x {tuple(x.shape)} and w_q {tuple(w_q.shape)}: x.shape[-1] must equal K = {K}")
     if tuple(w_scale.shape) != (N,):
         raise ArgumentError(f"{where}: w_scale must have shape (N,) = ({N},), got {tuple(w_scale.shape)}")
     if w_scale.dtype != torch.float32:
-        raise DTypeError(f"{where}: w_scale must be float32, got {_name(w_scale.dtype)}")
+        raise DTypeError(f"{where}: w_scale must be float32, got {dtype_name(w_scale.dtype)}")
     check_pair(x_quant, dw, where)
     if x_quant == "int8" and K > INT32_MAX_K:
         raise ArgumentError(f"{where}: K = {K} > {INT32_MAX_K}: an int8 x int8 sum may overflow int32")
-    odt = out_dtype or _name(x.dtype)
+    odt = out_dtype or dtype_name(x.dtype)
     if odt not in OUT_DTYPES:
         raise DTypeError(f"{where}: out_dtype {odt!r} is not one of {OUT_DTYPES}")
     check_chip(x_quant, dw, where=where)
@@ -74,32 +74,32 @@ def _check_public(x, w_q, w_scale, x_quant, out_dtype):
 
 
 def _impl(x, w_q, w_scale, x_quant=None, out_dtype=None, config=None):
-    odt = _check_public(x, w_q, w_scale, x_quant, out_dtype)
+    odt = check_public(x, w_q, w_scale, x_quant, out_dtype)
     N, K = w_q.shape
     lead = x.shape[:-1]
     if K == 0 or N == 0 or math.prod(lead) == 0:
         return torch.zeros(*lead, N, dtype=getattr(torch, odt), device=x.device)
     # w8a8 rounds x: no gradient. The forward runs (inference without torch.no_grad() is common: HF weights
-    # require grad); a backward that reaches it raises (_QuantizedInputHasNoGradient)
+    # require grad); a backward that reaches it raises (QuantizedInputHasNoGradient)
     guard = x_quant is not None and x.requires_grad and torch.is_grad_enabled()
     x2 = (x.detach() if guard else x).reshape(-1, K)
     ws = w_scale.reshape(1, N)
     kw = {} if config is None else dict(config=config)
     # the kernels' out_dtype=None means x's dtype (bf16 for 8-bit x): pass None for that default, so a
     # call's tuning-DB key is the one the shipped entries were tuned under (statics are part of the key)
-    kout = None if odt == _name(x.dtype) else odt
+    kout = None if odt == dtype_name(x.dtype) else odt
     if x_quant is None:
         y = quantized_matmul_kernel(x2, w_q, ws, None, kout, **kw)
     elif _fused(x2, w_q, ws, kout, config):
         y = quantized_matmul_w8a8_kernel(x2, w_q, ws, kout, **kw)
     else:
-        xq, xs = quantize_per_token_kernel(x2, _name(w_q.dtype))
+        xq, xs = quantize_per_token_kernel(x2, dtype_name(w_q.dtype))
         y = quantized_matmul_kernel(xq, w_q, ws, xs, None if odt == "bfloat16" else odt, **kw)
     y = y.reshape(*lead, N)
-    return _QuantizedInputHasNoGradient.apply(x, y, x_quant) if guard else y
+    return QuantizedInputHasNoGradient.apply(x, y, x_quant) if guard else y
 
 
-class _QuantizedInputHasNoGradient(torch.autograd.Function):
+class QuantizedInputHasNoGradient(torch.autograd.Function):
     """Identity on a w8a8 result computed from ``x.detach()``; its backward raises: rounding ``x`` to 8 bits
     has derivative zero almost everywhere, and a silent zero gradient would be a wrong answer."""
 
@@ -120,8 +120,9 @@ def _fused(x2, w_q, ws, odt, config) -> bool:
     once per signature (:func:`_fused_for`), not on every call."""
     from ...targets import config_to_json
 
-    chip = _target_chip()
-    return _fused_for(int(x2.shape[0]), int(x2.shape[1]), int(w_q.shape[0]), _name(x2.dtype), _name(w_q.dtype), odt,
+    chip = target_chip()
+    return _fused_for(int(x2.shape[0]), int(x2.shape[1]), int(w_q.shape[0]), dtype_name(x2.dtype),
+                      dtype_name(w_q.dtype), odt,
                       None if config is None else config_to_json(quantized_matmul_w8a8_kernel, config),
                       None if chip is None else chip.name)
 
@@ -133,10 +134,10 @@ def _fused_for(M, K, N, x_name, q_name, odt, config_json, chip_name) -> bool:
 
     chip = None if chip_name is None else get_chip(chip_name)
     config = None if config_json is None else json.loads(config_json)
-    specs = (TensorSpec((M, K), _jnp(x_name), "x"), TensorSpec((N, K), _jnp(q_name), "w_q"),
-             TensorSpec((1, N), _jnp("float32"), "w_scale"))
+    specs = (TensorSpec((M, K), jnp_dtype(x_name), "x"), TensorSpec((N, K), jnp_dtype(q_name), "w_q"),
+             TensorSpec((1, N), jnp_dtype("float32"), "w_scale"))
     cfg, _ = quantized_matmul_w8a8_kernel.resolve_config(specs, (("out_dtype", odt),), config, chip)
-    return fused_plan(M, K, N, specs[0].dtype, specs[1].dtype, _jnp(odt or x_name), int(cfg["bm"]), int(cfg["bk"]),
+    return fused_plan(M, K, N, specs[0].dtype, specs[1].dtype, jnp_dtype(odt or x_name), int(cfg["bm"]), int(cfg["bk"]),
                       int(cfg["bn"]), chip) is not None
 
 
@@ -146,10 +147,10 @@ _LIB.impl("quantized_matmul", lambda x, w_q, w_scale, x_quant=None, out_dtype=No
           _impl(x, w_q, w_scale, x_quant, out_dtype), "CompositeImplicitAutograd")
 
 
-def _canon_out(out_dtype):
+def canon_out(out_dtype):
     if out_dtype is None:
         return None
-    name = out_dtype if isinstance(out_dtype, str) else _name(out_dtype)
+    name = out_dtype if isinstance(out_dtype, str) else dtype_name(out_dtype)
     name = {"bf16": "bfloat16", "f32": "float32", "fp32": "float32"}.get(name, name)
     if name not in OUT_DTYPES:
         raise DTypeError(f"quantized_matmul: out_dtype {out_dtype!r} is not one of {OUT_DTYPES}")
@@ -190,7 +191,7 @@ def quantized_matmul(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, 
             raise ArgumentError(f"tpukernels::quantized_matmul: {n} must be a torch.Tensor, got {type(t).__name__}")
     if config is not None:
         config_to_json(quantized_matmul_kernel, config)  # the one config rule (a dict of JSON values), typed
-    odt = _canon_out(out_dtype)
+    odt = canon_out(out_dtype)
     if config is None:
         return torch.ops.tpukernels.quantized_matmul(x, w_q, w_scale, x_quant, odt)
     return _impl(x, w_q, w_scale, x_quant, odt, config)
@@ -207,8 +208,8 @@ class TPUQuantLinear(torch.nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, dtype="int8", x_quant=None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.qdtype = _weight_dtype(dtype, "TPUQuantLinear")
-        self.x_quant = _canon_x_quant(x_quant)
+        self.qdtype = weight_dtype_name(dtype, "TPUQuantLinear")
+        self.x_quant = canon_x_quant(x_quant)
         check_pair(self.x_quant, self.qdtype, "TPUQuantLinear")  # at construction, not at the first forward
         self.register_buffer("w_q", torch.zeros(out_features, in_features, dtype=getattr(torch, self.qdtype)))
         self.register_buffer("w_scale", torch.zeros(out_features, dtype=torch.float32))

@@ -11,10 +11,10 @@ import torch
 
 from ... import dsl as _dsl
 from ...dsl.validate import padded_bytes
-from .._vmem import scoped_vmem_limit
+from ..vmem import scoped_vmem_limit
 from ...errors import ArgumentError, DTypeError
-from .common import (INT32_MAX_K, WEIGHT_DTYPES, X_DTYPES, _clamp, _jnp, _name, _native_fp8, _out_dtype,
-                     check_chip)
+from .common import (INT32_MAX_K, WEIGHT_DTYPES, X_DTYPES, check_chip, clamp, dtype_name, jnp_dtype, native_fp8,
+                     resolve_out_dtype)
 
 TUNABLES = {
     "bm": _dsl.Tunable([512, 128, 256, 1024, 2048], default=512, doc="rows of the output block (tokens)"),
@@ -175,11 +175,11 @@ def problem(layout, x, w, ws, xs=None, where="tpukernels::quantized_matmul_kerne
     for t, n in ((x, "x"), (w, "w_q"), (ws, "w_scale")):
         if len(t.shape) != 2:
             raise ArgumentError(f"{where}: {n} must be 2-D, got shape {tuple(t.shape)}")
-    dx, dw = _name(x.dtype), _name(w.dtype)
+    dx, dw = dtype_name(x.dtype), dtype_name(w.dtype)
     if dw not in WEIGHT_DTYPES:
         raise DTypeError(f"{where}: w_q dtype {dw} is not one of {WEIGHT_DTYPES}")
-    if _name(ws.dtype) != "float32":
-        raise DTypeError(f"{where}: w_scale must be float32, got {_name(ws.dtype)}")
+    if dtype_name(ws.dtype) != "float32":
+        raise DTypeError(f"{where}: w_scale must be float32, got {dtype_name(ws.dtype)}")
     Nw, Kw = w.shape
     if layout == "nt":
         M, K = x.shape
@@ -194,9 +194,9 @@ def problem(layout, x, w, ws, xs=None, where="tpukernels::quantized_matmul_kerne
     if tuple(ws.shape) != (1, Nw):
         raise ArgumentError(f"{where}: w_scale must have shape (1, {Nw}) here, got {tuple(ws.shape)}")
     if xs is not None:
-        if tuple(xs.shape) != (M, 1) or _name(xs.dtype) != "float32":
+        if tuple(xs.shape) != (M, 1) or dtype_name(xs.dtype) != "float32":
             raise ArgumentError(f"{where}: x_scale must be float32 (M, 1) = ({M}, 1), got {tuple(xs.shape)} "
-                                f"{_name(xs.dtype)}")
+                                f"{dtype_name(xs.dtype)}")
         if dx != dw:
             raise DTypeError(f"{where}: with x_scale (w8a8) x must have w_q's dtype {dw}, got {dx}")
         if dx == "int8" and K > INT32_MAX_K:
@@ -231,7 +231,7 @@ def stream_plan(M, N, K, bm, bk, bn) -> Optional[dict]:
     ``K`` and ``bn / WEIGHT_DMAS`` a multiple of 32 (the 8-bit sublane tile). Everything else takes the
     blocked launch (grid ``(M/bm, N/bn, K/bk)``, masked tails). Returns ``dict(n_j, blk_n, ndma)``.
     """
-    bm_, bn_, bk_ = _clamp(M, bm), _clamp(N, bn), _clamp(K, bk)
+    bm_, bn_, bk_ = clamp(M, bm), clamp(N, bn), clamp(K, bk)
     if not 0 < M <= min(bm_, STREAM_MAX_M) or N % bn_ or K % bk_:
         return None
     if (bk_ != K and bk_ % 128) or bn_ % (32 * WEIGHT_DMAS):
@@ -248,16 +248,16 @@ def make_launch(layout, x, w, ws, xs, out_dtype, bm, bk, bn) -> "_dsl.Launch":
 
     where = "tpukernels::" + ("quantized_matmul_kernel" if layout == "nt" else "quantized_matmul_bwd_dx")
     M, N, K = problem(layout, x, w, ws, xs, where)
-    odt = _out_dtype(out_dtype, x, where)
-    dx, dw = _name(x.dtype), _name(w.dtype)
+    odt = resolve_out_dtype(out_dtype, x, where)
+    dx, dw = dtype_name(x.dtype), dtype_name(w.dtype)
     if layout == "nt":
         check_chip("int8" if xs is not None and dw == "int8" else ("fp8" if xs is not None else None), dw,
                    where=where)
     acc_int = xs is not None and dw == "int8"
     dequant_to = None
-    if xs is None and not _native_fp8(dx, dw):
-        dequant_to = _jnp(dx)
-    bm_, bn_, bk_ = _clamp(M, bm), _clamp(N, bn), _clamp(K, bk)
+    if xs is None and not native_fp8(dx, dw):
+        dequant_to = jnp_dtype(dx)
+    bm_, bn_, bk_ = clamp(M, bm), clamp(N, bn), clamp(K, bk)
     gi, gj, gk = _dsl.cdiv(M, bm_), _dsl.cdiv(N, bn_), _dsl.cdiv(K, bk_)
     stream = stream_plan(M, N, K, bm, bk, bn) if layout == "nt" else None
     if stream is not None:
@@ -348,7 +348,7 @@ def heuristic(x, w, ws, xs=None, out_dtype=None, *, layout="nt") -> dict:
     estimates, benchmarks/quantized_matmul.py --decode-sweep). float32 x: ``512`` cubed (4-byte operands)."""
     M, K = x.shape
     N = w.shape[0] if layout == "nt" else w.shape[1]
-    if _name(x.dtype) == "float32":
+    if dtype_name(x.dtype) == "float32":
         return dict(bm=512, bk=512, bn=512)
     if M <= STREAM_MAX_M:
         return dict(bm=512, bk=_dividing(K, (4096, 2048, 1024, 512, 256, 128)),
@@ -370,13 +370,13 @@ def _ref_kernel(x, w, ws, xs=None, out_dtype=None):
     z = z * ws
     if xs is not None:
         z = z * xs
-    return z.astype(_out_dtype(out_dtype, x, "quantized_matmul_kernel"))
+    return z.astype(resolve_out_dtype(out_dtype, x, "quantized_matmul_kernel"))
 
 
 def _kernel_shape(x, w_q, w_scale, x_scale=None, out_dtype=None):
     where = "tpukernels::quantized_matmul_kernel"
     M, N, K = problem("nt", x, w_q, w_scale, x_scale, where)
-    return _dsl.OutSpec((M, N), _out_dtype(out_dtype, x, where))
+    return _dsl.OutSpec((M, N), resolve_out_dtype(out_dtype, x, where))
 
 
 @_dsl.tpu_kernel(_qmm_body, name="quantized_matmul_kernel", namespace="tpukernels", tunables=TUNABLES,
@@ -396,11 +396,11 @@ def quantized_matmul_kernel(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.T
 
 def _dx_shape(g, w_q, w_scale, out_dtype=None):
     M, N, K = problem("nn", g, w_q, w_scale, None, "tpukernels::quantized_matmul_bwd_dx")
-    return _dsl.OutSpec((M, N), _out_dtype(out_dtype, g, "tpukernels::quantized_matmul_bwd_dx"))
+    return _dsl.OutSpec((M, N), resolve_out_dtype(out_dtype, g, "tpukernels::quantized_matmul_bwd_dx"))
 
 
 def _dx_heuristic(g, w_q, w_scale, out_dtype=None):
-    return dict(bm=512, bk=1024, bn=1024) if _name(g.dtype) != "float32" else dict(bm=512, bk=512, bn=512)
+    return dict(bm=512, bk=1024, bn=1024) if dtype_name(g.dtype) != "float32" else dict(bm=512, bk=512, bn=512)
 
 
 @_dsl.tpu_kernel(_qmm_body, name="quantized_matmul_bwd_dx", namespace="tpukernels", tunables=TUNABLES,
@@ -417,7 +417,7 @@ def _backward(ctx, g):
     if ctx.needs_input_grad.get("x"):
         if xs is not None:
             raise ArgumentError("tpukernels::quantized_matmul_kernel: no gradient for w8a8 (quantized x)")
-        grads["x"] = torch.ops.tpukernels.quantized_matmul_bwd_dx.default(g.to(x.dtype), w_q, ws, _name(x.dtype))
+        grads["x"] = torch.ops.tpukernels.quantized_matmul_bwd_dx.default(g.to(x.dtype), w_q, ws, dtype_name(x.dtype))
     return grads
 
 

@@ -33,14 +33,14 @@ _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
 F32 = jnp.float32
 
 
-def _row_bytes(h: int, row_dtypes, n_stats: int) -> int:
+def row_bytes(h: int, row_dtypes, n_stats: int) -> int:
     """VMEM bytes per block row: each row-blocked array (and each ``(rows, 1)`` f32 statistic, padded to 128
     lanes) in two pipeline buffers."""
     lanes = tk.cdiv(h, LANES) * LANES
     return 2 * (sum(lanes * np.dtype(d).itemsize for d in row_dtypes) + n_stats * LANES * 4)
 
 
-def _vec_bytes(h: int, dtypes) -> int:
+def vec_bytes(h: int, dtypes) -> int:
     """VMEM bytes of the ``(1, H)`` blocks (weight, bias, weight gradients), two buffers each."""
     return 2 * sum(padded_bytes([1, h], d) for d in dtypes)
 
@@ -53,7 +53,7 @@ def fit_block_rows(block_rows: int, n: int, per_row: int, fixed: int = 0) -> int
 
     Args:
         block_rows: the config value (upper bound); n: rows of the array (bucketed: a multiple of 8).
-        per_row: VMEM bytes per block row (:func:`_row_bytes`); fixed: bytes of row-independent blocks.
+        per_row: VMEM bytes per block row (:func:`row_bytes`); fixed: bytes of row-independent blocks.
     """
     bm = int(block_rows)
     while bm > 8 and bm * per_row + fixed > VMEM_BUDGET_BYTES:
@@ -61,30 +61,30 @@ def fit_block_rows(block_rows: int, n: int, per_row: int, fixed: int = 0) -> int
     return int(n) if 0 < n <= bm else bm
 
 
-def _heuristic_rows(per_row: int, fixed: int) -> dict:
+def heuristic_rows(per_row: int, fixed: int) -> dict:
     """Largest ``block_rows`` whose blocks fit the VMEM budget (memory-bound: bigger steps amortize the
     ~0.35 us per-step pipeline overhead)."""
     fits = [b for b in BLOCK_ROWS if b * per_row + fixed <= VMEM_BUDGET_BYTES]
     return {"block_rows": max(fits) if fits else BLOCK_ROWS[0]}
 
 
-def _tunables():
+def tunables():
     return {"block_rows": tk.Tunable(BLOCK_ROWS, default=256,
                                      doc="rows per grid step (upper bound; lowered to fit VMEM and the row count)")}
 
 
-def _check_2d(name: str, x, h: int | None = None):
+def check_2d(name: str, x, h: int | None = None):
     if len(x.shape) != 2 or (h is not None and x.shape[1] != h):
         want = "[rows, H]" if h is None else f"[rows, {h}]"
         raise ArgumentError(f"{NAMESPACE}: {name} must be {want}, got shape {tuple(x.shape)}")
 
 
-def _check_vec(name: str, v, h):
+def check_vec(name: str, v, h):
     if v is not None and tuple(v.shape) != (1, h):
         raise ArgumentError(f"{NAMESPACE}: {name} must have shape [1, {h}] (internal op), got {tuple(v.shape)}")
 
 
-def _check_dtypes(*specs):
+def check_dtypes(*specs):
     for s in specs:
         if s is None:
             continue
@@ -95,36 +95,36 @@ def _check_dtypes(*specs):
             raise DTypeError(f"{NAMESPACE}: argument {s.name!r} has dtype {name}: {why}")
 
 
-def _check_casting(casting: str):
+def check_casting(casting: str):
     if casting not in CASTINGS:
         raise ArgumentError(f"{NAMESPACE}: casting must be one of {CASTINGS}, got {casting!r}")
 
 
-def _row(bm, h):
+def row_spec(bm, h):
     return pl.BlockSpec((bm, h), lambda i: (i, 0))
 
 
-def _stat(bm):
+def stat(bm):
     return pl.BlockSpec((bm, 1), lambda i: (i, 0))
 
 
-def _vec(h):
+def vec(h):
     return pl.BlockSpec((1, h), lambda i: (0, 0))
 
 
-def _stat_out(n):
+def stat_out(n):
     return tk.OutSpec((n, 1), F32)
 
 
-def _cost(flops_per_elem, n, h, nbytes):
+def cost(flops_per_elem, n, h, nbytes):
     return pl.CostEstimate(flops=int(flops_per_elem * n * h), transcendentals=int(n), bytes_accessed=int(nbytes))
 
 
-def _nbytes(*specs) -> int:
+def spec_nbytes(*specs) -> int:
     return int(sum(s.size * s.itemsize for s in specs if s is not None))
 
 
-def _rstd(v, eps):
+def inv_rms(v, eps):
     """float32 ``1 / sqrt(mean(v**2) + eps)`` over the last axis, ``(rows, 1)``."""
     return jax.lax.rsqrt(jnp.mean(v * v, axis=-1, keepdims=True) + eps)
 
@@ -151,12 +151,12 @@ def round_to_f16(v):
     return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(r, jnp.int32) | sign, F32)
 
 
-def _round(v, dtype, round_f16: bool):
+def round_to(v, dtype, round_f16: bool):
     """float32 ``v`` rounded to the public dtype (float16 emulated: the kernel sees it widened to float32)."""
     return round_to_f16(v) if round_f16 else v.astype(dtype).astype(F32)
 
 
-def _masked_row_sum(v, n_rows: int):
+def masked_row_sum(v, n_rows: int):
     """Sum of a ``(rows, H)`` f32 block over rows, dropping rows past ``n_rows`` (NaN/garbage in the last,
     overhanging block; ``jnp.where``, since ``NaN * 0`` is NaN). Static no-op when blocks tile exactly."""
     bm = v.shape[0]
@@ -165,14 +165,14 @@ def _masked_row_sum(v, n_rows: int):
     return jnp.sum(v, axis=0, keepdims=True)
 
 
-def _weight_grad(ctx, name: str, g):
+def weight_grad(ctx, name: str, g):
     w = ctx.args[name]
     if w is None or not ctx.needs_input_grad.get(name):
         return None
     return g.reshape(w.shape).to(w.dtype)
 
 
-def _check_x(op: str, x) -> int:
+def check_x(op: str, x) -> int:
     if not isinstance(x, torch.Tensor):
         raise ArgumentError(f"{op}: x must be a torch.Tensor [..., H], got {type(x).__name__}")
     if x.dim() < 1:
@@ -186,7 +186,7 @@ def _check_x(op: str, x) -> int:
     return h
 
 
-def _check_param(op: str, name: str, p, x, h):
+def check_param(op: str, name: str, p, x, h):
     if p is None:
         return
     if not isinstance(p, torch.Tensor):
@@ -199,7 +199,7 @@ def _check_param(op: str, name: str, p, x, h):
         raise DeviceError(f"{op}: {name} is on {p.device} but x is on {x.device}")
 
 
-def _check_float(op: str, name: str, v, minimum: float | None = None) -> float:
+def check_float(op: str, name: str, v, minimum: float | None = None) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
         raise ArgumentError(f"{op}: {name} must be a finite float, got {v!r}")
     if minimum is not None and v < minimum:
@@ -207,7 +207,7 @@ def _check_float(op: str, name: str, v, minimum: float | None = None) -> float:
     return float(v)
 
 
-def _check_number(op: str, **values) -> None:
+def check_number(op: str, **values) -> None:
     """Type check of float arguments before the op's schema check (which raises an untyped RuntimeError);
     plain isinstance tests, so torch.compile traces it without a graph break. Ranges: in the op impl."""
     for name, v in values.items():
@@ -215,11 +215,11 @@ def _check_number(op: str, **values) -> None:
             raise ArgumentError(f"{op}: {name} must be a finite float, got {v!r}")
 
 
-def _check_rms_args(op, x, weight, eps, offset, casting):
-    h = _check_x(op, x)
-    _check_param(op, "weight", weight, x, h)
-    eps = _check_float(op, "eps", eps, 0.0)
-    offset = _check_float(op, "offset", offset)
+def check_rms_args(op, x, weight, eps, offset, casting):
+    h = check_x(op, x)
+    check_param(op, "weight", weight, x, h)
+    eps = check_float(op, "eps", eps, 0.0)
+    offset = check_float(op, "offset", offset)
     if casting not in CASTINGS:
         raise ArgumentError(f"{op}: casting must be one of {CASTINGS}, got {casting!r}")
     if weight is None and offset != 0.0:
@@ -227,16 +227,16 @@ def _check_rms_args(op, x, weight, eps, offset, casting):
     return h, eps, offset
 
 
-def _widen(t):
+def widen(t):
     """float16 -> float32 (exact). Mosaic (libtpu 0.0.52) cannot load, store or convert float16 vectors on
     v5e/v6e/tpu7x ("Invalid vector type for load"), so float16 goes through the float32 kernels, with the
     intermediate float16 roundings emulated in the kernel (``round_f16``), and the result is rounded once."""
     return None if t is None else (t.float() if t.dtype == torch.float16 else t)
 
 
-def _vec2d(p):
-    return None if p is None else _widen(p).reshape(1, -1)
+def vec2d(p):
+    return None if p is None else widen(p).reshape(1, -1)
 
 
 #: The library fragment the public ops (rms_norm, fused_add_rms_norm, layer_norm) are defined in.
-_LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
+LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
