@@ -20,7 +20,8 @@ from tpukernels.errors import ArgumentError  # noqa: E402
 from tpukernels.integrations import patch_probes  # noqa: E402
 from tpukernels.integrations import transformers as tki  # noqa: E402
 
-SAMPLE = ["llama", "qwen3_next", "gemma3_text", "falcon_mamba", "cpmant", "gpt_oss"]
+# qwen3_next: tests/test_hybrid_models.py checks its logits and generate() in make test (the sweep runs it in test-slow)
+SAMPLE = ["llama", "gemma3_text", "falcon_mamba", "cpmant", "gpt_oss"]
 
 
 def check_architecture(model_type: str):

@@ -225,6 +225,7 @@ def test_registry_and_their_shard_map_prefill_decode_mixed_vs_their_reference(ti
     assert not np.isnan(np.asarray(r_ours)[sorted(written)]).any()
 
 
+@pytest.mark.slow  # ~45 s; make test keeps the f32 registry steps and the hypothesis batches
 def test_bf16_and_prefix_cache_read_slots_vs_float64():
     """bf16 activations, no conv bias, read_state_indices != state_indices (Mamba prefix caching: resume from one
     slot, write another; the read slot is left as it was) vs float64, in the NaN-poisoned ("tpu") interpret mode
