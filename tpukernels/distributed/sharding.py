@@ -278,6 +278,12 @@ LIBRARY_RULES: dict[str, Callable[[Mapping], list[Split]]] = {
     "ragged_paged_attention_kernel": _ragged_paged,
     # kv_new [T, 2*Hkv, D] into kv_cache [P, page, 2*Hkv, D]: any even split of the combined heads is a copy
     "update_kv_cache_kernel": lambda args: [Split({"kv_new": 1, "kv_cache": 2}, (2,))],
+    # linear attention / SSD (issue 37): replicate only for now. Their heads are independent, but the packed
+    # per-sequence tables, grouped value heads (HV a multiple of H) and the state pools' head axes differ per op,
+    # so a head split needs its own rule and test per op; until then DTensor gathers and each shard computes all.
+    **{name: (lambda args: []) for name in (
+        "gdn_chunk_fwd", "gdn_chunk_bwd", "gdn_recurrent_fwd", "kda_chunk_fwd", "kda_chunk_bwd", "kda_recurrent_fwd",
+        "ssd_chunk_scan_fwd", "ssd_chunk_scan_bwd", "ssd_state_update")},
 }
 
 
