@@ -59,7 +59,8 @@ def test_forward_and_backward_derive_one_plan_per_kernel(counts):
     assert not counts  # the lowered signature is reused: no check, plan or limit again
 
 
-@pytest.mark.parametrize("variant", ["dense", "masked", "rope"])
+@pytest.mark.parametrize("variant", ["dense", pytest.param("masked", marks=pytest.mark.slow),
+                                     pytest.param("rope", marks=pytest.mark.slow)])
 def test_a_forward_call_derives_one_plan(counts, variant):
     q, k, v = _qkv()
     kw = {"dense": dict(causal=True), "masked": dict(mask=CausalMask((128, 128))),

@@ -162,6 +162,7 @@ def test_matches_tpu_inference_reference(rpa, batch, D):
     _check(out, ref_out, sum(q_lens), 2e-5)
 
 
+@pytest.mark.slow  # ~30 s; make test keeps fp8 KV through test_sglang_jax (fp8 cache, per-head/token scales)
 def test_fp8_kv_vs_their_reference(rpa):
     """bf16 q with an fp8 (e4m3) cache and static k_scale / v_scale; their reference rounds the softmax
     probabilities to the cache dtype (fp8), ours keeps them in q's dtype: the tolerance vs theirs says so, and
