@@ -13,6 +13,11 @@ none compiles is printed with the compiler's reasons (record it in ``tpukernels/
     nice -n 10 .venv/bin/python benchmarks/ship_tables.py --chip v4 [--kernel matmul_nn] [--force]
     .venv/bin/python benchmarks/ship_tables.py --chip v4 --prune-stale   # entries of an earlier kernel source
     .venv/bin/python benchmarks/ship_tables.py --chip v6e --kernel K --rekey  # keep a changed kernel's configs
+    .venv/bin/python benchmarks/ship_tables.py --chip v6e --drop-failing   # then a plain run re-tunes them
+
+``--drop-failing`` drops the standard cases' shipped entries whose config the kernel's own static checks reject
+on the chip (``Space.check``: constraints, block rules, VMEM over the scoped limit): dispatch would warn and fall
+back from them. A plain run afterwards tunes those cases again over the checked space.
 
 ``--rekey`` is for a kernel whose source changed without changing what its tunables mean (e.g. control flow
 decided statically that was decided at run time): each standard case's config from the newest entry keyed to an
@@ -129,6 +134,44 @@ def prune_stale(chip: str, only: str | None) -> int:
     return dropped
 
 
+def drop_failing(chip: str, only: str | None) -> int:
+    """Drop the shipped entries of ``chip`` that a standard case would get and that fail its kernel's static
+    checks (module docstring). Returns the entries dropped."""
+    from filelock import FileLock
+
+    from tpukernels import library
+    from tpukernels.autotune import db
+    from tpukernels.autotune.space import Problem, Space
+    from tpukernels.chips import get_chip
+    from tpukernels.dsl.spec import Config
+
+    dropped = 0
+    for kernel, args, kwargs in library.standard_cases():
+        if only and kernel.name != only:
+            continue
+        problem = Problem.from_args(kernel, *args, **kwargs)
+        path = db.shipped_db_path(kernel.qualname, chip)
+        key = db.entry_key(kernel, problem.lowered_specs, problem.statics)
+        entry, how = db.find(db.load(path), key)
+        if how != "exact":
+            continue
+        config = Config({n: tuple(v) if isinstance(v, list) else v for n, v in entry["config"].items()})
+        why = Space(problem, get_chip(chip)).check(config)
+        if why is None:
+            continue
+        with FileLock(path + ".lock", timeout=60):
+            with open(path) as f:
+                data = json.load(f)
+            data["entries"] = [e for e in data["entries"] if e["key"] != entry["key"]]
+            with open(path + ".tmp", "w") as f:
+                json.dump(data, f, indent=1, sort_keys=True)
+            os.replace(path + ".tmp", path)
+        print(f"{chip} {kernel.name} {problem.describe()}: {dict(config)} dropped ({why.kind}: "
+              f"{why.reason[:160]})", flush=True)
+        dropped += 1
+    return dropped
+
+
 def rekey(chip: str, only: str) -> int:
     """Re-key ``only``'s stale shipped entries on ``chip`` to its current source (module docstring). Returns
     the number of standard cases left without an exact entry."""
@@ -186,7 +229,12 @@ def main():
                    help="only drop entries keyed to an earlier kernel source (no tuning)")
     p.add_argument("--rekey", action="store_true",
                    help="with --kernel: re-key the kernel's entries of an earlier source (compile-checked)")
+    p.add_argument("--drop-failing", action="store_true",
+                   help="only drop entries whose config fails the kernel's static checks on the chip (no tuning)")
     args = p.parse_args()
+    if args.drop_failing:
+        drop_failing(args.chip, args.kernel)
+        sys.exit(0)
     if args.rekey:
         if not args.kernel:
             p.error("--rekey needs --kernel")

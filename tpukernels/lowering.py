@@ -10,6 +10,7 @@ Modes: ``"fast"`` / ``"tpu"`` (cpu interpret modes, see :mod:`tpukernels.dsl.mod
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import logging
@@ -242,6 +243,18 @@ def launch_chip() -> Chip | None:
     return _LAUNCH_CHIP.get()
 
 
+@contextlib.contextmanager
+def launching_for(chip: Chip | None):
+    """Run launch functions inside the block for ``chip`` (:func:`launch_chip` returns it there): used by
+    :func:`lower` and by the tuner's static checks, so a launch's chip-dependent choices (e.g. a scoped-VMEM
+    request capped per chip) are the ones the chip will get."""
+    token = _LAUNCH_CHIP.set(chip)
+    try:
+        yield
+    finally:
+        _LAUNCH_CHIP.reset(token)
+
+
 #: config sources that are not tuning-database entries (a DB entry that fails is a warning, these raise)
 _NOT_DB = ("explicit", "heuristic", "default", "pinned")
 
@@ -306,11 +319,8 @@ def lower(
         with kernel._lock:
             kernel._entries[key] = low
         return low
-    token = _LAUNCH_CHIP.set(chip)
-    try:
+    with launching_for(chip):
         resolved, vmem = _resolve_and_validate(kernel, specs, statics, config, chip, mode)
-    finally:
-        _LAUNCH_CHIP.reset(token)
     fn, out_structs = build_fn(kernel, resolved, mode)
     arg_structs = tuple(jax.ShapeDtypeStruct(tuple(int(d) for d in s.shape), s.dtype) for s in specs if s is not None)
     launch = resolved.launch

@@ -225,13 +225,14 @@ class Space:
         return got
 
     def _check(self, config: Config) -> Pruned | None:
-        from ..lowering import resolve, validate
+        from ..lowering import launching_for, resolve, validate
 
         why = self.kernel.space.violation(config)
         if why:
             return Pruned(config, "constraint", why)
         try:
-            resolved = resolve(self.kernel, self._lowered_specs, self.problem.statics, config)
+            with launching_for(self.chip):  # the launch's per-chip choices (scoped VMEM cap) for self.chip
+                resolved = resolve(self.kernel, self._lowered_specs, self.problem.statics, config)
         except ConfigError as e:  # a value the tunable cannot take (0, negative, wrong type)
             return Pruned(config, "config", str(e))
         except (KernelBodyError, ArgumentError) as e:
