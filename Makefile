@@ -80,7 +80,7 @@ demo: $(STAMP)
 	$(VENV)/bin/tpukernels demo
 
 test: $(STAMP) $(TORCH_TPU_WHEEL) $(VLLM_TPU) $(TORCHTITAN) $(FLA) $(DOCS) browser
-	$(PY) -m pytest -n 2 -q
+	$(PY) -m pytest -n 2 -q --durations=30
 
 # Every library kernel vs XLA and public Pallas kernels (libtpu model) + host costs -> BENCHMARKS.md
 bench: $(STAMP)

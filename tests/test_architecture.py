@@ -13,6 +13,8 @@ import pathlib
 
 import pytest
 
+from source_tree import modules  # tests/ is on sys.path (rootdir-relative import)
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "tpukernels"
 
 #: The layers, lowest first: a module may import its own layer (acyclically) and the layers below it. Each
@@ -36,23 +38,13 @@ LAYERS: list[tuple[str, ...]] = [
 ]
 
 
-def _modules(root: pathlib.Path) -> dict[str, pathlib.Path]:
-    mods = {}
-    for p in root.rglob("*.py"):
-        parts = list(p.relative_to(root.parent).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        mods[".".join(parts)] = p
-    return mods
-
-
 def _is_package(path: pathlib.Path) -> bool:
     return path.name == "__init__.py"
 
 
 def import_graph(root: pathlib.Path = ROOT) -> dict[str, dict[str, int]]:
     """``{module: {imported tpukernels module: first line}}`` over every import in the package at ``root``."""
-    mods = _modules(root)
+    mods = modules(root)
 
     def resolve(name: str) -> str | None:
         while name and name not in mods:

@@ -19,6 +19,8 @@ import ast
 import pathlib
 import textwrap
 
+from source_tree import modules  # tests/ is on sys.path (rootdir-relative import)
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "tpukernels"
 LIBRARY = "tpukernels.library"
 
@@ -27,23 +29,13 @@ def _private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
 
-def _modules(root: pathlib.Path) -> dict[str, pathlib.Path]:
-    mods = {}
-    for p in root.rglob("*.py"):
-        parts = list(p.relative_to(root.parent).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        mods[".".join(parts)] = p
-    return mods
-
-
 def _in_library(name: str) -> bool:
     return name == LIBRARY or name.startswith(LIBRARY + ".")
 
 
 def crossings(root: pathlib.Path, only: str = LIBRARY) -> list[str]:
     """``"file:line: what"`` for every underscore name that one module under ``only`` takes from another."""
-    mods = _modules(root)
+    mods = modules(root)
     out = []
     for mod, path in sorted(mods.items()):
         if not (mod == only or mod.startswith(only + ".")):
