@@ -208,7 +208,7 @@ BWD_CU = torch.tensor([0, C + 3, C + 3, C + 8, 2 * C + 7])
 
 
 @pytest.mark.parametrize("fn, dtype", [("chunk", F32), pytest.param("chunk", BF16, marks=pytest.mark.slow),
-                                       ("recurrent", F32)])
+                                       pytest.param("recurrent", F32, marks=pytest.mark.slow)])
 def test_backward_matches_float64_autograd(fn, dtype):
     """kda_chunk_bwd after either forward kernel (NaN-poisoned interpret mode): grouped heads, packed sequences,
     initial and final states."""

@@ -4,14 +4,15 @@ Shapes: one GDN layer of Qwen3-Next-80B-A3B (transformers' ``Qwen3NextConfig`` d
 32 value heads, head dims ``K = V = 128``, conv kernel 4), bf16 activations, float32 state and gates:
 
 * **prefill** of one sequence of ``T = 4096, 16384, 32768`` tokens (forward, zero initial state, final state
-  out): ``chunk_gated_delta_rule(..., use_qk_l2norm_in_kernel=True)``, chunk 64;
+  out): ``chunk_gated_delta_rule(..., use_qk_l2norm_in_kernel=True)``, its default chunk (128);
 * **decode** of ``B = 64, 256`` sequences, one token each, states read from a pool and the new states written:
   ``fused_recurrent_gated_delta_rule(..., ssm_state_indices=...)``.
 
 Bytes: q, k, v, g, beta read once, o written once, and the state: for decode the ``B`` states read and written
 (``2 x B x 32 x 128 x 128 x 4`` bytes, 99.4% of the bytes: a decode row's ``% roofline`` **is** its % of the HBM
-roofline), for prefill the final state. FLOPs: the chunked form's MXU work at chunk 64 (per token and value
-head ``4 C K + 2 C V + 6 K V``, the kernel's own cost estimate); decode ``6 K V``.
+roofline), for prefill the final state. FLOPs: the chunked form's MXU work at that chunk (per token and value
+head ``4 C K + 2 C V + 6 K V``, the kernel's own cost estimate); decode ``6 K V``. XLA's chunked form runs at
+the same chunk.
 
 What the model can see. libtpu 0.0.52's static profiler aborts on XLA's data-movement ops around a kernel
 ("Unsupported DMA direction for latency modeling: dma-general": layout-changing copies such as the token-major
@@ -31,7 +32,8 @@ into VMEM). So:
 * ``xla``: the chunked algorithm in ``jax.numpy`` on the same operands (:func:`xla_prefill`: per chunk the
   WY / UT transform with ``solve_triangular``, all chunks at once, then a ``lax.scan`` over chunks carrying
   the state, f32 HIGHEST-precision matmuls as ours) and for decode the one-token recurrence
-  (:func:`xla_decode`: gather the states, update, return them), plus the same wrapper bytes.
+  (:func:`xla_decode`: gather the states, update, return them), plus the same wrapper bytes. Its prefill is
+  estimated on the same reduced problem as ours and scaled the same way (:func:`xla_prefill_impl`).
 * ``tpu-inference v3``: tpu-inference 0.32.0's ``kernels.gdn.v3.wrapper.fused_conv1d_gdn``, the kernel its
   ``GDNLinearAttentionBackend`` serves Qwen3-Next with (chunked scan over tiles of ``mixed_tile_size=64``
   tokens for prefill, the token recurrence over tiles of ``decode_tile_size=4`` sequences for decode; its
@@ -66,7 +68,7 @@ LIBRARY = ("linear_attention",)  # the library modules its figures depend on (be
 #: Qwen3-Next-80B-A3B's GDN layer (transformers' Qwen3NextConfig: linear_num_key_heads, linear_num_value_heads,
 #: linear_key_head_dim, linear_value_head_dim, linear_conv_kernel_dim)
 H, HV, K, V, CONV = 16, 32, 128, 128, 4
-CHUNK = 64
+CHUNK = 128  # gdn_ops.DEFAULT_CHUNK (a test checks they agree)
 PREFILL = (4096, 16384, 32768)
 DECODE = (64, 256)
 SCALE = K ** -0.5
@@ -287,25 +289,32 @@ def xla_decode(idx, q, k, v, g, beta, pool):
     return (SCALE * jnp.einsum("bhk,bhkv->bhv", qf, S)).astype(v.dtype), S
 
 
-def _xla(fn, structs, n: int, layout: bool) -> Impl:
-    """XLA's compilation of ``fn``, plus the same wrapper bytes at the HBM roofline as ours."""
+def _xla(fn, structs, n: int, layout: bool, scale: int = 1, note: str = "") -> Impl:
+    """XLA's compilation of ``fn``, its estimate times ``scale`` (``structs`` a reduced problem, as ours), plus
+    the same wrapper bytes at the HBM roofline as ours."""
     from ..perf import clock_hz, hbm_bandwidth
 
     def cycles(est, chip):
         extra = wrapper_bytes(n, layout) / hbm_bandwidth(chip) * clock_hz(chip)
-        return est.cycles(fn, structs, chip) + int(extra), None
+        return est.cycles(fn, structs, chip) * scale + int(extra), None
 
-    return Impl("xla", "xla", cycles, config="XLA fusion + l2norm, gates" + (", transposes" if layout else "")
+    return Impl("xla", "xla", cycles, config=note + "XLA fusion + l2norm, gates" + (", transposes" if layout else "")
                 + " at the HBM roofline")
 
 
 def xla_prefill_impl(T: int) -> Impl:
+    """:func:`xla_prefill` estimated on the same reduced problem as ours (``HV / PREFILL_HEAD_DIV`` value heads,
+    ``min(T, PREFILL_EST_T)`` tokens; its chunks and heads are independent but for the scan over chunks, so its
+    work is linear in both) and scaled: at full size libtpu's estimate of it holds ~15 GB of host memory at
+    T = 4096 and grows with T."""
     import jax
     import jax.numpy as jnp
 
+    h, hv, t = H // PREFILL_HEAD_DIV, HV // PREFILL_HEAD_DIV, min(T, PREFILL_EST_T)
+    scale = PREFILL_HEAD_DIV * (T // t)
     bf, f32 = jnp.bfloat16, jnp.float32
-    return _xla(jax.jit(xla_prefill), [_s((H, T, K), bf), _s((H, T, K), bf), _s((HV, T, V), bf), _s((HV * T, 1), f32),
-                                       _s((HV * T, 1), f32)], T, True)
+    return _xla(jax.jit(xla_prefill), [_s((h, t, K), bf), _s((h, t, K), bf), _s((hv, t, V), bf), _s((hv * t, 1), f32),
+                                       _s((hv * t, 1), f32)], T, True, scale, f"H={h} HV={hv} T={t} x{scale}; ")
 
 
 def xla_decode_impl(B: int) -> Impl:

@@ -199,7 +199,7 @@ def unit_lower_inverse(a):
     blocks); at block size ``b = 1, 2, 4, ...`` each ``2b`` diagonal block ``[[I + A11, 0], [A21, I + A22]]``
     has the inverse ``[[X11, 0], [-X22 A21 X11, X22]]``, i.e. ``X <- X - X (A o M_b) X`` with ``M_b`` the mask
     of the ``A21`` quadrants (``X`` is block diagonal, so the product picks ``X22 A21 X11``). Two matmuls per
-    level, ``ceil(log2 n)`` levels; the same operations as forward substitution, so as stable (no Neumann
+    level, ``ceil(log2 n)`` levels (the first, with ``X = I``, needs none); the same operations as forward substitution, so as stable (no Neumann
     series with cancelling powers). Highest-precision float32 matmuls.
     """
     jax, jnp = _jax()
@@ -207,9 +207,10 @@ def unit_lower_inverse(a):
     i = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)
     j = jax.lax.broadcasted_iota(jnp.int32, (n, n), 1)
     af = jnp.where(i > j, a.astype(jnp.float32), 0.0)
-    x = (i == j).astype(jnp.float32)
     levels = max(int(math.ceil(math.log2(n))), 0) if n > 1 else 0
-    for lv in range(levels):
+    # level 0 (b = 1) has X = I, so its update X (A o M_1) X is A o M_1 itself: no matmul
+    x = (i == j).astype(jnp.float32) - jnp.where((i // 2 == j // 2) & (i % 2 == 1) & (j % 2 == 0), af, 0.0)
+    for lv in range(1, levels):
         b = 1 << lv
         quad = ((i // (2 * b)) == (j // (2 * b))) & ((i // b) % 2 == 1) & ((j // b) % 2 == 0)
         x = x - matmul(x, matmul(jnp.where(quad, af, 0.0), x))

@@ -83,18 +83,21 @@ def _state(s):
     return None if s is None else s.float()
 
 
-def gdn_chunk(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+def gdn_chunk(query, key, value, g, beta, chunk_size=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, **kwargs):
     """transformers' ``torch_chunk_gated_delta_rule`` (fla's ``chunk_gated_delta_rule``): ``[B, T, H, K]`` q / k,
-    ``[B, T, HV, V]`` v, ``[B, T, HV]`` g / beta, float32 states ``[B, HV, K, V]``."""
+    ``[B, T, HV, V]`` v, ``[B, T, HV]`` g / beta, float32 states ``[B, HV, K, V]``. The chunk is a schedule, not
+    semantics: a ``chunk_size`` the kernel takes is used, anything else (transformers passes none) gets the
+    kernel's default (``gdn_ops.DEFAULT_CHUNK``)."""
     from ..library.linear_attention import chunk_gated_delta_rule
     from ..library.linear_attention.common import CHUNK_SIZES
+    from ..library.linear_attention.gdn_ops import DEFAULT_CHUNK
 
     _refuse("chunk_gated_delta_rule", kwargs)
     return chunk_gated_delta_rule(query, key, value, g, beta, initial_state=_state(initial_state),
                                   output_final_state=output_final_state,
                                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                                  chunk_size=chunk_size if chunk_size in CHUNK_SIZES else 64)
+                                  chunk_size=chunk_size if chunk_size in CHUNK_SIZES else DEFAULT_CHUNK)
 
 
 def gdn_recurrent(query, key, value, g, beta, initial_state=None, output_final_state=False,

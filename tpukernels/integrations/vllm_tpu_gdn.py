@@ -296,7 +296,7 @@ def fused_conv1d_gdn(qkv, b, a, conv_state, recurrent_state, conv_weight, conv_b
                      query_start_loc, state_indices, distribution, seq_lens, read_state_indices, read_offsets=None, *,
                      n_kq: int, n_v: int, d_k: int, d_v: int, kernel_size: int, num_spec_tokens: int = 0,
                      zero_initialize_out: bool = True, compute_precision=np.float32, decode_tile_size: int = 4,
-                     mixed_tile_size: int = 64, chunk_size: int = 64, interpret: str | None = None):
+                     mixed_tile_size: int = 64, chunk_size: int = 128, interpret: str | None = None):
     """tpu-inference's ``fused_conv1d_gdn`` (``kernels/gdn/v3/wrapper.py``, 0.32.0) on tpukernels' causal-conv1d
     and gated-DeltaNet kernels (the formula, layouts and copies: module docstring). Jitted, the two state caches
     donated (as theirs: the arrays passed in are consumed; use the returned ones).
@@ -318,7 +318,7 @@ def fused_conv1d_gdn(qkv, b, a, conv_state, recurrent_state, conv_weight, conv_b
         read_offsets, num_spec_tokens: speculative decoding; must be None / 0.
         n_kq, n_v, d_k, d_v, kernel_size: the layer's (per-shard) head counts, head dims and conv width.
         zero_initialize_out, decode_tile_size, mixed_tile_size: their kernel's knobs, ignored (padding output is
-            always 0). compute_precision: float32 only. chunk_size: GDN chunk (an extension; 64).
+            always 0). compute_precision: float32 only. chunk_size: GDN chunk (an extension; 128, ``gdn_ops.DEFAULT_CHUNK``).
         interpret: ``"fast"`` / ``"tpu"`` interpret mode off TPU (default: the current mode).
 
     Returns:
