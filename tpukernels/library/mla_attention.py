@@ -12,8 +12,8 @@ Public API (torch tensors; the arguments of tpu-inference 0.32.0's ``mla_ragged_
 :func:`~tpukernels.library.ragged_paged_attention`):
 
 * :func:`mla_ragged_paged_attention` = ``torch.ops.tpukernels.mla_ragged_paged_attention`` (composite) ->
-  ``(out, updated cache_kv)``: writes this step's new latents into their cache slots (kernel op
-  ``mla_update_latent_cache_kernel``), then attends (kernel op ``mla_ragged_paged_attention_kernel``);
+  ``(out, updated cache_kv)``: writes this step's new latents into their cache slots (a scatter of ``T`` rows,
+  slots computed from the metadata), then attends (kernel op ``mla_ragged_paged_attention_kernel``);
 * :func:`mla_ragged_paged_attention_jax`: the same on jax arrays, trace-safe;
 * :func:`mla_attention_reference`: the float64 reference (absorbed form).
 
@@ -64,16 +64,18 @@ sequence's pages (only those below ``kv_len``, and only the kv blocks its rows c
 (``pl.ANY``) ``pages_per_block`` at a time into a double buffer, the next block fetched while the current
 is computed; online softmax with the running max / sum and an f32 ``[rows, L]`` accumulator in VMEM. Slots
 past ``kv_len`` and pages no sequence uses may hold anything (NaN included): they are selected away
-(``jnp.where``), never multiplied by 0. The cache write is its own kernel (one row DMA per new token, slots
-computed on device from the metadata), run before the attention kernel.
+(``jnp.where``), never multiplied by 0. The cache write runs before the kernel as an XLA / torch scatter of
+the ``T`` new rows (a Pallas row DMA into the ``[P, page_size, L + R]`` HBM cache does not compile: Mosaic
+needs tile-aligned offsets along ``page_size``, a tiled dimension of that layout; tpu-inference's packed
+``[P, page_size / packing, packing, W]`` layout is what lets its v2 kernel write in place).
 
 Differences from tpu-inference's MLA v2 kernel: ``ql_nope`` and ``out`` are token-major ``[T, H, L]`` (v2:
 head-major ``[H, T, L]``; v1 and its reference: ``[T, H, L]``, as here); the cache is ``[P, page_size, L + R]``
 unpadded (v2: ``[P, page_size / packing, packing, align(L, 128) + align(R, 128)]``, k_pe padded to 128
 lanes); ``page_indices`` is 2-D ``[S, pages_per_seq]`` (v2: flattened); ``num_seqs [1]`` replaces
 ``distribution [3]`` (``distribution[2]`` is the sequence count; decode, prefill and mixed sequences go in one
-call, in any order); the cache write and the attention are two ``pallas_call`` s (v2 fuses them, with the
-cache donated); sliding window, soft cap and ``mask_value`` are not supported (DeepSeek / Kimi use none);
+call, in any order); the cache write is a scatter before the ``pallas_call`` (v2 fuses it, with the cache
+donated); sliding window, soft cap and ``mask_value`` are not supported (DeepSeek / Kimi use none);
 ``chunk_prefill_size``, ``decode_batch_size``, block sizes per case and ``s_dtype`` are replaced by this
 module's ``config`` (``block_q``, ``pages_per_block``). **Functional**: ``cache_kv`` is not modified; the
 updated cache is returned (one cache copy per call: XLA copies the aliased input that is not donated).
@@ -213,8 +215,7 @@ def _is_tracing(t: torch.Tensor) -> bool:
 
 def new_token_slots(kv_lens, page_indices, cu_q_lens, num_seqs, *, T: int, P: int, ps: int):
     """Cache slot (``page * page_size + row``) of each of the ``T`` query tokens, -1 for rows no sequence owns
-    (jax, on device: the write kernel's ``Launch.prefetch``). Out-of-range metadata gives -1, never a slot
-    outside the cache."""
+    (jax, on device: the JAX entry's write). Out-of-range metadata gives -1, never a slot outside the cache."""
     import jax
     import jax.numpy as jnp
 
@@ -229,59 +230,34 @@ def new_token_slots(kv_lens, page_indices, cu_q_lens, num_seqs, *, T: int, P: in
     ok = (t < cu[n]) & (pos >= 0) & (pos < pps * ps)
     page = page_indices[s, jnp.clip(pos // ps, 0, pps - 1)]
     ok = ok & (page >= 0) & (page < P)
-    return (jnp.where(ok, page * ps + pos % ps, -1).astype(jnp.int32),)
+    return jnp.where(ok, page * ps + pos % ps, -1).astype(jnp.int32)
 
 
-def _update_body(slots_ref, new_ref, cache_in, cache_out, sems, *, bt: int, page_size: int):
-    import jax
-    import jax.numpy as jnp
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import tpu as pltpu
-
-    del cache_in  # aliased to cache_out
-    i = pl.program_id(0)
-    n_slots, T = cache_out.shape[0] * page_size, slots_ref.shape[0]
-
-    def copies(fn):
-        for j in range(bt):
-            t = i * bt + j
-            slot = slots_ref[jnp.minimum(t, T - 1)]
-
-            @pl.when((t < T) & (slot >= 0) & (slot < n_slots))
-            def _():
-                page, row = jax.lax.div(slot, page_size), jax.lax.rem(slot, page_size)
-                fn(pltpu.make_async_copy(new_ref.at[j], cache_out.at[page, pl.ds(row, 1)], sems.at[0]))
-
-    copies(lambda c: c.start())
-    copies(lambda c: c.wait())
+def new_token_slots_torch(kv_lens, page_indices, cu_q_lens, num_seqs, *, T: int, P: int, ps: int) -> torch.Tensor:
+    """:func:`new_token_slots` in torch ops (the torch op's write; any device, fake tensors included): int64 ``[T]``,
+    -1 for rows no sequence owns."""
+    S, pps = page_indices.shape
+    dev = kv_lens.device
+    n = num_seqs[0].clamp(0, S)
+    cu = torch.where(torch.arange(S + 1, device=dev) <= n, cu_q_lens.clamp(0, T), 0).cummax(0).values
+    t = torch.arange(T, device=dev)
+    s = torch.searchsorted(cu[1:].contiguous(), t.to(cu.dtype), right=True).clamp(0, S - 1)
+    q0, q1 = cu[s].long(), cu[s + 1].long()
+    pos = kv_lens[s].long() - (q1 - q0) + (t - q0)
+    ok = (t < cu[n].long()) & (pos >= 0) & (pos < pps * ps)
+    page = page_indices[s, (pos // ps).clamp(0, pps - 1)].long()
+    ok = ok & (page >= 0) & (page < P)
+    return torch.where(ok, page * ps + pos % ps, -1)
 
 
-def _update_out_shape(kv_lens, page_indices, cu_q_lens, num_seqs, new_kv, cache_kv):
-    return OutSpec(tuple(cache_kv.shape), cache_kv.dtype)
-
-
-@tpu_kernel(_update_body, name="mla_update_latent_cache_kernel", namespace=NAMESPACE, out_shape=_update_out_shape)
-def update_kernel(kv_lens: torch.Tensor, page_indices: torch.Tensor, cu_q_lens: torch.Tensor,
-                  num_seqs: torch.Tensor, new_kv: torch.Tensor, cache_kv: torch.Tensor) -> torch.Tensor:
-    """Kernel op ``torch.ops.tpukernels.mla_update_latent_cache_kernel``: the metadata, ``new_kv [T, 1, L + R]``
-    (``[c_kv | k_pe]`` per token) and ``cache_kv [P, page_size, L + R]`` -> the updated copy of ``cache_kv``.
-    See :func:`mla_ragged_paged_attention`."""
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import tpu as pltpu
-
-    T, P, ps = int(new_kv.shape[0]), int(cache_kv.shape[0]), int(cache_kv.shape[1])
-    bt = 8
-    return Launch(
-        grid=(cdiv(T, bt),),
-        in_specs=[pl.BlockSpec((bt, 1, new_kv.shape[2]), lambda i, s: (i, 0, 0)), pl.BlockSpec(memory_space=pl.ANY)],
-        out_specs=pl.BlockSpec(memory_space=pl.ANY),
-        out_shape=OutSpec(tuple(cache_kv.shape), cache_kv.dtype),
-        scratch_shapes=[pltpu.SemaphoreType.DMA((1,))],
-        num_scalar_prefetch=4,
-        prefetch=lambda kl, pi, cu, ns: new_token_slots(kl, pi, cu, ns, T=T, P=P, ps=ps),
-        input_output_aliases={2: 0},
-        body_kwargs=dict(bt=bt, page_size=ps),
-    )
+def write_latents(cache_kv: torch.Tensor, new_kv: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``cache_kv [P, page_size, W]`` with row ``t`` of ``new_kv [T, W]`` at slot ``slots[t]`` (-1: skipped);
+    a new tensor (one cache copy), written as bytes (fp8 caches included)."""
+    P, ps, W = cache_kv.shape
+    flat = torch.cat([cache_kv.reshape(P * ps, W), cache_kv.new_zeros(1, W)])  # one extra row takes the skips
+    idx = torch.where(slots >= 0, slots, P * ps)
+    flat.view(torch.uint8).index_copy_(0, idx, new_kv.contiguous().view(torch.uint8))
+    return flat[: P * ps].reshape(P, ps, W)
 
 
 # ----------------------------------------------------------------------------------------------- attention body
@@ -491,8 +467,8 @@ def _mla_impl(ql_nope, q_pe, new_kv_c, new_k_pe, cache_kv, kv_lens, page_indices
     if T == 0:
         return ql_nope.new_zeros(ql_nope.shape), cache_kv.clone()
     meta = (kv_lens, page_indices, cu_q_lens, num_seqs)
-    new_kv = torch.cat([new_kv_c, new_k_pe], dim=-1).unsqueeze(1)  # [T, 1, L + R]
-    cache = torch.ops.tpukernels.mla_update_latent_cache_kernel(*meta, new_kv, cache_kv)
+    slots = new_token_slots_torch(*meta, T=T, P=P, ps=ps)
+    cache = write_latents(cache_kv, torch.cat([new_kv_c, new_k_pe], dim=-1), slots)
     out = torch.ops.tpukernels.mla_ragged_paged_attention_kernel(*meta, ql_nope, q_pe, cache, float(sm_scale), k_scale,
                                                                  v_scale, q_scale, config=config)
     return out, cache
@@ -631,8 +607,10 @@ def mla_ragged_paged_attention_jax(ql_nope, q_pe, new_kv_c, new_k_pe, cache_kv, 
         check_metadata_values(*(np.asarray(t) for t in meta), T=T, P=P, ps=ps, where=where, hint=_NEW_TOKENS)
     if T == 0:
         return jnp.zeros(ql_nope.shape, ql_nope.dtype), cache_kv
-    new_kv = jnp.concatenate([new_kv_c, new_k_pe], axis=-1)[:, None, :]
-    cache = jax_call(update_kernel, *meta, new_kv, cache_kv, interpret=interpret)
+    slots = new_token_slots(*meta, T=T, P=P, ps=ps)
+    flat = cache_kv.reshape(P * ps, L + R).at[jnp.where(slots >= 0, slots, P * ps)].set(
+        jnp.concatenate([new_kv_c, new_k_pe], axis=-1), mode="drop")  # slot P * ps: dropped (a skipped row)
+    cache = flat.reshape(P, ps, L + R)
     out = jax_call(mla_kernel, *meta, ql_nope, q_pe, cache, float(sm_scale),
                    *(None if x is None else float(x) for x in (k_scale, v_scale, q_scale)), config=config,
                    interpret=interpret)
@@ -695,4 +673,4 @@ def _case(T, S, ctx, ps, dtype="bf16", H=128):
 STANDARD_CASES = [_case(64, 64, 2048, ps) for ps in (64, 128)] + [_case(256, 16, 2048, 64)]
 
 __all__ = ["mla_ragged_paged_attention", "mla_ragged_paged_attention_jax", "mla_attention_reference", "mla_kernel",
-           "update_kernel", "new_token_slots", "STANDARD_CASES"]
+           "new_token_slots", "STANDARD_CASES"]
