@@ -118,7 +118,7 @@ def _heuristic(kv_lens, page_indices, cu_q_lens, num_seqs, ql_nope, q_pe, cache_
         return {}
     T, H, S, ps = int(ql_nope.shape[0]), int(ql_nope.shape[1]), int(page_indices.shape[0]), int(cache_kv.shape[1])
     pow2 = lambda n: 1 << (max(1, n).bit_length() - 1)
-    bq = 1 if T <= S else min(64, pow2(256 // max(H, 1)))
+    bq = 1 if T <= S else min(64, pow2(256 // max(H, 1)), pow2(T))
     return {"block_q": bq, "pages_per_block": min(64, pow2(512 // max(ps, 1)))}
 
 
@@ -227,7 +227,7 @@ def new_token_slots(kv_lens, page_indices, cu_q_lens, num_seqs, *, T: int, P: in
     s = jnp.clip(jnp.searchsorted(cu[1:], t, side="right"), 0, S - 1).astype(jnp.int32)
     q0, q1 = cu[s], cu[s + 1]
     pos = kv_lens[s] - (q1 - q0) + (t - q0)
-    ok = (t < cu[n]) & (pos >= 0) & (pos < pps * ps)
+    ok = (t < cu[-1]) & (pos >= 0) & (pos < pps * ps)  # cu[-1] = cu[num_seqs]: constant past it
     page = page_indices[s, jnp.clip(pos // ps, 0, pps - 1)]
     ok = ok & (page >= 0) & (page < P)
     return jnp.where(ok, page * ps + pos % ps, -1).astype(jnp.int32)
@@ -244,7 +244,7 @@ def new_token_slots_torch(kv_lens, page_indices, cu_q_lens, num_seqs, *, T: int,
     s = torch.searchsorted(cu[1:].contiguous(), t.to(cu.dtype), right=True).clamp(0, S - 1)
     q0, q1 = cu[s].long(), cu[s + 1].long()
     pos = kv_lens[s].long() - (q1 - q0) + (t - q0)
-    ok = (t < cu[n].long()) & (pos >= 0) & (pos < pps * ps)
+    ok = (t < cu[-1].long()) & (pos >= 0) & (pos < pps * ps)  # cu[-1] = cu[num_seqs]: constant past it
     page = page_indices[s, (pos // ps).clamp(0, pps - 1)].long()
     ok = ok & (page >= 0) & (page < P)
     return torch.where(ok, page * ps + pos % ps, -1)

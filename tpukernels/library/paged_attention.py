@@ -262,8 +262,7 @@ def check_metadata_values(kl, pi, cu, ns, *, T: int, P: int, ps: int, where: str
             raise ArgumentError(f"{where}: kv_lens[{s}] = {int(kl[s])} must be in [0, pages_per_seq * page_size] = "
                                 f"[0, {pps * ps}] (the pages of page_indices[{s}] hold at most {pps * ps} tokens)")
         if d[s] > kl[s]:
-            raise ArgumentError(f"{where}: sequence {s} has q_len {int(d[s])} > kv_lens[{s}] = {int(kl[s])}; its new "
-                                f"tokens' K/V must already be in the cache (update_kv_cache first)")
+            raise ArgumentError(f"{where}: sequence {s} has q_len {int(d[s])} > kv_lens[{s}] = {int(kl[s])}; {hint}")
         used = pi[s, : -(-int(kl[s]) // ps)]
         bad = (used < 0) | (used >= P)
         if bad.any():
