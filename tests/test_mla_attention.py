@@ -127,6 +127,18 @@ def test_sweep_slow(ps, H, dtype, bq, ppb, mode, batch):
     check(args, out, cache, TOL[dtype], sm_scale=0.1)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_deepseek_v3_dims_slow(dtype):
+    """DeepSeek-V3's attention dims (128 heads, kv_lora_rank 512, rope 64), page 16, a mixed batch (decode rows,
+    a chunk, a prefill) at the heuristic config, NaN-poisoned; "tpu" interpret mode."""
+    args = make_batch([1, 1, 3, 5], [40, 17, 33, 5], S=5, T=12, H=128, ps=16, pps=3, P=12, dtype=dtype, seed=9,
+                      L=512, R=64)
+    sm_scale = 192 ** -0.5 * (0.1 * math.log(40.0) + 1.0) ** 2  # YaRN mscale (factor 40, mscale_all_dim 1)
+    out, cache = mla_ragged_paged_attention(*args, sm_scale=sm_scale, interpret="tpu")
+    check(args, out, cache, TOL[dtype], sm_scale=sm_scale)
+
+
 # --------------------------------------------------------------------------------------------- MLA semantics
 
 
