@@ -67,7 +67,9 @@ past ``kv_len`` and pages no sequence uses may hold anything (NaN included): the
 (``jnp.where``), never multiplied by 0. The cache write runs before the kernel as an XLA / torch scatter of
 the ``T`` new rows (a Pallas row DMA into the ``[P, page_size, L + R]`` HBM cache does not compile: Mosaic
 needs tile-aligned offsets along ``page_size``, a tiled dimension of that layout; tpu-inference's packed
-``[P, page_size / packing, packing, W]`` layout is what lets its v2 kernel write in place).
+``[P, page_size / packing, packing, W]`` layout is what lets its v2 kernel write in place). It compiles
+for v5e, v6e and tpu7x (libtpu compile-only: :data:`STANDARD_CASES`, DeepSeek-V3 decode and mixed batches
+at page size 64 / 128, bf16 and fp8 caches); it has not run on a TPU.
 
 Differences from tpu-inference's MLA v2 kernel: ``ql_nope`` and ``out`` are token-major ``[T, H, L]`` (v2:
 head-major ``[H, T, L]``; v1 and its reference: ``[T, H, L]``, as here); the cache is ``[P, page_size, L + R]``
