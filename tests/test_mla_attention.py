@@ -87,7 +87,7 @@ def batches(draw, S=4, T=16, ps=4, pps=6):
 
 
 @pytest.mark.parametrize("mode", ["fast", "tpu"])  # "tpu": uninitialized VMEM is NaN too
-@settings(max_examples=6)
+@settings(max_examples=4)
 @given(batch=batches())
 def test_ragged_batches_match_reference(mode, batch):
     q_lens, kv_lens, seed = batch
@@ -198,8 +198,8 @@ def test_matches_tpu_inference_reference():
     same output rows and the same written cache."""
     jnp = pytest.importorskip("jax.numpy")
     v1 = pytest.importorskip("tpu_inference.kernels.mla.v1.kernel")
-    q_lens, kv_lens = [1, 6, 2, 3], [9, 6, 4, 11]  # its reference needs q_len >= 1
-    S, T, H, ps, pps, P = 4, 12, 4, 4, 3, 16
+    q_lens, kv_lens = [1, 5, 3], [9, 5, 11]  # decode, prefill, chunk; its reference needs q_len >= 1
+    S, T, H, ps, pps, P = 3, 10, 4, 4, 3, 12
     args = make_batch(q_lens, kv_lens, S=S, T=T, H=H, ps=ps, pps=pps, P=P, seed=7, poison=False)
     out, cache = mla_ragged_paged_attention(*args, sm_scale=0.07, interpret="fast")
     ql_nope, q_pe, new_c, new_pe, cache_kv, kl, pi, cu, ns = args
@@ -211,9 +211,9 @@ def test_matches_tpu_inference_reference():
         jnp.asarray(new_pe[:n].numpy()), jnp.asarray(their_cache), jnp.asarray(kl.numpy()),
         jnp.asarray(pi.reshape(-1).numpy()), jnp.asarray(cu.numpy()), jnp.asarray([0, 0, S], jnp.int32),
         sm_scale=0.07)
-    got = torch.from_numpy(np.asarray(got)).reshape(n, H, L)
+    got = torch.from_numpy(np.array(got)).reshape(n, H, L)
     assert (out[:n] - got).abs().max().item() <= 1e-5 * got.abs().max().item()
-    got_cache = torch.from_numpy(np.asarray(got_cache))[:, :, 0]
+    got_cache = torch.from_numpy(np.array(got_cache))[:, :, 0]
     assert torch.equal(cache, torch.cat([got_cache[..., :L], got_cache[..., L:L + R]], -1))
 
 

@@ -206,12 +206,6 @@ def _check_statics(sm_scale, k_scale, v_scale, q_scale, where: str) -> None:
             raise ArgumentError(f"{where}: {name} must be None or a finite float > 0, got {s!r}")
 
 
-def _is_tracing(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import is_fake
-
-    return is_fake(t) or torch.compiler.is_compiling()
-
-
 # ----------------------------------------------------------------------------------------------- cache write
 
 
