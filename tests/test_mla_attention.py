@@ -375,3 +375,16 @@ def test_compile_only_fp8_latent_cache(chip, kv):
     args = args[:6] + (args[6].replace("bf16", kv),)
     r = tk.compile_for(kern, chip, *args, with_mlir=False, **dict(kw, k_scale=2.0, v_scale=0.5))
     assert r.ok, (chip, r.error)
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("chip, H, dtype, ps", [("v5e", 8, "bf16", 16), ("v6e", 16, "bf16", 32), ("tpu7x", 12, "f32", 16)])
+def test_compile_only_head_counts_and_float32(chip, H, dtype, ps):
+    """Head counts that are not (8) and are (16) a multiple of bf16's sublane tile (the folded query goes through
+    f32 or stays bf16), float32 queries and cache."""
+    import tpukernels as tk
+
+    args = ("8:i32", "8x4:i32", "9:i32", "1:i32", f"16x{H}x512:{dtype}", f"16x{H}x64:{dtype}", f"64x{ps}x576:{dtype}")
+    r = tk.compile_for(mla.mla_kernel, chip, *args, with_mlir=False, sm_scale=0.1, k_scale=None, v_scale=None,
+                       q_scale=None)
+    assert r.ok, r.error

@@ -308,10 +308,10 @@ def _mla_body(kv_lens, page_indices, cu_q_lens, num_seqs, item_seq, item_blk, ql
         m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-        # heads folded into rows (row = token_in_block * H + head), [ql_nope | q_pe] side by side (through f32:
-        # no packed-dtype reshapes for head counts that are not a multiple of the sublane packing)
-        qf_ref[:, :L] = ql_ref[...].astype(jnp.float32).reshape(rows, L)
-        qf_ref[:, L:] = qpe_ref[...].astype(jnp.float32).reshape(rows, R)
+        # heads folded into rows (row = token_in_block * H + head), [ql_nope | q_pe] side by side; folded through
+        # f32 (scratch in f32) when H is not a multiple of the packed dtype's sublane tile (no packed reshapes)
+        qf_ref[:, :L] = ql_ref[...].astype(qf_ref.dtype).reshape(rows, L)
+        qf_ref[:, L:] = qpe_ref[...].astype(qf_ref.dtype).reshape(rows, R)
 
     f32 = np.dtype(cdt) == np.dtype(np.float32)
     prec = jax.lax.Precision.HIGHEST if f32 else None
@@ -428,7 +428,7 @@ def mla_kernel(
         scratch_shapes=[
             pltpu.VMEM((2, ppb, ps, W), cache_kv.dtype),  # latent page double buffer
             pltpu.SemaphoreType.DMA((2,)),
-            pltpu.VMEM((rows, W), jnp.float32),  # [ql_nope | q_pe], heads folded into rows
+            pltpu.VMEM((rows, W), ql_nope.dtype if H % (32 // it) == 0 else jnp.float32),  # [ql_nope | q_pe]
             pltpu.VMEM((rows, 128), jnp.float32),  # running max (lane-broadcast)
             pltpu.VMEM((rows, 128), jnp.float32),  # running sum
             pltpu.VMEM((rows, L), jnp.float32),  # output accumulator
