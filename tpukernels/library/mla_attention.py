@@ -71,6 +71,13 @@ needs tile-aligned offsets along ``page_size``, a tiled dimension of that layout
 for v5e, v6e and tpu7x (libtpu compile-only: :data:`STANDARD_CASES`, DeepSeek-V3 decode and mixed batches
 at page size 64 / 128, bf16 and fp8 caches); it has not run on a TPU.
 
+Performance: not measured (no TPU) and not estimated: libtpu 0.0.52's static profiler aborts on this kernel at
+the 576-lane cache (``llo_execution_graph.cc:46``, v5e / v6e / tpu7x; it compiles) and on tpu-inference's MLA v2
+(``llo_execution_graph.cc:146``); with a 640-lane cache it answers below the MXU floor (v6e, DeepSeek-V3
+decode 64 x 8192: 27 us vs 159 us), so no credible figure. Rooflines of that decode (bf16, 128 heads, the
+batch's latent pages read once): v5e HBM 758 us / MXU 741 us (both bound: 128 heads give ~240 flop per
+cached byte), v6e 379 / 159 us, tpu7x 168 / 126 us (HBM-bound).
+
 Differences from tpu-inference's MLA v2 kernel: ``ql_nope`` and ``out`` are token-major ``[T, H, L]`` (v2:
 head-major ``[H, T, L]``; v1 and its reference: ``[T, H, L]``, as here); the cache is ``[P, page_size, L + R]``
 unpadded (v2: ``[P, page_size / packing, packing, align(L, 128) + align(R, 128)]``, k_pe padded to 128
