@@ -35,6 +35,20 @@ def test_ragged_paged_attention_under_torchax(env):
     check(args, out, TOL[torch.float32], sinks=sinks)
 
 
+def test_mla_ragged_paged_attention_under_torchax(env):
+    """The MLA op on torchax tensors: lowered to its JAX entry; the output and the written cache those of cpu."""
+    from test_mla_attention import make_batch as mla_batch
+
+    args = mla_batch([1, 3], [4, 6], S=2, T=6, H=4, ps=4, pps=2, P=6, poison=False)
+    want, want_cache = torch.ops.tpukernels.mla_ragged_paged_attention(*args, 0.1)
+    with env:
+        out, cache = torch.ops.tpukernels.mla_ragged_paged_attention(*[a.to("jax") for a in args], 0.1)
+        assert type(out).__module__.startswith("torchax")
+        out, cache = out.to("cpu"), cache.to("cpu")
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(cache, want_cache)
+
+
 def _kernel_calls(monkeypatch):
     """Names of the kernels :func:`tpukernels.jax_call` runs (the torchax lowerings of kernel ops end there)."""
     from tpukernels.targets import jax_entry

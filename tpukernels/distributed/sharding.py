@@ -21,7 +21,8 @@ is always appended (the fallback: inputs are gathered, every rank computes the w
   when the mesh divides the scale groups, or N as a partial sum); masked (block-sparse) flash
   attention (batch; heads for a one-head mask); RoPE (heads, positions, batch); linear cross-entropy derives
   its rule from ``rows=``; ragged paged attention over
-  heads (when ``Hkv`` divides by the mesh: each shard keeps whole K/V pairs) and its cache update.
+  heads (when ``Hkv`` divides by the mesh: each shard keeps whole K/V pairs) and its cache update; MLA
+  attention over a latent cache over heads (the cache replicated).
 * user kernels: ``@tpu_kernel(..., sharding=[Split(...), ...])`` or ``sharding=fn`` (called with the op's
   arguments by name, tensors as ``.shape``/``.dtype`` metadata, returning Splits); else derived from
   ``rows=``; else replicate only.
@@ -245,6 +246,17 @@ def _ragged_paged(args: Mapping) -> list[Split]:
     return [Split(split, (1,))] if isinstance(q, TensorMeta) else []
 
 
+def _mla_paged(args: Mapping) -> list[Split]:
+    """``ql_nope [T, H, L]``, ``q_pe [T, H, R]`` over the latent cache ``[P, page, L + R]`` -> ``[T, H, L]``: over
+    heads (when the mesh divides ``H``); the cache (one latent shared by every head) and the metadata replicated.
+    Tokens are not split: ``cu_q_lens`` index the global rows."""
+    ql, qpe = args.get("ql_nope"), args.get("q_pe")
+    n = int(math.prod(current_mesh_shape()) or 1)
+    if not (isinstance(ql, TensorMeta) and isinstance(qpe, TensorMeta)) or ql.shape[1] % n:
+        return []
+    return [Split({"ql_nope": 1, "q_pe": 1}, (1,))]
+
+
 #: Kernel op name (in the ``tpukernels`` namespace) -> rule ``fn(args by name) -> [Split]``. Norms need no
 #: entry: their ``rows=`` declaration derives the rule. The one place op names appear.
 LIBRARY_RULES: dict[str, Callable[[Mapping], list[Split]]] = {
@@ -278,6 +290,7 @@ LIBRARY_RULES: dict[str, Callable[[Mapping], list[Split]]] = {
     "ragged_paged_attention_kernel": _ragged_paged,
     # kv_new [T, 2*Hkv, D] into kv_cache [P, page, 2*Hkv, D]: any even split of the combined heads is a copy
     "update_kv_cache_kernel": lambda args: [Split({"kv_new": 1, "kv_cache": 2}, (2,))],
+    "mla_ragged_paged_attention_kernel": _mla_paged,
     # linear attention / SSD (issue 37): replicate only for now. Their heads are independent, but the packed
     # per-sequence tables, grouped value heads (HV a multiple of H) and the state pools' head axes differ per op,
     # so a head split needs its own rule and test per op; until then DTensor gathers and each shard computes all.

@@ -144,7 +144,8 @@ def register(env=None) -> list[str]:
       rms_norm, layer_norm, fused_add_rms_norm, matmul, quantized_matmul, rope, gated_activation,
       linear_cross_entropy, ...) -> its own body on torchax tensors, whose kernel-op calls take the lowerings
       above (one mechanism: no per-op code);
-    * ``ragged_paged_attention`` -> :func:`~tpukernels.library.paged_attention.ragged_paged_attention_jax`.
+    * ``ragged_paged_attention`` -> :func:`~tpukernels.library.paged_attention.ragged_paged_attention_jax`;
+      ``mla_ragged_paged_attention`` -> :func:`~tpukernels.library.mla_attention.mla_ragged_paged_attention_jax`.
 
     Call it again after defining new ``@tpu_kernel`` s. Forward only: these lowerings do not differentiate
     through torchax (torch autograd of the composites is not involved).
@@ -181,6 +182,19 @@ def register(env=None) -> list[str]:
 
     _put(env, torch.ops.tpukernels.ragged_paged_attention.default, rpa, jax_function=True)
     done.append("tpukernels::ragged_paged_attention")
+
+    # MLA likewise: its JAX entry writes the latents with a jnp scatter (the torch body's byte-view index_copy_
+    # and metadata ops stay out of torchax)
+    from ..library import mla_attention as mla
+
+    def mla_rpa(ql_nope, q_pe, new_kv_c, new_k_pe, cache_kv, kv_lens, page_indices, cu_q_lens, num_seqs,
+                sm_scale=1.0, k_scale=None, v_scale=None, q_scale=None, config=None):
+        return mla.mla_ragged_paged_attention_jax(ql_nope, q_pe, new_kv_c, new_k_pe, cache_kv, kv_lens, page_indices,
+                                                  cu_q_lens, num_seqs, sm_scale=sm_scale, k_scale=k_scale,
+                                                  v_scale=v_scale, q_scale=q_scale, config=config)
+
+    _put(env, torch.ops.tpukernels.mla_ragged_paged_attention.default, mla_rpa, jax_function=True)
+    done.append("tpukernels::mla_ragged_paged_attention")
 
     for qualname in torch._C._dispatch_get_all_op_names():
         if not qualname.startswith("tpukernels::") or qualname in done or qualname in REGISTRY:

@@ -29,6 +29,8 @@ from .linear_attention import (chunk_gated_delta_rule, chunk_kda,  # noqa: E402,
 from .linear_attention import mamba_chunk_scan_combined, selective_state_step, selective_state_update  # noqa: E402,F401
 from .paged_attention import (paged_attention_reference, ragged_paged_attention, ragged_paged_attention_jax,  # noqa: E402,F401
                               update_kv_cache)
+from .mla_attention import (mla_attention_reference, mla_ragged_paged_attention,  # noqa: E402,F401
+                            mla_ragged_paged_attention_jax)
 
 
 def standard_cases():

@@ -227,17 +227,22 @@ def _is_tracing(t: torch.Tensor) -> bool:
     return is_fake(t) or torch.compiler.is_compiling()
 
 
-def _check_values(kv_lens, page_indices, cu_q_lens, num_seqs, T: int, P: int, ps: int, where: str) -> None:
+_NEW_KV_HINT = "its new tokens' K/V must already be in the cache (update_kv_cache first)"
+
+
+def check_metadata(kv_lens, page_indices, cu_q_lens, num_seqs, T: int, P: int, ps: int, where: str,
+                   hint: str = _NEW_KV_HINT) -> None:
     """Value rules, checked on the host for cpu tensors outside tracing (device tensors would need a sync;
-    fake tensors have no values). On device, unchecked values are clamped instead (see the kernel)."""
+    fake tensors have no values). On device, unchecked values are clamped instead (see the kernel).
+    ``hint`` ends the ``q_len > kv_len`` message (how the caller's new tokens reach the cache)."""
     ts = (kv_lens, page_indices, cu_q_lens, num_seqs)
     if any(t.device.type != "cpu" or _is_tracing(t) for t in ts):
         return
-    _check_value_arrays(*(t.numpy() for t in ts), T=T, P=P, ps=ps, where=where)
+    check_metadata_values(*(t.numpy() for t in ts), T=T, P=P, ps=ps, where=where, hint=hint)
 
 
-def _check_value_arrays(kl, pi, cu, ns, *, T: int, P: int, ps: int, where: str) -> None:
-    """:func:`_check_values` on host numpy arrays (the JAX entry's concrete metadata)."""
+def check_metadata_values(kl, pi, cu, ns, *, T: int, P: int, ps: int, where: str, hint: str = _NEW_KV_HINT) -> None:
+    """:func:`check_metadata` on host numpy arrays (the JAX entries' concrete metadata)."""
     kl, pi, cu, ns = (np.asarray(a).astype(np.int64) for a in (kl, pi, cu, ns))
     S, pps = pi.shape
     n = int(ns[0])
@@ -257,8 +262,7 @@ def _check_value_arrays(kl, pi, cu, ns, *, T: int, P: int, ps: int, where: str) 
             raise ArgumentError(f"{where}: kv_lens[{s}] = {int(kl[s])} must be in [0, pages_per_seq * page_size] = "
                                 f"[0, {pps * ps}] (the pages of page_indices[{s}] hold at most {pps * ps} tokens)")
         if d[s] > kl[s]:
-            raise ArgumentError(f"{where}: sequence {s} has q_len {int(d[s])} > kv_lens[{s}] = {int(kl[s])}; its new "
-                                f"tokens' K/V must already be in the cache (update_kv_cache first)")
+            raise ArgumentError(f"{where}: sequence {s} has q_len {int(d[s])} > kv_lens[{s}] = {int(kl[s])}; {hint}")
         used = pi[s, : -(-int(kl[s]) // ps)]
         bad = (used < 0) | (used >= P)
         if bad.any():
@@ -267,21 +271,25 @@ def _check_value_arrays(kl, pi, cu, ns, *, T: int, P: int, ps: int, where: str) 
                                 f"[0, {P}) (page {p} holds tokens of kv_lens[{s}] = {int(kl[s])})")
 
 
+_check_values, _check_value_arrays = check_metadata, check_metadata_values
+
+
 # ----------------------------------------------------------------------------------------------- schedule
 
 
-def _n_items(T: int, S: int, bq: int) -> int:
-    """Static work-item count: one visit per query block plus one per sequence starting inside a block."""
+def n_work_items(T: int, S: int, bq: int) -> int:
+    """Static work-item count (ragged paged attention and the MLA kernel share the schedule): one visit per
+    query block plus one per sequence starting inside a block."""
     nb = cdiv(T, bq)
     return nb + max(0, min(S - 1, T - nb))
 
 
-def _schedule(kv_lens, page_indices, cu_q_lens, num_seqs, *, T: int, S: int, bq: int):
+def work_items(kv_lens, page_indices, cu_q_lens, num_seqs, *, T: int, S: int, bq: int):
     """Work items on device (XLA, inside the same jitted function): ``item_seq`` (-1: no sequence, the block
     is padding or the item is unused) and ``item_blk`` (query block), in (block, sequence) order."""
     import jax.numpy as jnp
 
-    nb, G = cdiv(T, bq), _n_items(T, S, bq)
+    nb, G = cdiv(T, bq), n_work_items(T, S, bq)
     n = jnp.clip(num_seqs[0], 0, S)
     cu = jnp.clip(cu_q_lens, 0, T)
     q0, q1 = cu[:-1], jnp.maximum(cu[1:], cu[:-1])
@@ -304,7 +312,7 @@ def _schedule(kv_lens, page_indices, cu_q_lens, num_seqs, *, T: int, S: int, bq:
 # ----------------------------------------------------------------------------------------------- kernel body
 
 
-def _item_range(i, item_seq, item_blk, kv_lens, cu_q_lens, *, bq, bkv, max_kv, window):
+def item_range(i, item_seq, item_blk, kv_lens, cu_q_lens, *, bq, bkv, max_kv, window):
     """Item ``i`` -> (seq (clamped to >= 0), kv_len, first kv block, end kv block); empty when lo >= hi."""
     import jax
     import jax.numpy as jnp
@@ -322,6 +330,10 @@ def _item_range(i, item_seq, item_blk, kv_lens, cu_q_lens, *, bq, bkv, max_kv, w
     kb_lo = jax.lax.div(lo, bkv)  # non-negative operands: lax.div (jnp's floor division lowers through sign)
     kb_hi = jnp.where(live, jax.lax.div(jnp.maximum(hi, 0) + bkv - 1, bkv), kb_lo)
     return s, kv_len, kb_lo, kb_hi
+
+
+# the kernel body and launch function (whose source keys their tuning entries) use the old names
+_n_items, _schedule, _item_range = n_work_items, work_items, item_range
 
 
 def _rpa_body(*refs, sm_scale, sliding_window, soft_cap, k_scale, v_scale, has_sinks, has_scales):
