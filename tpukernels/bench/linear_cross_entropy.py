@@ -149,6 +149,8 @@ def _args(n: int = N, v: int = V, backward: bool = False, dh: bool = False) -> t
 
 
 _KW = {"ignore_index": -100, "softcap": None}
+#: the chunked strategy's rows per chunk, one bench row each (module docstring)
+CHUNK_ROWS = (1024,)
 
 
 def _ours_program(chip: str, backward: bool):
@@ -205,6 +207,61 @@ def reduced_kernel_cycles(est, kernel, chip: str, args, kwargs, max_steps: int):
     cyc = est.cycles(fn, list(low.arg_structs), chip)
     scaled = round(cyc * model.grid_steps(grid) / model.grid_steps(reduced))
     return scaled, dict(low.config), low.resolved.source, grid, reduced
+
+
+def _chunk_args(kind: str, c: int) -> tuple:
+    """Example arguments of a chunked-strategy kernel for one chunk of ``c`` rows."""
+    if kind == "fwd_s":
+        return _args(c)
+    x = f"{V}x{H}:bf16" if kind == "dh_s" else f"{c}x{H}:bf16"
+    a = (f"{c}x{V}:f32", x, f"{c}x1:i32", f"{c}x2:f32", f"{c}x1:f32")
+    return (*a, f"{V}x{H}:f32") if kind == "dw_s_acc" else a
+
+
+def _chunked_program(chip: str, rows: int):
+    """The chunked strategy's jax program at the full problem (chunks of ``rows`` rows, dh and dW), for
+    memory analysis: the kernels chained as the public op runs them, dW's f32 accumulator updated in place."""
+    import jax.numpy as jnp
+
+    lce = _lce()
+    k = {kind: kernel_program(lce.KERNELS[kind], chip, _chunk_args(kind, rows), _KW)[0]
+         for kind in ("fwd_s", "dh_s", "dw_s", "dw_s_acc")}
+    _, fs, _, _ = kernel_program(lce.linear_cross_entropy_fwd, chip, _args(), _KW)
+
+    def both(h, w, y):
+        g = jnp.full((rows, 1), 1.0 / N, jnp.float32)
+        total, dhs, dw = 0.0, [], None
+        for a in range(0, N, rows):
+            hc, yc = h[a:a + rows], y[a:a + rows]
+            loss, lse, s = k["fwd_s"](hc, w, yc)
+            total = total + (loss * g).sum()
+            dhs.append(k["dh_s"](s, w, yc, lse, g))
+            dw = k["dw_s"](s, hc, yc, lse, g) if dw is None else k["dw_s_acc"](s, hc, yc, lse, g, dw)
+        return total, jnp.concatenate(dhs), dw.astype(w.dtype)
+
+    return both, fs
+
+
+def _ours_chunked(rows: int, max_steps: int = OURS_STEPS) -> Impl:
+    """tpukernels' chunked strategy (``chunk_rows=rows``): per chunk ``fwd_s + dh_s`` and ``dw_s`` (first
+    chunk) or ``dw_s_acc`` (the others), each estimated on a reduced grid at the chunk's shapes and the config
+    a call gets, summed over the ``N / rows`` chunks."""
+    n_chunks = N // rows
+
+    def cycles(est, chip):
+        lce = _lce()
+        total, parts = 0, []
+        for kind, times in (("fwd_s", n_chunks), ("dh_s", n_chunks), ("dw_s", 1), ("dw_s_acc", n_chunks - 1)):
+            k = lce.KERNELS[kind]
+            cyc, cfg, source, grid, red = reduced_kernel_cycles(est, k, chip, _chunk_args(kind, rows), _KW, max_steps)
+            total += cyc * times
+            cfgs = ",".join(f"{a}={b}" for a, b in sorted(cfg.items()))
+            parts.append(f"{kind} x{times}: {cfgs},source={source},grid={'x'.join(map(str, grid))} est. on "
+                         f"{'x'.join(map(str, red))}")
+        return total, "; ".join(parts)
+
+    return Impl(f"tpukernels chunked {rows}", "ours", cycles,
+                memory=lambda chip: _peak(_chunked_program(chip, rows), chip))
 
 
 def _ours(kernels, backward: bool, max_steps: int = OURS_STEPS) -> Impl:
@@ -272,7 +329,7 @@ def cases(chips) -> list[Case]:
         out.append(Case(FAMILY, "lce fwd", shape, chip, hbm_bytes=_in_bytes(False), flops=2 * N * V * H,
                         impls=[_ours([fwd], False), _xla(False)]))
         out.append(Case(FAMILY, "lce fwd+bwd", shape, chip, hbm_bytes=_in_bytes(True), flops=6 * N * V * H,
-                        impls=[_ours([fdh, dw], True), _xla(True)]))
+                        impls=[_ours([fdh, dw], True), *(_ours_chunked(r) for r in CHUNK_ROWS), _xla(True)]))
     return out
 
 
