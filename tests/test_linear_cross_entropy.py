@@ -446,7 +446,8 @@ def test_bench_family_cases():
     assert [(c.chip, c.op) for c in cases] == [("v5e", "lce fwd"), ("v5e", "lce fwd+bwd"), ("v6e", "lce fwd"),
                                                ("v6e", "lce fwd+bwd")]
     assert [[i.name for i in c.impls] for c in cases[:2]] == [
-        ["tpukernels", "xla unfused"], ["tpukernels", *(f"tpukernels chunked {r}" for r in fam.CHUNK_ROWS), "xla unfused"]]
+        ["tpukernels", "xla unfused"],
+        ["tpukernels", *(f"tpukernels chunked {r}" for r in fam.CHUNK_ROWS), "xla unfused"]]
     assert all(i.kind == ("xla" if i.name.startswith("xla") else "ours") for c in cases for i in c.impls)
     assert cases[1].flops == 3 * cases[0].flops == 6 * fam.N * fam.V * fam.H
 

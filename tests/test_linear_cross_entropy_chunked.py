@@ -167,3 +167,16 @@ def test_chunked_kernel_errors():
         OPS.linear_cross_entropy_dw_s(s, h[:3].contiguous(), y2, lse, g)
     with pytest.raises(ArgumentError, match="dw .*accumulator.* must be"):
         OPS.linear_cross_entropy_dw_s_acc(s, h, y2, lse, g, torch.zeros(10, 8, dtype=torch.bfloat16))
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("chip", ("v5e", "v6e", "tpu7x"))
+@pytest.mark.parametrize("kind", ("fwd_s", "dh_s", "dw_s_acc"))
+def test_compile_only_llama_chunk(chip, kind):
+    """Mosaic + XLA:TPU compile the chunked kernels for one 1024-row chunk of the Llama-3-8B LM head at the
+    configs a call gets (the heuristic: no shipped tuning entries for them)."""
+    from tpukernels.bench import linear_cross_entropy as fam
+
+    res = tk.compile_for(lce.KERNELS[kind], chip, *fam._chunk_args(kind, 1024), **fam._KW, with_mlir=False)
+    assert res.ok, res.summary()
+    assert res.vmem_estimate_bytes <= (res.vmem_limit_bytes or 0)

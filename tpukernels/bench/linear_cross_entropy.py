@@ -4,6 +4,12 @@ at the Llama-3-8B LM head (``h [8192, 4096]``, ``W [128256, 4096]`` bf16, int32 
 * ``tpukernels``: ``linear_cross_entropy_fwd`` (forward) and ``linear_cross_entropy_fwd_dh +
   linear_cross_entropy_bwd_dw`` (forward + backward, as the public op runs when ``h`` requires grad: ``dh`` in
   the forward pass, ``dW`` with one recompute of the logits), at the config a call gets on the chip;
+* ``tpukernels chunked 1024`` (forward + backward only): the public op with ``chunk_rows=1024`` (issue 40), per
+  chunk of 1024 rows ``linear_cross_entropy_fwd_s`` (the forward, f32 logits written to HBM),
+  ``linear_cross_entropy_dh_s`` and ``linear_cross_entropy_dw_s`` / ``..._dw_s_acc`` (``dW += ds^T h`` into an
+  f32 accumulator) from the stored logits: ``6 N V H`` FLOPs, each kernel estimated on a reduced grid at one
+  chunk's shapes and multiplied by the chunk count; its memory figure is the whole chunk loop compiled at the
+  full problem;
 * ``xla unfused``: the unfused formulation in ``jax.numpy``, what ``F.cross_entropy(h @ W.T)`` lowers to:
   ``logits = dot(h, W^T)`` (bf16, f32 accumulation), ``lse = logsumexp(f32(logits))``, mean of
   ``lse - logits[label]``; the backward is ``jax.value_and_grad`` of it (XLA fuses what it can).
@@ -77,7 +83,35 @@ _RECOMPUTE = (
     "column) and reads them back. 8/6 of the work caps the ratio at 0.75x XLA's MXU efficiency (0.91x on v6e, "
     "where XLA's unfused program reads 82% of its roofline, only at 100% MXU for ours). Fewer FLOPs would need "
     "the logits stored (O(N V), or Liger-Kernel's [N/k, V] chunks plus k read-modify-write passes over an f32 "
-    "[V, H] dW): not done. Before this, dh and dW each recomputed the logits (10 N V H): 0.62x on v6e")
+    "[V, H] dW): that is the chunked strategy (chunk_rows=, the 'tpukernels chunked' row), slower by this model. "
+    "Before this, dh and dW each recomputed the logits (10 N V H): 0.62x on v6e")
+_CHUNKED = (
+    "Chunked strategy (issue 40; libtpu 0.0.52 estimates of one chunk's kernels x the chunk count, made "
+    "2026-12-06 under load; the fused and XLA rows are the 2026-12-03 run's, those kernels unchanged): v6e "
+    "chunk_rows=1024: fwd_s 1.59 + dh_s 1.95 ms per chunk (x8), dw_s 1.57, dw_s_acc 4.40 ms (x7) = 60.7 ms, "
+    "0.56x XLA unfused (34.2 ms) and 0.71x the fused kernels (42.8 ms); chunk_rows=2048: 58.7 ms (dw_s 3.39, "
+    "dw_s_acc 8.99 ms x3). Why: the 6 N V H saved against 8 is lost twice over, (a) its Pallas matmuls reach "
+    "only 60-75% of the MXU (fwd_s 73%, dh_s 60%, dw_s 74%; XLA's whole chunk program below, softmax and "
+    "accumulator included, 76%), (b) libtpu charges "
+    "the f32 dW accumulator's read-modify-write (8 V H bytes = 4.2 GB per chunk, 2.6 ms at v6e's 1.64 TB/s) "
+    "on top of the dW matmul instead of under it (dw_s_acc 4.40 ms vs dw_s 1.57 ms at 1024 rows). The same "
+    "chunked algorithm written as one XLA program per chunk (tokamax's chunked_xla: f32 logits by one XLA "
+    "dot, softmax, dh and dW += ... by XLA dots; estimated at V/8 and scaled) reads 37.0 ms (1024 rows, "
+    "0.92x) and 34.9 ms (2048 rows, 0.98x) on v6e, 26.5 ms (1024 rows) on tpu7x: XLA overlaps the "
+    "accumulator's traffic with its dot. Memory: any row-chunked scheme with an f32 dW keeps that accumulator "
+    "(V H 4 bytes = 2004 MiB here, a third of XLA's 6012 MiB of temporaries) plus chunk x V x 4 bytes of "
+    "logits (501 MiB at 1024 rows), so the issue's >= 40x less temporary memory (<= 150 MiB) is out of "
+    "reach for it; only the fused kernels (vocabulary-chunked, dW summed in VMEM, 128 MiB) get there. Not "
+    "met: >= 0.95x XLA at >= 40x less temporary memory")
+REASONS_CHUNKED = {
+    ("v6e", "lce fwd+bwd"): _CHUNKED,
+    ("tpu7x", "lce fwd+bwd"): _CHUNKED + ". tpu7x: libtpu's static-profile compile runs out of its 64 MiB VMEM "
+                                         "for dw_s / dw_s_acc at every block tried ((1024, 256) to (512, 256): "
+                                         "67-103 MiB asked; the ordinary compile fits): no estimate. fwd_s "
+                                         "(512, 512) 1.44 and dh_s (512, 1024) 1.39 ms per 1024-row chunk give "
+                                         "22.7 ms before any dW work, against the fused kernels' 34.1 ms and "
+                                         "XLA's 22.4 ms floor",
+}
 REASONS = {
     ("v5e", "lce fwd"): "At 95% of the MXU roofline; XLA's unfused figure is only a floor (its MXU roofline): "
                         "libtpu 0.0.52 aborts (llo_execution_graph.cc:149) on every v5e XLA program tried, so "
@@ -226,6 +260,7 @@ def _chunked_program(chip: str, rows: int):
     lce = _lce()
     k = {kind: kernel_program(lce.KERNELS[kind], chip, _chunk_args(kind, rows), _KW)[0]
          for kind in ("fwd_s", "dh_s", "dw_s", "dw_s_acc")}
+    one = lambda out: out[0] if isinstance(out, (tuple, list)) else out  # noqa: E731  (a 1-output kernel)
     _, fs, _, _ = kernel_program(lce.linear_cross_entropy_fwd, chip, _args(), _KW)
 
     def both(h, w, y):
@@ -235,8 +270,8 @@ def _chunked_program(chip: str, rows: int):
             hc, yc = h[a:a + rows], y[a:a + rows]
             loss, lse, s = k["fwd_s"](hc, w, yc)
             total = total + (loss * g).sum()
-            dhs.append(k["dh_s"](s, w, yc, lse, g))
-            dw = k["dw_s"](s, hc, yc, lse, g) if dw is None else k["dw_s_acc"](s, hc, yc, lse, g, dw)
+            dhs.append(one(k["dh_s"](s, w, yc, lse, g)))
+            dw = one(k["dw_s"](s, hc, yc, lse, g) if dw is None else k["dw_s_acc"](s, hc, yc, lse, g, dw))
         return total, jnp.concatenate(dhs), dw.astype(w.dtype)
 
     return both, fs
@@ -334,4 +369,6 @@ def cases(chips) -> list[Case]:
 
 
 def reason(row: dict) -> str | None:
+    if row["impl"].startswith("tpukernels chunked"):
+        return REASONS_CHUNKED.get((row["chip"], row["op"]))
     return REASONS.get((row["chip"], row["op"]))

@@ -68,11 +68,47 @@ fused_linear_cross_entropy.py``) instead chunks over tokens and materialises ``[
 the vocabulary-chunked online-softmax scheme of FlashAttention-2 (Dao, arXiv:2307.08691) applied to the LM
 head (as in Wijmans et al., "Cut Your Losses in Large-Vocabulary Language Models", arXiv:2411.09009).
 
+Strategies (``chunk_rows``). The default (``chunk_rows=None``) is the fused scheme above. ``chunk_rows=c``
+selects the chunked scheme of Liger-Kernel (there the chunk is ``~N H / V`` rows, not a public argument) and
+tokamax's ``chunked_xla``: per chunk of ``c`` rows
+
+* ``tpukernels::linear_cross_entropy_fwd_s(h_c, w, labels_c)``, grid ``(c/bn, V/bv)``: the forward
+  (:func:`linear_cross_entropy_fwd`) that also writes the raw f32 logits ``s [c, V]`` to HBM;
+* ``tpukernels::linear_cross_entropy_dh_s(s, w, ...)``, grid ``(c/bn, V/bv)``: ``dh_c = ds @ W``, ``ds`` from the
+  stored ``s`` (no recompute);
+* ``tpukernels::linear_cross_entropy_dw_s(s, h_c, ...)`` (first chunk) / ``..._dw_s_acc(s, h_c, ..., dw)``, grid
+  ``(V/bv, c/bn)``: ``dW (+)= ds^T @ h_c`` into an f32 ``[V, H]`` accumulator (aliased: in place under Mosaic);
+
+i.e. ``6 N V H`` FLOPs in all (no recompute), all in the forward when the reduction sums the rows ("mean",
+"sum"; the backward scales ``dh`` and ``dW``); with ``reduction="none"`` the per-row upstream gradients cannot
+scale a summed ``dW``, so the backward recomputes the logits for it (8 N V H). The softmax, lse, loss and
+``ds`` are computed inside the Pallas kernels (no separate row pass over ``s``): ``fwd_s`` makes the lse pair
+while ``s`` is in VMEM, and ``dh_s`` / ``dw_s`` form ``ds`` from each ``s`` tile they load, so ``s`` is written
+once and read twice (12 bytes per logit) and never rewritten as ``ds``. Price: temporary HBM ``c * V * 4``
+bytes (``s``) plus the f32 ``dW`` accumulator (``V * H * 4``: 2 GiB at the Llama-3-8B head, a third of the
+unfused version's 6 GiB of temporaries) and ``N / c`` read-modify-write passes over it (``8 V H`` bytes
+each), and the saved ``dW`` (``W``'s dtype) lives from the forward to the backward. Values agree with the
+fused strategy to float32 rounding (``ds`` from the same f32 logits and the same ``(hi, lo)`` lse pair);
+without gradients both run ``fwd``. Model (libtpu 0.0.52 static estimates, Llama-3-8B head, forward +
+backward; module :mod:`tpukernels.bench.linear_cross_entropy`): the chunked strategy is **slower** than the
+fused one on v6e and tpu7x at every chunk size estimated, so the default stays fused (figures in the bench
+family's reasons): its kernels reach only 60-75% of the MXU, and libtpu charges the ``dW`` read-modify-write
+in full on top of the ``dW`` matmul (v6e, ``c = 1024``: ``dw_s_acc`` 4.40 ms per chunk against 1.57 ms for
+``dw_s`` without the accumulator). v6e forward + backward: chunked ``c = 1024`` 60.7 ms, ``c = 2048`` 58.7 ms,
+fused 42.8 ms, XLA unfused 34.2 ms. It stays as the user's alternative (and to measure on a device, where
+the model's two weak points above may not hold); the issue's target (>= 0.95x XLA at >= 40x less temporary
+memory) is out of reach for any row-chunked scheme with an f32 ``dW`` (its accumulator alone is a third of
+XLA's temporaries). ``softmax``/``ds`` inside the kernels rather than a row kernel or XLA pass between them:
+such a pass would read ``s`` once more and write ``ds`` (6 more bytes per logit, 6.3 GB = 3.8 ms on v6e at
+this head) for nothing the matmul kernels cannot do on their loaded tile.
+
 Tails. A partial last V block reads undefined ``W`` rows (NaN in ``interpret="tpu"``): the forward sets
 those logit columns to ``-inf`` with ``jnp.where`` before the logsumexp (``fwd_dh`` also zeroes those ``W``
 rows, only in its last V step), ``bwd_dh`` zeroes them (``ds``
 and the ``W`` rows, both with ``jnp.where``) before contracting over V; ``bwd_dw``'s rows past V are
-dropped. A partial last N block: forward / ``bwd_dh`` rows past N are dropped on write; ``bwd_dw`` (which
+dropped (``fwd_s`` drops its ``s`` columns past V on write; ``dh_s`` / ``dw_s`` mask ``ds`` there and
+``dh_s`` the ``W`` rows, as ``bwd_dh``). A partial last N block: forward / ``bwd_dh`` rows past N are dropped on
+write; ``bwd_dw`` (which
 reduces over N) zeroes ``ds`` and ``h`` there. ``H`` is whole, so never a tail.
 
 Large logits. ``lse`` leaves the forward as an unevaluated f32 pair ``[N, 2] = (hi, lo)``, ``hi = fl(m + log
@@ -90,7 +126,11 @@ float16 ``h``/``W`` to float32 (exact) and rounds the gradients back. float32 op
 attention's backward does with ``dP``).
 
 Tunables: ``bn`` (rows per block) and ``bv`` (vocabulary per block), per kernel; clamped to the problem (a
-dim no larger than the block is taken whole). Defaults: :func:`heuristic` (the largest blocks whose VMEM
+dim no larger than the block is taken whole). The chunked strategy's kernels (``fwd_s``, ``dh_s``, ``dw_s``,
+``dw_s_acc``) have no shipped entries: their heuristic takes the first of ``_S_CANDIDATES`` (ranked by libtpu
+estimates for one 1024-row chunk on v6e; smaller blocks on 64 MiB-VMEM chips) that fits the VMEM target. The
+chunk size itself is the caller's ``chunk_rows`` (no per-chip default: the fused strategy is the default on
+every chip, see "Strategies"). Defaults of the fused kernels: :func:`heuristic` (the largest blocks whose VMEM
 estimate fits 40 MiB), then per-chip tuning data in ``tpukernels/data/autotuning/<chip>/`` chosen by the
 autotuner's tpu-model evaluator (libtpu static estimates: a model, not measurements) at the Llama-3-8B LM
 head (``H = 4096, V = 128256, N = 8192``, :data:`STANDARD_CASES`), written by::
@@ -801,13 +841,14 @@ def vmem_bytes_s(kind: str, bn: int, bv: int, H: int, dtype) -> int:
 
 #: heuristic candidates ``(bn, bv)`` of the chunked-strategy kernels, best first, on chips with more than 64 MiB
 #: of VMEM (v5e, v6e) and on the others (tpu7x: libtpu 0.0.52's static-profile compile asks 2-3x tpukernels'
-#: VMEM estimate there, so larger blocks cannot be estimated). ``bn = 1024`` keeps ``fwd_s`` / ``dh_s``
-#: compute-bound (the ``(bv, H)`` W block is streamed once per ``bn`` rows); ``dw_s`` streams ``h`` once per V
-#: block, so it wants the chunk's rows in one block and a narrow ``bv``.
+#: VMEM estimate there, so larger blocks cannot be estimated). Ranked by libtpu static estimates for one
+#: 1024-row chunk of the Llama-3-8B head on v6e (ms): fwd_s (512, 1024) 1.59, (1024, 512) 1.80; dh_s
+#: (512, 1024) 1.95, (1024, 256) 3.95; dw_s_acc (1024, 512) 4.40, (1024, 256) 7.31 (dw_s (1024, 256) 1.75).
+#: ``dw_s`` streams ``h`` once per V block, so it wants the chunk's rows in one block.
 _S_CANDIDATES = {
-    "fwd_s": (((1024, 512), (512, 512), (512, 256)), ((512, 512), (512, 256), (256, 256))),
-    "dh_s": (((1024, 256), (512, 512), (512, 256)), ((512, 512), (512, 256), (256, 256))),
-    "dw_s": (((1024, 256), (512, 512), (512, 256)), ((512, 256), (256, 256))),
+    "fwd_s": (((512, 1024), (1024, 512), (512, 512)), ((512, 512), (512, 256), (256, 256))),
+    "dh_s": (((512, 1024), (512, 512), (512, 256)), ((512, 512), (512, 256), (256, 256))),
+    "dw_s": (((1024, 512), (1024, 256), (512, 512)), ((512, 256), (256, 256))),
 }
 
 
@@ -821,8 +862,9 @@ def _heuristic_s(kind: str):
         else:
             H, dtype = int(args[1].shape[1]), args[1].dtype
         small = vmem_cap() <= 64 * MiB
-        # 48 MiB on the large-VMEM chips: dh_s at bn=1024 needs 42 MiB (its f32 (bn, H) accumulator and dh block)
-        target = min(VMEM_TARGET if small else 48 * MiB, (vmem_cap() - 4 * MiB) * 4 // 5)
+        # up to 64 MiB on the large-VMEM chips (the scoped limit _limit asks at most): dw_s_acc at (1024, 512) holds
+        # four f32 (512, H) blocks (its accumulator in and out, double-buffered)
+        target = min(VMEM_TARGET if small else 64 * MiB, (vmem_cap() - 4 * MiB) * 4 // 5)
         cands = _S_CANDIDATES[kind.replace("_acc", "")][small]
         for bn, bv in (*cands, (256, 256), (256, 128), (128, 128)):
             if vmem_bytes_s(kind, _clamp(N, bn), _clamp(V, bv), H, dtype) <= target:
@@ -876,7 +918,8 @@ def linear_cross_entropy_fwd_s(h: torch.Tensor, w: torch.Tensor, labels: torch.T
         grid=(gi, gj),
         in_specs=[pl.BlockSpec((bn_, H), row), pl.BlockSpec((bv_, H), lambda i, j: (j, 0)), *_row_specs(bn_, row, 1)],
         out_specs=(*_row_specs(bn_, row, 1, 2), pl.BlockSpec((bn_, bv_), lambda i, j: (i, j))),
-        out_shape=(_dsl.OutSpec((N, 1), np.float32), _dsl.OutSpec((N, 2), np.float32), _dsl.OutSpec((N, V), np.float32)),
+        out_shape=(_dsl.OutSpec((N, 1), np.float32), _dsl.OutSpec((N, 2), np.float32),
+                   _dsl.OutSpec((N, V), np.float32)),
         scratch_shapes=[pltpu.VMEM((bn_, 1), np.float32) for _ in range(3)],
         dimension_semantics=("parallel", "arbitrary"),
         vmem_limit_bytes=_limit(vmem_bytes_s("fwd_s", bn_, bv_, H, h.dtype)),
@@ -978,8 +1021,9 @@ def linear_cross_entropy_dw_s_acc(s: torch.Tensor, h: torch.Tensor, labels: torc
 
 
 KERNELS = {"fwd": linear_cross_entropy_fwd, "fwd_dh": linear_cross_entropy_fwd_dh, "bwd_dh": linear_cross_entropy_bwd_dh,
-           "bwd_dw": linear_cross_entropy_bwd_dw, "fwd_s": linear_cross_entropy_fwd_s, "dh_s": linear_cross_entropy_dh_s,
-           "dw_s": linear_cross_entropy_dw_s, "dw_s_acc": linear_cross_entropy_dw_s_acc}
+           "bwd_dw": linear_cross_entropy_bwd_dw, "fwd_s": linear_cross_entropy_fwd_s,
+           "dh_s": linear_cross_entropy_dh_s, "dw_s": linear_cross_entropy_dw_s,
+           "dw_s_acc": linear_cross_entropy_dw_s_acc}
 
 
 @linear_cross_entropy_fwd.def_backward(op="linear_cross_entropy")
