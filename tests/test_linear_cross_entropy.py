@@ -336,6 +336,7 @@ def test_opcheck():
     h.requires_grad_()
     W.requires_grad_()
     torch.library.opcheck(OPS.linear_cross_entropy, (h, W, y, -100, "sum", None))
+    torch.library.opcheck(OPS.linear_cross_entropy, (h, W, y, -100, "mean", None, 5))  # chunked strategy
     torch.library.opcheck(OPS.linear_cross_entropy_fwd, (h, W, y.int().reshape(-1, 1), -100, 7.0))
 
 

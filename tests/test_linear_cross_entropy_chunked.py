@@ -180,3 +180,13 @@ def test_compile_only_llama_chunk(chip, kind):
     res = tk.compile_for(lce.KERNELS[kind], chip, *fam._chunk_args(kind, 1024), **fam._KW, with_mlir=False)
     assert res.ok, res.summary()
     assert res.vmem_estimate_bytes <= (res.vmem_limit_bytes or 0)
+
+
+def test_opcheck_chunked_kernels():
+    """torch.library.opcheck (schema, fake kernel, autograd registration, aot) of the chunked kernel ops."""
+    h, W, y = _data(12, 150, 24, torch.float32)
+    y2, g = y.int().reshape(-1, 1), torch.rand(12, 1)
+    _, lse, s = OPS.linear_cross_entropy_fwd_s(h, W, y2)
+    torch.library.opcheck(OPS.linear_cross_entropy_fwd_s, (h, W, y2, -100, 7.0))
+    torch.library.opcheck(OPS.linear_cross_entropy_dh_s, (s, W, y2, lse, g))
+    torch.library.opcheck(OPS.linear_cross_entropy_dw_s_acc, (s, h, y2, lse, g, torch.randn(150, 24)))

@@ -95,8 +95,10 @@ fused one on v6e and tpu7x at every chunk size estimated, so the default stays f
 family's reasons): its kernels reach only 60-75% of the MXU, and libtpu charges the ``dW`` read-modify-write
 in full on top of the ``dW`` matmul (v6e, ``c = 1024``: ``dw_s_acc`` 4.40 ms per chunk against 1.57 ms for
 ``dw_s`` without the accumulator). v6e forward + backward: chunked ``c = 1024`` 60.7 ms, ``c = 2048`` 58.7 ms,
-fused 42.8 ms, XLA unfused 34.2 ms. It stays as the user's alternative (and to measure on a device, where
-the model's two weak points above may not hold); the issue's target (>= 0.95x XLA at >= 40x less temporary
+fused 42.8 ms, XLA unfused 34.2 ms; temporary HBM (XLA's memory analysis of the chunk loop) 2513 MiB at
+``c = 1024``, 3022 MiB at ``c = 2048``, fused 128 MiB, XLA unfused 6012 MiB. It stays as the user's
+alternative (and to measure on a device, where the model's two weak points above may not hold); the issue's
+target (>= 0.95x XLA at >= 40x less temporary
 memory) is out of reach for any row-chunked scheme with an f32 ``dW`` (its accumulator alone is a third of
 XLA's temporaries). ``softmax``/``ds`` inside the kernels rather than a row kernel or XLA pass between them:
 such a pass would read ``s`` once more and write ``ds`` (6 more bytes per logit, 6.3 GB = 3.8 ms on v6e at
