@@ -108,8 +108,9 @@ _CHUNKED = (
 REASONS_CHUNKED = {
     ("v6e", "lce fwd+bwd"): _CHUNKED,
     ("tpu7x", "lce fwd+bwd"): _CHUNKED + ". tpu7x: libtpu's static-profile compile runs out of its 64 MiB VMEM "
-                                         "for dw_s / dw_s_acc at every block tried ((1024, 256) to (512, 256): "
-                                         "67-103 MiB asked; the ordinary compile fits): no estimate. fwd_s "
+                                         "for the chunk kernels at the blocks a call gets (75 MiB asked) and for "
+                                         "dw_s / dw_s_acc at every block tried ((1024, 256) to (512, 256): 67-103 "
+                                         "MiB; the ordinary compile fits): no estimate. fwd_s "
                                          "(512, 512) 1.44 and dh_s (512, 1024) 1.39 ms per 1024-row chunk give "
                                          "22.7 ms before any dW work, against the fused kernels' 34.1 ms and "
                                          "XLA's 22.4 ms floor",
