@@ -225,8 +225,9 @@ def test_large_logits_dw_as_accurate_as_unfused(seed):
     top = z.topk(2, 1).values
     assert 3e3 < z.abs().max() < 2e4 and (top[:, 0] - top[:, 1]).min() > 5
     errs = {}
+    chunked = lambda h, W, y: tk.library.linear_cross_entropy(h, W, y, chunk_rows=16)  # noqa: E731
     for name, fn, dt in (("ref", lce.reference, torch.float64), ("unfused", lce.unfused, torch.float32),
-                         ("ours", tk.library.linear_cross_entropy, torch.float32)):
+                         ("ours", tk.library.linear_cross_entropy, torch.float32), ("chunked", chunked, torch.float32)):
         hh, WW = h.to(dt, copy=True).requires_grad_(), W.to(dt, copy=True).requires_grad_()
         loss = fn(hh, WW, y)
         loss.backward()
@@ -238,8 +239,9 @@ def test_large_logits_dw_as_accurate_as_unfused(seed):
         # loss and dh: also the file's float32 tolerances (their errors are f32 rounding, ~1e-7, on both paths)
         floor = {"loss": 3e-5 * (1 + ref[i].abs().max().item()), "dh": 2e-5 * ref[i].abs().max().item(),
                  "dW": 1e-6 * ref[i].abs().max().item()}[what]
-        assert e["ours"][i] <= 3 * e["unfused"][i] + floor, \
-            f"{what}: error {e['ours'][i]:.3g} > 3 x unfused f32 {e['unfused'][i]:.3g}"
+        for ours in ("ours", "chunked"):  # the fused kernels and the chunked strategy (stored f32 logits)
+            assert e[ours][i] <= 3 * e["unfused"][i] + floor, \
+                f"{ours} {what}: error {e[ours][i]:.3g} > 3 x unfused f32 {e['unfused'][i]:.3g}"
 
 
 def test_large_logits_kernels_other_blocks():
@@ -264,16 +266,18 @@ def test_large_logits_kernels_other_blocks():
 
 
 # ----------------------------------------------------------------------------------------------- public op
+@pytest.mark.parametrize("chunk_rows", (None, 16), ids=("fused", "chunked"))
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16))
 @pytest.mark.parametrize("reduction", ("mean", "sum", "none"))
-def test_public_op_and_autograd(dtype, reduction):
-    """linear_cross_entropy(h, W, labels) and its gradients vs float64 autograd, int64 and int32 labels."""
+def test_public_op_and_autograd(dtype, reduction, chunk_rows):
+    """linear_cross_entropy(h, W, labels) and its gradients vs float64 autograd, int64 and int32 labels, both
+    strategies (chunked: 40 rows in chunks of 16, a partial last chunk)."""
     h, W, y = _data(40, 333, 72, dtype, seed=3)
     if dtype == torch.float16:
         y = y.int()
     h.requires_grad_()
     W.requires_grad_()
-    out = tk.library.linear_cross_entropy(h, W, y, reduction=reduction)
+    out = tk.library.linear_cross_entropy(h, W, y, reduction=reduction, chunk_rows=chunk_rows)
     assert out.dtype == torch.float32 and out.shape == ((40,) if reduction == "none" else ())
     up = torch.linspace(0.5, 1.5, 40) if reduction == "none" else torch.tensor(1.7)
     (out * up).sum().backward()
@@ -306,21 +310,24 @@ def test_public_softcap_and_edge_rows():
     assert out.item() == 0.0 and e.grad.shape == (0, 30)
 
 
-def test_torch_compile_fullgraph_backward():
+@pytest.mark.parametrize("chunk_rows", (None, 16), ids=("fused", "chunked"))
+def test_torch_compile_fullgraph_backward(chunk_rows):
     """One graph with the kernel ops (no graph break), backward through aot_eager, same numbers as eager."""
     import torch._dynamo.testing as dt
 
     h, W, y = _data(33, 260, 48, torch.float32, seed=5)
+    lce_ = lambda h, W, y: tk.library.linear_cross_entropy(h, W, y, chunk_rows=chunk_rows)  # noqa: E731
     cnt = dt.CompileCounter()
-    f = torch.compile(lambda h, W, y: tk.library.linear_cross_entropy(h, W, y), fullgraph=True, backend=cnt)
-    torch.testing.assert_close(f(h, W, y), tk.library.linear_cross_entropy(h, W, y), rtol=0, atol=0)
+    f = torch.compile(lce_, fullgraph=True, backend=cnt)
+    torch.testing.assert_close(f(h, W, y), lce_(h, W, y), rtol=0, atol=0)
     assert cnt.frame_count == 1
-    hc = h.clone().requires_grad_()
-    g = torch.compile(lambda h: tk.library.linear_cross_entropy(h, W, y), backend="aot_eager")
-    g(hc).backward()
-    he = h.clone().requires_grad_()
-    tk.library.linear_cross_entropy(he, W, y).backward()
+    hc, Wc = h.clone().requires_grad_(), W.clone().requires_grad_()
+    g = torch.compile(lce_, fullgraph=chunk_rows is not None, backend="aot_eager")
+    g(hc, Wc, y).backward()
+    he, We = h.clone().requires_grad_(), W.clone().requires_grad_()
+    lce_(he, We, y).backward()
     torch.testing.assert_close(hc.grad, he.grad, rtol=0, atol=0)
+    torch.testing.assert_close(Wc.grad, We.grad, rtol=0, atol=0)
 
 
 def test_opcheck():
@@ -329,15 +336,18 @@ def test_opcheck():
     h.requires_grad_()
     W.requires_grad_()
     torch.library.opcheck(OPS.linear_cross_entropy, (h, W, y, -100, "sum", None))
+    torch.library.opcheck(OPS.linear_cross_entropy, (h, W, y, -100, "mean", None, 5))  # chunked strategy
     torch.library.opcheck(OPS.linear_cross_entropy_fwd, (h, W, y.int().reshape(-1, 1), -100, 7.0))
 
 
-def test_inputs_not_modified():
+@pytest.mark.parametrize("chunk_rows", (None, 8), ids=("fused", "chunked"))
+def test_inputs_not_modified(chunk_rows):
     h, W, y = _data(17, 200, 40, torch.bfloat16)
     h0, W0, y0 = h.clone(), W.clone(), y.clone()
     h.requires_grad_()
-    tk.library.linear_cross_entropy(h, W, y).backward()
-    assert torch.equal(h.detach(), h0) and torch.equal(W, W0) and torch.equal(y, y0)
+    W.requires_grad_(chunk_rows is not None)
+    tk.library.linear_cross_entropy(h, W, y, chunk_rows=chunk_rows).backward()
+    assert torch.equal(h.detach(), h0) and torch.equal(W.detach(), W0) and torch.equal(y, y0)
 
 
 # ----------------------------------------------------------------------------------------------- errors
@@ -361,6 +371,9 @@ _h, _W, _y = torch.randn(4, 8), torch.randn(10, 8), torch.tensor([1, 2, 3, -100]
     ((_h, _W, torch.tensor([1, -1, 3, 4])), {}, ArgumentError, r"labels\[1\] = -1 is outside"),
     ((_h, _W, torch.tensor([1, 2, 3, -100])), {"ignore_index": 0}, ArgumentError, r"labels\[3\] = -100"),
     ((_h, _W.to("meta"), _y), {}, DeviceError, "must be on one device"),
+    ((_h, _W, _y), {"chunk_rows": 0}, ArgumentError, "chunk_rows must be None .* or a positive int"),
+    ((_h, _W, _y), {"chunk_rows": 2.0}, ArgumentError, "'chunk_rows' must be int"),
+    ((_h, _W, _y), {"chunk_rows": True}, ArgumentError, "'chunk_rows' must be int"),
 ])
 def test_bad_input_typed_errors(args, kw, err, match):
     calls = []
@@ -433,7 +446,10 @@ def test_bench_family_cases():
     cases = fam.cases(["v5e", "v6e"])
     assert [(c.chip, c.op) for c in cases] == [("v5e", "lce fwd"), ("v5e", "lce fwd+bwd"), ("v6e", "lce fwd"),
                                                ("v6e", "lce fwd+bwd")]
-    assert all([i.kind for i in c.impls] == ["ours", "xla"] for c in cases)
+    assert [[i.name for i in c.impls] for c in cases[:2]] == [
+        ["tpukernels", "xla unfused"],
+        ["tpukernels", *(f"tpukernels chunked {r}" for r in fam.CHUNK_ROWS), "xla unfused"]]
+    assert all(i.kind == ("xla" if i.name.startswith("xla") else "ours") for c in cases for i in c.impls)
     assert cases[1].flops == 3 * cases[0].flops == 6 * fam.N * fam.V * fam.H
 
 

@@ -4,6 +4,12 @@ at the Llama-3-8B LM head (``h [8192, 4096]``, ``W [128256, 4096]`` bf16, int32 
 * ``tpukernels``: ``linear_cross_entropy_fwd`` (forward) and ``linear_cross_entropy_fwd_dh +
   linear_cross_entropy_bwd_dw`` (forward + backward, as the public op runs when ``h`` requires grad: ``dh`` in
   the forward pass, ``dW`` with one recompute of the logits), at the config a call gets on the chip;
+* ``tpukernels chunked 1024`` (forward + backward only): the public op with ``chunk_rows=1024`` (issue 40), per
+  chunk of 1024 rows ``linear_cross_entropy_fwd_s`` (the forward, f32 logits written to HBM),
+  ``linear_cross_entropy_dh_s`` and ``linear_cross_entropy_dw_s`` / ``..._dw_s_acc`` (``dW += ds^T h`` into an
+  f32 accumulator) from the stored logits: ``6 N V H`` FLOPs, each kernel estimated on a reduced grid at one
+  chunk's shapes and multiplied by the chunk count; its memory figure is the whole chunk loop compiled at the
+  full problem;
 * ``xla unfused``: the unfused formulation in ``jax.numpy``, what ``F.cross_entropy(h @ W.T)`` lowers to:
   ``logits = dot(h, W^T)`` (bf16, f32 accumulation), ``lse = logsumexp(f32(logits))``, mean of
   ``lse - logits[label]``; the backward is ``jax.value_and_grad`` of it (XLA fuses what it can).
@@ -77,7 +83,38 @@ _RECOMPUTE = (
     "column) and reads them back. 8/6 of the work caps the ratio at 0.75x XLA's MXU efficiency (0.91x on v6e, "
     "where XLA's unfused program reads 82% of its roofline, only at 100% MXU for ours). Fewer FLOPs would need "
     "the logits stored (O(N V), or Liger-Kernel's [N/k, V] chunks plus k read-modify-write passes over an f32 "
-    "[V, H] dW): not done. Before this, dh and dW each recomputed the logits (10 N V H): 0.62x on v6e")
+    "[V, H] dW): that is the chunked strategy (chunk_rows=, the 'tpukernels chunked' row), slower by this model. "
+    "Before this, dh and dW each recomputed the logits (10 N V H): 0.62x on v6e")
+_CHUNKED = (
+    "Chunked strategy (issue 40; libtpu 0.0.52 estimates of one chunk's kernels x the chunk count, made "
+    "2026-12-06 under load; the fused and XLA rows are the 2026-12-03 run's, those kernels unchanged): v6e "
+    "chunk_rows=1024: fwd_s 1.59 + dh_s 1.95 ms per chunk (x8), dw_s 1.57, dw_s_acc 4.40 ms (x7) = 60.7 ms, "
+    "0.56x XLA unfused (34.2 ms) and 0.71x the fused kernels (42.8 ms); chunk_rows=2048: 58.7 ms (dw_s 3.39, "
+    "dw_s_acc 8.99 ms x3). Why: the 6 N V H saved against 8 is lost twice over, (a) its Pallas matmuls reach "
+    "only 60-75% of the MXU (fwd_s 73%, dh_s 60%, dw_s 74%; XLA's whole chunk program below, softmax and "
+    "accumulator included, 76%), (b) libtpu charges "
+    "the f32 dW accumulator's read-modify-write (8 V H bytes = 4.2 GB per chunk, 2.6 ms at v6e's 1.64 TB/s) "
+    "on top of the dW matmul instead of under it (dw_s_acc 4.40 ms vs dw_s 1.57 ms at 1024 rows). The same "
+    "chunked algorithm written as one XLA program per chunk (tokamax's chunked_xla: f32 logits by one XLA "
+    "dot, softmax, dh and dW += ... by XLA dots; estimated at V/8 and scaled) reads 37.0 ms (1024 rows, "
+    "0.92x) and 34.9 ms (2048 rows, 0.98x) on v6e, 26.5 ms (1024 rows) on tpu7x: XLA overlaps the "
+    "accumulator's traffic with its dot. Memory (peak_temp_MiB, the chunk loop compiled as a lax.scan at the "
+    "full problem): 2513 MiB at 1024 rows and 3022 MiB at 2048 (v6e and tpu7x alike) against XLA's 6012 and "
+    "the fused kernels' 128: 2.4x / 2.0x less than XLA. Any row-chunked scheme with an f32 dW keeps that "
+    "accumulator (V H 4 bytes = 2004 MiB here, a third of XLA's temporaries) plus chunk x V x 4 bytes of "
+    "logits (501 MiB at 1024 rows), so the issue's >= 40x less temporary memory (<= 150 MiB) is out of reach "
+    "for it; only the fused kernels (vocabulary-chunked, dW summed in VMEM) get there (47x). Not met: >= 0.95x "
+    "XLA at >= 40x less temporary memory")
+REASONS_CHUNKED = {
+    ("v6e", "lce fwd+bwd"): _CHUNKED,
+    ("tpu7x", "lce fwd+bwd"): _CHUNKED + ". tpu7x: libtpu's static-profile compile runs out of its 64 MiB VMEM "
+                                         "for the chunk kernels at the blocks a call gets (75 MiB asked) and for "
+                                         "dw_s / dw_s_acc at every block tried ((1024, 256) to (512, 256): 67-103 "
+                                         "MiB; the ordinary compile fits): no estimate. fwd_s "
+                                         "(512, 512) 1.44 and dh_s (512, 1024) 1.39 ms per 1024-row chunk give "
+                                         "22.7 ms before any dW work, against the fused kernels' 34.1 ms and "
+                                         "XLA's 22.4 ms floor",
+}
 REASONS = {
     ("v5e", "lce fwd"): "At 95% of the MXU roofline; XLA's unfused figure is only a floor (its MXU roofline): "
                         "libtpu 0.0.52 aborts (llo_execution_graph.cc:149) on every v5e XLA program tried, so "
@@ -149,6 +186,8 @@ def _args(n: int = N, v: int = V, backward: bool = False, dh: bool = False) -> t
 
 
 _KW = {"ignore_index": -100, "softcap": None}
+#: the chunked strategy's rows per chunk, one bench row each (module docstring)
+CHUNK_ROWS = (1024,)
 
 
 def _ours_program(chip: str, backward: bool):
@@ -205,6 +244,67 @@ def reduced_kernel_cycles(est, kernel, chip: str, args, kwargs, max_steps: int):
     cyc = est.cycles(fn, list(low.arg_structs), chip)
     scaled = round(cyc * model.grid_steps(grid) / model.grid_steps(reduced))
     return scaled, dict(low.config), low.resolved.source, grid, reduced
+
+
+def _chunk_args(kind: str, c: int) -> tuple:
+    """Example arguments of a chunked-strategy kernel for one chunk of ``c`` rows."""
+    if kind == "fwd_s":
+        return _args(c)
+    x = f"{V}x{H}:bf16" if kind == "dh_s" else f"{c}x{H}:bf16"
+    a = (f"{c}x{V}:f32", x, f"{c}x1:i32", f"{c}x2:f32", f"{c}x1:f32")
+    return (*a, f"{V}x{H}:f32") if kind == "dw_s_acc" else a
+
+
+def _chunked_program(chip: str, rows: int):
+    """The chunked strategy's jax program at the full problem (chunks of ``rows`` rows, dh and dW), for
+    memory analysis: a ``lax.scan`` over the chunks, as the public op runs them one after the other (a Python
+    loop here would let XLA schedule every chunk's ``fwd_s`` first and hold all their logits at once), dW's f32
+    accumulator in the carry (zeros first: one ``dw_s_acc`` per chunk)."""
+    import jax
+    import jax.numpy as jnp
+
+    lce = _lce()
+    k = {kind: kernel_program(lce.KERNELS[kind], chip, _chunk_args(kind, rows), _KW)[0]
+         for kind in ("fwd_s", "dh_s", "dw_s_acc")}
+    one = lambda out: out[0] if isinstance(out, (tuple, list)) else out  # noqa: E731  (a 1-output kernel)
+    _, fs, _, _ = kernel_program(lce.linear_cross_entropy_fwd, chip, _args(), _KW)
+
+    def both(h, w, y):
+        g = jnp.full((rows, 1), 1.0 / N, jnp.float32)
+
+        def chunk(dw, hy):
+            hc, yc = hy
+            loss, lse, s = k["fwd_s"](hc, w, yc)
+            dh = one(k["dh_s"](s, w, yc, lse, g))
+            return one(k["dw_s_acc"](s, hc, yc, lse, g, dw)), ((loss * g).sum(), dh)
+
+        dw, (losses, dh) = jax.lax.scan(chunk, jnp.zeros((V, H), jnp.float32),
+                                        (h.reshape(N // rows, rows, H), y.reshape(N // rows, rows, 1)))
+        return losses.sum(), dh.reshape(N, H), dw.astype(w.dtype)
+
+    return both, fs
+
+
+def _ours_chunked(rows: int, max_steps: int = OURS_STEPS) -> Impl:
+    """tpukernels' chunked strategy (``chunk_rows=rows``): per chunk ``fwd_s + dh_s`` and ``dw_s`` (first
+    chunk) or ``dw_s_acc`` (the others), each estimated on a reduced grid at the chunk's shapes and the config
+    a call gets, summed over the ``N / rows`` chunks."""
+    n_chunks = N // rows
+
+    def cycles(est, chip):
+        lce = _lce()
+        total, parts = 0, []
+        for kind, times in (("fwd_s", n_chunks), ("dh_s", n_chunks), ("dw_s", 1), ("dw_s_acc", n_chunks - 1)):
+            k = lce.KERNELS[kind]
+            cyc, cfg, source, grid, red = reduced_kernel_cycles(est, k, chip, _chunk_args(kind, rows), _KW, max_steps)
+            total += cyc * times
+            cfgs = ",".join(f"{a}={b}" for a, b in sorted(cfg.items()))
+            parts.append(f"{kind} x{times}: {cfgs},source={source},grid={'x'.join(map(str, grid))} est. on "
+                         f"{'x'.join(map(str, red))}")
+        return total, "; ".join(parts)
+
+    return Impl(f"tpukernels chunked {rows}", "ours", cycles,
+                memory=lambda chip: _peak(_chunked_program(chip, rows), chip))
 
 
 def _ours(kernels, backward: bool, max_steps: int = OURS_STEPS) -> Impl:
@@ -272,9 +372,11 @@ def cases(chips) -> list[Case]:
         out.append(Case(FAMILY, "lce fwd", shape, chip, hbm_bytes=_in_bytes(False), flops=2 * N * V * H,
                         impls=[_ours([fwd], False), _xla(False)]))
         out.append(Case(FAMILY, "lce fwd+bwd", shape, chip, hbm_bytes=_in_bytes(True), flops=6 * N * V * H,
-                        impls=[_ours([fdh, dw], True), _xla(True)]))
+                        impls=[_ours([fdh, dw], True), *(_ours_chunked(r) for r in CHUNK_ROWS), _xla(True)]))
     return out
 
 
 def reason(row: dict) -> str | None:
+    if row["impl"].startswith("tpukernels chunked"):
+        return REASONS_CHUNKED.get((row["chip"], row["op"]))
     return REASONS.get((row["chip"], row["op"]))

@@ -68,11 +68,49 @@ fused_linear_cross_entropy.py``) instead chunks over tokens and materialises ``[
 the vocabulary-chunked online-softmax scheme of FlashAttention-2 (Dao, arXiv:2307.08691) applied to the LM
 head (as in Wijmans et al., "Cut Your Losses in Large-Vocabulary Language Models", arXiv:2411.09009).
 
+Strategies (``chunk_rows``). The default (``chunk_rows=None``) is the fused scheme above. ``chunk_rows=c``
+selects the chunked scheme of Liger-Kernel (there the chunk is ``~N H / V`` rows, not a public argument) and
+tokamax's ``chunked_xla``: per chunk of ``c`` rows
+
+* ``tpukernels::linear_cross_entropy_fwd_s(h_c, w, labels_c)``, grid ``(c/bn, V/bv)``: the forward
+  (:func:`linear_cross_entropy_fwd`) that also writes the raw f32 logits ``s [c, V]`` to HBM;
+* ``tpukernels::linear_cross_entropy_dh_s(s, w, ...)``, grid ``(c/bn, V/bv)``: ``dh_c = ds @ W``, ``ds`` from the
+  stored ``s`` (no recompute);
+* ``tpukernels::linear_cross_entropy_dw_s(s, h_c, ...)`` (first chunk) / ``..._dw_s_acc(s, h_c, ..., dw)``, grid
+  ``(V/bv, c/bn)``: ``dW (+)= ds^T @ h_c`` into an f32 ``[V, H]`` accumulator (aliased: in place under Mosaic);
+
+i.e. ``6 N V H`` FLOPs in all (no recompute), all in the forward when the reduction sums the rows ("mean",
+"sum"; the backward scales ``dh`` and ``dW``); with ``reduction="none"`` the per-row upstream gradients cannot
+scale a summed ``dW``, so the backward recomputes the logits for it (8 N V H). The softmax, lse, loss and
+``ds`` are computed inside the Pallas kernels (no separate row pass over ``s``): ``fwd_s`` makes the lse pair
+while ``s`` is in VMEM, and ``dh_s`` / ``dw_s`` form ``ds`` from each ``s`` tile they load, so ``s`` is written
+once and read twice (12 bytes per logit) and never rewritten as ``ds``. Price: temporary HBM ``c * V * 4``
+bytes (``s``) plus the f32 ``dW`` accumulator (``V * H * 4``: 2 GiB at the Llama-3-8B head, a third of the
+unfused version's 6 GiB of temporaries) and ``N / c`` read-modify-write passes over it (``8 V H`` bytes
+each), and the saved ``dW`` (``W``'s dtype) lives from the forward to the backward. Values agree with the
+fused strategy to float32 rounding (``ds`` from the same f32 logits and the same ``(hi, lo)`` lse pair);
+without gradients both run ``fwd``. Model (libtpu 0.0.52 static estimates, Llama-3-8B head, forward +
+backward; module :mod:`tpukernels.bench.linear_cross_entropy`): the chunked strategy is **slower** than the
+fused one on v6e and tpu7x at every chunk size estimated, so the default stays fused (figures in the bench
+family's reasons): its kernels reach only 60-75% of the MXU, and libtpu charges the ``dW`` read-modify-write
+in full on top of the ``dW`` matmul (v6e, ``c = 1024``: ``dw_s_acc`` 4.40 ms per chunk against 1.57 ms for
+``dw_s`` without the accumulator). v6e forward + backward: chunked ``c = 1024`` 60.7 ms, ``c = 2048`` 58.7 ms,
+fused 42.8 ms, XLA unfused 34.2 ms; temporary HBM (XLA's memory analysis of the chunk loop) 2513 MiB at
+``c = 1024``, 3022 MiB at ``c = 2048``, fused 128 MiB, XLA unfused 6012 MiB. It stays as the user's
+alternative (and to measure on a device, where the model's two weak points above may not hold); the issue's
+target (>= 0.95x XLA at >= 40x less temporary
+memory) is out of reach for any row-chunked scheme with an f32 ``dW`` (its accumulator alone is a third of
+XLA's temporaries). ``softmax``/``ds`` inside the kernels rather than a row kernel or XLA pass between them:
+such a pass would read ``s`` once more and write ``ds`` (6 more bytes per logit, 6.3 GB = 3.8 ms on v6e at
+this head) for nothing the matmul kernels cannot do on their loaded tile.
+
 Tails. A partial last V block reads undefined ``W`` rows (NaN in ``interpret="tpu"``): the forward sets
 those logit columns to ``-inf`` with ``jnp.where`` before the logsumexp (``fwd_dh`` also zeroes those ``W``
 rows, only in its last V step), ``bwd_dh`` zeroes them (``ds``
 and the ``W`` rows, both with ``jnp.where``) before contracting over V; ``bwd_dw``'s rows past V are
-dropped. A partial last N block: forward / ``bwd_dh`` rows past N are dropped on write; ``bwd_dw`` (which
+dropped (``fwd_s`` drops its ``s`` columns past V on write; ``dh_s`` / ``dw_s`` mask ``ds`` there and
+``dh_s`` the ``W`` rows, as ``bwd_dh``). A partial last N block: forward / ``bwd_dh`` rows past N are dropped on
+write; ``bwd_dw`` (which
 reduces over N) zeroes ``ds`` and ``h`` there. ``H`` is whole, so never a tail.
 
 Large logits. ``lse`` leaves the forward as an unevaluated f32 pair ``[N, 2] = (hi, lo)``, ``hi = fl(m + log
@@ -90,7 +128,11 @@ float16 ``h``/``W`` to float32 (exact) and rounds the gradients back. float32 op
 attention's backward does with ``dP``).
 
 Tunables: ``bn`` (rows per block) and ``bv`` (vocabulary per block), per kernel; clamped to the problem (a
-dim no larger than the block is taken whole). Defaults: :func:`heuristic` (the largest blocks whose VMEM
+dim no larger than the block is taken whole). The chunked strategy's kernels (``fwd_s``, ``dh_s``, ``dw_s``,
+``dw_s_acc``) have no shipped entries: their heuristic takes the first of ``_S_CANDIDATES`` (ranked by libtpu
+estimates for one 1024-row chunk on v6e; smaller blocks on 64 MiB-VMEM chips) that fits the VMEM target. The
+chunk size itself is the caller's ``chunk_rows`` (no per-chip default: the fused strategy is the default on
+every chip, see "Strategies"). Defaults of the fused kernels: :func:`heuristic` (the largest blocks whose VMEM
 estimate fits 40 MiB), then per-chip tuning data in ``tpukernels/data/autotuning/<chip>/`` chosen by the
 autotuner's tpu-model evaluator (libtpu static estimates: a model, not measurements) at the Llama-3-8B LM
 head (``H = 4096, V = 128256, N = 8192``, :data:`STANDARD_CASES`), written by::
@@ -214,10 +256,24 @@ def _load_pair(ref):
             jnp.sum(jnp.where(col == 1, x, 0.0), axis=1, keepdims=True))
 
 
-def _fwd_body(h_ref, w_ref, y_ref, loss_ref, lse_ref, m_sc, l_sc, t_sc, *, n_v, v_size, bv, softcap,
-              ignore_index, precision):
+def _fwd_body(h_ref, w_ref, y_ref, loss_ref, lse_ref, m_sc, l_sc, t_sc, *, n_v, v_size, bv, softcap, ignore_index,
+              precision):
     """One (bn rows, bv vocab) step of the online logsumexp; the running max ``m``, sum ``l`` and target
     logit ``t`` live in (bn, 1) f32 scratch across the V axis (grid axis 1, innermost)."""
+    _fwd_step(h_ref, w_ref, y_ref, loss_ref, lse_ref, None, m_sc, l_sc, t_sc, n_v=n_v, v_size=v_size, bv=bv,
+              softcap=softcap, ignore_index=ignore_index, precision=precision)
+
+
+def _fwd_s_body(h_ref, w_ref, y_ref, loss_ref, lse_ref, s_ref, m_sc, l_sc, t_sc, *, n_v, v_size, bv, softcap,
+                ignore_index, precision):
+    """:func:`_fwd_body` that also stores the raw f32 logits tile ``s = h W^T`` (before the soft-cap) into the
+    ``[N, V]`` output ``s`` (the chunked strategy's logits in HBM; columns past V are dropped on write)."""
+    _fwd_step(h_ref, w_ref, y_ref, loss_ref, lse_ref, s_ref, m_sc, l_sc, t_sc, n_v=n_v, v_size=v_size, bv=bv,
+              softcap=softcap, ignore_index=ignore_index, precision=precision)
+
+
+def _fwd_step(h_ref, w_ref, y_ref, loss_ref, lse_ref, s_ref, m_sc, l_sc, t_sc, *, n_v, v_size, bv, softcap,
+              ignore_index, precision):
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
@@ -230,7 +286,10 @@ def _fwd_body(h_ref, w_ref, y_ref, loss_ref, lse_ref, m_sc, l_sc, t_sc, *, n_v, 
         l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
         t_sc[...] = jnp.zeros(t_sc.shape, jnp.float32)
 
-    z, _ = _capped(_logits(h_ref[...], w_ref[...], precision), softcap)
+    raw = _logits(h_ref[...], w_ref[...], precision)
+    if s_ref is not None:
+        s_ref[...] = raw
+    z, _ = _capped(raw, softcap)
     col = j * bv + jax.lax.broadcasted_iota(jnp.int32, z.shape, 1)
     if v_size % bv:  # V tail: undefined W rows -> -inf logits (jnp.where: the padding may be NaN)
         z = jnp.where(col < v_size, z, -jnp.inf)
@@ -334,14 +393,20 @@ def _fwd_dh_body(h_ref, w_ref, y_ref, wy_hbm, g_ref, loss_ref, lse_ref, dh_ref, 
         dh_ref[...] = jnp.where(valid, g * d, 0.0).astype(dh_ref.dtype)
 
 
-def _dz(h, w, y, lse, g, j, *, bv, v_size, softcap, ignore_index, precision):
-    """``ds [bn, bv]`` f32 of one block (recomputed logits; module docstring), 0 at ignored rows. ``lse`` is
-    the ``(hi, lo)`` pair of :func:`_lse_pair`: ``z - hi`` is exact where ``z`` is near ``lse`` (Sterbenz), so
-    ``p`` of the top logits is as accurate as the unfused softmax's (the logits recomputed bit for bit)."""
+def _dz(h, w, y, lse, g, j, *, precision, **kw):
+    """``ds [bn, bv]`` f32 of one block from recomputed logits (:func:`_ds`)."""
+    return _ds(_logits(h, w, precision), y, lse, g, j, **kw)
+
+
+def _ds(s, y, lse, g, j, *, bv, v_size, softcap, ignore_index):
+    """``ds [bn, bv]`` f32 of one block of raw logits ``s`` (module docstring), 0 at ignored rows and at
+    columns past V. ``lse`` is the ``(hi, lo)`` pair of :func:`_lse_pair`: ``z - hi`` is exact where ``z`` is
+    near ``lse`` (Sterbenz), so ``p`` of the top logits is as accurate as the unfused softmax's (the logits
+    recomputed bit for bit, or stored by :func:`_fwd_s_body`)."""
     import jax
     import jax.numpy as jnp
 
-    z, t = _capped(_logits(h, w, precision), softcap)
+    z, t = _capped(s, softcap)
     col = j * bv + jax.lax.broadcasted_iota(jnp.int32, z.shape, 1)
     hi, lo = lse
     p = jnp.exp((z - hi) - lo)
@@ -417,6 +482,68 @@ def _dw_body(h_ref, w_ref, y_ref, lse_ref, g_ref, dw_ref, acc_ref, *, n_n, n_siz
     @pl.when(i == n_n - 1)
     def _last():
         dw_ref[...] = (acc_ref[...] + d).astype(dw_ref.dtype)
+
+
+def _dh_s_body(s_ref, w_ref, y_ref, lse_ref, g_ref, dh_ref, acc_ref, *, n_v, v_size, bv, softcap, ignore_index,
+               precision):
+    """Chunked strategy: ``dh[i] = sum_j ds[i, j] @ W[j]`` with ``ds`` from the stored logits ``s`` (no
+    recompute); grid ``(N/bn, V/bv)``, V innermost, f32 accumulator (bn, H)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+
+    j = pl.program_id(1)
+    w = w_ref[...]
+    ds = _ds(s_ref[...], y_ref[...], _load_pair(lse_ref), g_ref[...], j, bv=bv, v_size=v_size, softcap=softcap,
+             ignore_index=ignore_index)
+    if v_size % bv:  # undefined W rows: ds is 0 there, but 0 * NaN is NaN
+        w = _dsl.mask_tail(w, 0, j * bv, v_size)
+    d = jax.lax.dot_general(ds.astype(w.dtype), w, (((1,), (0,)), ((), ())), precision=precision,
+                            preferred_element_type=jnp.float32)
+    if n_v == 1:
+        dh_ref[...] = d.astype(dh_ref.dtype)
+        return
+
+    @pl.when(j == 0)
+    def _first():
+        acc_ref[...] = d
+
+    @pl.when(jnp.logical_and(j > 0, j < n_v - 1))
+    def _mid():
+        acc_ref[...] += d
+
+    @pl.when(j == n_v - 1)
+    def _last():
+        dh_ref[...] = (acc_ref[...] + d).astype(dh_ref.dtype)
+
+
+def _dw_s_body(s_ref, h_ref, y_ref, lse_ref, g_ref, *refs, n_size, bn, v_size, bv, softcap, ignore_index,
+               precision):
+    """Chunked strategy: ``dW[j] (+)= sum_i ds[i, j]^T @ h[i]`` with ``ds`` from the stored logits ``s``;
+    grid ``(V/bv, N/bn)``, N innermost, summed in the f32 output block (resident across the N axis). With
+    an accumulator input (``refs = (dw_in, dw)``, aliased) the first N step adds this chunk's sum to it."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+
+    dwin_ref, dw_ref = refs if len(refs) == 2 else (None, refs[0])
+    j, i = pl.program_id(0), pl.program_id(1)
+    h = h_ref[...]
+    ds = _ds(s_ref[...], y_ref[...], _load_pair(lse_ref), g_ref[...], j, bv=bv, v_size=v_size, softcap=softcap,
+             ignore_index=ignore_index)
+    if n_size % bn:  # N tail: this kernel reduces over rows, so undefined rows must be zeros in ds and h
+        ds = _dsl.mask_tail(ds, 0, i * bn, n_size)
+        h = _dsl.mask_tail(h, 0, i * bn, n_size)
+    d = jax.lax.dot_general(ds.astype(h.dtype), h, (((0,), (0,)), ((), ())), precision=precision,
+                            preferred_element_type=jnp.float32)
+
+    @pl.when(i == 0)
+    def _first():
+        dw_ref[...] = d if dwin_ref is None else dwin_ref[...] + d
+
+    @pl.when(i > 0)
+    def _rest():
+        dw_ref[...] += d
 
 
 # ----------------------------------------------------------------------------------------------- checks + launch
@@ -665,8 +792,240 @@ def linear_cross_entropy_bwd_dw(h: torch.Tensor, w: torch.Tensor, labels: torch.
     )
 
 
+# --------------------------------------------------------------------------- chunked strategy: logits in HBM
+def _check_s_args(s, x, labels, lse, g, *, where: str, x_name: str, dw=None):
+    """Shapes/dtypes of a chunked-strategy gradient kernel: ``s [N, V]`` f32 stored logits, ``x`` = ``w [V, H]``
+    (``dh_s``) or ``h [N, H]`` (``dw_s``), per-row ``labels [N, 1]`` int32, ``lse [N, 2]``, ``g [N, 1]`` f32,
+    optional ``dw [V, H]`` f32 accumulator. Returns ``(N, V, H)``.
+
+    Raises:
+        ArgumentError: ranks and shapes. DTypeError: ``s`` / ``lse`` / ``g`` / ``dw`` not float32, ``x`` not
+            bfloat16 / float32, labels not int32.
+    """
+    for t, n in ((s, "s"), (x, x_name)):
+        if len(t.shape) != 2:
+            raise ArgumentError(f"{where}: {n} must be 2-D, got shape {tuple(t.shape)}")
+    N, V = (int(d) for d in s.shape)
+    H = int(x.shape[1])
+    want = (V, H) if x_name == "w" else (N, H)
+    if tuple(x.shape) != want or V == 0 or H == 0:
+        raise ArgumentError(f"{where}: {x_name} must be {list(want)} for s of shape {(N, V)} (V, H > 0), got "
+                            f"{tuple(x.shape)}")
+    if _dt(s) != "float32":
+        raise DTypeError(f"{where}: s (the stored logits) must be float32, got {_dt(s)}")
+    if _dt(x) not in KERNEL_DTYPES:
+        raise DTypeError(f"{where}: {x_name} dtype {_dt(x)} is not supported by the kernel; use {KERNEL_DTYPES}")
+    for t, n, dt, c in ((labels, "labels", "int32", 1), (lse, "lse", "float32", 2), (g, "g", "float32", 1)):
+        if tuple(t.shape) != (N, c):
+            raise ArgumentError(f"{where}: {n} must have shape [N, {c}] = ({N}, {c}), got {tuple(t.shape)}")
+        if _dt(t) != dt:
+            raise DTypeError(f"{where}: {n} must be {dt}, got {_dt(t)}")
+    if dw is not None and (tuple(dw.shape) != (V, H) or _dt(dw) != "float32"):
+        raise ArgumentError(f"{where}: dw (the f32 accumulator) must be [V, H] = ({V}, {H}) float32, got "
+                            f"{tuple(dw.shape)} {_dt(dw)}")
+    return N, V, H
+
+
+def vmem_bytes_s(kind: str, bn: int, bv: int, H: int, dtype) -> int:
+    """VMEM estimate of a chunked-strategy launch (double-buffered blocks, scratch, ~4 f32 (bn, bv) tiles)."""
+    rows = 4 * padded_bytes((bn, 2), "float32")
+    tiles = 4 * bn * bv * 4
+    s_blk = padded_bytes((bn, bv), "float32")
+    if kind == "fwd_s":
+        return vmem_bytes("fwd", bn, bv, H, dtype) + 2 * s_blk
+    if kind == "dh_s":  # s tile, W block, dh block, f32 accumulator
+        return (2 * (s_blk + padded_bytes((bv, H), dtype) + padded_bytes((bn, H), dtype)) + 2 * rows
+                + padded_bytes((bn, H), "float32") + tiles)
+    acc = padded_bytes((bv, H), "float32")  # dw_s / dw_s_acc: s tile, h block, f32 dW block (+ the input block)
+    return (2 * (s_blk + padded_bytes((bn, H), dtype) + acc) + (2 * acc if kind == "dw_s_acc" else 0) + 2 * rows
+            + tiles)
+
+
+#: heuristic candidates ``(bn, bv)`` of the chunked-strategy kernels, best first, on chips with more than 64 MiB
+#: of VMEM (v5e, v6e) and on the others (tpu7x: libtpu 0.0.52's static-profile compile asks 2-3x tpukernels'
+#: VMEM estimate there, so larger blocks cannot be estimated). Ranked by libtpu static estimates for one
+#: 1024-row chunk of the Llama-3-8B head on v6e (ms): fwd_s (512, 1024) 1.59, (1024, 512) 1.80; dh_s
+#: (512, 1024) 1.95, (1024, 256) 3.95; dw_s_acc (1024, 512) 4.40, (1024, 256) 7.31 (dw_s (1024, 256) 1.75).
+#: ``dw_s`` streams ``h`` once per V block, so it wants the chunk's rows in one block.
+_S_CANDIDATES = {
+    "fwd_s": (((512, 1024), (1024, 512), (512, 512)), ((512, 512), (512, 256), (256, 256))),
+    "dh_s": (((512, 1024), (512, 512), (512, 256)), ((512, 512), (512, 256), (256, 256))),
+    "dw_s": (((1024, 512), (1024, 256), (512, 512)), ((512, 256), (256, 256))),
+}
+
+
+def _heuristic_s(kind: str):
+    def heur(*args, **statics):
+        from .vmem import vmem_cap
+
+        N, V = (int(d) for d in args[0].shape)  # fwd_s: h [N, H] -> use h, w; others: s [N, V]
+        if kind == "fwd_s":
+            V, H, dtype = int(args[1].shape[0]), int(args[0].shape[1]), args[0].dtype
+        else:
+            H, dtype = int(args[1].shape[1]), args[1].dtype
+        small = vmem_cap() <= 64 * MiB
+        # up to 64 MiB on the large-VMEM chips (the scoped limit _limit asks at most): dw_s_acc at (1024, 512) holds
+        # four f32 (512, H) blocks (its accumulator in and out, double-buffered)
+        target = min(VMEM_TARGET if small else 64 * MiB, (vmem_cap() - 4 * MiB) * 4 // 5)
+        cands = _S_CANDIDATES[kind.replace("_acc", "")][small]
+        for bn, bv in (*cands, (256, 256), (256, 128), (128, 128)):
+            if vmem_bytes_s(kind, _clamp(N, bn), _clamp(V, bv), H, dtype) <= target:
+                return dict(bn=bn, bv=bv)
+        return dict(bn=128, bv=128)
+
+    return heur
+
+
+def _fwd_s_out(h, w, labels, ignore_index=-100, softcap=None):
+    N, V, H = _check_kernel_args(h, w, labels, where="tpukernels::linear_cross_entropy_fwd_s")
+    return (_dsl.OutSpec((N, 1), np.float32), _dsl.OutSpec((N, 2), np.float32), _dsl.OutSpec((N, V), np.float32))
+
+
+def _dh_s_out(s, w, labels, lse, g, ignore_index=-100, softcap=None):
+    N, V, H = _check_s_args(s, w, labels, lse, g, where="tpukernels::linear_cross_entropy_dh_s", x_name="w")
+    return _dsl.OutSpec((N, H), w.dtype)
+
+
+def _dw_s_out(s, h, labels, lse, g, ignore_index=-100, softcap=None):
+    N, V, H = _check_s_args(s, h, labels, lse, g, where="tpukernels::linear_cross_entropy_dw_s", x_name="h")
+    return _dsl.OutSpec((V, H), np.float32, rows=False)
+
+
+def _dw_s_acc_out(s, h, labels, lse, g, dw, ignore_index=-100, softcap=None):
+    N, V, H = _check_s_args(s, h, labels, lse, g, dw=dw, where="tpukernels::linear_cross_entropy_dw_s_acc",
+                            x_name="h")
+    return _dsl.OutSpec((V, H), np.float32, rows=False)
+
+
+@_dsl.tpu_kernel(_fwd_s_body, name="linear_cross_entropy_fwd_s", namespace=NAMESPACE, tunables=TUNABLES,
+                 heuristic=_heuristic_s("fwd_s"), rows=("h", "labels"), out_shape=_fwd_s_out)
+def linear_cross_entropy_fwd_s(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
+                               softcap: Optional[float] = None, *, bn: int,
+                               bv: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`linear_cross_entropy_fwd` that also returns the raw logits ``s = h w^T`` ``[N, V]`` float32
+    (before the soft-cap): ``(loss [N, 1], lse [N, 2], s [N, V])``, the chunked strategy's first step (the
+    public op runs it on ``chunk_rows`` rows at a time).
+
+    Raises:
+        ArgumentError / DTypeError: see :func:`_check_kernel_args`.
+    """
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    N, V, H = _check_kernel_args(h, w, labels, where="tpukernels::linear_cross_entropy_fwd_s")
+    bn_, bv_ = _clamp(N, bn), _clamp(V, bv)
+    gi, gj = _dsl.cdiv(N, bn_), _dsl.cdiv(V, bv_)
+    row = lambda i, j: (i, 0)  # noqa: E731
+    return _dsl.Launch(
+        grid=(gi, gj),
+        in_specs=[pl.BlockSpec((bn_, H), row), pl.BlockSpec((bv_, H), lambda i, j: (j, 0)), *_row_specs(bn_, row, 1)],
+        out_specs=(*_row_specs(bn_, row, 1, 2), pl.BlockSpec((bn_, bv_), lambda i, j: (i, j))),
+        out_shape=(_dsl.OutSpec((N, 1), np.float32), _dsl.OutSpec((N, 2), np.float32),
+                   _dsl.OutSpec((N, V), np.float32)),
+        scratch_shapes=[pltpu.VMEM((bn_, 1), np.float32) for _ in range(3)],
+        dimension_semantics=("parallel", "arbitrary"),
+        vmem_limit_bytes=_limit(vmem_bytes_s("fwd_s", bn_, bv_, H, h.dtype)),
+        cost_estimate=pl.CostEstimate(flops=2 * N * V * H, transcendentals=N * V, bytes_accessed=int(
+            np.dtype(h.dtype).itemsize * (gi * V * H + N * H) + 4 * N * V)),
+        body_kwargs=dict(n_v=int(gj), v_size=V, bv=int(bv_), ignore_index=int(ignore_index), **_statics(h, softcap)),
+    )
+
+
+@_dsl.tpu_kernel(_dh_s_body, name="linear_cross_entropy_dh_s", namespace=NAMESPACE, tunables=TUNABLES,
+                 heuristic=_heuristic_s("dh_s"), rows=("s", "labels", "lse", "g"), out_shape=_dh_s_out)
+def linear_cross_entropy_dh_s(s: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
+                              g: torch.Tensor, ignore_index: int = -100, softcap: Optional[float] = None, *,
+                              bn: int, bv: int) -> torch.Tensor:
+    """``dh = ds @ w`` ``[N, H]`` (w's dtype) from the stored logits ``s [N, V]`` f32 of
+    :func:`linear_cross_entropy_fwd_s` (no recompute), its ``lse [N, 2]`` pair and per-row weights ``g [N, 1]``.
+
+    Raises:
+        ArgumentError / DTypeError: see :func:`_check_s_args`.
+    """
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    N, V, H = _check_s_args(s, w, labels, lse, g, where="tpukernels::linear_cross_entropy_dh_s", x_name="w")
+    bn_, bv_ = _clamp(N, bn), _clamp(V, bv)
+    gi, gj = _dsl.cdiv(N, bn_), _dsl.cdiv(V, bv_)
+    row = lambda i, j: (i, 0)  # noqa: E731
+    return _dsl.Launch(
+        grid=(gi, gj),
+        in_specs=[pl.BlockSpec((bn_, bv_), lambda i, j: (i, j)), pl.BlockSpec((bv_, H), lambda i, j: (j, 0)),
+                  *_row_specs(bn_, row, 1, 2, 1)],  # labels, the lse pair, g
+        out_specs=pl.BlockSpec((bn_, H), row),
+        out_shape=_dsl.OutSpec((N, H), w.dtype),
+        scratch_shapes=[pltpu.VMEM((bn_, H) if gj > 1 else (8, 128), np.float32)],
+        dimension_semantics=("parallel", "arbitrary"),
+        vmem_limit_bytes=_limit(vmem_bytes_s("dh_s", bn_, bv_, H, w.dtype)),
+        cost_estimate=pl.CostEstimate(flops=2 * N * V * H, transcendentals=N * V, bytes_accessed=int(
+            np.dtype(w.dtype).itemsize * (gi * V * H + N * H) + 4 * N * V)),
+        body_kwargs=dict(n_v=int(gj), v_size=V, bv=int(bv_), ignore_index=int(ignore_index), **_statics(w, softcap)),
+    )
+
+
+def _dw_s_launch(s, h, labels, lse, g, dw, ignore_index, softcap, bn, bv, where):
+    from jax.experimental import pallas as pl
+
+    N, V, H = _check_s_args(s, h, labels, lse, g, dw=dw, where=where, x_name="h")
+    bn_, bv_ = _clamp(N, bn), _clamp(V, bv)
+    gi, gj = _dsl.cdiv(N, bn_), _dsl.cdiv(V, bv_)
+    row = lambda j, i: (i, 0)  # noqa: E731
+    vblk = pl.BlockSpec((bv_, H), lambda j, i: (j, 0))
+    acc = dw is not None
+    return _dsl.Launch(
+        grid=(gj, gi),
+        in_specs=[pl.BlockSpec((bn_, bv_), lambda j, i: (i, j)), pl.BlockSpec((bn_, H), row),
+                  *_row_specs(bn_, row, 1, 2, 1), *((vblk,) if acc else ())],  # labels, lse pair, g (, dw)
+        out_specs=vblk,
+        out_shape=_dsl.OutSpec((V, H), np.float32, rows=False),
+        dimension_semantics=("parallel", "arbitrary"),
+        vmem_limit_bytes=_limit(vmem_bytes_s("dw_s_acc" if acc else "dw_s", bn_, bv_, H, h.dtype)),
+        # dw updated in place (Mosaic); not under the TPU interpreter, which returns the aliased operand padded
+        # to whole blocks (jax 0.10.2: a verifier error when V % bv != 0). No effect on the values.
+        input_output_aliases={5: 0} if acc and _dsl.current_interpret_mode() not in ("tpu", "races") else {},
+        cost_estimate=pl.CostEstimate(flops=2 * N * V * H, transcendentals=N * V, bytes_accessed=int(
+            np.dtype(h.dtype).itemsize * gj * N * H + 4 * N * V + (8 if acc else 4) * V * H)),
+        body_kwargs=dict(n_size=N, bn=int(bn_), v_size=V, bv=int(bv_), ignore_index=int(ignore_index),
+                         **_statics(h, softcap)),
+    )
+
+
+@_dsl.tpu_kernel(_dw_s_body, name="linear_cross_entropy_dw_s", namespace=NAMESPACE, tunables=TUNABLES,
+                 heuristic=_heuristic_s("dw_s"), rows=("s", "h", "labels", "lse", "g"), out_shape=_dw_s_out)
+def linear_cross_entropy_dw_s(s: torch.Tensor, h: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
+                              g: torch.Tensor, ignore_index: int = -100, softcap: Optional[float] = None, *,
+                              bn: int, bv: int) -> torch.Tensor:
+    """``dW = ds^T @ h`` ``[V, H]`` **float32** from the stored logits ``s [N, V]`` f32 (the first chunk's
+    weight gradient; later chunks add theirs with :func:`linear_cross_entropy_dw_s_acc`).
+
+    Raises:
+        ArgumentError / DTypeError: see :func:`_check_s_args`.
+    """
+    return _dw_s_launch(s, h, labels, lse, g, None, ignore_index, softcap, bn, bv,
+                        "tpukernels::linear_cross_entropy_dw_s")
+
+
+@_dsl.tpu_kernel(_dw_s_body, name="linear_cross_entropy_dw_s_acc", namespace=NAMESPACE, tunables=TUNABLES,
+                 heuristic=_heuristic_s("dw_s_acc"), rows=("s", "h", "labels", "lse", "g"), out_shape=_dw_s_acc_out)
+def linear_cross_entropy_dw_s_acc(s: torch.Tensor, h: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
+                                  g: torch.Tensor, dw: torch.Tensor, ignore_index: int = -100,
+                                  softcap: Optional[float] = None, *, bn: int, bv: int) -> torch.Tensor:
+    """``dw + ds^T @ h`` ``[V, H]`` float32: :func:`linear_cross_entropy_dw_s` added to the accumulator ``dw``
+    (f32, aliased to the output in the Pallas call: XLA updates it in place where ``dw`` is not used
+    afterwards; the torch op returns a new tensor and leaves ``dw`` unchanged).
+
+    Raises:
+        ArgumentError / DTypeError: see :func:`_check_s_args`.
+    """
+    return _dw_s_launch(s, h, labels, lse, g, dw, ignore_index, softcap, bn, bv,
+                        "tpukernels::linear_cross_entropy_dw_s_acc")
+
+
 KERNELS = {"fwd": linear_cross_entropy_fwd, "fwd_dh": linear_cross_entropy_fwd_dh, "bwd_dh": linear_cross_entropy_bwd_dh,
-           "bwd_dw": linear_cross_entropy_bwd_dw}
+           "bwd_dw": linear_cross_entropy_bwd_dw, "fwd_s": linear_cross_entropy_fwd_s,
+           "dh_s": linear_cross_entropy_dh_s, "dw_s": linear_cross_entropy_dw_s,
+           "dw_s_acc": linear_cross_entropy_dw_s_acc}
 
 
 @linear_cross_entropy_fwd.def_backward(op="linear_cross_entropy")
@@ -719,11 +1078,12 @@ def _values_readable(x: torch.Tensor) -> bool:
     return not _get_current_dispatch_mode_stack()
 
 
-def check_args(h, W, labels, ignore_index, reduction, softcap) -> None:
+def check_args(h, W, labels, ignore_index, reduction, softcap, chunk_rows=None) -> None:
     """Validate the public op's arguments (module docstring) before any kernel runs.
 
     Raises:
-        ArgumentError: not tensors, ranks, shapes, V == 0 or H == 0, reduction, softcap, labels out of range.
+        ArgumentError: not tensors, ranks, shapes, V == 0 or H == 0, reduction, softcap, chunk_rows (None or
+            a positive int), labels out of range.
         DTypeError: float64 / integer / mixed operand dtypes, labels not int64/int32.
         DeviceError: h, W and labels on different devices.
     """
@@ -761,6 +1121,9 @@ def check_args(h, W, labels, ignore_index, reduction, softcap) -> None:
     if softcap is not None and not (isinstance(softcap, (int, float)) and not isinstance(softcap, bool)
                                     and math.isfinite(softcap) and softcap > 0):
         raise ArgumentError(f"{where}: softcap must be None or a positive finite number, got {softcap!r}")
+    if chunk_rows is not None and (isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1):
+        raise ArgumentError(f"{where}: chunk_rows must be None (the fused kernels) or a positive int (rows per "
+                            f"chunk of the chunked strategy), got {chunk_rows!r}")
     V = W.shape[0]
     if labels.numel() and _values_readable(labels):
         bad = ((labels < 0) | (labels >= V)) & (labels != ignore_index)
@@ -770,9 +1133,70 @@ def check_args(h, W, labels, ignore_index, reduction, softcap) -> None:
                                 f"ignore_index ({ignore_index})")
 
 
-def _lce_impl(h, W, labels, ignore_index=-100, reduction="mean", softcap=None):
+def _chunks(n: int, rows: int):
+    return [(a, min(a + rows, n)) for a in range(0, n, rows)]
+
+
+def _chunked_dw(h, w, y, g, ignore_index, softcap, rows):
+    """``dW`` [V, H] f32 of the g-weighted per-row losses, one chunk of rows at a time (logits recomputed)."""
+    ops = torch.ops.tpukernels
+    dw = None
+    for a, b in _chunks(h.shape[0], rows):
+        hc, yc, gc = h[a:b], y[a:b], g[a:b]
+        _, lse, s = ops.linear_cross_entropy_fwd_s(hc, w, yc, ignore_index, softcap)
+        dw = (ops.linear_cross_entropy_dw_s(s, hc, yc, lse, gc, ignore_index, softcap) if dw is None else
+              ops.linear_cross_entropy_dw_s_acc(s, hc, yc, lse, gc, dw, ignore_index, softcap))
+    return dw
+
+
+class _ChunkedLCE(torch.autograd.Function):
+    """The chunked strategy (module docstring): per chunk of ``rows`` rows the f32 logits ``[rows, V]`` are
+    stored in HBM (:func:`linear_cross_entropy_fwd_s`), ``dh`` of the chunk (:func:`linear_cross_entropy_dh_s`)
+    and ``dW += ds^T h`` (:func:`linear_cross_entropy_dw_s_acc`, f32) are made from them: no recompute. Returns the
+    ``g``-weighted per-row loss ``[N]``. ``uniform``: the upstream gradient is the same for every row (the
+    reduction sums the weighted losses), so ``dW`` is computed in the forward and only scaled in the backward;
+    else ("none") the backward recomputes the logits once for ``dW`` with the per-row upstream weights."""
+
+    @staticmethod
+    def forward(ctx, h, w, y, g, ignore_index, softcap, rows, uniform):
+        ops = torch.ops.tpukernels
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and uniform
+        losses, dhs, dw = [], [], None
+        for a, b in _chunks(h.shape[0], rows):
+            hc, yc, gc = h[a:b], y[a:b], g[a:b]
+            loss, lse, s = ops.linear_cross_entropy_fwd_s(hc, w, yc, ignore_index, softcap)
+            losses.append(loss * gc)
+            if need_h:
+                dhs.append(ops.linear_cross_entropy_dh_s(s, w, yc, lse, gc, ignore_index, softcap))
+            if need_w:
+                dw = (ops.linear_cross_entropy_dw_s(s, hc, yc, lse, gc, ignore_index, softcap) if dw is None else
+                      ops.linear_cross_entropy_dw_s_acc(s, hc, yc, lse, gc, dw, ignore_index, softcap))
+            del s
+        ctx.save_for_backward(torch.cat(dhs) if need_h else None, dw.to(w.dtype) if need_w else None,
+                              *((h, w, y, g) if ctx.needs_input_grad[1] and not uniform else ()))
+        ctx.args = (ignore_index, softcap, rows, uniform)
+        return torch.cat(losses).reshape(-1)
+
+    @staticmethod
+    def backward(ctx, up):
+        ignore_index, softcap, rows, uniform = ctx.args
+        dh, dw, *rest = ctx.saved_tensors
+        up = up.float().reshape(-1, 1)
+        gh = gw = None
+        if ctx.needs_input_grad[0]:
+            gh = (dh.float() * up).to(dh.dtype)
+        if ctx.needs_input_grad[1]:
+            if uniform:  # the weighted losses are summed: every row's upstream gradient is up[0]
+                gw = (dw.float() * up[0]).to(dw.dtype)
+            else:
+                h, w, y, g = rest
+                gw = _chunked_dw(h, w, y, (g * up).contiguous(), ignore_index, softcap, rows).to(w.dtype)
+        return gh, gw, None, None, None, None, None, None
+
+
+def _lce_impl(h, W, labels, ignore_index=-100, reduction="mean", softcap=None, chunk_rows=None):
     """The public op (CompositeImplicitAutograd: autograd and torch.compile see the kernel ops)."""
-    check_args(h, W, labels, ignore_index, reduction, softcap)
+    check_args(h, W, labels, ignore_index, reduction, softcap, chunk_rows)
     valid = labels != ignore_index
     if h.shape[0] == 0:
         loss = (h.float() @ W.float().t()).sum(1)  # empty, but connected to h and W for autograd
@@ -780,6 +1204,17 @@ def _lce_impl(h, W, labels, ignore_index=-100, reduction="mean", softcap=None):
         hk, wk = (h.float(), W.float()) if h.dtype == torch.float16 else (h, W)
         hk, wk = hk.contiguous(), wk.contiguous()
         y = labels.to(torch.int32).reshape(-1, 1)
+        if chunk_rows is not None and torch.is_grad_enabled() and (h.requires_grad or W.requires_grad):
+            n_valid = valid.sum()
+            g = (valid.float() / n_valid.clamp_min(1)) if reduction == "mean" else valid.float()
+            loss = _ChunkedLCE.apply(hk, wk, y, g.reshape(-1, 1), ignore_index, softcap, chunk_rows,
+                                     reduction != "none")
+            if reduction == "none":
+                return loss
+            total = loss.sum()
+            if reduction == "mean":  # the weights already divide by n_valid; no valid row: NaN, as torch
+                total = torch.where(n_valid > 0, total, torch.full_like(total, float("nan")))
+            return total
         if torch.is_grad_enabled() and h.requires_grad:
             # gradient in the forward: dh from the same pass as the loss, dW in the backward (one recompute)
             n_valid = valid.sum()
@@ -806,12 +1241,13 @@ def _lce_impl(h, W, labels, ignore_index=-100, reduction="mean", softcap=None):
 
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
 _LIB.define("linear_cross_entropy(Tensor h, Tensor W, Tensor labels, int ignore_index=-100, str reduction='mean', "
-            "float? softcap=None) -> Tensor")
+            "float? softcap=None, int? chunk_rows=None) -> Tensor")
 _LIB.impl("linear_cross_entropy", _lce_impl, "CompositeImplicitAutograd")
 
 
 def linear_cross_entropy(h: torch.Tensor, W: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
-                         reduction: str = "mean", softcap: float | None = None) -> torch.Tensor:
+                         reduction: str = "mean", softcap: float | None = None,
+                         chunk_rows: int | None = None) -> torch.Tensor:
     """Cross-entropy of ``softcap(h @ W^T)`` against ``labels`` without the ``[N, V]`` logits (differentiable).
 
     ``torch.ops.tpukernels.linear_cross_entropy``; formulas, algorithm and sources in the module docstring.
@@ -823,6 +1259,11 @@ def linear_cross_entropy(h: torch.Tensor, W: torch.Tensor, labels: torch.Tensor,
         ignore_index: label value whose rows contribute no loss and no gradient (default -100, as torch).
         reduction: ``"mean"`` (over non-ignored rows), ``"sum"`` or ``"none"``.
         softcap: optional logit soft-cap ``c``: logits become ``c * tanh(logits / c)`` (Gemma-2).
+        chunk_rows: how the gradients are made (module docstring, "Strategies"). None (default): the fused
+            kernels, logits only in VMEM (8 N V H FLOPs: one recompute; ``O(N)`` temporary HBM). An int:
+            the chunked strategy, ``chunk_rows`` rows at a time with their f32 logits stored in HBM (6 N V H
+            FLOPs; temporary ``chunk_rows * V * 4`` bytes plus an f32 ``[V, H]`` weight-gradient
+            accumulator). Same values either way (to float32 rounding); no effect without gradients.
 
     Returns:
         float32 loss in nats: ``[]`` ("mean", "sum") or ``[N]`` ("none").
@@ -832,8 +1273,9 @@ def linear_cross_entropy(h: torch.Tensor, W: torch.Tensor, labels: torch.Tensor,
             ArgumentError for an ``ignore_index`` that is not an int (a float included).
     """
     ignore_index = _dsl.check_int("tpukernels::linear_cross_entropy", "ignore_index", ignore_index)  # not the schema's
+    chunk_rows = _dsl.check_int("tpukernels::linear_cross_entropy", "chunk_rows", chunk_rows, optional=True)
     return torch.ops.tpukernels.linear_cross_entropy(h, W, labels, ignore_index, reduction,
-                                                     None if softcap is None else float(softcap))
+                                                     None if softcap is None else float(softcap), chunk_rows)
 
 
 def reference(h, W, labels, ignore_index=-100, reduction="mean", softcap=None) -> torch.Tensor:
@@ -862,5 +1304,6 @@ STANDARD_CASES = [
 ]
 
 __all__ = ["linear_cross_entropy", "reference", "unfused", "check_args", "linear_cross_entropy_fwd",
-           "linear_cross_entropy_fwd_dh",
+           "linear_cross_entropy_fwd_dh", "linear_cross_entropy_fwd_s", "linear_cross_entropy_dh_s",
+           "linear_cross_entropy_dw_s", "linear_cross_entropy_dw_s_acc",
            "linear_cross_entropy_bwd_dh", "linear_cross_entropy_bwd_dw", "KERNELS", "STANDARD_CASES"]
