@@ -81,23 +81,26 @@ REASONS: dict = {
     "decode": "v5e / v6e: at the HBM roofline (libtpu's cycles below the HBM time). tpu7x: cycle-bound, 95.4 µs of "
     "cycles against 73.0 µs of HBM time at B=64 (76.5% of the roofline: below the 80% target). Tunable tried "
     "(block_h, value heads per grid step; tpu7x, B=64, estimated at 16 rows x4): 32 (the heuristic's, = HV) "
-    "95.4 µs, 16: 100.9, 8: 125.7, 4: 179.6, so 32 is the best reachable by config. Lever (gdn owner): one "
-    "pass over the state per token on the VPU: k^T S and q^T S read from the old state in the same pass "
-    "(o = scale (exp(g) q^T S + (q . k) u), u = beta (v - exp(g) S^T k)), then S' = exp(g) S + k u^T written "
-    "once, instead of scaling S, reducing it, updating it and reducing it again (each a full pass over the "
-    "32 x 64 KiB of state in VMEM)",
-    "prefill fwd": "libtpu estimates gdn_chunk_fwd compute-bound at ~3 µs per (value head, chunk of 64) grid step "
-    "(v6e, T=4096: 6,286 µs, 1% of the roofline; tpu7x 5,629 µs), two orders of magnitude above the roofline "
-    "and above XLA's own chunked form where that estimates. The chunk step's state matmuls run in f32 at "
-    "HIGHEST precision (~6 MXU passes; only QK^T / KK^T are single exact bf16 passes), g and beta are (C, 1) "
-    "columns (one lane of 128), and the triangular inverse (12 dependent 64^3 products) runs per chunk on the "
-    "critical path of the sequential chunk axis. Not isolated further. Tunable tried (chunk_size, the only one; "
-    "v6e, T=4096, same scaled estimate): 64 (the default, fla's): 6,286 µs, 128: 4,434 µs (1.42x faster; "
-    "still ~70x the roofline); 32 was 9,841 µs on the kernel before its exact-bf16 QK^T (64 then: 6,447). "
-    "Levers (gdn owner): HIGH (3 "
-    "passes) or bf16 operands with f32 accumulation for the state products; the chunk-local work (A, its "
-    "inverse, W = T beta exp(G) K, U' = T beta V: no dependence on the state) in a parallel pass before the "
-    "sequential state pass, as fla's chunk kernels do; lane-dense gates ([HV, T] blocks)",
+    "95.4 µs, 16: 100.9, 8: 125.7, 4: 179.6, so 32 is the best reachable by config. Lever tried: one pass over the "
+    "state per token (S^T k and S^T q from the old state in one read, o = scale (e^g S^T q + (q . k) u), S' = e^g S "
+    "+ k u^T written once): 97.7 µs, no gain: Mosaic already fuses the four passes of the token loop, and the VPU "
+    "work per state vreg is the same (4 multiplies, 1 add, 2 sublane reductions). Parts (tpu7x, B=64, the token "
+    "step replaced): state in/out with one add 54.7 µs, one product + reduction +12.8, the rank-1 update +15.4: "
+    "additive, i.e. VPU-bound, not DMA-bound. Left: bf16 products of the state with f32 accumulation on chips "
+    "with a bf16 VPU (v6e / tpu7x), at a precision cost not yet measured",
+    "prefill fwd": "libtpu estimates gdn_chunk_fwd compute-bound (v6e, T=4096: 4,048 µs at the default chunk 128, "
+    "~60x the roofline). Where it goes (v6e, T=4096, the chunk step replaced by parts): the fixed per-step work "
+    "(sequence loop, masks, state carry) 687 µs; the chunk step without the triangular inverse +803; the inverse "
+    "(12 dependent 128 x 128 f32 matmuls at HIGHEST) +2,558, 63% of the total. libtpu charges small matmuls "
+    "by count, not size: 12 dependent 64^3 products cost 3,962 µs, 12 of 256^3 9,655, and 4 independent inverses "
+    "in one step cost 4x one, so batching heads or chunks into one step does not help in this model; all-bf16 "
+    "single-pass matmuls would save ~20%. Shipped levers: the inverse's first doubling level needs no matmul "
+    "(6,288 -> 5,668 µs at chunk 64), and chunk 128 by default (4,048 µs; 1.55x the chunk-64 kernel before). "
+    "Levers left (gdn owner): fewer matmul launches in the inverse (e.g. 16 x 16 diagonal blocks on the VPU, "
+    "then two doubling levels); the chunk-local work (A, its inverse, W = T beta exp(G) K, U' = T beta V) in a "
+    "parallel pass before the sequential state pass, as fla's chunk kernels do (fewer steps on the sequential "
+    "axis on real chips, where independent matmuls may overlap, which this model does not show); lane-dense "
+    "gates ([HV, T] blocks)",
 }
 
 
