@@ -29,6 +29,9 @@ from .linear_attention import (chunk_gated_delta_rule, chunk_kda,  # noqa: E402,
 from .linear_attention import mamba_chunk_scan_combined, selective_state_step, selective_state_update  # noqa: E402,F401
 from .paged_attention import (paged_attention_reference, ragged_paged_attention, ragged_paged_attention_jax,  # noqa: E402,F401
                               update_kv_cache)
+from .moe_routing import (MoEPermutation, grouped_topk, grouped_topk_jax, moe_combine, moe_combine_jax,  # noqa: E402,F401
+                          moe_permute, moe_permute_jax, sigmoid_topk, sigmoid_topk_jax, softmax_topk,
+                          softmax_topk_jax, topk, topk_jax)
 
 
 def standard_cases():
