@@ -499,3 +499,57 @@ def test_compile_only(chip, case, tmp_cache):
     kernel, args, kw = _standard()[case]
     r = compile_for(kernel, chip, *args, with_mlir=False, **kw)
     assert r.ok, r.summary()
+
+
+# ----------------------------------------------------------------------------------------- HF routers swapped
+def test_apply_tpukernels_routers_swaps_matching_routers_only():
+    pytest.importorskip("transformers")
+    import torch.nn.functional as F
+
+    from tpukernels.integrations.moe_routers import apply_tpukernels_routers, router_reason
+
+    routers = {
+        "mixtral": _hf_router("transformers.models.mixtral.modeling_mixtral.MixtralTopKRouter",
+                              num_local_experts=8, num_experts_per_tok=2),
+        "qwen": _hf_router("transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeTopKRouter", num_experts=8,
+                           num_experts_per_tok=2, norm_topk_prob=False),
+        "gpt_oss": _hf_router("transformers.models.gpt_oss.modeling_gpt_oss.GptOssTopKRouter", num_local_experts=8,
+                              num_experts_per_tok=2),
+        "deepseek": _hf_router("transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3TopkRouter",
+                               n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+                               routed_scaling_factor=2.5),
+    }
+    model = torch.nn.ModuleDict(routers)
+
+    class Odd(torch.nn.Module):  # a router-shaped module no fused form computes (top-k of the raw logits)
+        def __init__(self):
+            super().__init__()
+            self.weight, self.top_k, self.num_experts = torch.nn.Parameter(torch.randn(8, 16)), 2, 8
+
+        def forward(self, h):
+            logits = F.linear(h, self.weight)
+            v, i = torch.topk(logits, 2)
+            return logits, v, i
+
+    model["odd"] = Odd()
+    x = rand(13, 16, seed=30)
+    with torch.no_grad():
+        before = {n: m(x) for n, m in model.items()}
+    done = apply_tpukernels_routers(model)
+    # gpt-oss's softmax over the selected k equals a renormalised softmax over all experts (the same exp(l_j)
+    # over the same sum), and its float32 weights keep their dtype: the first form tried matches
+    assert done == [("mixtral", "softmax_renorm"), ("qwen", "softmax"), ("gpt_oss", "softmax_renorm"),
+                    ("deepseek", "grouped")]
+    assert router_reason(model["odd"])[0] is None and "no fused router form" in router_reason(model["odd"])[1]
+    with torch.no_grad():
+        for n, m in model.items():
+            logits, w, i = m(x)
+            bl, bw, bi = before[n]
+            assert torch.equal(logits, bl) and w.dtype == bw.dtype, n
+            if n == "deepseek":
+                (i, oi), (bi, obi) = i.sort(-1), bi.sort(-1)
+                w, bw = w.gather(1, oi), bw.gather(1, obi)
+            assert torch.equal(i, bi), n
+            torch.testing.assert_close(w, bw, rtol=1e-5, atol=1e-6)
+    assert model["mixtral"].forward.__func__.__name__ == "router_forward"
+    assert "forward" not in vars(model["odd"])

@@ -25,7 +25,9 @@ the class's own ``_apply_gate``, computed in torch between the two grouped matmu
 ``gated_activation`` has no clamp / alpha / ``up + 1``). :func:`plan_moe` lists every experts module with the reason
 it stays stock (Llama-4's and LongCat-Flash's experts are not dispatched by transformers' experts interface);
 :func:`apply_tpukernels_moe` replaces only modules whose class passed a numerical probe against its stock forward
-(:func:`tpukernels.integrations.moe_experts.verify_experts`) and warns for the rest.
+(:func:`tpukernels.integrations.moe_experts.verify_experts`) and warns for the rest. The routers in front of the
+experts (Mixtral, Qwen-MoE, gpt-oss, DeepSeek-V3) go through the fused router kernels with
+:func:`tpukernels.integrations.moe_routers.apply_tpukernels_routers` (opt-in, probed the same way).
 
 Quantized experts (:func:`quantize_moe_experts`): each experts module's ``gate_up_proj`` / ``down_proj`` is
 quantized once with this library's quantizers

@@ -18,7 +18,9 @@ Semantics (transformers 5.24; ``l`` = router_logits in float32):
   ``Qwen3MoeTopKRouter``: ``renormalize=config.norm_topk_prob``): ``p = softmax(l)``, the k largest p, with
   ``renormalize`` divided by their sum.
 * ``softmax_topk(softmax_over="selected")`` (gpt-oss ``GptOssTopKRouter``): the k largest logits, then a softmax
-  over those k only (``renormalize`` changes nothing there: the weights already sum to 1).
+  over those k only (``renormalize`` changes nothing there: the weights already sum to 1). In exact arithmetic
+  this is ``softmax_over="all", renormalize=True`` (both are ``exp(l_j) / sum over the selected of exp(l)``);
+  the two differ by rounding only (and gpt-oss rounds to the logits' dtype).
 * ``sigmoid_topk`` (Llama-4 ``Llama4Router``: ``sigmoid(topk(l))``): the k largest logits, weights
   ``sigmoid`` of them, with ``renormalize`` divided by their sum.
 * ``grouped_topk`` (DeepSeek-V3 ``DeepseekV3TopkRouter.forward``): ``s = sigmoid(l)``, selection scores
