@@ -15,7 +15,7 @@ probed in order against the class's own forward (:func:`router_reason`): same lo
 for DeepSeek, whose ``topk(sorted=False)`` order is unspecified), weights within ``PROBE_RTOL``. The first form
 that matches replaces the instance's ``forward``; a router no form matches stays stock, with its reason.
 gpt-oss's softmax over the selected equals the renormalised softmax over all experts in exact arithmetic, so a
-float32 gpt-oss router takes the first form (its bfloat16 weights, rounded to the logits' dtype, the third).
+float32 gpt-oss router takes the first form (its bfloat16 weights, rounded to the logits' dtype, the second).
 Opt-in: :func:`~tpukernels.integrations.moe.apply_tpukernels_moe` does not call it.
 """
 
