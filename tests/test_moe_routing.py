@@ -73,7 +73,7 @@ def _hf_router(cls_path, **cfg):
 @pytest.mark.parametrize("norm", [True, False])
 def test_matches_transformers_mixtral_and_qwen3_moe_routers(norm):
     pytest.importorskip("transformers")
-    x = rand(23, 16, seed=1)
+    x = rand(24, 16, seed=1)
     routers = [("transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeTopKRouter",
                 dict(num_experts=12, num_experts_per_tok=3, norm_topk_prob=norm))]
     if norm:  # Mixtral always renormalises
@@ -109,7 +109,7 @@ def test_matches_transformers_deepseek_v3_router(norm):
     router = _hf_router("transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3TopkRouter",
                         n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
                         routed_scaling_factor=2.5, norm_topk_prob=norm)
-    x = rand(31, 16, seed=3)
+    x = rand(24, 16, seed=3)
     with torch.no_grad():
         logits, scores, ids = router(x)
     w, i = MR.grouped_topk(logits, 4, n_group=4, topk_group=2,
@@ -143,7 +143,7 @@ def _ours(logits, k, mode, renorm, **grouped):
                            softmax_over="all" if mode == "softmax" else "selected")
 
 
-@settings(max_examples=6)
+@settings(max_examples=5)
 @given(t=st.sampled_from([1, 5, 37]), e=st.sampled_from([2, 20, 130]), kf=st.floats(0, 1),
        dtype=st.sampled_from([F32, BF16]), case=st.sampled_from(MODES_CASES), seed=st.integers(0, 99))
 def test_router_matches_float64(t, e, kf, dtype, case, seed):
@@ -234,16 +234,16 @@ def test_router_jax_entries_match_torch():
 
 
 # ----------------------------------------------------------------------------------------- general top-k
-@settings(max_examples=5)
+@settings(max_examples=4)
 @given(r=st.sampled_from([1, 9]), c=st.sampled_from([5, 300, 1000]), kf=st.floats(0, 1),
        dtype=st.sampled_from([F32, BF16]), seed=st.integers(0, 99))
 def test_topk_matches_reference_tiled(r, c, kf, dtype, seed):
-    """Tiles of 128 columns (the carried list merges across tiles) and 8-row blocks."""
+    """Tiles of 128 columns (the carried list merges across tiles) and 16-row blocks."""
     k = 1 + int(kf * (min(c, 40) - 1))
     x = rand(r, c, dtype=dtype, seed=seed)
     if seed % 3 == 0:
         x = torch.round(x.float() * 2).to(dtype)  # many ties, across tiles too
-    v, i = TK.topk_fwd(x, k, config={"block_rows": 8, "block_cols": 128})
+    v, i = TK.topk_fwd(x, k, config={"block_rows": 16, "block_cols": 128})
     rv, ri = TK.topk_reference(x, k)
     assert torch.equal(i[:, :k].long(), ri)
     assert torch.equal(v[:, :k].double(), rv)
@@ -532,7 +532,7 @@ def test_apply_tpukernels_routers_swaps_matching_routers_only():
             return logits, v, i
 
     model["odd"] = Odd()
-    x = rand(13, 16, seed=30)
+    x = rand(24, 16, seed=30)  # the probe's token count: the probe's compiled kernels serve these calls
     with torch.no_grad():
         before = {n: m(x) for n, m in model.items()}
     done = apply_tpukernels_routers(model)
