@@ -28,7 +28,6 @@ anchor allows); float16 is widened to float32 (exact); integer inputs are not su
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
