@@ -212,9 +212,17 @@ def test_router_and_topk_tails_in_poisoned_memory(interpret):
     assert torch.equal(i[:, :5].long(), ri)
     check_weights(w[:, :5], rw, "grouped")
     x = rand(9, 300, seed=25)
+    x[2, 200] = x[2, 5] = float("nan")  # NaNs in the first and a later tile: both first, by index
+    x[3] = float("-inf")
+    x[3, 280] = 0.0
+    x[4, 10] = x[4, 130] = x[4, 290] = 9.0  # a three-way tie across tiles
     v, i = TK.topk_fwd(x, 6, config={"block_rows": 8, "block_cols": 128})
     rv, ri = TK.topk_reference(x, 6)
-    assert torch.equal(i[:, :6].long(), ri) and torch.equal(v[:, :6].double(), rv)
+    assert torch.equal(i[:, :6].long(), ri) and torch.equal(v[:, :6].double().nan_to_num(7.0), rv.nan_to_num(7.0))
+    assert i[2, :2].tolist() == [5, 200] and i[3, :3].tolist() == [280, 0, 1] and i[4, :3].tolist() == [10, 130, 290]
+    v, i = TK.topk_fwd(x, 150, config={"block_rows": 8, "block_cols": 128})  # k > a tile: the first fills partly
+    rv, ri = TK.topk_reference(x, 150)
+    assert torch.equal(i[:, :150].long(), ri) and torch.equal(v[:, :150].double().nan_to_num(7.0), rv.nan_to_num(7.0))
 
 
 def test_router_jax_entries_match_torch():

@@ -9,14 +9,21 @@ Public API::
     torch.ops.tpukernels.topk_fwd(x, k) -> (values f32 [R, Kp], indices int32 [R, Kp])    the kernel op
 
 Design. Grid ``(cdiv(R, block_rows), cdiv(C, block_cols))``: a row block walks the column tiles in order
-(``"arbitrary"``), carrying its running top-k (values and float32 indices, ``[block_rows, Kp]``,
-``Kp = k`` rounded up to 128 lanes) in VMEM scratch. At each tile the carried list and the tile's live columns
-are the candidates of :func:`~tpukernels.library.moe_routing.common.select_topk` (k rounds of max / first-index
-/ retire); the carried entries hold lower indices than any of the tile's, so one rule (the lowest index among
-equals) gives torch's order across tiles. Columns past C (the overhanging tile) are dead candidates, never read
-as values (the NaN-poisoned interpreter checks it). One pass over x; ``k`` rounds of ~8 vector ops per element
-(VPU-bound for large k: at k = 50 over 151,936 columns, ~50x the element count in compares). Rows are
-independent (a NaN row never changes another row's result).
+(``"arbitrary"``), carrying its running top-k (values and float32 indices, ``[block_rows, Kp]``, ``Kp = k``
+rounded up to 128 lanes) in VMEM scratch. The first tile is selected by
+:func:`~tpukernels.library.moe_routing.common.select_topk` (k rounds of max / first index / retire); each later
+tile is merged by :func:`~tpukernels.library.moe_routing.common.merge_topk`: while some row's best remaining tile
+entry beats its k-th carried entry, that entry is inserted at its rank (a lane roll and two selects on the
+128-lane list), so a tile costs (its worst row's entrants + 1) steps, not k. Carried entries hold lower indices
+than any of the tile's, so they stay ahead of equal values: torch's order across tiles. Columns past C (the
+overhanging tile) are dead candidates, never read as values (the NaN-poisoned interpreter checks it). One pass
+over x; rows are independent (a NaN row never changes another row's result).
+
+Cost (VPU-bound; a step is ~5 vector ops per tile element). Random rows, 64-row blocks, 151,936 columns in
+2,048-column tiles, k = 50: ~700 steps over the 75 tiles (simulated on the data) where k rounds per tile would
+be 3,750. libtpu's static estimate on v6e: 2,816 us for the k-rounds-per-tile form; it cannot see the merge's
+data-dependent trip count (its figure for this form, ~97 us, assumes a short loop), so no measured figure is
+claimed. A row sorted ascending is the worst case (every tile's entries enter: k + 1 steps per tile).
 
 Tuning: ``block_rows`` (8..256) and ``block_cols`` (128..8192, a multiple of 128; all of C when C is no
 larger). No per-chip tables yet: the heuristic takes all of C up to 2048 columns, else 2048-column tiles, and
@@ -37,7 +44,7 @@ from jax.experimental.pallas import tpu as pltpu
 from ... import dsl as tk
 from ...chips import MiB
 from ...errors import ArgumentError, DTypeError
-from .common import F32, NO_INDEX, check_k, column_index, padded_k, select_topk
+from .common import F32, NO_INDEX, check_k, column_index, merge_topk, padded_k, select_topk
 
 __all__ = ["topk", "topk_jax", "topk_fwd", "topk_reference", "BLOCK_ROWS", "BLOCK_COLS", "VMEM_BUDGET_BYTES"]
 
@@ -63,17 +70,20 @@ def _topk_body(x_ref, v_ref, i_ref, cv_ref, ci_ref, *, k: int, cols: int, bc: in
 
     @pl.when(c == 0)
     def _():
-        cv_ref[...] = jnp.full(cv_ref.shape, -jnp.inf, F32)
-        ci_ref[...] = jnp.full(ci_ref.shape, NO_INDEX, F32)
+        v, i = select_topk([tile], k, width)
+        cv_ref[...] = v
+        ci_ref[...] = i
 
-    v, i = select_topk([(cv_ref[...], ci_ref[...]), tile], k, width)
-    cv_ref[...] = v
-    ci_ref[...] = i
+    @pl.when(c > 0)
+    def _():
+        v, i = merge_topk(cv_ref[...], ci_ref[...], tile[0], tile[1], k, width)
+        cv_ref[...] = v
+        ci_ref[...] = i
 
     @pl.when(c == n_tiles - 1)
     def _():
-        v_ref[...] = v
-        i_ref[...] = i.astype(jnp.int32)
+        v_ref[...] = cv_ref[...]
+        i_ref[...] = ci_ref[...].astype(jnp.int32)
 
 
 def _per_row_bytes(bc: int, kp: int, itemsize: int) -> int:
