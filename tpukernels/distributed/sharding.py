@@ -297,6 +297,13 @@ LIBRARY_RULES: dict[str, Callable[[Mapping], list[Split]]] = {
     **{name: (lambda args: []) for name in (
         "gdn_chunk_fwd", "gdn_chunk_bwd", "gdn_recurrent_fwd", "kda_chunk_fwd", "kda_chunk_bwd", "kda_recurrent_fwd",
         "ssd_chunk_scan_fwd", "ssd_chunk_scan_bwd", "ssd_state_update")},
+    # MoE routing (library/moe_routing): top-k rows are independent (values, indices over rows)
+    "topk_fwd": lambda args: [Split({"x": 0}, (0, 0))],
+    "router_topk_fwd": lambda args: [Split({"logits": 0}, (0, 0))],
+    # out[p] = x[idx[p]]: the output rows follow idx's rows; x (indexed globally) stays replicated
+    "moe_gather_fwd": lambda args: [Split({"idx": 0}, (0,))],
+    # pos / w [T*k] hold k entries per output row: an even split of T*k need not fall on token boundaries
+    "moe_gather_reduce_fwd": lambda args: [],
 }
 
 

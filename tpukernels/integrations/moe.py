@@ -10,14 +10,14 @@ their forward through ``transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS`` by
 
 Forward of one experts module (``S = tokens * top_k`` token-expert pairs)::
 
-    order = stable sort of the S expert ids          group_sizes = per-expert counts (int32 [E])
-    x_g = hidden[order // top_k]                     [S, H]   rows grouped by expert
+    x_g, group_sizes, meta = moe_permute(hidden, top_k_index, E)    [S, H] rows grouped by expert (stable sort)
     h = act(gate) * up, (gate, up) = grouped_matmul(x_g, gate_up_proj, group_sizes, transpose_rhs=True)
-    y = grouped_matmul(h, down_proj, group_sizes, transpose_rhs=True) * weights[order]
-    out = zeros.index_add(0, order // top_k, y)
+    y = grouped_matmul(h, down_proj, group_sizes, transpose_rhs=True)
+    out = moe_combine(y, top_k_weights, meta)       out[t] = sum_j w[t, j] * y[row of (t, j)], f32 sums
 
 The same computation as HF's eager loop over experts (each token's top-k expert outputs, weighted and
-summed), in one grouped matmul per projection; differentiable (the kernel's backward). Supported: gated
+summed), in one grouped matmul per projection; ``moe_permute`` / ``moe_combine``
+(:mod:`tpukernels.library.moe_routing`) move the token rows by DMA kernels; differentiable (the kernels' backward). Supported: gated
 experts dispatched by ``config._experts_implementation`` without expert parallelism or a post-expert norm
 (Mixtral, Qwen2/3-MoE; Aria's transposed ``[E, K, N]`` weights, ``transpose_rhs=False``; gpt-oss's expert biases
 through ``grouped_matmul``'s ``rhs_bias [E, 1, N]``, its interleaved gate/up columns and clamped SwiGLU through
@@ -25,7 +25,9 @@ the class's own ``_apply_gate``, computed in torch between the two grouped matmu
 ``gated_activation`` has no clamp / alpha / ``up + 1``). :func:`plan_moe` lists every experts module with the reason
 it stays stock (Llama-4's and LongCat-Flash's experts are not dispatched by transformers' experts interface);
 :func:`apply_tpukernels_moe` replaces only modules whose class passed a numerical probe against its stock forward
-(:func:`tpukernels.integrations.moe_experts.verify_experts`) and warns for the rest.
+(:func:`tpukernels.integrations.moe_experts.verify_experts`) and warns for the rest. The routers in front of the
+experts (Mixtral, Qwen-MoE, gpt-oss, DeepSeek-V3) go through the fused router kernels with
+:func:`tpukernels.integrations.moe_routers.apply_tpukernels_routers` (opt-in, probed the same way).
 
 Quantized experts (:func:`quantize_moe_experts`): each experts module's ``gate_up_proj`` / ``down_proj`` is
 quantized once with this library's quantizers

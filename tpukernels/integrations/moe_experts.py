@@ -124,6 +124,7 @@ def tpukernels_experts_forward(self, hidden_states: torch.Tensor, top_k_index: t
     the config that routes here can be shared with modules that were replaced."""
     from ..library.grouped_matmul_ops import grouped_matmul
     from ..library.grouped_matmul_ops.quant import grouped_matmul_quantized
+    from ..library.moe_routing import moe_combine, moe_permute
 
     stock = getattr(self, "tpukernels_stock", None)
     if stock is not None:
@@ -134,14 +135,9 @@ def tpukernels_experts_forward(self, hidden_states: torch.Tensor, top_k_index: t
     why = _unsupported(self)
     if why:
         raise ArgumentError(f"tpukernels experts: {type(self).__name__} has {why}, which is not supported")
-    top_k = top_k_index.shape[-1]
-    expert_ids = top_k_index.reshape(-1)
-    order = torch.argsort(expert_ids, stable=True)
-    token = order // top_k
-    # a fixed-length count (bincount's output length depends on the data: a graph break under torch.compile)
-    sizes = torch.zeros(self.num_experts, dtype=torch.int32, device=expert_ids.device).scatter_add_(
-        0, expert_ids, torch.ones_like(expert_ids, dtype=torch.int32))
-    x = hidden_states[token]
+    # token copies sorted into expert order (stable: token order within an expert), int32 group sizes of a fixed
+    # length (no data-dependent shape: no graph break under torch.compile); moe_combine brings them back
+    x, sizes, meta = moe_permute(hidden_states, top_k_index, self.num_experts)
     if _quantized(self):
         cdt = hidden_states.dtype if hidden_states.dtype in (torch.bfloat16, torch.float32) else torch.float32
         x = x.to(cdt)
@@ -166,8 +162,8 @@ def tpukernels_experts_forward(self, hidden_states: torch.Tensor, top_k_index: t
     h = self._apply_gate(gate_up) if hasattr(self, "_apply_gate") else (
         self.act_fn(gate_up.chunk(2, dim=-1)[0]) * gate_up.chunk(2, dim=-1)[1])
     y = mm(h, "down_proj")
-    y = y * top_k_weights.reshape(-1)[order, None].to(y.dtype)
-    return torch.zeros_like(hidden_states).index_add_(0, token, y.to(hidden_states.dtype))
+    # out[t] = sum_j w[t, j] * y[row of (t, j)], float32 sums rounded once (stock: y * w in y's dtype, index_add_)
+    return moe_combine(y, top_k_weights, meta).to(hidden_states.dtype)
 
 
 def _probe_key(module):

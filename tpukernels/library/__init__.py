@@ -31,6 +31,9 @@ from .paged_attention import (paged_attention_reference, ragged_paged_attention,
                               update_kv_cache)
 from .mla_attention import (mla_attention_reference, mla_ragged_paged_attention,  # noqa: E402,F401
                             mla_ragged_paged_attention_jax)
+from .moe_routing import (MoEPermutation, grouped_topk, grouped_topk_jax, moe_combine, moe_combine_jax,  # noqa: E402,F401
+                          moe_permute, moe_permute_jax, sigmoid_topk, sigmoid_topk_jax, softmax_topk,
+                          softmax_topk_jax, topk, topk_jax)
 
 
 def standard_cases():
