@@ -42,14 +42,21 @@ Kernels (written with the tpukernels DSL). *Indexer*: the schedule of :func:`mla
 rows, the sequence's index-key pages DMA'd ``pages_per_block`` at a time into a double buffer, only the kv
 blocks some row can see); per kv block one ``[rows, D] x [D, bkv]`` matmul, ReLU, then per token the
 weighted head sum as a ``[1, Hi] x [Hi, bkv]`` matmul; the ``[block_q, max_kv]`` score rows stay in VMEM
-across the block's items (``-inf`` first, own rows selected in). *Sparse MLA*: one grid step per query token;
-its ``H`` heads are the rows (DeepSeek: 128); the selected tokens' latent rows are gathered from the pages by
-one row DMA each (``cache_kv[page, row]``, ``block_k`` rows per chunk, double-buffered), a chunk's invalid
-slots zero-filled instead (no DMA); per chunk one ``[H, L + R] x [L + R, block_k]`` score matmul, online
-softmax, one value matmul over the first ``L`` lanes. A selected position outside ``[0, pos]`` (``-1``,
-past the query's causal position, or past ``kv_len``) is treated as ``-1``: it contributes nothing and its
-page is never read, so a query never reads another sequence's pages. Pages no sequence uses and slots past
-``kv_len`` may hold anything (NaN included): selected away with ``jnp.where``, never multiplied by 0.
+across the block's items (``-inf`` first, own rows selected in). *Sparse MLA*: the op first gathers each
+query's selected latent rows from the pages (:func:`gather_selected`, a torch / XLA row gather into
+``[T, Kp, L + R]``, invalid slots 0 by ``torch.where``), then the kernel runs one grid row per query token
+(its ``H`` heads are the rows; DeepSeek: 128) over ``block_k``-row chunks of its gathered rows: one
+``[H, L + R] x [L + R, block_k]`` score matmul, the selection mask, online softmax, one value matmul over the
+first ``L`` lanes. A selected position outside ``[0, pos]`` (``-1``, past the query's causal position, or past
+``kv_len``) is treated as ``-1``: it contributes nothing and its page is never read, so a query never reads
+another sequence's pages. Pages no sequence uses and slots past ``kv_len`` may hold anything (NaN included):
+the indexer selects them away with ``jnp.where``, never multiplies by 0. Why the gather is not in the kernel:
+a DMA of one token's row out of the ``[P, page_size, L + R]`` HBM cache does not compile (Mosaic: "offsets
+along tiled dimensions must be aligned to tiles", the page dimension is tiled by 8), reading aligned 8-row
+tiles instead would read 8x the selected bytes, and a row-addressable layout (tpu-inference's packed
+``[P, page_size / packing, packing, W]``) is another cache format. The gather costs about 3x the ideal HBM
+traffic (read, write, read ``K`` rows per query) and ``T * Kp * (L + R)`` bytes of HBM (64 decode tokens x
+2048 x 576 bf16: 151 MB); the op gathers in token chunks of at most ~256 MiB.
 
 Top-k is not a kernel here: :func:`indexer_topk` is ``torch.topk`` on the scores (``jax.lax.top_k`` on jax
 arrays would be the same), then ``-1`` where the score is ``-inf``. A fused indexer + top-k kernel could avoid
@@ -60,7 +67,8 @@ Ties: ``torch.topk``'s order (on cpu, lowest index first for equal scores, which
 ``jax.lax.top_k`` documents the same). The order of the selected positions does not change attention.
 
 Gaps: DeepSeek's reference indexer quantizes keys to fp8 with a **per-token** scale (``fp8_index``); here fp8
-index keys take one static ``k_scale`` (per-token scales are not supported). Forward only (no backward / the
+index keys take one static ``k_scale`` (per-token scales are not supported). No JAX entries yet (torch
+tensors only; the kernels themselves run under :func:`tpukernels.jax_call`). Forward only (no backward / the
 indexer's training loss). Not run on a TPU; compile-only checked for v5e / v6e / tpu7x at DeepSeek-V3.2 decode
 shapes (:data:`STANDARD_CASES`); performance not measured.
 """
@@ -209,24 +217,42 @@ def _num_seqs_tensor(num_seqs, device, where: str):
 # ----------------------------------------------------------------------------------------------- token metadata
 
 
-def token_positions(kv_lens, page_indices, cu_q_lens, num_seqs, *, T: int):
-    """Per query token (jax, on device): ``(seq, pos)`` int32 ``[T]``: its sequence (clamped to ``[0, S)``) and
-    its causal position ``kv_len - q_len + i``; ``pos = -1`` for rows no sequence owns. Out-of-range metadata is
-    clamped (``pos < min(kv_len, pages_per_seq * page_size)`` is not promised for unchecked device metadata:
-    the kernel clamps page reads itself)."""
-    import jax
-    import jax.numpy as jnp
-
+def token_positions_torch(kv_lens, page_indices, cu_q_lens, num_seqs, *, T: int):
+    """Per query token (torch ops, any device): ``(seq, pos)`` int64 ``[T]``: its sequence (clamped to ``[0, S)``)
+    and causal position ``kv_len - q_len + i``; ``pos = -1`` for rows no sequence owns (the rule of
+    :func:`~tpukernels.library.mla_attention.new_token_slots_torch`)."""
     S = page_indices.shape[0]
-    n = jnp.clip(num_seqs[0], 0, S)
-    cu = jnp.where(jnp.arange(S + 1) <= n, jnp.clip(cu_q_lens, 0, T), 0)
-    cu = jax.lax.cummax(cu, axis=0)
-    t = jnp.arange(T, dtype=jnp.int32)
-    s = jnp.clip(jnp.searchsorted(cu[1:], t, side="right"), 0, S - 1).astype(jnp.int32)
-    q0, q1 = cu[s], cu[s + 1]
-    pos = kv_lens[s] - (q1 - q0) + (t - q0)
-    ok = (t < cu[-1]) & (pos >= 0)
-    return s, jnp.where(ok, pos, -1).astype(jnp.int32)
+    dev = kv_lens.device
+    n = num_seqs[0].clamp(0, S)
+    cu = torch.where(torch.arange(S + 1, device=dev) <= n, cu_q_lens.clamp(0, T), 0).cummax(0).values
+    t = torch.arange(T, device=dev)
+    s = torch.searchsorted(cu[1:].contiguous(), t.to(cu.dtype), right=True).clamp(0, S - 1)
+    q0, q1 = cu[s].long(), cu[s + 1].long()
+    pos = kv_lens[s].long() - (q1 - q0) + (t - q0)
+    ok = (t < cu[-1].long()) & (pos >= 0)
+    return s, torch.where(ok, pos, -1)
+
+
+def gather_selected(cache_kv, topk_indices, kv_lens, page_indices, seq, pos, *, width: int):
+    """The selected latent rows, gathered from the pages (torch ops, any device): ``(kv_sel [T, width, W] in
+    cache_kv's dtype, sel int32 [T, 1, width])`` for query rows with sequence ``seq`` / position ``pos``
+    (:func:`token_positions_torch`). Slot ``k < K`` holds ``cache_kv[page_indices[s, j // ps], j % ps]`` for
+    ``j = topk_indices[t, k]`` when ``0 <= j <= pos(t)`` and ``j < kv_len`` (``t``'s own sequence's pages) and
+    the page index is in the cache; ``sel`` is then ``j``. Every other slot (``-1``, out of range, past ``K``,
+    rows no sequence owns) is 0 with ``sel = -1``: selected by ``torch.where``, never read from another
+    sequence's pages."""
+    T, K = topk_indices.shape
+    P, ps, W = cache_kv.shape
+    pps = page_indices.shape[1]
+    j = torch.cat([topk_indices.long(), topk_indices.new_full((T, width - K), -1).long()], dim=1)
+    kvl = kv_lens[seq].long().clamp(0, pps * ps)
+    valid = (j >= 0) & (j <= pos[:, None]) & (j < kvl[:, None])
+    page = page_indices[seq[:, None], (j // ps).clamp(0, pps - 1)].long()
+    valid = valid & (page >= 0) & (page < P)
+    row = torch.where(valid, page * ps + j % ps, 0)
+    flat = cache_kv.reshape(P * ps, W).view(torch.uint8)  # bytes: fp8 caches gather and select as bf16 ones
+    rows = torch.where(valid[..., None], flat[row.reshape(-1)].reshape(T, width, -1), 0)
+    return rows.view(cache_kv.dtype), torch.where(valid, j, -1).to(torch.int32).reshape(T, 1, width)
 
 
 # ----------------------------------------------------------------------------------------------- indexer kernel
@@ -399,172 +425,108 @@ def indexer_kernel(
 # ----------------------------------------------------------------------------------------------- sparse MLA kernel
 
 
-def _sparse_body(kv_lens, page_indices, cu_q_lens, num_seqs, tok_seq, tok_pos, ql_ref, qpe_ref, idx_s, idx_v,
-                 cache_hbm, o_ref, kv_buf, sems, qf_ref, m_ref, l_ref, acc_ref, *, sm_scale, k_scale, v_scale):
+def _sparse_body(ql_ref, qpe_ref, kv_ref, sel_ref, o_ref, qf_ref, m_ref, l_ref, acc_ref, *, sm_scale, k_scale,
+                 v_scale):
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
-    from jax.experimental.pallas import tpu as pltpu
 
-    del num_seqs
     _, H, L = ql_ref.shape
-    R = qpe_ref.shape[2]
-    _, bk, W = kv_buf.shape
-    Kp = idx_v.shape[2]
-    n_pages, ps = cache_hbm.shape[0], cache_hbm.shape[1]
-    pps = page_indices.shape[1]
-    t = pl.program_id(0)
-    seq = tok_seq[t]
-    kv_len = jnp.clip(kv_lens[seq], 0, pps * ps)
-    pos = jnp.minimum(tok_pos[t], kv_len - 1)  # -1: the row sees nothing
-    n_chunks = Kp // bk
+    c, n_chunks = pl.program_id(1), pl.num_programs(1)
     cdt = ql_ref.dtype
 
-    def ok(j):
-        return (j >= 0) & (j <= pos)
-
-    def row_copy(c, r, slot):
-        j = idx_s[0, 0, c * bk + r]
-        page = jnp.clip(page_indices[seq, jnp.clip(j // ps, 0, pps - 1)], 0, n_pages - 1)
-        return j, pltpu.make_async_copy(cache_hbm.at[page, pl.ds(j % ps, 1)], kv_buf.at[slot, pl.ds(r, 1)],
-                                        sems.at[slot])
-
-    def start_chunk(c, slot):
-        def one(r, carry):
-            j, cp = row_copy(c, r, slot)
-
-            @pl.when(ok(j))
-            def _():
-                cp.start()
-
-            @pl.when(jnp.logical_not(ok(j)))
-            def _():  # no DMA: zero the slot (uninitialized VMEM may be NaN; 0 * NaN would poison the output)
-                kv_buf[slot, pl.ds(r, 1), :] = jnp.zeros((1, W), kv_buf.dtype)
-
-            return carry
-
-        jax.lax.fori_loop(0, bk, one, 0)
-
-    def wait_chunk(c, slot):
-        def one(r, carry):
-            j, cp = row_copy(c, r, slot)
-
-            @pl.when(ok(j))
-            def _():
-                cp.wait()
-
-            return carry
-
-        jax.lax.fori_loop(0, bk, one, 0)
-
-    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
-    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-    qf_ref[:, :L] = ql_ref[0].astype(qf_ref.dtype)
-    qf_ref[:, L:] = qpe_ref[0].astype(qf_ref.dtype)
-    start_chunk(0, 0)
+    @pl.when(c == 0)
+    def _():
+        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        qf_ref[:, :L] = ql_ref[0].astype(qf_ref.dtype)
+        qf_ref[:, L:] = qpe_ref[0].astype(qf_ref.dtype)
 
     f32 = np.dtype(cdt) == np.dtype(np.float32)
     prec = jax.lax.Precision.HIGHEST if f32 else None
     scale = sm_scale * (1.0 if k_scale is None else k_scale)
     mm = lambda a, b, dims: jax.lax.dot_general(a, b, (dims, ((), ())), preferred_element_type=jnp.float32,
                                                 precision=prec)
+    kv = kv_ref[0]  # [bk, L + R]; rows of invalid slots are 0 (selected by the gather)
+    if kv.dtype != cdt:  # fp8 -> f32 -> q's dtype: exact
+        kv = kv.astype(jnp.float32).astype(cdt)
+    s = mm(qf_ref[...].astype(cdt), kv, ((1,), (1,))) * scale  # [H, bk]
+    s = jnp.where(sel_ref[0] >= 0, s, -jnp.inf)  # [1, bk] selection mask
+    m_prev = m_ref[:, :1]
+    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp(m_prev - m_safe)
+    p = jnp.exp(s - m_safe)
+    l_ref[...] = jnp.broadcast_to(alpha * l_ref[:, :1] + jnp.sum(p, axis=1, keepdims=True), l_ref.shape)
+    m_ref[...] = jnp.broadcast_to(m_new, m_ref.shape)
+    acc_ref[...] = alpha * acc_ref[...] + mm(p.astype(cdt), kv[:, :L], ((1,), (0,)))
 
-    def chunk(c, carry):
-        slot = c % 2
-
-        @pl.when(c + 1 < n_chunks)
-        def _():
-            start_chunk(c + 1, 1 - slot)
-
-        wait_chunk(c, slot)
-        j = idx_v[0, :, pl.ds(pl.multiple_of(c * bk, bk), bk)]  # [1, bk]
-        kv = kv_buf[slot]
-        if kv.dtype != cdt:
-            kv = kv.astype(jnp.float32).astype(cdt)
-        s = mm(qf_ref[...], kv, ((1,), (1,))) * scale  # [H, bk]
-        s = jnp.where(ok(j), s, -jnp.inf)
-        m_prev = m_ref[:, :1]
-        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp(m_prev - m_safe)
-        p = jnp.exp(s - m_safe)
-        l_ref[...] = jnp.broadcast_to(alpha * l_ref[:, :1] + jnp.sum(p, axis=1, keepdims=True), l_ref.shape)
-        m_ref[...] = jnp.broadcast_to(m_new, m_ref.shape)
-        acc_ref[...] = alpha * acc_ref[...] + mm(p.astype(cdt), kv[:, :L], ((1,), (0,)))
-        return carry
-
-    jax.lax.fori_loop(0, n_chunks, chunk, 0)
-    l = l_ref[:, :1]
-    o = acc_ref[...] * jnp.where(l > 0, (1.0 if v_scale is None else v_scale) / jnp.where(l > 0, l, 1.0), 0.0)
-    o_ref[0] = o.astype(o_ref.dtype)
+    @pl.when(c == n_chunks - 1)
+    def _():
+        l = l_ref[:, :1]
+        o = acc_ref[...] * jnp.where(l > 0, (1.0 if v_scale is None else v_scale) / jnp.where(l > 0, l, 1.0), 0.0)
+        o_ref[0] = o.astype(o_ref.dtype)
 
 
-def _sparse_out_shape(kv_lens, page_indices, cu_q_lens, num_seqs, ql_nope, q_pe, topk_s, topk_v, cache_kv,
-                      **statics):
+def _sparse_out_shape(ql_nope, q_pe, kv_sel, sel, **statics):
     return OutSpec(tuple(ql_nope.shape), ql_nope.dtype)
 
 
 @tpu_kernel(_sparse_body, name="sparse_mla_attention_kernel", namespace=NAMESPACE, tunables=_SPARSE_TUNABLES,
             heuristic=_sparse_heuristic, out_shape=_sparse_out_shape)
 def sparse_kernel(
-    kv_lens: torch.Tensor,
-    page_indices: torch.Tensor,
-    cu_q_lens: torch.Tensor,
-    num_seqs: torch.Tensor,
     ql_nope: torch.Tensor,
     q_pe: torch.Tensor,
-    topk_s: torch.Tensor,
-    topk_v: torch.Tensor,
-    cache_kv: torch.Tensor,
+    kv_sel: torch.Tensor,
+    sel: torch.Tensor,
     sm_scale: float = 1.0,
     k_scale: Optional[float] = None,
     v_scale: Optional[float] = None,
     *,
     block_k: int,
 ) -> torch.Tensor:
-    """Kernel op ``torch.ops.tpukernels.sparse_mla_attention_kernel``: the scalar-prefetch operands first, then
-    ``ql_nope [T, H, L]``, ``q_pe [T, H, R]``, the selected positions twice as int32 ``[T, 1, Kp]`` (``Kp`` a
-    multiple of ``block_k``, padded with -1: one copy read as scalars in SMEM for the row DMAs, one as vectors
-    in VMEM for the masks) and ``cache_kv [P, page_size, L + R]``; returns ``out [T, H, L]``. See
+    """Kernel op ``torch.ops.tpukernels.sparse_mla_attention_kernel``: ``ql_nope [T, H, L]``, ``q_pe [T, H, R]``,
+    the gathered latent rows ``kv_sel [T, Kp, L + R]`` (0 in invalid slots) and ``sel`` int32 ``[T, 1, Kp]``
+    (``>= 0``: the slot is a selected token; ``Kp`` a multiple of ``block_k``); returns ``out [T, H, L]``. See
     :func:`sparse_mla_attention`."""
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
 
     where = "tpukernels::sparse_mla_attention_kernel"
-    T, H, L, R, P, ps, S, pps = check_mla_shapes(kv_lens, page_indices, cu_q_lens, num_seqs, ql_nope, q_pe, cache_kv,
-                                                 where=where)
+    for name, x, r in (("ql_nope", ql_nope, 3), ("q_pe", q_pe, 3), ("kv_sel", kv_sel, 3), ("sel", sel, 3)):
+        if len(x.shape) != r:
+            raise ArgumentError(f"{where}: {name} must have rank {r}, got shape {tuple(x.shape)}")
+    T, H, L = (int(d) for d in ql_nope.shape)
+    R, Kp, W = int(q_pe.shape[2]), int(kv_sel.shape[1]), int(kv_sel.shape[2])
+    if tuple(q_pe.shape[:2]) != (T, H) or W != L + R or int(kv_sel.shape[0]) != T or tuple(sel.shape) != (T, 1, Kp):
+        raise ArgumentError(f"{where}: shapes must be ql_nope [T, H, L], q_pe [T, H, R], kv_sel [T, Kp, L + R], "
+                            f"sel [T, 1, Kp]; got {tuple(ql_nope.shape)}, {tuple(q_pe.shape)}, {tuple(kv_sel.shape)}, "
+                            f"{tuple(sel.shape)}")
+    if _dt(sel) != "int32":
+        raise DTypeError(f"{where}: sel must be int32, got {_dt(sel)}")
     check_mla_statics(sm_scale, k_scale, v_scale, None, where)
-    for name, x in (("topk_s", topk_s), ("topk_v", topk_v)):
-        if len(x.shape) != 3 or int(x.shape[0]) != T or int(x.shape[1]) != 1 or _dt(x) != "int32":
-            raise ArgumentError(f"{where}: {name} must be int32 [T, 1, Kp], got {_dt(x)} {tuple(x.shape)}")
-    Kp = int(topk_s.shape[2])
-    bk = int(block_k)
+    bk = min(int(block_k), Kp)
     if Kp % bk:
-        raise ArgumentError(f"{where}: the padded top-k width {Kp} must be a multiple of block_k = {bk}")
-    W = L + R
-    it = np.dtype(ql_nope.dtype).itemsize
-    tok = lambda t, *pf: (t, 0, 0)
-    est = 2 * H * (2 * L + R) * it + 2 * 8 * Kp * 4 + 2 * bk * W * 4 + H * (W * 4 + L * 4 + 2 * 128 * 4) + 4 * H * bk * 4
+        raise ArgumentError(f"{where}: the padded top-k width Kp = {Kp} must be a multiple of block_k = {bk}")
+    it, kit = np.dtype(ql_nope.dtype).itemsize, np.dtype(kv_sel.dtype).itemsize
+    tok = lambda t, c: (t, 0, 0)
+    est = 2 * H * (2 * L + R) * it + 2 * bk * W * kit + 2 * 8 * bk * 4 + H * (W * 4 + L * 4 + 2 * 128 * 4) \
+        + 4 * H * bk * 4
     return Launch(
-        grid=(T,),
+        grid=(T, Kp // bk),
         in_specs=[pl.BlockSpec((1, H, L), tok), pl.BlockSpec((1, H, R), tok),
-                  pl.BlockSpec((1, 1, Kp), tok, memory_space=pltpu.SMEM), pl.BlockSpec((1, 1, Kp), tok),
-                  pl.BlockSpec(memory_space=pl.ANY)],
+                  pl.BlockSpec((1, bk, W), lambda t, c: (t, c, 0)), pl.BlockSpec((1, 1, bk), lambda t, c: (t, 0, c))],
         out_specs=pl.BlockSpec((1, H, L), tok),
         out_shape=OutSpec((T, H, L), ql_nope.dtype),
         scratch_shapes=[
-            pltpu.VMEM((2, bk, W), cache_kv.dtype),  # gathered latent rows, double buffer
-            pltpu.SemaphoreType.DMA((2,)),
             pltpu.VMEM((H, W), ql_nope.dtype),  # [ql_nope | q_pe]
             pltpu.VMEM((H, 128), jnp.float32),  # running max (lane-broadcast)
             pltpu.VMEM((H, 128), jnp.float32),  # running sum
             pltpu.VMEM((H, L), jnp.float32),  # output accumulator
         ],
-        num_scalar_prefetch=4,
-        prefetch=lambda kl, pi, cu, ns: (kl, pi, cu, ns, *token_positions(kl, pi, cu, ns, T=T)),
-        dimension_semantics=("parallel",),
+        dimension_semantics=("parallel", "arbitrary"),
         vmem_limit_bytes=_vmem_limit(est),
     )
 
@@ -718,18 +680,25 @@ def sparse_mla_attention(ql_nope: torch.Tensor, q_pe: torch.Tensor, cache_kv: to
     check_metadata(kv_lens, page_indices, cu_q_lens, num_seqs, T, P, ps, where, hint=_NEW_TOKENS)
     if T == 0:
         return ql_nope.new_zeros(ql_nope.shape)
-    cfg = _config_json(sparse_kernel, config)
-    bk = min(int((config or {}).get("block_k", _SPARSE_TUNABLES["block_k"].default)), -(-K // 8) * 8)
-    if cfg is not None or bk != _SPARSE_TUNABLES["block_k"].default:
-        cfg = _config_json(sparse_kernel, {"block_k": bk})
-    Kp = -(-K // bk) * bk
-    idx = torch.cat([topk_indices, topk_indices.new_full((T, Kp - K), -1)], dim=1).reshape(T, 1, Kp)
-    args = (kv_lens, page_indices, cu_q_lens, num_seqs, ql_nope, q_pe, idx, idx, cache_kv, float(sm_scale),
-            *(None if x is None else float(x) for x in (k_scale, v_scale)))
-    if interpret:
-        with interpret_mode(interpret):
-            return torch.ops.tpukernels.sparse_mla_attention_kernel(*args, config=cfg)
-    return torch.ops.tpukernels.sparse_mla_attention_kernel(*args, config=cfg)
+    cfg = _config_json(sparse_kernel, config)  # ConfigError on bad keys / values
+    bk = int((config or {}).get("block_k", _SPARSE_TUNABLES["block_k"].default))
+    Kp = -(-K // 8) * 8 if K <= bk else -(-K // bk) * bk  # the kernel's chunk: min(block_k, Kp)
+    seq, pos = token_positions_torch(kv_lens, page_indices, cu_q_lens, num_seqs, T=T)
+    # the gathered rows are [T, Kp, L + R] in HBM: tokens go in chunks of at most ~256 MiB of them (prefill)
+    chunk = max(1, min(T, (256 << 20) // (Kp * (L + R) * cache_kv.element_size())))
+    outs = []
+    for t0 in range(0, T, chunk):
+        t1 = min(T, t0 + chunk)
+        kv_sel, sel = gather_selected(cache_kv, topk_indices[t0:t1], kv_lens, page_indices, seq[t0:t1], pos[t0:t1],
+                                      width=Kp)
+        args = (ql_nope[t0:t1], q_pe[t0:t1], kv_sel, sel, float(sm_scale),
+                *(None if x is None else float(x) for x in (k_scale, v_scale)))
+        if interpret:
+            with interpret_mode(interpret):
+                outs.append(torch.ops.tpukernels.sparse_mla_attention_kernel(*args, config=cfg))
+        else:
+            outs.append(torch.ops.tpukernels.sparse_mla_attention_kernel(*args, config=cfg))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 # ----------------------------------------------------------------------------------------------- references
@@ -799,17 +768,15 @@ def _indexer_case(T, S, ctx, ps, dtype="bf16"):
             dict(sm_scale=128 ** -0.5, k_scale=None))
 
 
-def _sparse_case(T, S, ctx, ps, K=2048, dtype="bf16", H=128):
-    pps = ctx // ps
-    return (sparse_kernel, (f"{S}:i32", f"{S}x{pps}:i32", f"{S + 1}:i32", "1:i32", f"{T}x{H}x512:{dtype}",
-                            f"{T}x{H}x64:{dtype}", f"{T}x1x{K}:i32", f"{T}x1x{K}:i32",
-                            f"{S * pps}x{ps}x576:{dtype}"),
+def _sparse_case(T, K=2048, dtype="bf16", H=128):
+    return (sparse_kernel, (f"{T}x{H}x512:{dtype}", f"{T}x{H}x64:{dtype}", f"{T}x{K}x576:{dtype}", f"{T}x1x{K}:i32"),
             dict(sm_scale=192 ** -0.5, k_scale=None, v_scale=None))
 
 
 #: DeepSeek-V3.2 decode: 64 sequences x 8192 cached tokens at page size 64 (indexer: 64 heads of 128; sparse
 #: MLA: 128 heads, 512 + 64, top-2048), bf16.
-STANDARD_CASES = [_indexer_case(64, 64, 8192, 64), _sparse_case(64, 64, 8192, 64)]
+STANDARD_CASES = [_indexer_case(64, 64, 8192, 64), _sparse_case(64)]
 
 __all__ = ["lightning_indexer", "indexer_topk", "sparse_mla_attention", "lightning_indexer_reference",
-           "sparse_mla_attention_reference", "indexer_kernel", "sparse_kernel", "token_positions", "STANDARD_CASES"]
+           "sparse_mla_attention_reference", "indexer_kernel", "sparse_kernel", "gather_selected", "token_positions_torch",
+           "STANDARD_CASES"]
