@@ -31,6 +31,8 @@ from .paged_attention import (paged_attention_reference, ragged_paged_attention,
                               update_kv_cache)
 from .mla_attention import (mla_attention_reference, mla_ragged_paged_attention,  # noqa: E402,F401
                             mla_ragged_paged_attention_jax)
+from .dsa_attention import (indexer_topk, lightning_indexer, lightning_indexer_reference,  # noqa: E402,F401
+                            sparse_mla_attention, sparse_mla_attention_reference)
 
 
 def standard_cases():
