@@ -58,13 +58,14 @@ tiles instead would read 8x the selected bytes, and a row-addressable layout (tp
 traffic (read, write, read ``K`` rows per query) and ``T * Kp * (L + R)`` bytes of HBM (64 decode tokens x
 2048 x 576 bf16: 151 MB); the op gathers in token chunks of at most ~256 MiB.
 
-Top-k is not a kernel here: :func:`indexer_topk` is ``torch.topk`` on the scores (``jax.lax.top_k`` on jax
-arrays would be the same), then ``-1`` where the score is ``-inf``. A fused indexer + top-k kernel could avoid
-writing the ``[T, max_kv]`` scores to HBM (4 bytes per cached token per query, vs. the indexer's own
-``D`` = 128-byte key read per cached token shared by a block's queries), but for decode (one query per
-sequence) that write is ~3% of the key read, so it would gain little; a general top-k kernel is separate work.
-Ties: ``torch.topk``'s order (on cpu, lowest index first for equal scores, which the tests check on ties;
-``jax.lax.top_k`` documents the same). The order of the selected positions does not change attention.
+Top-k is not a kernel here: :func:`indexer_topk` is a stable descending ``torch.sort`` of the scores cut at
+``topk`` (not ``torch.topk``: its order among equal scores is unspecified, and on cpu not lowest-index-first;
+the stable sort gives ties lowest index first, ``jax.lax.top_k``'s documented order), then ``-1`` where the
+score is ``-inf``. A fused indexer + top-k kernel could avoid writing the ``[T, max_kv]`` scores to HBM
+(4 bytes per cached token per query, against the indexer's ``D``-wide key read per cached token), but for
+decode (one query per sequence, bf16 keys of 128: 256 bytes) that write is ~1.5% of the key read, so it
+would gain little; a general top-k kernel is separate work. The order of the selected positions does not
+change attention.
 
 Gaps: DeepSeek's reference indexer quantizes keys to fp8 with a **per-token** scale (``fp8_index``); here fp8
 index keys take one static ``k_scale`` (per-token scales are not supported). No JAX entries yet (torch
@@ -611,8 +612,8 @@ def indexer_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
         topk: positive int (DeepSeek-V3.2's ``index_topk``: 2048).
 
     Returns:
-        int32 ``[T, topk]``: positions (within each query's sequence) in descending score order, ties in
-        ``torch.topk``'s order (lowest index first on cpu); ``-1`` in the slots past the tokens a query sees
+        int32 ``[T, topk]``: positions (within each query's sequence) in descending score order, ties lowest
+        index first (a stable sort; ``jax.lax.top_k``'s documented order); ``-1`` in the slots past the tokens a query sees
         (``-inf`` scores) and past ``max_kv``. Why not a kernel: see the module docstring.
 
     Raises:
@@ -629,7 +630,10 @@ def indexer_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
         raise ArgumentError(f"{where}: topk must be a positive int, got {topk!r}")
     T, n = scores.shape
     k = min(int(topk), n)
-    vals, idx = torch.topk(scores, k, dim=-1)
+    # a stable descending sort, not torch.topk: topk's order among equal scores is unspecified (on cpu it is not
+    # lowest-index-first); this is, as jax.lax.top_k documents
+    vals, idx = torch.sort(scores, dim=-1, descending=True, stable=True)
+    vals, idx = vals[:, :k], idx[:, :k]
     idx = torch.where(torch.isneginf(vals), -1, idx).to(torch.int32)
     if k < topk:
         idx = torch.cat([idx, idx.new_full((T, int(topk) - k), -1)], dim=-1)
