@@ -108,7 +108,7 @@ def test_indexer_ragged_batches_match_reference(mode, batch):
     check_scores(got, ref, TOL[torch.float32])
 
 
-@settings(max_examples=3)  # each example compiles its own kernel
+@settings(max_examples=2)  # each example compiles its own kernel
 @given(ps=st.sampled_from([2, 8, 16]), Hi=st.sampled_from([1, 4, 16]), dtype=st.sampled_from([torch.float32,
        torch.bfloat16]), bq=st.sampled_from([1, 4]), ppb=st.sampled_from([1, 2, 4]), batch=batches(ps=8, pps=3))
 def test_indexer_page_sizes_heads_dtypes_configs(ps, Hi, dtype, bq, ppb, batch):
@@ -208,7 +208,7 @@ def test_sparse_page_sizes_dtypes_block_k(ps, dtype, bk, batch):
     check_out(out, ref, b["n"], TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=pytest.mark.slow), torch.bfloat16])
 def test_sparse_equals_dense_mla_when_topk_covers_the_context(dtype):
     """indexer -> top-k with k >= max_kv selects every visible token: the op equals dense MLA (the float64
     reference of mla_attention, and the dense MLA kernel) on a NaN-poisoned ragged batch."""
@@ -258,6 +258,26 @@ def test_a_query_never_reads_another_sequences_pages():
     assert torch.equal(out0[0], out[0])
     ref = dsa.sparse_mla_attention_reference(b["ql"], b["qpe"], b["lcache"], idx, *b["meta"], sm_scale=0.1)
     check_out(out, ref, 2, TOL[torch.float32])
+
+
+@pytest.mark.slow
+@settings(max_examples=20)
+@given(ps=st.sampled_from([1, 2, 4, 8, 16]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       bq=st.sampled_from([1, 2, 4, 8]), ppb=st.sampled_from([1, 2, 4, 8]), K=st.sampled_from([1, 7, 40, 200]),
+       mode=st.sampled_from(["fast", "tpu"]), batch=batches(S=4, T=16, ps=8, pps=4))
+def test_sweep_slow(ps, dtype, bq, ppb, K, mode, batch):
+    """Indexer and sparse MLA over page sizes, dtypes, configs and top-k sizes (K > context included)."""
+    q_lens, kv_lens, seed = batch
+    kv_lens = [min(k, ps * 4) for k in kv_lens]
+    q_lens = [min(q, k) for q, k in zip(q_lens, kv_lens)]
+    b = make_batch(q_lens, kv_lens, S=4, T=16, ps=ps, pps=4, P=20, dtype=dtype, seed=seed)
+    got = lightning_indexer(b["q_idx"], b["weights"], b["kcache"], *b["meta"],
+                            config={"block_q": bq, "pages_per_block": ppb}, interpret=mode)
+    check_scores(got, dsa.lightning_indexer_reference(b["q_idx"], b["weights"], b["kcache"], *b["meta"]), TOL[dtype])
+    idx = indexer_topk(got, K)
+    out = sparse_mla_attention(b["ql"], b["qpe"], b["lcache"], idx, *b["meta"], sm_scale=0.1, interpret=mode)
+    ref = dsa.sparse_mla_attention_reference(b["ql"], b["qpe"], b["lcache"], idx, *b["meta"], sm_scale=0.1)
+    check_out(out, ref, b["n"], TOL[dtype])
 
 
 # --------------------------------------------------------------------------------------------- against peers
