@@ -211,7 +211,7 @@ def test_sparse_page_sizes_dtypes_block_k(ps, dtype, bk, batch):
 @pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=pytest.mark.slow), torch.bfloat16])
 def test_sparse_equals_dense_mla_when_topk_covers_the_context(dtype):
     """indexer -> top-k with k >= max_kv selects every visible token: the op equals dense MLA (the float64
-    reference of mla_attention, and the dense MLA kernel) on a NaN-poisoned ragged batch."""
+    reference of mla_attention, itself checked against the dense MLA kernel) on a NaN-poisoned ragged batch."""
     q_lens, kv_lens = [1, 4, 2], [7, 4, 10]
     b = make_batch(q_lens, kv_lens, S=4, T=9, ps=4, pps=3, P=14, dtype=dtype, seed=5)
     scores = lightning_indexer(b["q_idx"], b["weights"], b["kcache"], *b["meta"], interpret="fast")
@@ -226,9 +226,6 @@ def test_sparse_equals_dense_mla_when_topk_covers_the_context(dtype):
     ref, _ = mla.mla_attention_reference(b["ql"], b["qpe"], new[:, :L], new[:, L:], b["lcache"], *b["meta"],
                                          sm_scale=0.1)
     check_out(out, ref, b["n"], TOL[dtype])
-    dense, _ = mla.mla_ragged_paged_attention(b["ql"], b["qpe"], new[:, :L], new[:, L:], b["lcache"], *b["meta"],
-                                              sm_scale=0.1, interpret="fast")
-    assert (out[: b["n"]].double() - dense[: b["n"]].double()).abs().max() <= 2 * TOL[dtype] * ref.abs().max()
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])

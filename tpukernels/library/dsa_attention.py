@@ -85,7 +85,7 @@ import torch
 from ..dsl import Launch, OutSpec, Tunable, cdiv, tpu_kernel
 from ..errors import ArgumentError, DTypeError
 from .mla_attention import check_mla_shapes, check_mla_statics
-from .paged_attention import check_metadata, check_metadata_values, item_range, n_work_items, work_items
+from .paged_attention import check_metadata, item_range, n_work_items, work_items
 
 NAMESPACE = "tpukernels"
 _Q_DTYPES = ("bfloat16", "float32")
@@ -101,8 +101,8 @@ _INDEXER_TUNABLES = {
                                doc="index-key pages gathered per DMA block (halved until it divides pages_per_seq)"),
 }
 _SPARSE_TUNABLES = {
-    "block_k": Tunable((8, 16, 32, 64, 128, 256, 512), default=128,
-                       doc="selected tokens gathered (one row DMA each) per chunk (clamped to K rounded up to 8)"),
+    "block_k": Tunable((128, 256, 512, 1024), default=128,
+                       doc="gathered selected rows per kernel chunk (K <= block_k: one chunk of K rounded up to 8)"),
 }
 
 
@@ -613,8 +613,8 @@ def indexer_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
 
     Returns:
         int32 ``[T, topk]``: positions (within each query's sequence) in descending score order, ties lowest
-        index first (a stable sort; ``jax.lax.top_k``'s documented order); ``-1`` in the slots past the tokens a query sees
-        (``-inf`` scores) and past ``max_kv``. Why not a kernel: see the module docstring.
+        index first (a stable sort; ``jax.lax.top_k``'s documented order); ``-1`` in the slots past the tokens a
+        query sees (``-inf`` scores) and past ``max_kv``. Why not a kernel: see the module docstring.
 
     Raises:
         ArgumentError: ``scores`` not a 2-D tensor, ``topk`` not a positive int.
@@ -782,5 +782,6 @@ def _sparse_case(T, K=2048, dtype="bf16", H=128):
 STANDARD_CASES = [_indexer_case(64, 64, 8192, 64), _sparse_case(64)]
 
 __all__ = ["lightning_indexer", "indexer_topk", "sparse_mla_attention", "lightning_indexer_reference",
-           "sparse_mla_attention_reference", "indexer_kernel", "sparse_kernel", "gather_selected", "token_positions_torch",
+           "sparse_mla_attention_reference", "indexer_kernel", "sparse_kernel", "gather_selected",
+           "token_positions_torch",
            "STANDARD_CASES"]
