@@ -131,6 +131,26 @@ def test_indexer_fp8_index_keys_with_static_scale(k_dtype):
     assert torch.isfinite(ref).sum() > 10
 
 
+def test_indexer_fp8_keys_with_per_token_scales():
+    """DeepSeek's fp8_index format: fp8 keys, one float32 scale per cached token (NaN in slots no sequence uses):
+    vs the float64 reference that dequantizes each key first."""
+    b = make_batch([1, 3], [7, 5], S=2, T=6, ps=4, pps=2, P=6, dtype=torch.bfloat16, k_dtype=torch.float8_e4m3fn,
+                   seed=4)
+    g = torch.Generator().manual_seed(4)
+    sc = torch.rand(6, 4, generator=g) + 0.1
+    kl, pi = b["meta"][0], b["meta"][1]
+    used = {(int(pi[s, p]), r) for s in range(2) for p in range(2) for r in range(4) if p * 4 + r < int(kl[s])}
+    for p in range(6):
+        for r in range(4):
+            if (p, r) not in used:
+                sc[p, r] = math.nan
+    got = lightning_indexer(b["q_idx"], b["weights"], b["kcache"], *b["meta"], index_k_scale=sc, interpret="fast")
+    ref = dsa.lightning_indexer_reference(b["q_idx"], b["weights"], b["kcache"], *b["meta"], index_k_scale=sc)
+    check_scores(got, ref, TOL[torch.bfloat16])
+    plain = dsa.lightning_indexer_reference(b["q_idx"], b["weights"], b["kcache"], *b["meta"])
+    assert (ref - plain).nan_to_num(0).abs().max() > 0.1  # the scales matter
+
+
 def test_indexer_definition_by_hand():
     """One sequence, one query at position 2 of 3 cached tokens: sum_h w_h ReLU(D^-0.5 q_h . k_j), by hand."""
     D, ps = 8, 4
@@ -407,6 +427,10 @@ def test_bad_statics_config_and_topk():
         _run_indexer(b, k_scale=math.nan)
     with pytest.raises(ConfigError, match="block_qq"):
         _run_indexer(b, config={"block_qq": 2})
+    with pytest.raises(ArgumentError, match="index_k_scale must have shape"):
+        _run_indexer(b, index_k_scale=torch.ones(6, 3))
+    with pytest.raises(DTypeError, match="index_k_scale must be float32"):
+        _run_indexer(b, index_k_scale=torch.ones(6, 4, dtype=torch.float16))
     with pytest.raises(ArgumentError, match="topk must be a positive int"):
         indexer_topk(torch.zeros(2, 3), 0)
     with pytest.raises(DTypeError, match="scores must be float32"):

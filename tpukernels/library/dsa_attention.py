@@ -67,8 +67,9 @@ decode (one query per sequence, bf16 keys of 128: 256 bytes) that write is ~1.5%
 would gain little; a general top-k kernel is separate work. The order of the selected positions does not
 change attention.
 
-Gaps: DeepSeek's reference indexer quantizes keys to fp8 with a **per-token** scale (``fp8_index``); here fp8
-index keys take one static ``k_scale`` (per-token scales are not supported). No JAX entries yet (torch
+fp8 index keys: a static ``k_scale`` and / or DeepSeek's per-token scales (``index_k_scale [P, page_size]``,
+applied to the scores after the kernel: a positive per-key scale factors out of the ReLU and the head sum).
+Gaps: DeepSeek quantizes the indexer *queries* to fp8 too (``act_quant``); here they are bf16 / f32. No JAX entries yet (torch
 tensors only; the kernels themselves run under :func:`tpukernels.jax_call`). Forward only (no backward / the
 indexer's training loss). Not run on a TPU; compile-only checked for v5e / v6e / tpu7x at DeepSeek-V3.2 decode
 shapes (:data:`STANDARD_CASES`); performance not measured.
@@ -545,8 +546,8 @@ def _config_json(kernel, config):
 
 def lightning_indexer(q_idx: torch.Tensor, weights: torch.Tensor, index_k_cache: torch.Tensor, kv_lens: torch.Tensor,
                       page_indices: torch.Tensor, cu_q_lens: torch.Tensor, num_seqs, *, sm_scale: float | None = None,
-                      k_scale: float | None = None, config: dict | None = None,
-                      interpret: str | None = None) -> torch.Tensor:
+                      k_scale: float | None = None, index_k_scale: torch.Tensor | None = None,
+                      config: dict | None = None, interpret: str | None = None) -> torch.Tensor:
     """DeepSeek-V3.2's lightning indexer over a paged index-key cache: the score of every cached token per query.
 
     Args:
@@ -563,6 +564,11 @@ def lightning_indexer(q_idx: torch.Tensor, weights: torch.Tensor, index_k_cache:
         sm_scale: scale of the dot products inside the ReLU; default ``D ** -0.5`` (transformers'
             ``softmax_scale``).
         k_scale: static dequantization scale of fp8 index keys (multiplies the dot products).
+        index_k_scale: float32 ``[P, page_size]`` or None: a positive dequantization scale per cached token
+            (DeepSeek's ``fp8_index`` keys: fp8 with one scale per token), slot for slot with
+            ``index_k_cache``. It factors out of the head sum (``ReLU(c x) = c ReLU(x)`` for ``c > 0``), so it
+            multiplies the kernel's scores afterwards, gathered per sequence from its pages (``torch.where``
+            keeps ``-inf``; slots past ``kv_len`` may hold anything). Positivity is the caller's (not checked).
         config: ``{"block_q": .., "pages_per_block": ..}``; default: a heuristic.
         interpret: ``"fast"`` / ``"tpu"`` for cpu runs.
 
@@ -590,6 +596,13 @@ def lightning_indexer(q_idx: torch.Tensor, weights: torch.Tensor, index_k_cache:
     sm_scale = D ** -0.5 if sm_scale is None else sm_scale
     _check_scale("sm_scale", sm_scale, where, allow_none=False)
     _check_scale("k_scale", k_scale, where)
+    if index_k_scale is not None:
+        _check_tensors(where, index_k_scale=index_k_scale)
+        if tuple(index_k_scale.shape) != (P, ps):
+            raise ArgumentError(f"{where}: index_k_scale must have shape [num_pages, page_size] = ({P}, {ps}), got "
+                                f"{tuple(index_k_scale.shape)}")
+        if index_k_scale.dtype != torch.float32:
+            raise DTypeError(f"{where}: index_k_scale must be float32, got {_dt(index_k_scale)}")
     check_metadata(kv_lens, page_indices, cu_q_lens, num_seqs, T, P, ps, where, hint=_NEW_TOKENS)
     if T == 0:
         return torch.empty(0, pps * ps, dtype=torch.float32, device=q_idx.device)
@@ -601,7 +614,12 @@ def lightning_indexer(q_idx: torch.Tensor, weights: torch.Tensor, index_k_cache:
             out = torch.ops.tpukernels.lightning_indexer_kernel(*args, config=cfg)
     else:
         out = torch.ops.tpukernels.lightning_indexer_kernel(*args, config=cfg)
-    return out.reshape(T, pps * ps)
+    out = out.reshape(T, pps * ps)
+    if index_k_scale is not None:
+        seq, _ = token_positions_torch(kv_lens, page_indices, cu_q_lens, num_seqs, T=T)
+        rows = index_k_scale[page_indices.long().clamp(0, P - 1)].reshape(S, pps * ps)  # [S, max_kv]
+        out = torch.where(torch.isneginf(out), out, out * rows[seq])
+    return out
 
 
 def indexer_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
@@ -713,7 +731,7 @@ def _seq_rows(cache, page_indices, s, kl, ps):
 
 
 def lightning_indexer_reference(q_idx, weights, index_k_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *,
-                                sm_scale=None, k_scale=None, dtype=torch.float64) -> torch.Tensor:
+                                sm_scale=None, k_scale=None, index_k_scale=None, dtype=torch.float64) -> torch.Tensor:
     """:func:`lightning_indexer` dense per sequence in ``dtype`` (float64) from the given low-precision tensors:
     ``[T, pages_per_seq * page_size]``, ``-inf`` where not visible."""
     T, Hi, D = q_idx.shape
@@ -727,6 +745,8 @@ def lightning_indexer_reference(q_idx, weights, index_k_cache, kv_lens, page_ind
         if q1 == q0:
             continue
         k = _seq_rows(wide, page_indices, s, kl, ps)  # [kl, D]
+        if index_k_scale is not None:  # dequantize the keys per token, as DeepSeek's fp8_index
+            k = k * _seq_rows(index_k_scale.to(dtype)[..., None], page_indices, s, kl, ps)
         sc = torch.relu(torch.einsum("ihd,jd->ihj", q_idx[q0:q1].to(dtype), k) * scale)
         sc = torch.einsum("ihj,ih->ij", sc, weights[q0:q1].to(dtype))
         pos = kl - (q1 - q0) + torch.arange(q1 - q0)[:, None]
