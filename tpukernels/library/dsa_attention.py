@@ -73,6 +73,14 @@ Gaps: DeepSeek quantizes the indexer *queries* to fp8 too (``act_quant``); here 
 tensors only; the kernels themselves run under :func:`tpukernels.jax_call`). Forward only (no backward / the
 indexer's training loss). Not run on a TPU; compile-only checked for v5e / v6e / tpu7x at DeepSeek-V3.2 decode
 shapes (:data:`STANDARD_CASES`); performance not measured.
+
+Rooflines (v6e, DeepSeek-V3.2 decode, 64 sequences x 8192 cached tokens, bf16; not measurements): indexer:
+64 heads x 128 keys read once per sequence, 134 MB -> 82 us HBM vs 9 us MXU (HBM-bound; libtpu's static
+profiler answers 47,023 cycles, below that floor, so no credible estimate); sparse MLA at top-2048: the
+gather reads and writes 151 MB and the kernel reads it again (453 MB, 276 us HBM; the in-kernel gather this
+module could not compile would be 92 us) vs 40 us MXU; dense MLA over the same 8192 tokens reads 604 MB
+(368 us). libtpu's static profiler aborts on the sparse kernel (``llo_execution_graph.cc:46``, as on the
+dense MLA kernel's 576-lane rows).
 """
 
 from __future__ import annotations
