@@ -257,6 +257,19 @@ def _mla_paged(args: Mapping) -> list[Split]:
     return [Split({"ql_nope": 1, "q_pe": 1}, (1,))]
 
 
+def _sparse_mla(args: Mapping) -> list[Split]:
+    """``ql_nope [T, H, L]``, ``q_pe [T, H, R]``, the gathered rows ``kv_sel [T, Kp, L + R]`` and ``sel [T, 1, Kp]``
+    -> ``[T, H, L]``: every token row is independent (the metadata was resolved by the gather), so over tokens
+    when the mesh divides ``T`` (each shard gets its own gathered rows), else over heads (``kv_sel`` replicated)."""
+    ql, qpe, kv, sel = (args.get(k) for k in ("ql_nope", "q_pe", "kv_sel", "sel"))
+    n = int(math.prod(current_mesh_shape()) or 1)
+    if not all(isinstance(x, TensorMeta) for x in (ql, qpe, kv, sel)):
+        return []
+    if ql.shape[0] % n == 0:
+        return [Split({"ql_nope": 0, "q_pe": 0, "kv_sel": 0, "sel": 0}, (0,))]
+    return [Split({"ql_nope": 1, "q_pe": 1}, (1,))] if ql.shape[1] % n == 0 else []
+
+
 #: Kernel op name (in the ``tpukernels`` namespace) -> rule ``fn(args by name) -> [Split]``. Norms need no
 #: entry: their ``rows=`` declaration derives the rule. The one place op names appear.
 LIBRARY_RULES: dict[str, Callable[[Mapping], list[Split]]] = {
@@ -291,6 +304,10 @@ LIBRARY_RULES: dict[str, Callable[[Mapping], list[Split]]] = {
     # kv_new [T, 2*Hkv, D] into kv_cache [P, page, 2*Hkv, D]: any even split of the combined heads is a copy
     "update_kv_cache_kernel": lambda args: [Split({"kv_new": 1, "kv_cache": 2}, (2,))],
     "mla_ragged_paged_attention_kernel": _mla_paged,
+    # DSA indexer: the score sums over index heads (a head split would need a partial-sum reduction of the
+    # [T, 1, max_kv] scores) and cu_q_lens index the global token rows: replicated
+    "lightning_indexer_kernel": lambda args: [],
+    "sparse_mla_attention_kernel": _sparse_mla,
     # linear attention / SSD (issue 37): replicate only for now. Their heads are independent, but the packed
     # per-sequence tables, grouped value heads (HV a multiple of H) and the state pools' head axes differ per op,
     # so a head split needs its own rule and test per op; until then DTensor gathers and each shard computes all.

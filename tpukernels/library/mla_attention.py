@@ -213,6 +213,10 @@ def _check_statics(sm_scale, k_scale, v_scale, q_scale, where: str) -> None:
             raise ArgumentError(f"{where}: {name} must be None or a finite float > 0, got {s!r}")
 
 
+#: public names of the checks (the DSA module validates the same MLA operands); the kernel sources keep theirs
+check_mla_shapes, check_mla_statics = _check_shapes, _check_statics
+
+
 # ----------------------------------------------------------------------------------------------- cache write
 
 
