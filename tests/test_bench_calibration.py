@@ -153,3 +153,32 @@ def test_real_attention_calibration_row_on_tpu7x(tmp_path):
     row = cal.attention_case(r, core.Estimator(str(tmp_path / "e.json")))
     assert row["error"] is None and row["model_ms"] > 0 and row["ours_model_ms"] > 0
     assert row["ratio"] == pytest.approx(row["model_ms"] / r.median_ms)
+
+
+def test_attention_case_falls_back_when_libtpu_aborts_and_implies_only_when_credible(tmp_path):
+    """The whole row with a stand-in estimate server: libtpu aborts on the measured (experimental) scheduler,
+    the default one is estimated at the measured time x 1.1 (credible), then tpukernels at half of that."""
+    from test_bench import _est
+
+    from tpukernels.perf import clock_hz
+
+    r = next(x for x in cal.attention_rows(cal.load_rows(chips={"tpu7x"}, ops={cal.ATTENTION_OP}))
+             if x.args["q"] == "bf16[4,4096,16,128]" and x.args["mask"]["is_causal"])
+    assert r.config["use_experimental_scheduler"] and r.config["use_base2_exp"]
+    _, h, kv, scale = cal.reduced_problem(4, 16, 16)
+    cyc = round(1.1 * r.median_ms * 1e-3 * clock_hz("tpu7x") / scale)
+    answers = iter([RuntimeError("estimate server exited: fifo_tracker.cc:436 abort"), cyc, cyc // 2])
+    est, fake = _est(tmp_path, lambda blob, chip: next(answers))
+    row = cal.attention_case(r, est)
+    assert fake.calls == 3 and row["error"] is None
+    assert row["modelled_config"]["use_experimental_scheduler"] is False and not row["modelled_config"]["use_base2_exp"]
+    assert len(row["flags"]) == 1 and "fifo_tracker" in row["flags"][0]
+    assert row["ratio"] == pytest.approx(1.1, rel=1e-3) and row["credible"] is True
+    assert row["implied_ours_ms"] == pytest.approx(row["ours_model_ms"] / row["ratio"])
+    assert row["ours_model_ms"] == pytest.approx(row["model_ms"] / 2, rel=1e-3)  # same bytes / FLOPs, half the cycles
+    # far off: tpukernels is not estimated, nothing is implied, the note says why
+    answers = iter([RuntimeError("estimate server exited: fifo_tracker.cc:436 abort"), cyc * 20])
+    est, fake = _est(tmp_path, lambda blob, chip: next(answers), name="e2.json")
+    row = cal.attention_case(r, est)
+    assert fake.calls == 2 and row["credible"] is False and row["ours_model_ms"] is None
+    assert row["implied_ours_ms"] is None and "22.00x the measured time" in row["note"] and "scheduler" in row["note"]

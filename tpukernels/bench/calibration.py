@@ -35,7 +35,8 @@ only on a TPU backend; the splash modules import jax and numpy only and are load
 One deviation from the measured program: libtpu 0.0.52's static profiler aborts on splash's base-2 exponent
 (``use_base2_exp=True``, every shipped config), so tokamax's kernel is modelled with ``use_base2_exp=False``
 (:data:`MODEL_OVERRIDES`): ``exp(x)`` instead of ``exp2(x * log2 e)``, the same EUP work per score, one VPU multiply
-fewer. tpukernels' model is only made where the tokamax model is credible (elsewhere nothing is implied).
+fewer. With a causal mask it also aborts on the experimental scheduler (``fifo_tracker.cc``), so those rows are
+modelled with the default scheduler (:data:`FALLBACK_OVERRIDES`; each row's ``modelled_config`` says what ran). tpukernels' model is only made where the tokamax model is credible (elsewhere nothing is implied).
 """
 
 from __future__ import annotations
@@ -64,6 +65,9 @@ ATTENTION_SHAPES = ((16, 1024, 16, 16, 128), (4, 4096, 16, 16, 128), (2, 8192, 1
 #: libtpu 0.0.52's static profiler aborts (``status_macros.cc:81``, signal 6) on every tokamax config with
 #: ``use_base2_exp=True`` (all shipped ones): the model uses the natural exponent instead (see module docstring)
 MODEL_OVERRIDES = {"use_base2_exp": False}
+#: tried in turn when libtpu aborts on the modelled config: with a causal mask it aborts on splash's
+#: experimental scheduler (``fifo_tracker.cc:436``), so such rows are modelled with the default scheduler
+FALLBACK_OVERRIDES = ({"use_experimental_scheduler": False},)
 
 
 class TokamaxFormatError(TpuKernelError):
@@ -287,6 +291,20 @@ def reduced_problem(B: int, hq: int, hkv: int) -> tuple[int, int, int, int]:
     return 1, h, kv, (B * hq) // h
 
 
+def not_credible_note(ratio: float, causal: bool, fallback: bool) -> str:
+    """Why no implied time is given for a row whose model is ``ratio`` x its measured time."""
+    text = (f"the model is {ratio:.2f}x the measured time (outside {CREDIBLE_RANGE[0]}-{CREDIBLE_RANGE[1]}), so "
+            "nothing is implied and tpukernels is not modelled here")
+    if fallback:
+        text += ("; modelled with splash's default scheduler because libtpu aborts on the experimental one that "
+                 "was measured")
+    if causal:
+        text += ("; libtpu's static profile does not see data, and splash's causal grid is driven by "
+                 "scalar-prefetched mask tables (the attention family's credibility probe shows the same kernel "
+                 "family mis-modelled; not isolated further)")
+    return text
+
+
 class _NotCredible(Exception):
     """The tokamax model is off at this row: tpukernels' model would imply nothing (not estimated)."""
 
@@ -312,11 +330,20 @@ def attention_case(r: MeasuredRow, est, log=lambda m: None) -> dict:
            "shape": f"B={B} S={S} Hq={hq} Hkv={hkv} D={D} {'causal' if causal else 'full'}",
            "tokamax_op": r.op, "tokamax_config": r.config, "modelled_config": modelled, "measured_ms": r.median_ms, "times_ms": list(r.times_ms),
            "estimated_at": f"B={b} Hq={h} Hkv={kv} x{scale}", "hbm_bytes": byts, "flops": flops,
-           "model_ms": None, "ours_model_ms": None, "ours_config": None, "error": None, "note": None}
+           "model_ms": None, "ours_model_ms": None, "ours_config": None, "error": None, "note": None, "flags": []}
     try:
-        fn = tokamax_attention_fn(S, causal, modelled, float(r.args.get("logits_scale") or D ** -0.5))
         structs = [jax.ShapeDtypeStruct((b, S, n, D), jnp.bfloat16) for n in (h, kv, kv)]
-        cyc = est.cycles(fn, structs, r.chip) * scale
+        for extra in ({},) + FALLBACK_OVERRIDES:
+            modelled = {**modelled, **{k_: v for k_, v in extra.items() if k_ in modelled}}
+            fn = tokamax_attention_fn(S, causal, modelled, float(r.args.get("logits_scale") or D ** -0.5))
+            try:
+                cyc = est.cycles(fn, structs, r.chip) * scale
+                break
+            except EstimateError as e:
+                if extra is FALLBACK_OVERRIDES[-1] or not FALLBACK_OVERRIDES:
+                    raise
+                row["flags"].append(f"libtpu aborted on {modelled}: {str(e).splitlines()[0][:120]}")
+        row["modelled_config"] = modelled
         row["model_ms"] = model_time(r.chip, cyc, byts, flops).time_us / 1e3
         if not calibrate(row["model_ms"], r.median_ms)["credible"]:
             raise _NotCredible
@@ -333,11 +360,7 @@ def attention_case(r: MeasuredRow, est, log=lambda m: None) -> dict:
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:240]}"
     row.update(calibrate(row["model_ms"], r.median_ms, row["ours_model_ms"]))
     if row["ratio"] is not None and not row["credible"]:
-        row["note"] = (f"the model is {row['ratio']:.2f}x the measured time: "
-                       + ("libtpu's cost model misses work in the causal splash kernel (its grid steps follow "
-                          "scalar-prefetched mask tables; see the attention family's credibility probe)"
-                          if causal and row["ratio"] < 1 else
-                          "outside 0.7-1.3, so no implied time is derived (tpukernels not modelled here)"))
+        row["note"] = not_credible_note(row["ratio"], causal, bool(row["flags"]))
     log(f"  {r.chip:6} {row['shape']:40} model {row['model_ms'] or float('nan'):8.3f} ms  measured "
         f"{r.median_ms:8.3f} ms  ours model {row['ours_model_ms'] or float('nan'):8.3f} ms")
     return row
