@@ -128,7 +128,7 @@ def test_report_calibration_section_and_summary_column(tmp_path, monkeypatch):
     text = report.render(results, str(tmp_path / "B.md"), "tpukernels bench")
     # implied: 0.8 / 1.1 and 1.2 / 0.9; measured / implied: 1.1 / 0.8 and 0.9 / 1.2, geometric mean
     gm = math.sqrt((1.1 / 0.8) * (0.9 / 1.2))
-    assert f"| {gm:.2f}× (2/3 rows credible) |" in text
+    assert f"| {gm:.2f}× (2 of 3 rows implied) |" in text
     line = next(x for x in text.splitlines() if x.startswith("| matmul | v6e |"))
     assert line.endswith("| - |")  # no calibration rows on v6e
     assert "implied real vs tokamax measured |" in text

@@ -143,7 +143,7 @@ def implied_vs_measured(calibration: dict | None, family: str, chip: str) -> str
     ok = [r["measured_over_implied"] for r in rows if r.get("measured_over_implied")]
     if not ok:
         return f"model not credible ({len(rows)} rows)"
-    return f"{math.exp(sum(map(math.log, ok)) / len(ok)):.2f}× ({len(ok)}/{len(rows)} rows credible)"
+    return f"{math.exp(sum(map(math.log, ok)) / len(ok)):.2f}× ({len(ok)} of {len(rows)} rows implied)"
 
 
 def calibration_table(res: dict) -> list[str]:
