@@ -50,6 +50,14 @@ $(FLA): $(STAMP)
 	$(PY) -m pip install -q --no-deps -c constraints.txt fla-core==0.6.0 einops==0.8.2
 	@touch $@
 
+# tokamax --no-deps for the measured TPU times its wheel ships (data/autotuning/<chip>/*.json), which the
+# calibration bench family (tpukernels/bench/calibration.py) models; its own requirements (immutabledict,
+# jaxtyping, qwix, ...) are not needed: the calibration loads only the data files and the splash-attention modules.
+TOKAMAX := $(VENV)/.tokamax-0.0.12
+$(TOKAMAX): $(STAMP)
+	$(PY) -m pip install -q --no-deps -c constraints.txt tokamax==0.0.12
+	@touch $@
+
 # The documentation site's packages (the docs extra, pinned in constraints.txt), reinstalled when their pins change.
 DOCS := $(VENV)/.docs-$(shell grep -iE '^(mkdocs|mkdocs-material|mkdocs-material-extensions|mkdocstrings|mkdocstrings-python|mkdocs-autorefs|griffelib|pymdown-extensions|markdown)==' constraints.txt | sha1sum | cut -c1-12)
 $(DOCS): $(STAMP)
@@ -79,15 +87,15 @@ demo: $(STAMP)
 	@echo "make demo: starting tpukernels demo (importing torch + jax takes a few seconds; about half a minute on 2 cores; later runs reuse cached libtpu estimates)"
 	$(VENV)/bin/tpukernels demo
 
-test: $(STAMP) $(TORCH_TPU_WHEEL) $(VLLM_TPU) $(TORCHTITAN) $(FLA) $(DOCS) browser
+test: $(STAMP) $(TORCH_TPU_WHEEL) $(VLLM_TPU) $(TORCHTITAN) $(FLA) $(TOKAMAX) $(DOCS) browser
 	$(PY) -m pytest -n 2 -q --durations=30
 
 # Every library kernel vs XLA and public Pallas kernels (libtpu model) + host costs -> BENCHMARKS.md
-bench: $(STAMP)
+bench: $(STAMP) $(TOKAMAX)
 	ALLOW_MULTIPLE_LIBTPU_LOAD=1 $(VENV)/bin/tpukernels bench --chips v5e,v6e,tpu7x \
 		--results-dir benchmarks/results --out BENCHMARKS.md --readme README.md
 
-test-slow: $(STAMP) $(TORCHTITAN) $(FLA) $(VLLM_TPU) $(TORCH_TPU_WHEEL)
+test-slow: $(STAMP) $(TORCHTITAN) $(FLA) $(VLLM_TPU) $(TORCH_TPU_WHEEL) $(TOKAMAX)
 	$(PY) -m pytest -q -m slow
 
 clean:

@@ -18,6 +18,7 @@ import threading
 import time
 
 from .core import (  # noqa: F401  (the family lists live in core, which this package's modules share)
+    CALIBRATION_FAMILIES,
     DEFAULT_CHIPS,
     FAMILIES,
     MODEL_FAMILIES,
@@ -71,6 +72,12 @@ def run_family(name: str, chips, results_dir: str, *, jobs: int = 1, cache_path:
 
     require_libtpu()
     est = Estimator(cache_path if cache_path is not None else default_cache_path(), timeout_s)
+    if name in CALIBRATION_FAMILIES:  # measured peer rows, each modelled (bench/calibration.py)
+        result = mod.run(list(chips), est, log=log)
+        rows = attach_reasons(name, result.pop("rows"))
+        extra = dict(result, chips=list(chips), seconds=round(time.perf_counter() - t0),
+                     cache={"hits": est.hits, "misses": est.misses}, doc=(mod.__doc__ or "").strip())
+        return save_result(path, name, model_kind(), rows, extra)
     cases = mod.cases(list(chips))
     log(f"== {name}: {len(cases)} cases x {len(cases[0].impls) if cases else 0} implementations on {', '.join(chips)}")
     from ..autotune.sweep_warnings import once_per_run

@@ -51,8 +51,10 @@ CREDIBLE_FRACTION = 0.95
 #: the benchmark families (one module each in this package; ``tpukernels bench --family``): model estimates,
 #: then the host-side measurements
 MODEL_FAMILIES = ("norms", "matmul", "attention", "quantized_matmul", "linear_cross_entropy", "grouped_matmul",
-                  "paged_attention", "linear_attention")
+                  "paged_attention", "linear_attention", "calibration")
 FAMILIES = MODEL_FAMILIES + ("host",)
+#: model families whose rows are not implementations of a case (their own report section, no summary row)
+CALIBRATION_FAMILIES = ("calibration",)
 DEFAULT_CHIPS = ("v5e", "v6e", "tpu7x")
 
 

@@ -7,7 +7,7 @@ import json
 import os
 import re
 
-from .core import check_versions
+from .core import CALIBRATION_FAMILIES, check_versions
 
 #: a model time ratio inside this band is a tie (the estimates are deterministic, but not that exact)
 TIE = 0.005
@@ -131,13 +131,63 @@ def _best_other(by: dict) -> dict | None:
     return min(others, key=lambda r: r["model_us"], default=None)
 
 
-def summary_table(model: dict[str, dict]) -> list[str]:
+def implied_vs_measured(calibration: dict | None, family: str, chip: str) -> str:
+    """The summary cell "implied real vs tokamax measured" of ``family`` on ``chip``: the geometric mean of
+    tokamax's measured time / tpukernels' implied real time over the calibration rows where the model is
+    credible (above 1: tpukernels would be faster), with the row counts; ``-`` without calibration rows."""
+    import math
+
+    rows = [r for r in (calibration or {}).get("rows", []) if r["family"] == family and r["chip"] == chip]
+    if not rows:
+        return "-"
+    ok = [r["measured_over_implied"] for r in rows if r.get("measured_over_implied")]
+    if not ok:
+        return f"model not credible ({len(rows)} rows)"
+    return f"{math.exp(sum(map(math.log, ok)) / len(ok)):.2f}× ({len(ok)} of {len(rows)} rows implied)"
+
+
+def calibration_table(res: dict) -> list[str]:
+    """The calibration rows (``bench/calibration.py``) as a markdown table plus numbered notes."""
+    notes = Notes()
+
+    def ms(x):
+        return "n/a" if x is None else f"{x:,.3f}"
+
+    out = ["| family | op | shape | chip | tokamax measured ms | tokamax model ms | model / measured | credible | "
+           "tpukernels model ms | tpukernels implied real ms | measured / implied | note |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        ratio = "n/a" if r.get("ratio") is None else f"{r['ratio']:.2f}"
+        cred = {True: "yes", False: "**no**", None: "-"}[r.get("credible")]
+        moi = "-" if r.get("measured_over_implied") is None else f"{r['measured_over_implied']:.2f}×"
+        note = r.get("note") or (r["error"] if r.get("error") else None)
+        out.append(f"| {r['family']} | {r['op']} | {r['shape']} | {r['chip']} | {ms(r['measured_ms'])} | "
+                   f"{ms(r['model_ms'])} | {ratio} | {cred} | {ms(r['ours_model_ms'])} | "
+                   f"{ms(r.get('implied_ours_ms'))} | {moi} | {notes.ref(note)} |")
+    if notes.texts:
+        out += ["", "Notes:", "", *notes.lines()]
+    return out
+
+
+def _calibration_section(res: dict) -> list[str]:
+    lines = ["## Calibration against tokamax's measured TPU times", "",
+             f"_{res['kind']}; measured times: tokamax {res.get('tokamax')}'s shipped autotuning caches. Made "
+             f"{res['created']} in {res.get('seconds', '?')} s (estimate cache: "
+             f"{res.get('cache', {}).get('hits', '?')} hits, {res.get('cache', {}).get('misses', '?')} new)._", ""]
+    doc = res.get("doc", "").strip()
+    if doc:
+        lines += [re.sub(r":\w+:`(?:~)?", "`", doc), ""]
+    return lines + calibration_table(res) + [""]
+
+
+def summary_table(model: dict[str, dict], calibration: dict | None = None) -> list[str]:
     """Per family and chip: tpukernels' and the best other implementation's model time summed over the cases
-    both have a credible estimate for, their ratio, wins / losses, and tpukernels' median % of roofline."""
+    both have a credible estimate for, their ratio, wins / losses, tpukernels' median % of roofline, and
+    (:func:`implied_vs_measured`) tpukernels' implied real time against tokamax's measured time."""
     import statistics
 
     out = ["| family | chip | cases | tpukernels µs | best other µs | other / ours | faster / slower | "
-           "median % roofline |", "|---|---|---|---|---|---|---|---|"]
+           "median % roofline | implied real vs tokamax measured |", "|---|---|---|---|---|---|---|---|---|"]
     for fam, res in model.items():
         chips: dict = {}
         for (op, shape, chip), by in _cases(res["rows"]):
@@ -161,11 +211,12 @@ def summary_table(model: dict[str, dict]) -> list[str]:
                 wins += ratio > 1 + TIE
                 losses += ratio < 1 - TIE
             pct = f"{statistics.median(pcts):.0f}%" if pcts else "-"
+            cal = implied_vs_measured(calibration, fam, chip)
             if n_cmp:
                 out.append(f"| {fam} | {chip} | {len(cases)} ({n_cmp} compared) | {_us(ours_t)} | {_us(other_t)} | "
-                           f"{other_t / ours_t:.2f}× | {wins} / {losses} | {pct} |")
+                           f"{other_t / ours_t:.2f}× | {wins} / {losses} | {pct} | {cal} |")
             else:
-                out.append(f"| {fam} | {chip} | {len(cases)} (none compared) | - | - | - | - | {pct} |")
+                out.append(f"| {fam} | {chip} | {len(cases)} (none compared) | - | - | - | - | {pct} | {cal} |")
     return out
 
 
@@ -379,13 +430,18 @@ def render(results: dict[str, dict], out_path: str, command: str, figures_dir: s
              f"Generated by `{command}`; do not edit by hand (re-run the command). Versions: "
              + ", ".join(f"{k} {v}" for k, v in common.items()) + ".", "",
              *_source_lines(results), ""]
-    model = {f: r for f, r in results.items() if f != "host"}
+    model = {f: r for f, r in results.items() if f != "host" and f not in CALIBRATION_FAMILIES}
+    calibration = results.get("calibration")
     if model:
         lines += ["## Summary", "",
                   "Model estimates (libtpu static cycles with the chip's rooflines; not measurements), summed over the "
                   "cases where tpukernels and another implementation both have a credible estimate. `other / ours` "
-                  "above 1: tpukernels is faster. Details per family below.", "",
-                  *summary_table(model), ""]
+                  "above 1: tpukernels is faster. Details per family below. `implied real vs tokamax measured`: "
+                  "where tokamax ships a measured TPU time at (or near) the family's shapes and the model of "
+                  "tokamax's kernel is within 0.7-1.3 of it, tokamax measured / tpukernels' implied real time "
+                  "(our model / that ratio), geometric mean; above 1: tpukernels would be faster (see the "
+                  "calibration section).", "",
+                  *summary_table(model, calibration), ""]
     lines += ["## What the figures are", "",
              "* **Model estimates** (norms, matmul, attention): libtpu's static `estimated_cycles` of the program "
              "compiled for a compile-only TPU target (no TPU was used), combined with the chip's rooflines: "
@@ -449,6 +505,8 @@ def render(results: dict[str, dict], out_path: str, command: str, figures_dir: s
             lines += [f"* {r['op']} {r['shape']} {r['chip']} {r['impl']}: "
                       + "; ".join(r["flags"] + ([_short(r["error"])] if r["error"] else [])) for r in flagged]
             lines.append("")
+    if calibration is not None:
+        lines += _calibration_section(calibration)
     lines += _strategy_section(figures_dir or os.path.join(base, "benchmarks", "results"))
     if "host" in results:
         lines += _host_section(results["host"])
@@ -474,6 +532,11 @@ def summary(results: dict[str, dict], command: str) -> str:
                 out.append(f"* host (measured): tpukernels' own cost on the tpu path (no-op runner vs an empty custom "
                            f"op) {min(r['added_us'] for r in t):.0f}–{max(r['added_us'] for r in t):.0f} µs per call "
                            f"(target {t[0]['target_us']:.0f} µs; the high end pads and slices rows).")
+            continue
+        if fam in CALIBRATION_FAMILIES:
+            ok = [r for r in res["rows"] if r.get("credible")]
+            out.append(f"* {fam} (model vs tokamax's measured TPU times): the model is within 0.7-1.3 of the "
+                       f"measured time at {len(ok)} of {len(res['rows'])} rows.")
             continue
         by_impl: dict = {}
         for (_, _, _), by in _cases(res["rows"]):
