@@ -88,8 +88,10 @@ REASONS: dict = {
     "step replaced): state in/out with one add 54.7 µs, one product + reduction +12.8, the rank-1 update +15.4: "
     "additive, i.e. VPU-bound, not DMA-bound. Left: bf16 products of the state with f32 accumulation on chips "
     "with a bf16 VPU (v6e / tpu7x), at a precision cost not yet measured",
-    "prefill fwd": "libtpu estimates gdn_chunk_fwd compute-bound (v6e, T=4096: 4,048 µs at the default chunk 128, "
-    "~60x the roofline). Where it goes (v6e, T=4096, the chunk step replaced by parts): the fixed per-step work "
+    "prefill fwd": "v5e: libtpu 0.0.52's static profiler aborts on the kernel (llo_execution_graph.cc), so there is "
+    "no figure; the kernel compiles for v5e (tests/test_gated_delta_rule.py compile-only). v6e / tpu7x: libtpu "
+    "estimates gdn_chunk_fwd compute-bound (v6e, T=4096: 4,048 µs at the default chunk 128, ~60x the roofline, "
+    "3.3x faster than XLA's chunked form). Where it goes (v6e, T=4096, the chunk step replaced by parts): the fixed per-step work "
     "(sequence loop, masks, state carry) 687 µs; the chunk step without the triangular inverse +803; the inverse "
     "(12 dependent 128 x 128 f32 matmuls at HIGHEST) +2,558, 63% of the total. libtpu charges small matmuls "
     "by count, not size: 12 dependent 64^3 products cost 3,962 µs, 12 of 256^3 9,655, and 4 independent inverses "
