@@ -199,8 +199,8 @@ def unit_lower_inverse(a):
     blocks); at block size ``b = 1, 2, 4, ...`` each ``2b`` diagonal block ``[[I + A11, 0], [A21, I + A22]]``
     has the inverse ``[[X11, 0], [-X22 A21 X11, X22]]``, i.e. ``X <- X - X (A o M_b) X`` with ``M_b`` the mask
     of the ``A21`` quadrants (``X`` is block diagonal, so the product picks ``X22 A21 X11``). Two matmuls per
-    level, ``ceil(log2 n)`` levels (the first, with ``X = I``, needs none); the same operations as forward substitution, so as stable (no Neumann
-    series with cancelling powers). Highest-precision float32 matmuls.
+    level, ``ceil(log2 n)`` levels (the first, with ``X = I``, needs none); the same operations as forward
+    substitution, so as stable (no Neumann series with cancelling powers). Highest-precision float32 matmuls.
     """
     jax, jnp = _jax()
     n = a.shape[0]

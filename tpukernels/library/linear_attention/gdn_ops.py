@@ -66,7 +66,8 @@ Performance notes (compile-only: every kernel lowers for v5e, v6e and tpu7x at Q
 --family linear_attention``, a model): prefill at T = 4096 4.0 ms on v6e and 3.4 ms on tpu7x at the default
 chunk 128, about 3.3x faster than XLA's chunked form but ~60x the roofline, 63% of it the triangular inverse's
 small dependent matmuls (the family's reasons have the breakdown and the levers); decode at the HBM roofline
-on v5e / v6e, 76.5% of it on tpu7x (VPU-bound). At chunk 64: per grid step blocks q, k ``(64, 128)`` bf16, v / o ``(64, 128)``,
+on v5e / v6e, 76.5% of it on tpu7x (VPU-bound). At chunk 64: per grid step blocks q, k ``(64, 128)`` bf16,
+v / o ``(64, 128)``,
 g / beta ``(64, 1)`` f32, state scratch 64 KiB; 0.5 MiB of VMEM (backward 0.9 MiB). Per chunk and head ~17
 MFLOP of matmuls (``KK^T``, ``QK^T``, ``K S``, ``Q S``, ``T R``, ``P U``, ``K^T W U``: 10.5 M; the inverse's 12
 dependent ``64^3`` products: 6.3 M), all at ``Precision.HIGHEST`` (6 bf16 passes), i.e. ~200 GFLOP-equivalent
