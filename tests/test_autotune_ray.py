@@ -47,6 +47,7 @@ def test_ray_sweep_finds_the_process_pools_winner(cluster):
     assert os.getpid() not in pids and not pids & {t.details["pid"] for t in in_procs.trials}
 
 
+@pytest.mark.slow  # ~90 s (a hang waits out its timeout); make test keeps the process pool's crash + hang test
 def test_a_crash_and_a_hang_fail_only_their_task(cluster):
     crash, hang = key(a=16, b=256, c=2), key(a=8, b=256, c=1)
     ev = SyntheticEvaluator(optimum=OPT, crash=(crash,), hang=(hang,), hang_s=600, sleep_s=0.2)
@@ -64,6 +65,7 @@ def test_a_crash_and_a_hang_fail_only_their_task(cluster):
     assert not any(t.status in ("cancelled",) for t in r.trials)
 
 
+@pytest.mark.slow  # ~30 s
 def test_concurrent_sweeps_share_the_cluster(cluster):
     import concurrent.futures as cf
 
