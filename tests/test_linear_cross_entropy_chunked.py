@@ -21,25 +21,10 @@ import tpukernels as tk
 import tpukernels.library  # noqa: F401  (registers torch.ops.tpukernels.linear_cross_entropy*)
 from tpukernels.errors import ArgumentError, DTypeError
 
+from test_linear_cross_entropy import _data, _ref_grads  # noqa: E402  (tests/ is on sys.path, as hf_tiny)
+
 lce = importlib.import_module("tpukernels.library.linear_cross_entropy_ops")
 OPS = torch.ops.tpukernels
-
-
-def _data(N, V, H, dtype, seed=0, ignore_every=4):
-    g = torch.Generator().manual_seed(seed)
-    h = torch.randn(N, H, generator=g).to(dtype)
-    W = (torch.randn(V, H, generator=g) * (2.0 / max(H, 1) ** 0.5)).to(dtype)
-    y = torch.randint(0, V, (N,), generator=g)
-    if ignore_every:
-        y[::ignore_every] = -100
-    return h, W, y
-
-
-def _ref_grads(h, W, y, g_rows, softcap):
-    hd, Wd = h.double().requires_grad_(), W.double().requires_grad_()
-    loss = lce.reference(hd, Wd, y, reduction="none", softcap=softcap)
-    (loss * g_rows.double()).sum().backward()
-    return loss.detach(), hd.grad, Wd.grad
 
 
 def _assert_close(got, ref, dtype, what):
