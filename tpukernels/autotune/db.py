@@ -10,7 +10,13 @@ File format (``version`` 1)::
     {"version": 1, "kernel": "tpukernels::rms_norm", "chip": "v6e",
      "entries": [{"key": {...see entry_key...}, "config": {"block_rows": 256},
                   "evidence": {"evaluator": "tpu-model", "time_us": 41.2, "date": "...",
-                               "versions": {"tpukernels": "...", "jax": "...", "libtpu": "..."}}}]}
+                               "versions": {"tpukernels": "...", "jax": "...", "libtpu": "..."},
+                               "measured": false}}]}
+
+``evidence.measured`` (optional, a bool) marks a config timed on a TPU (``tpukernels autotune --evaluator
+measure``, ``tpukernels bench --measure --write-db``) rather than chosen by a model; files written before the
+field have none, and an entry without it is measured only when its ``evaluator`` is ``"measure"``
+(:func:`is_measured`). A model entry never replaces a measured one without ``force``.
 
 Key: kernel name + kernel source hash + chip (the file) + shape bucket + dtypes + static args. A lookup
 tries the user file then the shipped file: exact key first, then the nearest bucket (same dtypes, statics
@@ -117,7 +123,19 @@ def entry_problem(e: Any) -> str | None:
         return f"entry key shapes {key['shapes']!r} are not lists of ints"
     if not isinstance(key.get("statics", {}), dict):
         return "entry key statics is not an object"
+    ev = e.get("evidence", {})
+    if not isinstance(ev, dict):
+        return f"entry evidence {ev!r} is not an object"
+    if not isinstance(ev.get("measured", False), bool):
+        return f"entry evidence measured {ev['measured']!r} is not true or false"
     return None
+
+
+def is_measured(entry: Mapping) -> bool:
+    """Whether a DB entry's config was timed on a TPU: ``evidence.measured`` when the entry has it, else (files
+    written before the field) whether its evaluator is ``"measure"``."""
+    ev = entry.get("evidence") or {}
+    return bool(ev["measured"]) if "measured" in ev else ev.get("evaluator") == "measure"
 
 
 def load(path: str) -> list[dict]:

@@ -296,30 +296,7 @@ class MeasureEvaluator(Evaluator):
         return (problem.kernel.qualname, shapes, tuple(map(repr, problem.statics)), self.seed)
 
     def _inputs(self, problem: Problem) -> dict:
-        import torch
-
-        from ..dsl.dtypes import to_torch_dtype
-
-        g = torch.Generator().manual_seed(self.seed)
-        out, it, statics = {}, iter(problem.specs), dict(problem.statics)
-        for p in problem.kernel.params:
-            if p.kind == "static":
-                out[p.name] = statics[p.name]
-                continue
-            s = next(it)
-            if s is None:
-                out[p.name] = None
-                continue
-            dt = to_torch_dtype(s.dtype)
-            shape = tuple(int(d) for d in s.shape)
-            if dt.is_floating_point:
-                t = torch.randn(shape, generator=g).to(dt)
-            elif dt == torch.bool:
-                t = torch.rand(shape, generator=g) > 0.5
-            else:
-                t = torch.randint(0, 8, shape, generator=g).to(dt)
-            out[p.name] = t.to(self.device)
-        return out
+        return random_inputs(problem, self.device, self.seed)
 
     def _run(self, kernel: TpuKernel, values: dict, config) -> tuple:
         from ..dsl.modes import interpret_mode
@@ -386,6 +363,36 @@ class MeasureEvaluator(Evaluator):
         details.update(samples_us=[round(float(s), 3) for s in arr], median_us=float(med), min_us=float(arr.min()),
                        iqr_us=float(q3 - q1), outliers=len(outliers), outlier_samples_us=outliers)
         return Trial(dict(config), "ok", time_us=float(med), details=details)
+
+
+def random_inputs(problem: Problem, device: str = "cpu", seed: int = 0) -> dict:
+    """``{parameter name: value}`` for one call of ``problem``: each tensor ``torch.randn`` (floating dtypes),
+    ``torch.rand > 0.5`` (bool) or ``torch.randint(0, 8)`` (integers) from ``seed``, made on the cpu and moved to
+    ``device``; an absent optional tensor None; static parameters their values."""
+    import torch
+
+    from ..dsl.dtypes import to_torch_dtype
+
+    g = torch.Generator().manual_seed(seed)
+    out, it, statics = {}, iter(problem.specs), dict(problem.statics)
+    for p in problem.kernel.params:
+        if p.kind == "static":
+            out[p.name] = statics[p.name]
+            continue
+        s = next(it)
+        if s is None:
+            out[p.name] = None
+            continue
+        dt = to_torch_dtype(s.dtype)
+        shape = tuple(int(d) for d in s.shape)
+        if dt.is_floating_point:
+            t = torch.randn(shape, generator=g).to(dt)
+        elif dt == torch.bool:
+            t = torch.rand(shape, generator=g) > 0.5
+        else:
+            t = torch.randint(0, 8, shape, generator=g).to(dt)
+        out[p.name] = t.to(device)
+    return out
 
 
 _MEASURE_CACHE: dict = {}

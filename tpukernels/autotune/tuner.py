@@ -388,7 +388,7 @@ def store(result: SweepResult, problem: Problem, where: str, force: bool = False
     key = db.entry_key(kernel, specs, statics)
     old, how = db.find(db.load(path), key)
     if old is not None and how == "exact" and not force:
-        if old.get("evidence", {}).get("evaluator") == "measure" and result.evaluator != "measure":
+        if db.is_measured(old) and result.evaluator != "measure":
             return None, (f"not stored: {path} has a measured entry for this key; a model does not replace it "
                           "(force to override)")
     best, default = result.best, result.default
@@ -396,7 +396,7 @@ def store(result: SweepResult, problem: Problem, where: str, force: bool = False
         "evaluator": result.evaluator, "label": result.label, "time_us": round(best.time_us, 3),
         "default_time_us": None if default is None or not default.ok else round(default.time_us, 3),
         "strategy": result.strategy, "evaluated": len(result.trials), "failed": sum(result.failures.values()),
-        "pruned": len(result.pruned), "problem": result.problem,
+        "pruned": len(result.pruned), "problem": result.problem, "measured": result.evaluator == "measure",
     }
     for k in ("bound", "pct_of_roofline", "step_overhead_us", "cycles_note"):
         if k in best.details:

@@ -383,6 +383,9 @@ class Impl:
             libtpu's cost model misses work in this kernel, and the row is flagged.
         memory: ``fn(chip) -> dict`` of compile-only memory figures (e.g. ``{"peak_temp_MiB": 4.0}``), kept in
             the row's ``memory`` field whether or not the estimate succeeds (the report shows them).
+        parts: ``[(kernel, args, kwargs)]``, the tpukernels kernel calls whose sum *is* the modelled program at
+            the full problem (set by :func:`ours_impl` when nothing else is modelled): what ``tpukernels bench
+            --measure`` runs on a TPU (:mod:`tpukernels.bench.measure`). None: not measurable part by part.
     """
 
     name: str
@@ -392,6 +395,7 @@ class Impl:
     floor_us: Callable[[str], float] | None = None
     probe: Callable[[Estimator, str], tuple[int, int]] | None = None
     memory: Callable[[str], dict] | None = None
+    parts: list | None = None
 
 
 @dataclasses.dataclass
@@ -540,7 +544,11 @@ def ours_impl(parts, *, scale: int = 1, extra: Callable | None = None, probe=Non
 
     ``parts``: ``[(kernel, args, kwargs)]`` or ``[(kernel, args, kwargs, full_args)]``: with ``full_args``
     the config is the one a call at ``full_args`` gets (tuning DB / heuristic), and the estimate is of
-    ``args`` at that config (a reduced problem, e.g. 1/8 of the heads, scaled back by ``scale``)."""
+    ``args`` at that config (a reduced problem, e.g. 1/8 of the heads, scaled back by ``scale``).
+
+    The Impl's ``parts`` are the calls at the full problem (``full_args`` where given), what ``--measure``
+    runs; None when ``extra`` is given (the model then includes work outside the kernels) or a part without
+    ``full_args`` is scaled (the model is of a problem no single call makes)."""
 
     def cycles(est: Estimator, chip: str):
         total, cfgs = 0, []
@@ -555,7 +563,9 @@ def ours_impl(parts, *, scale: int = 1, extra: Callable | None = None, probe=Non
             return total * scale, cfgs[0][1]
         return total * scale, "; ".join(f"{name}: {_fmt_config(c)}" for name, c in cfgs)
 
-    return Impl("tpukernels", "ours", cycles, probe=probe)
+    whole = extra is None and (scale == 1 or all(len(p) == 4 for p in parts))  # the parts are the full problem
+    runnable = [(kernel, full[0] if full else args, kwargs) for kernel, args, kwargs, *full in parts] if whole else None
+    return Impl("tpukernels", "ours", cycles, probe=probe, parts=runnable)
 
 
 def xla_impl(fn, structs, *, name: str = "xla", scale: int = 1, floor_us=None) -> Impl:
