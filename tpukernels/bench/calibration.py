@@ -305,6 +305,18 @@ def not_credible_note(ratio: float, causal: bool, fallback: bool) -> str:
     return text
 
 
+def attention_dims(r: MeasuredRow) -> tuple[int, int, int, int, int, bool]:
+    """``(B, S, Hq, Hkv, D, causal)`` of a measured attention row."""
+    (_, q), (_, k) = array_shape(r.args["q"]), array_shape(r.args["k"])
+    return q[0], q[1], q[2], k[2], q[3], bool(r.args["mask"]["is_causal"])
+
+
+def shape_text(r: MeasuredRow) -> str:
+    """The ``shape`` of a calibration row (``"B=4 S=4096 Hq=16 Hkv=16 D=128 causal"``)."""
+    B, S, hq, hkv, D, causal = attention_dims(r)
+    return f"B={B} S={S} Hq={hq} Hkv={hkv} D={D} {'causal' if causal else 'full'}"
+
+
 class _NotCredible(Exception):
     """The tokamax model is off at this row: tpukernels' model would imply nothing (not estimated)."""
 
@@ -318,16 +330,13 @@ def attention_case(r: MeasuredRow, est, log=lambda m: None) -> dict:
     from ..perf import model_time
     from .core import EstimateError, kernel_program
 
-    (_, q), (_, k) = array_shape(r.args["q"]), array_shape(r.args["k"])
-    B, S, hq, D = q
-    hkv = k[2]
-    causal = bool(r.args["mask"]["is_causal"])
+    B, S, hq, hkv, D, causal = attention_dims(r)
     modelled = {**r.config, **{k_: v for k_, v in MODEL_OVERRIDES.items() if k_ in r.config}}
     b, h, kv, scale = reduced_problem(B, hq, hkv)
     byts = B * ((2 * hq * S * D + 2 * hkv * S * D) * 2)  # q, o, k, v (bf16)
     flops = 4 * B * hq * S * S * D // (2 if causal else 1)
     row = {"family": "attention", "op": "flash_attention fwd", "chip": r.chip, "kind": "calibration",
-           "shape": f"B={B} S={S} Hq={hq} Hkv={hkv} D={D} {'causal' if causal else 'full'}",
+           "shape": shape_text(r),
            "tokamax_op": r.op, "tokamax_config": r.config, "modelled_config": modelled, "measured_ms": r.median_ms, "times_ms": list(r.times_ms),
            "estimated_at": f"B={b} Hq={h} Hkv={kv} x{scale}", "hbm_bytes": byts, "flops": flops,
            "model_ms": None, "ours_model_ms": None, "ours_config": None, "error": None, "note": None, "flags": []}

@@ -38,6 +38,17 @@ def add_parser(subparsers) -> None:
     s.add_argument("--timeout", type=float, default=1800, help="per-estimate limit, seconds")
     s.add_argument("--no-progress", action="store_true",
                    help="no progress bar / ETA (there is none either when stderr is not a terminal)")
+    s.add_argument("--measure", action="store_true",
+                   help="on a TPU host (torch_tpu): time the library's kernels on the chip instead of modelling "
+                        "them (warm-up, then the median of --repeats runs, the device synchronized before every "
+                        "clock read), next to the saved model of this chip (model / measured) and tokamax's measured "
+                        "times; saved to RESULTS_DIR/measured.json and a section of the report")
+    s.add_argument("--warmup", type=int, default=None,
+                   help="--measure: untimed runs before timing each call (default 3; >= 0)")
+    s.add_argument("--repeats", type=int, default=None,
+                   help="--measure: timed runs per call, the figure is their median (default 20; >= 1)")
+    s.add_argument("--write-db", action="store_true",
+                   help="--measure: store each timed call's config in the user tuning DB, marked measured")
     s.set_defaults(func=cmd_bench)
 
 
@@ -79,10 +90,36 @@ def _families(text: str) -> list[str]:
     return names
 
 
+def _measure_options(args) -> tuple[int, int] | None:
+    """``(warmup, repeats)`` with ``--measure``, None without; checked before anything runs.
+
+    Raises:
+        ArgumentError: a measuring option without ``--measure``, ``--measure`` with ``--report-only``, or a count
+            out of range (``--warmup >= 0``, ``--repeats >= 1``).
+    """
+    from ..errors import ArgumentError
+    from .measure import DEFAULT_REPEATS, DEFAULT_WARMUP, check_counts
+
+    given = [name for name, v in (("--warmup", getattr(args, "warmup", None)),
+                                  ("--repeats", getattr(args, "repeats", None)),
+                                  ("--write-db", getattr(args, "write_db", False) or None)) if v is not None]
+    if not getattr(args, "measure", False):
+        if given:
+            raise ArgumentError(f"{', '.join(given)}: only with --measure (timing on a TPU)")
+        return None
+    if args.report_only:
+        raise ArgumentError("--measure runs kernels on the TPU; --report-only runs nothing: choose one")
+    warmup = DEFAULT_WARMUP if args.warmup is None else args.warmup
+    repeats = DEFAULT_REPEATS if args.repeats is None else args.repeats
+    check_counts(warmup, repeats)
+    return warmup, repeats
+
+
 def cmd_bench(args) -> int:
     from ..autotune.db import user_cache_dir
     from ..chips import get_chip
 
+    counts = _measure_options(args)
     if args.results_dir is None:
         args.results_dir = os.path.join(user_cache_dir(), "bench", "results")
     if args.out is None:
@@ -95,7 +132,16 @@ def cmd_bench(args) -> int:
     fams = _families(args.family)
     chips = [get_chip(c).name for c in args.chips.split(",") if c.strip()]
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    if not args.report_only:
+    if counts is not None:
+        from . import measure
+
+        if args.family == "all":
+            fams = [f for f in fams if f != "host"]
+        res = measure.run(fams, args.results_dir, warmup=counts[0], repeats=counts[1], write_db=args.write_db,
+                          log=log)
+        for path in res["db_files"]:
+            log(f"stored measured configs in {path}")
+    elif not args.report_only:
         # refuse before hours of estimates if the kept families would not mix with the new ones
         kept = load_results(args.results_dir, [f for f in FAMILIES if f not in fams])
         check_versions({**{f"{f}.json": r["versions"] for f, r in kept.items()}, "this run": versions()})
@@ -103,8 +149,11 @@ def cmd_bench(args) -> int:
             for fam in fams:
                 run_family(fam, chips, args.results_dir, jobs=args.jobs, timeout_s=args.timeout,
                            cache_path="" if args.no_cache else None, log=bar.log, progress=bar.family(fam))
+    from .measure import load_measured
+
     results = load_results(args.results_dir, fams if args.report_only else FAMILIES)
-    if not results:
+    measured = load_measured(args.results_dir)
+    if not results and (counts is None or measured is None):
         from ..errors import ArgumentError
 
         raise ArgumentError(f"--results-dir {args.results_dir}: no results of {', '.join(fams)} to report (run "
@@ -114,7 +163,7 @@ def cmd_bench(args) -> int:
             attach_reasons(fam, res["rows"])
     used = list(dict.fromkeys(c for r in results.values() for c in r.get("chips", []))) or chips
     command = "tpukernels bench --chips " + ",".join(used)
-    render(results, args.out, command, figures_dir=args.results_dir)
+    render(results, args.out, command, figures_dir=args.results_dir, measured=measured)
     text = summary(results, command)
     if args.readme and update_readme(args.readme, text):
         log(f"updated the benchmark summary in {args.readme}")

@@ -89,7 +89,8 @@ def versions(family: str | None = None) -> dict:
 #: of a family's :func:`source_digest`, so that editing them does not mark every family's figures as stale.
 NOT_IN_FIGURES = ("cli.py", "cli_common.py", "_imports.py", "demo.py", "integrations/", "frontends/", "distributed/",
                   "autotune/cli.py", "autotune/report.py", "autotune/executors.py", "bench/cli.py", "bench/report.py",
-                  "bench/host.py", "bench/_host_kernels.py", "bench/executors.py")
+                  "bench/host.py", "bench/_host_kernels.py", "bench/executors.py",
+                  "bench/measure.py")
 
 
 def _family_sources(family: str):
@@ -497,8 +498,9 @@ def run_case(case: Case, est: Estimator, log: Callable[[str], None] = lambda m: 
 
 # ------------------------------------------------------------------------------------------ result files
 def save_result(path: str, family: str, kind: str, rows: list, extra: dict | None = None) -> dict:
-    """Write one family's result file (atomically) and return it."""
-    result = {"family": family, "kind": kind, "versions": versions(family),
+    """Write one family's result file (atomically) and return it (the source digest is of the family's sources
+    for a model family, of the whole package otherwise: ``host``, ``measured``)."""
+    result = {"family": family, "kind": kind, "versions": versions(family if family in MODEL_FAMILIES else None),
               "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "rows": rows, **(extra or {})}
     _atomic_write_json(path, result)
