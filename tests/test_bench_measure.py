@@ -123,13 +123,14 @@ def test_a_case_of_several_calls_sums_their_medians_and_extra_work_is_not_timed(
     from tpukernels.bench import attention
 
     cases = attention.cases(["v5e"])
-    dev = FakeDevice({"tpukernels::flash_attention_fwd": 100.0, "tpukernels::flash_attention_bwd_dq": [30.0, 10.0, 50.0, 20.0],
+    dev = FakeDevice({"tpukernels::flash_attention_fwd": 100.0,
+                      "tpukernels::flash_attention_bwd_dq": [30.0, 10.0, 50.0, 20.0],
                       "tpukernels::flash_attention_bwd_dkv": 40.0})
     rows = measure.measure_cases(cases, dev, warmup=1, repeats=3)
     fwd = [r for r in rows if "fwd" in r["op"]]
     bwd = [r for r in rows if "bwd" in r["op"]]
     assert fwd and all(r["measured_us"] == pytest.approx(100.0) for r in fwd)
-    # the backward model includes an XLA op (the row sums), so it is listed, not timed
+    # the backward model includes an XLA op besides dq and dkv (the softmax rowsum), so it is listed, not timed
     assert bwd and all(r["measured_us"] is None and "not timed" in r["note"] for r in bwd)
     row = measure.new_row("attention", "fa bwd", "small", "v5e", model_us=140.0)
     assert measure.measure_parts(row, _bwd_parts(), "v5e", dev, warmup=1, repeats=3) is row
@@ -308,3 +309,27 @@ def test_the_command_saves_measured_rows_renders_them_and_writes_the_db(tmp_path
     assert "## Measured on a TPU" in text
     assert f"| matmul | {row['op']} | {case.shape} | v5e | 120.0 | 120.0 | 0.0 | 90.0 | 0.75 | - | - |" in text
     assert saved["db_files"] and all(db.is_measured(e) for f in saved["db_files"] for e in db.load(f))
+
+
+def test_the_device_runner_runs_the_call_a_case_models_with_the_resolved_config_pinned():
+    """The real :class:`DeviceRunner` on the cpu (interpret mode), its sync and clock injected: the prepared call
+    is the kernel on the seeded inputs with the config a plain call resolves to, so it returns what that call does."""
+    import torch
+
+    from tpukernels.autotune.evaluators import random_inputs
+    from tpukernels.bench.norms import norm_cases
+    from tpukernels.chips import get_chip
+    from tpukernels.lowering import resolve
+
+    op, kernel, args, statics, _ = norm_cases(16, 256, "f32")[0]
+    syncs = []
+    runner = DeviceRunner("cpu", sync=lambda: syncs.append(1), clock=lambda: 0.0, seed=3)
+    prep = runner.prepare(kernel, args, statics, "v5e")
+    want = resolve(kernel, prep.problem.lowered_specs, prep.problem.statics, None, chip=get_chip("v5e"))
+    assert op == "rms_norm fwd" and prep.config == dict(want.config) and prep.source == want.source
+    got = prep.run()
+    ref = kernel(**random_inputs(prep.problem, "cpu", 3), config=dict(want.config))
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, r, rtol=0, atol=0)
+    runner.sync()
+    assert syncs == [1]

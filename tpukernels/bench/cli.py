@@ -39,8 +39,8 @@ def add_parser(subparsers) -> None:
     s.add_argument("--no-progress", action="store_true",
                    help="no progress bar / ETA (there is none either when stderr is not a terminal)")
     s.add_argument("--measure", action="store_true",
-                   help="on a TPU host (torch_tpu): time the library's kernels on the chip instead of modelling "
-                        "them (warm-up, then the median of --repeats runs, the device synchronized before every "
+                   help="on a TPU host (torch_tpu): time the library's kernels on its chip (--chips is not used) "
+                        "instead of modelling them (warm-up, then the median of --repeats runs, the device synchronized before every "
                         "clock read), next to the saved model of this chip (model / measured) and tokamax's measured "
                         "times; saved to RESULTS_DIR/measured.json and a section of the report")
     s.add_argument("--warmup", type=int, default=None,

@@ -267,7 +267,8 @@ def calibration_cases(chip: str, root: str | None = None) -> list[tuple]:
     for r in cal.attention_rows(cal.load_rows(root, chips={chip}, ops={cal.ATTENTION_OP})):
         B, S, hq, hkv, D, causal = cal.attention_dims(r)
         spec = lambda n: f"{B}x{n}x{S}x{D}:bf16"  # noqa: E731
-        out.append((r, cal.shape_text(r), [(fa_forward, (spec(hq), spec(hkv), spec(hkv)), dict(CAUSAL, causal=causal))]))
+        call = (fa_forward, (spec(hq), spec(hkv), spec(hkv)), dict(CAUSAL, causal=causal))
+        out.append((r, cal.shape_text(r), [call]))
     return out
 
 
