@@ -62,12 +62,12 @@ def script(samples_us, warmup):
 
 # ------------------------------------------------------------------------------------------- timing loop
 def test_warmup_then_sync_before_every_clock_read_and_median_of_n():
-    dev, run = script([5.0, 1.0, 9.0, 3.0, 7.0], warmup=2)
+    dev, run = script([5.0, 1.0, 30.0, 3.0, 7.0], warmup=2)  # mean 9.2, median 5
     t = measure.time_call(run, dev.sync, dev.clock, warmup=2, repeats=5)
     assert dev.events == ["run", "run"] + ["sync", "clock", "run", "sync", "clock"] * 5
     assert all(dev.events[i - 1] == "sync" for i, e in enumerate(dev.events) if e == "clock")
-    assert t.samples_us == pytest.approx((5.0, 1.0, 9.0, 3.0, 7.0))
-    assert (t.median_us, t.min_us, t.spread_us) == pytest.approx((5.0, 1.0, 8.0))
+    assert t.samples_us == pytest.approx((5.0, 1.0, 30.0, 3.0, 7.0))
+    assert (t.median_us, t.min_us, t.spread_us) == pytest.approx((5.0, 1.0, 29.0))
 
 
 def test_median_of_an_even_count_and_no_warmup():
@@ -298,7 +298,8 @@ def test_the_command_saves_measured_rows_renders_them_and_writes_the_db(tmp_path
     monkeypatch.setattr(measure, "DeviceRunner", lambda device: dev)
     out = tmp_path / "B.md"
     args = _args(["--measure", "--family", "matmul", "--warmup", "2", "--repeats", "3", "--write-db",
-                  "--results-dir", str(res), "--out", str(out), "--no-progress"])
+                  "--results-dir", str(res), "--out", str(out), "--json", str(tmp_path / "all.json"),
+                  "--no-progress"])
     assert args.func(args) == 0
     saved = measure.load_measured(str(res))
     assert saved["chip"] == "v5e" and (saved["warmup"], saved["repeats"]) == (2, 3)
@@ -309,6 +310,7 @@ def test_the_command_saves_measured_rows_renders_them_and_writes_the_db(tmp_path
     assert "## Measured on a TPU" in text
     assert f"| matmul | {row['op']} | {case.shape} | v5e | 120.0 | 120.0 | 0.0 | 90.0 | 0.75 | - | - |" in text
     assert saved["db_files"] and all(db.is_measured(e) for f in saved["db_files"] for e in db.load(f))
+    assert json.loads((tmp_path / "all.json").read_text())["families"]["measured"]["rows"] == saved["rows"]
 
 
 def test_the_device_runner_runs_the_call_a_case_models_with_the_resolved_config_pinned():

@@ -168,7 +168,7 @@ def cmd_bench(args) -> int:
     if args.readme and update_readme(args.readme, text):
         log(f"updated the benchmark summary in {args.readme}")
     if args.json:
-        combined_json(results, args.json)
+        combined_json({**results, **({"measured": measured} if measured else {})}, args.json)
     log(f"wrote {args.out} ({', '.join(results)})")
     print(text)
     return 0
