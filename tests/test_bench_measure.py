@@ -282,7 +282,7 @@ def test_measure_with_torch_tpu_but_no_device_is_a_typed_error(monkeypatch):
         measure.require_tpu()
 
 
-def test_the_command_saves_measured_rows_renders_them_and_writes_the_db(tmp_path, cache_dir, monkeypatch):
+def test_the_command_saves_measured_rows_renders_them_and_writes_the_db(tmp_path, cache_dir, monkeypatch, capsys):
     from tpukernels.bench.core import save_result
 
     res = tmp_path / "results"
@@ -311,6 +311,8 @@ def test_the_command_saves_measured_rows_renders_them_and_writes_the_db(tmp_path
     assert f"| matmul | {row['op']} | {case.shape} | v5e | 120.0 | 120.0 | 0.0 | 90.0 | 0.75 | - | - |" in text
     assert saved["db_files"] and all(db.is_measured(e) for f in saved["db_files"] for e in db.load(f))
     assert json.loads((tmp_path / "all.json").read_text())["families"]["measured"]["rows"] == saved["rows"]
+    assert f"* measured on a TPU v5e (`tpukernels bench --measure`): {len(cases)} of {len(cases)} cases timed; " \
+           "model / measured 0.75–0.75 (1 cases with a model)." in capsys.readouterr().out
 
 
 def test_the_device_runner_runs_the_call_a_case_models_with_the_resolved_config_pinned():
@@ -335,3 +337,18 @@ def test_the_device_runner_runs_the_call_a_case_models_with_the_resolved_config_
         torch.testing.assert_close(g, r, rtol=0, atol=0)
     runner.sync()
     assert syncs == [1]
+
+
+def test_the_summary_line_gives_the_ranges_of_the_ratios():
+    from tpukernels.bench.report import measured_summary
+
+    rows = [dict(measure.new_row("matmul", "m", "a", "v5e", 80.0), measured_us=100.0, model_over_measured=0.8),
+            dict(measure.new_row("matmul", "m", "b", "v5e", 90.0), measured_us=75.0, model_over_measured=1.2),
+            dict(measure.new_row("calibration", "fa", "c", "v5e", None, 300.0), measured_us=250.0,
+                 tokamax_over_ours=1.2),
+            dict(measure.new_row("calibration", "fa", "d", "v5e", None, 100.0), measured_us=125.0,
+                 tokamax_over_ours=0.8),
+            dict(measure.new_row("attention", "bwd", "e", "v5e"), note="not timed")]
+    assert measured_summary({"chip": "v5e", "rows": rows}) == (
+        "* measured on a TPU v5e (`tpukernels bench --measure`): 4 of 5 cases timed; model / measured 0.80–1.20 "
+        "(2 cases with a model); tokamax measured / ours 0.80–1.20× (1/2 rows at least as fast).")

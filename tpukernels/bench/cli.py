@@ -164,7 +164,7 @@ def cmd_bench(args) -> int:
     used = list(dict.fromkeys(c for r in results.values() for c in r.get("chips", []))) or chips
     command = "tpukernels bench --chips " + ",".join(used)
     render(results, args.out, command, figures_dir=args.results_dir, measured=measured)
-    text = summary(results, command)
+    text = summary(results, command, measured)
     if args.readme and update_readme(args.readme, text):
         log(f"updated the benchmark summary in {args.readme}")
     if args.json:

@@ -554,7 +554,23 @@ def render(results: dict[str, dict], out_path: str, command: str, figures_dir: s
     return text
 
 
-def summary(results: dict[str, dict], command: str) -> str:
+def measured_summary(res: dict) -> str:
+    """The README line of ``tpukernels bench --measure``'s rows: the range of model / measured and of tokamax /
+    ours over the rows that have them."""
+    rows = res["rows"]
+    timed = [r for r in rows if r["measured_us"] is not None]
+    ratios = [r["model_over_measured"] for r in timed if r["model_over_measured"] is not None]
+    tok = [r["tokamax_over_ours"] for r in timed if r["tokamax_over_ours"] is not None]
+    parts = [f"{len(timed)} of {len(rows)} cases timed"]
+    if ratios:
+        parts.append(f"model / measured {min(ratios):.2f}–{max(ratios):.2f} ({len(ratios)} cases with a model)")
+    if tok:
+        parts.append(f"tokamax measured / ours {min(tok):.2f}–{max(tok):.2f}× ({sum(x >= 1 for x in tok)}/{len(tok)} "
+                     "rows at least as fast)")
+    return f"* measured on a TPU {res.get('chip')} (`tpukernels bench --measure`): " + "; ".join(parts) + "."
+
+
+def summary(results: dict[str, dict], command: str, measured: dict | None = None) -> str:
     """A few markdown lines for the README: per family, how tpukernels compares (model / measured)."""
     out = [f"Produced by `{command}` (full tables, plots and caveats: [BENCHMARKS.md](BENCHMARKS.md)). "
            "Device figures are libtpu static-estimate **models** for compile-only chips, not TPU measurements.", ""]
@@ -593,6 +609,8 @@ def summary(results: dict[str, dict], command: str) -> str:
         gaps = ([f"{lonely} cases with no credible estimate of another implementation"] if lonely else []) + \
             ([f"{missing} cases with no tpukernels figure"] if missing else [])
         out.append(f"* {fam} (model): " + "; ".join(parts) + (f" ({'; '.join(gaps)})" if gaps else "") + ".")
+    if measured is not None:
+        out.append(measured_summary(measured))
     return "\n".join(out)
 
 
