@@ -186,8 +186,10 @@ def test_a_failing_call_is_an_error_row_without_a_time():
         def prepare(self, kernel, args, kwargs, chip):
             raise RuntimeError("device lost\nsecond line")
 
-    rows = measure.measure_cases(_matmul_cases("v5e")[:1], Broken({}), warmup=1, repeats=1, models={})
+    timed: list = []
+    rows = measure.measure_cases(_matmul_cases("v5e")[:1], Broken({}), warmup=1, repeats=1, models={}, timed=timed)
     assert rows[0]["measured_us"] is None and rows[0]["error"] == "RuntimeError: device lost"
+    assert rows[0]["parts"] == [] and timed == []  # nothing to store in the DB
 
 
 # ------------------------------------------------------------------------------------ tuning DB (--write-db)
@@ -200,10 +202,12 @@ def cache_dir(tmp_path, monkeypatch):
 def test_write_db_stores_the_fastest_timing_per_key_marked_measured_and_readable_back(cache_dir):
     cases = _matmul_cases("v6e")[:2]
     dev = FakeDevice({c.impls[0].parts[0][0].qualname: 80.0 for c in cases})
-    rows = measure.measure_cases(cases, dev, warmup=0, repeats=1)
+    timed: list = []
+    rows = measure.measure_cases(cases, dev, warmup=0, repeats=1, timed=timed)
     dev.durations = {k: [50.0] for k in dev.durations}
-    rows += measure.measure_cases(cases[:1], dev, warmup=0, repeats=1)  # the first signature again, faster
-    files = measure.store_winners(rows, "v6e", warmup=0, repeats=1)
+    rows += measure.measure_cases(cases[:1], dev, warmup=0, repeats=1, timed=timed)  # the first again, faster
+    assert len(timed) == 3 and all(row is r for (row, _, _), r in zip(timed, rows))
+    files = measure.store_winners(timed, "v6e", warmup=0, repeats=1)
     entries = [e for f in files for e in db.load(f)]
     assert len(entries) == 2 and all(db.is_measured(e) and e["evidence"]["measured"] is True for e in entries)
     kernel, args, kwargs = cases[0].impls[0].parts[0]

@@ -210,22 +210,28 @@ def new_row(family: str, op: str, shape: str, chip: str, model_us: float | None 
             "error": None, "note": None}
 
 
-def measure_parts(row: dict, parts, chip: str, runner: DeviceRunner, *, warmup: int, repeats: int) -> dict:
+def measure_parts(row: dict, parts, chip: str, runner: DeviceRunner, *, warmup: int, repeats: int,
+                  timed: list | None = None) -> dict:
     """Time each ``(kernel, args, kwargs)`` of ``parts`` and fill ``row`` (in place; returned): ``parts`` (one
     dict per call: kernel, args, config, config source, median/min/spread µs and samples), their sums
     ``measured_us`` / ``min_us`` / ``spread_us``, and the ratios. A call that fails sets ``error`` (the row
-    keeps no time)."""
+    keeps no time). ``timed``: a list to append ``(row, part dict, Prepared)`` of each timed call to (what
+    :func:`store_winners` records)."""
+    done = []
     try:
         for kernel, args, kwargs in parts:
             prep = runner.prepare(kernel, args, kwargs, chip)
             t = time_call(prep.run, runner.sync, runner.clock, warmup=warmup, repeats=repeats)
-            row["parts"].append({"kernel": kernel.qualname, "args": [None if a is None else str(a) for a in args],
-                                 "config": prep.config, "config_source": prep.source, **t.as_dict(),
-                                 "_prepared": prep})
+            part = {"kernel": kernel.qualname, "args": [None if a is None else str(a) for a in args],
+                    "config": prep.config, "config_source": prep.source, **t.as_dict()}
+            row["parts"].append(part)
+            done.append((row, part, prep))
     except (TpuKernelError, RuntimeError, NotImplementedError) as e:
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:240] if str(e) else ''}"
         row["parts"] = []
         return row
+    if timed is not None:
+        timed.extend(done)
     row["measured_us"] = sum(p["median_us"] for p in row["parts"])
     row["min_us"] = sum(p["min_us"] for p in row["parts"])
     row["spread_us"] = sum(p["spread_us"] for p in row["parts"])
@@ -237,10 +243,10 @@ def measure_parts(row: dict, parts, chip: str, runner: DeviceRunner, *, warmup: 
 
 
 def measure_cases(cases, runner: DeviceRunner, *, warmup: int, repeats: int, models: dict | None = None,
-                  log=lambda m: None) -> list[dict]:
+                  timed: list | None = None, log=lambda m: None) -> list[dict]:
     """One measured row per case (:class:`tpukernels.bench.core.Case`): tpukernels' ``parts`` timed (see
-    :func:`measure_parts`); a case whose tpukernels implementation has no ``parts`` gets a note, no time.
-    ``models``: :func:`model_index` of the saved results (the rows' ``model_us``)."""
+    :func:`measure_parts`, which appends to ``timed``); a case whose tpukernels implementation has no ``parts``
+    gets a note, no time. ``models``: :func:`model_index` of the saved results (the rows' ``model_us``)."""
     check_counts(warmup, repeats)
     rows = []
     for case in cases:
@@ -251,7 +257,7 @@ def measure_cases(cases, runner: DeviceRunner, *, warmup: int, repeats: int, mod
             row["note"] = ("not timed: the model of this case includes work outside tpukernels' kernel calls "
                            "(or is not a list of kernel calls)")
         else:
-            measure_parts(row, ours.parts, case.chip, runner, warmup=warmup, repeats=repeats)
+            measure_parts(row, ours.parts, case.chip, runner, warmup=warmup, repeats=repeats, timed=timed)
         log(_log_line(row))
         rows.append(row)
     return rows
@@ -273,7 +279,7 @@ def calibration_cases(chip: str, root: str | None = None) -> list[tuple]:
 
 
 def measure_calibration(chip: str, runner: DeviceRunner, *, warmup: int, repeats: int, models: dict | None = None,
-                        root: str | None = None, log=lambda m: None) -> list[dict]:
+                        root: str | None = None, timed: list | None = None, log=lambda m: None) -> list[dict]:
     """One measured row per calibration row on ``chip``: tpukernels' ``fa_forward`` timed at tokamax's measured
     shape, next to tokamax's measured time (``tokamax_over_ours``) and our model (``model_over_measured``)."""
     check_counts(warmup, repeats)
@@ -281,7 +287,7 @@ def measure_calibration(chip: str, runner: DeviceRunner, *, warmup: int, repeats
     for r, shape, parts in calibration_cases(chip, root):
         row = new_row("calibration", "flash_attention fwd", shape, chip,
                        (models or {}).get(("calibration", "flash_attention fwd", shape, chip)), r.median_ms * 1e3)
-        measure_parts(row, parts, chip, runner, warmup=warmup, repeats=repeats)
+        measure_parts(row, parts, chip, runner, warmup=warmup, repeats=repeats, timed=timed)
         log(_log_line(row))
         rows.append(row)
     return rows
@@ -293,24 +299,21 @@ def _log_line(row: dict) -> str:
     return f"  {row['chip']:6} {row['family']:14} {row['op']:24} {row['shape']:24} {fig}"
 
 
-def store_winners(rows: list[dict], chip: str, *, warmup: int, repeats: int, path_for=None) -> list[str]:
-    """Record each timed call's config in the user tuning DB (``evidence.measured = true``); where one DB key was
-    timed more than once, the fastest. Returns the files written. ``path_for(kernel)``: the file to write
-    (default: the user DB of ``chip``)."""
+def store_winners(timed: list, chip: str, *, warmup: int, repeats: int, path_for=None) -> list[str]:
+    """Record the config of each timed call (``timed``: ``(row, part, Prepared)`` from :func:`measure_parts`) in
+    the user tuning DB with ``evidence.measured = true``; where one DB key was timed more than once, the fastest.
+    Returns the files written. ``path_for(kernel)``: the file to write (default: the user DB of ``chip``)."""
     from ..autotune import db
 
     best: dict = {}
-    for row in rows:
-        for p in row.get("parts", []):
-            prep = p["_prepared"]
-            kernel = prep.problem.kernel
-            key = (kernel.qualname, json.dumps(db.entry_key(kernel, prep.problem.lowered_specs, prep.problem.statics),
-                                               sort_keys=True, default=str))
-            if key not in best or p["median_us"] < best[key][1]["median_us"]:
-                best[key] = (row, p)
+    for row, p, prep in timed:
+        kernel = prep.problem.kernel
+        key = (kernel.qualname, json.dumps(db.entry_key(kernel, prep.problem.lowered_specs, prep.problem.statics),
+                                           sort_keys=True, default=str))
+        if key not in best or p["median_us"] < best[key][1]["median_us"]:
+            best[key] = (row, p, prep)
     written = []
-    for row, p in best.values():
-        prep = p["_prepared"]
+    for row, p, prep in best.values():
         kernel = prep.problem.kernel
         evidence = {"evaluator": "measure", "label": "measured", "measured": True,
                     "time_us": round(p["median_us"], 3), "min_us": round(p["min_us"], 3),
@@ -367,19 +370,16 @@ def run(families, results_dir: str, *, runner: DeviceRunner | None = None, chip:
     saved = load_results(results_dir, FAMILIES)  # the report mixes them with these rows: refuse before timing
     check_versions({**{f"{f}.json": r["versions"] for f, r in saved.items()}, "this run": versions()})
     models = model_index({f: r for f, r in saved.items() if f in families})
-    rows = []
+    rows, timed = [], []
     for fam in families:
         log(f"== measure {fam} on {chip}")
         if fam == "calibration":
             rows += measure_calibration(chip, runner, warmup=warmup, repeats=repeats, models=models,
-                                        root=calibration_root, log=log)
+                                        root=calibration_root, timed=timed, log=log)
         else:
             rows += measure_cases(family_module(fam).cases([chip]), runner, warmup=warmup, repeats=repeats,
-                                  models=models, log=log)
-    files = store_winners(rows, chip, warmup=warmup, repeats=repeats) if write_db else []
-    for row in rows:
-        for p in row["parts"]:
-            p.pop("_prepared", None)
+                                  models=models, timed=timed, log=log)
+    files = store_winners(timed, chip, warmup=warmup, repeats=repeats) if write_db else []
     extra = {"chip": chip, "warmup": warmup, "repeats": repeats, "families": list(families), "db_files": files,
              "seconds": round(time.perf_counter() - t0), "doc": (__doc__ or "").strip()}
     return save_result(os.path.join(results_dir, MEASURED_FILE), FAMILY, kind(chip, warmup, repeats), rows, extra)
