@@ -40,9 +40,10 @@ def add_parser(subparsers) -> None:
                    help="no progress bar / ETA (there is none either when stderr is not a terminal)")
     s.add_argument("--measure", action="store_true",
                    help="on a TPU host (torch_tpu): time the library's kernels on its chip (--chips is not used) "
-                        "instead of modelling them (warm-up, then the median of --repeats runs, the device synchronized before every "
-                        "clock read), next to the saved model of this chip (model / measured) and tokamax's measured "
-                        "times; saved to RESULTS_DIR/measured.json and a section of the report")
+                        "instead of modelling them (warm-up, then the median of --repeats runs, the device "
+                        "synchronized before every clock read), next to the saved model of this chip (model / "
+                        "measured) and tokamax's measured times; saved to RESULTS_DIR/measured.json and a section "
+                        "of the report")
     s.add_argument("--warmup", type=int, default=None,
                    help="--measure: untimed runs before timing each call (default 3; >= 0)")
     s.add_argument("--repeats", type=int, default=None,
@@ -153,7 +154,7 @@ def cmd_bench(args) -> int:
 
     results = load_results(args.results_dir, fams if args.report_only else FAMILIES)
     measured = load_measured(args.results_dir)
-    if not results and (counts is None or measured is None):
+    if not results and measured is None:
         from ..errors import ArgumentError
 
         raise ArgumentError(f"--results-dir {args.results_dir}: no results of {', '.join(fams)} to report (run "
