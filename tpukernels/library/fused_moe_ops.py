@@ -107,8 +107,8 @@ def _need(cond: bool, msg: str) -> None:
         raise ArgumentError(f"{_OP}: {msg}")
 
 
-def _weight_dtype(name, w):
-    if w.dtype not in _FLOATS + QUANT_DTYPES:
+def _weight_dtype(name, w, floats):
+    if w.dtype not in floats + QUANT_DTYPES:
         raise DTypeError(f"{_OP}: {name} dtype {w.dtype} is not supported: bfloat16 / float32, or int8 / float8 "
                          f"with a scale")
 
@@ -134,18 +134,18 @@ def _canon_scale(name, s, E, N, K, sz, sz_name):
 
 
 def _prepare(tokens, w1, w2, gating_output, top_k, renormalize_topk_logits, act_fn, scoring_fn, w1_scale,
-             w2_scale, b1, b2, subc_quant_w1_sz, subc_quant_w2_sz, w3, topk_weights, topk_ids):
+             w2_scale, b1, b2, subc_quant_w1_sz, subc_quant_w2_sz, w3, topk_weights, topk_ids, floats=_FLOATS):
     """All argument checks; returns ``(E, H, I, k, gate_up_specs, down_spec)``, each spec ``(w, scale, bias)``
-    of one grouped matmul ``[E, K, N]``."""
+    of one grouped matmul ``[E, K, N]``. ``floats``: the float dtypes taken (the reference adds float64)."""
     if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
         raise ArgumentError(f"{_OP}: tokens must be a 2-D tensor [T, H], got {_shape(tokens)}")
-    if tokens.dtype not in _FLOATS:
+    if tokens.dtype not in floats:
         raise DTypeError(f"{_OP}: tokens dtype {tokens.dtype} is not supported: use bfloat16 or float32")
     T, H = tokens.shape
     for name, w in (("w1", w1), ("w2", w2)) + ((("w3", w3),) if w3 is not None else ()):
         if not isinstance(w, torch.Tensor):
             raise ArgumentError(f"{_OP}: {name} must be a torch.Tensor, got {type(w).__name__}")
-        _weight_dtype(name, w)
+        _weight_dtype(name, w, floats)
     _need(w2.dim() == 3, f"w2 must be [E, I, H], got {_shape(w2)}")
     E, I, H2 = w2.shape
     _need(H2 == H, f"w2 must be [E, I, H] with H = tokens.shape[1] = {H}, got {_shape(w2)}")
@@ -164,7 +164,7 @@ def _prepare(tokens, w1, w2, gating_output, top_k, renormalize_topk_logits, act_
             raise ArgumentError(f"{_OP}: gating_output must be [T, E], got {_shape(gating_output)}")
         _need(tuple(gating_output.shape) == (T, E), f"gating_output must be [T, E] = [{T}, {E}] (E from w2), got "
               f"{_shape(gating_output)}")
-        if gating_output.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        if gating_output.dtype not in floats + (torch.float16,):
             raise DTypeError(f"{_OP}: gating_output dtype {gating_output.dtype} is not bf16/f16/f32")
         if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= E:
             raise ArgumentError(f"{_OP}: top_k = {top_k!r} must be an int in [1, num_experts = {E}]")
@@ -232,7 +232,7 @@ def _prepare(tokens, w1, w2, gating_output, top_k, renormalize_topk_logits, act_
         _need(isinstance(b2, torch.Tensor) and tuple(b2.shape) == (E, 1, H),
               f"b2 must be [E, 1, H] = [{E}, 1, {H}], got {_shape(b2)}")
     for name, b in (("b1", b1), ("b2", b2)):
-        if b is not None and b.dtype not in _FLOATS:
+        if b is not None and b.dtype not in floats:
             raise DTypeError(f"{_OP}: {name} must be bfloat16 or float32, got {b.dtype}")
     quant2 = w2.dtype in QUANT_DTYPES
     s2 = _canon_scale("w2_scale", w2_scale, E, H, I, subc_quant_w2_sz, "subc_quant_w2_sz") if quant2 else None
@@ -388,7 +388,7 @@ def fused_moe_reference(tokens, w1, w2, gating_output=None, top_k=2, *, renormal
     (torch ops). Same arguments and checks as :func:`fused_moe`; returns float64 ``[T, H]``."""
     E, H, I, k, specs, down = _prepare(tokens, w1, w2, gating_output, top_k, renormalize_topk_logits, act_fn,
                                        scoring_fn, w1_scale, w2_scale, b1, b2, subc_quant_w1_sz, subc_quant_w2_sz,
-                                       w3, topk_weights, topk_ids)
+                                       w3, topk_weights, topk_ids, floats=_FLOATS + (torch.float64,))
     if gating_output is not None:
         lg = gating_output.double()
         order = torch.sort(-lg, dim=-1, stable=True).indices[:, :k]
