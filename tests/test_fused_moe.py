@@ -92,7 +92,7 @@ def router64(logits, k, scoring_fn, renorm):
 
 
 # ----------------------------------------------------------------------------------------- forward vs float64
-@settings(max_examples=6)
+@settings(max_examples=4)
 @given(t=st.integers(0, 9), e=st.integers(1, 5), kf=st.floats(0, 1), h=st.sampled_from([8, 16]),
        i=st.sampled_from([8, 24]), dtype=st.sampled_from([BF16, F32]),
        act=st.sampled_from(["silu", "gelu", "swigluoai"]), scoring=st.sampled_from(["softmax", "sigmoid"]),
@@ -149,14 +149,15 @@ def test_float64_reference_matches_tpu_inference_ref_moe():
 def test_zero_token_experts_zero_weight_tokens_and_precomputed_routing(interpret):
     """Experts no token picks (ids avoid 1 and 3), a token whose weights are all zero (its output is exactly
     zero, whatever its neighbours), a token sent twice to one expert, precomputed ids / weights; in both
-    interpret modes (NaN-poisoned memory in "tpu"), forward and backward against float64."""
-    T, E, H, I, k = 5, 5, 16, 24, 2
+    interpret modes (NaN-poisoned memory in "tpu"), forward and backward against float64. (Shapes as the
+    float32 case of the router backward test: the kernels compile once for both.)"""
+    T, E, H, I, k = 6, 4, 16, 24, 2
     x = rand(T, H, seed=3).requires_grad_()
-    w1, _, w2, b1, b2 = experts(E, H, I, "eh2i", F32, 4, bias=True)
+    w1, _, w2, b1, b2 = experts(E, H, I, "e2hi", F32, 4, bias=True)
     w1.requires_grad_()
     w2.requires_grad_()
-    ids = torch.tensor([[0, 2], [4, 4], [2, 0], [0, 4], [2, 2]])
-    wts = torch.tensor([[0.7, 0.3], [0.0, 0.0], [0.5, 0.25], [1.0, -0.5], [0.2, 0.9]]).requires_grad_()
+    ids = torch.tensor([[0, 2], [2, 2], [2, 0], [0, 2], [2, 2], [0, 0]])
+    wts = torch.tensor([[0.7, 0.3], [0.0, 0.0], [0.5, 0.25], [1.0, -0.5], [0.2, 0.9], [0.6, 0.4]]).requires_grad_()
     out = fused_moe(x, w1, w2, topk_weights=wts, topk_ids=ids, b1=b1, b2=b2)
     assert torch.equal(out[1], torch.zeros(H))
     leaves = [v.detach().double().requires_grad_() for v in (x, w1, w2, wts)]
@@ -171,11 +172,12 @@ def test_zero_token_experts_zero_weight_tokens_and_precomputed_routing(interpret
         ga, gb = a.grad.double(), b.grad
         assert float((ga - gb).abs().max()) <= 1e-5 * float(gb.abs().max()), name
     # the two unused experts' weights get exactly zero gradient
-    assert torch.equal(w1.grad[[1, 3]], torch.zeros(2, H, 2 * I)) and torch.equal(w2.grad[[1, 3]],
+    assert torch.equal(w1.grad[[1, 3]], torch.zeros(2, 2, H, I)) and torch.equal(w2.grad[[1, 3]],
                                                                                  torch.zeros(2, I, H))
 
 
-@pytest.mark.parametrize("dtype,act,layout", [(F32, "swigluoai", "e2hi"), (BF16, "silu", "w3")])
+@pytest.mark.parametrize("dtype,act,layout", [(F32, "swigluoai", "e2hi"),
+                                              pytest.param(BF16, "silu", "w3", marks=pytest.mark.slow)])
 def test_backward_vs_float64_through_the_router(dtype, act, layout):
     """Gradients of tokens, w1 (and w3), w2, biases and the router logits against float64 autograd of the
     reference (float32: 1e-4 of each gradient's largest entry; bfloat16: 4e-2)."""
