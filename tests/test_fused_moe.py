@@ -211,6 +211,12 @@ def test_library_export_and_torch_op():
     a = torch.ops.tpukernels.fused_moe(x, w1, w2, lg, 1)
     ref = fused_moe_reference(x, w1, w2, lg, 1)
     assert float((a.double() - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+    # no tokens: an empty result that still differentiates (to an empty gradient)
+    x0 = x[:0].clone().requires_grad_()
+    out = fused_moe(x0, w1, w2, lg[:0], 1)
+    assert out.shape == (0, H) and out.dtype == F32
+    out.sum().backward()
+    assert x0.grad.shape == (0, H)
 
 
 # ----------------------------------------------------------------------------------------- bad input

@@ -295,8 +295,8 @@ def _fused_moe_impl(tokens, w1, w2, gating_output=None, top_k=2, renormalize_top
         weights, ids = _route(gating_output, k, renormalize_topk_logits, scoring_fn)
     else:
         weights, ids = topk_weights, topk_ids
-    if T == 0:
-        return tokens.new_zeros(0, H)
+    if T == 0:  # no tokens: no kernel launches (an empty [0, H] result, still on tokens' autograd graph)
+        return tokens[:0].clone()
     xs, sizes, meta = moe_permute(tokens, ids, E)
     outs = [_mm(xs, s, sizes) for s in specs]
     gate, up = outs if len(outs) == 2 else outs[0].split(I, dim=-1)
