@@ -7,6 +7,7 @@ Public API (torch; differentiable through the composed ops' backwards)::
               subc_quant_w2_sz=None, w3=None, topk_weights=None, topk_ids=None, swigluoai_alpha=1.702,
               swigluoai_limit=7.0) -> [T, H]
     torch.ops.tpukernels.fused_moe(...)                  the same, as a composite torch.library op
+    fused_moe_jax(...)                                   jax arrays: forward, float weights
     fused_moe_reference(...)                             float64, per token over its selected experts
 
 Semantics: tpu-inference 0.32.0 ``kernels/fused_moe/v1/kernel.py`` (``fused_ep_moe`` and its pure-JAX ``ref_moe``;
@@ -86,7 +87,7 @@ import torch
 
 from ..errors import ArgumentError, DTypeError
 
-__all__ = ["fused_moe", "fused_moe_reference", "ACT_FNS", "SCORING_FNS", "QUANT_DTYPES"]
+__all__ = ["fused_moe", "fused_moe_jax", "fused_moe_reference", "ACT_FNS", "SCORING_FNS", "QUANT_DTYPES"]
 
 #: ``act_fn`` values (tpu-inference's names; ``"gelu"`` is the tanh approximation)
 ACT_FNS = ("silu", "gelu", "swigluoai")
@@ -359,6 +360,81 @@ def fused_moe(tokens: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, gating_o
     return torch.ops.tpukernels.fused_moe(tokens, w1, w2, gating_output, top_k, renormalize_topk_logits, act_fn,
                                           scoring_fn, w1_scale, w2_scale, b1, b2, subc_quant_w1_sz, subc_quant_w2_sz,
                                           w3, topk_weights, topk_ids, float(swigluoai_alpha), float(swigluoai_limit))
+
+
+# ----------------------------------------------------------------------------------------- JAX entry
+def _meta_like(a):
+    """A torch meta tensor of jax array ``a``'s shape and dtype (for :func:`_prepare`'s checks), or None."""
+    if a is None:
+        return None
+    import numpy as np
+
+    return torch.empty(tuple(a.shape), dtype=getattr(torch, np.dtype(a.dtype).name), device="meta")
+
+
+def fused_moe_jax(tokens, w1, w2, gating_output=None, top_k: int = 2, *, renormalize_topk_logits: bool = False,
+                  act_fn: str = "silu", scoring_fn: str = "softmax", b1=None, b2=None, w3=None, topk_weights=None,
+                  topk_ids=None, swigluoai_alpha: float = 1.702, swigluoai_limit: float = 7.0, interpret=None):
+    """:func:`fused_moe` on jax arrays (trace-safe), **forward only** and **float weights only** (bf16 / f32):
+    ``softmax_topk_jax`` / ``sigmoid_topk_jax``, ``moe_permute_jax``, the ``grouped_matmul_fwd`` kernel (float32
+    out) through ``jax_call``, the activation (``gated_activation_fwd`` kernel; ``"swigluoai"`` in jnp), the down
+    ``grouped_matmul_fwd``, ``moe_combine_jax``; ``[T, H]`` in tokens' dtype. Same arguments, layouts and checks
+    as :func:`fused_moe` (ids checked when concrete). Gaps: ``jax.grad`` (the grouped matmul has no jax backward
+    here), quantized experts (the torch entry has them)."""
+    import jax
+    import jax.numpy as jnp
+
+    from ..targets.jax_entry import jax_call
+    from .gated_mlp import gated_activation_fwd
+    from .grouped_matmul_ops import grouped_matmul_fwd
+    from .moe_routing import moe_combine_jax, moe_permute_jax, sigmoid_topk_jax, softmax_topk_jax
+
+    m = {n: _meta_like(a) for n, a in dict(tokens=tokens, w1=w1, w2=w2, gating_output=gating_output, b1=b1, b2=b2,
+                                             w3=w3, topk_weights=topk_weights, topk_ids=topk_ids).items()}
+    for n in ("w1", "w2", "w3"):
+        if m[n] is not None and m[n].dtype in QUANT_DTYPES:
+            raise DTypeError(f"{_OP}_jax: {n} dtype {m[n].dtype}: quantized experts are not supported by the jax entry "
+                             f"(use fused_moe on torch tensors)")
+    E, H, I, k, _, _ = _prepare(m["tokens"], m["w1"], m["w2"], m["gating_output"], top_k, renormalize_topk_logits,
+                                act_fn, scoring_fn, None, None, m["b1"], m["b2"], None, None, m["w3"],
+                                m["topk_weights"], m["topk_ids"])
+    if topk_ids is not None and not isinstance(topk_ids, jax.core.Tracer) and topk_ids.size:
+        lo, hi = int(jnp.min(topk_ids)), int(jnp.max(topk_ids))
+        _need(lo >= 0 and hi < E, f"topk_ids must be in [0, num_experts = {E}), got values in [{lo}, {hi}]")
+    T = tokens.shape[0]
+    if T == 0:
+        return jnp.zeros((0, H), tokens.dtype)
+    if gating_output is not None:
+        route = softmax_topk_jax if scoring_fn == "softmax" else sigmoid_topk_jax
+        weights, ids = route(gating_output, k, renormalize=renormalize_topk_logits, interpret=interpret)
+    else:
+        weights, ids = topk_weights, topk_ids
+    if w1.ndim == 4:
+        specs = [(w1[:, h], None if b1 is None else b1[:, h]) for h in range(2)]
+    elif w3 is None:
+        specs = [(w1, b1)]
+    else:
+        specs = [(w1, None if b1 is None else b1[..., :I]), (w3, None if b1 is None else b1[..., I:])]
+    xs, sizes, meta = moe_permute_jax(tokens, ids, E, interpret=interpret)
+    go = jnp.zeros((1,), jnp.int32)
+
+    def mm(a, w, b):
+        if a.dtype != w.dtype:  # the torch op's rule: a bfloat16 operand beside a float32 one is widened
+            a, w = a.astype(jnp.float32), w.astype(jnp.float32)
+        if b is not None and b.dtype != w.dtype:
+            b = b.astype(w.dtype)
+        return jax_call(grouped_matmul_fwd, sizes, go, a, w, b, False, "float32", interpret=interpret)
+
+    outs = [mm(xs, w, b) for w, b in specs]
+    gate, up = outs if len(outs) == 2 else (outs[0][:, :I], outs[0][:, I:])
+    if act_fn == "swigluoai":
+        g = jnp.minimum(gate, swigluoai_limit)
+        h = (jnp.clip(up, -swigluoai_limit, swigluoai_limit) + 1.0) * (g * jax.nn.sigmoid(swigluoai_alpha * g))
+    else:
+        h = jax_call(gated_activation_fwd, gate, up, "silu" if act_fn == "silu" else "gelu_tanh",
+                     interpret=interpret)
+    y = mm(h.astype(w2.dtype), w2, b2)
+    return moe_combine_jax(y, weights, meta, interpret=interpret).astype(tokens.dtype)
 
 
 # ----------------------------------------------------------------------------------------- float64 reference
