@@ -249,6 +249,34 @@ def test_jax_entry_matches_torch_under_jit():
         fused_moe_jax(j["x"], j["w1"].astype(jnp.int8), j["w2"], j["lg"], k)
 
 
+#: Qwen3-30B-A3B's experts (128 experts, top-8, H 2048, I 768) at 512 tokens in tpu-inference's layout: bfloat16
+#: experts, and int8 experts with sub-channel scales of 128 along K (make test: the int8 case, one chip)
+AOT_CASES = {
+    "bf16": (("512x2048:bf16", "128x2x2048x768:bf16", "128x768x2048:bf16", "512x128:f32", 8),
+             {"renormalize_topk_logits": True}),
+    "int8": (("512x2048:bf16", "128x2x2048x768:i8", "128x768x2048:i8", "512x128:f32", 8),
+             {"w1_scale": "128x2x16x1x768:f32", "w2_scale": "128x6x1x2048:f32", "subc_quant_w1_sz": 128,
+              "subc_quant_w2_sz": 128}),
+}
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("case", [pytest.param("bf16", marks=pytest.mark.slow), "int8"])
+@pytest.mark.parametrize("chip", ["v5e", "v6e", "tpu7x"])
+def test_compile_only(chip, case, tmp_cache):
+    """Every kernel ``fused_moe`` launches directly (router, gate / up and down grouped matmuls, activation)
+    compiles for the chip at the shapes it passes them (``moe_permute`` / ``moe_combine`` are custom ops whose
+    kernels their own compile-only tests cover)."""
+    from tpukernels.targets.compile_only import compile_for
+
+    args, kw = AOT_CASES[case]
+    rs = compile_for(fused_moe, chip, *args, with_mlir=False, **kw)
+    names = [r.summary().split(" on ")[0] for r in rs]
+    gmm = "tpukernels::grouped_matmul_quant_fwd" if case == "int8" else "tpukernels::grouped_matmul_fwd"
+    assert names == ["tpukernels::router_topk_fwd", gmm, gmm, "tpukernels::gated_activation_fwd", gmm], names
+    assert all(r.ok for r in rs), [r.summary() for r in rs if not r.ok]
+
+
 # ----------------------------------------------------------------------------------------- bad input
 def test_bad_input_raises_typed_errors_before_any_kernel(monkeypatch):
     import tpukernels.library.moe_routing as MR
