@@ -60,8 +60,19 @@ What runs (every step one of this library's ops, so the backward is theirs):
 5. ``grouped_matmul`` (down), float32 out. 6. ``moe_combine``: float32 weighted sums, rounded once to
    ``tokens.dtype``.
 
-Rounding differs from tpu-inference's fused kernel only in ``h`` (its kernel keeps the activation in float32 in
-VMEM and casts it to the weights' dtype for the second MXU pass, as here) and in the order of float32 sums.
+Rounding: gate / up and the expert outputs are float32 (``out_dtype``), ``h`` is rounded once (the MXU operand
+of the down projection) and the output once, after the float32 weighted sum. tpu-inference's fused kernel keeps
+its accumulators in float32 in VMEM too but rounds at other places (per block, through its all-to-all buffers);
+the tests hold both this op and that kernel's pure-JAX ``ref_moe`` to the float64 definition, not to each other
+bit for bit.
+
+Performance: not measured (no TPU here). This is a composition, not one fused kernel: five kernel launches plus
+the permute / combine gathers, with ``gate``/``up`` (``[T*k, 2I]``) and the expert outputs (``[T*k, H]``) in
+float32 in HBM between them; tpu-inference's ``fused_ep_moe`` keeps those in VMEM. Each kernel uses its own
+tuned / heuristic config (no tuning of the composition).
+
+JAX: :func:`fused_moe_jax` runs the forward on jax arrays through the same kernels (float weights; no
+``jax.grad``). Tests: ``tests/test_fused_moe.py``.
 
 Gaps (against the anchors): no expert parallelism (tpu-inference's ``mesh`` / ``ep_axis_name``: a single device
 here), its tuning arguments (``bt``, ``bf``, ...) are not taken; 4-bit packed experts and zero points (which
