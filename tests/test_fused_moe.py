@@ -146,6 +146,33 @@ def test_float64_reference_matches_tpu_inference_ref_moe():
     assert np.abs(out.double().numpy() - ref.numpy()).max() <= 1e-5 * scale
 
 
+def test_quantized_per_channel_tokamax_layout_and_tokens_gradient():
+    """int8 experts in tokamax's layout (fused ``w1 [E, H, 2I]``, per-channel scales ``[E, 2I]`` / ``[E, H]``, the
+    same as ``[E, 1, 2I]`` and ``[E, 1, 1, 2I]``): forward and the tokens' gradient against float64 on the
+    dequantized weights; the int8 weights get no gradient."""
+    T, E, H, I, k = 6, 4, 16, 24, 2
+    g = torch.Generator().manual_seed(8)
+    q1 = torch.randint(-127, 128, (E, H, 2 * I), generator=g, dtype=torch.int8)
+    q2 = torch.randint(-127, 128, (E, I, H), generator=g, dtype=torch.int8)
+    s1 = (torch.rand(E, 2 * I, generator=g) + 0.5) / (127 * H**0.5)
+    s2 = (torch.rand(E, H, generator=g) + 0.5) / (127 * I**0.5)
+    x, lg = rand(T, H, seed=1).requires_grad_(), rand(T, E, seed=2)
+    ref = fused_moe_reference(x.detach(), q1, q2, lg, k, w1_scale=s1, w2_scale=s2)
+    for a, b in ((s1[:, None], s2[:, None]), (s1[:, None, None], s2[:, None, None])):
+        same = fused_moe_reference(x.detach(), q1, q2, lg, k, w1_scale=a, w2_scale=b)
+        assert torch.equal(same, ref)
+    out = fused_moe(x, q1, q2, lg, k, w1_scale=s1, w2_scale=s2)
+    scale = float(ref.abs().max())
+    assert float((out.double() - ref).abs().max()) <= 1e-5 * scale
+    x64 = x.detach().double().requires_grad_()
+    ref = fused_moe_reference(x64, q1, q2, lg, k, w1_scale=s1, w2_scale=s2)
+    dout = rand(T, H, seed=3)
+    out.backward(dout)
+    ref.backward(dout.double())
+    assert float((x.grad.double() - x64.grad).abs().max()) <= 1e-5 * float(x64.grad.abs().max())
+    assert not q1.requires_grad and q1.grad is None
+
+
 def test_zero_token_experts_zero_weight_tokens_and_precomputed_routing(interpret):
     """Experts no token picks (ids avoid 1 and 3), a token whose weights are all zero (its output is exactly
     zero, whatever its neighbours), a token sent twice to one expert, precomputed ids / weights; in both
