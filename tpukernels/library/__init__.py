@@ -34,6 +34,7 @@ from .mla_attention import (mla_attention_reference, mla_ragged_paged_attention,
 from .moe_routing import (MoEPermutation, grouped_topk, grouped_topk_jax, moe_combine, moe_combine_jax,  # noqa: E402,F401
                           moe_permute, moe_permute_jax, sigmoid_topk, sigmoid_topk_jax, softmax_topk,
                           softmax_topk_jax, topk, topk_jax)
+from .fused_moe_ops import fused_moe, fused_moe_jax, fused_moe_reference  # noqa: E402,F401
 from .dsa_attention import (indexer_topk, lightning_indexer, lightning_indexer_reference,  # noqa: E402,F401
                             sparse_mla_attention, sparse_mla_attention_reference)
 
