@@ -131,6 +131,16 @@ def test_int4n_pack_layout():
         qmm.pack_int4(q[:5], 32, "n")
     with pytest.raises(ArgumentError, match="layout 'm'"):
         qmm.pack_int4(q, 32, "m")
+    # a layout mix-up never runs: the shapes cannot agree with x and w_scale ([G, 1, N])
+    s = torch.ones(2, 1, 6)
+    with pytest.raises(ArgumentError, match="padding rule"):
+        qmm.quantized_matmul_blockwise(torch.ones(2, 64), p, s, block_size=32)  # int4n read as int4
+    with pytest.raises(ArgumentError, match="padding rule"):
+        qmm.quantized_matmul_blockwise(torch.ones(2, 64), qmm.pack_int4(q, 32), s, block_size=32,
+                                       weight_format="int4n")  # int4 read as int4n
+    bw = importlib.import_module("tpukernels.library.quantized_matmul_ops.blockwise")
+    with pytest.raises(DTypeError, match="'int4n' .* is not taken here"):  # callers that take the K layout only
+        bw.resolve_format(p, "grouped_matmul_quantized", "int4n")
 
 
 def test_int4n_matches_mosaic_bitcast(interpret):
@@ -159,14 +169,16 @@ def test_int4n_matches_mosaic_bitcast(interpret):
 @settings(max_examples=4)  # + 1 explicit example; each draws a new kernel compile
 @example(M=12, N2=68, G=4, bs=64, asym=True, pad=3, diag=True)
 def test_int4n_within_bound(M, N2, G, bs, asym, pad, diag):
-    """int4 packed along N: zero points or not, K padded by the rule, M / N tails (bn = 128: N = 2 * N2 rows),
-    several K steps (bk = 256), the decode form (one row block, bm * bk / bs <= 256 rows) or per-group dots."""
+    """int4 packed along N: zero points or not, K padded by the rule, N tails (bn = 128: N = 2 * N2 rows), K
+    steps, the decode form (one row block, M rounded up to a multiple of 8 as the form needs, bm * bk / bs <= 192
+    rows) or per-group dots (M + 16 rows in blocks of 16: an M tail and several row blocks)."""
+    M = -(-M // 8) * 8 if diag else M + 16
     g = torch.Generator().manual_seed(M * 131 + N2 + G)
     N, K_w = 2 * N2, G * bs
     w = torch.randn(N, K_w, generator=g)
     q, s, z = qmm.quantize_weight_blockwise(w, bs, "int4", asymmetric=asym, layout="n")
     x = torch.randn(M, K_w - pad, generator=g).bfloat16()
-    cfg = dict(bm=8 if diag else 16, bk=256, bn=128)
+    cfg = dict(bm=48, bk=128, bn=128) if diag else dict(bm=16, bk=256, bn=128)
     y = qmm.quantized_matmul_blockwise(x, q, s, block_size=bs, w_zero_point=z, config=cfg, weight_format="int4n")
     _check(y, x, q, s, bs, z, fmt="int4n")
 
@@ -179,9 +191,9 @@ def test_int4n_interpret_modes(interpret):
     y = qmm.quantized_matmul_blockwise(x, q, s, block_size=64, w_zero_point=z, out_dtype="float32",
                                        config=dict(bm=32, bk=256, bn=128), weight_format="int4n")
     _check(y, x, q, s, 64, z, torch.float32, "int4n")
-    y8 = qmm.quantized_matmul_blockwise(x[:8], q, s, block_size=64, w_zero_point=z, out_dtype="float32",
-                                        config=dict(bm=8, bk=512, bn=128), weight_format="int4n")  # 64 rows
-    _check(y8, x[:8], q, s, 64, z, torch.float32, "int4n")
+    y16 = qmm.quantized_matmul_blockwise(x[:16], q, s, block_size=64, w_zero_point=z, out_dtype="float32",
+                                         config=dict(bm=16, bk=512, bn=128), weight_format="int4n")  # 128 rows
+    _check(y16, x[:16], q, s, 64, z, torch.float32, "int4n")
 
 
 def test_int4n_module_layouts_and_state_dict():

@@ -17,8 +17,15 @@ Layout (``K`` = in features, ``N`` = out features, ``bs`` = ``block_size``, ``G 
   ``W[n, k] = (q[n, k] - z) * w_scale[k // bs, 0, n]`` with ``z = w_zero_point[k // bs, 0, n]`` (float32,
   ``[G, 1, N]``, in units of the grid: GPTQ / AWQ's asymmetric zero points) or ``z = 8`` without zero points
   (symmetric signed int4 stored offset by 8, as compressed-tensors packs it). :func:`pack_int4` /
-  :func:`unpack_int4` convert from / to ``q [N, K]``; checkpoint loaders repack GPTQ / AWQ / compressed-tensors
-  orders into this one once, at load.
+  :func:`unpack_int4` convert from / to ``q [N, K]``.
+* int4 packed along N (``weight_format="int4n"``, :func:`pack_int4` with ``layout="n"``; TPUBlockQuantLinear's
+  default for an even ``N``, which the checkpoint loaders fill, repacking GPTQ / AWQ / compressed-tensors orders
+  once, at load): ``w_q [N/2, K]`` uint8, byte ``[i, k]`` holds ``q[2i, k] - 8`` in its low nibble and
+  ``q[2i + 1, k] - 8`` in its high nibble as two's complement int4 (the stored nibble is ``q ^ 8``); ``q``, ``z``
+  and ``W`` as for int4. This is the order in which Mosaic's ``pltpu.bitcast(uint8 [R, C] -> int4 [2R, C])``
+  unpacks a tile (byte row ``i`` -> rows ``2i`` (low nibble), ``2i + 1``: jax's interpret lowering of the
+  bitcast, which jax's TPU tests check against Mosaic), so the kernel unpacks a ``[bn/2, bk]`` byte tile with one
+  bitcast and one int4 -> ``x.dtype`` convert (exact: ``-8..7``), no integer arithmetic.
 
 Padding rule (K not a multiple of ``bs``): the weight side is padded, the activations are not. A checkpoint's
 weight with ``K`` in-features and ``K % bs != 0`` is stored with ``K_w = ceil(K / bs) * bs`` columns (the padded
@@ -27,7 +34,8 @@ this. ``x`` may then have ``K_x`` columns with ``K_w - bs < K_x <= K_w``; the op
 ``K_w`` (a copy of ``x`` in HBM, only then), so the padded weight columns contribute exactly nothing. Any other
 ``K_x`` raises.
 
-What runs: ``quantized_matmul_blockwise_kernel``, grid ``(M/bm, N/bn, K_w/bk)`` with ``bk`` a multiple of
+What runs (int4n: each group's bytes ``[bn/2, bs]`` bitcast to int4 ``[bn, bs]`` and converted, one dot per
+group; the decode form below with the whole tile converted once, one dot over ``bk``): ``quantized_matmul_blockwise_kernel``, grid ``(M/bm, N/bn, K_w/bk)`` with ``bk`` a multiple of
 ``bs`` (no K tail: :func:`k_block`), f32 VMEM accumulator across K steps. Per K step, for each of the
 ``bk / bs`` groups (a static loop): the group's weight tile is loaded from VMEM, unpacked (int4: ``b & 15``,
 ``b >> 4``, each minus 8) and converted to ``x.dtype`` (exact: integers ``-8..7`` and 8-bit values are bf16
@@ -83,7 +91,20 @@ of its bytes), tpu7x 64.0 µs (13% of 8.6 µs), v5e 94.4 µs. Levers, v6e unless
   so a cost probe only): 33.3 µs on v6e (58%), 25.8 µs on tpu7x (33%). Using it needs the nibbles packed along
   N (output rows) so that the bitcast rows come out in order: a weight format change, not done.
 
-At 64 tokens (``64x4096 @ (14336x4096)^T``; bench rows) the decode form is past its row limit and the kernel is
+int4 packed along N (``"int4n"``, this round; the same model and rows, the bench's int4 rows now use it): the
+native unpack removes the vector-bound unpack above. 16 tokens: v6e 54.8 -> 28.7 µs (the decode form, ``bk=1024``,
+``bn=7168``: the fewest N blocks of at most 8192 columns; ``bn=2048`` 33.3, per-group dots ``bk=4096`` 37.3),
+tpu7x 39.0 -> 22.0, v5e 93.0 -> 48.4 (per-group dots ``bk=4096, bn=1024``: libtpu's estimator aborts on v5e's
+decode form at ``bk=1024`` and on its per-group form with ``bk < 4096`` at 16 tokens; ``bk=2048`` 55.4). 64 tokens
+(per-group dots, ``bk=4096, bn=1024``): v6e 74.3 -> 37.6, tpu7x 56.4 -> 29.4, v5e 102.4 -> 48.9 µs. Against our
+bf16 matmul (bench rows): v6e 2.5x / 1.9x, tpu7x 1.5x / 1.2x, v5e 3.0x / 3.0x at 16 / 64 tokens. tpu7x's
+bf16-fed MXU floor (~22 µs, below) is what caps it; the per-group structure (a 128-column dot and a scale
+multiply per group) is what is left elsewhere (one dot per K step, no scales: 32.3 µs on v6e in
+``benchmarks/probes/int4_native_unpack_probe.py``). Gaps: fp4 stays packed along K; the backward (``d_x``) and
+``x_quant`` kernels take the K layout, so with int4n weights they repack ``w_q`` per call (:func:`int4n_to_k`,
+a copy of the weight); ``N`` must be even.
+
+Before int4n, at 64 tokens (``64x4096 @ (14336x4096)^T``; bench rows) the decode form is past its row limit and the kernel is
 74.3 µs on v6e (28%: the bf16 matmul's 73.0) and 56.4 µs on tpu7x (16%; the bf16 matmul 34.2): no gain over bf16
 weights there yet (the form with ``bk=512``, 256 rows: v6e 75.2, tpu7x 59.4 µs).
 So the issue's target (>= 85% of the HBM roofline on v6e and tpu7x) is not met: v6e 35%, tpu7x 22% at 16 tokens. On tpu7x
@@ -138,12 +159,16 @@ TUNABLES_BLOCK = {
 
 
 # ----------------------------------------------------------------------------------------------- formats
-def resolve_format(w_q: torch.Tensor, where: str, fmt: Optional[str] = None) -> str:
-    """The format of ``w_q``: ``fmt`` (``"int4"`` default, or ``"fp4"``) for a uint8 ``w_q`` (packed), else its
-    8-bit dtype name; DTypeError otherwise (a ``fmt`` that does not fit ``w_q``'s dtype included)."""
+def resolve_format(w_q: torch.Tensor, where: str, fmt: Optional[str] = None, int4n: bool = False) -> str:
+    """The format of ``w_q``: ``fmt`` (``"int4"`` default, ``"int4n"`` or ``"fp4"``) for a uint8 ``w_q`` (packed),
+    else its 8-bit dtype name; DTypeError otherwise (a ``fmt`` that does not fit ``w_q``'s dtype included, and
+    ``"int4n"`` where the caller takes only the K layout: ``int4n=False``, e.g. the grouped matmul)."""
     name = _name(w_q.dtype)
     if fmt is not None and fmt not in WEIGHT_FORMATS:
         raise DTypeError(f"{where}: weight_format {fmt!r} is not one of {WEIGHT_FORMATS}")
+    if fmt == INT4N and not int4n:
+        raise DTypeError(f"{where}: weight_format 'int4n' (int4 packed along N) is not taken here: pack int4 along "
+                         f"K (weight_format 'int4', pack_int4 layout 'k'; int4n_to_k repacks)")
     if name == "uint8":
         if fmt not in (None, *PACKED, INT4N):
             raise DTypeError(f"{where}: weight_format {fmt!r} does not fit a uint8 (packed 4-bit) w_q")
@@ -261,7 +286,7 @@ def fp4_values(codes: torch.Tensor) -> torch.Tensor:
 
 def dequantize_blockwise(w_q, w_scale, block_size: int, w_zero_point=None, weight_format_=None) -> torch.Tensor:
     """``W [N, K_w]`` float64 (exact) of the module docstring's formulas (``weight_format_="fp4"`` for e2m1)."""
-    fmt = resolve_format(w_q, "dequantize_blockwise", weight_format_)
+    fmt = resolve_format(w_q, "dequantize_blockwise", weight_format_, int4n=True)
     if fmt == "fp4":
         q = fp4_values(unpack_int4(w_q, block_size))
     elif fmt in ("int4", INT4N):
@@ -312,7 +337,7 @@ def error_bound_blockwise(x, w_q, w_scale, block_size: int, w_zero_point=None, o
     odt = out_dtype or x.dtype
     u = 2.0**-8 if odt == torch.bfloat16 else U32
     ref = reference_blockwise(x, w_q, w_scale, block_size, w_zero_point, weight_format_)
-    fmt = resolve_format(w_q, "error_bound_blockwise", weight_format_)
+    fmt = resolve_format(w_q, "error_bound_blockwise", weight_format_, int4n=True)
     s = w_scale.double()[:, 0, :].T.repeat_interleave(block_size, 1).abs()
     if fmt in ("int4", INT4N):
         qp = unpack_int4(w_q, block_size, "n" if fmt == INT4N else "k").double() - 8
@@ -512,7 +537,7 @@ def problem(x, w_q, w_scale, w_zero_point, block_size, where, wfmt=None):
                                 f"got shape {tuple(t.shape)}")
     if not isinstance(block_size, int) or block_size not in BLOCK_SIZES:
         raise ArgumentError(f"{where}: block_size {block_size!r} is not a multiple of 32 in 32..512")
-    fmt = resolve_format(w_q, where, wfmt)
+    fmt = resolve_format(w_q, where, wfmt, int4n=True)
     if _name(x.dtype) not in X_DTYPES:
         raise DTypeError(f"{where}: x dtype {_name(x.dtype)} is not one of {X_DTYPES}")
     N, cols = w_q.shape
@@ -575,11 +600,16 @@ def diag_rows(chip=None) -> int:
 def _block_heuristic(x, w_q, w_scale, w_zero_point=None, block_size=128, out_dtype=None, weight_format=None):
     """Prefill ``bm=256, bk=1024, bn=1024``; decode (``M <= 128``: one row block) ``bk=4096, bn=1024``: fewer,
     larger weight tiles (libtpu estimate, w4a16 ``16x4096 @ (14336x4096)^T``, group 128, against the earlier
-    ``bk=2048, bn=512``: v5e 94.4 -> 90.0 µs, v6e 80.6 -> 70.5 µs, tpu7x 64.0 -> 55.6 µs; a model)."""
+    ``bk=2048, bn=512``: v5e 94.4 -> 90.0 µs, v6e 80.6 -> 70.5 µs, tpu7x 64.0 -> 55.6 µs; a model). int4n weights
+    (module docstring, "int4 packed along N"): ``M <= 16`` the decode form at ``bk=1024`` with the fewest N blocks
+    of at most 8192 columns where ``diag_rows(chip) >= 256`` (v6e, tpu7x), else (v5e, ``M <= 128``) per-group dots
+    at ``bk=4096, bn=1024``; prefill as above."""
     M = x.shape[0]
     if weight_format == INT4N and M <= 128:  # int4 packed along N (native unpack; module docstring, "int4n")
-        if M <= 16 and diag_rows(_target_chip()) >= DIAG_ROWS:  # the decode form, 16 * 1024 / 128 rows
-            return dict(bm=128, bk=1024, bn=2048)
+        if M <= 16 and diag_rows(_target_chip()) >= DIAG_ROWS:  # the decode form, 16 * 1024 / 128 rows, and
+            # the fewest N blocks of at most 8192 columns (14336 -> 2 x 7168, 4096 -> 1)
+            nb = -(-w_scale.shape[2] // 8192)
+            return dict(bm=128, bk=1024, bn=-(-w_scale.shape[2] // nb // 256) * 256)
         return dict(bm=128, bk=4096, bn=1024)  # per-group dots (v5e at 16 tokens too)
     if M <= 16:  # the decode form (block-diagonal x of 16 * bk / block_size rows)
         return dict(bm=128, bk=2048, bn=1024)
@@ -711,7 +741,8 @@ def quantized_matmul_blockwise(x: torch.Tensor, w_q: torch.Tensor, w_scale: torc
 
     Args:
         x: ``[..., K_x]`` bfloat16 / float32 activations, ``K_w - block_size < K_x <= K_w``.
-        w_q: ``[N, K_w]`` int8 / float8_e4m3fn / float8_e5m2, or ``[N, K_w / 2]`` uint8 (int4, :func:`pack_int4`).
+        w_q: ``[N, K_w]`` int8 / float8_e4m3fn / float8_e5m2, ``[N, K_w / 2]`` uint8 (int4 packed along K,
+            :func:`pack_int4`) or ``[N / 2, K_w]`` uint8 (int4 packed along N, ``weight_format="int4n"``).
         w_scale: ``[K_w / block_size, 1, N]`` float32 (tpu-inference's block-wise layout), or 2-D
             ``[ceil(N / block_size), K_w / block_size]``: square ``block_size x block_size`` blocks (DeepSeek-V3's
             ``weight_scale_inv``), expanded along N by :func:`expand_block_scale` before the kernel.
@@ -719,8 +750,10 @@ def quantized_matmul_blockwise(x: torch.Tensor, w_q: torch.Tensor, w_scale: torc
         w_zero_point: int4 only: ``[K_w / block_size, 1, N]`` float32 zero points (grid units); None: symmetric.
         out_dtype: ``"bfloat16"`` / ``"float32"`` (or torch dtype); default ``x.dtype``.
         config: explicit ``{"bm", "bk", "bn"}`` (``bk`` an upper bound, see :func:`k_block`).
-        weight_format: for a uint8 ``w_q``: ``"int4"`` (default) or ``"fp4"`` (e2m1 codes, same packing, no zero
-            points; ``W = e2m1(code) * s``); must match ``w_q``'s dtype otherwise.
+        weight_format: for a uint8 ``w_q``: ``"int4"`` (default; packed along K), ``"int4n"`` (int4 packed along
+            N: the faster decode, module docstring) or ``"fp4"`` (e2m1 codes, packed along K, no zero points;
+            ``W = e2m1(code) * s``); must match ``w_q``'s dtype otherwise. The layouts' shapes never coincide
+            given ``w_scale``: a wrong ``weight_format`` raises ArgumentError (the ``w_scale`` shape).
         x_quant: None (weights dequantized in VMEM, ``x`` as is), ``"fp8"`` (``x`` quantized per token per
             ``1 x block_size`` block to ``w_q``'s fp8 dtype, fp8 x fp8 on the MXU: DeepSeek-V3's scheme; with int4
             or fp4 ``w_q``, to float8_e4m3fn, the weights decoded to bf16 in VMEM: tpu-inference's w4a8 fp8) or
@@ -759,7 +792,7 @@ def quantized_matmul_blockwise(x: torch.Tensor, w_q: torch.Tensor, w_scale: torc
     canon_x_quant(x_quant)
     if w_q.dim() != 2:
         raise ArgumentError(f"{where}: w_q must be 2-D, got shape {tuple(w_q.shape)}")
-    fmt = resolve_format(w_q, where, weight_format)
+    fmt = resolve_format(w_q, where, weight_format, int4n=True)
     K_w = w_q.shape[1] * (2 if fmt in PACKED else 1)
     N = w_q.shape[0] * (2 if fmt == INT4N else 1)
     if w_scale.dim() == 2 and isinstance(block_size, int) and block_size in BLOCK_SIZES:

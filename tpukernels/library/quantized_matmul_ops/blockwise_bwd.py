@@ -109,7 +109,7 @@ def error_bound_blockwise_dx(g, w_q, w_scale, block_size: int, w_zero_point=None
     odt = out_dtype or g.dtype
     u = 2.0**-8 if odt == torch.bfloat16 else U32
     u_g = 2.0**-8 if g.dtype == torch.bfloat16 else 0.0
-    fmt = resolve_format(w_q, "error_bound_blockwise_dx", weight_format_)
+    fmt = resolve_format(w_q, "error_bound_blockwise_dx", weight_format_, int4n=True)
     W = dequantize_blockwise(w_q, w_scale, block_size, w_zero_point, weight_format_)
     s = w_scale.double()[:, 0, :].T.repeat_interleave(block_size, 1).abs()
     if fmt in ("int4", INT4N):
@@ -208,7 +208,7 @@ def _dx_problem(g, w_q, w_scale, w_zero_point, block_size, weight_format):
         raise DTypeError(f"{WHERE}: g dtype {_name(g.dtype)} is not one of {X_DTYPES}")
     if len(w_q.shape) != 2:
         raise ArgumentError(f"{WHERE}: w_q must be 2-D, got shape {tuple(w_q.shape)}")
-    fmt = resolve_format(w_q, WHERE, weight_format)
+    fmt = resolve_format(w_q, WHERE, weight_format, int4n=True)
     if fmt == INT4N:
         raise ArgumentError(f"{WHERE}: takes int4 packed along K (weight_format 'int4'); repack int4n weights "
                             f"with int4n_to_k (the autograd backward does)")
