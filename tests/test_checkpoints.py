@@ -202,7 +202,9 @@ def _dequantized(mod) -> torch.Tensor:
 
     qmm = importlib.import_module("tpukernels.library.quantized_matmul_ops")
     if isinstance(mod, qmm.TPUBlockQuantLinear):
-        W = qmm.dequantize_blockwise(mod.w_q, mod.w_scale, mod.block_size, mod.w_zero_point)[:, :mod.in_features]
+        fmt = mod.fmt if mod.fmt in ("fp4", "int4n") else None  # int4 loads packed along N (even N)
+        W = qmm.dequantize_blockwise(mod.w_q, mod.w_scale, mod.block_size, mod.w_zero_point, fmt)
+        W = W[:, :mod.in_features]
         if mod.in_perm is not None:
             W = W[:, torch.argsort(mod.in_perm)]
         return W

@@ -116,6 +116,114 @@ def test_pack_unpack_and_layout():
         qmm.pack_int4(q.to(torch.int16) + 1, 64)
 
 
+def test_int4n_pack_layout():
+    """pack_int4(layout="n"): byte [i, k] holds q[2i, k] - 8 (low nibble) and q[2i + 1, k] - 8 (high) as two's
+    complement int4, the order Mosaic's uint8 -> int4 bitcast unpacks (rows 2i, 2i + 1, low nibble first);
+    round trip; typed errors."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (6, 64), generator=g, dtype=torch.uint8)
+    p = qmm.pack_int4(q, 32, "n")
+    assert p.shape == (3, 64) and p.dtype == torch.uint8
+    assert torch.equal(qmm.unpack_int4(p, 32, "n"), q)
+    assert int(p[1, 5]) == ((int(q[2, 5]) - 8) & 15) | (((int(q[3, 5]) - 8) & 15) << 4)
+    assert torch.equal(qmm.int4n_to_k(p, 32), qmm.pack_int4(q, 32))
+    with pytest.raises(ArgumentError, match="N = 5 of q must be even"):
+        qmm.pack_int4(q[:5], 32, "n")
+    with pytest.raises(ArgumentError, match="layout 'm'"):
+        qmm.pack_int4(q, 32, "m")
+    # a layout mix-up never runs: the shapes cannot agree with x and w_scale ([G, 1, N])
+    s = torch.ones(2, 1, 6)
+    with pytest.raises(ArgumentError, match="padding rule"):
+        qmm.quantized_matmul_blockwise(torch.ones(2, 64), p, s, block_size=32)  # int4n read as int4
+    with pytest.raises(ArgumentError, match="padding rule"):
+        qmm.quantized_matmul_blockwise(torch.ones(2, 64), qmm.pack_int4(q, 32), s, block_size=32,
+                                       weight_format="int4n")  # int4 read as int4n
+    bw = importlib.import_module("tpukernels.library.quantized_matmul_ops.blockwise")
+    with pytest.raises(DTypeError, match="'int4n' .* is not taken here"):  # callers that take the K layout only
+        bw.resolve_format(p, "grouped_matmul_quantized", "int4n")
+
+
+def test_int4n_matches_mosaic_bitcast(interpret):
+    """The layout's nibble / row order is the one pltpu.bitcast(uint8 -> int4) gives in a Pallas kernel (both
+    interpret modes; the compile-only cases below lower the same op for v5e / v6e / tpu7x)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    q = torch.randint(0, 16, (64, 128), generator=torch.Generator().manual_seed(1), dtype=torch.uint8)
+    p = qmm.pack_int4(q, 128, "n")
+
+    def body(w_ref, o_ref):
+        o_ref[...] = pltpu.bitcast(w_ref[...], jnp.int4).astype(jnp.float32)
+
+    params = pltpu.InterpretParams() if interpret == "tpu" else True
+    out = pl.pallas_call(body, out_shape=jax.ShapeDtypeStruct((64, 128), jnp.float32), interpret=params)(
+        jnp.asarray(p.numpy()))
+    assert np.array_equal(np.asarray(out), q.numpy().astype(np.float32) - 8)
+
+
+@given(M=st.integers(1, 40), N2=st.integers(1, 150), G=st.integers(1, 6), bs=st.sampled_from([32, 64, 128, 256]),
+       asym=st.booleans(), pad=st.integers(0, 31), diag=st.booleans())
+@settings(max_examples=4)  # + 1 explicit example; each draws a new kernel compile
+@example(M=12, N2=68, G=4, bs=64, asym=True, pad=3, diag=True)
+def test_int4n_within_bound(M, N2, G, bs, asym, pad, diag):
+    """int4 packed along N: zero points or not, K padded by the rule, N tails (bn = 128: N = 2 * N2 rows), K
+    steps, the decode form (one row block, M rounded up to a multiple of 8 as the form needs, bm * bk / bs <= 192
+    rows) or per-group dots (M + 16 rows in blocks of 16: an M tail and several row blocks)."""
+    M = -(-M // 8) * 8 if diag else M + 16
+    g = torch.Generator().manual_seed(M * 131 + N2 + G)
+    N, K_w = 2 * N2, G * bs
+    w = torch.randn(N, K_w, generator=g)
+    q, s, z = qmm.quantize_weight_blockwise(w, bs, "int4", asymmetric=asym, layout="n")
+    x = torch.randn(M, K_w - pad, generator=g).bfloat16()
+    cfg = dict(bm=48, bk=128, bn=128) if diag else dict(bm=16, bk=256, bn=128)
+    y = qmm.quantized_matmul_blockwise(x, q, s, block_size=bs, w_zero_point=z, config=cfg, weight_format="int4n")
+    _check(y, x, q, s, bs, z, fmt="int4n")
+
+
+def test_int4n_interpret_modes(interpret):
+    """int4n through both interpret modes ("tpu" poisons partial blocks with NaN): per-group dots with several
+    K steps and N / M tails, and the decode form; equal to the K-packed weights' result within both bounds."""
+    x, qk, s, z = _case(40, 136, 8, 64, "int4", True, 0, seed=5)
+    q = qmm.pack_int4(qmm.unpack_int4(qk, 64), 64, "n")
+    y = qmm.quantized_matmul_blockwise(x, q, s, block_size=64, w_zero_point=z, out_dtype="float32",
+                                       config=dict(bm=32, bk=256, bn=128), weight_format="int4n")
+    _check(y, x, q, s, 64, z, torch.float32, "int4n")
+    y16 = qmm.quantized_matmul_blockwise(x[:16], q, s, block_size=64, w_zero_point=z, out_dtype="float32",
+                                         config=dict(bm=16, bk=512, bn=128), weight_format="int4n")  # 128 rows
+    _check(y16, x[:16], q, s, 64, z, torch.float32, "int4n")
+
+
+def test_int4n_module_layouts_and_state_dict():
+    """TPUBlockQuantLinear packs int4 along N by default (even out_features), along K for an odd one or on
+    request; a state dict in the other layout is repacked at load (same forward), a wrong shape raises."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 48)
+    mn = qmm.TPUBlockQuantLinear.from_linear(lin, 32, "int4")
+    mk = qmm.TPUBlockQuantLinear.from_linear(lin, 32, "int4", int4_layout="k")
+    assert (mn.fmt, tuple(mn.w_q.shape), mk.fmt, tuple(mk.w_q.shape)) == ("int4n", (24, 64), "int4", (48, 32))
+    assert torch.equal(qmm.unpack_int4(mn.w_q, 32, "n"), qmm.unpack_int4(mk.w_q, 32))
+    fresh = qmm.TPUBlockQuantLinear(64, 48, 32, "int4", bias=True)
+    fresh.load_state_dict(mk.state_dict())  # an old (K-packed) checkpoint into the N-packed module
+    assert fresh.fmt == "int4n" and torch.equal(fresh.w_q, mn.w_q)
+    old = qmm.TPUBlockQuantLinear(64, 48, 32, "int4", bias=True, int4_layout="k")
+    old.load_state_dict(mn.state_dict())
+    assert torch.equal(old.w_q, mk.w_q)
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        ref = qmm.reference_blockwise(x, mk.w_q, mk.w_scale, 32) + lin.bias.double()
+        bound = qmm.error_bound_blockwise(x, mk.w_q, mk.w_scale, 32, None, torch.float32) + 2 * 2.0**-24 * ref.abs()
+        assert ((fresh(x).double() - ref).abs() <= bound).all()
+    bad = dict(mk.state_dict(), w_q=mk.w_q[:, :16])
+    with pytest.raises(RuntimeError, match="size mismatch for w_q"):
+        fresh.load_state_dict(bad)
+    assert qmm.TPUBlockQuantLinear(64, 47, 32, "int4").fmt == "int4"  # odd N: packed along K
+    with pytest.raises(ArgumentError, match="even out_features"):
+        qmm.TPUBlockQuantLinear(64, 47, 32, "int4", int4_layout="n")
+
+
 def test_bad_input_names_the_tensor():
     x, q, s, z = _case(4, 64, 2, 64, "int4", True, 0, seed=1)
     f = qmm.quantized_matmul_blockwise
@@ -150,17 +258,17 @@ def test_block_quant_linear_pads_k():
     torch.manual_seed(0)
     lin = torch.nn.Linear(100, 48)
     m = qmm.TPUBlockQuantLinear.from_linear(lin, 32, "int4", asymmetric=True)
-    assert m.w_q.shape == (48, 64) and m.w_scale.shape == (4, 1, 48)
+    assert m.fmt == "int4n" and m.w_q.shape == (24, 128) and m.w_scale.shape == (4, 1, 48)  # packed along N
     x = torch.randn(3, 100)
     with torch.no_grad():
         y = m(x)
-    ref = qmm.reference_blockwise(x, m.w_q, m.w_scale, 32, m.w_zero_point) + lin.bias.double()
-    bound = qmm.error_bound_blockwise(x, m.w_q, m.w_scale, 32, m.w_zero_point, torch.float32)
+    ref = qmm.reference_blockwise(x, m.w_q, m.w_scale, 32, m.w_zero_point, "int4n") + lin.bias.double()
+    bound = qmm.error_bound_blockwise(x, m.w_q, m.w_scale, 32, m.w_zero_point, torch.float32, "int4n")
     assert ((y.double() - ref).abs() <= bound + 2 * 2.0**-24 * ref.abs()).all()  # + the f32 bias add
     xg = x.clone().requires_grad_()  # differentiable in the input (QLoRA): d_x of the 100 real columns
     gy = torch.randn(3, 48)
     m(xg).backward(gy)
-    _check_dx(xg.grad, gy, m.w_q, m.w_scale, 32, m.w_zero_point)
+    _check_dx(xg.grad, gy, m.w_q, m.w_scale, 32, m.w_zero_point, "int4n")
     assert m.w_scale.grad is None and lin.weight.grad is None
 
 
@@ -171,7 +279,15 @@ def test_block_quant_linear_pads_k():
     ("v6e", ("256x4096:bf16", "4096x4096:i8", "32x1x4096:f32", None, 128)),  # block-scaled int8 prefill
     ("v6e", ("64x512:bf16", "256x256:u8", "16x1x256:f32", None, 32)),  # 32-column groups
     ("tpu7x", ("16x4096:bf16", "4096x2048:u8", "32x1x4096:f32", None, 128, None, "fp4")),  # e2m1 weights
-], ids=["int4-zp-v6e", "int4-zp-tpu7x", "int8-v6e", "int4-bs32-v6e", "fp4-tpu7x"])
+    # int4 packed along N (Mosaic's bitcast unpack) at the heuristic's decode blocks: the block-diagonal form
+    # (v6e, tpu7x), per-group dots (v5e; 64 tokens), zero points, prefill
+    ("v5e", ("16x4096:bf16", "7168x4096:u8", "32x1x14336:f32", "32x1x14336:f32", 128, None, "int4n")),
+    ("v6e", ("16x4096:bf16", "7168x4096:u8", "32x1x14336:f32", "32x1x14336:f32", 128, None, "int4n")),
+    ("tpu7x", ("16x4096:bf16", "7168x4096:u8", "32x1x14336:f32", None, 128, None, "int4n")),
+    ("tpu7x", ("64x14336:bf16", "2048x14336:u8", "112x1x4096:f32", None, 128, None, "int4n")),
+    ("v6e", ("512x4096:bf16", "2048x4096:u8", "32x1x4096:f32", None, 128, None, "int4n")),
+], ids=["int4-zp-v6e", "int4-zp-tpu7x", "int8-v6e", "int4-bs32-v6e", "fp4-tpu7x", "int4n-zp-v5e", "int4n-zp-v6e",
+        "int4n-tpu7x", "int4n-64-tpu7x", "int4n-prefill-v6e"])
 def test_compile_only(chip, args):
     """Mosaic + XLA:TPU compile the block-wise kernel (in-VMEM nibble unpack, [G, 1, N] scale blocks)."""
     import tpukernels as tk

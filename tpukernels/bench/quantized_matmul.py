@@ -31,8 +31,8 @@ HBM-bound decode shapes (half the weight bytes).
 Bytes: ``x`` once (2 B), ``w_q`` once (1 B), scales, output once (2 B); FLOPs ``2*M*N*K``.
 
 Block-scaled rows (``quantized_matmul_blockwise``, group 128): ``w4a16 int4 g128`` at the decode shapes on every
-chip (int4 weights, 0.5 B each, symmetric, f32 scales ``[K/128, 1, N]``; XLA: unpack, dequantize to bf16, one
-dot), and ``fp8 block <dtype> 1x128/128x128`` at the prefill shapes (DeepSeek-V3's scheme: ``x_quant="fp8"``,
+chip (int4 weights packed along N, weight format ``"int4n"``, 0.5 B each, symmetric, f32 scales ``[K/128, 1, N]``;
+XLA: unpack, dequantize to bf16, one dot), and ``fp8 block <dtype> 1x128/128x128`` at the prefill shapes (DeepSeek-V3's scheme: ``x_quant="fp8"``,
 the chip's fp8 pair — float8_e4m3fn where jax's tpu_info has it, else float8_e5m2; ours is
 ``quantize_per_block_kernel`` + ``quantized_matmul_blockwise_a8_kernel``, the quantize pass at its HBM roofline
 where libtpu cannot estimate its fp8 pack; XLA: the same quantization in jnp, dequantized operands, one bf16 dot).
@@ -78,21 +78,19 @@ _DECODE = ("decode: the weight-streaming launch (w_q copied by the kernel, two D
            "HBM roofline in libtpu's cycles, so the model time is the roofline, as XLA's; the blocked launch (one DMA "
            "in flight) was 0.93-0.95x XLA: libtpu left a third of its weight DMA time exposed")
 
-_W4A16 = ("w4a16 decode: vector-bound, not HBM-bound. Every weight is unpacked in VMEM (uint8 -> int32, mask / "
-          "shift, -8, -> bf16: one element per 32-bit lane; dropping the mask / shift / -8 changes nothing, 80.3 vs "
-          "80.6 µs on v6e at 16 tokens, so the widening and the conversions are the cost) and each 128-column group "
-          "needs its own scaled partial sum. Levers (v6e, 16 tokens, libtpu estimates): larger tiles bk=4096 / "
-          "bn=1024 80.6 -> 70.5 µs; the decode form (all groups' partial sums from one dot with a block-diagonal x, "
-          "kept where bm * bk / 128 <= peak FLOP/s / HBM B/s) 54.8 µs (tpu7x 64.0 -> 39.0 µs); one dot per K step "
-          "without per-group scaling (wrong values, a floor of the group structure) 42.5 µs; a SWAR unpack (packed "
-          "bytes bitcast to int32 words, nibbles placed into bf16 bit patterns 0x4300 | q, one bf16 subtract; rows "
-          "permuted, a cost probe) 33.3 µs on v6e, 25.8 µs on tpu7x: it needs a weight packing along N (a format "
-          "change), not done. tpu7x's bf16-fed MXU takes ~22 µs for these weights whatever the unpack (the w8a16 "
-          "rows' reason), so 85% of its 8.6 µs roofline needs the weights fed as fp8 (bf16 x fp8 is native there), "
-          "whose f32 -> fp8 pack libtpu 0.0.52's estimator cannot model (it aborts). At 64 tokens the decode form "
-          "does not apply (64 x 4096 / 128 rows is past its limit; with bk=512 it is no faster: v6e 75.2, tpu7x "
-          "59.4 µs), and the kernel is about the bf16 matmul's speed on v6e and slower on tpu7x: not yet a win "
-          "there. XLA's figure is its roofline, a floor: libtpu aborts on XLA's unpack + dot program")
+_W4A16 = ("w4a16 decode, int4 packed along N (weight format int4n, TPUBlockQuantLinear's default): the kernel "
+          "unpacks each weight tile with Mosaic's native uint8 -> int4 bitcast + convert to bf16 (rows 2i / 2i + 1 "
+          "of a byte row), which replaced the K-packed unpack (uint8 -> int32, mask / shift, -8, -> bf16, one "
+          "element per 32-bit lane) that made the kernel vector-bound: v6e 54.8 -> 28.7 µs at 16 tokens, 74.3 -> "
+          "37.6 at 64; tpu7x 39.0 -> 22.0 and 56.4 -> 29.4; v5e 93.0 -> 48.4 and 102.4 -> 48.9 (libtpu estimates). "
+          "Blocks: at <= 16 tokens the block-diagonal decode form (all groups' partial sums from one dot, bk=1024: "
+          "128 rows) with the fewest N blocks of <= 8192 columns (per-step overhead dominates: bn=2048 33.3 µs on "
+          "v6e, 7168 28.7), except v5e (its MXU has no room for the form: per-group dots, bk=4096, bn=1024); at "
+          "64 tokens per-group dots, bk=4096, bn=1024. What is left is the per-group structure (a dot of 128 "
+          "columns and a scale multiply per group) and, on tpu7x, its bf16-fed MXU (~22 µs to ingest these 58.7M "
+          "weights as bf16, the w8a16 rows' reason): 1.5x the bf16 matmul there (22 µs at 16 tokens) is that floor, "
+          "and 85% of the 8.6 µs roofline needs the weights fed as fp8, which libtpu 0.0.52's estimator cannot "
+          "model. XLA's figure is its roofline, a floor: libtpu aborts on XLA's unpack + dot program")
 _FP8_BLOCK = ("fp8 block-scaled prefill (1x128 activations, 128x128 weights). v6e / tpu7x: the dequant form "
               "(both tiles dequantized to bf16 in VMEM, one bf16 dot per K step, bk up to 4096): v6e's fp8 rate "
               "equals its bf16 rate (tpu_info), so its roofline is reachable, and what is left is the VPU's "
@@ -281,16 +279,16 @@ def _block_cases(qmm, M, K, N, prefill, scale, chip, bf16_impl, quantize_cycles)
     Me = M // scale
     shape = f"{M}x{K} @ ({N}x{K}).T"
     if not prefill:
-        def xla_w4a16(x, w, s):  # unpack (the library's per-group layout), dequantize to bf16, one dot
-            b = w.astype(jnp.int32).reshape(N, G, 1, BS // 2)
-            q = jnp.concatenate([b & 15, b >> 4], axis=2).reshape(N, K).astype(f32) - 8
+        def xla_w4a16(x, w, s):  # unpack (int4n: rows 2i / 2i + 1 per byte row), dequantize to bf16, one dot
+            b = w.astype(jnp.int32)
+            q = jnp.stack([(b & 15) ^ 8, (b >> 4) ^ 8], axis=1).reshape(N, K).astype(f32) - 8
             W = (q * jnp.repeat(s[:, 0, :].T, BS, axis=1)).astype(bf16)
             return lax.dot_general(x, W, (((1,), (1,)), ((), ())), preferred_element_type=f32).astype(bf16)
 
-        structs = [jax.ShapeDtypeStruct((M, K), bf16), jax.ShapeDtypeStruct((N, K // 2), jnp.uint8),
+        structs = [jax.ShapeDtypeStruct((M, K), bf16), jax.ShapeDtypeStruct((N // 2, K), jnp.uint8),
                    jax.ShapeDtypeStruct((G, 1, N), f32)]
-        part = (qmm.quantized_matmul_blockwise_kernel, (f"{M}x{K}:bf16", f"{N}x{K // 2}:u8", f"{G}x1x{N}:f32", None),
-                {"block_size": BS})
+        part = (qmm.quantized_matmul_blockwise_kernel, (f"{M}x{K}:bf16", f"{N // 2}x{K}:u8", f"{G}x1x{N}:f32", None),
+                {"block_size": BS, "weight_format": "int4n"})
         hb = M * K * 2 + N * K // 2 + 4 * G * N + M * N * 2
         return [Case(FAMILY, "w4a16 int4 g128", shape, chip, hbm_bytes=hb, flops=2 * M * N * K, dtype="bfloat16",
                      impls=[ours_impl([part]), xla_impl(jax.jit(xla_w4a16), structs, name="xla int4 dequant + dot",

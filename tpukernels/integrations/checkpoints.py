@@ -226,7 +226,7 @@ def _tile(group_size: int, K: int) -> tuple[int, int]:
 def _int4_module(linear, q_u, scale, zero, group_size, bias, perm=None):
     """:class:`TPUBlockQuantLinear` from unsigned nibbles ``q_u [N, K]``, ``scale [N, G]``, ``zero [N, G]`` (grid
     units, or None: 8) of contiguous groups of ``group_size`` columns."""
-    from ..library.quantized_matmul_ops import TPUBlockQuantLinear, pack_int4, pad_k
+    from ..library.quantized_matmul_ops import TPUBlockQuantLinear, pad_k
 
     N, K = q_u.shape
     bs, rep = _tile(group_size, K)
@@ -238,7 +238,7 @@ def _int4_module(linear, q_u, scale, zero, group_size, bias, perm=None):
                             f"expected ({N}, {G // rep}) for K = {K} and group size {group_size}")
     m = TPUBlockQuantLinear(linear.in_features, linear.out_features, bs, "int4", bias is not None, zero is not None)
     q = pad_k(q_u.to(torch.uint8), bs)  # padded columns: any finite weight (they meet x's zero padding)
-    m.w_q.copy_(pack_int4(q, bs))
+    m.w_q.copy_(m.pack(q))  # the module's int4 layout (packed along N for an even N: the faster decode)
     m.w_scale.copy_(scale.T.reshape(G, 1, N))
     if zero is not None:
         m.w_zero_point.copy_(zero.T.reshape(G, 1, N))

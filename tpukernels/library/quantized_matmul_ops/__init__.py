@@ -172,8 +172,9 @@ from .w8a16 import (STANDARD_CASES, STREAM_MAX_M, TUNABLES, WEIGHT_DMAS, heurist
 from .w8a8 import (QCHUNK, STANDARD_CASES_W8A8, TUNABLES_W8A8, fused_plan, fused_vmem_bytes,
                    quantized_matmul_w8a8_kernel, vmem_budget, w8a8_heuristic)
 from .public import TPUQuantLinear, canon_x_quant, check_public, check_pair, quantized_matmul
-from .blockwise import (BLOCK_SIZES, FP4_VALUES, WEIGHT_FORMATS, TPUBlockQuantLinear, dequantize_blockwise,
-                        error_bound_blockwise, fp4_values, k_block, pack_int4, pad_k, quantize_weight_blockwise,
+from .blockwise import (BLOCK_SIZES, FP4_VALUES, INT4_LAYOUTS, WEIGHT_FORMATS, TPUBlockQuantLinear,
+                        dequantize_blockwise, error_bound_blockwise, fp4_values, int4n_to_k, k_block, pack_int4, pad_k,
+                        quantize_weight_blockwise,
                         quantized_matmul_blockwise,
                         quantized_matmul_blockwise_kernel, reference_blockwise, unpack_int4)
 from .blockwise_bwd import (error_bound_blockwise_dx, quantized_matmul_blockwise_bwd_dx,
@@ -187,7 +188,7 @@ __all__ = ["quantized_matmul", "quantize_weight", "quantize_per_token", "TPUQuan
            "quantize_per_token_kernel", "quantized_matmul_bwd_dx", "quantized_matmul_w8a8_kernel", "fused_plan",
            "vmem_budget", "heuristic", "STANDARD_CASES", "STANDARD_CASES_W8A8", "quantized_matmul_blockwise",
            "quantized_matmul_blockwise_kernel", "TPUBlockQuantLinear", "quantize_weight_blockwise", "pack_int4",
-           "unpack_int4", "pad_k", "dequantize_blockwise", "reference_blockwise", "error_bound_blockwise",
+           "unpack_int4", "int4n_to_k", "pad_k", "dequantize_blockwise", "reference_blockwise", "error_bound_blockwise",
            "quantized_matmul_blockwise_bwd_dx", "reference_blockwise_dx", "error_bound_blockwise_dx",
            "quantize_per_block_kernel", "quantize_per_block_reference", "quantized_matmul_blockwise_a8_kernel",
            "reference_blockwise_a8", "error_bound_blockwise_a8", "expand_block_scale", "check_chip_a8"]

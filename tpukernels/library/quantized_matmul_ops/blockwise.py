@@ -17,8 +17,15 @@ Layout (``K`` = in features, ``N`` = out features, ``bs`` = ``block_size``, ``G 
   ``W[n, k] = (q[n, k] - z) * w_scale[k // bs, 0, n]`` with ``z = w_zero_point[k // bs, 0, n]`` (float32,
   ``[G, 1, N]``, in units of the grid: GPTQ / AWQ's asymmetric zero points) or ``z = 8`` without zero points
   (symmetric signed int4 stored offset by 8, as compressed-tensors packs it). :func:`pack_int4` /
-  :func:`unpack_int4` convert from / to ``q [N, K]``; checkpoint loaders repack GPTQ / AWQ / compressed-tensors
-  orders into this one once, at load.
+  :func:`unpack_int4` convert from / to ``q [N, K]``.
+* int4 packed along N (``weight_format="int4n"``, :func:`pack_int4` with ``layout="n"``; TPUBlockQuantLinear's
+  default for an even ``N``, which the checkpoint loaders fill, repacking GPTQ / AWQ / compressed-tensors orders
+  once, at load): ``w_q [N/2, K]`` uint8, byte ``[i, k]`` holds ``q[2i, k] - 8`` in its low nibble and
+  ``q[2i + 1, k] - 8`` in its high nibble as two's complement int4 (the stored nibble is ``q ^ 8``); ``q``, ``z``
+  and ``W`` as for int4. This is the order in which Mosaic's ``pltpu.bitcast(uint8 [R, C] -> int4 [2R, C])``
+  unpacks a tile (byte row ``i`` -> rows ``2i`` (low nibble), ``2i + 1``: jax's interpret lowering of the
+  bitcast, which jax's TPU tests check against Mosaic), so the kernel unpacks a ``[bn/2, bk]`` byte tile with one
+  bitcast and one int4 -> ``x.dtype`` convert (exact: ``-8..7``), no integer arithmetic.
 
 Padding rule (K not a multiple of ``bs``): the weight side is padded, the activations are not. A checkpoint's
 weight with ``K`` in-features and ``K % bs != 0`` is stored with ``K_w = ceil(K / bs) * bs`` columns (the padded
@@ -27,7 +34,8 @@ this. ``x`` may then have ``K_x`` columns with ``K_w - bs < K_x <= K_w``; the op
 ``K_w`` (a copy of ``x`` in HBM, only then), so the padded weight columns contribute exactly nothing. Any other
 ``K_x`` raises.
 
-What runs: ``quantized_matmul_blockwise_kernel``, grid ``(M/bm, N/bn, K_w/bk)`` with ``bk`` a multiple of
+What runs (int4n: each group's bytes ``[bn/2, bs]`` bitcast to int4 ``[bn, bs]`` and converted, one dot per
+group; the decode form below with the whole tile converted once, one dot over ``bk``): ``quantized_matmul_blockwise_kernel``, grid ``(M/bm, N/bn, K_w/bk)`` with ``bk`` a multiple of
 ``bs`` (no K tail: :func:`k_block`), f32 VMEM accumulator across K steps. Per K step, for each of the
 ``bk / bs`` groups (a static loop): the group's weight tile is loaded from VMEM, unpacked (int4: ``b & 15``,
 ``b >> 4``, each minus 8) and converted to ``x.dtype`` (exact: integers ``-8..7`` and 8-bit values are bf16
@@ -83,7 +91,20 @@ of its bytes), tpu7x 64.0 µs (13% of 8.6 µs), v5e 94.4 µs. Levers, v6e unless
   so a cost probe only): 33.3 µs on v6e (58%), 25.8 µs on tpu7x (33%). Using it needs the nibbles packed along
   N (output rows) so that the bitcast rows come out in order: a weight format change, not done.
 
-At 64 tokens (``64x4096 @ (14336x4096)^T``; bench rows) the decode form is past its row limit and the kernel is
+int4 packed along N (``"int4n"``, this round; the same model and rows, the bench's int4 rows now use it): the
+native unpack removes the vector-bound unpack above. 16 tokens: v6e 54.8 -> 28.7 µs (the decode form, ``bk=1024``,
+``bn=7168``: the fewest N blocks of at most 8192 columns; ``bn=2048`` 33.3, per-group dots ``bk=4096`` 37.3),
+tpu7x 39.0 -> 22.0, v5e 93.0 -> 48.4 (per-group dots ``bk=4096, bn=1024``: libtpu's estimator aborts on v5e's
+decode form at ``bk=1024`` and on its per-group form with ``bk < 4096`` at 16 tokens; ``bk=2048`` 55.4). 64 tokens
+(per-group dots, ``bk=4096, bn=1024``): v6e 74.3 -> 37.6, tpu7x 56.4 -> 29.4, v5e 102.4 -> 48.9 µs. Against our
+bf16 matmul (bench rows): v6e 2.5x / 1.9x, tpu7x 1.5x / 1.2x, v5e 3.0x / 3.0x at 16 / 64 tokens. tpu7x's
+bf16-fed MXU floor (~22 µs, below) is what caps it; the per-group structure (a 128-column dot and a scale
+multiply per group) is what is left elsewhere (one dot per K step, no scales: 32.3 µs on v6e in
+``benchmarks/probes/int4_native_unpack_probe.py``). Gaps: fp4 stays packed along K; the backward (``d_x``) and
+``x_quant`` kernels take the K layout, so with int4n weights they repack ``w_q`` per call (:func:`int4n_to_k`,
+a copy of the weight); ``N`` must be even.
+
+Before int4n, at 64 tokens (``64x4096 @ (14336x4096)^T``; bench rows) the decode form is past its row limit and the kernel is
 74.3 µs on v6e (28%: the bf16 matmul's 73.0) and 56.4 µs on tpu7x (16%; the bf16 matmul 34.2): no gain over bf16
 weights there yet (the form with ``bk=512``, 256 rows: v6e 75.2, tpu7x 59.4 µs).
 So the issue's target (>= 85% of the HBM roofline on v6e and tpu7x) is not met: v6e 35%, tpu7x 22% at 16 tokens. On tpu7x
@@ -116,8 +137,13 @@ from .common import (U32, WEIGHT_DTYPES, X_DTYPES, check_chip, clamp as _clamp, 
 BLOCK_SIZES = tuple(range(32, 513, 32))
 #: weight formats: the 8-bit dtypes of :data:`WEIGHT_DTYPES`, ``"int4"`` and ``"fp4"`` (e2m1) (uint8 ``w_q``,
 #: two per byte, the same per-group packing)
-WEIGHT_FORMATS = (*WEIGHT_DTYPES, "int4", "fp4")
+WEIGHT_FORMATS = (*WEIGHT_DTYPES, "int4", "int4n", "fp4")
+#: packed two per byte along K (``w_q [N, K/2]``): the per-group order of the module docstring
 PACKED = ("int4", "fp4")
+#: int4 packed two per byte along N (``w_q [N/2, K]``, module docstring: "int4n"): Mosaic's native int4 unpack
+INT4N = "int4n"
+#: :func:`pack_int4` / :func:`unpack_int4` layouts: ``"k"`` (weight format ``"int4"``), ``"n"`` (``"int4n"``)
+INT4_LAYOUTS = ("k", "n")
 #: ``quantized_matmul_blockwise``'s ``x_quant`` path: ``blockwise_a8.quantized_matmul_blockwise_a8``, set when that
 #: module (which builds on this one) is imported — the package's ``__init__`` imports it
 X_QUANT_PATH = None
@@ -133,14 +159,18 @@ TUNABLES_BLOCK = {
 
 
 # ----------------------------------------------------------------------------------------------- formats
-def resolve_format(w_q: torch.Tensor, where: str, fmt: Optional[str] = None) -> str:
-    """The format of ``w_q``: ``fmt`` (``"int4"`` default, or ``"fp4"``) for a uint8 ``w_q`` (packed), else its
-    8-bit dtype name; DTypeError otherwise (a ``fmt`` that does not fit ``w_q``'s dtype included)."""
+def resolve_format(w_q: torch.Tensor, where: str, fmt: Optional[str] = None, int4n: bool = False) -> str:
+    """The format of ``w_q``: ``fmt`` (``"int4"`` default, ``"int4n"`` or ``"fp4"``) for a uint8 ``w_q`` (packed),
+    else its 8-bit dtype name; DTypeError otherwise (a ``fmt`` that does not fit ``w_q``'s dtype included, and
+    ``"int4n"`` where the caller takes only the K layout: ``int4n=False``, e.g. the grouped matmul)."""
     name = _name(w_q.dtype)
     if fmt is not None and fmt not in WEIGHT_FORMATS:
         raise DTypeError(f"{where}: weight_format {fmt!r} is not one of {WEIGHT_FORMATS}")
+    if fmt == INT4N and not int4n:
+        raise DTypeError(f"{where}: weight_format 'int4n' (int4 packed along N) is not taken here: pack int4 along "
+                         f"K (weight_format 'int4', pack_int4 layout 'k'; int4n_to_k repacks)")
     if name == "uint8":
-        if fmt not in (None, *PACKED):
+        if fmt not in (None, *PACKED, INT4N):
             raise DTypeError(f"{where}: weight_format {fmt!r} does not fit a uint8 (packed 4-bit) w_q")
         return fmt or "int4"
     if fmt is not None and fmt != name:
@@ -150,10 +180,17 @@ def resolve_format(w_q: torch.Tensor, where: str, fmt: Optional[str] = None) -> 
     return name
 
 
-def pack_int4(q: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Pack unsigned nibbles ``q [N, K]`` (integers ``0..15``, any integer dtype) into ``w_q [N, K/2]`` uint8 in
-    the per-group order of the module docstring. Raises ArgumentError for values outside ``0..15``, a ``K``
-    that is not a multiple of ``block_size`` (pad first: :func:`pad_k`) or an odd ``block_size``."""
+def pack_int4(q: torch.Tensor, block_size: int, layout: str = "k") -> torch.Tensor:
+    """Pack unsigned nibbles ``q [N, K]`` (integers ``0..15``, any integer dtype) two per byte (module docstring).
+
+    ``layout="k"`` (weight format ``"int4"``): ``w_q [N, K/2]`` uint8 in the per-group order along K.
+    ``layout="n"`` (weight format ``"int4n"``): ``w_q [N/2, K]`` uint8, byte ``[i, k]`` holding ``q[2i, k] - 8``
+    in its low nibble and ``q[2i + 1, k] - 8`` in its high nibble, as two's complement int4 (``q ^ 8``).
+
+    Raises ArgumentError for values outside ``0..15``, a ``K`` that is not a multiple of ``block_size`` (pad
+    first: :func:`pad_k`), an odd ``block_size``, an odd ``N`` with ``layout="n"`` or another layout."""
+    if layout not in INT4_LAYOUTS:
+        raise ArgumentError(f"pack_int4: layout {layout!r} is not one of {INT4_LAYOUTS}")
     if q.dim() != 2:
         raise ArgumentError(f"pack_int4: q must be 2-D [N, K], got {tuple(q.shape)}")
     N, K = q.shape
@@ -163,15 +200,30 @@ def pack_int4(q: torch.Tensor, block_size: int) -> torch.Tensor:
                             f"number; pad K with pad_k)")
     if q.numel() and (int(q.min()) < 0 or int(q.max()) > 15):
         raise ArgumentError(f"pack_int4: q holds values outside 0..15 (min {int(q.min())}, max {int(q.max())})")
+    if layout == "n":
+        if N % 2:
+            raise ArgumentError(f"pack_int4: layout 'n' packs pairs of rows: N = {N} of q must be even")
+        t = q.to(torch.uint8) ^ 8  # q - 8 as a two's complement nibble
+        return t[0::2] | (t[1::2] << 4)
     g = q.to(torch.uint8).reshape(N, K // block_size, 2, block_size // 2)
     return (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(N, K // 2)
 
 
-def unpack_int4(w_q: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Inverse of :func:`pack_int4`: ``w_q [N, K/2]`` uint8 -> ``q [N, K]`` uint8 (``0..15``)."""
+def unpack_int4(w_q: torch.Tensor, block_size: int, layout: str = "k") -> torch.Tensor:
+    """Inverse of :func:`pack_int4`: ``w_q`` uint8 (``[N, K/2]`` for ``layout="k"``, ``[N/2, K]`` for ``"n"``)
+    -> ``q [N, K]`` uint8 (``0..15``)."""
+    if layout not in INT4_LAYOUTS:
+        raise ArgumentError(f"unpack_int4: layout {layout!r} is not one of {INT4_LAYOUTS}")
+    if layout == "n":
+        return (torch.stack([w_q & 15, w_q >> 4], dim=1) ^ 8).reshape(2 * w_q.shape[0], w_q.shape[1])
     N, H = w_q.shape
     g = w_q.reshape(N, (2 * H) // block_size, 1, block_size // 2)
     return torch.cat([g & 15, g >> 4], dim=2).reshape(N, 2 * H)
+
+
+def int4n_to_k(w_q: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Repack int4n ``w_q [N/2, K]`` into the K layout ``[N, K/2]`` (weight format ``"int4"``; a copy)."""
+    return pack_int4(unpack_int4(w_q, block_size, "n"), block_size, "k")
 
 
 def pad_k(w: torch.Tensor, block_size: int, fill=0) -> torch.Tensor:
@@ -183,13 +235,14 @@ def pad_k(w: torch.Tensor, block_size: int, fill=0) -> torch.Tensor:
     return torch.cat([w, torch.full((*w.shape[:-1], extra), fill, dtype=w.dtype, device=w.device)], dim=-1)
 
 
-def quantize_weight_blockwise(w: torch.Tensor, block_size: int, dtype: str = "int4", *, asymmetric: bool = False):
+def quantize_weight_blockwise(w: torch.Tensor, block_size: int, dtype: str = "int4", *, asymmetric: bool = False,
+                              layout: str = "k"):
     """Quantize ``w [N, K]`` (``K % block_size == 0``) per (output channel, group of ``block_size`` along K).
 
     ``dtype="int4"``: symmetric ``s = absmax / 7``, ``q = clip(round(w / s), -8, 7) + 8``; asymmetric (GPTQ /
     AWQ style min-max) ``s = (max - min) / 15``, ``z = round(-min / s)``, ``q = clip(round(w / s) + z, 0, 15)``.
     ``dtype="int8"``: symmetric ``s = absmax / 127``. Returns ``(w_q, w_scale [G, 1, N] f32, w_zero_point
-    [G, 1, N] f32 or None)`` in the module's layout (int4 packed). A group of zeros gets ``s = 1`` (any scale
+    [G, 1, N] f32 or None)`` in the module's layout (int4 packed by :func:`pack_int4` with ``layout``). A group of zeros gets ``s = 1`` (any scale
     gives 0). For tests and examples; real checkpoints bring their own scales (``integrations/checkpoints``).
     """
     block_size = _dsl.check_int("quantize_weight_blockwise", "block_size", block_size)
@@ -221,7 +274,7 @@ def quantize_weight_blockwise(w: torch.Tensor, block_size: int, dtype: str = "in
         if dtype == "int4":
             q = q + 8
     q = q.reshape(N, K)
-    w_q = pack_int4(q.to(torch.uint8), block_size) if dtype == "int4" else q.to(torch.int8)
+    w_q = pack_int4(q.to(torch.uint8), block_size, layout) if dtype == "int4" else q.to(torch.int8)
     return w_q, s.T.reshape(G, 1, N).contiguous(), z
 
 
@@ -233,11 +286,11 @@ def fp4_values(codes: torch.Tensor) -> torch.Tensor:
 
 def dequantize_blockwise(w_q, w_scale, block_size: int, w_zero_point=None, weight_format_=None) -> torch.Tensor:
     """``W [N, K_w]`` float64 (exact) of the module docstring's formulas (``weight_format_="fp4"`` for e2m1)."""
-    fmt = resolve_format(w_q, "dequantize_blockwise", weight_format_)
+    fmt = resolve_format(w_q, "dequantize_blockwise", weight_format_, int4n=True)
     if fmt == "fp4":
         q = fp4_values(unpack_int4(w_q, block_size))
-    elif fmt == "int4":
-        q = unpack_int4(w_q, block_size).double()
+    elif fmt in ("int4", INT4N):
+        q = unpack_int4(w_q, block_size, "n" if fmt == INT4N else "k").double()
         z = 8.0 if w_zero_point is None else w_zero_point.double()[:, 0, :].T.repeat_interleave(block_size, 1)
         q = q - z
     else:
@@ -284,10 +337,10 @@ def error_bound_blockwise(x, w_q, w_scale, block_size: int, w_zero_point=None, o
     odt = out_dtype or x.dtype
     u = 2.0**-8 if odt == torch.bfloat16 else U32
     ref = reference_blockwise(x, w_q, w_scale, block_size, w_zero_point, weight_format_)
-    fmt = resolve_format(w_q, "error_bound_blockwise", weight_format_)
+    fmt = resolve_format(w_q, "error_bound_blockwise", weight_format_, int4n=True)
     s = w_scale.double()[:, 0, :].T.repeat_interleave(block_size, 1).abs()
-    if fmt == "int4":
-        qp = unpack_int4(w_q, block_size).double() - 8
+    if fmt in ("int4", INT4N):
+        qp = unpack_int4(w_q, block_size, "n" if fmt == INT4N else "k").double() - 8
         zp = 0.0 if w_zero_point is None else (w_zero_point.double()[:, 0, :].T - 8).repeat_interleave(block_size, 1)
         mag_w = (qp.abs() + (zp.abs() if torch.is_tensor(zp) else 0.0)) * s
     elif fmt == "fp4":
@@ -361,6 +414,30 @@ def _diag_part(x_ref, w_ref, s_ref, z_ref, *, bs, n_sub, fp4, dequant_to, precis
     return part
 
 
+def _diag_part_n(x_ref, w, s_ref, z_ref, *, bs, n_sub, precision):
+    """Decode form of one K step for int4n weights: ``w [bn, bk]`` the unpacked tile (``q - 8`` in ``x.dtype``),
+    every group's partial product from one dot with a block-diagonal ``x`` (``n_sub * bm`` rows, row block ``g``
+    is ``x`` with the columns of the other groups zeroed: exact zeros), then scaled per group."""
+    import jax
+    import jax.numpy as jnp
+
+    bm = x_ref.shape[0]
+    x = x_ref[...]
+    grp = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1) // bs
+    zero = jnp.zeros((), x.dtype)
+    xd = jnp.concatenate([jnp.where(grp == g, x, zero) for g in range(n_sub)], axis=0)  # [n_sub * bm, bk]
+    z = jax.lax.dot_general(xd, w, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
+    part = None
+    for g in range(n_sub):
+        d = z[g * bm:(g + 1) * bm]
+        if z_ref is not None:
+            r = jnp.sum(x_ref[:, g * bs:(g + 1) * bs].astype(jnp.float32), axis=1, keepdims=True)
+            d = d - r * (z_ref[g] - 8.0)
+        d = d * s_ref[g]
+        part = d if part is None else part + d
+    return part
+
+
 def accumulate_k_step(part, k, n_k: int, acc_ref, o_ref, *, in_place: bool = False) -> None:
     """Add K step ``k``'s f32 partial product ``part`` to the output block: written at once when ``n_k == 1``,
     else kept in ``acc_ref`` (f32 VMEM) and rounded into ``o_ref`` at the last K step.
@@ -400,11 +477,12 @@ def accumulate_k_step(part, k, n_k: int, acc_ref, o_ref, *, in_place: bool = Fal
 
 
 def _block_body(x_ref, w_ref, s_ref, *refs, bs, n_sub, n_k, int4, has_zp, dequant_to, precision, fp4=False,
-                diag=False):
+                diag=False, int4n=False):
     """One output block, one K step of ``n_sub`` groups (module docstring); ``refs`` = ``[z_ref,] o_ref, acc_ref``."""
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
 
     if has_zp:
         z_ref, o_ref, acc_ref = refs
@@ -414,13 +492,20 @@ def _block_body(x_ref, w_ref, s_ref, *refs, bs, n_sub, n_k, int4, has_zp, dequan
     dims = (((1,), (1,)), ((), ()))
     part = None
     half = bs // 2
-    if diag:
+    if diag and int4n:  # Mosaic's native unpack: uint8 [bn/2, bk] -> int4 [bn, bk] (rows 2i / 2i + 1) -> x.dtype
+        wn = pltpu.bitcast(w_ref[...], jnp.int4).astype(dequant_to)
+        part = _diag_part_n(x_ref, wn, s_ref, z_ref, bs=bs, n_sub=n_sub, precision=precision)
+        n_sub = 0
+    elif diag:
         part = _diag_part(x_ref, w_ref, s_ref, z_ref, bs=bs, n_sub=n_sub, fp4=fp4, dequant_to=dequant_to,
                           precision=precision)
         n_sub = 0  # the per-group loop below has nothing left to do
     for g in range(n_sub):
         xg = x_ref[:, g * bs:(g + 1) * bs]
-        if int4:  # unpack the group's bytes in VMEM: low nibbles = first half of the group, high = second;
+        if int4n:  # the group's bytes [bn/2, bs] -> int4 [bn, bs] (Mosaic's native unpack) -> x.dtype, exact
+            w = pltpu.bitcast(w_ref[:, g * bs:(g + 1) * bs], jnp.int4).astype(dequant_to)
+            d = jax.lax.dot_general(xg, w, dims, precision=precision, preferred_element_type=jnp.float32)
+        elif int4:  # unpack the group's bytes in VMEM: low nibbles = first half of the group, high = second;
             # two dots against the two halves of x's group (slicing the small x, not relayouting the weights)
             b = w_ref[:, g * half:(g + 1) * half].astype(jnp.int32)
             if fp4:
@@ -452,11 +537,17 @@ def problem(x, w_q, w_scale, w_zero_point, block_size, where, wfmt=None):
                                 f"got shape {tuple(t.shape)}")
     if not isinstance(block_size, int) or block_size not in BLOCK_SIZES:
         raise ArgumentError(f"{where}: block_size {block_size!r} is not a multiple of 32 in 32..512")
-    fmt = resolve_format(w_q, where, wfmt)
+    fmt = resolve_format(w_q, where, wfmt, int4n=True)
     if _name(x.dtype) not in X_DTYPES:
         raise DTypeError(f"{where}: x dtype {_name(x.dtype)} is not one of {X_DTYPES}")
     N, cols = w_q.shape
-    if fmt in PACKED:
+    if fmt == INT4N:  # [N/2, K_w]: two output rows per byte
+        N = 2 * N
+        if cols % block_size:
+            raise ArgumentError(f"{where}: w_q (int4n, packed along N) has K = {cols} columns, not a multiple of "
+                                f"block_size = {block_size} (pad the weight's K with pad_k: the padding rule)")
+        K_w = cols
+    elif fmt in PACKED:
         if cols % (block_size // 2):
             raise ArgumentError(f"{where}: w_q ({fmt}, packed) has {cols} bytes per row: not a multiple of "
                                 f"block_size / 2 = {block_size // 2} (each group of {block_size} columns is "
@@ -474,7 +565,7 @@ def problem(x, w_q, w_scale, w_zero_point, block_size, where, wfmt=None):
     if _name(w_scale.dtype) != "float32":
         raise DTypeError(f"{where}: w_scale must be float32, got {_name(w_scale.dtype)}")
     if w_zero_point is not None:
-        if fmt != "int4":
+        if fmt not in ("int4", INT4N):
             raise ArgumentError(f"{where}: w_zero_point is for int4 weights (asymmetric); {fmt} weights are symmetric")
         if tuple(w_zero_point.shape) != (G, 1, N):
             raise ArgumentError(f"{where}: w_zero_point must have shape (K/block_size, 1, N) = ({G}, 1, {N}), got "
@@ -509,8 +600,17 @@ def diag_rows(chip=None) -> int:
 def _block_heuristic(x, w_q, w_scale, w_zero_point=None, block_size=128, out_dtype=None, weight_format=None):
     """Prefill ``bm=256, bk=1024, bn=1024``; decode (``M <= 128``: one row block) ``bk=4096, bn=1024``: fewer,
     larger weight tiles (libtpu estimate, w4a16 ``16x4096 @ (14336x4096)^T``, group 128, against the earlier
-    ``bk=2048, bn=512``: v5e 94.4 -> 90.0 µs, v6e 80.6 -> 70.5 µs, tpu7x 64.0 -> 55.6 µs; a model)."""
+    ``bk=2048, bn=512``: v5e 94.4 -> 90.0 µs, v6e 80.6 -> 70.5 µs, tpu7x 64.0 -> 55.6 µs; a model). int4n weights
+    (module docstring, "int4 packed along N"): ``M <= 16`` the decode form at ``bk=1024`` with the fewest N blocks
+    of at most 8192 columns where ``diag_rows(chip) >= 256`` (v6e, tpu7x), else (v5e, ``M <= 128``) per-group dots
+    at ``bk=4096, bn=1024``; prefill as above."""
     M = x.shape[0]
+    if weight_format == INT4N and M <= 128:  # int4 packed along N (native unpack; module docstring, "int4n")
+        if M <= 16 and diag_rows(_target_chip()) >= DIAG_ROWS:  # the decode form, 16 * 1024 / 128 rows, and
+            # the fewest N blocks of at most 8192 columns (14336 -> 2 x 7168, 4096 -> 1)
+            nb = -(-w_scale.shape[2] // 8192)
+            return dict(bm=128, bk=1024, bn=-(-w_scale.shape[2] // nb // 256) * 256)
+        return dict(bm=128, bk=4096, bn=1024)  # per-group dots (v5e at 16 tokens too)
     if M <= 16:  # the decode form (block-diagonal x of 16 * bk / block_size rows)
         return dict(bm=128, bk=2048, bn=1024)
     if M <= 128:
@@ -530,7 +630,12 @@ def dequantize_f32_jnp(w_q, w_scale, w_zero_point=None, block_size=128, weight_f
     import jax.numpy as jnp
 
     N = w_q.shape[0]
-    if np.dtype(w_q.dtype) == np.uint8:
+    if np.dtype(w_q.dtype) == np.uint8 and weight_format == INT4N:  # [N/2, K]: rows 2i / 2i + 1, stored q ^ 8
+        b = w_q.astype(jnp.int32)
+        c = jnp.stack([(b & 15) ^ 8, (b >> 4) ^ 8], axis=1).reshape(2 * N, -1)
+        z = 8.0 if w_zero_point is None else jnp.repeat(w_zero_point[:, 0, :].T, block_size, axis=1)
+        q = c.astype(jnp.float32) - z
+    elif np.dtype(w_q.dtype) == np.uint8:
         b = w_q.astype(jnp.int32).reshape(N, -1, 1, block_size // 2)
         c = jnp.concatenate([b & 15, b >> 4], axis=2).reshape(N, -1)
         if weight_format == "fp4":
@@ -578,30 +683,34 @@ def quantized_matmul_blockwise_kernel(x: torch.Tensor, w_q: torch.Tensor, w_scal
     if fmt.startswith("float8"):
         check_chip(None, fmt, where=where)
     odt = _out_dtype(out_dtype, x, where)
-    int4 = fmt in PACKED  # packed two per byte (int4 or fp4)
+    int4 = fmt in PACKED  # packed two per byte along K (int4 or fp4)
+    int4n = fmt == INT4N  # packed two per byte along N
     bk_ = k_block(K_w, block_size, bk, int4)
     bm_, bn_ = _clamp(M, bm), _clamp(N, bn)
     gi, gj, gk = _dsl.cdiv(M, bm_), _dsl.cdiv(N, bn_), K_w // bk_
     n_sub = bk_ // block_size
     wcols = bk_ // 2 if int4 else bk_
+    wrows = bn_ // 2 if int4n else bn_
     in_specs = [pl.BlockSpec((bm_, bk_), lambda i, j, k: (i, k)),
-                pl.BlockSpec((bn_, wcols), lambda i, j, k: (j, k)),
+                pl.BlockSpec((wrows, wcols), lambda i, j, k: (j, k)),
                 pl.BlockSpec((n_sub, 1, bn_), lambda i, j, k: (k, 0, j))]
     if w_zero_point is not None:
         in_specs.append(pl.BlockSpec((n_sub, 1, bn_), lambda i, j, k: (k, 0, j)))
     dequant_to = _jnp(_name(x.dtype))
     acc_shape = (8, 128) if gk == 1 else (bm_, bn_)
     # decode form (module docstring): packed weights, one row block whose block-diagonal x has <= DIAG_ROWS rows
-    diag = int4 and gi == 1 and bm_ % 8 == 0 and bm_ * n_sub <= diag_rows(_target_chip())
-    need = (2 * (padded_bytes((bm_, bk_), x.dtype) + padded_bytes((bn_, wcols), w_q.dtype)
+    diag = (int4 or int4n) and gi == 1 and bm_ % 8 == 0 and bm_ * n_sub <= diag_rows(_target_chip())
+    need = (2 * (padded_bytes((bm_, bk_), x.dtype) + padded_bytes((wrows, wcols), w_q.dtype)
                  + (1 + (w_zero_point is not None)) * n_sub * padded_bytes((1, bn_), "float32")
                  + padded_bytes((bm_, bn_), odt))
             + 2 * padded_bytes((bn_, block_size), dequant_to) + 3 * padded_bytes((bm_, bn_), "float32")
             + padded_bytes(acc_shape, "float32"))
+    if int4n:  # the whole unpacked tile (int4, then x.dtype)
+        need += padded_bytes((bn_, bk_), "int8") + padded_bytes((bn_, bk_), dequant_to)
     if diag:  # the whole unpacked tile (int32 and x.dtype halves), the block-diagonal x and the dots' result
         need += (padded_bytes((bn_, wcols), "int32") + 2 * padded_bytes((bn_, wcols), dequant_to)
                  + 2 * padded_bytes((bm_ * n_sub, wcols), x.dtype) + padded_bytes((bm_ * n_sub, bn_), "float32"))
-    wbytes = N * K_w // (2 if int4 else 1)
+    wbytes = N * K_w // (2 if int4 or int4n else 1)
     cost = pl.CostEstimate(flops=2 * M * N * K_w, transcendentals=0,
                            bytes_accessed=int(gj * M * K_w * np.dtype(x.dtype).itemsize + gi * wbytes
                                               + M * N * np.dtype(odt).itemsize))
@@ -616,6 +725,7 @@ def quantized_matmul_blockwise_kernel(x: torch.Tensor, w_q: torch.Tensor, w_scal
         vmem_limit_bytes=scoped_vmem_limit(need),
         cost_estimate=cost,
         body_kwargs=dict(bs=int(block_size), n_sub=int(n_sub), n_k=int(gk), int4=int4, fp4=fmt == "fp4", diag=diag,
+                         int4n=int4n,
                          has_zp=w_zero_point is not None, dequant_to=dequant_to,
                          precision=lax.Precision.HIGHEST if f32 else None),
     )
@@ -631,7 +741,8 @@ def quantized_matmul_blockwise(x: torch.Tensor, w_q: torch.Tensor, w_scale: torc
 
     Args:
         x: ``[..., K_x]`` bfloat16 / float32 activations, ``K_w - block_size < K_x <= K_w``.
-        w_q: ``[N, K_w]`` int8 / float8_e4m3fn / float8_e5m2, or ``[N, K_w / 2]`` uint8 (int4, :func:`pack_int4`).
+        w_q: ``[N, K_w]`` int8 / float8_e4m3fn / float8_e5m2, ``[N, K_w / 2]`` uint8 (int4 packed along K,
+            :func:`pack_int4`) or ``[N / 2, K_w]`` uint8 (int4 packed along N, ``weight_format="int4n"``).
         w_scale: ``[K_w / block_size, 1, N]`` float32 (tpu-inference's block-wise layout), or 2-D
             ``[ceil(N / block_size), K_w / block_size]``: square ``block_size x block_size`` blocks (DeepSeek-V3's
             ``weight_scale_inv``), expanded along N by :func:`expand_block_scale` before the kernel.
@@ -639,8 +750,10 @@ def quantized_matmul_blockwise(x: torch.Tensor, w_q: torch.Tensor, w_scale: torc
         w_zero_point: int4 only: ``[K_w / block_size, 1, N]`` float32 zero points (grid units); None: symmetric.
         out_dtype: ``"bfloat16"`` / ``"float32"`` (or torch dtype); default ``x.dtype``.
         config: explicit ``{"bm", "bk", "bn"}`` (``bk`` an upper bound, see :func:`k_block`).
-        weight_format: for a uint8 ``w_q``: ``"int4"`` (default) or ``"fp4"`` (e2m1 codes, same packing, no zero
-            points; ``W = e2m1(code) * s``); must match ``w_q``'s dtype otherwise.
+        weight_format: for a uint8 ``w_q``: ``"int4"`` (default; packed along K), ``"int4n"`` (int4 packed along
+            N: the faster decode, module docstring) or ``"fp4"`` (e2m1 codes, packed along K, no zero points;
+            ``W = e2m1(code) * s``); must match ``w_q``'s dtype otherwise. The layouts' shapes never coincide
+            given ``w_scale``: a wrong ``weight_format`` raises ArgumentError (the ``w_scale`` shape).
         x_quant: None (weights dequantized in VMEM, ``x`` as is), ``"fp8"`` (``x`` quantized per token per
             ``1 x block_size`` block to ``w_q``'s fp8 dtype, fp8 x fp8 on the MXU: DeepSeek-V3's scheme; with int4
             or fp4 ``w_q``, to float8_e4m3fn, the weights decoded to bf16 in VMEM: tpu-inference's w4a8 fp8) or
@@ -679,14 +792,15 @@ def quantized_matmul_blockwise(x: torch.Tensor, w_q: torch.Tensor, w_scale: torc
     canon_x_quant(x_quant)
     if w_q.dim() != 2:
         raise ArgumentError(f"{where}: w_q must be 2-D, got shape {tuple(w_q.shape)}")
-    fmt = resolve_format(w_q, where, weight_format)
+    fmt = resolve_format(w_q, where, weight_format, int4n=True)
     K_w = w_q.shape[1] * (2 if fmt in PACKED else 1)
+    N = w_q.shape[0] * (2 if fmt == INT4N else 1)
     if w_scale.dim() == 2 and isinstance(block_size, int) and block_size in BLOCK_SIZES:
         if w_scale.shape[1] != K_w // block_size:
             raise ArgumentError(f"{where}: w_scale (square blocks, 2-D) must have shape (ceil(N / block_size), "
-                                f"K_w / block_size) = ({-(-w_q.shape[0] // block_size)}, {K_w // block_size}), got "
+                                f"K_w / block_size) = ({-(-N // block_size)}, {K_w // block_size}), got "
                                 f"{tuple(w_scale.shape)}")
-        w_scale = expand_block_scale(w_scale, w_q.shape[0], block_size)
+        w_scale = expand_block_scale(w_scale, N, block_size)
     K_x = x.shape[-1]
     if isinstance(block_size, int) and block_size in BLOCK_SIZES and not (K_w - block_size < K_x <= K_w):
         raise ArgumentError(f"{where}: x has K = {K_x} columns but w_q holds K_w = {K_w} (block_size {block_size}): "
@@ -696,47 +810,66 @@ def quantized_matmul_blockwise(x: torch.Tensor, w_q: torch.Tensor, w_scale: torc
     if K_x < K_w and K_x > K_w - block_size:
         x2 = torch.nn.functional.pad(x2, (0, K_w - K_x))  # the padding rule: zero columns meet the padded weight
     kout = None if odt is None or odt == _name(x.dtype) else odt
-    if x2.shape[0] == 0 or w_q.shape[0] == 0:
+    if x2.shape[0] == 0 or N == 0:
         problem(x2, w_q, w_scale, w_zero_point, block_size, where, weight_format)
         # an empty product (no kernel); a linear with an empty operand keeps autograd's graph (d_x = 0)
-        y = torch.nn.functional.linear(x2, x2.new_zeros(w_q.shape[0], K_w))
-        return y.to(getattr(torch, odt or _name(x.dtype))).reshape(*lead, w_q.shape[0])
+        y = torch.nn.functional.linear(x2, x2.new_zeros(N, K_w))
+        return y.to(getattr(torch, odt or _name(x.dtype))).reshape(*lead, N)
     if x_quant is not None:
         # rounding x has no gradient: the forward runs (inference without no_grad), a backward raises
         guard = x.requires_grad and torch.is_grad_enabled()
         problem(x2, w_q, w_scale, w_zero_point, block_size, where, weight_format)
+        if fmt == INT4N:  # the x_quant kernels take the K layout: repacked per call (a gap: a copy of w_q)
+            w_q, fmt = int4n_to_k(w_q, int(block_size)), "int4"
         y = X_QUANT_PATH(x2.detach() if guard else x2, w_q, w_scale, w_zero_point, int(block_size),
-                                          fmt, x_quant, odt or _name(x.dtype), config).reshape(*lead, w_q.shape[0])
+                                          fmt, x_quant, odt or _name(x.dtype), config).reshape(*lead, N)
         return QuantizedInputHasNoGradient.apply(x, y, x_quant) if guard else y
     kw = {} if config is None else dict(config=config)
     y = quantized_matmul_blockwise_kernel(x2, w_q, w_scale, w_zero_point, int(block_size), kout,
-                                          None if fmt == "int4" or fmt not in PACKED else fmt, **kw)
-    return y.reshape(*lead, w_q.shape[0])
+                                          fmt if fmt in ("fp4", INT4N) else None, **kw)
+    return y.reshape(*lead, N)
 
 
 class TPUBlockQuantLinear(torch.nn.Module):
     """``nn.Linear`` with a frozen block-quantized weight: ``y = quantized_matmul_blockwise(x, ...) + bias``.
 
-    Buffers: ``w_q`` (``[out, K_w]`` int8 / fp8 or ``[out, K_w/2]`` uint8 int4), ``w_scale [K_w/bs, 1, out]`` f32,
+    Buffers: ``w_q`` (``[out, K_w]`` int8 / fp8, ``[out/2, K_w]`` uint8 int4 packed along N (``fmt`` ``"int4n"``,
+    the default for int4) or ``[out, K_w/2]`` uint8 int4 / fp4 packed along K), ``w_scale [K_w/bs, 1, out]`` f32,
     optional ``w_zero_point`` (same shape, int4), optional ``bias [out]``, optional ``in_perm [in]`` (act-order
     checkpoints: ``x`` is gathered along K by it first). ``in_features`` may be below ``K_w``
     (the padding rule). Built by the checkpoint loaders (:mod:`tpukernels.integrations.checkpoints`) or
     :meth:`from_linear`. Differentiable in the input (the quantized buffers are frozen: QLoRA-style adapters train
     around it).
+
+    ``fmt="int4"`` stores the weight packed along N (``self.fmt == "int4n"``: Mosaic's native int4 unpack, the
+    faster decode) when ``out_features`` is even, else along K (``"int4"``); ``int4_layout="k"`` / ``"n"`` forces
+    one (``"n"`` with an odd ``out_features`` raises ArgumentError). A state dict whose int4 ``w_q`` has the other
+    layout's shape (``[out, K_w/2]`` vs ``[out/2, K_w]``, never equal) is repacked at load
+    (:meth:`_load_from_state_dict`); any other shape raises torch's size-mismatch error.
     """
 
     def __init__(self, in_features: int, out_features: int, block_size: int, fmt: str = "int4", bias: bool = False,
-                 zero_point: bool = False):
+                 zero_point: bool = False, int4_layout: Optional[str] = None):
         super().__init__()
         if fmt not in WEIGHT_FORMATS:
             raise DTypeError(f"TPUBlockQuantLinear: format {fmt!r} is not one of {WEIGHT_FORMATS}")
+        if int4_layout not in (None, *INT4_LAYOUTS):
+            raise ArgumentError(f"TPUBlockQuantLinear: int4_layout {int4_layout!r} is not one of {INT4_LAYOUTS}")
+        if fmt in ("int4", INT4N):
+            layout = int4_layout or ("n" if fmt == INT4N or out_features % 2 == 0 else "k")
+            if layout == "n" and out_features % 2:
+                raise ArgumentError(f"TPUBlockQuantLinear: int4 packed along N needs an even out_features, got "
+                                    f"{out_features} (use int4_layout='k')")
+            fmt = INT4N if layout == "n" else "int4"
         block_size = _dsl.check_int("TPUBlockQuantLinear", "block_size", block_size)
         if block_size not in BLOCK_SIZES:
             raise ArgumentError(f"TPUBlockQuantLinear: block_size {block_size!r} is not a multiple of 32 in 32..512")
         self.in_features, self.out_features, self.block_size, self.fmt = in_features, out_features, block_size, fmt
         K_w = math.ceil(in_features / block_size) * block_size
         G = K_w // block_size
-        if fmt in PACKED:
+        if fmt == INT4N:
+            w = torch.zeros(out_features // 2, K_w, dtype=torch.uint8)
+        elif fmt in PACKED:
             w = torch.zeros(out_features, K_w // 2, dtype=torch.uint8)
         else:
             w = torch.zeros(out_features, K_w, dtype=getattr(torch, fmt))
@@ -748,12 +881,14 @@ class TPUBlockQuantLinear(torch.nn.Module):
         self.register_buffer("in_perm", None)
 
     @classmethod
-    def from_linear(cls, linear: torch.nn.Linear, block_size: int, fmt: str = "int4", asymmetric: bool = False):
+    def from_linear(cls, linear: torch.nn.Linear, block_size: int, fmt: str = "int4", asymmetric: bool = False,
+                    int4_layout: Optional[str] = None):
         """Quantize ``linear.weight`` with :func:`quantize_weight_blockwise` (K padded by the padding rule)."""
         m = cls(linear.in_features, linear.out_features, block_size, fmt, linear.bias is not None,
-                asymmetric and fmt == "int4")
+                asymmetric and fmt in ("int4", INT4N), int4_layout)
         w = pad_k(linear.weight.detach().float(), block_size)
-        q, s, z = quantize_weight_blockwise(w, block_size, fmt, asymmetric=asymmetric)
+        q, s, z = quantize_weight_blockwise(w, block_size, "int4" if m.fmt == INT4N else fmt, asymmetric=asymmetric,
+                                            layout=m.int4_layout or "k")
         m.w_q.copy_(q)
         m.w_scale.copy_(s)
         if z is not None:
@@ -761,6 +896,31 @@ class TPUBlockQuantLinear(torch.nn.Module):
         if linear.bias is not None:
             m.bias = linear.bias.detach().clone()
         return m
+
+    @property
+    def int4_layout(self) -> Optional[str]:
+        """``"n"`` (int4 packed along N), ``"k"`` (int4 packed along K) or None (not int4)."""
+        return {INT4N: "n", "int4": "k"}.get(self.fmt)
+
+    def pack(self, q: torch.Tensor) -> torch.Tensor:
+        """Unsigned nibbles ``q [out, K_w]`` (``0..15``) -> this module's int4 ``w_q`` (:func:`pack_int4`)."""
+        return pack_int4(q, self.block_size, self.int4_layout)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        """An int4 ``w_q`` saved in the other packing (its shape tells: ``[out, K_w/2]`` is K-packed, ``[out/2,
+        K_w]`` N-packed) is repacked into this module's; the rest is torch's load (shape mismatches raise)."""
+        key = prefix + "w_q"
+        w = state_dict.get(key)
+        layout = self.int4_layout
+        if layout is not None and isinstance(w, torch.Tensor) and w.dtype == torch.uint8 and w.dim() == 2:
+            out, K_w = self.out_features, self.w_q.shape[1] * (2 if layout == "k" else 1)
+            other = "k" if layout == "n" else "n"
+            if tuple(w.shape) == ((out, K_w // 2) if other == "k" else (out // 2, K_w)):
+                state_dict = dict(state_dict)
+                state_dict[key] = pack_int4(unpack_int4(w, self.block_size, other), self.block_size, layout)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
 
     def _apply(self, fn, recurse=True):
         """Device moves only for the quantized buffers (as :class:`TPUQuantLinear`); ``bias`` follows casts."""
@@ -781,7 +941,7 @@ class TPUBlockQuantLinear(torch.nn.Module):
         cast = x.dtype not in (torch.bfloat16, torch.float32)
         y = quantized_matmul_blockwise(x.float() if cast else x, self.w_q, self.w_scale, block_size=self.block_size,
                                        w_zero_point=self.w_zero_point,
-                                       weight_format="fp4" if self.fmt == "fp4" else None)
+                                       weight_format=self.fmt if self.fmt in ("fp4", INT4N) else None)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.to(x.dtype) if cast else y

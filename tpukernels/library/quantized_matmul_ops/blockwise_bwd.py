@@ -76,7 +76,8 @@ from ..vmem import scoped_vmem_limit
 from ...errors import ArgumentError, DTypeError
 # ``name as _name``: the kernel bodies and launch functions here keep the names they had, so their source, which
 # keys their entries in the tuning DB (tpukernels/autotune/db.py), is unchanged
-from .blockwise import (PACKED, dequantize_blockwise, dequantize_f32_jnp, fp4_decode as _fp4_decode, k_block, problem,
+from .blockwise import (INT4N, PACKED, dequantize_blockwise, dequantize_f32_jnp, fp4_decode as _fp4_decode, int4n_to_k,
+                        k_block, problem,
                         quantized_matmul_blockwise_kernel, resolve_format)
 from .common import (U32, X_DTYPES, check_chip, clamp as _clamp, dtype_name as _name, jnp_dtype as _jnp,
                      resolve_out_dtype as _out_dtype)
@@ -108,11 +109,11 @@ def error_bound_blockwise_dx(g, w_q, w_scale, block_size: int, w_zero_point=None
     odt = out_dtype or g.dtype
     u = 2.0**-8 if odt == torch.bfloat16 else U32
     u_g = 2.0**-8 if g.dtype == torch.bfloat16 else 0.0
-    fmt = resolve_format(w_q, "error_bound_blockwise_dx", weight_format_)
+    fmt = resolve_format(w_q, "error_bound_blockwise_dx", weight_format_, int4n=True)
     W = dequantize_blockwise(w_q, w_scale, block_size, w_zero_point, weight_format_)
     s = w_scale.double()[:, 0, :].T.repeat_interleave(block_size, 1).abs()
-    if fmt == "int4":
-        qp = unpack_int4(w_q, block_size).double() - 8
+    if fmt in ("int4", INT4N):
+        qp = unpack_int4(w_q, block_size, "n" if fmt == INT4N else "k").double() - 8
         zp = 0.0 if w_zero_point is None else (w_zero_point.double()[:, 0, :].T - 8).repeat_interleave(block_size, 1)
         mag_w = (qp.abs() + (zp.abs() if torch.is_tensor(zp) else 0.0)) * s
     elif fmt == "fp4":
@@ -207,7 +208,10 @@ def _dx_problem(g, w_q, w_scale, w_zero_point, block_size, weight_format):
         raise DTypeError(f"{WHERE}: g dtype {_name(g.dtype)} is not one of {X_DTYPES}")
     if len(w_q.shape) != 2:
         raise ArgumentError(f"{WHERE}: w_q must be 2-D, got shape {tuple(w_q.shape)}")
-    fmt = resolve_format(w_q, WHERE, weight_format)
+    fmt = resolve_format(w_q, WHERE, weight_format, int4n=True)
+    if fmt == INT4N:
+        raise ArgumentError(f"{WHERE}: takes int4 packed along K (weight_format 'int4'); repack int4n weights "
+                            f"with int4n_to_k (the autograd backward does)")
     K_w = w_q.shape[1] * (2 if fmt in PACKED else 1)
     if g.shape[1] != w_q.shape[0]:
         raise ArgumentError(f"{WHERE}: g {tuple(g.shape)} and w_q {tuple(w_q.shape)}: g's N = {g.shape[1]} must "
@@ -318,8 +322,11 @@ def _backward(ctx, gy):
     grads = {}
     if ctx.needs_input_grad.get("x"):
         x = a["x"]
+        w_q, fmt = a["w_q"], a["weight_format"]
+        if fmt == INT4N:  # the d_x kernel takes int4 packed along K: repacked per backward (a copy of w_q; a gap)
+            w_q, fmt = int4n_to_k(w_q, a["block_size"]), None
         grads["x"] = torch.ops.tpukernels.quantized_matmul_blockwise_bwd_dx.default(
-            gy.to(x.dtype), a["w_q"], a["w_scale"], a["w_zero_point"], a["block_size"], None, a["weight_format"])
+            gy.to(x.dtype), w_q, a["w_scale"], a["w_zero_point"], a["block_size"], None, fmt)
     return grads
 
 
