@@ -49,6 +49,7 @@ def test_v5e_sweep_prunes_survives_a_compile_failure_writes_db_and_dispatches(tm
     assert matmul.resolve_config(s3, statics, None)[1] == "default"
 
 
+@pytest.mark.slow  # ~25-50 s of libtpu compiles; make test keeps the v5e sweep above (the same code path)
 def test_tpu7x_cli_sweep_with_two_workers_within_budget(tmp_cache, monkeypatch, capsys):
     t0 = time.monotonic()
     rc = main(["--import", os.path.join(EXAMPLES, "matmul.py"), "autotune", "examples::matmul", "--chip", "tpu7x",
