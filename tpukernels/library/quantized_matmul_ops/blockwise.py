@@ -380,6 +380,24 @@ def fp4_decode(n, dt):
 _fp4_decode = fp4_decode  # the kernel bodies here keep this name: the tuning DB keys them by their source
 
 
+def _scale_groups(z, x_ref, s_ref, z_ref, *, bs, n_sub):
+    """The decode form's last step: ``z [n_sub * bm, bn]`` f32 holds group ``g``'s partial product in row block
+    ``g``; each is corrected for its zero point (``- rowsum(x_g) * (z_g - 8)``: the MXU was fed ``q - 8``) and
+    scaled by its group's scale row, and the groups are summed: the K step's ``[bm, bn]`` f32 part."""
+    import jax.numpy as jnp
+
+    bm = x_ref.shape[0]
+    part = None
+    for g in range(n_sub):
+        d = z[g * bm:(g + 1) * bm]
+        if z_ref is not None:
+            r = jnp.sum(x_ref[:, g * bs:(g + 1) * bs].astype(jnp.float32), axis=1, keepdims=True)
+            d = d - r * (z_ref[g] - 8.0)
+        d = d * s_ref[g]
+        part = d if part is None else part + d
+    return part
+
+
 def _diag_part(x_ref, w_ref, s_ref, z_ref, *, bs, n_sub, fp4, dequant_to, precision):
     """Decode form of one K step for packed weights (module docstring, "Decode"): the tile unpacked once, every
     group's partial product from one pair of dots with a block-diagonal ``x`` (``n_sub * bm`` rows; row block
@@ -389,7 +407,6 @@ def _diag_part(x_ref, w_ref, s_ref, z_ref, *, bs, n_sub, fp4, dequant_to, precis
 
     dims = (((1,), (1,)), ((), ()))
     half = bs // 2
-    bm = x_ref.shape[0]
     xl = jnp.concatenate([x_ref[:, g * bs:g * bs + half] for g in range(n_sub)], axis=1)  # [bm, bk/2]
     xh = jnp.concatenate([x_ref[:, g * bs + half:(g + 1) * bs] for g in range(n_sub)], axis=1)
     grp = jax.lax.broadcasted_iota(jnp.int32, xl.shape, 1) // half
@@ -403,15 +420,7 @@ def _diag_part(x_ref, w_ref, s_ref, z_ref, *, bs, n_sub, fp4, dequant_to, precis
         lo, hi = ((b & 15) - 8).astype(dequant_to), ((b >> 4) - 8).astype(dequant_to)
     Z = (jax.lax.dot_general(XL, lo, dims, precision=precision, preferred_element_type=jnp.float32)
          + jax.lax.dot_general(XH, hi, dims, precision=precision, preferred_element_type=jnp.float32))
-    part = None
-    for g in range(n_sub):
-        d = Z[g * bm:(g + 1) * bm]
-        if z_ref is not None:
-            r = jnp.sum(x_ref[:, g * bs:(g + 1) * bs].astype(jnp.float32), axis=1, keepdims=True)
-            d = d - r * (z_ref[g] - 8.0)
-        d = d * s_ref[g]
-        part = d if part is None else part + d
-    return part
+    return _scale_groups(Z, x_ref, s_ref, z_ref, bs=bs, n_sub=n_sub)
 
 
 def _diag_part_n(x_ref, w, s_ref, z_ref, *, bs, n_sub, precision):
@@ -421,21 +430,12 @@ def _diag_part_n(x_ref, w, s_ref, z_ref, *, bs, n_sub, precision):
     import jax
     import jax.numpy as jnp
 
-    bm = x_ref.shape[0]
     x = x_ref[...]
     grp = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1) // bs
     zero = jnp.zeros((), x.dtype)
     xd = jnp.concatenate([jnp.where(grp == g, x, zero) for g in range(n_sub)], axis=0)  # [n_sub * bm, bk]
     z = jax.lax.dot_general(xd, w, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
-    part = None
-    for g in range(n_sub):
-        d = z[g * bm:(g + 1) * bm]
-        if z_ref is not None:
-            r = jnp.sum(x_ref[:, g * bs:(g + 1) * bs].astype(jnp.float32), axis=1, keepdims=True)
-            d = d - r * (z_ref[g] - 8.0)
-        d = d * s_ref[g]
-        part = d if part is None else part + d
-    return part
+    return _scale_groups(z, x_ref, s_ref, z_ref, bs=bs, n_sub=n_sub)
 
 
 def accumulate_k_step(part, k, n_k: int, acc_ref, o_ref, *, in_place: bool = False) -> None:
