@@ -87,12 +87,13 @@ demo: $(STAMP)
 	@echo "make demo: starting tpukernels demo (importing torch + jax takes a few seconds; about half a minute on 2 cores; later runs reuse cached libtpu estimates)"
 	$(VENV)/bin/tpukernels demo
 
-# A test whose xdist worker dies (a native crash: twice in CI, a SIGSEGV inside libgcc_s's stack unwinder during a
-# torch call, in a different test each time, never reproduced alone) is rerun once on a fresh worker; the summary
-# counts it as "rerun" and pytest's faulthandler prints the crashed worker's stack at the top of the log. An ordinary
-# failure is never rerun: --rerun-except . matches every exception, so it fails at once.
+# A test whose xdist worker dies is rerun once on a fresh worker (pytest-rerunfailures); -rR names it in the
+# summary ("RERUN"). Why: about once per full run (2 CI runs, 3 local runs, a different test each time, never
+# alone) a worker dies of a SIGSEGV at one instruction of libgcc_s's unwinder; the one stack faulthandler caught
+# was inside jax's XLA:CPU compile (backend_compile_and_load). An ordinary failure is never rerun:
+# --rerun-except . matches every exception, so it fails at once.
 test: $(STAMP) $(TORCH_TPU_WHEEL) $(VLLM_TPU) $(TORCHTITAN) $(FLA) $(TOKAMAX) $(DOCS) browser
-	$(PY) -m pytest -n 2 -q --durations=30 --reruns 1 --rerun-except . --max-suite-reruns 2
+	$(PY) -m pytest -n 2 -q -rR --durations=30 --reruns 1 --rerun-except . --max-suite-reruns 2
 
 # Every library kernel vs XLA and public Pallas kernels (libtpu model) + host costs -> BENCHMARKS.md
 bench: $(STAMP) $(TOKAMAX)
