@@ -465,6 +465,25 @@ def test_bad_input_raises_typed_errors_before_any_kernel():
             fn()
 
 
+def test_ids_out_of_range_raise_under_torch_compile():
+    """Compiled (fullgraph), the ids' values are unknown while tracing: the graph asserts their range, so an id
+    >= num_experts raises when it runs (it used to be counted into the last group: a silent wrong routing)."""
+    x = torch.randn(4, 128)
+    ok = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0]])
+
+    def f(x, ids):
+        xs, sizes, _ = MR.moe_permute(x, ids, 4)
+        return xs, sizes
+
+    cf = torch.compile(f, fullgraph=True, backend="aot_eager")
+    xs, sizes = cf(x, ok)
+    assert sizes.tolist() == [2, 2, 2, 2]
+    torch.testing.assert_close(xs, f(x, ok)[0])
+    for bad in (ok.clone().index_put_((torch.tensor(3), torch.tensor(1)), torch.tensor(5)), ok - 1):
+        with pytest.raises(RuntimeError, match=r"expert_ids must be in \[0, num_experts = 4\)"):
+            cf(x, bad)
+
+
 def test_kernel_ops_reject_inconsistent_internal_args():
     with pytest.raises(ArgumentError, match="bias is only for mode 'grouped'"):
         R.router_topk_fwd(rand(4, 8), rand(1, 8), 2, "softmax", False)

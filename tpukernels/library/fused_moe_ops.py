@@ -71,8 +71,9 @@ the permute / combine gathers, with ``gate``/``up`` (``[T*k, 2I]``) and the expe
 float32 in HBM between them; tpu-inference's ``fused_ep_moe`` keeps those in VMEM. Each kernel uses its own
 tuned / heuristic config (no tuning of the composition).
 
-``torch.compile(fullgraph=True)`` takes the op as one graph (fixed-length group sizes; the id value check is
-skipped while compiling; tested bit-equal to eager).
+``torch.compile(fullgraph=True)`` takes the op as one graph (fixed-length group sizes; the ids' range is then
+asserted inside the graph by ``moe_permute``, a RuntimeError when it runs, not the eager ArgumentError; tested
+bit-equal to eager).
 
 JAX: :func:`fused_moe_jax` runs the forward on jax arrays through the same kernels (float weights; no
 ``jax.grad``). Tests: ``tests/test_fused_moe.py``.

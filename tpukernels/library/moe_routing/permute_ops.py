@@ -377,7 +377,8 @@ def moe_permute(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int):
         for :func:`moe_combine`. Differentiable in x.
 
     Raises:
-        ArgumentError: ranks / shapes, ``num_experts < 1``, ids out of ``[0, num_experts)`` (cpu tensors).
+        ArgumentError: ranks / shapes, ``num_experts < 1``, ids out of ``[0, num_experts)`` (cpu tensors;
+            under ``torch.compile`` the compiled graph asserts the range instead: a RuntimeError when it runs).
         DTypeError: x not bf16/f16/f32, ids not int32/int64. DeviceError: ids on another device.
     """
     op = "tpukernels.moe_permute"
@@ -395,6 +396,10 @@ def moe_permute(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int):
         if lo < 0 or hi >= num_experts:
             raise ArgumentError(f"{op}: expert_ids must be in [0, num_experts = {num_experts}), got values in "
                                 f"[{lo}, {hi}]")
+    elif expert_ids.numel() and expert_ids.device.type == "cpu":  # traced by torch.compile: values unknown here
+        # an id out of range would otherwise be counted into a wrong group (silently); the graph asserts it
+        torch._assert_async(((expert_ids >= 0) & (expert_ids < num_experts)).all(),
+                            f"{op}: expert_ids must be in [0, num_experts = {num_experts})")
     xs, sizes, order, positions = torch.ops.tpukernels.moe_permute(x, expert_ids, num_experts)
     return xs, sizes, MoEPermutation(order, positions, sizes)
 
