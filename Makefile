@@ -88,9 +88,9 @@ demo: $(STAMP)
 	$(VENV)/bin/tpukernels demo
 
 # A test whose xdist worker dies is rerun once on a fresh worker (pytest-rerunfailures); -rR names it in the
-# summary ("RERUN"). Why: about once per full run (2 CI runs, 3 local runs, a different test each time, never
-# alone) a worker dies of a SIGSEGV at one instruction of libgcc_s's unwinder; the one stack faulthandler caught
-# was inside jax's XLA:CPU compile (backend_compile_and_load). An ordinary failure is never rerun:
+# summary ("RERUN"). Why: about once per full run (2 CI runs, 4 local runs, a different test each time, never
+# alone) a worker dies of a SIGSEGV at one instruction of libgcc_s's unwinder; both stacks faulthandler caught
+# were inside jax's XLA:CPU compile (backend_compile_and_load). An ordinary failure is never rerun:
 # --rerun-except . matches every exception, so it fails at once.
 test: $(STAMP) $(TORCH_TPU_WHEEL) $(VLLM_TPU) $(TORCHTITAN) $(FLA) $(TOKAMAX) $(DOCS) browser
 	$(PY) -m pytest -n 2 -q -rR --durations=30 --reruns 1 --rerun-except . --max-suite-reruns 2
