@@ -227,6 +227,8 @@ def measure_parts(row: dict, parts, chip: str, runner: DeviceRunner, *, warmup: 
             row["parts"].append(part)
             done.append((row, part, prep))
     except (TpuKernelError, RuntimeError, NotImplementedError) as e:
+        # not swallowed: the row keeps the error and the report prints it; one case that cannot run on this chip
+        # (a config the chip rejects, an op its torch_tpu lacks) must not abort the other cases' timings
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:240] if str(e) else ''}"
         row["parts"] = []
         return row
