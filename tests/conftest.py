@@ -81,12 +81,29 @@ def _sample_compile_only_chips(items):
 
 
 def _fast_interpret_is_slow(items):
-    """The "fast" half of the ``interpret`` fixture is marked ``slow``: ``make test`` runs each such test in mode
+    """The "fast" half of an interpret-mode parameter is marked ``slow``: ``make test`` runs such a test in mode
     "tpu" only (NaN-poisoned memory, the mode whose semantics match the chip), ``make test-slow`` in both. The
-    "fast" half was ~9% of make test's time and checks nothing the "tpu" half does not, on a correct kernel."""
+    "fast" half was ~15% of make test's time and checks nothing the "tpu" half does not, on a correct kernel.
+
+    It covers the ``interpret`` fixture and a test's own ``mode`` parameter ("fast" / "tpu"), the latter only where
+    the same test has the "tpu" twin with the same other parameters, so no case loses its last make-test run.
+    """
+    def key(item, name):
+        spec = item.callspec
+        others = tuple(sorted((k, repr(v)) for k, v in spec.params.items() if k != name))
+        return (item.path.name, getattr(item, "originalname", item.name), others)
+
+    tpu_twins = set()
     for item in items:
         spec = getattr(item, "callspec", None)
-        if spec is not None and spec.params.get("interpret") == "fast":
+        if spec is not None and spec.params.get("mode") == "tpu":
+            tpu_twins.add(key(item, "mode"))
+    for item in items:
+        spec = getattr(item, "callspec", None)
+        if spec is None:
+            continue
+        if spec.params.get("interpret") == "fast" or (
+                spec.params.get("mode") == "fast" and key(item, "mode") in tpu_twins):
             item.add_marker(pytest.mark.slow)
 
 

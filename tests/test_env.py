@@ -104,7 +104,7 @@ def test_log_config_flag(value, logged, monkeypatch, caplog):
     assert bool(hits) is logged
 
 
-@pytest.mark.parametrize("basic_config", [False, True])
+@pytest.mark.parametrize("basic_config", [pytest.param(False, marks=pytest.mark.slow), True])  # True: the bug
 def test_log_config_prints_each_choice_once(basic_config):
     """TPUKERNELS_LOG_CONFIG=1 prints each config choice once on stderr, with or without the application's
     logging.basicConfig (whose root handler used to print it a second time)."""
