@@ -512,20 +512,20 @@ def moe_permute_jax(x, expert_ids, num_experts: int, *, interpret=None):
     order = jnp.argsort(flat, stable=True).astype(jnp.int32)
     positions = jnp.zeros_like(order).at[order].set(jnp.arange(t * k, dtype=jnp.int32)).reshape(t, k)
     sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1, mode="drop")
-    src = order // k
-
+    # the index arrays are arguments of the custom_vjp functions, not closures: a custom_vjp that closes over a
+    # tracer of an enclosing trace (e.g. ids traced by shard_map, then differentiated) leaks it
     @jax.custom_vjp
-    def gather(xv):
-        return _jax_gather(xv, src, interpret)
+    def gather(xv, order_, positions_):
+        return _jax_gather(xv, order_ // k, interpret)
 
-    def fwd(xv):
-        return gather(xv), None
+    def fwd(xv, order_, positions_):
+        return gather(xv, order_, positions_), positions_
 
-    def bwd(_, g):
-        return (_jax_gather_reduce(g, positions, jnp.ones((t, k), jnp.float32), k, interpret),)
+    def bwd(positions_, g):
+        return _jax_gather_reduce(g, positions_, jnp.ones((t, k), jnp.float32), k, interpret), None, None
 
     gather.defvjp(fwd, bwd)
-    return gather(x), sizes, (order, positions, sizes)
+    return gather(x, order, positions), sizes, (order, positions, sizes)
 
 
 def moe_combine_jax(y_sorted, weights, meta, *, interpret=None):
@@ -542,23 +542,23 @@ def moe_combine_jax(y_sorted, weights, meta, *, interpret=None):
     if not isinstance(sizes, jax.core.Tracer) and int(jnp.sum(sizes)) != t * k:
         raise ArgumentError(f"{op}: meta.group_sizes must sum to T*k = {t * k}, got {int(jnp.sum(sizes))}")
 
-    @jax.custom_vjp
-    def combine(y, w):
-        return _jax_gather_reduce(y, positions, w, k, interpret)
+    @jax.custom_vjp  # index arrays as arguments, not closures (see moe_permute_jax)
+    def combine(y, w, order_, positions_):
+        return _jax_gather_reduce(y, positions_, w, k, interpret)
 
-    def fwd(y, w):
-        return combine(y, w), (y, w)
+    def fwd(y, w, order_, positions_):
+        return combine(y, w, order_, positions_), (y, w, order_, positions_)
 
     def bwd(res, g):
-        y, w = res
-        rows = _jax_gather(g, order // k, interpret)
-        dy = (rows.astype(jnp.float32) * w.reshape(-1).astype(jnp.float32)[order][:, None]).astype(y.dtype)
-        ys = _jax_gather(y, positions.reshape(-1), interpret).reshape(t, k, -1)
+        y, w, order_, positions_ = res
+        rows = _jax_gather(g, order_ // k, interpret)
+        dy = (rows.astype(jnp.float32) * w.reshape(-1).astype(jnp.float32)[order_][:, None]).astype(y.dtype)
+        ys = _jax_gather(y, positions_.reshape(-1), interpret).reshape(t, k, -1)
         dw = jnp.sum(ys.astype(jnp.float32) * g.astype(jnp.float32)[:, None, :], -1).astype(w.dtype)
-        return dy, dw
+        return dy, dw, None, None
 
     combine.defvjp(fwd, bwd)
-    return combine(y_sorted, weights)
+    return combine(y_sorted, weights, order.astype(jnp.int32), positions.astype(jnp.int32))
 
 
 # ----------------------------------------------------------------------------------------- float64 references
