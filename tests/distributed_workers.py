@@ -134,6 +134,67 @@ def fsdp2_llama(mesh, steps: int = 3) -> dict:
     return out
 
 
+def expert_parallel(mesh) -> dict:
+    """Expert-parallel dispatch -> local experts -> combine over the group (E = 4 experts, 2 per rank, top-2,
+    a different token count per rank), against a float64 reference of single-device top-k MoE: the output, the
+    gradients of x, the router weights and this rank's expert weights (which collect every rank's tokens);
+    a skewed routing where rank 1 receives nothing; and the typed errors, raised on every rank (none hangs)."""
+    import torch.distributed as dist
+
+    from tpukernels.distributed.expert_parallel import ep_combine, ep_dispatch
+    from tpukernels.errors import ArgumentError
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    E, D, O, k = 4, 128, 128, 2
+    el = E // n
+    W = torch.randn(E, D, O, generator=torch.Generator().manual_seed(1)) / D ** 0.5  # the same on every rank
+    res = {}
+    for case in ("random", "skew"):
+        gen = torch.Generator().manual_seed(10 * rank + (case == "skew"))
+        T = 5 + rank
+        x = torch.randn(T, D, generator=gen)
+        hi = el if case == "skew" else E  # skew: every copy to rank 0's experts
+        ids = torch.randint(0, hi, (T, k), generator=gen)
+        w = torch.rand(T, k, generator=gen)
+        g = torch.randn(T, O, generator=gen)
+        x_ = x.clone().requires_grad_()
+        w_ = w.clone().requires_grad_()
+        W_local = W[rank * el:(rank + 1) * el].clone().requires_grad_()
+        xs, sizes, h = ep_dispatch(x_, ids, E, mesh)
+        e = torch.repeat_interleave(torch.arange(el), sizes.long())  # local expert of each received row
+        y = torch.einsum("rd,rdo->ro", xs, W_local[e])
+        out = ep_combine(y, w_, h)
+        (out * g).sum().backward()
+        # float64 reference; dW needs every rank's tokens: gather them
+        per = torch.einsum("td,tjdo->tjo", x.double(), W.double()[ids])
+        ref = (per * w.double()[..., None]).sum(1)
+        ref_dx = torch.einsum("tj,tjdo,to->td", w.double(), W.double()[ids], g.double())
+        ref_dw = torch.einsum("tjo,to->tj", per, g.double())
+        allx, allids, allw, allg = ([None] * n for _ in range(4))
+        for buf, t in ((allx, x), (allids, ids), (allw, w), (allg, g)):
+            dist.all_gather_object(buf, t)
+        X, I, Wt, G = (torch.cat(b) for b in (allx, allids, allw, allg))
+        dW = torch.zeros(E, D, O, dtype=torch.float64)
+        for j in range(k):  # dW[e] += sum over copies routed to e of w * x^T g
+            dW.index_add_(0, I[:, j], torch.einsum("td,to->tdo", X.double() * Wt.double()[:, j, None], G.double()))
+        counts = torch.bincount(I.reshape(-1), minlength=E)[rank * el:(rank + 1) * el]
+        res[case] = {"out": _err(out, ref), "dx": _err(x_.grad, ref_dx), "dw": _err(w_.grad, ref_dw),
+                     "dW": _err(W_local.grad, dW[rank * el:(rank + 1) * el]), "rows": int(xs.shape[0]),
+                     "sizes": sizes.tolist(), "want_sizes": counts.tolist()}
+    errors = {}
+    for name, call in (
+            ("indivisible", lambda: ep_dispatch(torch.randn(3, D), torch.zeros(3, k, dtype=torch.long), 3, mesh)),
+            ("hidden_mismatch", lambda: ep_dispatch(torch.randn(3, D * (1 + rank)), torch.zeros(3, k, dtype=torch.long),
+                                                    E, mesh))):
+        try:
+            call()
+            errors[name] = "no error"
+        except ArgumentError as exc:
+            errors[name] = str(exc)
+    res["errors"] = errors
+    return res
+
+
 def worker(rank: int, world: int, port: int, outdir: str, checks: list[str]) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh

@@ -28,7 +28,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("tpukernels.torch_op",),
     ("tpukernels.frontends", "tpukernels.distributed"),
     ("tpukernels.autotune",),
-    ("tpukernels.library", "tpukernels.distributed.ring_attention"),  # ring attention composes the flash kernels
+    ("tpukernels.library", "tpukernels.distributed.ring_attention",  # ring attention composes the flash kernels
+     "tpukernels.distributed.expert_parallel"),  # expert parallelism composes the MoE permute / combine kernels
     ("tpukernels.integrations",),
     ("tpukernels", "tpukernels._plugins"),  # the public façade (tpukernels/__init__.py) and its wiring
     ("tpukernels.bench", "tpukernels.demo"),

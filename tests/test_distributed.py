@@ -18,7 +18,7 @@ import tpukernels as tk
 from tpukernels.distributed import PARTIAL, Split, TensorMeta, splits_for
 
 TIMEOUT_S = 600  # ~50-70 s on a quiet 2-core machine; generous for a loaded one (a fresh clone under load took > 240 s)
-CHECKS = ["dtensor_checks", "fsdp2_llama"]
+CHECKS = ["dtensor_checks", "fsdp2_llama", "expert_parallel"]
 
 
 def _free_port() -> int:
@@ -52,7 +52,7 @@ def group_results(tmp_path_factory):
     return ranks
 
 
-def test_two_process_group_dtensor_ops_and_fsdp2(group_results):
+def test_two_process_group_dtensor_ops_fsdp2_and_expert_parallel(group_results):
     """One test for the whole group (xdist would spawn a group per worker otherwise)."""
     # DTensor ops: sharded outputs and gradients equal the single-process ones, computed on the local shards
     names = [c["name"] for c in group_results[0]["dtensor_checks"]]
@@ -71,6 +71,17 @@ def test_two_process_group_dtensor_ops_and_fsdp2(group_results):
         torch.testing.assert_close(ours["losses"], stock["losses"], rtol=1e-4, atol=1e-5)
         assert ours["losses"][-1] < ours["losses"][0] - 0.05  # it trained
     assert group_results[0]["fsdp2_llama"] == group_results[1]["fsdp2_llama"]  # the mean loss is one number
+    # expert parallelism (tpukernels.distributed.expert_parallel): dispatch -> local experts -> combine equals
+    # single-device top-k MoE, gradients included (dW collects the other rank's tokens through the all-to-all)
+    for rank in group_results:
+        ep = rank["expert_parallel"]
+        for case in ("random", "skew"):
+            c = ep[case]
+            assert max(c["out"], c["dx"], c["dw"], c["dW"]) < 1e-5, (rank["rank"], case, c)
+            assert c["sizes"] == c["want_sizes"] and c["rows"] == sum(c["want_sizes"]), c
+        assert "divisible by the group size 2" in ep["errors"]["indivisible"], ep["errors"]
+        assert "disagree on x.shape[1]" in ep["errors"]["hidden_mismatch"], ep["errors"]  # every rank raised
+    assert group_results[1]["expert_parallel"]["skew"]["rows"] == 0  # rank 1 received nothing and combined
 
 
 # ------------------------------------------------------------------------------------------ rules (no group)
