@@ -47,7 +47,8 @@ def tmp_cache(tmp_path, monkeypatch):
 #: devices", torch 2.13 + torchax 0.0.13). They run last, so no other test shares a process with torchax after
 #: it loads: pytest-xdist's load scheduling hands items out in collection order and each worker runs its items
 #: in the order it got them, so whatever a worker runs after one of these is one of these too.
-TORCHAX_MODULES = ("test_torchax_ops.py", "test_vllm_tpu.py", "test_vllm_tpu_linear_attention.py")
+TORCHAX_MODULES = ("test_torchax_ops.py", "test_vllm_tpu.py", "test_vllm_tpu_linear_attention.py",
+                   "test_vllm_tpu_mla.py")
 
 
 def _sample_compile_only_chips(items):

@@ -215,6 +215,16 @@ def test_matches_tpu_inference_reference():
     assert (out[:n] - got).abs().max().item() <= 1e-5 * got.abs().max().item()
     got_cache = torch.from_numpy(np.array(got_cache))[:, :, 0]
     assert torch.equal(cache, torch.cat([got_cache[..., :L], got_cache[..., L:L + R]], -1))
+    # ours on their padded cache rows as they are (a reshape of their [P, page/packing, packing, W] cache), the
+    # pad lanes NaN-poisoned where no write reaches them: the same output, and their written cache bit for bit
+    poisoned = their_cache[:, :, 0].copy()
+    poisoned[..., L + R:] = np.nan
+    out_p, cache_p = mla_ragged_paged_attention(ql_nope, q_pe, new_c, new_pe, torch.from_numpy(poisoned), kl, pi, cu,
+                                                ns, sm_scale=0.07, interpret="tpu")
+    assert torch.equal(out_p[:n], out[:n]) and not out_p.isnan().any()
+    written = ~torch.isnan(cache_p[..., L + R])  # rows this step wrote: their pad lanes are 0, as tpu-inference's
+    assert written.sum() == n and torch.equal(cache_p[written], got_cache[written])
+    assert torch.equal(cache_p[..., :L + R], got_cache[..., :L + R])
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])

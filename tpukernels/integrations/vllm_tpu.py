@@ -365,8 +365,10 @@ def __getattr__(name: str):
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: make ``--attention-backend tpukernels`` select this backend
     for the attention layers and :class:`~tpukernels.integrations.vllm_tpu_gdn.TpuKernelsLinearAttentionBackend`
-    (tpukernels' causal conv1d + gated DeltaNet) for the GDN linear-attention layers of hybrid models
-    (idempotent: vLLM may run plugins more than once per process).
+    (tpukernels' causal conv1d + gated DeltaNet) for the GDN linear-attention layers of hybrid models; with
+    ``TPUKERNELS_VLLM_MLA=1``, also tpukernels' MLA kernel for MLA layers
+    (:func:`tpukernels.integrations.vllm_tpu_mla.register`). Idempotent: vLLM may run plugins more than once
+    per process.
 
     Raises:
         BackendUnavailableError: tpu-inference (or vllm) is not importable.
@@ -380,6 +382,9 @@ def register() -> None:
 
     register_attention_backend(NAME, attention=backend_class(), vllm_backend=VLLM_BACKEND,
                                linear_attention=linear_backend_class())
+    from . import vllm_tpu_mla
+
+    vllm_tpu_mla.register()  # MLA layers: only with TPUKERNELS_VLLM_MLA=1 (tpu-inference's registry has no MLA slot)
 
 
 __all__ = ["NAME", "VLLM_BACKEND", "register", "backend_class", "kv_cache_shape", "kv_cache_view", "metadata_view",

@@ -23,7 +23,9 @@ Layout::
     q_pe          [T, H, R]                RoPE part of the query (R = qk_rope_head_dim), rotated by the caller
     new_kv_c      [T, L]                   this step's latents c_kv (normalised: kv_a_layernorm applied)
     new_k_pe      [T, R]                   this step's rotated RoPE keys
-    cache_kv      [P, page_size, L + R]    c_kv in lanes [0, L), k_pe in [L, L + R)
+    cache_kv      [P, page_size, W]        c_kv in lanes [0, L), k_pe in [L, L + R); W = L + R, or
+                                           align(L, 128) + align(R, 128) (tpu-inference's padded rows; the
+                                           pad lanes are never read and written 0)
     kv_lens       int32 [S]                cached tokens per sequence, this step's new ones included
     page_indices  int32 [S, pages_per_seq] page p of sequence s is cache_kv[page_indices[s, p]]
     cu_q_lens     int32 [S + 1]            sequence s owns rows [cu_q_lens[s], cu_q_lens[s + 1])
@@ -138,6 +140,12 @@ def _dt(x) -> str:
     return np.dtype(x.dtype).name if not isinstance(x, torch.Tensor) else str(x.dtype).replace("torch.", "")
 
 
+def padded_width(L: int, R: int) -> int:
+    """The cache row width of tpu-inference's MLA v2 layout: ``align(L, 128) + align(R, 128)`` (k_pe padded to
+    128 lanes; the pad lanes are never read here: selected to 0 in VMEM)."""
+    return -(-L // 128) * 128 + -(-R // 128) * 128
+
+
 def _check_shapes(kv_lens, page_indices, cu_q_lens, num_seqs, ql_nope, q_pe, cache_kv, *, where: str):
     """Ranks, shape agreement and dtypes of the attention operands; returns ``(T, H, L, R, P, ps, S, pps)``."""
     ranks = (("ql_nope", ql_nope, 3, "[T, H, kv_lora_rank]"), ("q_pe", q_pe, 3, "[T, H, rope_dim]"),
@@ -172,9 +180,10 @@ def _check_shapes(kv_lens, page_indices, cu_q_lens, num_seqs, ql_nope, q_pe, cac
     if R == 0 or R % 8:
         raise ArgumentError(f"{where}: rope_dim R = q_pe.shape[2] = {R} must be a positive multiple of 8 "
                             f"(DeepSeek / Kimi: 64)")
-    if W != L + R:
+    if W not in (L + R, padded_width(L, R)):
         raise ArgumentError(f"{where}: cache_kv last dim {W} must be kv_lora_rank + rope_dim = {L} + {R} = {L + R} "
-                            f"(c_kv then k_pe per token)")
+                            f"(c_kv then k_pe per token), or {padded_width(L, R)} (k_pe padded to 128 lanes: "
+                            f"tpu-inference's MLA v2 layout)")
     if H == 0:
         raise ArgumentError(f"{where}: ql_nope must have at least one head, got shape {tuple(ql_nope.shape)}")
     if ps == 0 or P == 0:
@@ -322,7 +331,9 @@ def _mla_body(kv_lens, page_indices, cu_q_lens, num_seqs, item_seq, item_blk, ql
         # heads folded into rows (row = token_in_block * H + head), [ql_nope | q_pe] side by side; folded through
         # f32 (scratch in f32) when H is not a multiple of the packed dtype's sublane tile (no packed reshapes)
         qf_ref[:, :L] = ql_ref[...].astype(qf_ref.dtype).reshape(rows, L)
-        qf_ref[:, L:] = qpe_ref[...].astype(qf_ref.dtype).reshape(rows, R)
+        qf_ref[:, L:L + R] = qpe_ref[...].astype(qf_ref.dtype).reshape(rows, R)
+        if W > L + R:  # a padded cache row (tpu-inference's layout): the query's pad lanes are 0
+            qf_ref[:, L + R:] = jnp.zeros((rows, W - L - R), qf_ref.dtype)
 
     f32 = np.dtype(cdt) == np.dtype(np.float32)
     prec = jax.lax.Precision.HIGHEST if f32 else None
@@ -359,6 +370,8 @@ def _mla_body(kv_lens, page_indices, cu_q_lens, num_seqs, item_seq, item_blk, ql
             kv = kv_buf[slot].reshape(bkv, W)
             if kv.dtype != cdt:  # fp8 -> f32 -> q's dtype: exact (fp8 values are bf16 values)
                 kv = kv.astype(jnp.float32).astype(cdt)
+            if W > L + R:  # the pad lanes of a padded cache may hold anything: selected away, not multiplied by 0
+                kv = jnp.where(jax.lax.broadcasted_iota(jnp.int32, (1, W), 1) < L + R, kv, jnp.zeros((), cdt))
             s = mm(qf_ref[...].astype(cdt), kv, ((1,), (1,))) * scale  # [rows, bkv]: nope and rope parts at once
             s = jnp.where(vis, s, -jnp.inf)
             v = jnp.where(vrow, kv[:, :L], jnp.zeros((), cdt))  # slots past kv_len may hold NaN: selected away
@@ -426,7 +439,7 @@ def mla_kernel(
                                               where=where)
     _check_statics(sm_scale, k_scale, v_scale, q_scale, where)
     bq, ppb = int(block_q), min(int(pages_per_block), pps)
-    rows, bkv, W = bq * H, ppb * ps, L + R
+    rows, bkv, W = bq * H, ppb * ps, int(cache_kv.shape[2])
     idx = lambda i, kl, pi, cu, ns, iseq, iblk: (iblk[i], 0, 0)
     it, kit = np.dtype(ql_nope.dtype).itemsize, np.dtype(cache_kv.dtype).itemsize
     est = (2 * bq * H * (2 * L + R) * it + 2 * bkv * W * kit + rows * (W * 4 + L * 4 + 2 * 128 * 4)
@@ -475,7 +488,8 @@ def _mla_impl(ql_nope, q_pe, new_kv_c, new_k_pe, cache_kv, kv_lens, page_indices
         return ql_nope.new_zeros(ql_nope.shape), cache_kv.clone()
     meta = (kv_lens, page_indices, cu_q_lens, num_seqs)
     slots = new_token_slots_torch(*meta, T=T, P=P, ps=ps)
-    cache = write_latents(cache_kv, torch.cat([new_kv_c, new_k_pe], dim=-1), slots)
+    pad = [new_kv_c.new_zeros(T, cache_kv.shape[2] - L - R)] if cache_kv.shape[2] > L + R else []
+    cache = write_latents(cache_kv, torch.cat([new_kv_c, new_k_pe] + pad, dim=-1), slots)
     out = torch.ops.tpukernels.mla_ragged_paged_attention_kernel(*meta, ql_nope, q_pe, cache, float(sm_scale), k_scale,
                                                                  v_scale, q_scale, config=config)
     return out, cache
@@ -518,7 +532,8 @@ def mla_ragged_paged_attention(ql_nope: torch.Tensor, q_pe: torch.Tensor, new_kv
         new_kv_c: ``[T, L]``, cache_kv's dtype: this step's latents (after ``kv_a_layernorm``), row ``t`` for
             query token ``t``; rows no sequence owns are not written.
         new_k_pe: ``[T, R]``, cache_kv's dtype: this step's rotated RoPE keys.
-        cache_kv: ``[num_pages, page_size, L + R]``: ``c_kv`` then ``k_pe`` per token; ql_nope's dtype, or
+        cache_kv: ``[num_pages, page_size, W]``: ``c_kv`` then ``k_pe`` per token, ``W = L + R`` or
+            ``padded_width(L, R)`` (tpu-inference's rows, k_pe padded to 128 lanes); ql_nope's dtype, or
             float8_e4m3fn / float8_e5m2 (dequantized by ``k_scale`` / ``v_scale``, widened in VMEM). Not modified.
         kv_lens: int32 ``[S]``: cached tokens per sequence, this step's new tokens included.
         page_indices: int32 ``[S, pages_per_seq]``: the cache pages of each sequence, in order.
@@ -542,7 +557,7 @@ def mla_ragged_paged_attention(ql_nope: torch.Tensor, q_pe: torch.Tensor, new_kv
     Raises:
         ArgumentError: a tensor argument that is not a torch.Tensor (``num_seqs``: nor an int; a bool is
             refused); ranks / shapes (``q_pe [T, H, R]``, ``new_kv_c [T, L]``, ``new_k_pe [T, R]``,
-            ``cache_kv`` last dim ``!= L + R``, ``L`` not a multiple of 128, ``kv_lens [S]``, ``cu_q_lens
+            ``cache_kv`` last dim neither ``L + R`` nor ``padded_width(L, R)``, ``L`` not a multiple of 128, ``kv_lens [S]``, ``cu_q_lens
             [S + 1]``, ``num_seqs [1]``); bad statics; ``cache_kv`` requiring grad under grad mode; on host
             (cpu) tensors also the values: a page index out of ``[0, num_pages)``, ``kv_len > pages_per_seq *
             page_size``, ``cu_q_lens[0] != 0``, ``cu_q_lens`` decreasing or past ``T``, ``q_len > kv_len``,
@@ -615,9 +630,12 @@ def mla_ragged_paged_attention_jax(ql_nope, q_pe, new_kv_c, new_k_pe, cache_kv, 
     if T == 0:
         return jnp.zeros(ql_nope.shape, ql_nope.dtype), cache_kv
     slots = new_token_slots(*meta, T=T, P=P, ps=ps)
-    flat = cache_kv.reshape(P * ps, L + R).at[jnp.where(slots >= 0, slots, P * ps)].set(
-        jnp.concatenate([new_kv_c, new_k_pe], axis=-1), mode="drop")  # slot P * ps: dropped (a skipped row)
-    cache = flat.reshape(P, ps, L + R)
+    W = int(cache_kv.shape[2])  # L + R, or padded (tpu-inference's layout): pad lanes written 0
+    rows = jnp.concatenate([new_kv_c, new_k_pe] + ([jnp.zeros((T, W - L - R), cache_kv.dtype)] if W > L + R else []),
+                           axis=-1)
+    flat = cache_kv.reshape(P * ps, W).at[jnp.where(slots >= 0, slots, P * ps)].set(
+        rows, mode="drop")  # slot P * ps: dropped (a skipped row)
+    cache = flat.reshape(P, ps, W)
     out = jax_call(mla_kernel, *meta, ql_nope, q_pe, cache, float(sm_scale),
                    *(None if x is None else float(x) for x in (k_scale, v_scale, q_scale)), config=config,
                    interpret=interpret)
@@ -641,7 +659,8 @@ def mla_attention_reference(ql_nope, q_pe, new_kv_c, new_k_pe, cache_kv, kv_lens
     P, ps, W = cache_kv.shape
     n = int(num_seqs[0])
     cache = cache_kv.clone().reshape(P * ps, W)
-    new = torch.cat([new_kv_c, new_k_pe], dim=-1)
+    LR = L + q_pe.shape[2]
+    new = torch.cat([new_kv_c, new_k_pe, new_kv_c.new_zeros(new_kv_c.shape[0], W - LR)], dim=-1)  # pad lanes: 0
     for s in range(n):
         q0, q1, kl = int(cu_q_lens[s]), int(cu_q_lens[s + 1]), int(kv_lens[s])
         for i in range(q1 - q0):
@@ -655,7 +674,7 @@ def mla_attention_reference(ql_nope, q_pe, new_kv_c, new_k_pe, cache_kv, kv_lens
         q0, q1, kl = int(cu_q_lens[s]), int(cu_q_lens[s + 1]), int(kv_lens[s])
         if q1 == q0:
             continue
-        lat = wide[page_indices[s, : -(-kl // ps)].long()].reshape(-1, W)[:kl]  # [kl, L + R]
+        lat = wide[page_indices[s, : -(-kl // ps)].long()].reshape(-1, W)[:kl, :LR]  # [kl, L + R]
         q = torch.cat([ql_nope[q0:q1], q_pe[q0:q1]], dim=-1).to(dtype)  # [q_len, H, L + R]
         logits = torch.einsum("ihw,jw->hij", q, lat) * scale
         pos = kl - (q1 - q0) + torch.arange(q1 - q0)[:, None]
