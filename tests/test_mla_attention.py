@@ -379,12 +379,14 @@ def test_compile_only_deepseek_v3_shapes(chip):
 @pytest.mark.parametrize("chip", CHIPS)
 @pytest.mark.parametrize("kv", ["float8_e4m3fn", "float8_e5m2"])
 def test_compile_only_fp8_latent_cache(chip, kv):
+    """fp8 caches, in our 576-lane rows and in tpu-inference's padded 640-lane rows (the vLLM MLA path)."""
     import tpukernels as tk
 
     kern, args, kw = mla.STANDARD_CASES[0]
-    args = args[:6] + (args[6].replace("bf16", kv),)
-    r = tk.compile_for(kern, chip, *args, with_mlir=False, **dict(kw, k_scale=2.0, v_scale=0.5))
-    assert r.ok, (chip, r.error)
+    for width in ("576", "640"):
+        a = args[:6] + (args[6].replace("bf16", kv).replace("x576:", f"x{width}:"),)
+        r = tk.compile_for(kern, chip, *a, with_mlir=False, **dict(kw, k_scale=2.0, v_scale=0.5))
+        assert r.ok, (chip, width, r.error)
 
 
 @pytest.mark.aot
