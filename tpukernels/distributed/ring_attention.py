@@ -114,7 +114,9 @@ def _reorder(x, n: int, axis: int, order):
 
 
 # ----------------------------------------------------------------------------------------------- kernels (jax)
-def _mode(mesh, interpret: Optional[str]) -> str:
+def kernel_mode(mesh, interpret: Optional[str]) -> str:
+    """The kernels' mode on ``mesh``: ``interpret`` if given, Mosaic on TPU devices, else the process's
+    interpret mode."""
     if interpret is not None:
         return interpret
     if all(getattr(d, "platform", "") == "tpu" for d in mesh.devices.flat):
@@ -124,8 +126,9 @@ def _mode(mesh, interpret: Optional[str]) -> str:
     return current_interpret_mode()
 
 
-def _call(kernel, mode: str, chip, *args, **kw):
-    """One library kernel on jax values (tracers inside ``shard_map``), lowered for ``mode``."""
+def call_kernel(kernel, mode: str, chip, *args, **kw):
+    """One library kernel on jax values (tracers inside ``shard_map``), lowered for ``mode`` (this package's
+    internal API: the collective matmuls use it too)."""
     from ..lowering import lower, specs_from_values
 
     values = kernel.bind(args, kw)
@@ -179,15 +182,15 @@ class _Ring:
 
     def fa(self, q, k, v, causal=False, align="top_left"):
         fwd = _kernels()[0]
-        o, lse = _call(fwd, self.mode, self.chip, q, k, v, causal=causal, causal_alignment=align,
+        o, lse = call_kernel(fwd, self.mode, self.chip, q, k, v, causal=causal, causal_alignment=align,
                        sm_scale=self.sm_scale)
         return o.astype("float32"), lse
 
     def bwd(self, q, k, v, do, lse, di, causal=False, align="top_left"):
         _, dq_k, dkv_k = _kernels()
         kw = dict(causal=causal, causal_alignment=align, sm_scale=self.sm_scale)
-        dq = _call(dq_k, self.mode, self.chip, q, k, v, do, lse, di, **kw)
-        dk, dv = _call(dkv_k, self.mode, self.chip, q, k, v, do, lse, di, **kw)
+        dq = call_kernel(dq_k, self.mode, self.chip, q, k, v, do, lse, di, **kw)
+        dk, dv = call_kernel(dkv_k, self.mode, self.chip, q, k, v, do, lse, di, **kw)
         return dq.astype("float32"), dk.astype("float32"), dv.astype("float32")
 
     # ------------------------------------------------------------------ forward
@@ -359,6 +362,6 @@ def ring_attention(q, k, v, mesh, axis_name: str, *, causal: bool = False, sm_sc
         raise ArgumentError(f"{where}: sequence length {S} must be divisible by {div} "
                             f"({'2 x ' if balanced else ''}the {axis_name!r} axis size {n})")
     scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[3])
-    f = _ring_fn(n, axis_name, bool(causal), balanced, scale, _mode(mesh, interpret), chip)
+    f = _ring_fn(n, axis_name, bool(causal), balanced, scale, kernel_mode(mesh, interpret), chip)
     spec = P(None, None, axis_name, None)
     return jax.shard_map(f, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)(q, k, v)

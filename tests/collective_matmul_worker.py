@@ -1,0 +1,65 @@
+"""Subprocess worker for tests/test_collective_matmul.py: the collective matmuls on a jax CPU mesh of N host
+devices (``--xla_force_host_platform_device_count`` must be set before jax starts).
+
+Usage: python tests/collective_matmul_worker.py CASES_JSON -> one JSON line per case: the error of the result
+against the float64 numpy product (max abs error / max abs reference), whether its sharding is the documented
+one, or ``{"case": ..., "error": "<type>: <message>"}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+
+
+def run(c):
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from tpukernels.distributed.collective_matmul import all_gather_matmul, matmul_reduce_scatter
+
+    n, M, K, N, t = c["n"], c["M"], c["K"], c["N"], c.get("rhs_transpose", False)
+    dtype = jnp.bfloat16 if c.get("dtype") == "bf16" else jnp.float32
+    rng = np.random.default_rng(c.get("seed", 0))
+    x = jnp.asarray(rng.standard_normal((M, K)), dtype)
+    y = jnp.asarray(rng.standard_normal((N, K) if t else (K, N)) / np.sqrt(K), dtype)
+    mesh = Mesh(np.asarray(jax.devices()[:n]), ("tp",))
+    if c["op"] == "ag":
+        xs = jax.device_put(x, NamedSharding(mesh, P("tp", None)))
+        ys = jax.device_put(y, NamedSharding(mesh, P("tp", None) if t else P(None, "tp")))
+        out = all_gather_matmul(xs, ys, mesh, "tp", rhs_transpose=t)
+        want_spec = P(None, "tp")
+    else:
+        xs = jax.device_put(x, NamedSharding(mesh, P(None, "tp")))
+        ys = jax.device_put(y, NamedSharding(mesh, P(None, "tp") if t else P("tp", None)))
+        out = matmul_reduce_scatter(xs, ys, mesh, "tp", rhs_transpose=t)
+        want_spec = P("tp", None)
+    x64, y64 = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    ref = x64 @ (y64.T if t else y64)
+    got = np.asarray(out, np.float64)
+    return {"case": c, "err": float(np.abs(got - ref).max() / np.abs(ref).max()), "dtype": str(out.dtype),
+            "sharding_ok": out.sharding.is_equivalent_to(NamedSharding(mesh, want_spec), 2)}
+
+
+def main():
+    cases = json.loads(sys.argv[1])
+    n = max(c["n"] for c in cases)
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
+    import tpukernels as tk
+
+    for c in cases:
+        try:
+            with tk.interpret_mode(c.get("mode", "tpu")):
+                res = run(c)
+        except Exception as e:  # noqa: BLE001 - reported to the test process, which asserts on it
+            res = {"case": c, "error": f"{type(e).__name__}: {e}"}
+        print(json.dumps(res), flush=True)
+
+
+if __name__ == "__main__":
+    main()

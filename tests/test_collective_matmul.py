@@ -1,0 +1,99 @@
+"""Collective matmuls (tpukernels.distributed.collective_matmul): all-gather -> matmul and matmul ->
+reduce-scatter on a jax CPU mesh equal the float64 product, with the documented output sharding; for a
+4-chip v5e (compile-only) the ring's transfers are asynchronous collective-permutes with matmul kernels
+scheduled between their start and done (the overlap)."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tpukernels.errors import ArgumentError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(cases, timeout=900):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "collective_matmul_worker.py"), json.dumps(cases)],
+                       capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+    lines = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+    assert r.returncode == 0 and len(lines) == len(cases), (r.returncode, r.stdout[-2000:], r.stderr[-4000:])
+    return lines
+
+
+def _check(res, tol):
+    assert "error" not in res, res
+    assert res["err"] <= tol, res
+    assert res["sharding_ok"], res
+
+
+def test_on_a_four_device_cpu_mesh():
+    """f32 both ops (nn and the nt weight layout); a bf16 all-gather matmul (one rounding of an f32 sum)."""
+    for res in _run([{"op": "ag", "n": 4, "M": 32, "K": 128, "N": 512},
+                     {"op": "rs", "n": 4, "M": 32, "K": 512, "N": 128, "rhs_transpose": True, "seed": 1},
+                     {"op": "ag", "n": 4, "M": 64, "K": 256, "N": 512, "rhs_transpose": True, "dtype": "bf16",
+                      "seed": 2}]):
+        _check(res, 2e-2 if res["case"].get("dtype") == "bf16" else 1e-5)
+
+
+@pytest.mark.slow
+def test_two_and_eight_devices_and_bf16_reduce_scatter():
+    for res in _run([{"op": "ag", "n": 2, "M": 16, "K": 128, "N": 256},
+                     {"op": "rs", "n": 8, "M": 64, "K": 1024, "N": 128, "seed": 3},
+                     {"op": "rs", "n": 4, "M": 32, "K": 512, "N": 256, "dtype": "bf16", "seed": 4}]):
+        _check(res, 2e-2 if res["case"].get("dtype") == "bf16" else 1e-5)
+
+
+def test_bad_arguments_raise_before_tracing():
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh
+
+    from tpukernels.distributed.collective_matmul import all_gather_matmul, matmul_reduce_scatter
+
+    mesh = Mesh(np.asarray(jax.devices()[:1]), ("tp",))
+    x, y = jnp.zeros((8, 128)), jnp.zeros((128, 256))
+    with pytest.raises(ArgumentError, match="no axis 'dp'"):
+        all_gather_matmul(x, y, mesh, "dp")
+    with pytest.raises(ArgumentError, match="contraction dims differ"):
+        all_gather_matmul(x, y, mesh, "tp", rhs_transpose=True)
+    with pytest.raises(ArgumentError, match="must be 2-D"):
+        matmul_reduce_scatter(x[None], y, mesh, "tp")
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_compile_only_v5e_2x2_overlaps_the_ring(op):
+    """Llama-3-8B MLP shapes per 4 chips (M = 4096 tokens, K = 4096, N = 14336 bf16): Mosaic compiles the
+    matmul kernels, and XLA:TPU schedules a kernel between a collective-permute's start and its done."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from tpukernels.distributed.collective_matmul import all_gather_matmul, matmul_reduce_scatter
+    from tpukernels.targets.compile_only import _topology_devices
+
+    mesh = Mesh(np.asarray(_topology_devices("v5e:2x2"), dtype=object).reshape(4), ("tp",))
+    if op == "ag":
+        fn, xs, ys = all_gather_matmul, P("tp", None), P(None, "tp")
+        shapes = ((4096, 4096), (4096, 14336))
+    else:
+        fn, xs, ys = matmul_reduce_scatter, P(None, "tp"), P("tp", None)
+        shapes = ((4096, 14336), (14336, 4096))
+    structs = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=NamedSharding(mesh, sp)) for s, sp in zip(shapes, (xs, ys))]
+    hlo = jax.jit(lambda a, b: fn(a, b, mesh, "tp", interpret="mosaic")).lower(*structs).compile().as_text()
+    lines = hlo.splitlines()
+    start = [i for i, ln in enumerate(lines) if "collective-permute-start" in ln and "=" in ln]
+    assert start, "no asynchronous collective-permute"
+    overlapped = 0
+    for i in start:
+        name = re.search(r"(%\S+)\s*=", lines[i]).group(1)
+        done = next(j for j in range(i + 1, len(lines)) if "collective-permute-done" in lines[j] and name in lines[j])
+        overlapped += any("tpu_custom_call" in ln or "custom-call" in ln for ln in lines[i + 1:done])
+    assert overlapped >= 1, "no kernel between a collective-permute start and done"
