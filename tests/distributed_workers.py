@@ -195,6 +195,38 @@ def expert_parallel(mesh) -> dict:
     return res
 
 
+def ring_attention_torch(mesh) -> dict:
+    """Ring attention from torch over the group (each rank its sequence shard): output and dq/dk/dv against a
+    float64 dense attention of the global tensors, causal with the zigzag load balance (GQA 2:1) and
+    non-causal (f32)."""
+    import torch.distributed as dist
+
+    from tpukernels.distributed.ring_attention import ring_attention_torch as ring, zigzag_permute
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    res = {}
+    for name, causal, hq, hkv in (("causal_zigzag_gqa", True, 4, 2), ("non_causal", False, 2, 2)):
+        g = torch.Generator().manual_seed(3)
+        B, S, D = 1, 64, 128
+        q, k, v, do = (torch.randn(B, h, S, D, generator=g) for h in (hq, hkv, hkv, hq))
+        # float64 reference in the natural order
+        qq, kk, vv = q.double().requires_grad_(), k.double().requires_grad_(), v.double().requires_grad_()
+        rep = hq // hkv
+        s = torch.einsum("bhqd,bhkd->bhqk", qq, kk.repeat_interleave(rep, 1)) / D ** 0.5
+        if causal:
+            s = s.masked_fill(~torch.ones(S, S, dtype=torch.bool).tril(), -float("inf"))
+        ref = torch.einsum("bhqk,bhkd->bhqd", s.softmax(-1), vv.repeat_interleave(rep, 1))
+        (ref * do.double()).sum().backward()
+        order = (lambda x: zigzag_permute(x, n, 2)) if causal else (lambda x: x)
+        shard = lambda x: order(x).chunk(n, 2)[rank].contiguous()  # noqa: E731
+        ql, kl, vl = (shard(x).requires_grad_() for x in (q, k, v))
+        out = ring(ql, kl, vl, mesh, causal=causal)
+        (out * shard(do)).sum().backward()
+        res[name] = {"out": _err(out, shard(ref.detach())), "dq": _err(ql.grad, shard(qq.grad)),
+                     "dk": _err(kl.grad, shard(kk.grad)), "dv": _err(vl.grad, shard(vv.grad))}
+    return res
+
+
 def worker(rank: int, world: int, port: int, outdir: str, checks: list[str]) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh

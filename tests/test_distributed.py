@@ -18,7 +18,7 @@ import tpukernels as tk
 from tpukernels.distributed import PARTIAL, Split, TensorMeta, splits_for
 
 TIMEOUT_S = 600  # ~50-70 s on a quiet 2-core machine; generous for a loaded one (a fresh clone under load took > 240 s)
-CHECKS = ["dtensor_checks", "fsdp2_llama", "expert_parallel"]
+CHECKS = ["dtensor_checks", "fsdp2_llama", "expert_parallel", "ring_attention_torch"]
 
 
 def _free_port() -> int:
@@ -52,7 +52,7 @@ def group_results(tmp_path_factory):
     return ranks
 
 
-def test_two_process_group_dtensor_ops_fsdp2_and_expert_parallel(group_results):
+def test_two_process_group_dtensor_ops_fsdp2_expert_parallel_and_ring_attention(group_results):
     """One test for the whole group (xdist would spawn a group per worker otherwise)."""
     # DTensor ops: sharded outputs and gradients equal the single-process ones, computed on the local shards
     names = [c["name"] for c in group_results[0]["dtensor_checks"]]
@@ -82,6 +82,10 @@ def test_two_process_group_dtensor_ops_fsdp2_and_expert_parallel(group_results):
         assert "divisible by the group size 2" in ep["errors"]["indivisible"], ep["errors"]
         assert "disagree on x.shape[1]" in ep["errors"]["hidden_mismatch"], ep["errors"]  # every rank raised
     assert group_results[1]["expert_parallel"]["skew"]["rows"] == 0  # rank 1 received nothing and combined
+    # context parallelism from torch: ring attention over the group equals float64 dense attention, gradients too
+    for rank in group_results:
+        for case, errs in rank["ring_attention_torch"].items():
+            assert max(errs.values()) < 2e-5, (rank["rank"], case, errs)
 
 
 # ------------------------------------------------------------------------------------------ rules (no group)

@@ -67,7 +67,7 @@ from typing import Optional
 
 from ..errors import ArgumentError
 
-__all__ = ["ring_attention", "zigzag_permute", "zigzag_unpermute"]
+__all__ = ["ring_attention", "ring_attention_torch", "zigzag_permute", "zigzag_unpermute", "TorchRingOps"]
 
 
 # ----------------------------------------------------------------------------------------------- zigzag order
@@ -147,17 +147,117 @@ def _kernels():
     return A.fa_forward, A.fa_backward_dq, A.fa_backward_dkv
 
 
-def _merge(o_a, l_a, o_b, l_b):
-    """logsumexp merge of two partial attentions: ``o [.., S, Dv]`` f32, ``l [.., 1, S]`` f32 (-inf: empty)."""
-    import jax.numpy as jnp
+class _JaxOps:
+    """The ring's array, control and communication operations on jax values inside ``shard_map``."""
 
-    m = jnp.maximum(l_a, l_b)
-    m = jnp.where(jnp.isneginf(m), 0.0, m)
-    wa, wb = jnp.exp(l_a - m), jnp.exp(l_b - m)
+    def __init__(self, axis_name: str, n: int, mode: str, chip):
+        import jax
+        import jax.numpy as jnp
+
+        self.jax, self.np, self.axis, self.mode, self.chip = jax, jnp, axis_name, mode, chip
+        self.perm = [(d, (d + 1) % n) for d in range(n)]
+
+    def kernel(self, kern, *args, **kw):
+        return call_kernel(kern, self.mode, self.chip, *args, **kw)
+
+    def cat(self, xs, axis):
+        return self.np.concatenate(xs, axis)
+
+    def zeros(self, shape):
+        return self.np.zeros(shape, self.np.float32)
+
+    def neg_inf(self, shape):
+        return self.np.full(shape, -self.np.inf, self.np.float32)
+
+    def f32(self, x):
+        return x.astype(self.np.float32)
+
+    def cast(self, x, like):
+        return x.astype(like.dtype)
+
+    def index(self):
+        return self.jax.lax.axis_index(self.axis)
+
+    def cond(self, pred, f, g):
+        return self.jax.lax.cond(pred, f, g)
+
+    def shift(self, xs: tuple) -> tuple:
+        """Every device's ``xs`` to the next device of the ring."""
+        return self.jax.lax.ppermute(xs, self.axis, self.perm)
+
+    def merge(self, o_a, l_a, o_b, l_b):
+        return _merge(self.np, o_a, l_a, o_b, l_b)
+
+    def di(self, do, out):
+        """``rowsum(do * out)`` as ``[B, H, 1, S]`` f32."""
+        return self.np.swapaxes(self.np.sum(self.f32(do) * self.f32(out), -1, keepdims=True), -1, -2)
+
+
+class TorchRingOps(_JaxOps):
+    """The same operations on torch tensors of one rank of a ``torch.distributed`` group: the kernels run as
+    their torch ops, ``cond`` is a Python branch (the rank is known), ``shift`` is a batched isend / irecv to
+    the next / from the previous rank."""
+
+    def __init__(self, group, n: int):  # noqa: D107 - deliberately not calling _JaxOps.__init__
+        import torch
+        import torch.distributed as dist
+
+        self.torch, self.dist, self.group, self.n = torch, dist, group, n
+        self.rank = dist.get_rank(group)
+        self.right = dist.get_global_rank(group, (self.rank + 1) % n)
+        self.left = dist.get_global_rank(group, (self.rank - 1) % n)
+
+    def kernel(self, kern, *args, **kw):
+        return kern(*args, **kw)
+
+    def cat(self, xs, axis):
+        return self.torch.cat(xs, axis)
+
+    def zeros(self, shape):
+        return self.torch.zeros(shape, dtype=self.torch.float32)
+
+    def neg_inf(self, shape):
+        return self.torch.full(shape, -math.inf, dtype=self.torch.float32)
+
+    def f32(self, x):
+        return x.float()
+
+    def cast(self, x, like):
+        return x.to(like.dtype)
+
+    def index(self):
+        return self.rank
+
+    def cond(self, pred, f, g):
+        return f() if pred else g()
+
+    def shift(self, xs: tuple) -> tuple:
+        dist = self.dist
+        outs = tuple(self.torch.empty_like(x) for x in xs)
+        ops = [dist.P2POp(dist.isend, x.contiguous(), self.right, self.group) for x in xs]
+        ops += [dist.P2POp(dist.irecv, o, self.left, self.group) for o in outs]
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+        return outs
+
+    def merge(self, o_a, l_a, o_b, l_b):
+        return _merge(self.torch, o_a, l_a, o_b, l_b)
+
+    def di(self, do, out):
+        return (do.float() * out.float()).sum(-1, keepdim=True).transpose(-1, -2)
+
+
+def _merge(xp, o_a, l_a, o_b, l_b):
+    """logsumexp merge of two partial attentions: ``o [.., S, Dv]`` f32, ``l [.., 1, S]`` f32 (-inf: empty);
+    ``xp``: jax.numpy or torch."""
+    m = xp.maximum(l_a, l_b)
+    m = xp.where(xp.isneginf(m), xp.zeros_like(m), m)
+    wa, wb = xp.exp(l_a - m), xp.exp(l_b - m)
     tot = wa + wb
-    lse = m + jnp.log(tot)
-    inv = jnp.where(tot > 0, 1.0 / jnp.where(tot > 0, tot, 1.0), 0.0)
-    col = lambda w: jnp.swapaxes(w * inv, -1, -2)  # noqa: E731  [.., 1, S] -> [.., S, 1]
+    lse = m + xp.log(tot)
+    pos = tot > 0
+    inv = xp.where(pos, 1.0 / xp.where(pos, tot, xp.ones_like(tot)), xp.zeros_like(tot))
+    col = lambda w: (w * inv).swapaxes(-1, -2)  # noqa: E731  [.., 1, S] -> [.., S, 1]
     return o_a * col(wa) + o_b * col(wb), lse
 
 
@@ -173,31 +273,27 @@ def _row_halves(x):  # lse / di: [B, H, 1, S]
 
 # ----------------------------------------------------------------------------------------------- the ring
 class _Ring:
-    def __init__(self, n, axis_name, causal, balanced, sm_scale, mode, chip):
-        self.n, self.axis, self.causal, self.balanced = n, axis_name, causal, balanced
-        from ..chips import get_chip
+    """The ring algorithm (module docstring) over ``ops``: :class:`_JaxOps` (shard_map) or
+    :class:`TorchRingOps` (a torch.distributed group)."""
 
-        self.sm_scale, self.mode, self.chip = sm_scale, mode, None if chip is None else get_chip(chip)
-        self.perm = [(d, (d + 1) % n) for d in range(n)]
+    def __init__(self, n, causal, balanced, sm_scale, ops):
+        self.n, self.causal, self.balanced, self.sm_scale, self.ops = n, causal, balanced, sm_scale, ops
 
     def fa(self, q, k, v, causal=False, align="top_left"):
         fwd = _kernels()[0]
-        o, lse = call_kernel(fwd, self.mode, self.chip, q, k, v, causal=causal, causal_alignment=align,
-                       sm_scale=self.sm_scale)
-        return o.astype("float32"), lse
+        o, lse = self.ops.kernel(fwd, q, k, v, causal=causal, causal_alignment=align, sm_scale=self.sm_scale)
+        return self.ops.f32(o), lse
 
     def bwd(self, q, k, v, do, lse, di, causal=False, align="top_left"):
         _, dq_k, dkv_k = _kernels()
         kw = dict(causal=causal, causal_alignment=align, sm_scale=self.sm_scale)
-        dq = call_kernel(dq_k, self.mode, self.chip, q, k, v, do, lse, di, **kw)
-        dk, dv = call_kernel(dkv_k, self.mode, self.chip, q, k, v, do, lse, di, **kw)
-        return dq.astype("float32"), dk.astype("float32"), dv.astype("float32")
+        dq = self.ops.kernel(dq_k, q, k, v, do, lse, di, **kw)
+        dk, dv = self.ops.kernel(dkv_k, q, k, v, do, lse, di, **kw)
+        return self.ops.f32(dq), self.ops.f32(dk), self.ops.f32(dv)
 
     # ------------------------------------------------------------------ forward
     def local_block(self, q, k, v):
         """Step 0 (own K/V shard)."""
-        import jax.numpy as jnp
-
         if not self.causal:
             return self.fa(q, k, v)
         if not self.balanced:
@@ -205,22 +301,20 @@ class _Ring:
         (q1, q2), (k1, _), (v1, _) = _halves(q), _halves(k), _halves(v)
         o1, l1 = self.fa(q1, k1, v1, causal=True)
         o2, l2 = self.fa(q2, k, v, causal=True, align="bottom_right")
-        return jnp.concatenate([o1, o2], 2), jnp.concatenate([l1, l2], 3)
+        return self.ops.cat([o1, o2], 2), self.ops.cat([l1, l2], 3)
 
     def remote_block(self, q, k, v, s):
         """Step ``s >= 1``: the K/V shard of device ``(i - s) mod n``."""
-        import jax
-        import jax.numpy as jnp
-
+        ops = self.ops
         if not self.causal:
             return self.fa(q, k, v)
-        i = jax.lax.axis_index(self.axis)
+        i = ops.index()
         if not self.balanced:  # source j = i - s >= 0 iff s <= i: all visible; else nothing
             def empty():
                 B, H, S, _ = q.shape
-                return (jnp.zeros((B, H, S, v.shape[3]), jnp.float32), jnp.full((B, H, 1, S), -jnp.inf, jnp.float32))
+                return ops.zeros((B, H, S, v.shape[3])), ops.neg_inf((B, H, 1, S))
 
-            return jax.lax.cond(s <= i, lambda: self.fa(q, k, v), empty)
+            return ops.cond(s <= i, lambda: self.fa(q, k, v), empty)
         (_, q2), (k1, _), (v1, _) = _halves(q), _halves(k), _halves(v)
 
         def lower_src():  # j < i: every query sees the first K/V chunk (chunk j), none the second
@@ -228,25 +322,21 @@ class _Ring:
 
         def upper_src():  # j > i: only the second query chunk (2n-1-i) sees anything, and all of K/V
             o2, l2 = self.fa(q2, k, v)
-            return (jnp.concatenate([jnp.zeros_like(o2), o2], 2),
-                    jnp.concatenate([jnp.full_like(l2, -jnp.inf), l2], 3))
+            return ops.cat([ops.zeros(o2.shape), o2], 2), ops.cat([ops.neg_inf(l2.shape), l2], 3)
 
-        return jax.lax.cond(s <= i, lower_src, upper_src)
+        return ops.cond(s <= i, lower_src, upper_src)
 
     def forward(self, q, k, v):
-        import jax
-
         o, lse = self.local_block(q, k, v)
         for s in range(1, self.n):
-            k, v = jax.lax.ppermute((k, v), self.axis, self.perm)
+            k, v = self.ops.shift((k, v))
             o_s, l_s = self.remote_block(q, k, v, s)
-            o, lse = _merge(o, lse, o_s, l_s)
-        return o.astype(q.dtype), lse
+            o, lse = self.ops.merge(o, lse, o_s, l_s)
+        return self.ops.cast(o, q), lse
 
     # ------------------------------------------------------------------ backward
     def local_grads(self, q, k, v, do, lse, di):
-        import jax.numpy as jnp
-
+        ops = self.ops
         if not self.causal:
             return self.bwd(q, k, v, do, lse, di)
         if not self.balanced:
@@ -255,55 +345,52 @@ class _Ring:
         (do1, do2), (l1, l2), (di1, di2) = _halves(do), _row_halves(lse), _row_halves(di)
         dq1, dk1, dv1 = self.bwd(q1, k1, v1, do1, l1, di1, causal=True)
         dq2, dk, dv = self.bwd(q2, k, v, do2, l2, di2, causal=True, align="bottom_right")
-        pad = lambda a: jnp.concatenate([a, jnp.zeros_like(a)], 2)  # noqa: E731  (first half only)
-        return jnp.concatenate([dq1, dq2], 2), dk + pad(dk1), dv + pad(dv1)
+        pad = lambda a: ops.cat([a, ops.zeros(a.shape)], 2)  # noqa: E731  (first half only)
+        return ops.cat([dq1, dq2], 2), dk + pad(dk1), dv + pad(dv1)
 
     def remote_grads(self, q, k, v, do, lse, di, s):
-        import jax
-        import jax.numpy as jnp
-
+        ops = self.ops
         if not self.causal:
             return self.bwd(q, k, v, do, lse, di)
-        i = jax.lax.axis_index(self.axis)
+        i = ops.index()
         if not self.balanced:
             def none():
-                return (jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32),
-                        jnp.zeros(v.shape, jnp.float32))
+                return ops.zeros(q.shape), ops.zeros(k.shape), ops.zeros(v.shape)
 
-            return jax.lax.cond(s <= i, lambda: self.bwd(q, k, v, do, lse, di), none)
+            return ops.cond(s <= i, lambda: self.bwd(q, k, v, do, lse, di), none)
         (_, q2), (k1, _), (v1, _) = _halves(q), _halves(k), _halves(v)
         (_, do2), (_, l2), (_, di2) = _halves(do), _row_halves(lse), _row_halves(di)
 
         def lower_src():
             dq, dk1, dv1 = self.bwd(q, k1, v1, do, lse, di)
-            return dq, jnp.concatenate([dk1, jnp.zeros_like(dk1)], 2), jnp.concatenate([dv1, jnp.zeros_like(dv1)], 2)
+            return dq, ops.cat([dk1, ops.zeros(dk1.shape)], 2), ops.cat([dv1, ops.zeros(dv1.shape)], 2)
 
         def upper_src():
             dq2, dk, dv = self.bwd(q2, k, v, do2, l2, di2)
-            return jnp.concatenate([jnp.zeros_like(dq2), dq2], 2), dk, dv
+            return ops.cat([ops.zeros(dq2.shape), dq2], 2), dk, dv
 
-        return jax.lax.cond(s <= i, lower_src, upper_src)
+        return ops.cond(s <= i, lower_src, upper_src)
 
     def backward(self, q, k, v, out, lse, do):
-        import jax
-        import jax.numpy as jnp
-
-        di = jnp.swapaxes(jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), -1, keepdims=True), -1, -2)
+        ops = self.ops
+        di = ops.di(do, out)
         dq, dk, dv = self.local_grads(q, k, v, do, lse, di)
         for s in range(1, self.n):
-            k, v, dk, dv = jax.lax.ppermute((k, v, dk, dv), self.axis, self.perm)
+            k, v, dk, dv = ops.shift((k, v, dk, dv))
             dq_s, dk_s, dv_s = self.remote_grads(q, k, v, do, lse, di, s)
             dq, dk, dv = dq + dq_s, dk + dk_s, dv + dv_s
         if self.n > 1:  # the accumulators held now belong to device i + 1: send them home
-            dk, dv = jax.lax.ppermute((dk, dv), self.axis, self.perm)
-        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+            dk, dv = ops.shift((dk, dv))
+        return ops.cast(dq, q), ops.cast(dk, k), ops.cast(dv, v)
 
 
 @functools.lru_cache(maxsize=None)
 def _ring_fn(n, axis_name, causal, balanced, sm_scale, mode, chip):
     import jax
 
-    ring = _Ring(n, axis_name, causal, balanced, sm_scale, mode, chip)
+    from ..chips import get_chip
+
+    ring = _Ring(n, causal, balanced, sm_scale, _JaxOps(axis_name, n, mode, None if chip is None else get_chip(chip)))
 
     @jax.custom_vjp
     def f(q, k, v):
@@ -365,3 +452,64 @@ def ring_attention(q, k, v, mesh, axis_name: str, *, causal: bool = False, sm_sc
     f = _ring_fn(n, axis_name, bool(causal), balanced, scale, kernel_mode(mesh, interpret), chip)
     spec = P(None, None, axis_name, None)
     return jax.shard_map(f, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)(q, k, v)
+
+
+# ----------------------------------------------------------------------------------------------- torch
+def _torch_ring_function():
+    import torch
+
+    class _RingFn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, ring):
+            out, lse = ring.forward(q.detach(), k.detach(), v.detach())
+            ctx.ring = ring
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out
+
+        @staticmethod
+        def backward(ctx, do):
+            q, k, v, out, lse = ctx.saved_tensors
+            dq, dk, dv = ctx.ring.backward(q, k, v, out, lse, do.contiguous())
+            return dq, dk, dv, None
+
+    return _RingFn
+
+
+def ring_attention_torch(q, k, v, group=None, *, causal: bool = False, sm_scale: Optional[float] = None,
+                         load_balance: bool = True):
+    """:func:`ring_attention` for torch tensors on the ranks of a ``torch.distributed`` group: each rank passes
+    its own sequence shard and gets its shard of the output; differentiable (the ring backward). The
+    transfers are batched isend / irecv to the next / from the previous rank of ``group`` (a ProcessGroup, a
+    1-D DeviceMesh or None: the default group), so every rank must call it.
+
+    Args:
+        q: ``[B, Hq, S_local, D]``; k: ``[B, Hkv, S_local, D]``; v: ``[B, Hkv, S_local, Dv]`` (bf16 / f32), this
+            rank's contiguous shard of the sequence in the given order (with ``causal`` and ``load_balance``:
+            :func:`zigzag_permute` order, rank ``r`` holding chunks ``r`` and ``2n - 1 - r``).
+        causal, sm_scale, load_balance: as :func:`ring_attention` (over the global positions).
+
+    Returns:
+        ``out [B, Hq, S_local, Dv]`` in q's dtype: this rank's rows of the global attention.
+
+    Raises:
+        ArgumentError: ranks other than 4, q / k / v sequence lengths differ, an odd ``S_local`` when balanced.
+    """
+    import torch.distributed as dist
+
+    where = "tpukernels.distributed.ring_attention_torch"
+    for x, nm in ((q, "q"), (k, "k"), (v, "v")):
+        if x.dim() != 4:
+            raise ArgumentError(f"{where}: {nm} must be 4-D [B, H, S_local, D], got shape {tuple(x.shape)}")
+    S = q.shape[2]
+    if k.shape[2] != S or v.shape[2] != S:
+        raise ArgumentError(f"{where}: q, k, v must share the local sequence length (self-attention), got "
+                            f"{q.shape[2]}, {k.shape[2]}, {v.shape[2]}")
+    g = group.get_group() if hasattr(group, "get_group") else (group or dist.group.WORLD)
+    n = dist.get_world_size(g)
+    balanced = bool(causal and load_balance and n > 1)
+    if balanced and S % 2:
+        raise ArgumentError(f"{where}: with causal load balance each rank holds two chunks, so S_local = {S} must "
+                            f"be even")
+    scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[3])
+    ring = _Ring(n, bool(causal), balanced, scale, TorchRingOps(g, n))
+    return _torch_ring_function().apply(q, k, v, ring)
