@@ -188,11 +188,10 @@ def _compact(code: torch.Tensor, length: int) -> torch.Tensor:
     return torch.stack([order, kind, (c == _TAIL).long()]).to(torch.int32)
 
 
-def block_tables(sel: torch.Tensor, n: int, tail: int, chunk_size: int):
-    """The masked kernels' ``(fwd_table [3, H, n, 1 + K], bwd_table [3, H, n, Tq])`` for routing ``sel [H, n, K]``
-    (``-1``: none): each query chunk visits its selected chunks (full, or partial with mask block 1 for a last
-    chunk of ``tail < chunk_size`` tokens) and itself (partial, the causal mask block 0); ``Tq``, the longest
-    list of query chunks reading one key chunk, rounded up to a power of two (one host sync)."""
+def chunk_codes(sel: torch.Tensor, n: int, tail: int, chunk_size: int) -> torch.Tensor:
+    """``[H, n, n]`` int32 per (query chunk, key chunk) from routing ``sel [H, n, K]`` (``-1``: none):
+    :data:`_DIAG` on the diagonal, :data:`_FULL` where selected (:data:`_TAIL` for a last query chunk of
+    ``tail < chunk_size`` tokens), 0 elsewhere."""
     H, _, K = sel.shape
     dev = sel.device
     code = torch.zeros(H, n, n + 1, dtype=torch.int32, device=dev)  # column n collects the -1 slots
@@ -200,11 +199,22 @@ def block_tables(sel: torch.Tensor, n: int, tail: int, chunk_size: int):
     code = code[..., :n]
     if tail < chunk_size:
         code[:, n - 1] = torch.where(code[:, n - 1] == _FULL, _TAIL, code[:, n - 1])
-    code = torch.where(torch.eye(n, dtype=torch.bool, device=dev), _DIAG, code)
+    return torch.where(torch.eye(n, dtype=torch.bool, device=dev), _DIAG, code)
+
+
+def _pow2_at_most(x: int, cap: int) -> int:
+    return min(cap, 1 << (max(1, x) - 1).bit_length())
+
+
+def block_tables(sel: torch.Tensor, n: int, tail: int, chunk_size: int):
+    """The masked kernels' ``(fwd_table [3, H, n, 1 + K], bwd_table [3, H, n, Tq])`` for routing ``sel [H, n, K]``
+    (``-1``: none): each query chunk visits its selected chunks (full, or partial with mask block 1 for a last
+    chunk of ``tail < chunk_size`` tokens) and itself (partial, the causal mask block 0); ``Tq``, the longest
+    list of query chunks reading one key chunk, rounded up to a power of two (at most ``n``; one host sync)."""
+    code = chunk_codes(sel, n, tail, chunk_size)
     code_t = code.transpose(1, 2)
-    tq = int((code_t > 0).sum(-1).max())
-    tq = min(n, 1 << (tq - 1).bit_length())
-    return _compact(code, 1 + K), _compact(code_t, tq)
+    tq = _pow2_at_most(int((code_t > 0).sum(-1).max()), n)
+    return _compact(code, 1 + sel.shape[-1]), _compact(code_t, tq)
 
 
 def _mask_blocks(bs: int, tail: int, device):
@@ -215,22 +225,75 @@ def _mask_blocks(bs: int, tail: int, device):
     return mb, mb.transpose(1, 2).contiguous()
 
 
+#: Bytes of scalar memory the two block tables of one kernel call may take. Both are scalar-prefetched into SMEM
+#: (1 MiB on v5e / v6e / tpu7x) with their last dim padded to 128 words: a ``[3, H, n, L]`` int32 table takes
+#: ``12 * H * n * ceil(L / 128) * 128`` bytes (libtpu: tables for 16 heads x 32 chunks "Used 1.50M of 1.00M
+#: smem"). Calls whose tables would be larger are split over head groups and ranges of query chunks.
+SMEM_TABLE_BUDGET = 768 * 1024
+
+
+def _table_bytes(heads: int, rows: int, length: int) -> int:
+    return 12 * heads * rows * (-(-length // 128) * 128)
+
+
+def call_split(BH: int, G: int, n: int, K: int, budget: int = SMEM_TABLE_BUDGET) -> tuple[int, int]:
+    """``(heads per call, query chunks per call)`` whose tables fit ``budget`` bytes (worst case: every key chunk
+    read by every query chunk of the call): the most query chunks (a power of two, or all ``n``), then the most
+    heads (a multiple of the GQA group ``G``). Raises :class:`ArgumentError` past what one group can do."""
+    r = n
+    while r >= 1:
+        per_head = _table_bytes(1, r, 1 + K) + _table_bytes(1, n, r)
+        if G * per_head <= budget:
+            return max(G, budget // per_head // G * G) if BH > G else BH, r
+        r = 1 << ((r - 1).bit_length() - 1) if r > 1 else 0
+    raise ArgumentError(f"tpukernels::moba_attention: {n} chunks are more than the kernels' block tables can list "
+                        f"in TPU scalar memory ({budget} bytes for a GQA group of {G} heads); use a larger chunk_size")
+
+
 def block_sparse_attention(q, k, v, sel, *, chunk_size: int, scale: float, config=None, interpret=None):
     """Attention of ``q [B, T, Hq, D]`` over its own chunk (causal) and the chunks ``sel [B, Hq, n, K]`` (int,
-    ``-1``: none; each ``< `` its query chunk), by the masked flash-attention kernels (differentiable in q, k,
-    v). Returns ``(out [B, T, Hq, Dv], lse [B, Hq, T] float32)``."""
+    ``-1``: none; each below its query chunk), by the masked flash-attention kernels (differentiable in q, k, v):
+    ``[B, T, Hq, Dv]``. The batch is folded into the heads; calls are split so the tables fit
+    :data:`SMEM_TABLE_BUDGET` (a range of query chunks ``[i0, i1)`` reads keys ``[0, i1 * chunk_size)`` only;
+    the gradients of the calls add up through autograd)."""
     from .attention.masked import fa_forward_masked
 
     B, T, Hq, D = q.shape
     Hkv, Dv = k.shape[2], v.shape[3]
+    G = Hq // Hkv
     n = -(-T // chunk_size)
+    bs = min(chunk_size, T)  # the kernels' block: all of T when shorter than one chunk
     tail = T - (n - 1) * chunk_size
-    fwd, bwd = block_tables(sel.reshape(B * Hq, n, sel.shape[-1]), n, tail, chunk_size)
-    mb, mbt = _mask_blocks(chunk_size, tail, q.device)
+    code = chunk_codes(sel.reshape(B * Hq, n, sel.shape[-1]), n, tail, bs)
+    fwd_all = _compact(code, 1 + sel.shape[-1])
+    hc, r = call_split(B * Hq, G, n, sel.shape[-1], SMEM_TABLE_BUDGET)
+    # ranges end at n, the leftover range at the front; a range of only a short last chunk would make the
+    # kernels' block that chunk's length, so it takes the chunk before it too (SMEM_TABLE_BUDGET keeps room)
+    ranges = [(max(0, e - r), e) for e in range(n, 0, -r)][::-1]
+    if tail < bs and len(ranges) > 1 and ranges[-1][0] == n - 1:
+        ranges[-1] = (n - 2, n)
+        ranges[-2] = (ranges[-2][0], n - 2)
+        ranges = [x for x in ranges if x[1] > x[0]]
+    readers = (code > 0).transpose(1, 2)  # [BH, key chunk, query chunk]
+    tq = torch.stack([readers[..., i0:i1].sum(-1).amax() for i0, i1 in ranges]).tolist()  # one host sync
+    mb, mbt = _mask_blocks(bs, tail, q.device)
     fold = lambda x: x.transpose(1, 2).reshape(1, B * x.shape[2], T, x.shape[3])  # noqa: E731
-    out, lse = fa_forward_masked(fwd, bwd, fold(q), fold(k), fold(v), mb, mbt, None, None, sm_scale=float(scale),
-                                 softcap=None, config=config, interpret=interpret)
-    return out.reshape(B, Hq, T, Dv).transpose(1, 2), lse.reshape(B, Hq, T)
+    qf, kf, vf = fold(q), fold(k), fold(v)
+    rows = []
+    for (i0, i1), t in zip(ranges, tq):
+        q0, q1, kv1 = i0 * chunk_size, min(T, i1 * chunk_size), min(T, i1 * chunk_size)
+        heads = []
+        for h0 in range(0, B * Hq, hc):
+            h1 = min(B * Hq, h0 + hc)
+            fwd = fwd_all[:, h0:h1, i0:i1]
+            bwd = _compact(code[h0:h1, i0:i1, :i1].transpose(1, 2), _pow2_at_most(int(t), i1 - i0))
+            out, _ = fa_forward_masked(fwd, bwd, qf[:, h0:h1, q0:q1], kf[:, h0 // G:h1 // G, :kv1],
+                                       vf[:, h0 // G:h1 // G, :kv1], mb, mbt, None, None, sm_scale=float(scale),
+                                       softcap=None, config=config, interpret=interpret)
+            heads.append(out)
+        rows.append(heads[0] if len(heads) == 1 else torch.cat(heads, 1))
+    out = rows[0] if len(rows) == 1 else torch.cat(rows, 2)
+    return out.reshape(B, Hq, T, Dv).transpose(1, 2)
 
 
 # ----------------------------------------------------------------------------------------------- public
@@ -272,9 +335,8 @@ def moba_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size
     if B == 0 or T == 0 or Hq == 0:
         return q.new_zeros(B, T, Hq, Dv)
     sel = _routing(q.detach(), k.detach(), chunk_size, topk, scale)
-    out, _ = block_sparse_attention(q, k, v, sel, chunk_size=chunk_size, scale=scale, config=config,
-                                    interpret=interpret)
-    return out
+    return block_sparse_attention(q, k, v, sel, chunk_size=chunk_size, scale=scale, config=config,
+                                  interpret=interpret)
 
 
 # ----------------------------------------------------------------------------------------------- reference
