@@ -150,10 +150,10 @@ def moba_block_indices(q: torch.Tensor, k: torch.Tensor, *, chunk_size: int = CH
     """
     where = "tpukernels::moba_block_indices"
     B, T, Hq, Hkv, D, _ = check_qkv(q, k, k, chunk_size, topk, scale, where)
-    return _routing(q.detach(), k.detach(), chunk_size, topk, D ** -0.5 if scale is None else float(scale))
+    return route_chunks(q.detach(), k.detach(), chunk_size, topk, D ** -0.5 if scale is None else float(scale))
 
 
-def _routing(q, k, chunk_size, topk, scale, dtype=torch.float32):
+def route_chunks(q, k, chunk_size, topk, scale, dtype=torch.float32):
     Hq, Hkv = q.shape[2], k.shape[2]
     qm = chunk_means(q, chunk_size, dtype)
     km = chunk_means(k, chunk_size, dtype).repeat_interleave(Hq // Hkv, dim=1)
@@ -334,7 +334,7 @@ def moba_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size
     scale = D ** -0.5 if scale is None else float(scale)
     if B == 0 or T == 0 or Hq == 0:
         return q.new_zeros(B, T, Hq, Dv)
-    sel = _routing(q.detach(), k.detach(), chunk_size, topk, scale)
+    sel = route_chunks(q.detach(), k.detach(), chunk_size, topk, scale)
     return block_sparse_attention(q, k, v, sel, chunk_size=chunk_size, scale=scale, config=config,
                                   interpret=interpret)
 
@@ -363,7 +363,7 @@ def moba_attention_reference(q, k, v, chunk_size: int = CHUNK_SIZE, topk: int = 
     G = Hq // k.shape[2]
     scale = D ** -0.5 if scale is None else scale
     qd, kd, vd = (x.to(dtype) for x in (q, k, v))
-    sel = _routing(qd, kd, chunk_size, topk, scale, dtype) if block_indices is None else block_indices
+    sel = route_chunks(qd, kd, chunk_size, topk, scale, dtype) if block_indices is None else block_indices
     kd, vd = (x.repeat_interleave(G, dim=2) for x in (kd, vd))
     s = torch.einsum("bthd,bshd->bhts", qd, kd) * scale
     s = s.masked_fill(~visible_mask(sel, T, chunk_size), -math.inf)
