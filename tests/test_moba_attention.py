@@ -1,4 +1,4 @@
-"""MoBA (tpukernels.library.moba_attention): forward and gradients against the dense float64 definition, the
+"""MoBA (tpukernels.library.moba_ops): forward and gradients against the dense float64 definition, the
 routing by hand, the two limits (every chunk selected = causal attention, none = chunk-local causal), batch
 isolation, typed errors, and compile-only checks of the masked kernels at MoBA's block shapes."""
 
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tpukernels.errors import ArgumentError, DTypeError
-from tpukernels.library.moba_attention import (block_tables, moba_attention, moba_attention_reference,
+from tpukernels.library.moba_ops import (block_tables, moba_attention, moba_attention_reference,
                                                moba_block_indices)
 
 #: (out, grads) absolute tolerances against the float64 reference of the same low-precision inputs.
@@ -45,7 +45,7 @@ def test_forward_and_gradients_match_float64_reference(interpret, monkeypatch):
     """GQA 4/2, a short last chunk (T = 2 * 128 + 44), top-1, float32, with a table budget so small that the op
     runs two query chunk ranges ([0, 1) and [1, 3): the short last chunk joins the one before it) x two head
     groups: four kernel calls whose gradients add up through autograd."""
-    import tpukernels.library.moba_attention as M
+    import tpukernels.library.moba_ops as M
 
     assert M.call_split(64, 4, 32, 4) == (8, 32)  # tokamax's defaults at T = 8192, 32 heads: 4 calls of 8 heads
     assert M.call_split(4, 2, 3, 1, budget=12288) == (2, 1)
@@ -178,7 +178,7 @@ def test_compile_only_moba_block_shapes(chip):
     import tpukernels as tk
     from tpukernels.library.attention import fa_backward_dkv_masked, fa_backward_dq_masked, fa_forward_masked
 
-    from tpukernels.library.moba_attention import call_split
+    from tpukernels.library.moba_ops import call_split
 
     T, n = 8192, 32
     H, r = call_split(32, 4, n, 4)  # one call's heads (of 32 query / 8 kv heads, folded)

@@ -1,4 +1,4 @@
-"""NSA (tpukernels.library.nsa_attention): forward and gradients (q, k, v, gates) against the dense float64
+"""NSA (tpukernels.library.nsa_ops): forward and gradients (q, k, v, gates) against the dense float64
 definition, each branch against fla-core's naive NSA where the semantics coincide, typed errors, and compile-only
 checks of the compressed and sliding-window branches' kernels at tokamax's default sizes."""
 
@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tpukernels.errors import ArgumentError, DTypeError
-from tpukernels.library.moba_attention import moba_block_indices
-from tpukernels.library.nsa_attention import cmp_mask, nsa_attention, nsa_attention_reference
+from tpukernels.library.moba_ops import moba_block_indices
+from tpukernels.library.nsa_ops import cmp_mask, nsa_attention, nsa_attention_reference
 
 #: (out, grads) absolute tolerances against the float64 reference of the same low-precision inputs.
 TOL = {torch.float32: (3e-5, 1e-4), torch.bfloat16: (3e-2, 6e-2)}

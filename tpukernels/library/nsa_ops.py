@@ -9,7 +9,7 @@ swapped in. Per batch ``b`` and query head ``h`` (kv head ``h // (Hq // Hkv)``),
     cmp: kc[c], vc[c] = means of k, v over compression block c (cmp_block_size tokens)
          o_cmp[t] = softmax over visible c of (scale q[t] . kc[c]) @ vc
          visible: c * cmp_block_size < t (tokamax; cmp_causal=True: (c + 1) * cmp_block_size - 1 <= t)
-    slc: o_slc = MoBA (:mod:`tpukernels.library.moba_attention`) with chunk_size, topk: each query chunk's own
+    slc: o_slc = MoBA (:mod:`tpukernels.library.moba_ops`) with chunk_size, topk: each query chunk's own
          chunk causally plus the topk earlier chunks of highest scale * mean(q chunk) . mean(k chunk)
     swa: o_swa[t] = causal attention over keys t - window <= s <= t (window + 1 keys)
     out = g_cmp * o_cmp + g_slc * o_slc + g_swa * o_swa           (gates default 1/3 each, as tokamax)
@@ -43,7 +43,7 @@ compressed attention probabilities (forcing the first and the two local blocks),
 means. Where they coincide (the selected attention given the same blocks, ``naive_nsa_selection``; the
 compressed branch with ``cmp_causal=True``, ``naive_nsa_compression``) the tests compare.
 Gaps: no ``cu_seqlens`` (tokamax takes none); no caller-given ``block_indices`` (fla's); bf16 / f32 only;
-``chunk_size`` a multiple of 128 (see :func:`~tpukernels.library.moba_attention.moba_attention`).
+``chunk_size`` a multiple of 128 (see :func:`~tpukernels.library.moba_ops.moba_attention`).
 
 Tuning: each branch's kernels keep their own tuned configs (``config`` is passed to the selected branch's masked
 kernels: ``{"block_kv_compute": ..}``).
@@ -58,7 +58,7 @@ import numpy as np
 import torch
 
 from ..errors import ArgumentError, DeviceError, DTypeError
-from .moba_attention import CHUNK_SIZE, TOPK, block_sparse_attention, check_qkv, chunk_means, route_chunks, visible_mask
+from .moba_ops import CHUNK_SIZE, TOPK, block_sparse_attention, check_qkv, chunk_means, route_chunks, visible_mask
 
 #: tokamax's defaults (``tokamax/experimental/torch_tpu/ops/nsa/torch_base.py``).
 WINDOW = 128
@@ -126,7 +126,7 @@ def nsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g_cmp: Opti
         gates (the chunk routing is not differentiated). A query that sees no compressed block has ``o_cmp = 0``.
 
     Raises:
-        ArgumentError: as :func:`~tpukernels.library.moba_attention.moba_attention`; ``window`` not an int
+        ArgumentError: as :func:`~tpukernels.library.moba_ops.moba_attention`; ``window`` not an int
             ``>= 0``, ``cmp_block_size`` not an int ``>= 1``, ``cmp_causal`` not a bool; a gate not a tensor of
             shape ``[B, T, Hq, Dv]`` or ``[B, T, Hq]``.
         DTypeError: q, k, v not one dtype of bfloat16 / float32; a gate not a float tensor.

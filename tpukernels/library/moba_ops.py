@@ -370,9 +370,5 @@ def moba_attention_reference(q, k, v, chunk_size: int = CHUNK_SIZE, topk: int = 
     return torch.einsum("bhts,bshd->bthd", torch.softmax(s, -1), vd)
 
 
-#: tokamax's default chunks at T = 8192, Llama-3-8B-like heads (32 query, 8 kv, D = 128), bf16: the masked
-#: forward kernel at MoBA's block shape (its tables' list lengths: 1 + topk forward, 32 backward).
-STANDARD_CASES = []
-
 __all__ = ["moba_attention", "moba_block_indices", "moba_attention_reference", "block_sparse_attention",
            "block_tables", "chunk_means", "select_blocks", "visible_mask", "check_qkv", "CHUNK_SIZE", "TOPK"]
