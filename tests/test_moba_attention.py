@@ -43,15 +43,18 @@ def _check_against_reference(q, k, v, chunk_size, topk, scale, interpret):
 
 def test_forward_and_gradients_match_float64_reference(interpret, monkeypatch):
     """GQA 4/2, a short last chunk (T = 2 * 128 + 44), top-1, float32, with a table budget so small that the op
-    runs two query chunk ranges ([0, 1) and [1, 3): the short last chunk joins the one before it) x two head
-    groups: four kernel calls whose gradients add up through autograd."""
+    runs two query chunk ranges ([0, 1) and [1, 3): the short last chunk joins the one before it) x four single
+    heads (two per kv head): eight kernel calls whose gradients add up through autograd."""
     import tpukernels.library.moba_ops as M
 
     assert M.call_split(64, 4, 32, 4) == (8, 32)  # tokamax's defaults at T = 8192, 32 heads: 4 calls of 8 heads
-    assert M.call_split(4, 2, 3, 1, budget=12288) == (2, 1)
+    assert M.call_split(32, 8, 128, 4) == (2, 128)  # 32K tokens at chunk 256, GQA 8: part of a group per call
+    assert M.call_split(32, 8, 400, 4) == (1, 64)  # 100K tokens: ranges of 64 query chunks, one head each
+    assert M.call_split(4, 2, 3, 1, budget=9216) == (1, 3)
+    assert M.call_split(4, 2, 3, 1, budget=6144) == (1, 1)
     with pytest.raises(ArgumentError, match="use a larger chunk_size"):
-        M.call_split(8, 8, 1000, 4)
-    monkeypatch.setattr(M, "SMEM_TABLE_BUDGET", 12288)
+        M.call_split(8, 8, 600, 4)
+    monkeypatch.setattr(M, "SMEM_TABLE_BUDGET", 6144)
     q, k, v = _qkv(1, 300, 4, 2, 32, 32, torch.float32)
     _check_against_reference(q, k, v, 128, 1, None, interpret)
 

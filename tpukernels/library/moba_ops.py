@@ -31,9 +31,15 @@ GQA map of the folded heads) so the per-(batch, head) routing becomes a per-head
 means, scores, top-k by a stable descending sort) is torch code outside the kernels, not differentiated (as
 tokamax's ``stop_gradient``). Backward: the masked kernels' ``def_backward`` (dQ kernel over each query
 chunk's list, dK/dV kernel over each key chunk's list, GQA groups summed in the kernel); the mean pooling of
-the routing has no gradient. One host sync per call: the dK/dV table's list length is the largest number of
+the routing has no gradient. One host sync per call: the dK/dV tables' list length is the largest number of
 query chunks reading one key chunk (rounded up to a power of two, so few distinct programs), since a static
-bound of ``n`` would cost ``n`` grid steps per key chunk.
+bound of ``n`` would cost ``n`` grid steps per key chunk. Both tables are scalar-prefetched into SMEM (1 MiB on
+v5e / v6e / tpu7x, last dim padded to 128 words), so the op splits its kernel calls over head groups and ranges
+of query chunks until each call's tables fit :data:`SMEM_TABLE_BUDGET` (tokamax's defaults at T = 8192 with 32
+heads: 4 calls of 8 heads; a range ``[i0, i1)`` reads only keys ``[0, i1 * chunk_size)``; the heads of one
+GQA group may go to separate calls, their dK / dV adding up through autograd); past about 500 chunks (T = 128K
+at chunk 256) even one query chunk of one head per call does not fit (:class:`ArgumentError`: use a larger
+``chunk_size``).
 
 Extensions over tokamax (which raises for them): GQA / MQA (``k``, ``v`` with ``Hkv`` dividing ``Hq``; routing
 per query head against its kv head's chunk means), ``T`` not a multiple of ``chunk_size`` (the last chunk is
@@ -239,15 +245,19 @@ def _table_bytes(heads: int, rows: int, length: int) -> int:
 def call_split(BH: int, G: int, n: int, K: int, budget: int = SMEM_TABLE_BUDGET) -> tuple[int, int]:
     """``(heads per call, query chunks per call)`` whose tables fit ``budget`` bytes (worst case: every key chunk
     read by every query chunk of the call): the most query chunks (a power of two, or all ``n``), then the most
-    heads (a multiple of the GQA group ``G``). Raises :class:`ArgumentError` past what one group can do."""
+    heads, a multiple of the GQA group ``G`` or a divisor of it (the heads of one group may go to separate calls:
+    their dK / dV add up through autograd). Raises :class:`ArgumentError` where one query chunk of one head per
+    call does not fit (about 500 chunks)."""
     r = n
     while r >= 1:
         per_head = _table_bytes(1, r, 1 + K) + _table_bytes(1, n, r)
-        if G * per_head <= budget:
-            return max(G, budget // per_head // G * G) if BH > G else BH, r
+        hc = budget // per_head
+        if hc >= 1:
+            hc = hc // G * G if hc >= G else max(d for d in range(1, hc + 1) if G % d == 0)
+            return min(hc, BH), r
         r = 1 << ((r - 1).bit_length() - 1) if r > 1 else 0
     raise ArgumentError(f"tpukernels::moba_attention: {n} chunks are more than the kernels' block tables can list "
-                        f"in TPU scalar memory ({budget} bytes for a GQA group of {G} heads); use a larger chunk_size")
+                        f"in TPU scalar memory ({budget} bytes); use a larger chunk_size")
 
 
 def block_sparse_attention(q, k, v, sel, *, chunk_size: int, scale: float, config=None, interpret=None):
@@ -287,8 +297,9 @@ def block_sparse_attention(q, k, v, sel, *, chunk_size: int, scale: float, confi
             h1 = min(B * Hq, h0 + hc)
             fwd = fwd_all[:, h0:h1, i0:i1]
             bwd = _compact(code[h0:h1, i0:i1, :i1].transpose(1, 2), _pow2_at_most(int(t), i1 - i0))
-            out, _ = fa_forward_masked(fwd, bwd, qf[:, h0:h1, q0:q1], kf[:, h0 // G:h1 // G, :kv1],
-                                       vf[:, h0 // G:h1 // G, :kv1], mb, mbt, None, None, sm_scale=float(scale),
+            g0, g1 = h0 // G, -(-h1 // G)  # the kv heads of query heads [h0, h1) (part of one group, or whole ones)
+            out, _ = fa_forward_masked(fwd, bwd, qf[:, h0:h1, q0:q1], kf[:, g0:g1, :kv1], vf[:, g0:g1, :kv1], mb,
+                                       mbt, None, None, sm_scale=float(scale),
                                        softcap=None, config=config, interpret=interpret)
             heads.append(out)
         rows.append(heads[0] if len(heads) == 1 else torch.cat(heads, 1))
