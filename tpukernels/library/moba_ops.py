@@ -31,7 +31,7 @@ GQA map of the folded heads) so the per-(batch, head) routing becomes a per-head
 means, scores, top-k by a stable descending sort) is torch code outside the kernels, not differentiated (as
 tokamax's ``stop_gradient``). Backward: the masked kernels' ``def_backward`` (dQ kernel over each query
 chunk's list, dK/dV kernel over each key chunk's list, GQA groups summed in the kernel); the mean pooling of
-the routing has no gradient. One host sync per call: the dK/dV tables' list length is the largest number of
+the routing has no gradient. One host sync per call of the op: the dK/dV tables' list length is the largest number of
 query chunks reading one key chunk (rounded up to a power of two, so few distinct programs), since a static
 bound of ``n`` would cost ``n`` grid steps per key chunk. Both tables are scalar-prefetched into SMEM (1 MiB on
 v5e / v6e / tpu7x, last dim padded to 128 words), so the op splits its kernel calls over head groups and ranges
@@ -47,10 +47,11 @@ shorter; its mean is over its own tokens; the kernels mask the tail), ``v`` head
 Differences: ``scale=0.0`` is a scale of 0 (tokamax's torch fallback reads ``scale or D ** -0.5``);
 the routing runs in float32 from the inputs (tokamax's JAX reference upcasts to float32 too).
 Gaps: no ``cu_seqlens`` (variable-length packed batches; tokamax takes none either: pad to one length,
-or run sequences separately); bf16 / f32 only (Mosaic takes no float16 kernel arguments). TPU compilation needs
-``chunk_size`` a multiple of 128 or one of 8, 16, 32, 64 (the masked kernels' ``block_q`` rule; the lse rows
-are laid out in 128-lane windows). Under DTensor the op runs replicated: the folded per-(batch, head) tables
-match neither the masked kernels' batch split nor their one-table head split.
+or run sequences separately); bf16 / f32 only (Mosaic takes no float16 kernel arguments); ``chunk_size`` a
+multiple of 128 (tokamax's tests use 64: the masked kernels' lse rows are 128-lane blocks, so a 64-token query
+block is no legal TPU block once T holds more than one; :class:`ArgumentError`). No DTensor rule of its own: the
+kernel calls see the folded ``[1, B * Hq, T, D]`` tensors with per-head tables, which the masked kernels' rule
+splits neither over batch (1 after folding) nor over heads (it splits heads only for one shared table).
 
 Tuning: the masked kernels' one tunable, ``block_kv_compute`` (key positions per compute sub-block, used when
 it divides ``chunk_size``), through ``config``; their per-chip defaults apply.
