@@ -3,6 +3,7 @@ routing by hand, the two limits (every chunk selected = causal attention, none =
 isolation, typed errors, and compile-only checks of the masked kernels at MoBA's block shapes."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -165,7 +166,7 @@ def test_empty_inputs():
 def test_bad_input_raises_typed_errors(mutate, err, words):
     q, k, v = _qkv(2, 256, 4, 2, 32, 32, torch.float32)
     args = mutate(dict(q=q, k=k, v=v, chunk_size=128, topk=2, scale=None))
-    with pytest.raises(err, match="moba_attention: .*" + __import__("re").escape(words)):
+    with pytest.raises(err, match="moba_attention: .*" + re.escape(words)):
         moba_attention(**args)
 
 
