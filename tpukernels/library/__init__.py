@@ -37,6 +37,8 @@ from .moe_routing import (MoEPermutation, grouped_topk, grouped_topk_jax, moe_co
 from .fused_moe_ops import fused_moe, fused_moe_jax, fused_moe_reference  # noqa: E402,F401
 from .dsa_attention import (indexer_topk, lightning_indexer, lightning_indexer_reference,  # noqa: E402,F401
                             sparse_mla_attention, sparse_mla_attention_reference)
+from .moba_ops import moba_attention, moba_attention_reference, moba_block_indices  # noqa: E402,F401
+from .nsa_ops import nsa_attention, nsa_attention_reference  # noqa: E402,F401
 
 
 def standard_cases():
