@@ -8,9 +8,6 @@ sizes each device got, the largest |value| of its receive-buffer padding rows; o
 
 from __future__ import annotations
 
-import json
-import os
-import sys
 
 import numpy as np
 
@@ -114,20 +111,7 @@ def run(c):
             "sizes": np.asarray(sizes).tolist(), "want_sizes": want_sizes.tolist(), "pad_max": float(np.max(pad))}
 
 
-def main():
-    cases = json.loads(sys.argv[1])
-    n = max(c["n"] for c in cases)
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
-    import tpukernels as tk
-
-    for c in cases:
-        try:
-            with tk.interpret_mode(c.get("mode", "tpu")):
-                res = run(c)
-        except Exception as e:  # noqa: BLE001 - reported to the test process, which asserts on it
-            res = {"case": c, "error": f"{type(e).__name__}: {e}"}
-        print(json.dumps(res), flush=True)
-
-
 if __name__ == "__main__":
-    main()
+    from cpu_mesh import serve  # the script's folder (tests/) is on sys.path
+
+    serve(run)

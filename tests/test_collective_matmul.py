@@ -3,27 +3,17 @@ reduce-scatter on a jax CPU mesh equal the float64 product, with the documented 
 4-chip v5e (compile-only) the ring's transfers are asynchronous collective-permutes with matmul kernels
 scheduled between their start and done (the overlap)."""
 
-import json
-import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
+from cpu_mesh import run_cases  # tests/ is on sys.path (rootdir-relative import)
 from tpukernels.errors import ArgumentError
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-
-def _run(cases, timeout=900):
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu")
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "collective_matmul_worker.py"), json.dumps(cases)],
-                       capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
-    lines = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
-    assert r.returncode == 0 and len(lines) == len(cases), (r.returncode, r.stdout[-2000:], r.stderr[-4000:])
-    return lines
+def _run(cases):
+    return run_cases("collective_matmul_worker.py", cases)
 
 
 def _check(res, tol):

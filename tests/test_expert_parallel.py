@@ -3,27 +3,16 @@ jax CPU mesh equals single-device top-k MoE in float64 (output and gradients), t
 stay zero, and the TPU path (``lax.ragged_all_to_all``) compiles for a 4-chip v5e. The torch path runs on the
 2-process gloo group of tests/test_distributed.py (check ``expert_parallel`` in tests/distributed_workers.py)."""
 
-import json
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
+from cpu_mesh import run_cases  # tests/ is on sys.path (rootdir-relative import)
 from tpukernels.errors import ArgumentError
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = 1e-5  # float32 end to end: the sums of a few products
 
 
-def _run(cases, timeout=900):
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu")
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "expert_parallel_worker.py"), json.dumps(cases)],
-                       capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
-    lines = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
-    assert r.returncode == 0 and len(lines) == len(cases), (r.returncode, r.stdout[-2000:], r.stderr[-4000:])
-    return lines
+def _run(cases):
+    return run_cases("expert_parallel_worker.py", cases)
 
 
 def _check(res):

@@ -19,6 +19,7 @@ import sys
 import numpy as np
 import pytest
 
+from cpu_mesh import run_cases  # tests/ is on sys.path (rootdir-relative import)
 from tpukernels.distributed import ring_attention as R
 from tpukernels.errors import ArgumentError
 
@@ -27,12 +28,7 @@ TOL = 2e-5
 
 
 def _run(cases, timeout=600):
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu")
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "ring_attention_worker.py"), json.dumps(cases)],
-                       capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
-    lines = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
-    assert r.returncode == 0 and len(lines) == len(cases), (r.returncode, r.stdout[-2000:], r.stderr[-4000:])
-    return lines
+    return run_cases("ring_attention_worker.py", cases, timeout)
 
 
 def _assert_close(res):
