@@ -178,6 +178,24 @@ def test_device_tables_match_the_numpy_builder():
     assert torch.equal(mbt, mb.transpose(1, 2))
 
 
+@pytest.mark.aot
+@pytest.mark.parametrize("chip", ("v5e", "v6e", "tpu7x"))
+def test_compile_only_deepseek_v32_prefill_shapes(chip):
+    """The three masked kernels as topk_sparse_attention calls them for DeepSeek-V3.2's expanded MLA heads
+    (D 192 / Dv 128, bf16): B=2 x 16 heads folded into 32, S=2048, 512 x 512 blocks (every element block kept)."""
+    import tpukernels as tk
+    from tpukernels.library.attention import fa_backward_dkv_masked, fa_backward_dq_masked, fa_forward_masked
+
+    q, k, v, rows = "1x32x2048x192:bf16", "1x32x2048x192:bf16", "1x32x2048x128:bf16", "1x32x1x2048:f32"
+    do = "1x32x2048x128:bf16"
+    tabs, mbs = ("3x32x4x4:i32", "3x32x4x4:i32"), ("32x512x512:i8", "32x512x512:i8")
+    for kernel, args in ((fa_forward_masked, (*tabs, q, k, v, *mbs)),
+                         (fa_backward_dq_masked, (*tabs, q, k, v, do, rows, rows, *mbs)),
+                         (fa_backward_dkv_masked, (*tabs, q, k, v, do, rows, rows, *mbs))):
+        r = tk.compile_for(kernel, chip, *args, with_mlir=False, sm_scale=0.1352, softcap=None)
+        assert r.ok, (kernel.name, r.summary())
+
+
 def test_bad_arguments_raise_typed_errors():
     q, k, v = rand(1, 2, 4, 16), rand(1, 2, 6, 16), rand(1, 2, 6, 16)
     idx = torch.zeros(1, 4, 3, dtype=torch.int32)
@@ -301,6 +319,38 @@ def test_dsa_model_logits_and_greedy_generate_match_stock(model_type, monkeypatc
     torch.testing.assert_close(got[keep], want[keep], rtol=1e-4, atol=1e-4 * float(want[keep].abs().max()))
     assert torch.equal(got_gen, want_gen)
     assert len(calls.widths) > 2  # the decode steps too
+
+
+def test_dsa_model_training_step_gradients_match_stock(monkeypatch):
+    """The training path: a causal-LM loss's backward through the patched DeepSeek-V3.2 (the sparse attention's
+    dQ / dK / dV kernels, the norms' backward) gives the stock model's parameter gradients. The indexer runs
+    under no_grad in transformers (its selection carries no gradient) in both."""
+    model = _tiny("deepseek_v32")
+    model.train()
+    ids, mask = _ids()
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, 1:] = labels[:, 1:].masked_fill(mask[:, :-1] == 0, -100)  # logits at padding predict nothing (the
+    # shifted loss would read position 1's, a padded row: garbage in stock eager, 0 in ours)
+
+    def grads():
+        model.zero_grad()
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        return {n: p.grad.detach().double().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want = grads()
+    patch_probes.verdicts.clear()
+    calls = SparseCalls(monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        assert tki.apply_tpukernels(model)["attention"]
+        assert model.training  # the probe ran in eval mode and gave the mode back
+        calls.widths.clear()
+        got = grads()
+    assert calls.widths == [4, 4]
+    assert set(got) == set(want) and any("self_attn.q_b_proj" in n for n in got)
+    for name, w in want.items():
+        scale = max(float(w.abs().max()), 1e-6)
+        assert float((got[name] - w).abs().max()) <= 1e-4 * scale, name
 
 
 def test_probe_narrows_a_wide_index_topk_and_restores_it(monkeypatch):
