@@ -20,6 +20,13 @@ dQ and dK/dV are the masked kernels' (autograd wired there). Costs, stated plain
   selected K/V rows per query (FlashMLA's sparse prefill) is the gap: not written.
 * memory: the element blocks take ``2 * B * Sq_b * Skv_b`` bytes (int8, and its transpose for dK/dV; padded to
   the blocks) plus the visibility itself; e.g. 32 MiB at ``B=1, S=4096``, 2 GiB at ``S=32768``.
+* why not a gather kernel here: in this layout (transformers' expanded MLA heads, K / V per head) the selected
+  rows differ per head and per query, so a gather reuses nothing across queries. DeepSeek-V3.2 at S=8192,
+  top-2048, 128 heads, D 192 / Dv 128, bf16: gathering reads ``2048 * 128 * 320 * 2`` B = 168 MB per query,
+  1.4 TB per sequence (~1.7 s of v5e HBM bandwidth), while the dense causal blocks are ~2.8 TFLOP (~14 ms at v5e's
+  bf16 peak). Sparsity pays only in the absorbed form (one 576-wide latent row per key shared by all heads,
+  FlashMLA's sparse prefill), which means rewriting the attention module, not the attention function the
+  model calls: the gap.
 
 ``indices`` as a set: duplicates count once (as transformers' scatter), ``topk`` may exceed ``Skv``, and ``-1``
 marks an unused slot (FlashMLA's convention). A query that sees no key outputs exactly 0 and gets zero gradients.
