@@ -393,9 +393,12 @@ def test_probe_rejects_a_sparse_path_that_ignores_the_selection(monkeypatch):
     assert not report["attention"] and model.config._attn_implementation == "eager"
 
 
-def test_kimi_k25_text_model_logits_and_greedy_generate_match_stock():
+def test_kimi_k25_logits_generate_and_vision_tower_match_stock():
     """Kimi-K2.5 (``Kimi_K25ForConditionalGeneration``) is a VLM whose ``text_config`` is DeepSeek-V3 (MLA,
-    dense: no DSA indexer): text-only inputs through the whole model; the vision tower is not run here."""
+    dense: no DSA indexer): text-only inputs through the whole model. The whole-model probe runs text only, so
+    the vision tower (its attention, per image chunk, now ours too) is compared here on two images of 4x4 and 2x4
+    patches (the tiny config's multimodal projector keeps its full 1152 width, so image features end to end are
+    not built)."""
     from hf_tiny import randomize_norms, tiny_config
 
     cfg = tiny_config("kimi_k25")
@@ -404,9 +407,12 @@ def test_kimi_k25_text_model_logits_and_greedy_generate_match_stock():
     model = transformers.AutoModelForImageTextToText.from_config(cfg, attn_implementation="eager").float().eval()
     randomize_norms(model)
     ids, mask = _ids()
+    grid = torch.tensor([[1, 4, 4], [1, 2, 4]])
+    pixels = rand(int(grid.prod(-1).sum()), 3, 14, 14, seed=9)
     with torch.no_grad():
         want = model(input_ids=ids, attention_mask=mask).logits.double()
         want_gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+        want_vision = model.model.vision_tower(pixels, grid_thw=grid).last_hidden_state.double()
     patch_probes.verdicts.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
@@ -415,6 +421,9 @@ def test_kimi_k25_text_model_logits_and_greedy_generate_match_stock():
         with torch.no_grad():
             got = model(input_ids=ids, attention_mask=mask).logits.double()
             got_gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+            got_vision = model.model.vision_tower(pixels, grid_thw=grid).last_hidden_state.double()
+    assert model.model.vision_tower.config._attn_implementation == "tpukernels"
     keep = mask.bool()
     torch.testing.assert_close(got[keep], want[keep], rtol=1e-4, atol=1e-4 * float(want[keep].abs().max()))
     assert torch.equal(got_gen, want_gen)
+    torch.testing.assert_close(got_vision, want_vision, rtol=1e-4, atol=1e-4 * float(want_vision.abs().max()))
