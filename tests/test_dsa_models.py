@@ -233,6 +233,9 @@ def test_bad_arguments_raise_typed_errors():
         topk_sparse_attention(q, k, v, idx, config={"block_q": 100})
     with pytest.raises(ArgumentError, match="causal must be a bool"):
         topk_sparse_attention(q, k, v, idx, causal=1)
+    # unchecked (device tensors: no host sync), a value outside [0, Skv) is ignored like -1
+    vis = TS.index_visibility(torch.tensor([[[7, -5, 1, 6]]]), 6)
+    assert vis.tolist() == [[[False, True, False, False, False, False]]]
 
 
 # ------------------------------------------------------------------------------------------ the integration

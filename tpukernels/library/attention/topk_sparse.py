@@ -52,14 +52,15 @@ _WHERE = "topk_sparse_attention"
 
 def index_visibility(indices: torch.Tensor, Skv: int, attention_mask: torch.Tensor | None = None,
                      causal: bool = False, causal_alignment: str = "top_left") -> torch.Tensor:
-    """Dense ``[B, Sq, Skv]`` bool: key ``j`` visible to query ``i`` iff ``j`` is in ``indices[b, i]`` (``-1``
-    entries ignored), ``attention_mask[b, i, j]`` (if given) and the causal bound (if ``causal``).
+    """Dense ``[B, Sq, Skv]`` bool: key ``j`` visible to query ``i`` iff ``j`` is in ``indices[b, i]`` (entries
+    outside ``[0, Skv)``, such as ``-1``, ignored), ``attention_mask[b, i, j]`` (if given) and the causal bound
+    (if ``causal``).
 
     This is the mask transformers' eager DSA attention builds (``ones.scatter(-1, indices, False)``, ANDed into
     the attention mask); :func:`topk_sparse_attention` and its tests' reference both use it."""
     B, Sq = int(indices.shape[0]), int(indices.shape[1])
     idx = indices.long()
-    idx = torch.where(idx < 0, torch.full_like(idx, Skv), idx)  # -1 -> a spill column, dropped below
+    idx = torch.where((idx < 0) | (idx >= Skv), torch.full_like(idx, Skv), idx)  # -> a spill column, dropped below
     vis = torch.zeros(B, Sq, Skv + 1, dtype=torch.bool, device=indices.device)
     vis = vis.scatter(-1, idx, True)[..., :Skv]
     if attention_mask is not None:
@@ -154,7 +155,9 @@ def _check(q, k, v, indices, attention_mask, causal, causal_alignment, sm_scale,
                                 f"{(B, 1, Sq, Skv)}, got {shape}")
         if attention_mask.device != q.device:
             raise DeviceError(f"{_WHERE}: attention_mask is on {attention_mask.device} but q is on {q.device}")
-    if indices.numel() and not torch.compiler.is_compiling():  # a host sync (eager only)
+    # values checked on cpu tensors outside tracing only (on a device it would be a host sync per call; under
+    # torch.compile values are unknown); elsewhere an index outside [0, Skv) is ignored, as -1 is
+    if indices.numel() and indices.device.type == "cpu" and not torch.compiler.is_compiling():
         lo, hi = int(indices.min()), int(indices.max())
         if lo < -1 or hi >= Skv:
             raise ArgumentError(f"{_WHERE}: indices must lie in [0, Skv) = [0, {Skv}) or be -1 (unused slot), got "
@@ -214,8 +217,9 @@ def topk_sparse_attention(
 
     Raises:
         ArgumentError: ranks / shapes that do not fit, ``Hq % Hkv``, an ``indices`` value outside
-            ``[-1, Skv)`` (checked eagerly, one host sync; not under ``torch.compile``), bad flags / scales /
-            alignment, ``config`` keys other than the three above or blocks not multiples of 128.
+            ``[-1, Skv)`` (checked on cpu tensors outside ``torch.compile``: on a device the check would cost a
+            host sync per call, so there such a value is ignored like ``-1``, FlashMLA's rule), bad flags /
+            scales / alignment, ``config`` keys other than the three above or blocks not multiples of 128.
         DTypeError: q / k / v dtypes differ or are not float; ``indices`` not int32 / int64; a non-bool mask.
         DeviceError: an argument on another device than q.
 
