@@ -16,10 +16,12 @@ dQ and dK/dV are the masked kernels' (autograd wired there). Costs, stated plain
 
 * compute: every ``bq x bkv`` block holding at least one selected key is computed densely. A top-k selection
   scattered over the whole causal prefix touches nearly every block below the diagonal, so the work is that of
-  dense causal attention (``~Sq*Skv/2`` score pairs), not ``Sq*topk``. A gather kernel that loads only the
-  selected K/V rows per query (FlashMLA's sparse prefill) is the gap: not written.
+  dense causal attention (``~Sq*Skv/2`` score pairs), not ``Sq*topk`` (the last point: why a gather of the
+  selected rows does not pay in this layout).
 * memory: the element blocks take ``2 * B * Sq_b * Skv_b`` bytes (int8, and its transpose for dK/dV; padded to
-  the blocks) plus the visibility itself; e.g. 32 MiB at ``B=1, S=4096``, 2 GiB at ``S=32768``.
+  the blocks) plus the visibility itself; e.g. 32 MiB at ``B=1, S=4096``, 2 GiB at ``S=32768``, 32 GiB at
+  DeepSeek-V3.2's 128K context: long-context training needs the selection as bits or built inside the
+  kernel (the kernels take int8 element blocks): a gap.
 * why not a gather kernel here: in this layout (transformers' expanded MLA heads, K / V per head) the selected
   rows differ per head and per query, so a gather reuses nothing across queries. DeepSeek-V3.2 at S=8192,
   top-2048, 128 heads, D 192 / Dv 128, bf16: gathering reads ``2048 * 128 * 320 * 2`` B = 168 MB per query,
