@@ -149,8 +149,8 @@ def test_attention_refuses_an_argument_it_does_not_implement():
     module = torch.nn.Module()
     module.is_causal = True
     q, k = torch.randn(1, 2, 4, 16), torch.randn(1, 2, 4, 16)
-    with pytest.raises(ArgumentError, match=r"\['indices'\]"):
-        tki.attention_forward(module, q, k, k, None, indices=torch.zeros(1, 4, 2, dtype=torch.long))
+    with pytest.raises(ArgumentError, match=r"\['cu_seq_lens_q'\]"):  # packed sequences (DSA indices: test_dsa_models)
+        tki.attention_forward(module, q, k, k, None, cu_seq_lens_q=torch.tensor([0, 4], dtype=torch.int32))
     out, _ = tki.attention_forward(module, q, k, k, None, position_ids=torch.arange(4)[None])  # bookkeeping only
     assert out.shape == (1, 4, 2, 16)
 

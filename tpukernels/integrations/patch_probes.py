@@ -14,6 +14,7 @@ copied from each instance).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 from typing import Callable, Optional
@@ -28,6 +29,28 @@ TOLERANCE = {torch.float32: 2e-5, torch.float64: 1e-9, torch.bfloat16: 2e-2, tor
 MODEL_TOLERANCE = {torch.float32: 2e-3, torch.float64: 1e-6, torch.bfloat16: 8e-2, torch.float16: 2e-2}
 
 verdicts: dict = {}
+
+#: the top-k of a DSA indexer (``index_topk``: DeepSeek-V3.2, GLM-MoE-DSA) while the whole-model attention probe
+#: runs: below the probe's length, so the selection (``indices=``) is what is compared, not all keys
+PROBE_TOPK = 4
+
+
+@contextlib.contextmanager
+def narrowed_index_topk(model: torch.nn.Module, k: int = PROBE_TOPK):
+    """Within the block, every submodule with an int ``index_topk`` above ``k`` (a DSA indexer) selects ``k``
+    keys; restored after. The weights are the model's own: only how many keys the indexer keeps changes, so
+    a sparse attention that ignored or misread the selection differs from the stock model on the probe."""
+    saved = []
+    for m in model.modules():
+        v = m.__dict__.get("index_topk")
+        if isinstance(v, int) and not isinstance(v, bool) and v > k:
+            saved.append((m, v))
+            m.index_topk = k
+    try:
+        yield
+    finally:
+        for m, v in saved:
+            m.index_topk = v
 
 
 def relative_error(got, want) -> float:

@@ -133,7 +133,7 @@ _KNOWN_KWARGS = frozenset({
     "s_aux", "position_ids", "cache_position", "output_attentions", "use_cache", "past_key_value",
     "past_key_values", "layer_idx", "return_dict", "output_hidden_states", "position_embeddings",
     "token_type_ids", "output_router_logits", "logits_to_keep",
-})  # not here, so refused when given: head_mask, cu_seq_lens_* / max_length_* (packed sequences), indices
+})  # not here, so refused when given: head_mask, cu_seq_lens_* / max_length_* (packed sequences)
 
 
 def attention_forward(
@@ -156,12 +156,16 @@ def attention_forward(
         attention_mask: None or ``[B, 1, Sq, Skv]`` (bool or additive float), from transformers' SDPA mask.
         scaling: softmax scale (default ``1/sqrt(D)``). softcap: logit soft-cap. sliding_window: HF window.
         s_aux (keyword, gpt-oss): ``[Hq]`` attention-sink logits, passed to ``flash_attention(sinks=)``.
+        indices (keyword, DeepSeek-V3.2 / GLM-MoE-DSA): ``[B, Sq, topk]`` int key positions the DSA indexer
+            selected per query (shared by the heads); only those keys, ANDed with the mask, are attended
+            (:func:`tpukernels.library.attention.topk_sparse_attention`, what their eager path computes).
 
     Returns:
         ``(attn_output [B, Sq, Hq, D], None)`` (attention weights are never materialized).
     """
     if _attention_calls is not None:  # only while the whole-model probe runs (a constant for torch.compile)
         _attention_calls.append(type(module).__name__)
+    indices = kwargs.pop("indices", None)
     unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in _KNOWN_KWARGS)
     if unknown:  # an argument that may change the result (a sparse top-k ``indices``, ...): not ours to drop
         raise ArgumentError(
@@ -173,6 +177,9 @@ def attention_forward(
     sliding_window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
     training = bool(getattr(module, "training", False))
     sinks = kwargs.get("s_aux")
+    if indices is not None:
+        return _index_sparse(query, key, value, attention_mask, indices, scaling, softcap, dropout, training, sinks,
+                             causal_default), None
     spec = None
     if training and dropout > 0:
         _warn_once("dropout", f"attention dropout {dropout} in training mode is not supported by the kernel")
@@ -201,6 +208,55 @@ def attention_forward(
         window=(spec["window_left"], None), softcap=softcap, sinks=sinks, **seg,
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _index_sparse(query, key, value, mask, indices, scaling, softcap, dropout, training, sinks, is_causal):
+    """DSA attention (``indices=``): :func:`tpukernels.library.attention.topk_sparse_attention` over the
+    selected keys ANDed with ``mask``; the float32 eager fallback (the index mask ANDed in, with the one-time
+    warning) for what that kernel does not take: training dropout, attention sinks, per-head or biased masks.
+    Returns ``[B, Sq, Hq, Dv]``."""
+    from ..library.attention import topk_sparse_attention
+    from ..library.attention.topk_sparse import index_visibility
+
+    b, _, sq, _ = query.shape
+    skv = key.shape[2]
+    vis = None  # bool [B, 1, Sq, Skv] (True = visible) or None (nothing but the index set)
+    biased = False
+    if mask is None:
+        if is_causal and sq > 1:  # SDPA semantics, as mask_to_spec
+            vis = _dense(b, sq, skv, True, "top_left", None, None, query.device)[:, None]
+    elif mask.dtype == torch.bool:
+        vis = mask
+    elif mask.dtype.is_floating_point:
+        neg = mask <= torch.finfo(mask.dtype).min / 2
+        biased = not bool(((mask == 0) | neg).all())
+        vis = ~neg
+    else:
+        biased = True
+    if vis is not None and vis.dim() == 4 and vis.shape[1] != 1:
+        if bool((vis == vis[:, :1]).all()):
+            vis = vis[:, :1]
+        else:
+            biased = True  # per-head masks
+    why = None
+    if training and dropout > 0:
+        why = f"attention dropout {dropout} in training mode is not supported by the kernel"
+    elif sinks is not None:
+        why = "attention sinks with DSA indices are not supported by the sparse kernel"
+    elif biased:
+        why = "this attention mask (additive bias or per-head) with DSA indices is not supported by the sparse kernel"
+    if why is None:
+        vis = None if vis is None else vis.expand(b, 1, sq, skv)
+        out = topk_sparse_attention(query, key, value, indices, attention_mask=vis, sm_scale=scaling, softcap=softcap)
+        return out.transpose(1, 2).contiguous()
+    _warn_once("dsa:" + why[:20], why)
+    sel = index_visibility(indices, skv)[:, None]  # [B, 1, Sq, Skv]
+    if mask is None or mask.dtype == torch.bool:
+        full = sel if vis is None else vis & sel
+    else:
+        full = mask.float().masked_fill(~sel, float("-inf"))
+    out = _eager(query, key, value, full, scaling, softcap, dropout, training, sinks)
+    return out.transpose(1, 2).contiguous()
 
 
 def _bucket_decode_keys(key, value, spec):
@@ -433,8 +489,11 @@ def apply_tpukernels(
     Args:
         attention: set ``attn_implementation="tpukernels"`` (models using the standard attention interface)
             where the whole-model probe agrees; a model that passes an attention argument this implementation
-            does not implement (a DSA indexer's ``indices``, packed ``cu_seq_lens_*``) fails that probe and
-            keeps its own attention.
+            does not implement (packed ``cu_seq_lens_*``, ``head_mask``) fails that probe and keeps its own
+            attention. DeepSeek-V3.2 / GLM-MoE-DSA's DSA ``indices`` run on
+            :func:`tpukernels.library.attention.topk_sparse_attention` (the probe runs with each indexer's
+            ``index_topk`` narrowed to :data:`patch_probes.PROBE_TOPK`, below the probe's length, so that the
+            selection is what it compares).
         rms_norm: replace RMSNorm modules with :class:`tpukernels.library.norms.TPURMSNorm` in the form the
             probe finds: Llama ``w * n.to(dtype)``, Gemma / Qwen3-Next ``(n * (1 + w)).to(dtype)``, the two
             other casting/offset combinations, or weightless (falcon-mamba); a norm with a bias matches none
@@ -685,35 +744,42 @@ def _verify_attention(model: torch.nn.Module, probe_inputs: Optional[dict]) -> O
     was_training = model.training
     model.eval()
     try:
-        try:
-            want = _run(model, inputs)
-        except Exception as e:  # noqa: BLE001 - the probe input does not fit this model
-            return f"the stock model fails on the probe input ({type(e).__name__}: {e}); pass probe_inputs="
-        global _attention_calls
-        _attention_calls = []
-        _set_attn(model, NAME)
-        try:
-            got = _run(model, inputs)
-        except Exception as e:  # noqa: BLE001
-            return f"the model fails with it ({type(e).__name__}: {e})"
-        finally:
-            calls, _attention_calls = len(_attention_calls), None
-            _set_attn(model, original)
-        if calls == 0:
-            return "the model never calls transformers' attention interface"
-        mask = inputs.get("attention_mask")
-        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and isinstance(want, torch.Tensor) \
-                and want.shape[:2] == mask.shape and isinstance(got, torch.Tensor) and got.shape == want.shape:
-            keep = mask.bool()
-            want, got = want[keep], got[keep]  # padded positions are undefined in both
-        err = patch_probes.relative_error(got, want)
-        tol = patch_probes.MODEL_TOLERANCE.get(dtype, 8e-2)
-        if not err <= tol:
-            return (f"the model's output with it differs from {original!r} by {err:.3g} (relative; "
-                    f"tolerance {tol:g} for {dtype})")
-        return None
+        with patch_probes.narrowed_index_topk(model):
+            return _compare_attention(model, inputs, original, dtype)
     finally:
         model.train(was_training)
+
+
+def _compare_attention(model, inputs, original, dtype) -> Optional[str]:
+    """:func:`_verify_attention`'s comparison (the model in eval mode; a DSA indexer's ``index_topk`` narrowed
+    to :data:`patch_probes.PROBE_TOPK`, so the probe compares the sparse selection)."""
+    try:
+        want = _run(model, inputs)
+    except Exception as e:  # noqa: BLE001 - the probe input does not fit this model
+        return f"the stock model fails on the probe input ({type(e).__name__}: {e}); pass probe_inputs="
+    global _attention_calls
+    _attention_calls = []
+    _set_attn(model, NAME)
+    try:
+        got = _run(model, inputs)
+    except Exception as e:  # noqa: BLE001
+        return f"the model fails with it ({type(e).__name__}: {e})"
+    finally:
+        calls, _attention_calls = len(_attention_calls), None
+        _set_attn(model, original)
+    if calls == 0:
+        return "the model never calls transformers' attention interface"
+    mask = inputs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and isinstance(want, torch.Tensor) \
+            and want.shape[:2] == mask.shape and isinstance(got, torch.Tensor) and got.shape == want.shape:
+        keep = mask.bool()
+        want, got = want[keep], got[keep]  # padded positions are undefined in both
+    err = patch_probes.relative_error(got, want)
+    tol = patch_probes.MODEL_TOLERANCE.get(dtype, 8e-2)
+    if not err <= tol:
+        return (f"the model's output with it differs from {original!r} by {err:.3g} (relative; "
+                f"tolerance {tol:g} for {dtype})")
+    return None
 
 
 # ------------------------------------------------------------------------------------------ RoPE

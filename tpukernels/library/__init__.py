@@ -13,7 +13,7 @@ import sys as _sys
 # test_no_shadowed_submodules.py).
 from .norms import (TPUGatedRMSNorm, TPULayerNorm, TPURMSNorm, fused_add_rms_norm, gated_rms_norm, layer_norm,  # noqa: E402,F401
                     rms_norm)
-from .attention import attention_reference, flash_attention  # noqa: E402,F401
+from .attention import attention_reference, flash_attention, topk_sparse_attention  # noqa: E402,F401
 from .matmul_ops import matmul, matmul_nn, matmul_nt, matmul_tn  # noqa: E402,F401
 from .quantized_matmul_ops import (TPUBlockQuantLinear, TPUQuantLinear, pack_int4, quantize_weight,  # noqa: E402,F401
                                    quantize_weight_blockwise, quantized_matmul, quantized_matmul_blockwise)

@@ -53,7 +53,8 @@ Package layout: :mod:`.plan` (argument checks, the static plan of a call, tunabl
 (:data:`fa_backward_dq`, :data:`fa_backward_dkv` and the autograd wiring), :mod:`.masks` (splash-attention mask
 objects and their block-sparse tables), :mod:`.masked` (the block-sparse masked kernels, same bodies),
 :mod:`.api` (:func:`flash_attention`, sinks, the public op), :mod:`.reference` (:func:`attention_reference`),
-:mod:`.rope_fused` (:data:`fa_forward_rope`: RoPE fused into the forward's q load).
+:mod:`.rope_fused` (:data:`fa_forward_rope`: RoPE fused into the forward's q load), :mod:`.topk_sparse`
+(:func:`topk_sparse_attention`: DeepSeek sparse attention's top-k ``indices`` on the block-sparse kernels).
 """
 
 from .api import flash_attention  # noqa: E402
@@ -65,6 +66,7 @@ from .masks import (CausalMask, ChunkedCausalMask, FullMask, LocalMask, LogicalA
 from .plan import CAUSAL, ALIGNMENTS, DECODE_FOLD_MAX_SQ, NAMESPACE, make_plan, Plan  # noqa: E402,F401
 from .reference import attention_reference  # noqa: E402
 from .rope_fused import fa_forward_rope  # noqa: E402
+from .topk_sparse import topk_sparse_attention  # noqa: E402
 
 #: The shapes the shipped defaults are tuned for (``benchmarks/attention.py``, ``tpukernels autotune
 #: --library``): Llama-3-8B-like attention (32 query heads, 8 kv heads, D=128), causal, bf16.
@@ -76,7 +78,7 @@ STANDARD_CASES = [
     for kernel in (fa_backward_dq, fa_backward_dkv) for S in (4096, 8192)
 ]
 
-__all__ = ["flash_attention", "attention_reference", "fa_forward", "fa_backward_dq", "fa_backward_dkv",
+__all__ = ["flash_attention", "attention_reference", "topk_sparse_attention", "fa_forward", "fa_backward_dq", "fa_backward_dkv",
            "fa_forward_rope", "fa_forward_masked", "fa_backward_dq_masked", "fa_backward_dkv_masked", "Mask", "CausalMask", "LocalMask",
            "ChunkedCausalMask", "FullMask", "NumpyMask", "MultiHeadMask", "LogicalOr", "LogicalAnd", "mask_tables",
            "STANDARD_CASES", "DECODE_FOLD_MAX_SQ"]
