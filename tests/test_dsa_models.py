@@ -194,6 +194,9 @@ def test_torch_compile_fullgraph_matches_eager():
         assert torch.equal(out, ref)
         for a, b in zip(torch.autograd.grad(out.sum(), (q, k, v)), torch.autograd.grad(ref.sum(), (q, k, v))):
             assert torch.equal(a, b)
+    bad = torch.full((2, 12, 5), 12, dtype=torch.int32)  # = Skv: eager raises ArgumentError, the graph asserts
+    with pytest.raises(RuntimeError, match="indices must lie in"):
+        cf(q, k, v, bad)
 
 
 @pytest.mark.aot

@@ -157,13 +157,16 @@ def _check(q, k, v, indices, attention_mask, causal, causal_alignment, sm_scale,
                                 f"{(B, 1, Sq, Skv)}, got {shape}")
         if attention_mask.device != q.device:
             raise DeviceError(f"{_WHERE}: attention_mask is on {attention_mask.device} but q is on {q.device}")
-    # values checked on cpu tensors outside tracing only (on a device it would be a host sync per call; under
-    # torch.compile values are unknown); elsewhere an index outside [0, Skv) is ignored, as -1 is
+    # values checked on cpu tensors (on a device a check would be a host sync per call: there an index outside
+    # [0, Skv) is ignored, as -1 is); under torch.compile the values are unknown here, so the graph asserts them
     if indices.numel() and indices.device.type == "cpu" and not torch.compiler.is_compiling():
         lo, hi = int(indices.min()), int(indices.max())
         if lo < -1 or hi >= Skv:
             raise ArgumentError(f"{_WHERE}: indices must lie in [0, Skv) = [0, {Skv}) or be -1 (unused slot), got "
                                 f"values in [{lo}, {hi}]")
+    elif indices.numel() and indices.device.type == "cpu":
+        torch._assert_async(((indices >= -1) & (indices < Skv)).all(),
+                            f"{_WHERE}: indices must lie in [0, Skv) = [0, {Skv}) or be -1 (unused slot)")
 
 
 def topk_sparse_attention(
