@@ -181,6 +181,7 @@ def expert_parallel(mesh) -> dict:
         res[case] = {"out": _err(out, ref), "dx": _err(x_.grad, ref_dx), "dw": _err(w_.grad, ref_dw),
                      "dW": _err(W_local.grad, dW[rank * el:(rank + 1) * el]), "rows": int(xs.shape[0]),
                      "sizes": sizes.tolist(), "want_sizes": counts.tolist()}
+    res["torchtitan"] = _torchtitan_dispatcher_parity(mesh, W, E, D, k, el, rank)
     errors = {}
     for name, call in (
             ("indivisible", lambda: ep_dispatch(torch.randn(3, D), torch.zeros(3, k, dtype=torch.long), 3, mesh)),
@@ -193,6 +194,38 @@ def expert_parallel(mesh) -> dict:
             errors[name] = str(exc)
     res["errors"] = errors
     return res
+
+
+def _torchtitan_dispatcher_parity(mesh, W, E, D, k, el, rank) -> dict:
+    """tpukernels' TorchTitan token dispatcher vs TorchTitan's AllToAllTokenDispatcher (dtensor backend) on the
+    same tokens, scores and expert weights: outputs and gradients (tokens, scores, this rank's experts)."""
+    from tpukernels.integrations.torchtitan_ep import token_dispatcher_class
+
+    ours = token_dispatcher_class()  # first: it installs the CPU placeholders torchtitan's MoE modules import
+    from torchtitan.distributed.utils import set_spmd_backend
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+
+    set_spmd_backend("dtensor")
+    gen = torch.Generator().manual_seed(20 + rank)
+    T = 6 + rank
+    x = torch.randn(T, D, generator=gen)
+    ids = torch.randint(0, E, (T, k), generator=gen)
+    scores = torch.rand(T, k, generator=gen)
+    g = torch.randn(T, W.shape[2], generator=gen)
+    got = {}
+    for name, cls in (("ours", ours), ("torchtitan", AllToAllTokenDispatcher)):
+        d = cls(cls.Config(num_experts=E, top_k=k))
+        d.wire_meshes(ep_mesh=mesh)
+        x_, s_ = x.clone().requires_grad_(), scores.clone().requires_grad_()
+        W_local = W[rank * el:(rank + 1) * el].clone().requires_grad_()
+        routed, sizes, meta = d.dispatch(x_, s_, ids, torch.bincount(ids.reshape(-1), minlength=E))
+        e = torch.repeat_interleave(torch.arange(el), sizes.long())
+        out = d.combine(torch.einsum("rd,rdo->ro", routed, W_local[e]), meta, x_)
+        (out * g).sum().backward()
+        got[name] = (out.detach(), x_.grad, s_.grad, W_local.grad, sizes.tolist())
+    a, b = got["ours"], got["torchtitan"]
+    return {"out": _err(a[0], b[0]), "dx": _err(a[1], b[1]), "dscores": _err(a[2], b[2]), "dW": _err(a[3], b[3]),
+            "sizes_equal": a[4] == b[4]}
 
 
 def ring_attention_torch(mesh) -> dict:

@@ -79,6 +79,8 @@ def test_two_process_group_dtensor_ops_fsdp2_expert_parallel_and_ring_attention(
             c = ep[case]
             assert max(c["out"], c["dx"], c["dw"], c["dW"]) < 1e-5, (rank["rank"], case, c)
             assert c["sizes"] == c["want_sizes"] and c["rows"] == sum(c["want_sizes"]), c
+        tt = ep["torchtitan"]  # as TorchTitan's own AllToAllTokenDispatcher, through our token dispatcher
+        assert tt["sizes_equal"] and max(tt["out"], tt["dx"], tt["dscores"], tt["dW"]) < 1e-5, tt
         assert "divisible by the group size 2" in ep["errors"]["indivisible"], ep["errors"]
         assert "disagree on x.shape[1]" in ep["errors"]["hidden_mismatch"], ep["errors"]  # every rank raised
     assert group_results[1]["expert_parallel"]["skew"]["rows"] == 0  # rank 1 received nothing and combined

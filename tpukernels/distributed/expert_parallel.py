@@ -32,7 +32,8 @@ a ragged all-to-all (``all_to_all_single`` with split sizes / ``lax.ragged_all_t
 ``moe_permute`` (``k = 1``) regroups the received rows from (source, expert) order into expert order. Combine
 runs the same steps backwards: the local un-sort is ``moe_combine`` with unit weights (exact), the reverse
 all-to-all swaps the split sizes, and ``moe_combine`` applies the router weights. Gradients flow through every
-step (torch: ``torch.distributed.nn.functional.all_to_all_single``, whose backward is the reverse all-to-all;
+step (torch: ``torch.distributed._functional_collectives.all_to_all_single_autograd``, whose backward is the
+reverse all-to-all;
 JAX: the collectives' transposes).
 
 ``lax.ragged_all_to_all`` has no XLA:CPU lowering (``UNIMPLEMENTED: HLO opcode ragged-all-to-all``), so on a
@@ -88,10 +89,10 @@ def _group_of(group):
 
 
 def _all_to_all_rows(rows: torch.Tensor, out_splits: list, in_splits: list, group) -> torch.Tensor:
-    from torch.distributed.nn.functional import all_to_all_single
+    from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
-    out = rows.new_empty(sum(out_splits), rows.shape[1])
-    return all_to_all_single(out, rows.contiguous(), out_splits, in_splits, group=group)
+    # torch's functional collective with autograd (its backward is the reverse all-to-all), as TorchTitan's
+    return wait_tensor(all_to_all_single_autograd(rows.contiguous(), out_splits, in_splits, group))
 
 
 def ep_dispatch(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, group=None):
