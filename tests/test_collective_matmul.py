@@ -58,10 +58,12 @@ def test_bad_arguments_raise_before_tracing():
 
 
 @pytest.mark.aot
+@pytest.mark.parametrize("topology, n", [("v5e:2x2", 4), pytest.param("tpu7x:2x2x1", 8, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("op", ["ag", pytest.param("rs", marks=pytest.mark.slow)])
-def test_compile_only_v5e_2x2_overlaps_the_ring(op):
-    """Llama-3-8B MLP shapes per 4 chips (M = 4096 tokens, K = 4096, N = 14336 bf16): Mosaic compiles the
-    matmul kernels, and XLA:TPU schedules a kernel between a collective-permute's start and its done."""
+def test_compile_only_overlaps_the_ring(op, topology, n):
+    """Llama-3-8B MLP shapes (M = 4096 tokens, K = 4096, N = 14336 bf16) on 4 chips (v5e:2x2) and 8 (tpu7x:2x2x1,
+    slow): Mosaic compiles the matmul kernels, and XLA:TPU schedules a kernel between a collective-permute's
+    start and its done."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding
@@ -70,7 +72,7 @@ def test_compile_only_v5e_2x2_overlaps_the_ring(op):
     from tpukernels.distributed.collective_matmul import all_gather_matmul, matmul_reduce_scatter
     from tpukernels.targets.compile_only import _topology_devices
 
-    mesh = Mesh(np.asarray(_topology_devices("v5e:2x2"), dtype=object).reshape(4), ("tp",))
+    mesh = Mesh(np.asarray(_topology_devices(topology), dtype=object).reshape(n), ("tp",))
     if op == "ag":
         fn, xs, ys = all_gather_matmul, P("tp", None), P(None, "tp")
         shapes = ((4096, 4096), (4096, 14336))
