@@ -148,8 +148,8 @@ class TPUKernelsCausalAttention(ScaledDotProductAttention):
 
     Load balance: torchtitan's default ``context_parallel_load_balancer = "headtail"`` gives cp rank ``r`` the
     sequence chunks ``r`` and ``2 n - 1 - r`` (of ``2 n``), in that order: exactly the zigzag order
-    ``ring_attention_torch(load_balance=True)`` expects (``Config.load_balance``, default True). With
-    ``--parallelism.context_parallel_load_balancer None`` (contiguous shards) set ``load_balance=False``: the
+    ``ring_attention_torch(load_balance=True)`` expects (``Config.load_balance``, default True). With the load
+    balancer off (``context_parallel_load_balancer = None``: contiguous shards) set ``load_balance=False``: the
     module cannot see the trainer's parallelism config, so the two must agree (gap). ``"ptrr"`` (FlexAttention
     block masks) is not supported.
 

@@ -334,7 +334,6 @@ def llama3_debugmodel_cpu():
     return config
 
 
-
 def llama3_debugmodel_cpu_sdpa():
     """:func:`llama3_debugmodel_cpu` with torchtitan's ``ScaledDotProductAttention`` (plain causal attention, no
     document masks; one document per row): the inner attention torchtitan's context parallelism supports with
