@@ -96,6 +96,12 @@ def test_trainer_parity_fp32_converter_errors_and_selective_ac(tmp_path):
         assert "Qwen3Model.Config is not one it knows" in msg and "would swap" in msg and left in msg, msg
         assert "RMSNorm.Config -> TPUKernelsRMSNorm.Config" in msg
         assert c[f"{name}_unchanged"] is True
+    # torchtitan's SDPA inner attention (the context-parallel path's module) outside CP, against float64 SDPA
+    sdpa_swapped = c["sdpa_report"]["swapped"]
+    assert c["sdpa_report"]["left"] == [] and sum(
+        s.endswith("ScaledDotProductAttention.Config -> TPUKernelsCausalAttention.Config") for s in sdpa_swapped) == 6
+    assert c["sdpa_err_causal_True"] < 1e-5 and c["sdpa_err_causal_False"] < 1e-5, c
+    assert "attention_masks are not supported" in c["sdpa_masks_error"], c["sdpa_masks_error"]
     # --override.imports with every factory (tpukernels.integrations.torchtitan.OVERRIDES) on llama3_debugmodel
     assert c["override_counts"] == {
         "TPUKernelsAttention.Config": 6, "TPUKernelsRMSNorm.Config": 13, "TPUKernelsFeedForward.Config": 6,

@@ -51,6 +51,23 @@ def checks() -> dict:
         except ArgumentError as e:
             out[f"qwen3_{name}"] = str(e)
             out[f"qwen3_{name}_unchanged"] = repr(model) == before
+    # 1b. torchtitan's SDPA inner attention -> TPUKernelsCausalAttention (outside CP: flash_attention); bad input
+    sdpa = tt.TPUKernelsConverter.Config().build()
+    sdpa.convert(compat.llama3_debugmodel_cpu_sdpa().model_spec.model)
+    out["sdpa_report"] = sdpa.report
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 32, h, 16, generator=g) for h in (4, 2, 2))  # [B, L, N, H], GQA 2:1
+    attn = tt.TPUKernelsCausalAttention.Config().build()
+    for causal in (True, False):
+        want = torch.nn.functional.scaled_dot_product_attention(
+            *(t.double().transpose(1, 2) for t in (q, k, v)), is_causal=causal, enable_gqa=True).transpose(1, 2)
+        got = attn(q, k, v, scale=0.25 if causal else None, enable_gqa=True, is_causal=causal)  # 0.25 = 16**-0.5
+        out[f"sdpa_err_causal_{causal}"] = float((got.double() - want).abs().max())
+    try:
+        attn(q, k, v, attention_masks=object())
+        out["sdpa_masks_error"] = "no error"
+    except ArgumentError as e:
+        out["sdpa_masks_error"] = str(e)
     # 2. the --override.imports path on torchtitan's own llama3_debugmodel Trainer config
     from torchtitan.config.override import OverrideConfig, apply_overrides
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
