@@ -7,6 +7,8 @@ activation checkpointing, synthetic documents (positions restart per document, s
 masks), seed 0. Reference: the same config with torchtitan's own modules (RMSNorm, SwiGLU FeedForward,
 ComplexRoPE, chunked cross-entropy) and, for the inner attention, an eager float32 attention with the same
 causal x document mask (torchtitan's flex / varlen attention need CUDA or an inductor build here).
+The context-parallel test runs two workers at once: CP = 2 over a 2-process gloo group (torchrun) and a
+one-process reference.
 """
 
 import importlib.util
