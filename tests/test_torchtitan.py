@@ -7,6 +7,8 @@ activation checkpointing, synthetic documents (positions restart per document, s
 masks), seed 0. Reference: the same config with torchtitan's own modules (RMSNorm, SwiGLU FeedForward,
 ComplexRoPE, chunked cross-entropy) and, for the inner attention, an eager float32 attention with the same
 causal x document mask (torchtitan's flex / varlen attention need CUDA or an inductor build here).
+The context-parallel test runs two workers at once: CP = 2 over a 2-process gloo group (torchrun) and a
+one-process reference.
 """
 
 import importlib.util
@@ -25,16 +27,45 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 COMMON = ["--training.local_batch_size", "2", "--training.seq_len", "64", "--training.steps", "3"]
 
 
-def run_worker(tmp_path, runs, extra=()):
+def start_worker(tmp_path, runs, extra=(), nproc=1):
+    """The worker as a subprocess (under ``torch.distributed.run`` with ``nproc`` > 1: one gloo rank each)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
         env.pop(k, None)
-    cmd = [sys.executable, str(ROOT / "tests" / "torchtitan_parity_worker.py"), *runs, "--", *COMMON, *extra,
-           "--dump_folder", str(tmp_path / "outputs")]
-    p = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=900)
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert p.returncode == 0 and lines, f"worker failed (rc {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+    launch = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+                                 if nproc > 1 else [])
+    out = tmp_path / f"outputs{nproc}"
+    out.mkdir()
+    cmd = [*launch, str(ROOT / "tests" / "torchtitan_parity_worker.py"), *runs, "--", *COMMON, *extra,
+           "--dump_folder", str(out)]
+    # output to files, not pipes: two workers run at once and a full pipe would stall the one not being read
+    with open(out / "stdout", "w") as so, open(out / "stderr", "w") as se:
+        proc = subprocess.Popen(cmd, stdout=so, stderr=se, text=True, cwd=tmp_path, env=env,
+                                start_new_session=True)
+    proc.out = out
+    return proc
+
+
+def stop_worker(proc):
+    """Kill a worker still running, with its process group (torchrun's ranks)."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+
+
+def worker_result(proc, timeout=900):
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stop_worker(proc)
+    stdout, stderr = (proc.out / "stdout").read_text(), (proc.out / "stderr").read_text()
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"worker failed (rc {proc.returncode}):\n{stdout[-3000:]}\n{stderr[-6000:]}"
     return json.loads(lines[-1][len("RESULT "):])
+
+
+def run_worker(tmp_path, runs, extra=()):
+    return worker_result(start_worker(tmp_path, runs, extra))
 
 
 def assert_losses_close(ref, ours, rtol):
@@ -67,6 +98,12 @@ def test_trainer_parity_fp32_converter_errors_and_selective_ac(tmp_path):
         assert "Qwen3Model.Config is not one it knows" in msg and "would swap" in msg and left in msg, msg
         assert "RMSNorm.Config -> TPUKernelsRMSNorm.Config" in msg
         assert c[f"{name}_unchanged"] is True
+    # torchtitan's SDPA inner attention (the context-parallel path's module) outside CP, against float64 SDPA
+    sdpa_swapped = c["sdpa_report"]["swapped"]
+    assert c["sdpa_report"]["left"] == [] and sum(
+        s.endswith("ScaledDotProductAttention.Config -> TPUKernelsCausalAttention.Config") for s in sdpa_swapped) == 6
+    assert c["sdpa_err_causal_True"] < 1e-5 and c["sdpa_err_causal_False"] < 1e-5, c
+    assert "attention_masks are not supported" in c["sdpa_masks_error"], c["sdpa_masks_error"]
     # --override.imports with every factory (tpukernels.integrations.torchtitan.OVERRIDES) on llama3_debugmodel
     assert c["override_counts"] == {
         "TPUKernelsAttention.Config": 6, "TPUKernelsRMSNorm.Config": 13, "TPUKernelsFeedForward.Config": 6,
@@ -90,3 +127,36 @@ def test_trainer_parity_bf16_mixed_precision_and_compile(tmp_path):
     ref = r["llama3_debugmodel_cpu"]["losses"]
     assert_losses_close(ref, r["llama3_debugmodel_cpu_tpukernels"]["losses"], 5e-4)
     assert_losses_close(ref, r["llama3_debugmodel_cpu_tpukernels+--compile.enable"]["losses"], 5e-4)
+
+
+def test_context_parallel_ring_attention_parity(tmp_path):
+    """``--parallelism.context_parallel_degree 2`` on a 2-process gloo group (torchrun), the tpukernels swaps
+    with :class:`TPUKernelsCausalAttention` (torchtitan's CP wrapping hands it q / k / v as ``Shard(1)`` DTensors
+    over the cp mesh; it runs ``ring_attention_torch`` on the "headtail" shards, which are its zigzag order),
+    against torchtitan's stock model (``ScaledDotProductAttention``, its own modules and loss) in one process
+    without CP, on the same data (plain causal, one document per row) and weights.
+
+    Why not against torchtitan's own CP run: on CPU it cannot run. Its SDPA CP is torch's ring dispatcher,
+    registered for the CUDA SDPA ops only (flash / efficient / cuDNN); the CPU op
+    ``aten._scaled_dot_product_flash_attention_for_cpu`` has no DTensor sharding strategy (NotImplementedError),
+    and the math backend mixes DTensors with plain masks (RuntimeError). FlexAttention CP needs inductor; CP
+    with varlen attention is refused by torchtitan. Same weights: the worker's ``full_init`` draws them as full
+    tensors (torchtitan's CPU init draws each FSDP shard from the rank's generator). ``spmd_backend
+    partial_dtensor``: torchtitan's default (spmd_types) refuses CP with SDPA.
+
+    Tolerance 2e-6 relative per step (float32; the ring merges two blocks' softmax statistics per step, one more
+    rounding than the fused kernel; we observe <= 1e-7). Feeding the headtail shards to the ring as contiguous
+    (``load_balance=False``) moves step 1 by 8e-5."""
+    cp = ["--parallelism.spmd_backend", "partial_dtensor", "--training.mixed_precision_param", "float32"]
+    ours = start_worker(tmp_path, ["full_init", "llama3_debugmodel_cpu_sdpa_tpukernels+"
+                                   "--parallelism.context_parallel_degree+2"], cp, nproc=2)
+    stock = start_worker(tmp_path, ["full_init", "llama3_debugmodel_cpu_sdpa"], cp)
+    try:
+        ref = worker_result(stock, timeout=600)["llama3_debugmodel_cpu_sdpa"]["losses"]
+        got = worker_result(ours, timeout=600)
+    finally:
+        stop_worker(ours)
+        stop_worker(stock)
+    (got,) = got.values()
+    assert_losses_close(ref, got["losses"], 2e-6)
+    assert ref[0] != ref[1]

@@ -1,16 +1,19 @@
 """Subprocess body of tests/test_torchtitan.py (torchtitan stays out of the pytest process: its CPU shims
 install placeholder modules).
 
-    python tests/torchtitan_parity_worker.py [checks] RUN [RUN ...] -- <common torchtitan args>
+    python tests/torchtitan_parity_worker.py [checks] [full_init] RUN [RUN ...] -- <common torchtitan args>
 
+``full_init``: redraw the weights as full tensors (:func:`full_tensor_init`), for runs sharded differently.
 ``checks``: the converter on models it does not know, and the selective-AC save list (kernel launch counts).
 RUN is ``<config>[+<extra arg>...]`` with a config of tpukernels.integrations.torchtitan_compat, e.g.
 ``llama3_debugmodel_cpu`` (reference) or ``llama3_debugmodel_cpu_tpukernels``: torchtitan's own Trainer built
 by its ConfigManager (the CLI parser), trained, every step's loss recorded at full precision (the log prints 5
-digits). Prints one ``RESULT <json>`` line.
+digits). Prints one ``RESULT <json>`` line (rank 0). Under ``torchrun`` (context parallelism) each step's loss is
+the sum of the ranks' partial losses, as torchtitan logs it.
 """
 
 import json
+import os
 import sys
 import time
 
@@ -48,6 +51,23 @@ def checks() -> dict:
         except ArgumentError as e:
             out[f"qwen3_{name}"] = str(e)
             out[f"qwen3_{name}_unchanged"] = repr(model) == before
+    # 1b. torchtitan's SDPA inner attention -> TPUKernelsCausalAttention (outside CP: flash_attention); bad input
+    sdpa = tt.TPUKernelsConverter.Config().build()
+    sdpa.convert(compat.llama3_debugmodel_cpu_sdpa().model_spec.model)
+    out["sdpa_report"] = sdpa.report
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 32, h, 16, generator=g) for h in (4, 2, 2))  # [B, L, N, H], GQA 2:1
+    attn = tt.TPUKernelsCausalAttention.Config().build()
+    for causal in (True, False):
+        want = torch.nn.functional.scaled_dot_product_attention(
+            *(t.double().transpose(1, 2) for t in (q, k, v)), is_causal=causal, enable_gqa=True).transpose(1, 2)
+        got = attn(q, k, v, scale=0.25 if causal else None, enable_gqa=True, is_causal=causal)  # 0.25 = 16**-0.5
+        out[f"sdpa_err_causal_{causal}"] = float((got.double() - want).abs().max())
+    try:
+        attn(q, k, v, attention_masks=object())
+        out["sdpa_masks_error"] = "no error"
+    except ArgumentError as e:
+        out["sdpa_masks_error"] = str(e)
     # 2. the --override.imports path on torchtitan's own llama3_debugmodel Trainer config
     from torchtitan.config.override import OverrideConfig, apply_overrides
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
@@ -86,6 +106,26 @@ def checks() -> dict:
     return out
 
 
+def full_tensor_init(model_parts, seed: int = 0) -> None:
+    """Redraw every matrix parameter as a full tensor (normal, std 0.02, one generator over the parameters in
+    name order) and keep this rank's shard: the same weights whatever the sharding. torchtitan's own init
+    draws each shard from the rank's generator on CPU (torch's offset-based DTensor RNG is for accelerators),
+    so an FSDP-over-cp run would otherwise start from other weights than a one-process run. Vectors (norm
+    weights: ones) are deterministic already and stay."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted((n, p) for m in model_parts for n, p in m.named_parameters()):
+            if p.dim() < 2:
+                continue
+            full = torch.randn(p.shape, generator=gen, dtype=torch.float32) * 0.02
+            if isinstance(p, DTensor):
+                p.to_local().copy_(distribute_tensor(full, p.device_mesh, p.placements).to_local())
+            else:
+                p.copy_(full)
+
+
 argv = sys.argv[1:]
 split = argv.index("--")
 runs, common = argv[:split], argv[split + 1:]
@@ -93,6 +133,8 @@ results = {}
 if runs and runs[0] == "checks":
     results["checks"] = checks()
     runs = runs[1:]
+full_init = bool(runs) and runs[0] == "full_init"
+runs = runs[1:] if full_init else runs
 from torchtitan.config import ConfigManager  # noqa: E402
 
 for run in runs:
@@ -102,6 +144,8 @@ for run in runs:
         ["--module", "tpukernels.integrations." + ("torchtitan" if config_name.endswith("_tpukernels") else "torchtitan_compat"),
          "--config", config_name, *common, *extra])
     trainer = config.build()
+    if full_init:
+        full_tensor_init(trainer.model_parts)
     losses = []
     step = trainer.forward_backward_step
 
@@ -112,6 +156,13 @@ for run in runs:
 
     trainer.forward_backward_step = recording_step
     trainer.train()
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        # each rank returns its tokens' loss sum / global tokens (torchtitan's convention): the step's loss is
+        # their sum over the data + context parallel ranks (this worker runs no tensor / pipeline parallelism)
+        total = torch.tensor(losses, dtype=torch.float64)
+        torch.distributed.all_reduce(total)
+        losses = total.tolist()
     trainer.close()
     results[run] = {"losses": losses, "seconds": round(time.perf_counter() - t0, 1)}
-print("RESULT " + json.dumps(results), flush=True)
+if int(os.environ.get("RANK", "0")) == 0:
+    print("RESULT " + json.dumps(results), flush=True)

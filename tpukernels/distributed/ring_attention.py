@@ -233,7 +233,8 @@ class TorchRingOps(_JaxOps):
 
     def shift(self, xs: tuple) -> tuple:
         dist = self.dist
-        outs = tuple(self.torch.empty_like(x) for x in xs)
+        # contiguous receive buffers (irecv needs them; an input may be a transposed view)
+        outs = tuple(self.torch.empty_like(x, memory_format=self.torch.contiguous_format) for x in xs)
         ops = [dist.P2POp(dist.isend, x.contiguous(), self.right, self.group) for x in xs]
         ops += [dist.P2POp(dist.irecv, o, self.left, self.group) for o in outs]
         for req in dist.batch_isend_irecv(ops):

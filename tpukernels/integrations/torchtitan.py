@@ -11,6 +11,10 @@ torchtitan node                replaced by                       tpukernels op
 ``FlexAttention.Config`` /     :class:`TPUKernelsAttention`      ``flash_attention`` (GQA natively; document masks
 ``VarlenAttention.Config``     (a ``VarlenAttention.Config``:    from ``VarlenMetadata`` as segment ids; causal /
 (inner attention)              the trainer hands it documents)   sliding ``window_size``)
+``ScaledDotProductAttention``  :class:`TPUKernelsCausalAttention`  ``flash_attention`` (causal / full); under
+``.Config`` (inner attention)                                    context parallelism ``ring_attention_torch``
+                                                                 over the cp group (torchtitan's "headtail"
+                                                                 shards are its zigzag order)
 ``RMSNorm.Config``             :class:`TPUKernelsRMSNorm`        ``rms_norm`` (same ``weight``)
 ``FeedForward.Config``         :class:`TPUKernelsFeedForward`    ``swiglu``: ``w2(silu(w1 x) * w3 x)``
 ``ComplexRoPE.Config`` /       :class:`TPUKernelsComplexRoPE` /  ``rope`` (interleaved pairs / rotate-half, from
@@ -26,7 +30,7 @@ Two ways in:
 
 * ``--override.imports`` (no code): each swap is an ``@override`` factory here, e.g.
   ``--override.imports tpukernels.integrations.torchtitan.attention,tpukernels.integrations.torchtitan.rms_norm,...``
-  (:data:`OVERRIDES` lists all eight).
+  (:data:`OVERRIDES` lists all nine).
 * :class:`TPUKernelsConverter` (a ``ModelConfigConverter``): ``llama3.model_registry("8B", converters=
   [TPUKernelsConverter.Config()])`` swaps the model's nodes and returns a report; on a model class it does not
   know (:data:`KNOWN_MODELS`) it raises, listing what it swapped and what it left, unless ``strict=False``.
@@ -56,7 +60,8 @@ try:  # torchtitan is an optional dependency (``pip install 'tpukernels[torchtit
     from torchtitan.components.loss import IGNORE_INDEX, ChunkedLossWrapper
     from torchtitan.config import derive, override
     from torchtitan.distributed.activation_checkpoint import SelectiveAC
-    from torchtitan.models.common.attention import FlexAttention, VarlenAttention, VarlenMetadata
+    from torchtitan.models.common.attention import (
+        FlexAttention, ScaledDotProductAttention, VarlenAttention, VarlenMetadata)
     from torchtitan.models.common.feed_forward import FeedForward
     from torchtitan.models.common.nn_modules import RMSNorm
     from torchtitan.models.common.rope import ComplexRoPE, CosSinRoPE
@@ -66,11 +71,13 @@ except ImportError as e:  # pragma: no cover - exercised only without torchtitan
     raise ImportError(f"tpukernels.integrations.torchtitan needs torchtitan 0.3.0 (make torchtitan): {e}") from e
 
 __all__ = [
-    "TPUKernelsAttention", "TPUKernelsRMSNorm", "TPUKernelsFeedForward", "TPUKernelsComplexRoPE",
+    "TPUKernelsAttention", "TPUKernelsCausalAttention", "TPUKernelsRMSNorm", "TPUKernelsFeedForward",
+    "TPUKernelsComplexRoPE",
     "TPUKernelsCosSinRoPE", "TPUKernelsLinearCrossEntropy", "TPUKernelsSelectiveAC", "TPUKernelsConverter",
     "apply_to_trainer_config", "segment_ids_from_varlen", "OVERRIDES", "KNOWN_MODELS",
-    "attention", "rms_norm", "feed_forward", "complex_rope", "cos_sin_rope", "loss", "selective_ac",
+    "attention", "sdpa_attention", "rms_norm", "feed_forward", "complex_rope", "cos_sin_rope", "loss", "selective_ac",
     "llama3_debugmodel_tpukernels",
+    "llama3_debugmodel_cpu_sdpa_tpukernels",
 ]
 
 
@@ -125,6 +132,67 @@ class TPUKernelsAttention(Module):
             return res.transpose(1, 2)
         out, lse = res
         return out_transform(out.transpose(1, 2), lse.transpose(1, 2))
+
+
+class TPUKernelsCausalAttention(ScaledDotProductAttention):
+    """torchtitan's ``ScaledDotProductAttention`` (causal or full attention, no masks) on
+    :func:`tpukernels.library.attention.flash_attention`, with context parallelism on
+    :func:`tpukernels.distributed.ring_attention.ring_attention_torch`.
+
+    Same contract as the module it replaces (``[B, L, N, H]`` in and out; ``is_causal``, ``scale``; GQA natively,
+    ``enable_gqa`` is implied by the head counts). It is a ``ScaledDotProductAttention``, so torchtitan's
+    ``apply_cp_to_forward`` (``--parallelism.context_parallel_degree > 1``) wraps it as it wraps SDPA: q / k / v
+    arrive as DTensors ``Shard(1)`` (sequence) over the 1-D cp mesh. This module then runs the ring over that
+    mesh's process group on the local shards and returns its rows as a DTensor of the same placement (torch's
+    SDPA ring dispatcher, which that wrapper enables, is never reached: no SDPA op runs).
+
+    Load balance: torchtitan's default ``context_parallel_load_balancer = "headtail"`` gives cp rank ``r`` the
+    sequence chunks ``r`` and ``2 n - 1 - r`` (of ``2 n``), in that order: exactly the zigzag order
+    ``ring_attention_torch(load_balance=True)`` expects (``Config.load_balance``, default True). With the load
+    balancer off (``context_parallel_load_balancer = None``: contiguous shards) set ``load_balance=False``: the
+    module cannot see the trainer's parallelism config, so the two must agree (gap). ``"ptrr"`` (FlexAttention
+    block masks) is not supported.
+
+    Raises:
+        ArgumentError: ``attention_masks`` given; q / k / v DTensors not all ``Shard(1)`` on the same 1-D mesh.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(ScaledDotProductAttention.Config):
+        load_balance: bool = True
+        """Under context parallelism: shards are in torchtitan's "headtail" order (True) or contiguous (False)."""
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        self.load_balance = bool(config.load_balance)
+
+    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, scale=None, enable_gqa=False,
+                is_causal=True, **kwargs):
+        from torch.distributed.tensor import DTensor, Shard
+
+        from ..library.attention import flash_attention
+
+        if attention_masks is not None:
+            raise ArgumentError("TPUKernelsCausalAttention: attention_masks are not supported (causal / full "
+                                "attention via is_causal only, as ScaledDotProductAttention)")
+        dts = [isinstance(t, DTensor) for t in (q_BLNH, k_BLNH, v_BLNH)]
+        if not any(dts):
+            q, k, v = (t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))
+            return flash_attention(q, k, v, causal=bool(is_causal), sm_scale=scale).transpose(1, 2)
+        mesh = q_BLNH.device_mesh if dts[0] else None
+        if not all(dts) or mesh.ndim != 1 or any(
+                t.device_mesh != mesh or tuple(t.placements) != (Shard(1),) for t in (q_BLNH, k_BLNH, v_BLNH)):
+            raise ArgumentError(
+                "TPUKernelsCausalAttention: under context parallelism q, k, v must all be DTensors sharded on the "
+                "sequence (placements (Shard(1),)) over one 1-D cp mesh, got " + ", ".join(
+                    f"{nm}: {tuple(t.placements) if isinstance(t, DTensor) else 'plain tensor'}"
+                    for nm, t in (("q", q_BLNH), ("k", k_BLNH), ("v", v_BLNH))))
+        from ..distributed.ring_attention import ring_attention_torch
+
+        q, k, v = (t.to_local().transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))
+        out = ring_attention_torch(q, k, v, mesh, causal=bool(is_causal), sm_scale=scale,
+                                   load_balance=self.load_balance)
+        return DTensor.from_local(out.transpose(1, 2), mesh, (Shard(1),), run_check=False)
 
 
 class TPUKernelsRMSNorm(RMSNorm):
@@ -305,6 +373,13 @@ def varlen_attention(cfg):
     return cfg if isinstance(cfg, TPUKernelsAttention.Config) else _attention_config(cfg)
 
 
+@override(target=ScaledDotProductAttention.Config, exact=True,
+          description="tpukernels flash attention (ring attention under context parallelism)")
+def sdpa_attention(cfg):
+    """SDPA inner attention -> :class:`TPUKernelsCausalAttention`."""
+    return derive(cfg, TPUKernelsCausalAttention.Config)
+
+
 @override(target=RMSNorm.Config, exact=True, description="tpukernels rms_norm")
 def rms_norm(cfg):
     return derive(cfg, TPUKernelsRMSNorm.Config)
@@ -337,7 +412,8 @@ def selective_ac(cfg):
 
 #: ``--override.imports`` value enabling every swap.
 OVERRIDES = ",".join(f"{__name__}.{f}" for f in (
-    "attention", "varlen_attention", "rms_norm", "feed_forward", "complex_rope", "cos_sin_rope", "loss",
+    "attention", "varlen_attention", "sdpa_attention", "rms_norm", "feed_forward", "complex_rope", "cos_sin_rope",
+    "loss",
     "selective_ac"))
 
 
@@ -348,6 +424,7 @@ KNOWN_MODELS: tuple[str, ...] = ("torchtitan.models.llama3.model.Llama3Model.Con
 _MODEL_SWAPS = [  # (config class, exact type only?, factory)
     (FlexAttention.Config, False, _attention_config),
     (VarlenAttention.Config, False, lambda c: c if isinstance(c, TPUKernelsAttention.Config) else _attention_config(c)),
+    (ScaledDotProductAttention.Config, True, lambda c: derive(c, TPUKernelsCausalAttention.Config)),
     (RMSNorm.Config, True, lambda c: derive(c, TPUKernelsRMSNorm.Config)),
     (FeedForward.Config, True, lambda c: derive(c, TPUKernelsFeedForward.Config)),
     (ComplexRoPE.Config, True, lambda c: derive(c, TPUKernelsComplexRoPE.Config)),
@@ -403,6 +480,7 @@ class TPUKernelsConverter(ModelConfigConverter):
     def convert(self, model_config):
         cfg = self.config
         enabled = {FlexAttention.Config: cfg.attention, VarlenAttention.Config: cfg.attention,
+                   ScaledDotProductAttention.Config: cfg.attention,
                    RMSNorm.Config: cfg.rms_norm, FeedForward.Config: cfg.feed_forward,
                    ComplexRoPE.Config: cfg.rope, CosSinRoPE.Config: cfg.rope}
         plan, swapped_ids = [], set()
@@ -411,14 +489,16 @@ class TPUKernelsConverter(ModelConfigConverter):
                 continue
             for fqn, node, parent, attr in model_config.traverse(cls, recurse=True):
                 if (exact and type(node) is not cls) or parent is None or isinstance(node, (
-                        TPUKernelsAttention.Config, TPUKernelsRMSNorm.Config, TPUKernelsFeedForward.Config,
+                        TPUKernelsAttention.Config, TPUKernelsCausalAttention.Config, TPUKernelsRMSNorm.Config,
+                        TPUKernelsFeedForward.Config,
                         TPUKernelsComplexRoPE.Config, TPUKernelsCosSinRoPE.Config)):
                     continue
                 plan.append((fqn, node, parent, attr, factory))
                 swapped_ids.add(id(node))
         left = []
         for fqn, node, _, _ in model_config.traverse(_leaf_kinds(), recurse=True):
-            kernel_cls = (TPUKernelsAttention.Config, TPUKernelsRMSNorm.Config, TPUKernelsFeedForward.Config,
+            kernel_cls = (TPUKernelsAttention.Config, TPUKernelsCausalAttention.Config, TPUKernelsRMSNorm.Config,
+                          TPUKernelsFeedForward.Config,
                           TPUKernelsComplexRoPE.Config, TPUKernelsCosSinRoPE.Config)
             from torchtitan.models.common.attention import BaseAttention
 
@@ -473,6 +553,14 @@ def llama3_debugmodel_cpu_tpukernels():
     (attention, RMSNorm, SwiGLU, RoPE, fused loss, selective-AC save list), through :func:`apply_to_trainer_config`
     (``--module tpukernels.integrations.torchtitan --config llama3_debugmodel_cpu_tpukernels``)."""
     config = _compat.llama3_debugmodel_cpu()
+    apply_to_trainer_config(config)
+    return config
+
+
+def llama3_debugmodel_cpu_sdpa_tpukernels():
+    """:func:`torchtitan_compat.llama3_debugmodel_cpu_sdpa` (plain causal SDPA; the reference for context
+    parallelism) with every tpukernels swap: its inner attention becomes :class:`TPUKernelsCausalAttention`."""
+    config = _compat.llama3_debugmodel_cpu_sdpa()
     apply_to_trainer_config(config)
     return config
 

@@ -16,6 +16,8 @@ HF ``datasets`` importable                a placeholder ``datasets`` whose loade
 an accelerator (``device_type`` falls back to ``"cuda"``)
                                           ``device_type = "cpu"``, ``device_module = torch.cpu`` and a
                                           CPU memory monitor (host RSS), so gloo is the backend
+FSDP2 reduce-scatter with ``PREMUL_SUM``  (on that CPU host) FSDP modules force SUM reductions: gloo has no
+(its gradient divide factor 1.0)          ``PREMUL_SUM``; the factor is 1, so the gradients are the same
 ``torch.distributed.set_timeout``         ``set_pg_timeouts`` becomes a barrier (the timeout stays at
 (absent in torch 2.13)                    the init value)
 tokenizer / dataset assets on disk        :class:`SyntheticTokenizer`, :class:`SyntheticDataLoader`
@@ -119,6 +121,22 @@ def install() -> list[str]:
 
         tt_dist_utils.device_type, tt_dist_utils.device_module = "cpu", torch.cpu
         _installed.append("cpu-device")
+        import torchtitan.distributed.fsdp as tt_fsdp
+
+        if not getattr(tt_fsdp.disable_fsdp_gradient_division, "_tpukernels_gloo", False):
+            stock = tt_fsdp.disable_fsdp_gradient_division
+
+            def disable_fsdp_gradient_division(model):
+                # divide factor 1.0 makes FSDP2 reduce-scatter with PREMUL_SUM(1.0), which gloo lacks; a plain SUM
+                # (then a division by 1.0, skipped) gives the same gradients
+                stock(model)
+                for module in model.modules():
+                    if isinstance(module, tt_fsdp.FSDPModule):
+                        module.set_force_sum_reduction_for_comms(True)
+
+            disable_fsdp_gradient_division._tpukernels_gloo = True
+            tt_fsdp.disable_fsdp_gradient_division = disable_fsdp_gradient_division
+            _installed.append("gloo-fsdp-sum")
     if not hasattr(torch.distributed, "set_timeout"):
         import torchtitan.distributed.utils as tt_dist_utils
 
@@ -313,6 +331,24 @@ def llama3_debugmodel_cpu():
     config.dataloader = dl.Config(vocab_size=vocab, mean_doc_len=24)
     config.training.disable_cuda_graphs = True
     config.debug.seed = 0  # model init and data are the same in every run (the parity tests compare runs)
+    return config
+
+
+def llama3_debugmodel_cpu_sdpa():
+    """:func:`llama3_debugmodel_cpu` with torchtitan's ``ScaledDotProductAttention`` (plain causal attention, no
+    document masks; one document per row): the inner attention torchtitan's context parallelism supports with
+    plain (non-block-mask) attention, so the reference for context-parallel runs
+    (``--parallelism.context_parallel_degree``)."""
+    from torchtitan.models.common.attention import ScaledDotProductAttention, VarlenAttention
+
+    config = llama3_debugmodel_cpu()
+    for _, _, parent, attr in list(config.model_spec.model.traverse(VarlenAttention.Config)):
+        new = ScaledDotProductAttention.Config()
+        if isinstance(parent, list):
+            parent[attr] = new
+        else:
+            setattr(parent, attr, new)
+    config.dataloader.mean_doc_len = 0
     return config
 
 
