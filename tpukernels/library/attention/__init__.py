@@ -58,6 +58,7 @@ objects and their block-sparse tables), :mod:`.masked` (the block-sparse masked 
 
 from .api import flash_attention  # noqa: E402
 from .backward import fa_backward_dkv, fa_backward_dq  # noqa: E402
+from .backward_fused import fa_backward_fused  # noqa: E402
 from .forward import fa_forward  # noqa: E402
 from .masked import fa_backward_dkv_masked, fa_backward_dq_masked, fa_forward_masked  # noqa: E402
 from .masks import (CausalMask, ChunkedCausalMask, FullMask, LocalMask, LogicalAnd, LogicalOr, Mask,  # noqa: E402
@@ -77,6 +78,6 @@ STANDARD_CASES = [
 ]
 
 __all__ = ["flash_attention", "attention_reference", "fa_forward", "fa_backward_dq", "fa_backward_dkv",
-           "fa_forward_rope", "fa_forward_masked", "fa_backward_dq_masked", "fa_backward_dkv_masked", "Mask", "CausalMask", "LocalMask",
+           "fa_backward_fused", "fa_forward_rope", "fa_forward_masked", "fa_backward_dq_masked", "fa_backward_dkv_masked", "Mask", "CausalMask", "LocalMask",
            "ChunkedCausalMask", "FullMask", "NumpyMask", "MultiHeadMask", "LogicalOr", "LogicalAnd", "mask_tables",
            "STANDARD_CASES", "DECODE_FOLD_MAX_SQ"]

@@ -394,9 +394,6 @@ def _fa_backward(ctx, d_out, d_lse):
     di = (d_out.float() * out.float()).sum(-1).unsqueeze(2)  # [B, Hq, 1, Sq]
     if d_lse is not None:
         di = di - d_lse  # d lse_i / d s_ij = P_ij, so dlse enters dS = P * (dP - (Di - dlse))
-    grads = {}
-    if need_q:
-        grads["q"] = fa_backward_dq(q, k, v, d_out, lse, di, qs, ks, **statics)
-    if need_kv:
-        grads["k"], grads["v"] = fa_backward_dkv(q, k, v, d_out, lse, di, qs, ks, **statics)
-    return grads
+    from .backward_fused import dense_backward  # the fused kernel or these two (per chip, see there)
+
+    return dense_backward(q, k, v, d_out, lse, di, qs, ks, statics, need_q, need_kv)
