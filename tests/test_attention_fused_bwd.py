@@ -176,8 +176,10 @@ def test_mode_choice_and_fallback(monkeypatch):
     with pytest.raises(ArgumentError, match=BF.ENV):
         BF.backward_mode(q, k, v, None, STATICS)
     monkeypatch.delenv(BF.ENV)
-    monkeypatch.setitem(BF.FUSED_BY_CHIP, None, False)  # no target chip here: the entry for None decides
-    assert BF.backward_mode(q, k, v, None, STATICS)[0] == "split"
+    assert BF.backward_mode(q, k, v, None, STATICS) == ("split", "no target chip")
+    for chip, fused in BF.FUSED_BY_CHIP.items():
+        monkeypatch.setenv("TPUKERNELS_TARGET_CHIP", chip)
+        assert BF.backward_mode(q, k, v, None, STATICS)[0] == ("fused" if fused else "split")
     with pytest.raises(ArgumentError, match="decode fold"):  # the kernel itself refuses with the reason
         with tk.interpret_mode("tpu"):
             x = q[:, :, :3]

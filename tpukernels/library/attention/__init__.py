@@ -6,8 +6,9 @@ window_right, softcap, q_segment_ids, kv_segment_ids, bucket) -> out`` (Composit
 ``torch.compile`` see the kernel ops). The kernel-level ops, named as such:
 
 * ``torch.ops.tpukernels.flash_attention_fwd`` (kernel :data:`fa_forward`) -> ``(out, lse)``;
-* ``torch.ops.tpukernels.flash_attention_bwd_dq`` / ``flash_attention_bwd_dkv`` (backward kernels, wired
-  into autograd with :meth:`TpuKernel.def_backward`).
+* ``torch.ops.tpukernels.flash_attention_bwd_dq`` / ``flash_attention_bwd_dkv`` (the split backward kernels) and
+  ``flash_attention_bwd_fused`` (kernel :data:`fa_backward_fused`: dQ, dK, dV in one pass), wired into autograd
+  with :meth:`TpuKernel.def_backward`; which backward runs is chosen per chip (:mod:`.backward_fused`).
 
 What it computes, per batch ``b`` and query head ``h`` (kv head ``h // (Hq // Hkv)``)::
 
@@ -50,7 +51,8 @@ grid step multiplies ``(Hq/Hkv) * Sq`` query rows against each K/V block (the K/
 
 Package layout: :mod:`.plan` (argument checks, the static plan of a call, tunables, heuristics, VMEM budget),
 :mod:`.tiles` (in-kernel helpers and element masks), :mod:`.forward` (:data:`fa_forward`), :mod:`.backward`
-(:data:`fa_backward_dq`, :data:`fa_backward_dkv` and the autograd wiring), :mod:`.masks` (splash-attention mask
+(:data:`fa_backward_dq`, :data:`fa_backward_dkv`), :mod:`.backward_fused` (:data:`fa_backward_fused`, the choice
+of backward and the autograd wiring), :mod:`.masks` (splash-attention mask
 objects and their block-sparse tables), :mod:`.masked` (the block-sparse masked kernels, same bodies),
 :mod:`.api` (:func:`flash_attention`, sinks, the public op), :mod:`.reference` (:func:`attention_reference`),
 :mod:`.rope_fused` (:data:`fa_forward_rope`: RoPE fused into the forward's q load).

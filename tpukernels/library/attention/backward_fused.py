@@ -23,9 +23,11 @@ feature (causal both alignments, windows, soft-cap, segment ids, tails, GQA, ``D
 kernels): empty ``Sq`` or ``Skv``, the decode fold with ``Sq`` not a multiple of 8, dQ over
 :data:`DQ_VMEM_MAX`. The block-sparse ``mask=`` kernels (:mod:`.masked`) keep their split backward.
 
-Which backward runs (:func:`backward_mode`): ``TPUKERNELS_ATTENTION_BWD=fused`` / ``split`` forces one (fused
+The forward's autograd (:data:`~.forward.fa_forward`'s backward) is wired here. Which backward runs
+(:func:`backward_mode`): ``TPUKERNELS_ATTENTION_BWD=fused`` / ``split`` forces one (fused
 falls back to split where refused); else the per-chip default :data:`FUSED_BY_CHIP`, chosen by libtpu's static
-estimate (a model, not a measurement; numbers in :data:`FUSED_BY_CHIP`'s comment).
+estimate (a model, not a measurement; numbers in :data:`FUSED_BY_CHIP`'s comment); cpu runs with no target chip
+(``TPUKERNELS_TARGET_CHIP``) keep the split kernels.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ from ...dsl.dtypes import to_jax_dtype
 from ...dsl.spec import TensorSpec
 from ...errors import ArgumentError
 from .backward import bwd_out_dkv, check_bwd, fa_backward_dkv, fa_backward_dq
-from .plan import (DOC_H, NAMESPACE, Plan, bwd_heuristic, clip, compute_divides, cost, div, make_plan, rem,
+from .forward import fa_forward
+from .plan import (DOC_H, NAMESPACE, STATIC_NAMES, Plan, bwd_heuristic, clip, compute_divides, cost, div, make_plan, rem,
                    traced_min, tunables, vmem_estimate, vmem_limit)
 from .tiles import (LOG2E, NN, NT, dot, exp2_le1, head_stack, load_rows, logits2, read_row, row_to_col, rows_of,
                     run_steps, run_sub, tile_iotas, visible)
@@ -56,7 +59,7 @@ DQ_VMEM_MAX = 16 << 20
 
 #: The backward each chip gets by default (``True``: fused), from libtpu 0.0.52's static estimate of both at
 #: B=1, Hq=16, D=128 bf16, S=16k non-causal / causal and B=2, S=8k (``benchmarks/attention_fused_bwd.py``).
-#: Chips not listed (and cpu runs with no target chip) get the fused kernel.
+#: Chips not listed (v4, v5p: not modelled) and cpu runs with no target chip keep the split kernels.
 FUSED_BY_CHIP = {"v5e": True, "v6e": True, "tpu7x": True}
 
 ENV = "TPUKERNELS_ATTENTION_BWD"
@@ -259,11 +262,11 @@ def _launch_fused(q, k, v, do, lse, di, qs, ks, statics, cfg) -> Launch:
     in_specs = [q_spec, k_spec, v_spec, do_spec, row_spec, row_spec] + ([qs_spec, ks_spec] if p.has_seg else [])
     scratch = [pltpu.VMEM((p.bkv, p.D), np.float32), pltpu.VMEM((p.bkv, p.Dv), np.float32),
                pltpu.VMEM((p.G, dq_rows(p), p.D), np.float32), pltpu.SemaphoreType.DMA((1,))]
-    est = vmem_estimate(p, n_q_side=3, n_kv_side=4, acc_rows=p.bkv, work=6) + dq_bytes(p)
+    est = vmem_estimate(p, n_q_side=3, n_kv_side=4, acc_rows=p.bkv, work=7) + dq_bytes(p)
     return Launch(
         grid=(p.B, p.Hkv, p.nk, gb * qn),
         in_specs=in_specs,
-        out_specs=[pl.BlockSpec(memory_space=pl.ANY), k_spec, v_spec],
+        out_specs=[pl.BlockSpec(memory_space=pltpu.HBM), k_spec, v_spec],  # HBM: XLA would put an ANY output in VMEM
         out_shape=fused_out(q, k, v, do, lse, di),
         scratch_shapes=scratch,
         # the kv axis carries the resident dQ from one key block to the next: it runs in order
@@ -275,8 +278,14 @@ def _launch_fused(q, k, v, do, lse, di, qs, ks, statics, cfg) -> Launch:
 
 
 def fused_heuristic(q, k, v, *rest, **statics):
-    """Defaults (no DB entry): the split backward's blocks (:func:`.plan.bwd_heuristic`)."""
-    return bwd_heuristic(q, k, v, *rest, **statics)
+    """Defaults (no DB entry): the split backward's blocks (:func:`.plan.bwd_heuristic`), but at most 1024
+    queries per step: with 2048 the kernel's live (512 x 2048) f32 tiles (logits, P, dP, dS and dS's
+    transposed use) overflowed tpu7x's 64 MiB of VMEM at S = 8192 (libtpu 0.0.52, estimate compile), and
+    1024 x 2048 blocks model as fast per score as 2048 x 2048 (tpu7x, S = 4096 / 8192, 2 heads)."""
+    cfg = bwd_heuristic(q, k, v, *rest, **statics)
+    if cfg and cfg["block_q"] > 1024:
+        cfg = dict(cfg, block_q=1024)
+    return cfg
 
 
 @tpu_kernel(_fused_body, name="flash_attention_bwd_fused", namespace=NAMESPACE, tunables=tunables(DOC_H),
@@ -338,7 +347,7 @@ def backward_mode(q, k, v, qs, statics: dict, config: dict | None = None) -> tup
     """``("fused" | "split", why)``: the backward a dense flash attention call runs.
 
     ``$TPUKERNELS_ATTENTION_BWD`` (``fused`` / ``split``) forces a mode, else :data:`FUSED_BY_CHIP` of the
-    target chip decides (fused where unlisted); fused then needs :func:`fused_refusal` to pass at the fused
+    target chip decides (split where unlisted or no chip is known); fused then needs :func:`fused_refusal` to pass at the fused
     kernel's config (``config``, default its heuristic).
 
     Raises:
@@ -350,8 +359,8 @@ def backward_mode(q, k, v, qs, statics: dict, config: dict | None = None) -> tup
     if forced == "split":
         return "split", f"{ENV}=split"
     chip = _chip_name()
-    if forced in ("", "auto") and not FUSED_BY_CHIP.get(chip, True):
-        return "split", f"the split backward models faster on {chip}"
+    if forced in ("", "auto") and not FUSED_BY_CHIP.get(chip, False):
+        return "split", ("no target chip" if chip is None else f"the split backward is {chip}'s default")
     cfg = dict(fused_heuristic(q, k, v), **(config or {}))
     if not cfg:  # malformed arguments: the split kernels raise the typed error
         return "split", "malformed arguments"
@@ -376,3 +385,20 @@ def dense_backward(q, k, v, d_out, lse, di, qs, ks, statics: dict, need_q: bool 
     if need_kv:
         grads["k"], grads["v"] = fa_backward_dkv(q, k, v, d_out, lse, di, qs, ks, **statics)
     return grads
+
+
+@fa_forward.def_backward(op="flash_attention")
+def _fa_backward(ctx, d_out, d_lse):
+    """The forward's autograd: ``Di = rowsum(dO * O) - dlse``, then :func:`dense_backward`."""
+    q, k, v = ctx.q, ctx.k, ctx.v
+    qs, ks = ctx.q_segment_ids, ctx.kv_segment_ids
+    out, lse = ctx.outputs
+    statics = {n: ctx.args[n] for n in STATIC_NAMES}
+    need_q = ctx.needs_input_grad.get("q", True)
+    need_kv = ctx.needs_input_grad.get("k", True) or ctx.needs_input_grad.get("v", True)
+    if d_out is None:
+        d_out = torch.zeros_like(out)
+    di = (d_out.float() * out.float()).sum(-1).unsqueeze(2)  # [B, Hq, 1, Sq]
+    if d_lse is not None:
+        di = di - d_lse  # d lse_i / d s_ij = P_ij, so dlse enters dS = P * (dP - (Di - dlse))
+    return dense_backward(q, k, v, d_out, lse, di, qs, ks, statics, need_q, need_kv)
