@@ -172,6 +172,11 @@ def test_mode_choice_and_fallback(monkeypatch):
     big = torch.empty(1, 8, 40000, 128)
     mode, why = BF.backward_mode(big, big[:, :1], big[:, :1], None, STATICS)
     assert mode == "split" and "DQ_VMEM_MAX" in why
+    mid = torch.empty(1, 1, 8192, 128)  # 4 MiB of resident dQ: fits v6e, not a quarter of v4's 14 MiB
+    for chip, want in (("v6e", "fused"), ("v4", "split")):
+        monkeypatch.setenv("TPUKERNELS_TARGET_CHIP", chip)
+        assert BF.backward_mode(mid, mid, mid, None, STATICS)[0] == want, chip
+    monkeypatch.delenv("TPUKERNELS_TARGET_CHIP")
     monkeypatch.setenv(BF.ENV, "sometimes")
     with pytest.raises(ArgumentError, match=BF.ENV):
         BF.backward_mode(q, k, v, None, STATICS)

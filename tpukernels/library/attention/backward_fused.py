@@ -53,13 +53,17 @@ from .tiles import (LOG2E, NN, NT, dot, exp2_le1, head_stack, load_rows, logits2
 TN = (((0,), (0,)), ((), ()))
 
 #: Largest resident dQ scratch (``G * round_up(nq * block_q, 8) * max(D, 128) * 4`` bytes) the fused kernel
-#: takes: 16 MiB is S = 32k at G = 1, D = 128, and leaves room on tpu7x (56 MiB usable) for the key-major
+#: takes (and at most a quarter of the chip's :func:`~tpukernels.library.vmem.vmem_cap`: v4's 14 MiB allows
+#: 3.5 MiB): 16 MiB is S = 32k at G = 1, D = 128, and leaves room on tpu7x (56 MiB usable) for the key-major
 #: kernel's own blocks and Mosaic's logit tiles.
 DQ_VMEM_MAX = 16 << 20
 
-#: The backward each chip gets by default (``True``: fused), from libtpu 0.0.52's static estimate of both at
-#: B=1, Hq=16, D=128 bf16, S=16k non-causal / causal and B=2, S=8k (``benchmarks/attention_fused_bwd.py``).
-#: Chips not listed (v4, v5p: not modelled) and cpu runs with no target chip keep the split kernels.
+#: The backward each chip gets by default (``True``: fused), from libtpu 0.0.52's static estimate (a model, not
+#: a measurement) at B=1, 2 heads, S=8192, D=128 bf16, each at its dispatch config (fused 1024 x 2048 blocks,
+#: split 2048 x 2048), fused vs split dQ + dK/dV, microseconds: tpu7x 333 vs 442 (non-causal), 197 vs 258
+#: (causal); v6e 407 vs 554, 248 vs 330; v5e 914 vs 1259 (non-causal): 0.73-0.76x everywhere
+#: (``benchmarks/attention_fused_bwd.py``). Chips not listed (v4, v5p: not modelled) and cpu runs with no target
+#: chip keep the split kernels.
 FUSED_BY_CHIP = {"v5e": True, "v6e": True, "tpu7x": True}
 
 ENV = "TPUKERNELS_ATTENTION_BWD"
@@ -89,9 +93,13 @@ def fused_refusal(p: Plan) -> str | None:
         return "an empty Sq or Skv (the key-major grid has no step to write dQ from)"
     if p.hb > 1 and p.bq % 8:
         return f"query heads folded with block_q={p.bq} not a multiple of 8 (decode fold): dQ rows are not tiles"
-    if dq_bytes(p) > DQ_VMEM_MAX:
+    from ..vmem import vmem_cap
+
+    most = min(DQ_VMEM_MAX, vmem_cap() // 4)
+    if dq_bytes(p) > most:
         return (f"the resident dQ of a kv group (G={p.G} x {dq_rows(p)} rows x D={p.D} f32 = "
-                f"{dq_bytes(p) / 2**20:.1f} MiB) exceeds DQ_VMEM_MAX ({DQ_VMEM_MAX >> 20} MiB)")
+                f"{dq_bytes(p) / 2**20:.1f} MiB) exceeds DQ_VMEM_MAX ({DQ_VMEM_MAX >> 20} MiB) or a quarter of "
+                f"the chip's VMEM cap ({most / 2**20:.1f} MiB)")
     return None
 
 
@@ -279,9 +287,9 @@ def _launch_fused(q, k, v, do, lse, di, qs, ks, statics, cfg) -> Launch:
 
 def fused_heuristic(q, k, v, *rest, **statics):
     """Defaults (no DB entry): the split backward's blocks (:func:`.plan.bwd_heuristic`), but at most 1024
-    queries per step: with 2048 the kernel's live (512 x 2048) f32 tiles (logits, P, dP, dS and dS's
-    transposed use) overflowed tpu7x's 64 MiB of VMEM at S = 8192 (libtpu 0.0.52, estimate compile), and
-    1024 x 2048 blocks model as fast per score as 2048 x 2048 (tpu7x, S = 4096 / 8192, 2 heads)."""
+    queries per step. 1024 x 2048 blocks model as fast per score as 2048 x 2048 (tpu7x, S = 4096 / 8192, 2
+    heads) and keep the live (512 x block_q) f32 tiles (logits, P, dP, dS) half as big: with 2048, libtpu
+    0.0.52's profiling compile ran out of tpu7x's 64 MiB of VMEM at S = 8192 (the ordinary compile fits)."""
     cfg = bwd_heuristic(q, k, v, *rest, **statics)
     if cfg and cfg["block_q"] > 1024:
         cfg = dict(cfg, block_q=1024)
