@@ -202,6 +202,26 @@ def test_refused_cases_still_get_gradients(monkeypatch):
         assert torch.equal(a, b)
 
 
+@pytest.mark.slow
+def test_torch_compile_fullgraph_backward_fused(monkeypatch):
+    """Under ``torch.compile(fullgraph=True)`` the backward takes the fused kernel too, same gradients as eager."""
+    monkeypatch.setenv(BF.ENV, "fused")
+    calls = []
+    real = BF.fa_backward_fused
+    monkeypatch.setattr(BF, "fa_backward_fused", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q, k, v = make(1, 4, 2, 48, 80, 64, torch.float32, seed=8)
+
+    def f(q, k, v):
+        return (flash_attention(q, k, v, causal=True, causal_alignment="bottom_right") * 2).sum()
+
+    eager = torch.autograd.grad(f(q, k, v), (q, k, v))
+    assert len(calls) == 1
+    got = torch.autograd.grad(torch.compile(f, fullgraph=True)(q, k, v), (q, k, v))
+    assert len(calls) == 2
+    for a, b in zip(got, eager):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 STD = ("1x32x4096x128:bf16", "1x8x4096x128:bf16", "1x8x4096x128:bf16", "1x32x4096x128:bf16", "1x32x1x4096:f32",
        "1x32x1x4096:f32")
 
