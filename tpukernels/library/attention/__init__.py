@@ -44,7 +44,10 @@ Performance (libtpu 0.0.52 static estimates, a model, not measurements; ``benchm
 B=1, Hq=32, Hkv=8, D=128, causal bf16, at the shipped defaults vs JAX's Pallas flash attention at its best
 swept blocks (K/V repeated to 32 heads): forward 0.81x / 0.77x (v6e, S=4096 / 8192) and 0.78x / 0.78x
 (v5e); backward (dQ + dK/dV + rowsum) 0.73x / 0.71x (v6e). Boundary blocks (the causal diagonal, window
-edges) are split into 512 x 512 sub-blocks, each skipped, run without mask, or masked on its own.
+edges) are split into 512 x 512 sub-blocks, each skipped, run without mask, or masked on its own. The fused
+backward (:data:`fa_backward_fused`, 5 matmul passes over the scores instead of the split kernels' 7) models
+0.73-0.76x of the split one on v5e / v6e / tpu7x (B=1, 2 heads, S=8192, D=128; ``benchmarks/attention_fused_bwd.py``)
+and is their default there.
 
 Decode (``Sq <= 16`` with ``Hq > Hkv``): the query heads of one kv group are processed together, so one
 grid step multiplies ``(Hq/Hkv) * Sq`` query rows against each K/V block (the K/V tile is read once
