@@ -23,6 +23,11 @@ feature (causal both alignments, windows, soft-cap, segment ids, tails, GQA, ``D
 kernels): empty ``Sq`` or ``Skv``, the decode fold with ``Sq`` not a multiple of 8, dQ over
 :data:`DQ_VMEM_MAX`. The block-sparse ``mask=`` kernels (:mod:`.masked`) keep their split backward.
 
+Known gap (not verified on hardware): the ordinary Mosaic compile (``tk.compile_for``, the aot tests) passes at
+every default shape tried, but libtpu 0.0.52's *profiling* compile (the static estimate) still runs out of tpu7x's
+64 MiB of VMEM for GQA with 8 MiB of resident dQ (Hq=8, Hkv=2, S=4096: 66.7 MiB); if a real tpu7x compile does too,
+:data:`DQ_VMEM_MAX` needs a tpu7x value.
+
 The forward's autograd (:data:`~.forward.fa_forward`'s backward) is wired here. Which backward runs
 (:func:`backward_mode`): ``TPUKERNELS_ATTENTION_BWD=fused`` / ``split`` forces one (fused
 falls back to split where refused); else the per-chip default :data:`FUSED_BY_CHIP`, chosen by libtpu's static
