@@ -25,8 +25,9 @@ kernels): empty ``Sq`` or ``Skv``, the decode fold with ``Sq`` not a multiple of
 
 Known gap (not verified on hardware): the ordinary Mosaic compile (``tk.compile_for``, the aot tests) passes at
 every default shape tried, but libtpu 0.0.52's *profiling* compile (the static estimate) still runs out of tpu7x's
-64 MiB of VMEM for GQA with 8 MiB of resident dQ (Hq=8, Hkv=2, S=4096: 66.7 MiB); if a real tpu7x compile does too,
-:data:`DQ_VMEM_MAX` needs a tpu7x value.
+64 MiB of VMEM at 8 MiB of resident dQ (Hq=8, Hkv=2, S=4096: 66.7 MiB; Hq=Hkv=2, S=16k: 64.1 MiB, which fit with
+a 30 MiB request, and with ``block_kv_compute=256``); if a real tpu7x compile does too, :data:`DQ_VMEM_MAX` needs
+a tpu7x value.
 
 The forward's autograd (:data:`~.forward.fa_forward`'s backward) is wired here. Which backward runs
 (:func:`backward_mode`): ``TPUKERNELS_ATTENTION_BWD=fused`` / ``split`` forces one (fused
