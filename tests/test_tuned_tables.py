@@ -127,8 +127,13 @@ def _attention(key):
     out = flash_attention(_e(q, dq, bwd), _e(k, dk, bwd), _e(v, dv, bwd), causal=st["causal"],
                           causal_alignment=st["causal_alignment"], sm_scale=st["sm_scale"],
                           window=(st["window_left"], st["window_right"]), softcap=st["softcap"])
-    if bwd:
-        _backward(out)
+    if bwd:  # the split kernels' tables: their mode (the fused backward is the default on some chips)
+        from unittest import mock
+
+        from tpukernels.library.attention.backward_fused import ENV
+
+        with mock.patch.dict(os.environ, {ENV: "split"}):
+            _backward(out)
     return out
 
 

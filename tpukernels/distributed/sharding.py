@@ -276,6 +276,7 @@ LIBRARY_RULES: dict[str, Callable[[Mapping], list[Split]]] = {
     "flash_attention_fwd": _attention(2),
     "flash_attention_bwd_dq": _attention(1),
     "flash_attention_bwd_dkv": _attention(2),
+    "flash_attention_bwd_fused": _attention(3),  # (dq [B, Hq, ..], dk, dv [B, Hkv, ..]): batch or heads
     "matmul_nn": _matmul("nn"),
     "matmul_nt": _matmul("nt"),
     "matmul_tn": _matmul("tn"),

@@ -6,8 +6,9 @@ window_right, softcap, q_segment_ids, kv_segment_ids, bucket) -> out`` (Composit
 ``torch.compile`` see the kernel ops). The kernel-level ops, named as such:
 
 * ``torch.ops.tpukernels.flash_attention_fwd`` (kernel :data:`fa_forward`) -> ``(out, lse)``;
-* ``torch.ops.tpukernels.flash_attention_bwd_dq`` / ``flash_attention_bwd_dkv`` (backward kernels, wired
-  into autograd with :meth:`TpuKernel.def_backward`).
+* ``torch.ops.tpukernels.flash_attention_bwd_dq`` / ``flash_attention_bwd_dkv`` (the split backward kernels) and
+  ``flash_attention_bwd_fused`` (kernel :data:`fa_backward_fused`: dQ, dK, dV in one pass), wired into autograd
+  with :meth:`TpuKernel.def_backward`; which backward runs is chosen per chip (:mod:`.backward_fused`).
 
 What it computes, per batch ``b`` and query head ``h`` (kv head ``h // (Hq // Hkv)``)::
 
@@ -43,14 +44,18 @@ Performance (libtpu 0.0.52 static estimates, a model, not measurements; ``benchm
 B=1, Hq=32, Hkv=8, D=128, causal bf16, at the shipped defaults vs JAX's Pallas flash attention at its best
 swept blocks (K/V repeated to 32 heads): forward 0.81x / 0.77x (v6e, S=4096 / 8192) and 0.78x / 0.78x
 (v5e); backward (dQ + dK/dV + rowsum) 0.73x / 0.71x (v6e). Boundary blocks (the causal diagonal, window
-edges) are split into 512 x 512 sub-blocks, each skipped, run without mask, or masked on its own.
+edges) are split into 512 x 512 sub-blocks, each skipped, run without mask, or masked on its own. The fused
+backward (:data:`fa_backward_fused`, 5 matmul passes over the scores instead of the split kernels' 7) models
+0.73-0.76x of the split one on v5e / v6e / tpu7x (B=1, 2 heads, S=8192, D=128; ``benchmarks/attention_fused_bwd.py``)
+and is their default there.
 
 Decode (``Sq <= 16`` with ``Hq > Hkv``): the query heads of one kv group are processed together, so one
 grid step multiplies ``(Hq/Hkv) * Sq`` query rows against each K/V block (the K/V tile is read once
 
 Package layout: :mod:`.plan` (argument checks, the static plan of a call, tunables, heuristics, VMEM budget),
 :mod:`.tiles` (in-kernel helpers and element masks), :mod:`.forward` (:data:`fa_forward`), :mod:`.backward`
-(:data:`fa_backward_dq`, :data:`fa_backward_dkv` and the autograd wiring), :mod:`.masks` (splash-attention mask
+(:data:`fa_backward_dq`, :data:`fa_backward_dkv`), :mod:`.backward_fused` (:data:`fa_backward_fused`, the choice
+of backward and the autograd wiring), :mod:`.masks` (splash-attention mask
 objects and their block-sparse tables), :mod:`.masked` (the block-sparse masked kernels, same bodies),
 :mod:`.api` (:func:`flash_attention`, sinks, the public op), :mod:`.reference` (:func:`attention_reference`),
 :mod:`.rope_fused` (:data:`fa_forward_rope`: RoPE fused into the forward's q load), :mod:`.topk_sparse`
@@ -59,6 +64,7 @@ objects and their block-sparse tables), :mod:`.masked` (the block-sparse masked 
 
 from .api import flash_attention  # noqa: E402
 from .backward import fa_backward_dkv, fa_backward_dq  # noqa: E402
+from .backward_fused import fa_backward_fused  # noqa: E402
 from .forward import fa_forward  # noqa: E402
 from .masked import fa_backward_dkv_masked, fa_backward_dq_masked, fa_forward_masked  # noqa: E402
 from .masks import (CausalMask, ChunkedCausalMask, FullMask, LocalMask, LogicalAnd, LogicalOr, Mask,  # noqa: E402
@@ -78,7 +84,8 @@ STANDARD_CASES = [
     for kernel in (fa_backward_dq, fa_backward_dkv) for S in (4096, 8192)
 ]
 
-__all__ = ["flash_attention", "attention_reference", "topk_sparse_attention", "fa_forward", "fa_backward_dq", "fa_backward_dkv",
-           "fa_forward_rope", "fa_forward_masked", "fa_backward_dq_masked", "fa_backward_dkv_masked", "Mask", "CausalMask", "LocalMask",
+__all__ = ["flash_attention", "attention_reference", "topk_sparse_attention", "fa_forward", "fa_backward_dq",
+           "fa_backward_dkv", "fa_backward_fused", "fa_forward_rope", "fa_forward_masked", "fa_backward_dq_masked",
+           "fa_backward_dkv_masked", "Mask", "CausalMask", "LocalMask",
            "ChunkedCausalMask", "FullMask", "NumpyMask", "MultiHeadMask", "LogicalOr", "LogicalAnd", "mask_tables",
            "STANDARD_CASES", "DECODE_FOLD_MAX_SQ"]

@@ -1,5 +1,5 @@
-"""Flash attention backward kernels :data:`fa_backward_dq` and :data:`fa_backward_dkv`, wired into the forward's
-autograd with :meth:`TpuKernel.def_backward`.
+"""Flash attention backward kernels :data:`fa_backward_dq` and :data:`fa_backward_dkv` (the split backward; the
+forward's autograd, :mod:`.backward_fused`, runs them or the fused kernel).
 
 With P = softmax(S) (S the capped, scaled logits), dO the output gradient and Di = rowsum(dO * O) - dlse::
 
@@ -18,10 +18,9 @@ import torch
 
 from ...dsl import Launch, OutSpec, tpu_kernel
 from ...errors import ArgumentError
-from .forward import fa_forward
 # ``name as _name``: the kernel bodies and launch functions here keep the names they had, so their source, which
 # keys their entries in the tuning DB (tpukernels/autotune/db.py), is unchanged
-from .plan import (DOC_H as _DOC_H, NAMESPACE, STATIC_NAMES, Plan as _Plan, bwd_heuristic as _bwd_heuristic, check_args,
+from .plan import (DOC_H as _DOC_H, NAMESPACE, Plan as _Plan, bwd_heuristic as _bwd_heuristic, check_args,
                    clip, compute_divides as _compute_divides, cost, div, dtype_name, make_plan, rem, traced_min,
                    tunables as _tunables, vmem_estimate, vmem_limit)
 from .tiles import (LOG2E, NN as _NN, NT as _NT, and_block_mask as _and_block_mask, common_specs, dot as _dot,
@@ -380,23 +379,3 @@ def fa_backward_dkv(
                    window_right=window_right, softcap=softcap)
     cfg = dict(block_q=block_q, block_kv=block_kv, block_kv_compute=block_kv_compute, block_h=block_h)
     return _launch_dkv(q, k, v, do, lse, di, q_segment_ids, kv_segment_ids, statics, cfg)
-
-@fa_forward.def_backward(op="flash_attention")
-def _fa_backward(ctx, d_out, d_lse):
-    q, k, v = ctx.q, ctx.k, ctx.v
-    qs, ks = ctx.q_segment_ids, ctx.kv_segment_ids
-    out, lse = ctx.outputs
-    statics = {n: ctx.args[n] for n in STATIC_NAMES}
-    need_q = ctx.needs_input_grad.get("q", True)
-    need_kv = ctx.needs_input_grad.get("k", True) or ctx.needs_input_grad.get("v", True)
-    if d_out is None:
-        d_out = torch.zeros_like(out)
-    di = (d_out.float() * out.float()).sum(-1).unsqueeze(2)  # [B, Hq, 1, Sq]
-    if d_lse is not None:
-        di = di - d_lse  # d lse_i / d s_ij = P_ij, so dlse enters dS = P * (dP - (Di - dlse))
-    grads = {}
-    if need_q:
-        grads["q"] = fa_backward_dq(q, k, v, d_out, lse, di, qs, ks, **statics)
-    if need_kv:
-        grads["k"], grads["v"] = fa_backward_dkv(q, k, v, d_out, lse, di, qs, ks, **statics)
-    return grads

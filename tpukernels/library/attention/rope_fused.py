@@ -194,11 +194,11 @@ def fa_forward_rope(
 
 @fa_forward_rope.def_backward(op="flash_attention")
 def _fa_rope_backward(ctx, d_out, d_lse, d_qrot):
-    """Today's dQ / dK/dV kernels on the saved rotated q; ``dq = rope^T(dq_rot)`` (the RoPE kernel's transposed
+    """The dense backward (:func:`.backward_fused.dense_backward`: fused or split kernels) on the saved rotated q; ``dq = rope^T(dq_rot)`` (the RoPE kernel's transposed
     map, :data:`tpukernels.library.rope.rope_fwd` with ``transpose=True``); cos/sin gradients (when asked for)
     from :func:`tpukernels.library.rope.table_grads`."""
     from ..rope import table_grads, rope_fwd
-    from .backward import fa_backward_dkv, fa_backward_dq
+    from .backward_fused import dense_backward
 
     q, k, v, cos, sin = ctx.q, ctx.k, ctx.v, ctx.cos, ctx.sin
     qs, ks = ctx.q_segment_ids, ctx.kv_segment_ids
@@ -212,9 +212,10 @@ def _fa_rope_backward(ctx, d_out, d_lse, d_qrot):
     di = (d_out.float() * out.float()).sum(-1).unsqueeze(2)  # [B, Hq, 1, Sq]
     if d_lse is not None:
         di = di - d_lse
-    grads = {}
+    need_kv = need.get("k", True) or need.get("v", True)
+    grads = dense_backward(q_rot, k, v, d_out, lse, di, qs, ks, statics, need_qrot, need_kv)  # fused or split
     if need_qrot:
-        dq_rot = fa_backward_dq(q_rot, k, v, d_out, lse, di, qs, ks, **statics)
+        dq_rot = grads.pop("q")
         if d_qrot is not None:
             dq_rot = dq_rot + d_qrot
         if need.get("q", True):
@@ -223,6 +224,4 @@ def _fa_rope_backward(ctx, d_out, d_lse, d_qrot):
             dcos, dsin = table_grads(dq_rot, q, cos[None], r, inter, 2, False)
             grads["cos"] = dcos[0].to(cos.dtype) if need.get("cos") else None
             grads["sin"] = dsin[0].to(sin.dtype) if need.get("sin") else None
-    if need.get("k", True) or need.get("v", True):
-        grads["k"], grads["v"] = fa_backward_dkv(q_rot, k, v, d_out, lse, di, qs, ks, **statics)
     return grads
