@@ -193,12 +193,12 @@ class _JaxOps:
         return self.np.swapaxes(self.np.sum(self.f32(do) * self.f32(out), -1, keepdims=True), -1, -2)
 
 
-class TorchRingOps(_JaxOps):
-    """The same operations on torch tensors of one rank of a ``torch.distributed`` group: the kernels run as
-    their torch ops, ``cond`` is a Python branch (the rank is known), ``shift`` is a batched isend / irecv to
+class TorchRingOps:
+    """:class:`_JaxOps`' operations on torch tensors of one rank of a ``torch.distributed`` group: the kernels run
+    as their torch ops, ``cond`` is a Python branch (the rank is known), ``shift`` is a batched isend / irecv to
     the next / from the previous rank."""
 
-    def __init__(self, group, n: int):  # noqa: D107 - deliberately not calling _JaxOps.__init__
+    def __init__(self, group, n: int):
         import torch
         import torch.distributed as dist
 
