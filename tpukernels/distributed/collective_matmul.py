@@ -53,7 +53,9 @@ from .ring_attention import call_kernel, kernel_mode
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter"]
 
 
-def _check(op: str, x, y, mesh, axis_name: str, rhs_transpose: bool):
+def _ring(op: str, x, y, mesh, axis_name: str, rhs_transpose: bool, split: str, interpret, chip):
+    """The checks and the ring of both ops: ``(n, M, K, N, mode, chip, perm)``; ``split``: the dim besides M
+    that the axis size must divide ("N" or "K")."""
     if axis_name not in mesh.shape:
         raise ArgumentError(f"{op}: mesh has no axis {axis_name!r} (axes: {tuple(mesh.shape)})")
     if len(x.shape) != 2 or len(y.shape) != 2:
@@ -64,7 +66,13 @@ def _check(op: str, x, y, mesh, axis_name: str, rhs_transpose: bool):
     if Ky != K:
         raise ArgumentError(f"{op}: contraction dims differ: x is [M, K] = {tuple(x.shape)}, y is "
                             f"{'[N, K]' if rhs_transpose else '[K, N]'} = {tuple(y.shape)}")
-    return int(mesh.shape[axis_name]), M, K, N
+    n = int(mesh.shape[axis_name])
+    other = N if split == "N" else K
+    if M % n or other % n:
+        raise ArgumentError(f"{op}: M = {M} and {split} = {other} must be divisible by the size {n} of axis "
+                            f"{axis_name!r}")
+    perm = [(j, (j + 1) % n) for j in range(n)]  # device j sends to j + 1
+    return n, M, K, N, kernel_mode(mesh, interpret), None if chip is None else get_chip(chip), perm
 
 
 def _mm(mode, chip, a, b, rhs_transpose: bool, out_dtype=None):
@@ -96,13 +104,9 @@ def all_gather_matmul(x, y, mesh, axis_name: str, *, rhs_transpose: bool = False
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
 
-    op = "tpukernels.all_gather_matmul"
-    n, M, K, N = _check(op, x, y, mesh, axis_name, rhs_transpose)
-    if M % n or N % n:
-        raise ArgumentError(f"{op}: M = {M} and N = {N} must be divisible by the size {n} of axis {axis_name!r}")
-    mode, m = kernel_mode(mesh, interpret), M // n
-    chip = None if chip is None else get_chip(chip)
-    perm = [(j, (j + 1) % n) for j in range(n)]
+    n, M, K, N, mode, chip, perm = _ring("tpukernels.all_gather_matmul", x, y, mesh, axis_name, rhs_transpose, "N",
+                                         interpret, chip)
+    m = M // n
 
     def local(xs, ys):
         i = jax.lax.axis_index(axis_name)
@@ -137,16 +141,11 @@ def matmul_reduce_scatter(x, y, mesh, axis_name: str, *, rhs_transpose: bool = F
         ArgumentError: no such axis, ranks, contraction dims, ``M`` or ``K`` not divisible by the axis size.
     """
     import jax
-    import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
 
-    op = "tpukernels.matmul_reduce_scatter"
-    n, M, K, N = _check(op, x, y, mesh, axis_name, rhs_transpose)
-    if M % n or K % n:
-        raise ArgumentError(f"{op}: M = {M} and K = {K} must be divisible by the size {n} of axis {axis_name!r}")
-    mode, m = kernel_mode(mesh, interpret), M // n
-    chip = None if chip is None else get_chip(chip)
-    perm = [(j, (j + 1) % n) for j in range(n)]
+    n, M, K, N, mode, chip, perm = _ring("tpukernels.matmul_reduce_scatter", x, y, mesh, axis_name, rhs_transpose,
+                                         "K", interpret, chip)
+    m = M // n
 
     def local(xs, ys):
         i = jax.lax.axis_index(axis_name)
