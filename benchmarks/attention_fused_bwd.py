@@ -38,7 +38,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from tpukernels.autotune.estimator import client  # noqa: E402
+from tpukernels.bench.core import Estimator, default_cache_path  # noqa: E402
 from tpukernels.chips import get_chip  # noqa: E402
 from tpukernels.dsl.spec import TensorSpec  # noqa: E402
 from tpukernels.library.attention import fa_backward_dkv, fa_backward_dq, fa_backward_fused  # noqa: E402
@@ -49,13 +49,15 @@ D = 128
 H_EST = 2  # heads per estimate (scaled to the case)
 
 
-def _estimate(fn, structs, chip: str, timeout_s: float = 3600) -> int:
-    plain = [jax.ShapeDtypeStruct(tuple(s.shape), s.dtype) for s in structs]
-    blob = jax.export.export(fn, platforms=["tpu"])(*plain).serialize()
-    cyc = client().estimate(bytes(blob), get_chip(chip).name, timeout_s)
-    if cyc is None:
-        raise RuntimeError("libtpu wrote no static profile")
-    return int(cyc)
+_EST = None
+
+
+def _estimate(fn, structs, chip: str) -> int:
+    """libtpu's static estimate (cycles) through ``tpukernels bench``'s cached estimator."""
+    global _EST
+    if _EST is None:
+        _EST = Estimator(default_cache_path(), timeout_s=3600)
+    return _EST.cycles(fn, structs, chip)
 
 
 def _kernel_cycles(kernel, chip, S, causal, config):
