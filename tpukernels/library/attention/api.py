@@ -284,7 +284,7 @@ def _masked_forward(q, k, v, qs, ks, mask, *, causal, causal_alignment, sm_scale
     """Run the block-sparse masked kernel: ``causal`` / ``window`` are folded into ``mask`` (intersection);
     with ``bucket``, on ``Sq`` / ``Skv`` padded at the end to their buckets (the tables mask the padding)."""
     from .masked import check_mask, fa_forward_masked
-    from .masks import mask_spec
+    from .masks import block_config, mask_spec
 
     if q.dim() != 4 or k.dim() != 4:
         raise ArgumentError(f"flash_attention: q and k must have rank 4 [B, H, S, D], got {tuple(q.shape)}, "
@@ -303,17 +303,7 @@ def _masked_forward(q, k, v, qs, ks, mask, *, causal, causal_alignment, sm_scale
             if w is not None and w < 0:
                 raise ArgumentError(f"flash_attention: {name} must be an int >= 0 or None, got {w!r}")
         local = (left, right, Skv - Sq if causal_alignment == "bottom_right" else 0)
-    cfg = dict(config or {})
-    unknown = set(cfg) - {"block_q", "block_kv", "block_kv_compute"}
-    if unknown:
-        raise ArgumentError(f"flash_attention: config keys {sorted(unknown)} do not apply to masked attention "
-                            f"(block_q, block_kv, block_kv_compute)")
-    blocks = {}
-    for name in ("block_q", "block_kv"):
-        b = cfg.pop(name, MASK_BLOCK)
-        if isinstance(b, bool) or not isinstance(b, int) or b <= 0 or b % 128:
-            raise ArgumentError(f"flash_attention: config[{name!r}] must be a positive multiple of 128, got {b!r}")
-        blocks[name] = b
+    blocks, cfg = block_config(config, MASK_BLOCK, "flash_attention", " to masked attention")
     Sq_b, Skv_b = (bucket_len(Sq), bucket_len(Skv)) if bucket else (Sq, Skv)
     bq = Sq_b if 0 < Sq_b <= blocks["block_q"] else blocks["block_q"]
     bkv = Skv_b if 0 < Skv_b <= blocks["block_kv"] else blocks["block_kv"]

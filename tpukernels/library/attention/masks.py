@@ -48,6 +48,27 @@ def _check_int(x, name: str, where: str, *, allow_none: bool = False, min_value:
     return int(x)
 
 
+def block_config(config, default: int, where: str, what: str = "") -> tuple[dict, dict]:
+    """The masked kernels' ``config``: ``({"block_q": .., "block_kv": ..}, the other keys)`` (only
+    ``block_kv_compute`` may remain), the two block sizes positive multiples of 128, ``default`` where absent.
+
+    Raises:
+        ArgumentError: another key, or a block size that is not a positive multiple of 128.
+    """
+    cfg = dict(config or {})
+    unknown = set(cfg) - {"block_q", "block_kv", "block_kv_compute"}
+    if unknown:
+        raise ArgumentError(f"{where}: config keys {sorted(unknown)} do not apply{what} (block_q, block_kv, "
+                            f"block_kv_compute)")
+    blocks = {}
+    for name in ("block_q", "block_kv"):
+        b = cfg.pop(name, default)
+        if isinstance(b, bool) or not isinstance(b, int) or b <= 0 or b % 128:
+            raise ArgumentError(f"{where}: config[{name!r}] must be a positive multiple of 128, got {b!r}")
+        blocks[name] = b
+    return blocks, cfg
+
+
 class Mask:
     """Base class: a boolean ``(Sq, Skv)`` mask (or ``(H, Sq, Skv)`` for :class:`MultiHeadMask`).
 

@@ -44,7 +44,7 @@ import torch
 
 from ...errors import ArgumentError, DeviceError, DTypeError
 from .buckets import bucket_len, pad_len, slice_len
-from .masks import EMPTY, FULL, PARTIAL
+from .masks import EMPTY, FULL, PARTIAL, block_config
 
 #: Default block shape (queries x keys) of the tables; as ``flash_attention(mask=...)`` (multiples of 128).
 BLOCK = 512
@@ -234,17 +234,7 @@ def topk_sparse_attention(
     from .masked import fa_forward_masked
 
     _check(q, k, v, indices, attention_mask, causal, causal_alignment, sm_scale, softcap, bucket)
-    cfg = dict(config or {})
-    unknown = set(cfg) - {"block_q", "block_kv", "block_kv_compute"}
-    if unknown:
-        raise ArgumentError(f"{_WHERE}: config keys {sorted(unknown)} do not apply (block_q, block_kv, "
-                            f"block_kv_compute)")
-    blocks = {}
-    for name in ("block_q", "block_kv"):
-        b = cfg.pop(name, BLOCK)
-        if isinstance(b, bool) or not isinstance(b, int) or b <= 0 or b % 128:
-            raise ArgumentError(f"{_WHERE}: config[{name!r}] must be a positive multiple of 128, got {b!r}")
-        blocks[name] = b
+    blocks, cfg = block_config(config, BLOCK, _WHERE)
     B, Hq, Sq, _ = (int(s) for s in q.shape)
     Hkv, Skv, Dv = int(k.shape[1]), int(k.shape[2]), int(v.shape[3])
     if Sq == 0 or Skv == 0 or B == 0:
