@@ -230,6 +230,45 @@ def test_backward_vs_float64_through_the_router(dtype, act, layout):
         assert err <= rtol * float(want.abs().max()), (n, err, float(want.abs().max()))
 
 
+@pytest.mark.parametrize("layout,act,interleave", [("e2hi", "silu", False), ("eh2i", "swigluoai", True),
+                                                    ("w3", "gelu", False)])
+def test_transposed_and_interleaved_weights_compute_the_plain_layouts_layer(layout, act, interleave):
+    """``transpose_rhs=True`` (weights stored ``[..., out, in]``, HF / ``nn.Linear``) and ``gate_up_interleaved``
+    (gpt-oss: gate in even, up in odd columns of a fused ``w1`` and ``b1``): the same layer as the plain
+    ``[in, out]`` layout, against float64 (the reference of the plain weights); forward and the gradients of the
+    stored weights (which are the transposes / column permutation of the plain ones' gradients)."""
+    T, E, H, I, k = 6, 4, 16, 24, 2
+    x, lg = rand(T, H, seed=21), rand(T, E, seed=22)
+    w1, w3, w2, b1, b2 = experts(E, H, I, layout, F32, 23, bias=True)
+    if interleave:  # [gate | up] columns -> gate even, up odd (b1 the same way)
+        perm = torch.stack([torch.arange(I), torch.arange(I) + I], 1).reshape(-1)
+        w1i, b1i = w1[..., perm], b1[..., perm]
+    else:
+        w1i, b1i = w1, b1
+    t = (lambda w: None if w is None else w.transpose(-1, -2).contiguous())
+    stored = dict(w1=t(w1i), w2=t(w2), w3=t(w3))
+    leaves = {n: v.clone().requires_grad_() for n, v in stored.items() if v is not None}
+    kw = dict(act_fn=act, b1=b1i, b2=b2, transpose_rhs=True, gate_up_interleaved=interleave)
+    out = fused_moe(x, leaves["w1"], leaves["w2"], lg, k, w3=leaves.get("w3"), **kw)
+    plain = {n: v.detach().double().requires_grad_() for n, v in dict(w1=w1, w2=w2, w3=w3).items() if v is not None}
+    ref = fused_moe_reference(x, plain["w1"], plain["w2"], lg, k, w3=plain.get("w3"), act_fn=act, b1=b1, b2=b2)
+    ids, wts = router64(lg, k, "softmax", False)
+    tol = bound(x, w1, w3, w2, b1, b2, ids, wts, U32, U32, ref.detach())
+    assert bool(((out.double() - ref).abs() <= tol).all())
+    # the reference takes the stored layout too (same checks, same flags)
+    ref_stored = fused_moe_reference(x, stored["w1"], stored["w2"], lg, k, w3=stored["w3"], **kw)
+    assert float((ref_stored - ref.detach()).abs().max()) <= 1e-12 * float(ref.detach().abs().max())
+    dout = rand(T, H, seed=24)
+    out.backward(dout)
+    ref.backward(dout.double())
+    want = {"w2": t(plain["w2"].grad), "w3": t(plain["w3"].grad) if "w3" in plain else None,
+            "w1": t(plain["w1"].grad[..., perm] if interleave else plain["w1"].grad)}
+    for n, leaf in leaves.items():
+        g = want[n]
+        assert leaf.grad.shape == leaf.shape, n
+        assert float((leaf.grad.double() - g).abs().max()) <= 1e-4 * float(g.abs().max()), n
+
+
 def test_library_export_and_torch_op():
     assert L.fused_moe is fused_moe
     T, E, H, I = 3, 2, 8, 8
@@ -364,6 +403,12 @@ def test_bad_input_raises_typed_errors_before_any_kernel(monkeypatch):
         (lambda: fused_moe(x.half(), w1, w2, lg, 2), DTypeError, "tokens dtype"),
         (lambda: fused_moe(x, w1.double(), w2, lg, 2), DTypeError, "w1 dtype"),
         (lambda: fused_moe(x, w1, w2, topk_ids=ids.float(), topk_weights=torch.ones(T, 2)), DTypeError, "int32"),
+        (lambda: fused_moe(x, w13, w2, lg, 2, transpose_rhs=True), ArgumentError,
+         r"w1 must be \[E, H, 2I\].*transpose_rhs=True: w1 / w3 / w2 are taken as"),
+        (lambda: fused_moe_reference(x, w1, w2, lg, 2, transpose_rhs=1), ArgumentError,
+         "transpose_rhs must be a bool"),
+        (lambda: fused_moe(x, w1, w2, lg, 2, gate_up_interleaved=True), ArgumentError,
+         "gate_up_interleaved=True needs a fused gate-up w1"),
     ]
     for fn, err, msg in cases:
         with pytest.raises(err, match=msg):

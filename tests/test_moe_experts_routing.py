@@ -57,22 +57,29 @@ def _count_gmm(monkeypatch):
 
 
 def test_gpt_oss_experts_match_stock_and_float64(monkeypatch, fresh_probes):
-    """Biases through rhs_bias, interleaved gate/up + clamped SwiGLU through the class's _apply_gate: logits match
-    stock f32 and a float64 run of the same weights; the clamp is active; bias gradients match stock."""
+    """The whole layer through fused_moe on gpt-oss's weights as stored ([E, H, 2I], no transpose), its interleaved
+    gate/up columns and clamped SwiGLU (swigluoai with the module's alpha / limit), biases through rhs_bias:
+    logits match stock f32 and a float64 run of the same weights; the clamp is active; bias gradients match
+    stock."""
+    fmo = importlib.import_module("tpukernels.library.fused_moe_ops")
     stock = tiny_gpt_oss()
     ours = copy.deepcopy(stock)
     assert plan_moe(ours) == [(n, "GptOssExperts", None) for n in GPT_OSS]
     assert apply_tpukernels_moe(ours) == GPT_OSS and ours.config._experts_implementation == "tpukernels"
     assert stock.config._experts_implementation != "tpukernels"
-    gate_up = []
     e0 = ours.get_submodule(EXP[0])
-    real_gate = type(e0)._apply_gate
-    monkeypatch.setattr(type(e0), "_apply_gate", lambda self, x: gate_up.append(x.detach()) or real_gate(self, x))
+    assert me.fused_gate(e0) == ("swigluoai", True, float(e0.alpha), float(e0.limit))
+    gates, flags = [], []
+    real_sw, real_fm = fmo._swigluoai, fmo.fused_moe
+    monkeypatch.setattr(fmo, "_swigluoai", lambda g, u, a, l: gates.append(g.detach()) or real_sw(g, u, a, l))
+    monkeypatch.setattr(fmo, "fused_moe", lambda *a, **k: flags.append(
+        (k["act_fn"], k["transpose_rhs"], k["gate_up_interleaved"])) or real_fm(*a, **k))
     calls = _count_gmm(monkeypatch)
     ids = _ids()
     out = ours(ids).logits
+    assert flags == [("swigluoai", False, True)]
     assert calls == [True, True]  # both projections, each with its bias
-    assert max(g.abs().max().item() for g in gate_up) > 2 * stock.config.swiglu_limit  # the clamp bites
+    assert max(g.abs().max().item() for g in gates) > 2 * stock.config.swiglu_limit  # the clamp bites
     monkeypatch.undo()
     ref = stock(ids).logits
     stock64 = copy.deepcopy(stock).double()
@@ -87,6 +94,25 @@ def test_gpt_oss_experts_match_stock_and_float64(monkeypatch, fresh_probes):
             want = getattr(stock.get_submodule(name), p).grad
             got = getattr(ours.get_submodule(name), p).grad
             assert (got - want).abs().max() <= 1e-4 * want.abs().max(), (name, p)
+
+
+def test_fused_gate_is_decided_from_what_the_gate_is(monkeypatch):
+    """fused_moe takes a module only where its gate is one fused_moe has: the default gate with SiLU (Mixtral) or
+    torch's tanh GELU, gpt-oss's own _apply_gate; another activation or a class's own gate keeps the composition
+    with the class's gate (whether that matches stock is then the probe's verdict)."""
+    cfg = T.MixtralConfig(vocab_size=96, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                          num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+    e = T.MixtralForCausalLM(cfg).get_submodule(EXP[0])
+    assert me.fused_gate(e) == ("silu", False, 1.702, 7.0)
+    e.act_fn = T.activations.GELUTanh()
+    assert me.fused_gate(e)[:2] == ("gelu", False)
+    e.act_fn = T.activations.GELUTanh(use_gelu_tanh_python=True)  # tanh GELU as a python formula: not torch's
+    assert me.fused_gate(e) is None
+    e.act_fn = torch.nn.GELU()  # exact (erf) GELU: fused_moe's "gelu" is the tanh one
+    assert me.fused_gate(e) is None
+    e.act_fn = torch.nn.SiLU()
+    monkeypatch.setattr(type(e), "_apply_gate", lambda self, x: x.chunk(2, -1)[0], raising=False)
+    assert me.fused_gate(e) is None
 
 
 def test_aria_transposed_experts_match_stock(fresh_probes):

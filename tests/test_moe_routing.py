@@ -584,3 +584,42 @@ def test_apply_tpukernels_routers_swaps_matching_routers_only():
                     num_experts_per_tok=2).to(BF16)
     assert router_reason(bf) == ("softmax_selected", None)
     assert "forward" not in vars(model["odd"])
+
+
+def test_patched_routers_train_like_stock():
+    """The router kernels have no backward: a patched router recomputes its weights from the kernel's ids with
+    differentiable ops while the logits need a gradient, so every form (softmax, renormalised, gpt-oss's softmax
+    over the selected, DeepSeek's grouped) gives stock's weights and the router weight's gradient (it raised
+    KernelDefinitionError)."""
+    pytest.importorskip("transformers")
+    import copy
+
+    from tpukernels.integrations.moe_routers import apply_tpukernels_routers
+
+    routers = torch.nn.ModuleDict({
+        "qwen": _hf_router("transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeTopKRouter", num_experts=8,
+                           num_experts_per_tok=2, norm_topk_prob=False),
+        "mixtral": _hf_router("transformers.models.mixtral.modeling_mixtral.MixtralTopKRouter",
+                              num_local_experts=8, num_experts_per_tok=2),
+        "gpt_oss": _hf_router("transformers.models.gpt_oss.modeling_gpt_oss.GptOssTopKRouter", num_local_experts=8,
+                              num_experts_per_tok=2),
+        "deepseek": _hf_router("transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3TopkRouter",
+                               n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+                               routed_scaling_factor=2.5)})
+    stock = copy.deepcopy(routers)
+    forms = dict(apply_tpukernels_routers(routers))
+    assert set(forms) == set(routers)
+    x = rand(24, 16, seed=31)
+    dw = rand(24, 16, seed=32)  # a gradient on every expert slot's weight (16 >= k)
+    for n in routers:
+        _, w, i = routers[n](x)
+        _, sw, si = stock[n](x)
+        oi, soi = i.sort(-1).indices, si.sort(-1).indices
+        assert torch.equal(i.gather(1, oi), si.gather(1, soi)), n
+        w, sw = w.gather(1, oi), sw.gather(1, soi)
+        torch.testing.assert_close(w, sw, rtol=1e-5, atol=1e-6)
+        (w * dw[:, :w.shape[1]]).sum().backward()
+        (sw * dw[:, :w.shape[1]]).sum().backward()
+        g, sg = routers[n].weight.grad, stock[n].weight.grad
+        assert sg.abs().max() > 0
+        assert (g - sg).abs().max() <= 1e-5 * sg.abs().max(), (n, forms[n])

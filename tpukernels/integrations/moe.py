@@ -8,21 +8,28 @@ their forward through ``transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS`` by
     from tpukernels.integrations.moe import apply_tpukernels_moe
     apply_tpukernels_moe(model)          # every supported experts module now routes through grouped_matmul
 
-Forward of one experts module (``S = tokens * top_k`` token-expert pairs)::
+Forward of one experts module (``S = tokens * top_k`` token-expert pairs): where its gate is one
+:func:`~tpukernels.library.fused_moe` has (:func:`tpukernels.integrations.moe_experts.fused_gate`: transformers'
+default ``act(gate) * up`` with SiLU or tanh-GELU, gpt-oss's clamped SwiGLU on interleaved columns), the whole layer
+is one ``fused_moe`` call on HF's weights as stored::
 
-    x_g, group_sizes, meta = moe_permute(hidden, top_k_index, E)    [S, H] rows grouped by expert (stable sort)
-    h = act(gate) * up, (gate, up) = grouped_matmul(x_g, gate_up_proj, group_sizes, transpose_rhs=True)
-    y = grouped_matmul(h, down_proj, group_sizes, transpose_rhs=True)
-    out = moe_combine(y, top_k_weights, meta)       out[t] = sum_j w[t, j] * y[row of (t, j)], f32 sums
+    fused_moe(hidden, gate_up_proj, down_proj, topk_weights=top_k_weights, topk_ids=top_k_index, act_fn=...,
+              b1=gate_up_proj_bias[:, None], b2=down_proj_bias[:, None],
+              transpose_rhs=not is_transposed, gate_up_interleaved=<gpt-oss>)
+
+i.e. ``moe_permute`` (rows grouped by expert, stable), ``grouped_matmul`` gate / up (float32 out), the gate in
+float32 (``gated_activation``; gpt-oss's in torch), ``h`` rounded once, ``grouped_matmul`` down, ``moe_combine``
+(``out[t] = sum_j w[t, j] * y[row of (t, j)]``, float32 sums). Another gate (a class's own ``_apply_gate``, another
+activation) keeps the same permute, grouped matmuls and combine with the class's own gate in between, in the
+weights' dtype. Quantized experts take that path too (``grouped_matmul_quantized``; 4-bit packing and zero
+points are not wired into ``fused_moe``).
 
 The same computation as HF's eager loop over experts (each token's top-k expert outputs, weighted and
 summed), in one grouped matmul per projection; ``moe_permute`` / ``moe_combine``
 (:mod:`tpukernels.library.moe_routing`) move the token rows by DMA kernels; differentiable (the kernels' backward). Supported: gated
 experts dispatched by ``config._experts_implementation`` without expert parallelism or a post-expert norm
-(Mixtral, Qwen2/3-MoE; Aria's transposed ``[E, K, N]`` weights, ``transpose_rhs=False``; gpt-oss's expert biases
-through ``grouped_matmul``'s ``rhs_bias [E, 1, N]``, its interleaved gate/up columns and clamped SwiGLU through
-the class's own ``_apply_gate``, computed in torch between the two grouped matmuls: the library's
-``gated_activation`` has no clamp / alpha / ``up + 1``). :func:`plan_moe` lists every experts module with the reason
+(Mixtral, Qwen2/3-MoE, DeepSeek-V3, gpt-oss; Aria's transposed ``[E, K, N]`` weights, ``transpose_rhs=False``;
+gpt-oss's expert biases through the grouped matmuls' ``rhs_bias [E, 1, N]``). :func:`plan_moe` lists every experts module with the reason
 it stays stock (Llama-4's and LongCat-Flash's experts are not dispatched by transformers' experts interface);
 :func:`apply_tpukernels_moe` replaces only modules whose class passed a numerical probe against its stock forward
 (:func:`tpukernels.integrations.moe_experts.verify_experts`) and warns for the rest. The routers in front of the

@@ -116,6 +116,36 @@ def quantize_unsupported(module) -> str | None:
     return None
 
 
+_GPT_OSS_GATE = ("transformers.models.gpt_oss.modeling_gpt_oss", "GptOssExperts._apply_gate")
+
+
+def fused_gate(module):
+    """``(act_fn, gate_up_interleaved, alpha, limit)`` of :func:`~tpukernels.library.fused_moe` that is
+    ``module``'s gate, or None (then the ``"tpukernels"`` forward applies the class's own gate between two grouped
+    matmuls). Decided from what the gate *is*, never guessed from its name: transformers' default gate
+    (``act_fn(gate) * up`` on the two halves) with ``act_fn`` an ``nn.SiLU`` / ``SiLUActivation`` (``"silu"``) or a
+    ``GELUTanh`` on torch's tanh GELU (``"gelu"``); gpt-oss's own ``_apply_gate`` (``"swigluoai"`` on interleaved
+    columns with the module's ``alpha`` / ``limit``). Anything else (e.g. a class with another ``_apply_gate``) is
+    None. :func:`verify_experts` then proves the whole forward against the stock one on the module's weights."""
+    gate = getattr(type(module), "_apply_gate", None)
+    where = (getattr(gate, "__module__", None), getattr(gate, "__qualname__", None))
+    if where == _GPT_OSS_GATE:
+        alpha, limit = getattr(module, "alpha", None), getattr(module, "limit", None)
+        if isinstance(alpha, (int, float)) and isinstance(limit, (int, float)):
+            return "swigluoai", True, float(alpha), float(limit)
+        return None
+    if gate is not None and where != ("transformers.integrations.moe", "_default_apply_gate"):
+        return None
+    act = getattr(module, "act_fn", None)
+    name = (type(act).__module__, type(act).__qualname__)
+    if name in (("torch.nn.modules.activation", "SiLU"), ("transformers.activations", "SiLUActivation")):
+        return "silu", False, 1.702, 7.0
+    if name == ("transformers.activations", "GELUTanh") and getattr(getattr(act, "act", None), "keywords",
+                                                                    {}).get("approximate") == "tanh":
+        return "gelu", False, 1.702, 7.0
+    return None
+
+
 def tpukernels_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                                top_k_weights: torch.Tensor) -> torch.Tensor:
     """HF experts forward (``hidden_states [T, H]``, ``top_k_index [T, k]``, ``top_k_weights [T, k]``) ->
@@ -135,6 +165,19 @@ def tpukernels_experts_forward(self, hidden_states: torch.Tensor, top_k_index: t
     why = _unsupported(self)
     if why:
         raise ArgumentError(f"tpukernels experts: {type(self).__name__} has {why}, which is not supported")
+    gate = fused_gate(self)
+    if gate is not None and not _quantized(self) and hidden_states.dtype in WEIGHT_DTYPES:
+        # the whole layer through fused_moe, on HF's weights as stored: [E, 2I, H] / [E, H, I] (nn.Linear layout,
+        # transpose_rhs) or, is_transposed, [E, H, 2I] / [E, I, H]; gpt-oss's interleaved gate / up columns
+        from ..library.fused_moe_ops import fused_moe
+
+        act, interleaved, alpha, limit = gate
+        bias = getattr(self, "has_bias", False)
+        return fused_moe(hidden_states, self.gate_up_proj, self.down_proj, topk_weights=top_k_weights,
+                         topk_ids=top_k_index, act_fn=act, swigluoai_alpha=alpha, swigluoai_limit=limit,
+                         b1=self.gate_up_proj_bias.unsqueeze(1) if bias else None,
+                         b2=self.down_proj_bias.unsqueeze(1) if bias else None,
+                         transpose_rhs=not getattr(self, "is_transposed", False), gate_up_interleaved=interleaved)
     # token copies sorted into expert order (stable: token order within an expert), int32 group sizes of a fixed
     # length (no data-dependent shape: no graph break under torch.compile); moe_combine brings them back
     x, sizes, meta = moe_permute(hidden_states, top_k_index, self.num_experts)

@@ -17,6 +17,10 @@ that matches replaces the instance's ``forward``; a router no form matches stays
 gpt-oss's softmax over the selected equals the renormalised softmax over all experts in exact arithmetic, so a
 float32 gpt-oss router takes the first form (its bfloat16 weights, rounded to the logits' dtype, the second).
 Opt-in: :func:`~tpukernels.integrations.moe.apply_tpukernels_moe` does not call it.
+
+Training: the router kernels have no backward. While the logits need a gradient, the patched forward recomputes
+the weights of the kernel's chosen ids with differentiable float32 torch ops (HF's formula of the matched form),
+so the router weight gets stock's gradient; the kernel still chooses the experts (ids carry no gradient).
 """
 
 from __future__ import annotations
@@ -44,6 +48,24 @@ def _groups(m):
     return ng, getattr(m, "topk_group", None)
 
 
+def _with_grad(self, form: str, logits: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The router kernels have no backward: while the logits need a gradient (training), the same weights are
+    recomputed from the kernel's ``ids`` with differentiable torch ops in float32 (HF's formulas); the kernel
+    still chooses the experts. Otherwise ``w`` as it is."""
+    if not (torch.is_grad_enabled() and logits.requires_grad):
+        return w
+    lg = logits.float()
+    if form == "grouped":  # DeepSeek-V3: sigmoid scores of the chosen experts (unbiased), normalised, scaled
+        s = torch.sigmoid(lg).gather(1, ids)
+        if bool(self.norm_topk_prob):
+            s = s / (s.sum(-1, keepdim=True) + 1e-20)
+        return (s * float(self.routed_scaling_factor)).to(w.dtype)
+    if form == "softmax_selected":  # gpt-oss: softmax over the k selected logits
+        return torch.softmax(lg.gather(1, ids), -1).to(w.dtype)
+    s = torch.softmax(lg, -1).gather(1, ids)
+    return (s / s.sum(-1, keepdim=True) if form == "softmax_renorm" else s).to(w.dtype)
+
+
 def router_forward(self, hidden_states: torch.Tensor):
     """``(router_logits, weights, expert_ids)`` of the form in ``self.tpukernels_router_form`` (module docstring)."""
     from ..library.moe_routing import grouped_topk, softmax_topk
@@ -57,13 +79,15 @@ def router_forward(self, hidden_states: torch.Tensor):
                               e_score_correction_bias=self.e_score_correction_bias,
                               routed_scaling_factor=float(self.routed_scaling_factor),
                               norm_topk_prob=bool(self.norm_topk_prob))
-        return logits, w, ids
+        return logits, _with_grad(self, form, logits, ids, w), ids
     logits = F.linear(h, self.weight, getattr(self, "bias", None))
     if form == "softmax_selected":
         w, ids = softmax_topk(logits, self.top_k, softmax_over="selected")
+        w = _with_grad(self, form, logits, ids, w)
         return logits, w.to(logits.dtype), ids
     renorm = form == "softmax_renorm"
     w, ids = softmax_topk(logits, self.top_k, renormalize=renorm)
+    w = _with_grad(self, form, logits, ids, w)
     # Mixtral's router returns float32 weights; Qwen-MoE's (norm_topk_prob) casts them to the logits' dtype
     return logits, (w if renorm and not hasattr(self, "norm_topk_prob") else w.to(logits.dtype)), ids
 

@@ -32,6 +32,13 @@ Expert weight layouts (``w2 [E, I, H]`` always, as both anchors; weights are sto
 * ``w1 [E, 2, H, I]`` (tpu-inference): gate ``w1[:, 0]``, up ``w1[:, 1]``; ``b1 [E, 2, 1, I]``.
 * ``w1 [E, H, 2I]`` (tokamax's fused gate-up): gate the first ``I`` columns, up the last ``I``; ``b1 [E, 1, 2I]``.
 * ``w1 [E, H, I]`` and ``w3 [E, H, I]`` (vLLM's names: gate ``w1``, up ``w3``); ``b1 [E, 1, 2I]`` (gate, up).
+* ``transpose_rhs=True``: each of the above stored ``[..., out, in]`` instead (``nn.Linear`` and HF transformers'
+  experts: ``w1 [E, 2I, H]``, ``w2 [E, H, I]``); the grouped matmuls read them as stored (``transpose_rhs``).
+* ``gate_up_interleaved=True`` with a fused ``w1``: gate in the even columns, up in the odd ones (HF gpt-oss's
+  ``gate_up_proj [E, H, 2I]`` and its bias); split after the matmul, no copy of the weights.
+
+``apply_tpukernels`` runs HF MoE experts (Mixtral, Qwen3-MoE, DeepSeek-V3, gpt-oss, ...) through this op with
+these two flags (``tpukernels.integrations.moe_experts``).
 
 ``b2 [E, 1, H]``. Biases bfloat16 / float32 (added in float32 in the grouped matmul's epilogue).
 
@@ -80,8 +87,7 @@ JAX: :func:`fused_moe_jax` runs the forward on jax arrays through the same kerne
 
 Gaps (against the anchors): no expert parallelism (tpu-inference's ``mesh`` / ``ep_axis_name``: a single device
 here), its tuning arguments (``bt``, ``bf``, ...) are not taken; 4-bit packed experts and zero points (which
-``grouped_matmul_quantized`` has) are not wired here; quantized weights with a separate ``w3``; HF gpt-oss's
-interleaved gate/up columns (de-interleave once into ``[E, H, 2I]``); float16 tokens. tokamax names the logits
+``grouped_matmul_quantized`` has) are not wired here; quantized weights with a separate ``w3``; float16 tokens. tokamax names the logits
 ``gating``, ``topk`` and the biases ``w1_bias`` / ``w2_bias`` and defaults ``renormalize=True``; here they are
 tpu-inference's names and default (False).
 
@@ -150,9 +156,36 @@ def _canon_scale(name, s, E, N, K, sz, sz_name):
 
 
 def _prepare(tokens, w1, w2, gating_output, top_k, renormalize_topk_logits, act_fn, scoring_fn, w1_scale,
-             w2_scale, b1, b2, subc_quant_w1_sz, subc_quant_w2_sz, w3, topk_weights, topk_ids, floats=_FLOATS):
+             w2_scale, b1, b2, subc_quant_w1_sz, subc_quant_w2_sz, w3, topk_weights, topk_ids, floats=_FLOATS,
+             transpose_rhs=False, gate_up_interleaved=False):
     """All argument checks; returns ``(E, H, I, k, gate_up_specs, down_spec)``, each spec ``(w, scale, bias)``
-    of one grouped matmul ``[E, K, N]``. ``floats``: the float dtypes taken (the reference adds float64)."""
+    of one grouped matmul ``[E, K, N]`` (with ``transpose_rhs`` each ``w`` is a transposed view of the given
+    ``[E, N, K]`` weight). ``floats``: the float dtypes taken (the reference adds float64)."""
+    for name, flag in (("transpose_rhs", transpose_rhs), ("gate_up_interleaved", gate_up_interleaved)):
+        if not isinstance(flag, bool):
+            raise ArgumentError(f"{_OP}: {name} must be a bool, got {flag!r}")
+    if not transpose_rhs:
+        return _prepare_kn(tokens, w1, w2, gating_output, top_k, renormalize_topk_logits, act_fn, scoring_fn,
+                           w1_scale, w2_scale, b1, b2, subc_quant_w1_sz, subc_quant_w2_sz, w3, topk_weights,
+                           topk_ids, floats, gate_up_interleaved)
+    for name, w in (("w1", w1), ("w2", w2)) + ((("w3", w3),) if w3 is not None else ()):
+        if not isinstance(w, torch.Tensor) or w.dim() < 3:
+            raise ArgumentError(f"{_OP}: {name} must be a 3-D or 4-D tensor (transpose_rhs=True: [..., N, K]), got "
+                                f"{_shape(w)}")
+    t = (lambda w: None if w is None else w.transpose(-1, -2))
+    try:
+        return _prepare_kn(tokens, t(w1), t(w2), gating_output, top_k, renormalize_topk_logits, act_fn, scoring_fn,
+                           w1_scale, w2_scale, b1, b2, subc_quant_w1_sz, subc_quant_w2_sz, t(w3), topk_weights,
+                           topk_ids, floats, gate_up_interleaved)
+    except ArgumentError as e:
+        raise ArgumentError(f"{e} [transpose_rhs=True: w1 / w3 / w2 are taken as [..., N, K] and checked as their "
+                            f"transposes [..., K, N]; the weight shapes above are those transposes]") from None
+
+
+def _prepare_kn(tokens, w1, w2, gating_output, top_k, renormalize_topk_logits, act_fn, scoring_fn, w1_scale,
+                w2_scale, b1, b2, subc_quant_w1_sz, subc_quant_w2_sz, w3, topk_weights, topk_ids, floats,
+                gate_up_interleaved):
+    """:func:`_prepare` on weights in the ``[.., K, N]`` layout."""
     if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
         raise ArgumentError(f"{_OP}: tokens must be a 2-D tensor [T, H], got {_shape(tokens)}")
     if tokens.dtype not in floats:
@@ -242,6 +275,8 @@ def _prepare(tokens, w1, w2, gating_output, top_k, renormalize_topk_logits, act_
         specs = [(w1, None, None if b1 is None else b1[..., :I]), (w3, None, None if b1 is None else b1[..., I:])]
     else:
         raise ArgumentError(f"{_OP}: w1 must be [E, 2, H, I], [E, H, 2I] or [E, H, I] (with w3), got {_shape(w1)}")
+    _need(not gate_up_interleaved or len(specs) == 1, "gate_up_interleaved=True needs a fused gate-up w1 [E, H, "
+          "2I] (gate in the even columns, up in the odd ones; gpt-oss), not a split w1 or a w3")
     if not quant1 and w1_scale is not None:
         raise ArgumentError(f"{_OP}: w1_scale given but w1 is {w1.dtype} (scales go with int8 / float8 weights)")
     if b2 is not None:
@@ -280,15 +315,29 @@ def _route(gating_output, top_k, renormalize, scoring_fn):
     return w, ids
 
 
-def _mm(a, spec, sizes):
-    """One grouped matmul ``a @ w[g] (+ bias[g])``, float32 out."""
+def _mm(a, spec, sizes, transpose_rhs):
+    """One grouped matmul ``a @ w[g] (+ bias[g])``, float32 out (``w`` a ``[E, K, N]`` view; with
+    ``transpose_rhs`` the kernel reads the ``[E, N, K]`` weight it views, no copy)."""
     from .grouped_matmul_ops import grouped_matmul
     from .grouped_matmul_ops.quant import grouped_matmul_quantized
 
     w, scale, bias = spec
+    if transpose_rhs:
+        w = w.transpose(-1, -2)
     if scale is not None:
-        return grouped_matmul_quantized(a, w, sizes, scale, out_dtype=torch.float32, rhs_bias=bias)
-    return grouped_matmul(a, w, sizes, out_dtype=torch.float32, rhs_bias=bias)
+        return grouped_matmul_quantized(a, w, sizes, scale, out_dtype=torch.float32, rhs_bias=bias,
+                                        transpose_rhs=transpose_rhs)
+    return grouped_matmul(a, w, sizes, out_dtype=torch.float32, rhs_bias=bias, transpose_rhs=transpose_rhs)
+
+
+def _split_gate_up(outs, I, interleaved):
+    """(gate, up) from the gate / up matmuls' outputs: two outputs, or one ``[.., 2I]`` split in halves or, with
+    ``interleaved``, into its even (gate) and odd (up) columns."""
+    if len(outs) == 2:
+        return outs
+    if interleaved:
+        return outs[0][..., 0::2], outs[0][..., 1::2]
+    return outs[0][..., :I], outs[0][..., I:]
 
 
 def _swigluoai(gate, up, alpha, limit):
@@ -299,13 +348,14 @@ def _swigluoai(gate, up, alpha, limit):
 def _fused_moe_impl(tokens, w1, w2, gating_output=None, top_k=2, renormalize_topk_logits=False, act_fn="silu",
                     scoring_fn="softmax", w1_scale=None, w2_scale=None, b1=None, b2=None, subc_quant_w1_sz=None,
                     subc_quant_w2_sz=None, w3=None, topk_weights=None, topk_ids=None, swigluoai_alpha=1.702,
-                    swigluoai_limit=7.0):
+                    swigluoai_limit=7.0, transpose_rhs=False, gate_up_interleaved=False):
     from .gated_mlp import gated_activation
     from .moe_routing import moe_combine, moe_permute
 
     E, H, I, k, specs, down = _prepare(tokens, w1, w2, gating_output, top_k, renormalize_topk_logits, act_fn,
                                        scoring_fn, w1_scale, w2_scale, b1, b2, subc_quant_w1_sz, subc_quant_w2_sz,
-                                       w3, topk_weights, topk_ids)
+                                       w3, topk_weights, topk_ids, transpose_rhs=transpose_rhs,
+                                       gate_up_interleaved=gate_up_interleaved)
     T = tokens.shape[0]
     if gating_output is not None:
         weights, ids = _route(gating_output, k, renormalize_topk_logits, scoring_fn)
@@ -314,15 +364,15 @@ def _fused_moe_impl(tokens, w1, w2, gating_output=None, top_k=2, renormalize_top
     if T == 0:  # no tokens: no kernel launches (an empty [0, H] result, still on tokens' autograd graph)
         return tokens[:0].clone()
     xs, sizes, meta = moe_permute(tokens, ids, E)
-    outs = [_mm(xs, s, sizes) for s in specs]
-    gate, up = outs if len(outs) == 2 else outs[0].split(I, dim=-1)
+    outs = [_mm(xs, s, sizes, transpose_rhs) for s in specs]
+    gate, up = _split_gate_up(outs, I, gate_up_interleaved)
     if act_fn == "swigluoai":
         h = _swigluoai(gate, up, float(swigluoai_alpha), float(swigluoai_limit))
     else:
         h = gated_activation(gate.contiguous(), up.contiguous(), "silu" if act_fn == "silu" else "gelu_tanh")
     w2_, s2, _ = down
     h = h.to(tokens.dtype if s2 is not None else w2_.dtype)
-    y = _mm(h, down, sizes)
+    y = _mm(h, down, sizes, transpose_rhs)
     return moe_combine(y, weights, meta).to(tokens.dtype)
 
 
@@ -331,7 +381,8 @@ _LIB.define("fused_moe(Tensor tokens, Tensor w1, Tensor w2, Tensor? gating_outpu
             "bool renormalize_topk_logits=False, str act_fn='silu', str scoring_fn='softmax', "
             "Tensor? w1_scale=None, Tensor? w2_scale=None, Tensor? b1=None, Tensor? b2=None, "
             "int? subc_quant_w1_sz=None, int? subc_quant_w2_sz=None, Tensor? w3=None, Tensor? topk_weights=None, "
-            "Tensor? topk_ids=None, float swigluoai_alpha=1.702, float swigluoai_limit=7.0) -> Tensor")
+            "Tensor? topk_ids=None, float swigluoai_alpha=1.702, float swigluoai_limit=7.0, bool transpose_rhs=False, "
+            "bool gate_up_interleaved=False) -> Tensor")
 _LIB.impl("fused_moe", _fused_moe_impl, "CompositeImplicitAutograd")
 
 
@@ -342,7 +393,8 @@ def fused_moe(tokens: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, gating_o
               b2: Optional[torch.Tensor] = None, subc_quant_w1_sz: Optional[int] = None,
               subc_quant_w2_sz: Optional[int] = None, w3: Optional[torch.Tensor] = None,
               topk_weights: Optional[torch.Tensor] = None, topk_ids: Optional[torch.Tensor] = None,
-              swigluoai_alpha: float = 1.702, swigluoai_limit: float = 7.0) -> torch.Tensor:
+              swigluoai_alpha: float = 1.702, swigluoai_limit: float = 7.0, transpose_rhs: bool = False,
+              gate_up_interleaved: bool = False) -> torch.Tensor:
     """A whole MoE expert layer, dropless (module docstring: semantics, layouts, what runs, gaps).
 
     Args:
@@ -361,6 +413,11 @@ def fused_moe(tokens: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, gating_o
         w3: ``[E, H, I]`` up weights with a 3-D ``[E, H, I]`` ``w1`` (float only).
         topk_weights: ``[T, k]`` float routing weights; topk_ids: ``[T, k]`` int32/int64 in ``[0, E)``.
         swigluoai_alpha, swigluoai_limit: ``"swigluoai"``'s constants.
+        transpose_rhs: the expert weights are stored ``[..., out, in]`` (``nn.Linear`` / HF experts): ``w1 [E, 2I,
+            H]`` / ``[E, 2, I, H]`` / ``[E, I, H]`` with ``w3 [E, I, H]``, ``w2 [E, H, I]``; scales and biases keep
+            their layouts. The grouped matmuls read them as stored (no transposed copy).
+        gate_up_interleaved: a fused gate-up ``w1`` (and ``b1``) holds gate in its even columns and up in its odd
+            ones (HF gpt-oss) instead of gate, then up.
 
     Returns:
         ``[T, H]`` in ``tokens.dtype``. Differentiable in tokens, float weights, biases, ``gating_output`` (or
@@ -374,7 +431,8 @@ def fused_moe(tokens: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, gating_o
     """
     return torch.ops.tpukernels.fused_moe(tokens, w1, w2, gating_output, top_k, renormalize_topk_logits, act_fn,
                                           scoring_fn, w1_scale, w2_scale, b1, b2, subc_quant_w1_sz, subc_quant_w2_sz,
-                                          w3, topk_weights, topk_ids, float(swigluoai_alpha), float(swigluoai_limit))
+                                          w3, topk_weights, topk_ids, float(swigluoai_alpha), float(swigluoai_limit),
+                                          transpose_rhs, gate_up_interleaved)
 
 
 # ----------------------------------------------------------------------------------------- JAX entry
@@ -389,7 +447,8 @@ def _meta_like(a):
 
 def fused_moe_jax(tokens, w1, w2, gating_output=None, top_k: int = 2, *, renormalize_topk_logits: bool = False,
                   act_fn: str = "silu", scoring_fn: str = "softmax", b1=None, b2=None, w3=None, topk_weights=None,
-                  topk_ids=None, swigluoai_alpha: float = 1.702, swigluoai_limit: float = 7.0, interpret=None):
+                  topk_ids=None, swigluoai_alpha: float = 1.702, swigluoai_limit: float = 7.0,
+                  transpose_rhs: bool = False, gate_up_interleaved: bool = False, interpret=None):
     """:func:`fused_moe` on jax arrays (trace-safe), **forward only** and **float weights only** (bf16 / f32):
     ``softmax_topk_jax`` / ``sigmoid_topk_jax``, ``moe_permute_jax``, the ``grouped_matmul_fwd`` kernel (float32
     out) through ``jax_call``, the activation (``gated_activation_fwd`` kernel; ``"swigluoai"`` in jnp), the down
@@ -412,7 +471,8 @@ def fused_moe_jax(tokens, w1, w2, gating_output=None, top_k: int = 2, *, renorma
                              f"(use fused_moe on torch tensors)")
     E, H, I, k, _, _ = _prepare(m["tokens"], m["w1"], m["w2"], m["gating_output"], top_k, renormalize_topk_logits,
                                 act_fn, scoring_fn, None, None, m["b1"], m["b2"], None, None, m["w3"],
-                                m["topk_weights"], m["topk_ids"])
+                                m["topk_weights"], m["topk_ids"], transpose_rhs=transpose_rhs,
+                                gate_up_interleaved=gate_up_interleaved)
     if topk_ids is not None and not isinstance(topk_ids, jax.core.Tracer) and topk_ids.size:
         lo, hi = int(jnp.min(topk_ids)), int(jnp.max(topk_ids))
         _need(lo >= 0 and hi < E, f"topk_ids must be in [0, num_experts = {E}), got values in [{lo}, {hi}]")
@@ -424,7 +484,7 @@ def fused_moe_jax(tokens, w1, w2, gating_output=None, top_k: int = 2, *, renorma
         weights, ids = route(gating_output, k, renormalize=renormalize_topk_logits, interpret=interpret)
     else:
         weights, ids = topk_weights, topk_ids
-    if w1.ndim == 4:
+    if w1.ndim == 4:  # [E, 2, H, I] (transpose_rhs: [E, 2, I, H])
         specs = [(w1[:, h], None if b1 is None else b1[:, h]) for h in range(2)]
     elif w3 is None:
         specs = [(w1, b1)]
@@ -438,10 +498,10 @@ def fused_moe_jax(tokens, w1, w2, gating_output=None, top_k: int = 2, *, renorma
             a, w = a.astype(jnp.float32), w.astype(jnp.float32)
         if b is not None and b.dtype != w.dtype:
             b = b.astype(w.dtype)
-        return jax_call(grouped_matmul_fwd, sizes, go, a, w, b, False, "float32", interpret=interpret)
+        return jax_call(grouped_matmul_fwd, sizes, go, a, w, b, transpose_rhs, "float32", interpret=interpret)
 
     outs = [mm(xs, w, b) for w, b in specs]
-    gate, up = outs if len(outs) == 2 else (outs[0][:, :I], outs[0][:, I:])
+    gate, up = _split_gate_up(outs, I, gate_up_interleaved)
     if act_fn == "swigluoai":
         g = jnp.minimum(gate, swigluoai_limit)
         h = (jnp.clip(up, -swigluoai_limit, swigluoai_limit) + 1.0) * (g * jax.nn.sigmoid(swigluoai_alpha * g))
@@ -473,13 +533,14 @@ def _deq(w, s):
 def fused_moe_reference(tokens, w1, w2, gating_output=None, top_k=2, *, renormalize_topk_logits=False, act_fn="silu",
                         scoring_fn="softmax", w1_scale=None, w2_scale=None, b1=None, b2=None, subc_quant_w1_sz=None,
                         subc_quant_w2_sz=None, w3=None, topk_weights=None, topk_ids=None, swigluoai_alpha=1.702,
-                        swigluoai_limit=7.0):
+                        swigluoai_limit=7.0, transpose_rhs=False, gate_up_interleaved=False):
     """float64 :func:`fused_moe` by its definition: the router in float64 (top-k of the logits, ties to the
     lower id), then per token a loop over its selected experts (dequantized weights). Differentiable in float64
     (torch ops). Same arguments and checks as :func:`fused_moe`; returns float64 ``[T, H]``."""
     E, H, I, k, specs, down = _prepare(tokens, w1, w2, gating_output, top_k, renormalize_topk_logits, act_fn,
                                        scoring_fn, w1_scale, w2_scale, b1, b2, subc_quant_w1_sz, subc_quant_w2_sz,
-                                       w3, topk_weights, topk_ids, floats=_FLOATS + (torch.float64,))
+                                       w3, topk_weights, topk_ids, floats=_FLOATS + (torch.float64,),
+                                       transpose_rhs=transpose_rhs, gate_up_interleaved=gate_up_interleaved)
     if gating_output is not None:
         lg = gating_output.double()
         order = torch.sort(-lg, dim=-1, stable=True).indices[:, :k]
@@ -499,7 +560,7 @@ def fused_moe_reference(tokens, w1, w2, gating_output=None, top_k=2, *, renormal
         for j in range(k):
             e = int(ids[t, j])
             outs = [x[t] @ W[e] + (0 if b is None else b[e, 0]) for W, b in mats]
-            gate, up = outs if len(outs) == 2 else outs[0].split(I)
+            gate, up = _split_gate_up(outs, I, gate_up_interleaved)
             h = _act64(act_fn, gate, up, float(swigluoai_alpha), float(swigluoai_limit))
             acc = acc + wts[t, j] * (h @ W2[e] + (0 if B2 is None else B2[e, 0]))
         rows.append(acc)
