@@ -3,7 +3,8 @@ devices (``--xla_force_host_platform_device_count`` must be set before jax start
 
 Usage: python tests/collective_matmul_worker.py CASES_JSON -> one JSON line per case: the error of the result
 against the float64 numpy product (max abs error / max abs reference), whether its sharding is the documented
-one, or ``{"case": ..., "error": "<type>: <message>"}``.
+one (op "agk", the all-gather matmul kernel at an explicit config: also whether every device's gathered x is
+exactly x), or ``{"case": ..., "error": "<type>: <message>"}``.
 """
 
 from __future__ import annotations
@@ -26,10 +27,26 @@ def run(c):
     x = jnp.asarray(rng.standard_normal((M, K)), dtype)
     y = jnp.asarray(rng.standard_normal((N, K) if t else (K, N)) / np.sqrt(K), dtype)
     mesh = Mesh(np.asarray(jax.devices()[:n]), ("tp",))
-    if c["op"] == "ag":
+    extra = {}
+    if c["op"] == "agk":  # the all-gather matmul kernel itself, at an explicit config: out and the gathered x
+        from tpukernels.distributed.all_gather_matmul_kernel import agmm_kernel
+        from tpukernels.distributed.ring_attention import call_kernel
+
+        def local(a, b):
+            o, g = call_kernel(agmm_kernel, c.get("mode", "tpu"), None, a, b, "tp", n, config=c["config"])
+            return o, g[None]
+
+        f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("tp", None), P(None, "tp")),
+                                  out_specs=(P(None, "tp"), P("tp")), check_vma=False))
+        out, gathered = f(x, y)
+        g = np.asarray(gathered, np.float64)  # [n devices, n shards, m, K]: every device holds all of x
+        extra["gathered_exact"] = bool(all(np.array_equal(g[d].reshape(M, K), np.asarray(x, np.float64))
+                                           for d in range(n)))
+        want_spec = P(None, "tp")
+    elif c["op"] == "ag":
         xs = jax.device_put(x, NamedSharding(mesh, P("tp", None)))
         ys = jax.device_put(y, NamedSharding(mesh, P("tp", None) if t else P(None, "tp")))
-        out = all_gather_matmul(xs, ys, mesh, "tp", rhs_transpose=t)
+        out = all_gather_matmul(xs, ys, mesh, "tp", rhs_transpose=t, impl=c.get("impl", "ring"))
         want_spec = P(None, "tp")
     else:
         xs = jax.device_put(x, NamedSharding(mesh, P(None, "tp")))
@@ -40,7 +57,7 @@ def run(c):
     ref = x64 @ (y64.T if t else y64)
     got = np.asarray(out, np.float64)
     return {"case": c, "err": float(np.abs(got - ref).max() / np.abs(ref).max()), "dtype": str(out.dtype),
-            "sharding_ok": out.sharding.is_equivalent_to(NamedSharding(mesh, want_spec), 2)}
+            "sharding_ok": out.sharding.is_equivalent_to(NamedSharding(mesh, want_spec), 2), **extra}
 
 
 if __name__ == "__main__":

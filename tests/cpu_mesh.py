@@ -3,7 +3,7 @@
 
 Test side: ``run_cases("some_worker.py", cases)`` -> one result dict per case (asserts the worker exited 0 and
 answered every case). Worker side: ``serve(run)`` reads the cases from argv, sets the device count to the
-largest ``"n"``, runs ``run(case)`` for each (under the case's ``"mode"``, the interpret mode, default
+largest ``"n"`` (or ``"devices"``, a case's request for more host devices than its mesh uses), runs ``run(case)`` for each (under the case's ``"mode"``, the interpret mode, default
 ``"tpu"``) and prints one JSON line per case (``{"case": ..., "error": "<type>: <message>"}`` when it raised).
 """
 
@@ -28,7 +28,7 @@ def run_cases(worker: str, cases: list, timeout: float = 900) -> list:
 
 def serve(run) -> None:
     cases = json.loads(sys.argv[1])
-    n = max(c["n"] for c in cases)
+    n = max(max(c["n"], c.get("devices", 0)) for c in cases)
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
     import tpukernels as tk
 

@@ -40,6 +40,26 @@ def test_two_and_eight_devices_and_bf16():
         _check(res, 2e-2 if res["case"].get("dtype") == "bf16" else 1e-5)
 
 
+def test_fused_kernel_on_two_three_and_four_device_meshes():
+    """The one-kernel all-gather matmul (remote DMAs around the ring) in the TPU interpreter (NaN-initialised
+    memory, DMA and semaphore semantics): several row and column blocks per ring step, 2, 3 and 4 devices, f32
+    and bf16; the output against float64 and every device's landing buffer exactly x; through
+    ``all_gather_matmul(..., impl="kernel")`` too. A regression this catches: one receive semaphore for all
+    slots let a sender running ahead meet a wait with the wrong transfer (NaN rows at 3 devices).
+
+    The process gets 2 more host devices than the mesh uses: when every host device runs a kernel that blocks
+    in a semaphore wait, the interpreter deadlocked in its buffer-allocation callbacks (seen at 2 of 2 and 4 of 4
+    devices on this 2-core machine; never with spare devices)."""
+    cases = [{"op": "agk", "n": 4, "M": 64, "K": 128, "N": 1024, "config": {"block_m": 8, "block_n": 128}},
+             {"op": "agk", "n": 3, "M": 48, "K": 128, "N": 768, "seed": 4, "config": {"block_m": 8, "block_n": 128}},
+             {"op": "agk", "n": 2, "M": 32, "K": 256, "N": 512, "dtype": "bf16", "seed": 5,
+              "config": {"block_m": 8, "block_n": 128}},
+             {"op": "ag", "impl": "kernel", "n": 3, "M": 24, "K": 128, "N": 384, "seed": 6}]
+    for res in run_cases("collective_matmul_worker.py", [dict(c, devices=6) for c in cases], timeout=420):
+        _check(res, 2e-2 if res["case"].get("dtype") == "bf16" else 1e-5)
+        assert res.get("gathered_exact", True), res
+
+
 def test_bad_arguments_raise_before_tracing():
     import jax
     import jax.numpy as jnp
@@ -55,11 +75,20 @@ def test_bad_arguments_raise_before_tracing():
         all_gather_matmul(x, y, mesh, "tp", rhs_transpose=True)
     with pytest.raises(ArgumentError, match="must be 2-D"):
         matmul_reduce_scatter(x[None], y, mesh, "tp")
+    with pytest.raises(ArgumentError, match="impl must be 'ring' or 'kernel'"):
+        all_gather_matmul(x, y, mesh, "tp", impl="fused")
+    with pytest.raises(ArgumentError, match="at least 2 devices"):
+        all_gather_matmul(x, y, mesh, "tp", impl="kernel")
+    from tpukernels.distributed.all_gather_matmul_kernel import agmm_kernel
+    from tpukernels.targets.compile_only import compile_for
+
+    with pytest.raises(ArgumentError, match="must be traced inside shard_map over axis 'tp'"):
+        compile_for(agmm_kernel, "v5e", "16x128:f32", "128x256:f32", "tp", 2)
 
 
 @pytest.mark.aot
 @pytest.mark.parametrize("topology, n", [("v5e:2x2", 4), pytest.param("tpu7x:2x2x1", 8, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("op", ["ag", pytest.param("rs", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("op", ["ag", pytest.param("rs", marks=pytest.mark.slow), "ag-kernel"])
 def test_compile_only_overlaps_the_ring(op, topology, n):
     """Llama-3-8B MLP shapes (M = 4096 tokens, K = 4096, N = 14336 bf16) on 4 chips (v5e:2x2) and 8 (tpu7x:2x2x1,
     slow): Mosaic compiles the matmul kernels, and XLA:TPU schedules a kernel between a collective-permute's
@@ -73,13 +102,19 @@ def test_compile_only_overlaps_the_ring(op, topology, n):
     from tpukernels.targets.compile_only import _topology_devices
 
     mesh = Mesh(np.asarray(_topology_devices(topology), dtype=object).reshape(n), ("tp",))
-    if op == "ag":
+    if op.startswith("ag"):
         fn, xs, ys = all_gather_matmul, P("tp", None), P(None, "tp")
         shapes = ((4096, 4096), (4096, 14336))
     else:
         fn, xs, ys = matmul_reduce_scatter, P(None, "tp"), P("tp", None)
         shapes = ((4096, 14336), (14336, 4096))
     structs = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=NamedSharding(mesh, sp)) for s, sp in zip(shapes, (xs, ys))]
+    if op == "ag-kernel":  # one Mosaic kernel per chip: its remote DMAs are inside it, no collective in the HLO
+        hlo = jax.jit(lambda a, b: fn(a, b, mesh, "tp", interpret="mosaic", impl="kernel")).lower(
+            *structs).compile().as_text()
+        assert sum("tpu_custom_call" in ln for ln in hlo.splitlines() if "custom-call(" in ln) == 1, hlo[-3000:]
+        assert "collective-permute" not in hlo and "all-gather" not in hlo
+        return
     hlo = jax.jit(lambda a, b: fn(a, b, mesh, "tp", interpret="mosaic")).lower(*structs).compile().as_text()
     lines = hlo.splitlines()
     start = [i for i, ln in enumerate(lines) if "collective-permute-start" in ln and "=" in ln]

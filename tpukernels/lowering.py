@@ -195,6 +195,7 @@ def build_fn(kernel: TpuKernel, resolved: Resolved, mode: str):
     params = pltpu.CompilerParams(
         dimension_semantics=tuple(launch.dimension_semantics) if launch.dimension_semantics else None,
         vmem_limit_bytes=launch.vmem_limit_bytes,
+        **({} if launch.collective_id is None else {"collective_id": int(launch.collective_id)}),
     )
 
     def make_call(num_scalar_prefetch: int):

@@ -3,8 +3,12 @@
 Shapes: :data:`tpukernels.library.attention.STANDARD_CASES`: ``B=1, Hq=32, Hkv=8, D=128``, causal
 (top-left), bf16, ``S = 4096, 8192``; forward and backward.
 
-* ``tpukernels``: ``fa_forward`` (forward), ``fa_backward_dq`` + ``fa_backward_dkv`` + the
-  ``rowsum(dO * O)`` XLA op the wrapper runs (backward), at the config a call gets on the chip.
+* ``tpukernels``: ``fa_forward`` (forward); the backward a call runs on the chip (:func:`bwd_kernels`, the
+  choice of ``backward_fused.backward_mode``): the fused ``fa_backward_fused`` where ``FUSED_BY_CHIP`` lists the
+  chip and the kernel takes the call (its resident dQ fits: not tpu7x at S=8192, G=4), else ``fa_backward_dq`` +
+  ``fa_backward_dkv``; plus the ``rowsum(dO * O)`` XLA op the wrapper runs; each at the config a call gets on
+  the chip. (The fused kernel's float32 dQ is cast to bf16 by one more XLA op, not counted: 2 x 4 bytes x the
+  query elements, ~1% of the backward's time at these shapes.)
 * ``xla``: ``softmax(Q K^T * scale + causal mask) V`` in ``jax.numpy`` (query heads grouped for GQA),
   estimated as two programs (the masked softmax writing P in bf16, then ``P V``; the single program aborts
   libtpu's profiler; XLA materialises P in HBM at these lengths either way). libtpu 0.0.52's profiler also
@@ -145,6 +149,25 @@ def _programs(S: int, hq: int, hkv: int):
     }
 
 
+def bwd_kernels(chip: str, full_args) -> tuple:
+    """The backward kernels a causal call at ``full_args`` (q, k, v, dO, lse, di shape strings) runs on ``chip``:
+    ``(fa_backward_fused,)`` where :data:`~tpukernels.library.attention.backward_fused.FUSED_BY_CHIP` lists the
+    chip and the fused kernel lowers for the call there (it raises ``ArgumentError`` when it refuses the call,
+    e.g. a resident dQ over a quarter of tpu7x's VMEM cap), else ``(fa_backward_dq, fa_backward_dkv)``."""
+    from ..errors import ArgumentError
+    from ..library.attention import CAUSAL, fa_backward_dkv, fa_backward_dq
+    from ..library.attention.backward_fused import FUSED_BY_CHIP, fa_backward_fused
+    from .core import kernel_program
+
+    if FUSED_BY_CHIP.get(chip, False):
+        try:
+            kernel_program(fa_backward_fused, chip, full_args, dict(CAUSAL))
+            return (fa_backward_fused,)
+        except ArgumentError:
+            pass
+    return fa_backward_dq, fa_backward_dkv
+
+
 def cases(chips) -> list[Case]:
     return [c for S in SEQS for c in _cases_at(S, chips)]
 
@@ -152,7 +175,7 @@ def cases(chips) -> list[Case]:
 def _cases_at(S: int, chips) -> list[Case]:
     import functools
 
-    from ..library.attention import CAUSAL, fa_backward_dkv, fa_backward_dq, fa_forward
+    from ..library.attention import CAUSAL, fa_forward
 
     hq, hkv = HQ // DIV, HKV // DIV
     out = []
@@ -166,10 +189,10 @@ def _cases_at(S: int, chips) -> list[Case]:
     for backward in (False, True):
         pas = "bwd" if backward else "fwd"
         small, full = specs(hq, hkv, backward), specs(HQ, HKV, backward)
-        kernels = (fa_backward_dq, fa_backward_dkv) if backward else (fa_forward,)
         nc = dict(CAUSAL, causal=False)
 
-        def probe_ours(est, chip, kernels=kernels, small=small, full=full, nc=nc, backward=backward):
+        def probe_ours(est, chip, small=small, full=full, nc=nc, backward=backward):
+            kernels = bwd_kernels(chip, full) if backward else (fa_forward,)
             impl = ours_impl([(k, small, nc, full) for k in kernels],
                              extra=(lambda e, c: e.cycles(*progs()["di"], c)) if backward else None)
             return impl.cycles(est, chip)[0], attention_flops(S, hq, backward, causal=False)
@@ -193,6 +216,7 @@ def _cases_at(S: int, chips) -> list[Case]:
             return f
 
         for chip in chips:
+            kernels = bwd_kernels(chip, full) if backward else (fa_forward,)
             impls = [
                 ours_impl([(k, small, dict(CAUSAL), full) for k in kernels], scale=DIV,
                           extra=(lambda e, c: e.cycles(*progs()["di"], c)) if backward else None,

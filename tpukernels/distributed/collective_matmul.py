@@ -29,11 +29,13 @@ Algorithm (device ``i`` of ``n``, a one-directional ring ``i -> i + 1``):
   starts at device ``c + 1`` and ends, complete, at device ``c`` after ``n - 1`` hops. The partial product of
   step ``s + 1`` does not depend on the incoming sum, so it overlaps the transfer.
 
-Why at the JAX level and not in one kernel with remote DMAs: the overlap comes from XLA's async collectives
-around our kernels (checked on the compiled HLO of a 4-chip ``v5e:2x2``: kernels scheduled between a
-collective-permute's start and done), it runs on a CPU mesh as it is, and it keeps the per-step matmul the
-tuned library kernel. A single-kernel version (remote DMA + semaphores, as tpu-inference's) would also hide the
-per-step launch and the output's dynamic-update-slice; it is not built (no TPU to measure the difference).
+Two implementations of the all-gather matmul (``impl=``): the default ring at the JAX level, whose overlap comes
+from XLA's async collectives around our kernels (checked on the compiled HLO of a 4-chip ``v5e:2x2``: kernels
+scheduled between a collective-permute's start and done) and whose per-step matmul is the tuned library kernel;
+and ``impl="kernel"``, one Pallas kernel per device (:mod:`.all_gather_matmul_kernel`: remote DMAs and
+semaphores, as tpu-inference's), which also hides the per-step launches and the output's dynamic-update-slice.
+Which is faster is not known here (no TPU; libtpu's static profiler does not time the inter-chip link). The
+reduce-scatter has the ring only.
 
 Errors (typed, before anything traces): a missing mesh axis, ranks, shapes not divisible by the ring, the
 contraction dims disagreeing. The matmul arguments themselves are checked by the kernels.
@@ -84,7 +86,7 @@ def _mm(mode, chip, a, b, rhs_transpose: bool, out_dtype=None):
 
 
 def all_gather_matmul(x, y, mesh, axis_name: str, *, rhs_transpose: bool = False, interpret: Optional[str] = None,
-                      chip=None):
+                      chip=None, impl: str = "ring"):
     """``all_gather(x, rows) @ y`` with the all-gather overlapped with the per-shard matmuls (module docstring).
 
     Args:
@@ -93,12 +95,18 @@ def all_gather_matmul(x, y, mesh, axis_name: str, *, rhs_transpose: bool = False
         mesh: a ``jax.sharding.Mesh`` holding ``axis_name``. interpret: the kernels' mode (default: Mosaic on
             TPU devices, else the process's interpret mode). chip: tuning-table chip for the matmul configs
             (default: the one a call resolves).
+        impl: ``"ring"`` (default): ``lax.ppermute`` steps around the library matmul kernel, overlapped by XLA;
+            ``"kernel"``: one Pallas kernel per device whose remote DMAs pass the shards on while its MXU
+            multiplies (:mod:`tpukernels.distributed.all_gather_matmul_kernel`; ``[K, N]`` y only, at least 2
+            devices, K whole in VMEM). Neither is measured here (no TPU); the ring is the default because its
+            overlap is checked in XLA:TPU's schedule and its per-step matmul is the tuned kernel.
 
     Returns:
         ``[M, N]`` in x's dtype, sharded on N (``P(None, axis_name)``).
 
     Raises:
-        ArgumentError: no such axis, ranks, contraction dims, ``M`` or ``N`` not divisible by the axis size.
+        ArgumentError: no such axis, ranks, contraction dims, ``M`` or ``N`` not divisible by the axis size, an
+            unknown ``impl``, ``impl="kernel"`` with ``rhs_transpose`` or one device (and the kernel's own limits).
     """
     import jax
     import jax.numpy as jnp
@@ -107,6 +115,19 @@ def all_gather_matmul(x, y, mesh, axis_name: str, *, rhs_transpose: bool = False
     n, M, K, N, mode, chip, perm = _ring("tpukernels.all_gather_matmul", x, y, mesh, axis_name, rhs_transpose, "N",
                                          interpret, chip)
     m = M // n
+    if impl not in ("ring", "kernel"):
+        raise ArgumentError(f"tpukernels.all_gather_matmul: impl must be 'ring' or 'kernel', got {impl!r}")
+    if impl == "kernel":
+        if rhs_transpose or n < 2:
+            raise ArgumentError("tpukernels.all_gather_matmul: impl='kernel' takes y as [K, N] (not rhs_transpose) "
+                                f"on at least 2 devices, got rhs_transpose={rhs_transpose}, {n} device(s)")
+        from .all_gather_matmul_kernel import agmm_kernel
+
+        def fused(xs, ys):
+            return call_kernel(agmm_kernel, mode, chip, xs, ys, axis_name, n)[0]
+
+        return jax.shard_map(fused, mesh=mesh, in_specs=(P(axis_name, None), P(None, axis_name)),
+                             out_specs=P(None, axis_name), check_vma=False)(x, y)
 
     def local(xs, ys):
         i = jax.lax.axis_index(axis_name)

@@ -126,9 +126,10 @@ def kernel_mode(mesh, interpret: Optional[str]) -> str:
     return current_interpret_mode()
 
 
-def call_kernel(kernel, mode: str, chip, *args, **kw):
-    """One library kernel on jax values (tracers inside ``shard_map``), lowered for ``mode`` (this package's
-    internal API: the collective matmuls use it too)."""
+def call_kernel(kernel, mode: str, chip, *args, config=None, **kw):
+    """One library kernel on jax values (tracers inside ``shard_map``), lowered for ``mode`` at ``config``
+    (None: the tuning table / heuristic a call gets) (this package's internal API: the collective matmuls use
+    it too)."""
     from ..lowering import lower, specs_from_values
 
     values = kernel.bind(args, kw)
@@ -136,7 +137,7 @@ def call_kernel(kernel, mode: str, chip, *args, **kw):
     arrays = [v for p, v, s in zip([p for p in kernel.params if p.kind != "static"],
                                    [v for p, v in zip(kernel.params, values) if p.kind != "static"], specs)
               if s is not None]
-    low = lower(kernel, specs, statics, None, mode=mode, chip=chip)
+    low = lower(kernel, specs, statics, config, mode=mode, chip=chip)
     outs = low.fn(*arrays)
     return outs if low.multiple_outputs else outs[0]
 

@@ -357,6 +357,9 @@ class Launch:
         input_output_aliases: ``{input_index: output_index}`` as in ``pallas_call``.
         cost_estimate: optional ``pl.CostEstimate`` (flops, transcendentals, bytes_accessed) for XLA.
         body_kwargs: extra static keyword arguments for the body.
+        collective_id: for a kernel that talks to other devices (remote DMAs, remote semaphore signals): the id
+            of its barrier semaphore (``pltpu.get_barrier_semaphore``), as Mosaic's ``CompilerParams``; None
+            for single-device kernels. Such a kernel runs inside ``shard_map``.
     """
 
     grid: tuple
@@ -371,6 +374,7 @@ class Launch:
     input_output_aliases: Mapping[int, int] = dataclasses.field(default_factory=dict)
     cost_estimate: Any = None
     body_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    collective_id: int | None = None
 
     @property
     def out_shapes(self) -> tuple:
