@@ -34,7 +34,8 @@ from XLA's async collectives around our kernels (checked on the compiled HLO of 
 scheduled between a collective-permute's start and done) and whose per-step matmul is the tuned library kernel;
 and ``impl="kernel"``, one Pallas kernel per device (:mod:`.all_gather_matmul_kernel`: remote DMAs and
 semaphores, as tpu-inference's), which also hides the per-step launches and the output's dynamic-update-slice.
-Which is faster is not known here (no TPU; libtpu's static profiler does not time the inter-chip link). The
+Which is faster is not known here: no TPU, and libtpu 0.0.52's static profiler aborts on the kernel and writes
+no estimate for the ring's collective-permutes (it does for XLA's all-gather), so neither has a model figure. The
 reduce-scatter has the ring only.
 
 Errors (typed, before anything traces): a missing mesh axis, ranks, shapes not divisible by the ring, the
