@@ -318,6 +318,14 @@ def test_jax_entry_matches_torch_under_jit():
     got = fused_moe_jax(j["x"], j["w1"], j["w2"], topk_weights=jnp.asarray(wts.numpy()),
                         topk_ids=jnp.asarray(ids.numpy()))
     np.testing.assert_array_equal(np.asarray(got), want.numpy())
+    # HF's stored layouts: [E, 2I, H] / [E, H, I] read as stored, gpt-oss's interleaved gate / up columns
+    w13, _, _, b13, _ = experts(E, H, I, "eh2i", F32, 7, bias=True)
+    w13t, w2t = w13.transpose(1, 2).contiguous(), w2.transpose(1, 2).contiguous()
+    kw = dict(act_fn="swigluoai", b1=b13, transpose_rhs=True, gate_up_interleaved=True)
+    want = fused_moe(x, w13t, w2t, topk_weights=wts, topk_ids=ids, **kw)
+    got = fused_moe_jax(j["x"], jnp.asarray(w13t.numpy()), jnp.asarray(w2t.numpy()), topk_weights=jnp.asarray(
+        wts.numpy()), topk_ids=jnp.asarray(ids.numpy()), **dict(kw, b1=jnp.asarray(b13.numpy())))
+    np.testing.assert_array_equal(np.asarray(got), want.numpy())
     with pytest.raises(ArgumentError, match=r"gating_output must be \[T, E\] = \[6, 4\]"):
         fused_moe_jax(j["x"], j["w1"], j["w2"], j["lg"][:, :3], k)
     with pytest.raises(ArgumentError, match=r"topk_ids must be in \[0, num_experts = 4\)"):
