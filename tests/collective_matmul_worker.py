@@ -54,7 +54,12 @@ def run(c):
         out = matmul_reduce_scatter(xs, ys, mesh, "tp", rhs_transpose=t)
         want_spec = P("tp", None)
     x64, y64 = np.asarray(x, np.float64), np.asarray(y, np.float64)
-    ref = x64 @ (y64.T if t else y64)
+    if c["op"] == "agk":
+        from tpukernels.distributed.all_gather_matmul_kernel import agmm_reference
+
+        ref = agmm_reference(x, y)
+    else:
+        ref = x64 @ (y64.T if t else y64)
     got = np.asarray(out, np.float64)
     return {"case": c, "err": float(np.abs(got - ref).max() / np.abs(ref).max()), "dtype": str(out.dtype),
             "sharding_ok": out.sharding.is_equivalent_to(NamedSharding(mesh, want_spec), 2), **extra}
