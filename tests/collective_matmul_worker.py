@@ -43,6 +43,15 @@ def run(c):
         extra["gathered_exact"] = bool(all(np.array_equal(g[d].reshape(M, K), np.asarray(x, np.float64))
                                            for d in range(n)))
         want_spec = P(None, "tp")
+    elif c["op"] == "rsk":  # the matmul reduce-scatter kernel itself, at an explicit config
+        from tpukernels.distributed.matmul_reduce_scatter_kernel import rsmm_kernel
+        from tpukernels.distributed.ring_attention import call_kernel
+
+        f = jax.jit(jax.shard_map(
+            lambda a, b: call_kernel(rsmm_kernel, c.get("mode", "tpu"), None, a, b, "tp", n, config=c["config"])[0],
+            mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)), out_specs=P("tp", None), check_vma=False))
+        out = f(x, y)
+        want_spec = P("tp", None)
     elif c["op"] == "ag":
         xs = jax.device_put(x, NamedSharding(mesh, P("tp", None)))
         ys = jax.device_put(y, NamedSharding(mesh, P("tp", None) if t else P(None, "tp")))
@@ -51,13 +60,14 @@ def run(c):
     else:
         xs = jax.device_put(x, NamedSharding(mesh, P(None, "tp")))
         ys = jax.device_put(y, NamedSharding(mesh, P(None, "tp") if t else P("tp", None)))
-        out = matmul_reduce_scatter(xs, ys, mesh, "tp", rhs_transpose=t)
+        out = matmul_reduce_scatter(xs, ys, mesh, "tp", rhs_transpose=t, impl=c.get("impl", "ring"))
         want_spec = P("tp", None)
     x64, y64 = np.asarray(x, np.float64), np.asarray(y, np.float64)
-    if c["op"] == "agk":
+    if c["op"] in ("agk", "rsk"):
         from tpukernels.distributed.all_gather_matmul_kernel import agmm_reference
+        from tpukernels.distributed.matmul_reduce_scatter_kernel import rsmm_reference
 
-        ref = agmm_reference(x, y)
+        ref = (agmm_reference if c["op"] == "agk" else rsmm_reference)(x, y)
     else:
         ref = x64 @ (y64.T if t else y64)
     got = np.asarray(out, np.float64)

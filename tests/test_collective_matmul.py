@@ -40,11 +40,11 @@ def test_two_and_eight_devices_and_bf16():
         _check(res, 2e-2 if res["case"].get("dtype") == "bf16" else 1e-5)
 
 
-def test_fused_kernel_on_two_three_and_four_device_meshes():
-    """The one-kernel all-gather matmul (remote DMAs around the ring) in the TPU interpreter (NaN-initialised
-    memory, DMA and semaphore semantics): several row and column blocks per ring step, 2, 3 and 4 devices, f32
-    and bf16; the output against float64 and every device's landing buffer exactly x; through
-    ``all_gather_matmul(..., impl="kernel")`` too. A regression this catches: one receive semaphore for all
+def test_fused_kernels_on_two_three_and_four_device_meshes():
+    """The one-kernel all-gather matmul and matmul reduce-scatter (remote DMAs around the ring) in the TPU
+    interpreter (NaN-initialised memory, DMA and semaphore semantics): several row and column blocks per ring
+    step, 2, 3 and 4 devices, f32 and bf16; the output against float64 (all-gather: every device's landing buffer
+    exactly x); through ``all_gather_matmul`` / ``matmul_reduce_scatter(..., impl="kernel")`` too. A regression this catches: one receive semaphore for all
     slots let a sender running ahead meet a wait with the wrong transfer (NaN rows at 3 devices).
 
     The process gets 2 more host devices than the mesh uses: when every host device runs a kernel that blocks
@@ -54,7 +54,11 @@ def test_fused_kernel_on_two_three_and_four_device_meshes():
              {"op": "agk", "n": 3, "M": 48, "K": 128, "N": 768, "seed": 4, "config": {"block_m": 8, "block_n": 128}},
              {"op": "agk", "n": 2, "M": 32, "K": 256, "N": 512, "dtype": "bf16", "seed": 5,
               "config": {"block_m": 8, "block_n": 128}},
-             {"op": "ag", "impl": "kernel", "n": 3, "M": 24, "K": 128, "N": 384, "seed": 6}]
+             {"op": "ag", "impl": "kernel", "n": 3, "M": 24, "K": 128, "N": 384, "seed": 6},
+             {"op": "rsk", "n": 4, "M": 64, "K": 512, "N": 256, "seed": 7, "config": {"block_m": 8, "block_n": 128}},
+             {"op": "rsk", "n": 3, "M": 48, "K": 384, "N": 384, "dtype": "bf16", "seed": 8,
+              "config": {"block_m": 8, "block_n": 128}},
+             {"op": "rs", "impl": "kernel", "n": 2, "M": 16, "K": 256, "N": 128, "seed": 9}]
     for res in run_cases("collective_matmul_worker.py", [dict(c, devices=6) for c in cases], timeout=420):
         _check(res, 2e-2 if res["case"].get("dtype") == "bf16" else 1e-5)
         assert res.get("gathered_exact", True), res
@@ -79,6 +83,8 @@ def test_bad_arguments_raise_before_tracing():
         all_gather_matmul(x, y, mesh, "tp", impl="fused")
     with pytest.raises(ArgumentError, match="at least 2 devices"):
         all_gather_matmul(x, y, mesh, "tp", impl="kernel")
+    with pytest.raises(ArgumentError, match="matmul_reduce_scatter: impl must be"):
+        matmul_reduce_scatter(x, y, mesh, "tp", impl="fused")
     from tpukernels.distributed.all_gather_matmul_kernel import agmm_kernel
     from tpukernels.targets.compile_only import compile_for
 
@@ -88,7 +94,7 @@ def test_bad_arguments_raise_before_tracing():
 
 @pytest.mark.aot
 @pytest.mark.parametrize("topology, n", [("v5e:2x2", 4), pytest.param("tpu7x:2x2x1", 8, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("op", ["ag", pytest.param("rs", marks=pytest.mark.slow), "ag-kernel"])
+@pytest.mark.parametrize("op", ["ag", pytest.param("rs", marks=pytest.mark.slow), "ag-kernel", "rs-kernel"])
 def test_compile_only_overlaps_the_ring(op, topology, n):
     """Llama-3-8B MLP shapes (M = 4096 tokens, K = 4096, N = 14336 bf16) on 4 chips (v5e:2x2) and 8 (tpu7x:2x2x1,
     slow): Mosaic compiles the matmul kernels, and XLA:TPU schedules a kernel between a collective-permute's
@@ -109,7 +115,7 @@ def test_compile_only_overlaps_the_ring(op, topology, n):
         fn, xs, ys = matmul_reduce_scatter, P(None, "tp"), P("tp", None)
         shapes = ((4096, 14336), (14336, 4096))
     structs = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=NamedSharding(mesh, sp)) for s, sp in zip(shapes, (xs, ys))]
-    if op == "ag-kernel":  # one Mosaic kernel per chip: its remote DMAs are inside it, no collective in the HLO
+    if op.endswith("kernel"):  # one Mosaic kernel per chip: its remote DMAs are inside it, no collective in the HLO
         hlo = jax.jit(lambda a, b: fn(a, b, mesh, "tp", interpret="mosaic", impl="kernel")).lower(
             *structs).compile().as_text()
         assert sum("tpu_custom_call" in ln for ln in hlo.splitlines() if "custom-call(" in ln) == 1, hlo[-3000:]

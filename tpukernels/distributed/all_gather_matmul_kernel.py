@@ -58,14 +58,15 @@ from jax.experimental.pallas import tpu as pltpu
 from .. import dsl as tk
 from ..errors import ArgumentError, DTypeError
 
-__all__ = ["agmm_kernel", "agmm_reference", "COLLECTIVE_ID", "BLOCK_M", "BLOCK_N"]
+__all__ = ["agmm_kernel", "agmm_reference", "fit_block", "ring_axis_size", "COLLECTIVE_ID", "BLOCK_M", "BLOCK_N",
+           "VMEM_BUDGET"]
 
 NAMESPACE = "tpukernels"
 #: the barrier semaphore's id (Mosaic ``collective_id``)
 COLLECTIVE_ID = 0
 BLOCK_M = (128, 256, 512, 1024)
 BLOCK_N = (128, 256, 512, 1024, 2048)
-#: VMEM the tiles may take (bytes): the x tile, two y tiles, the f32 accumulator and the output tile
+#: VMEM the tiles and their temporaries may take (bytes; the kernels' own counts)
 VMEM_BUDGET = 40 << 20
 
 
@@ -115,8 +116,9 @@ def _body(x_hbm, y_ref, out_hbm, g_hbm, xv, ov, local_sem, send_sem, recv_sems, 
                                      device_id_type=pltpu.DeviceIdType.MESH).wait_recv()
 
 
-def _fit(dim: int, want: int, quantum: int) -> int:
-    """The largest block <= ``want`` dividing ``dim`` and a multiple of ``quantum`` (or ``dim`` itself)."""
+def fit_block(dim: int, want: int, quantum: int) -> int:
+    """The largest block <= ``want`` dividing ``dim`` and a multiple of ``quantum`` (or ``dim`` itself) (the
+    collective kernels' shared helper, with :func:`ring_axis_size`)."""
     b = min(want, dim)
     while b >= quantum:
         if dim % b == 0 and b % quantum == 0:
@@ -127,10 +129,27 @@ def _fit(dim: int, want: int, quantum: int) -> int:
 
 def _blocks(x, y, block_m: int, block_n: int):
     (m, K), Nl = x.shape, y.shape[1]
-    bm, bn = _fit(m, block_m, 8), _fit(Nl, block_n, 128)
+    bm, bn = fit_block(m, block_m, 8), fit_block(Nl, block_n, 128)
     item = jnp.dtype(x.dtype).itemsize
-    need = bm * K * item + 2 * K * bn * item + bm * bn * (4 + item)
+    # x tile, two y tiles, the output tile, and Mosaic's temporaries: the loaded x and y tiles (the dot's values)
+    # and its f32 result (as the reduce-scatter kernel's count, which v5e:2x2 showed was needed there)
+    need = 2 * bm * K * item + 3 * K * bn * item + bm * bn * (4 + item)
     return bm, bn, need
+
+
+def ring_axis_size(op: str, axis_name: str, n) -> int:
+    """``n``, checked: an int >= 2 equal to the size of ``axis_name``, which must be bound (the kernel is being
+    traced inside ``shard_map``). Raises ArgumentError naming ``op``."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 2:
+        raise ArgumentError(f"{op}: n must be an int >= 2 (the ring's size), got {n!r}")
+    try:
+        size = jax.lax.axis_size(axis_name)
+    except NameError:
+        raise ArgumentError(f"{op}: must be traced inside shard_map over axis {axis_name!r} (it is not bound "
+                            f"here)") from None
+    if size != n:
+        raise ArgumentError(f"{op}: n = {n} but axis {axis_name!r} has {size} devices")
+    return n
 
 
 def _heuristic(x, y, *rest, **statics):
@@ -158,15 +177,7 @@ def agmm_kernel(x: torch.Tensor, y: torch.Tensor, axis_name: str, n: int, *, blo
         raise ArgumentError(f"{op}: x must be [m, K] and y [K, Nl], got {tuple(x.shape)} and {tuple(y.shape)}")
     if x.dtype not in (jnp.bfloat16, jnp.float32) or y.dtype != x.dtype:
         raise DTypeError(f"{op}: x and y must both be bfloat16 or float32, got {x.dtype} and {y.dtype}")
-    if not isinstance(n, int) or n < 2:
-        raise ArgumentError(f"{op}: n must be an int >= 2 (the ring's size), got {n!r}")
-    try:
-        size = jax.lax.axis_size(axis_name)
-    except NameError:
-        raise ArgumentError(f"{op}: must be traced inside shard_map over axis {axis_name!r} (it is not bound "
-                            f"here)") from None
-    if size != n:
-        raise ArgumentError(f"{op}: n = {n} but axis {axis_name!r} has {size} devices")
+    ring_axis_size(op, axis_name, n)
     bm, bn, need = _blocks(x, y, block_m, block_n)
     (m, K), Nl = x.shape, y.shape[1]
     if m % bm or Nl % bn:

@@ -36,7 +36,8 @@ and ``impl="kernel"``, one Pallas kernel per device (:mod:`.all_gather_matmul_ke
 semaphores, as tpu-inference's), which also hides the per-step launches and the output's dynamic-update-slice.
 Which is faster is not known here: no TPU, and libtpu 0.0.52's static profiler aborts on the kernel and writes
 no estimate for the ring's collective-permutes (it does for XLA's all-gather), so neither has a model figure. The
-reduce-scatter has the ring only.
+reduce-scatter has the same two (``impl="kernel"``: :mod:`.matmul_reduce_scatter_kernel`, the float32 sums sent on
+tile by tile).
 
 Errors (typed, before anything traces): a missing mesh axis, ranks, shapes not divisible by the ring, the
 contraction dims disagreeing. The matmul arguments themselves are checked by the kernels.
@@ -78,6 +79,16 @@ def _ring(op: str, x, y, mesh, axis_name: str, rhs_transpose: bool, split: str, 
     return n, M, K, N, kernel_mode(mesh, interpret), None if chip is None else get_chip(chip), perm
 
 
+def _use_kernel(op: str, impl: str, rhs_transpose: bool, n: int) -> bool:
+    """Whether ``impl`` asks for the one-kernel version (checked: it takes ``[K, N]`` weights on >= 2 devices)."""
+    if impl not in ("ring", "kernel"):
+        raise ArgumentError(f"{op}: impl must be 'ring' or 'kernel', got {impl!r}")
+    if impl == "kernel" and (rhs_transpose or n < 2):
+        raise ArgumentError(f"{op}: impl='kernel' takes y as [K, N] (not rhs_transpose) on at least 2 devices, got "
+                            f"rhs_transpose={rhs_transpose}, {n} device(s)")
+    return impl == "kernel"
+
+
 def _mm(mode, chip, a, b, rhs_transpose: bool, out_dtype=None):
     from ..library.matmul_ops import matmul_nn, matmul_nt
 
@@ -116,12 +127,7 @@ def all_gather_matmul(x, y, mesh, axis_name: str, *, rhs_transpose: bool = False
     n, M, K, N, mode, chip, perm = _ring("tpukernels.all_gather_matmul", x, y, mesh, axis_name, rhs_transpose, "N",
                                          interpret, chip)
     m = M // n
-    if impl not in ("ring", "kernel"):
-        raise ArgumentError(f"tpukernels.all_gather_matmul: impl must be 'ring' or 'kernel', got {impl!r}")
-    if impl == "kernel":
-        if rhs_transpose or n < 2:
-            raise ArgumentError("tpukernels.all_gather_matmul: impl='kernel' takes y as [K, N] (not rhs_transpose) "
-                                f"on at least 2 devices, got rhs_transpose={rhs_transpose}, {n} device(s)")
+    if _use_kernel("tpukernels.all_gather_matmul", impl, rhs_transpose, n):
         from .all_gather_matmul_kernel import agmm_kernel
 
         def fused(xs, ys):
@@ -147,7 +153,7 @@ def all_gather_matmul(x, y, mesh, axis_name: str, *, rhs_transpose: bool = False
 
 
 def matmul_reduce_scatter(x, y, mesh, axis_name: str, *, rhs_transpose: bool = False,
-                          interpret: Optional[str] = None, chip=None):
+                          interpret: Optional[str] = None, chip=None, impl: str = "ring"):
     """``reduce_scatter(x @ y, rows)`` for K-sharded operands, the partial sums passed around a ring while the
     next partial product is computed (module docstring).
 
@@ -155,19 +161,31 @@ def matmul_reduce_scatter(x, y, mesh, axis_name: str, *, rhs_transpose: bool = F
         x: ``[M, K]`` (bf16 or f32), sharded on K over ``axis_name``.
         y: ``[K, N]`` sharded on K, or ``[N, K]`` sharded on K with ``rhs_transpose``; x's dtype.
         mesh, interpret, chip: as :func:`all_gather_matmul`.
+        impl: ``"ring"`` (default) or ``"kernel"`` (:mod:`tpukernels.distributed.matmul_reduce_scatter_kernel`: one
+            Pallas kernel per device passing the float32 sums on by remote DMA, tile by tile; ``[K, N]`` y only, at
+            least 2 devices), as :func:`all_gather_matmul`'s.
 
     Returns:
         ``[M, N]`` in x's dtype (float32 sums, rounded once), sharded on M (``P(axis_name, None)``).
 
     Raises:
-        ArgumentError: no such axis, ranks, contraction dims, ``M`` or ``K`` not divisible by the axis size.
+        ArgumentError: no such axis, ranks, contraction dims, ``M`` or ``K`` not divisible by the axis size, an
+            unknown ``impl``, ``impl="kernel"`` with ``rhs_transpose`` or one device (and the kernel's own limits).
     """
     import jax
     from jax.sharding import PartitionSpec as P
 
-    n, M, K, N, mode, chip, perm = _ring("tpukernels.matmul_reduce_scatter", x, y, mesh, axis_name, rhs_transpose,
-                                         "K", interpret, chip)
+    op = "tpukernels.matmul_reduce_scatter"
+    n, M, K, N, mode, chip, perm = _ring(op, x, y, mesh, axis_name, rhs_transpose, "K", interpret, chip)
     m = M // n
+    if _use_kernel(op, impl, rhs_transpose, n):
+        from .matmul_reduce_scatter_kernel import rsmm_kernel
+
+        def fused(xs, ys):
+            return call_kernel(rsmm_kernel, mode, chip, xs, ys, axis_name, n)[0]
+
+        return jax.shard_map(fused, mesh=mesh, in_specs=(P(None, axis_name), P(axis_name, None)),
+                             out_specs=P(axis_name, None), check_vma=False)(x, y)
 
     def local(xs, ys):
         i = jax.lax.axis_index(axis_name)
