@@ -58,8 +58,8 @@ from jax.experimental.pallas import tpu as pltpu
 from .. import dsl as tk
 from ..errors import ArgumentError, DTypeError
 
-__all__ = ["agmm_kernel", "agmm_reference", "fit_block", "ring_axis_size", "COLLECTIVE_ID", "BLOCK_M", "BLOCK_N",
-           "VMEM_BUDGET"]
+__all__ = ["agmm_kernel", "agmm_reference", "check_operands", "fit_block", "ring_axis_size", "ring_tunables",
+           "COLLECTIVE_ID", "BLOCK_M", "BLOCK_N", "VMEM_BUDGET"]
 
 NAMESPACE = "tpukernels"
 #: the barrier semaphore's id (Mosaic ``collective_id``)
@@ -137,6 +137,23 @@ def _blocks(x, y, block_m: int, block_n: int):
     return bm, bn, need
 
 
+def check_operands(op: str, x, y, axis_name: str, n, layout: str) -> None:
+    """The collective kernels' operand checks: ``x`` and ``y`` 2-D with ``x``'s columns equal to ``y``'s rows
+    (``layout`` names them in the error, e.g. ``"x [m, K] and y [K, Nl]"``), both bfloat16 or both float32, and the
+    ring (:func:`ring_axis_size`). Raises ArgumentError / DTypeError naming ``op``."""
+    if len(x.shape) != 2 or len(y.shape) != 2 or x.shape[1] != y.shape[0]:
+        raise ArgumentError(f"{op}: {layout} expected, got x {tuple(x.shape)} and y {tuple(y.shape)}")
+    if x.dtype not in (jnp.bfloat16, jnp.float32) or y.dtype != x.dtype:
+        raise DTypeError(f"{op}: x and y must both be bfloat16 or float32, got {x.dtype} and {y.dtype}")
+    ring_axis_size(op, axis_name, n)
+
+
+def ring_tunables(rows: str, default_n: int) -> dict:
+    """``block_m`` / ``block_n`` of a collective kernel (``rows``: what a block of rows is a block of)."""
+    return {"block_m": tk.Tunable(BLOCK_M, default=512, doc=f"rows of {rows} per matmul step (upper bound)"),
+            "block_n": tk.Tunable(BLOCK_N, default=default_n, doc="columns of y per matmul step (upper bound)")}
+
+
 def ring_axis_size(op: str, axis_name: str, n) -> int:
     """``n``, checked: an int >= 2 equal to the size of ``axis_name``, which must be bound (the kernel is being
     traced inside ``shard_map``). Raises ArgumentError naming ``op``."""
@@ -164,8 +181,7 @@ def _out_shape(x, y, axis_name, n):
 @tk.tpu_kernel(
     _body, name="all_gather_matmul_ring", namespace=NAMESPACE, heuristic=_heuristic, out_shape=_out_shape,
     sharding=[],  # no DTensor split: the kernel is the collective (it runs per device inside shard_map)
-    tunables={"block_m": tk.Tunable(BLOCK_M, default=512, doc="rows of x per matmul step (upper bound)"),
-              "block_n": tk.Tunable(BLOCK_N, default=1024, doc="columns of y per matmul step (upper bound)")},
+    tunables=ring_tunables("x", 1024),
 )
 def agmm_kernel(x: torch.Tensor, y: torch.Tensor, axis_name: str, n: int, *, block_m: int,
                 block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,11 +189,7 @@ def agmm_kernel(x: torch.Tensor, y: torch.Tensor, axis_name: str, n: int, *, blo
     inside ``shard_map``. Raises ArgumentError / DTypeError for shapes, dtypes, blocks over the VMEM budget, or
     a trace outside ``shard_map`` over ``axis_name``."""
     op = "tpukernels.all_gather_matmul_ring"
-    if len(x.shape) != 2 or len(y.shape) != 2 or x.shape[1] != y.shape[0]:
-        raise ArgumentError(f"{op}: x must be [m, K] and y [K, Nl], got {tuple(x.shape)} and {tuple(y.shape)}")
-    if x.dtype not in (jnp.bfloat16, jnp.float32) or y.dtype != x.dtype:
-        raise DTypeError(f"{op}: x and y must both be bfloat16 or float32, got {x.dtype} and {y.dtype}")
-    ring_axis_size(op, axis_name, n)
+    check_operands(op, x, y, axis_name, n, "x [m, K] and y [K, Nl]")
     bm, bn, need = _blocks(x, y, block_m, block_n)
     (m, K), Nl = x.shape, y.shape[1]
     if m % bm or Nl % bn:

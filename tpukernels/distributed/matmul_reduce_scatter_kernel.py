@@ -48,8 +48,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from .. import dsl as tk
-from ..errors import ArgumentError, DTypeError
-from .all_gather_matmul_kernel import BLOCK_M, BLOCK_N, COLLECTIVE_ID, VMEM_BUDGET, fit_block, ring_axis_size
+from ..errors import ArgumentError
+from .all_gather_matmul_kernel import COLLECTIVE_ID, VMEM_BUDGET, check_operands, fit_block, ring_tunables
 
 __all__ = ["rsmm_kernel", "rsmm_reference"]
 
@@ -141,8 +141,7 @@ def _out_shape(x, y, axis_name, n):
 @tk.tpu_kernel(
     _body, name="matmul_reduce_scatter_ring", namespace=NAMESPACE, heuristic=_heuristic, out_shape=_out_shape,
     sharding=[],  # no DTensor split: the kernel is the collective (it runs per device inside shard_map)
-    tunables={"block_m": tk.Tunable(BLOCK_M, default=512, doc="rows of a chunk per matmul step (upper bound)"),
-              "block_n": tk.Tunable(BLOCK_N, default=512, doc="columns of y per matmul step (upper bound)")},
+    tunables=ring_tunables("a row chunk", 512),
 )
 def rsmm_kernel(x: torch.Tensor, y: torch.Tensor, axis_name: str, n: int, *, block_m: int,
                 block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,11 +149,7 @@ def rsmm_kernel(x: torch.Tensor, y: torch.Tensor, axis_name: str, n: int, *, blo
     inside ``shard_map``. Raises ArgumentError / DTypeError for shapes, dtypes, blocks over the VMEM budget, or a
     trace outside ``shard_map`` over ``axis_name``."""
     op = "tpukernels.matmul_reduce_scatter_ring"
-    if len(x.shape) != 2 or len(y.shape) != 2 or x.shape[1] != y.shape[0]:
-        raise ArgumentError(f"{op}: x must be [M, Kl] and y [Kl, N], got {tuple(x.shape)} and {tuple(y.shape)}")
-    if x.dtype not in (jnp.bfloat16, jnp.float32) or y.dtype != x.dtype:
-        raise DTypeError(f"{op}: x and y must both be bfloat16 or float32, got {x.dtype} and {y.dtype}")
-    ring_axis_size(op, axis_name, n)
+    check_operands(op, x, y, axis_name, n, "x [M, Kl] and y [Kl, N]")
     (M, K), N = x.shape, y.shape[1]
     if M % n:
         raise ArgumentError(f"{op}: M = {M} rows must be divisible by the ring's n = {n}")
