@@ -44,8 +44,9 @@ def test_fused_kernels_on_two_three_and_four_device_meshes():
     """The one-kernel all-gather matmul and matmul reduce-scatter (remote DMAs around the ring) in the TPU
     interpreter (NaN-initialised memory, DMA and semaphore semantics): several row and column blocks per ring
     step, 2, 3 and 4 devices, f32 and bf16; the output against float64 (all-gather: every device's landing buffer
-    exactly x); through ``all_gather_matmul`` / ``matmul_reduce_scatter(..., impl="kernel")`` too. A regression this catches: one receive semaphore for all
-    slots let a sender running ahead meet a wait with the wrong transfer (NaN rows at 3 devices).
+    exactly x); through ``all_gather_matmul`` / ``matmul_reduce_scatter(..., impl="kernel")`` too. A regression
+    this catches: one receive semaphore for all slots let a sender running ahead meet a wait with the wrong
+    transfer (NaN rows at 3 devices).
 
     The process gets 2 more host devices than the mesh uses: when every host device runs a kernel that blocks
     in a semaphore wait, the interpreter deadlocked in its buffer-allocation callbacks (seen at 2 of 2 and 4 of 4

@@ -52,8 +52,8 @@ JAX_BLOCKS = (1024, 1024, 512)  # block_q, block_k_major, block_k
 SPLASH_BLOCKS = (1024, 1024, 512)  # block_q, block_kv, block_kv_compute
 
 REASONS = {
-    ("v5e", "bwd"): "libtpu 0.0.52's static profiler aborts (signal 6) on v5e's backward at these causal shapes: on the "
-    "fused kernel v5e runs by default, as on the split dK/dV kernel before it, so there is no figure; both compile "
+    ("v5e", "bwd"): "libtpu 0.0.52's static profiler aborts (signal 6) on v5e's backward at these causal shapes: on "
+    "the fused kernel v5e runs by default, as on the split dK/dV kernel before it, so there is no figure; both compile "
     "for v5e (tests/test_attention.py, tests/test_attention_fused_bwd.py compile-only tests)",
     ("tpu7x", "bwd"): "XLA's own figure is unavailable (libtpu's profiler aborts on it); the floor is the larger "
     "of XLA's MXU time for every score (no causal skipping) and its HBM time including one write and read of the "

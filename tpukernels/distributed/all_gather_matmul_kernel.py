@@ -209,8 +209,8 @@ def agmm_kernel(x: torch.Tensor, y: torch.Tensor, axis_name: str, n: int, *, blo
         dimension_semantics=("arbitrary", "arbitrary", "arbitrary"),
         vmem_limit_bytes=max(32 << 20, int(need * 1.25) + (4 << 20)),
         collective_id=COLLECTIVE_ID,
-        cost_estimate=pl.CostEstimate(flops=2 * n * m * K * Nl, transcendentals=0,
-                                      bytes_accessed=int((2 * n * m * K + K * Nl + n * m * Nl) * jnp.dtype(dt).itemsize)),
+        cost_estimate=pl.CostEstimate(flops=2 * n * m * K * Nl, transcendentals=0, bytes_accessed=int(
+            (2 * n * m * K + K * Nl + n * m * Nl) * jnp.dtype(dt).itemsize)),
         body_kwargs=dict(axis_name=axis_name, n=n, m=m, block_m=bm, block_n=bn),
     )
 
