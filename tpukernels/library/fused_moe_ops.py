@@ -89,8 +89,8 @@ Gaps (against the anchors): no expert parallelism (tpu-inference's ``mesh`` / ``
 here), its tuning arguments (``bt``, ``bf``, ...) are not taken; 4-bit packed experts and zero points (which
 ``grouped_matmul_quantized`` has) are not wired here; quantized weights with a separate ``w3``; float16 tokens.
 tokamax names the logits ``gating``, ``topk`` and the biases ``w1_bias`` / ``w2_bias`` and defaults
-``renormalize=True``; here they are tpu-inference's names and default (False). (Expert parallelism composes
-around this op: :mod:`tpukernels.distributed.expert_parallel`.)
+``renormalize=True``; here they are tpu-inference's names and default (False). (Expert parallelism is
+:mod:`tpukernels.distributed.expert_parallel`: dispatch and combine around the grouped matmuls.)
 
 Errors (typed, before any kernel runs): ``ArgumentError`` naming the argument for router logits whose expert
 count is not ``E``, ``top_k`` outside ``[1, E]``, ids outside ``[0, E)`` (cpu tensors), weight / bias / scale
