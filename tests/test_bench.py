@@ -67,6 +67,10 @@ _KILLED = RuntimeError("estimate server exited: ")
      "signal 6", 1),
     # killed from outside (out of memory): retried once in a fresh server, never cached
     (_KILLED, "not cached", 4),
+    # a SIGTERM from outside leaves libtpu's ".cc:" lines too (a real 2026-12-06 message, cached as an abort then)
+    (RuntimeError("estimate server exited: https://symbolize.stripped_domain/r/?trace=7fd26d2a3f16 | E1206 "
+                  "12:09:54.838519 24923 coredump_hook.cc:250] RAW: Remote crash gathering disabled for SIGTERM."),
+     "not cached", 4),
 ])
 def test_libtpu_abort_is_cached_but_a_killed_server_is_not(tmp_path, error, match, calls):
     fn, st = _prog()

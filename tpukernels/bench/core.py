@@ -347,7 +347,8 @@ class Estimator:
                 # a server that died without a libtpu check failure or abort (".cc:" or "signal 6" in its
                 # last lines) was killed from outside (out of memory): not a property of the program, so
                 # not cached; retried once in a fresh server (the client restarts it)
-                aborted = ".cc:" in msg or "signal 6" in msg
+                # (a SIGTERM / SIGKILL from outside also leaves ".cc:" lines, e.g. coredump_hook.cc: not an abort)
+                aborted = (".cc:" in msg or "signal 6" in msg) and not any(k in msg for k in ("SIGTERM", "SIGKILL"))
                 if isinstance(e, EstimateTimeout) or (msg.startswith("estimate server exited") and not aborted):
                     if attempt == 1 and not isinstance(e, EstimateTimeout):
                         continue
