@@ -395,3 +395,33 @@ def test_tpu_dispatch_runs_the_tpu_path_with_a_no_op_runner():
     assert seen and cpu_target.run_torch_cpu is real and "torch_tpu" not in __import__("sys").modules
     x = torch.randn(8, 128)
     torch.testing.assert_close(add(x, x), 2 * x)  # the cpu path works again afterwards
+
+
+def test_a_package_that_edits_the_environment_on_import_leaves_libtpu_flags_alone(tmp_path, monkeypatch):
+    """``tpukernels bench`` imports tpu-inference first through ``import_keeping_env``: its ``env_override``
+    prepends a libtpu flag to ``LIBTPU_INIT_ARGS`` (and one to ``XLA_FLAGS``), which changed the cache key of every
+    later estimate in the process. A stand-in package that does the same is imported; the flags are as before
+    (set, and unset), and a package that is not installed answers False."""
+    import sys
+
+    from tpukernels._imports import import_keeping_env
+
+    pkg = tmp_path / "envtouch_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(
+        "import os\n"
+        "os.environ['LIBTPU_INIT_ARGS'] = '--xla_tpu_use_dynamic_smem_negotiation=true ' + "
+        "os.environ.get('LIBTPU_INIT_ARGS', '')\n"
+        "os.environ['XLA_FLAGS'] = '--xla_cpu_max_isa=AVX2 ' + os.environ.get('XLA_FLAGS', '')\n"
+        "os.environ['OTHER_VAR_SET_BY_IMPORT'] = '1'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", "--my_flag=1")
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    monkeypatch.delenv("OTHER_VAR_SET_BY_IMPORT", raising=False)
+    monkeypatch.delitem(sys.modules, "envtouch_pkg", raising=False)
+    assert import_keeping_env("envtouch_pkg") is True and "envtouch_pkg" in sys.modules
+    assert os.environ["LIBTPU_INIT_ARGS"] == "--my_flag=1" and "XLA_FLAGS" not in os.environ
+    assert os.environ["OTHER_VAR_SET_BY_IMPORT"] == "1"  # only the kept flags are restored
+    monkeypatch.delenv("OTHER_VAR_SET_BY_IMPORT")
+    monkeypatch.delitem(sys.modules, "envtouch_pkg")
+    assert import_keeping_env("no_such_package_here_xyz") is False

@@ -1,4 +1,5 @@
-"""Loading user kernels from a module name or a ``.py`` path (``--import``; autotune workers)."""
+"""Loading user kernels from a module name or a ``.py`` path (``--import``; autotune workers), and importing a
+package whose import edits the process environment without letting it (:func:`import_keeping_env`)."""
 
 from __future__ import annotations
 
@@ -32,3 +33,29 @@ def import_source(spec: str) -> None:
         mod_spec.loader.exec_module(module)
     else:
         importlib.import_module(spec)
+
+
+#: environment variables a package's import may not change for the rest of the process: libtpu's and XLA's flags
+#: (a compile-only estimate's cache key and its compiler's behaviour depend on them)
+KEPT_ENV = ("LIBTPU_INIT_ARGS", "XLA_FLAGS")
+
+
+def import_keeping_env(name: str, keep: tuple = KEPT_ENV) -> bool:
+    """Import package ``name`` with the variables in ``keep`` restored afterwards; returns whether it imported
+    (False: not installed). Why: tpu-inference 0.32.0's ``env_override`` prepends
+    ``--xla_tpu_use_dynamic_smem_negotiation=true`` to ``LIBTPU_INIT_ARGS`` (and ``--xla_cpu_max_isa=AVX2`` to
+    ``XLA_FLAGS``) on import, so every libtpu estimate after it in the process ran with another flag and was cached
+    under another key: what a bench family hit in the cache depended on whether a family importing tpu-inference
+    ran before it. Importing it once, first, this way keeps the flags of the whole run as the user set them."""
+    saved = {k: os.environ.get(k) for k in keep}
+    try:
+        importlib.import_module(name)
+        return True
+    except ImportError:
+        return False
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

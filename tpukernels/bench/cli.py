@@ -146,6 +146,9 @@ def cmd_bench(args) -> int:
         # refuse before hours of estimates if the kept families would not mix with the new ones
         kept = load_results(args.results_dir, [f for f in FAMILIES if f not in fams])
         check_versions({**{f"{f}.json": r["versions"] for f, r in kept.items()}, "this run": versions()})
+        from .._imports import import_keeping_env
+
+        import_keeping_env("tpu_inference")  # peers' kernels: its import would change libtpu's flags mid-run
         with _Progress(not getattr(args, "no_progress", False)) as bar:
             for fam in fams:
                 run_family(fam, chips, args.results_dir, jobs=args.jobs, timeout_s=args.timeout,
