@@ -24,7 +24,9 @@ Schedule: grid ``(n, N / block_n, m / block_m)``, sequential. Step ``s`` works o
                                                   waited for once, at the step's first tile)
     s < n - 1:   send p to the right neighbour's landing[s][tile]    (remote DMA from one of two VMEM buffers,
                                                   started as soon as the tile is done: the sums of step s travel
-                                                  while step s's later tiles and step s + 1's products compute)
+                                                  while step s's later tiles compute; the receiver waits for the
+                                                  whole slot before its next step's first tile, so only the last
+                                                  tile's transfer is exposed)
     s = n - 1:   c = i: out[tile] = p (rounded to x's dtype)
 
 Synchronisation: a start barrier (``Launch.collective_id``), one receive semaphore per landing slot (a wait is
@@ -33,7 +35,8 @@ previous send left), and the last two sends waited for before the final step.
 
 Limits (typed ``ArgumentError`` before lowering): ``Kl`` whole in VMEM per step; ``m`` and ``N`` divisible by
 their blocks; traced inside ``shard_map`` with ``axis_name`` bound to ``n`` devices. Performance: no TPU here and
-no model (libtpu 0.0.52's static profiler aborts on the remote-DMA kernels; :mod:`.all_gather_matmul_kernel`).
+no model (libtpu 0.0.52's static profiler aborts on the all-gather twin, :mod:`.all_gather_matmul_kernel`; this
+kernel was not tried).
 
 Tested (``tests/test_collective_matmul.py``) in the TPU interpreter on 2-, 3- and 4-device CPU meshes against
 float64, and compiled by Mosaic for compile-only ``v5e:2x2``.
