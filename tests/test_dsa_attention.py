@@ -4,9 +4,7 @@ fla-core's ``naive_dsa_indexer``; NaN-poisoned caches; compile-only at DeepSeek-
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import pathlib
 
 import numpy as np
 import pytest
@@ -14,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import fla_naive  # tests/ is on sys.path (rootdir-relative import)
 from tpukernels.errors import ArgumentError, ConfigError, DTypeError
 from tpukernels.library import dsa_attention as dsa
 from tpukernels.library import indexer_topk, lightning_indexer, sparse_mla_attention
@@ -342,25 +341,11 @@ def test_pipeline_matches_transformers_deepseek_v32_indexer():
         assert (ours[t, n:] == -1).all()
 
 
-def _fla_naive_dsa():
-    spec = importlib.util.find_spec("fla")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("fla-core not installed")
-    path = pathlib.Path(list(spec.submodule_search_locations)[0]) / "ops" / "dsa" / "naive.py"
-    if not path.exists():
-        pytest.skip("fla-core has no ops/dsa/naive.py")
-    pytest.importorskip("einops")
-    s = importlib.util.spec_from_file_location("fla_dsa_naive", path)  # not via fla/__init__ (imports triton)
-    m = importlib.util.module_from_spec(s)
-    s.loader.exec_module(m)
-    return m
-
-
 def test_pipeline_matches_fla_naive_dsa():
     """fla-core 0.6.0's ``naive_dsa_indexer`` (relu, varlen prefill) selects the same positions as our indexer +
     top-k, and its ``naive_dsa`` (MQA over the selected keys) equals our sparse MLA when the key of head ``h`` is
     the latent row and the value its first L lanes (f32)."""
-    m = _fla_naive_dsa()
+    m = fla_naive.load("dsa")
     g = torch.Generator().manual_seed(1)
     q_lens = [5, 9]
     T, Hi, D, H, K, ps = 14, 4, 16, 2, 4, 4

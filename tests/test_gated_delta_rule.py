@@ -8,8 +8,6 @@ naive.py``, loaded by path: ``fla/__init__`` imports triton), transformers' Qwen
 sequence boundaries inside chunks, at chunk edges, and include empty sequences.
 """
 
-import importlib.util
-import os
 
 import numpy as np
 import pytest
@@ -17,6 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import fla_naive  # tests/ is on sys.path (rootdir-relative import)
 from tpukernels.errors import ArgumentError, DTypeError, NotSupportedError
 from tpukernels.library.linear_attention import gdn_ops as G
 from tpukernels.library.linear_attention.common import head_major
@@ -54,20 +53,9 @@ def check(got, want, dtype, what="", rel=2.0**-17):
     assert not bad.any(), f"{what}: {int(bad.sum())}/{bad.numel()} out of tolerance, worst {float(err.max()):.3g}"
 
 
-def _load_fla_naive():
-    spec = importlib.util.find_spec("fla")  # finds the package without importing it (its __init__ needs triton)
-    if spec is None:
-        pytest.skip("fla-core not installed")
-    path = os.path.join(list(spec.submodule_search_locations)[0], "ops", "gated_delta_rule", "naive.py")
-    mspec = importlib.util.spec_from_file_location("fla_gdn_naive", path)
-    mod = importlib.util.module_from_spec(mspec)
-    mspec.loader.exec_module(mod)
-    return mod
-
-
 # ----------------------------------------------------------------------------------------- references
 def test_reference_matches_fla_naive_recurrent_and_chunk():
-    naive = _load_fla_naive()
+    naive = fla_naive.load("gated_delta_rule")
     q, k, v, g, beta = inputs(2, 37, 2, 2, 16, 8)
     h0 = rand(2, 2, 16, 8, seed=9)
     o, ht = G.gated_delta_rule_reference(q, k, v, g, beta, initial_state=h0)

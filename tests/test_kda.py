@@ -7,14 +7,13 @@ mode with small chunks (16 tokens) so that lengths of 1, chunk-1, chunk, chunk+1
 sequences crossing chunk boundaries, are all exercised; the NaN-poisoned "tpu" mode runs through ``interpret``.
 """
 
-import importlib.util
-import pathlib
 
 import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+import fla_naive  # tests/ is on sys.path (rootdir-relative import)
 from tpukernels.errors import ArgumentError, DeviceError, DTypeError
 from tpukernels.library.linear_attention import kda_ops as K
 
@@ -58,21 +57,10 @@ def gmax(g, fn):
     return float(g.double().abs().max()) * C if fn is K.chunk_kda and g.numel() else 0.0
 
 
-def fla_naive():
-    spec = importlib.util.find_spec("fla")
-    if spec is None:
-        pytest.skip("fla-core is not installed")
-    path = pathlib.Path(spec.submodule_search_locations[0]) / "ops" / "kda" / "naive.py"
-    mod_spec = importlib.util.spec_from_file_location("fla_kda_naive", path)
-    mod = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(mod)
-    return mod
-
-
 # ----------------------------------------------------------------------------------------- references
 def test_reference_matches_fla_naive_recurrent_and_chunk():
     pytest.importorskip("einops")
-    naive = fla_naive()
+    naive = fla_naive.load("kda")
     q, k, v, g, beta = inputs(32, b=2, h=1, hv=2, dtype=torch.float64)
     h0 = state(2).double()
     ref, ref_f = K.kda_reference(q, k, v, g, beta, scale=0.3, initial_state=h0)

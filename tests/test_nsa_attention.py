@@ -2,19 +2,16 @@
 definition, each branch against fla-core's naive NSA where the semantics coincide, typed errors, and compile-only
 checks of the compressed and sliding-window branches' kernels at tokamax's default sizes."""
 
-import importlib.util
 import math
-import pathlib
 import re
 import sys
-import types
-import warnings
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import fla_naive  # tests/ is on sys.path (rootdir-relative import)
 from tpukernels.errors import ArgumentError, DTypeError
 from tpukernels.library.moba_ops import moba_block_indices
 from tpukernels.library.nsa_ops import cmp_mask, nsa_attention, nsa_attention_reference
@@ -96,29 +93,10 @@ def test_sweep_slow(B, T, heads, topk, window, cmp, cmp_causal, chunk, gate_shap
 
 
 def _fla_naive_nsa(monkeypatch):
-    """fla-core's ``fla/ops/nsa/naive.py``, loaded by path: it imports ``fla.ops.utils`` (whose package imports
-    triton) for helpers only its varlen paths call, so those modules are stubbed while it loads."""
-    spec = importlib.util.find_spec("fla")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("fla-core not installed")
-    path = pathlib.Path(list(spec.submodule_search_locations)[0]) / "ops" / "nsa" / "naive.py"
-    if not path.exists():
-        pytest.skip("fla-core has no ops/nsa/naive.py")
-    pytest.importorskip("einops")
-
-    def unused(*a, **k):
-        raise AssertionError("fla varlen helper called")
-
-    for name in ("fla", "fla.ops", "fla.ops.utils", "fla.ops.utils.pooling"):
-        mod = types.ModuleType(name)
-        mod.prepare_chunk_offsets = mod.mean_pooling = unused
-        monkeypatch.setitem(sys.modules, name, mod)
-    s = importlib.util.spec_from_file_location("fla_nsa_naive", path)
-    m = importlib.util.module_from_spec(s)
-    with warnings.catch_warnings():  # "Flash Attention is not installed" (its sliding window; not used here)
-        warnings.simplefilter("ignore", ImportWarning)
-        s.loader.exec_module(m)
-    return m
+    """fla-core's ``fla/ops/nsa/naive.py``: it imports ``fla.ops.utils`` (whose package imports triton) for helpers
+    only its varlen paths call, so those modules are stubbed while it loads."""
+    return fla_naive.load("nsa", stub=("fla", "fla.ops", "fla.ops.utils", "fla.ops.utils.pooling"),
+                          stub_attrs=("prepare_chunk_offsets", "mean_pooling"), monkeypatch=monkeypatch)
 
 
 def test_branches_match_fla_naive_nsa(monkeypatch):
