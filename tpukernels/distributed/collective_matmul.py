@@ -89,6 +89,11 @@ def _use_kernel(op: str, impl: str, rhs_transpose: bool, n: int) -> bool:
     return impl == "kernel"
 
 
+def _one_kernel(kernel, mode: str, chip, axis_name: str, n: int):
+    """The per-device function of ``impl="kernel"``: the collective ``kernel``'s first output."""
+    return lambda xs, ys: call_kernel(kernel, mode, chip, xs, ys, axis_name, n)[0]
+
+
 def _mm(mode, chip, a, b, rhs_transpose: bool, out_dtype=None):
     from ..library.matmul_ops import matmul_nn, matmul_nt
 
@@ -127,14 +132,9 @@ def all_gather_matmul(x, y, mesh, axis_name: str, *, rhs_transpose: bool = False
     n, M, K, N, mode, chip, perm = _ring("tpukernels.all_gather_matmul", x, y, mesh, axis_name, rhs_transpose, "N",
                                          interpret, chip)
     m = M // n
+    kernel = None
     if _use_kernel("tpukernels.all_gather_matmul", impl, rhs_transpose, n):
-        from .all_gather_matmul_kernel import agmm_kernel
-
-        def fused(xs, ys):
-            return call_kernel(agmm_kernel, mode, chip, xs, ys, axis_name, n)[0]
-
-        return jax.shard_map(fused, mesh=mesh, in_specs=(P(axis_name, None), P(None, axis_name)),
-                             out_specs=P(None, axis_name), check_vma=False)(x, y)
+        from .all_gather_matmul_kernel import agmm_kernel as kernel
 
     def local(xs, ys):
         i = jax.lax.axis_index(axis_name)
@@ -148,8 +148,8 @@ def all_gather_matmul(x, y, mesh, axis_name: str, *, rhs_transpose: bool = False
         return out
 
     y_spec = P(axis_name, None) if rhs_transpose else P(None, axis_name)
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(axis_name, None), y_spec), out_specs=P(None, axis_name),
-                         check_vma=False)(x, y)
+    return jax.shard_map(_one_kernel(kernel, mode, chip, axis_name, n) if kernel is not None else local, mesh=mesh,
+                         in_specs=(P(axis_name, None), y_spec), out_specs=P(None, axis_name), check_vma=False)(x, y)
 
 
 def matmul_reduce_scatter(x, y, mesh, axis_name: str, *, rhs_transpose: bool = False,
@@ -178,14 +178,9 @@ def matmul_reduce_scatter(x, y, mesh, axis_name: str, *, rhs_transpose: bool = F
     op = "tpukernels.matmul_reduce_scatter"
     n, M, K, N, mode, chip, perm = _ring(op, x, y, mesh, axis_name, rhs_transpose, "K", interpret, chip)
     m = M // n
+    kernel = None
     if _use_kernel(op, impl, rhs_transpose, n):
-        from .matmul_reduce_scatter_kernel import rsmm_kernel
-
-        def fused(xs, ys):
-            return call_kernel(rsmm_kernel, mode, chip, xs, ys, axis_name, n)[0]
-
-        return jax.shard_map(fused, mesh=mesh, in_specs=(P(None, axis_name), P(axis_name, None)),
-                             out_specs=P(axis_name, None), check_vma=False)(x, y)
+        from .matmul_reduce_scatter_kernel import rsmm_kernel as kernel
 
     def local(xs, ys):
         i = jax.lax.axis_index(axis_name)
@@ -197,5 +192,5 @@ def matmul_reduce_scatter(x, y, mesh, axis_name: str, *, rhs_transpose: bool = F
         return acc.astype(xs.dtype)
 
     y_spec = P(None, axis_name) if rhs_transpose else P(axis_name, None)
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(None, axis_name), y_spec), out_specs=P(axis_name, None),
-                         check_vma=False)(x, y)
+    return jax.shard_map(_one_kernel(kernel, mode, chip, axis_name, n) if kernel is not None else local, mesh=mesh,
+                         in_specs=(P(None, axis_name), y_spec), out_specs=P(axis_name, None), check_vma=False)(x, y)
