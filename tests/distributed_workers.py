@@ -260,6 +260,91 @@ def ring_attention_torch(mesh) -> dict:
     return res
 
 
+def tensor_parallel(mesh) -> dict:
+    """The sequence-parallel MLP ``w2(gelu(w1(x)))`` (x ``[B, S, D]`` sharded on S) under tpukernels'
+    CollectiveColwiseParallel / CollectiveRowwiseParallel against torch's ColwiseParallel(input_layouts=Shard(1)) /
+    RowwiseParallel(output_layouts=Shard(1)) on the same weights, and both against a float64 reference: the local
+    output, dx and every parameter's full gradient; the forward's collectives by kind; the functional ops in bf16
+    with gather / scatter on dim 0; and typed errors on every rank."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from tpukernels.distributed.collective_matmul import all_gather_matmul_torch, matmul_reduce_scatter_torch
+    from tpukernels.distributed.tensor_parallel import CollectiveColwiseParallel, CollectiveRowwiseParallel
+    from tpukernels.errors import ArgumentError
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    B, S, D, H = 2, 16, 128, 256
+    torch.manual_seed(0)  # the same weights and data on every rank
+    base = torch.nn.Sequential()
+    base.add_module("w1", torch.nn.Linear(D, H))
+    base.add_module("act", torch.nn.GELU(approximate="tanh"))
+    base.add_module("w2", torch.nn.Linear(H, D))
+    x, dout = torch.randn(B, S, D), torch.randn(B, S, D)
+    # float64 reference of the whole sequence
+    ref = copy.deepcopy(base).double()
+    xr = x.double().requires_grad_()
+    yr = ref(xr)
+    (yr * dout.double()).sum().backward()
+    rows = slice(rank * S // n, (rank + 1) * S // n)
+    res = {}
+    for name, plan in (("tpukernels", {"w1": CollectiveColwiseParallel(), "w2": CollectiveRowwiseParallel()}),
+                       ("torch", {"w1": ColwiseParallel(input_layouts=Shard(1)),
+                                  "w2": RowwiseParallel(output_layouts=Shard(1))})):
+        model = parallelize_module(copy.deepcopy(base), mesh, plan)
+        xl = x[:, rows].clone().requires_grad_()
+        with CommDebugMode() as comm:
+            y = model(xl)
+        counts = {str(k): int(v) for k, v in comm.get_comm_counts().items()}
+        (y * dout[:, rows]).sum().backward()
+        grads = {pn: _err(p.grad.full_tensor(), dict(ref.named_parameters())[pn].grad)
+                 for pn, p in model.named_parameters()}
+        res[name] = {"out": _err(y, yr[:, rows]), "dx": _err(xl.grad, xr.grad[:, rows]), "grads": grads,
+                     "fwd_comms": counts, "out_shape": list(y.shape),
+                     "placements": {pn: str(p.placements) for pn, p in model.named_parameters()}}
+    # the functional ops: bf16, rows gathered / scattered on dim 0, [K, N] weights (rhs_transpose=False)
+    g = torch.Generator().manual_seed(5)
+    xa, wa = torch.randn(8 * n, D, generator=g), torch.randn(D, 2 * H, generator=g) / D ** 0.5
+    xs = xa.chunk(n)[rank].bfloat16().requires_grad_()
+    ws = wa.chunk(n, 1)[rank].bfloat16().requires_grad_()
+    out = all_gather_matmul_torch(xs, ws, mesh, gather_dim=0)
+    da = torch.randn(8 * n, 2 * H, generator=g)
+    (out.float() * da.chunk(n, 1)[rank]).sum().backward()
+    xa64, wa64 = xa.bfloat16().double(), wa.bfloat16().double()  # float64 from the bf16 inputs
+    res["ag_bf16"] = {"out": _err(out, (xa64 @ wa64).chunk(n, 1)[rank]),
+                      "dx": _err(xs.grad, (da.double() @ wa64.T).chunk(n)[rank]),
+                      "dw": _err(ws.grad, (xa64.T @ da.double()).chunk(n, 1)[rank])}
+    xk = xa64.chunk(n, 1)  # row-parallel: x split on K, w on K
+    xs2 = xa.bfloat16().chunk(n, 1)[rank].contiguous().requires_grad_()
+    wk = torch.randn(D, H, generator=g).bfloat16()
+    ws2 = wk.chunk(n)[rank].contiguous().requires_grad_()
+    out2 = matmul_reduce_scatter_torch(xs2, ws2, mesh, scatter_dim=0)
+    db = torch.randn(8 * n, H, generator=g)
+    (out2.float() * db.chunk(n)[rank]).sum().backward()
+    full = xa64 @ wk.double()
+    res["rs_bf16"] = {"out": _err(out2, full.chunk(n)[rank]),
+                      "dx": _err(xs2.grad, (db.double() @ wk.double().T).chunk(n, 1)[rank]),
+                      "dw": _err(ws2.grad, (xk[rank].T @ db.double()))}
+    errors = {}
+    for ename, call in (
+            ("indivisible", lambda: matmul_reduce_scatter_torch(torch.randn(3, D), torch.randn(D, H), mesh)),
+            ("contraction", lambda: all_gather_matmul_torch(torch.randn(4, D), torch.randn(D + 1, H), mesh)),
+            ("last_dim", lambda: all_gather_matmul_torch(torch.randn(4, D), torch.randn(D, H), mesh, gather_dim=-1)),
+            ("rank_mismatch", lambda: all_gather_matmul_torch(torch.randn(4 + rank, D), torch.randn(D, H), mesh)),
+            ("not_linear", lambda: parallelize_module(torch.nn.GELU(), mesh, CollectiveColwiseParallel()))):
+        try:
+            call()
+            errors[ename] = "no error"
+        except ArgumentError as exc:
+            errors[ename] = str(exc)
+    res["errors"] = errors
+    return res
+
+
 def worker(rank: int, world: int, port: int, outdir: str, checks: list[str]) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh

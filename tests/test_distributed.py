@@ -18,7 +18,7 @@ import tpukernels as tk
 from tpukernels.distributed import PARTIAL, Split, TensorMeta, splits_for
 
 TIMEOUT_S = 600  # ~50-70 s on a quiet 2-core machine; generous for a loaded one (a fresh clone under load took > 240 s)
-CHECKS = ["dtensor_checks", "fsdp2_llama", "expert_parallel", "ring_attention_torch"]
+CHECKS = ["dtensor_checks", "fsdp2_llama", "expert_parallel", "ring_attention_torch", "tensor_parallel"]
 
 
 def _free_port() -> int:
@@ -52,7 +52,7 @@ def group_results(tmp_path_factory):
     return ranks
 
 
-def test_two_process_group_dtensor_ops_fsdp2_expert_parallel_and_ring_attention(group_results):
+def test_two_process_group_dtensor_ops_fsdp2_expert_parallel_ring_attention_and_tensor_parallel(group_results):
     """One test for the whole group (xdist would spawn a group per worker otherwise)."""
     # DTensor ops: sharded outputs and gradients equal the single-process ones, computed on the local shards
     names = [c["name"] for c in group_results[0]["dtensor_checks"]]
@@ -88,6 +88,26 @@ def test_two_process_group_dtensor_ops_fsdp2_expert_parallel_and_ring_attention(
     for rank in group_results:
         for case, errs in rank["ring_attention_torch"].items():
             assert max(errs.values()) < 2e-5, (rank["rank"], case, errs)
+    # tensor parallelism with collective matmuls: tpukernels' styles and torch's on the same sequence-parallel MLP
+    # both equal float64 (output, dx, every parameter's gradient); torch's plan gathers and reduce-scatters the
+    # activations, ours passes them on a ring inside the matmuls (p2p; CommDebugMode lists only the rank checks)
+    for rank in group_results:
+        tp = rank["tensor_parallel"]
+        for style in ("tpukernels", "torch"):
+            c = tp[style]
+            assert max(c["out"], c["dx"], *c["grads"].values()) < 1e-5, (rank["rank"], style, c)
+            assert c["out_shape"] == [2, 8, 128] and len(c["grads"]) == 4, c
+        assert tp["tpukernels"]["placements"] == tp["torch"]["placements"]  # parameters sharded as torch's styles
+        assert tp["torch"]["fwd_comms"] == {"c10d_functional.all_gather_into_tensor": 1,
+                                            "c10d_functional.reduce_scatter_tensor": 1}, tp["torch"]
+        assert tp["tpukernels"]["fwd_comms"] == {"c10d.allgather_": 2}, tp["tpukernels"]  # one rank check per linear
+        for op in ("ag_bf16", "rs_bf16"):  # bf16 operands, float64 reference from them: the bf16 output rounding
+            assert max(tp[op].values()) < 1e-2, (rank["rank"], op, tp[op])
+        errs = tp["errors"]
+        assert "must be divisible by the group size 2" in errs["indivisible"], errs
+        assert "contraction dims differ" in errs["contraction"] and "the contraction dim K" in errs["last_dim"], errs
+        assert "disagree on x.shape[0]" in errs["rank_mismatch"], errs  # raised on every rank, none hangs
+        assert "applies to nn.Linear modules" in errs["not_linear"], errs
 
 
 # ------------------------------------------------------------------------------------------ rules (no group)

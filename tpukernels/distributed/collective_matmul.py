@@ -6,6 +6,11 @@ Public API::
 
     all_gather_matmul(x, y, mesh, axis_name, *, rhs_transpose=False, interpret=None, chip=None)   # x: rows
     matmul_reduce_scatter(x, y, mesh, axis_name, *, rhs_transpose=False, interpret=None, chip=None)  # x: K
+    all_gather_matmul_torch(x, w, group=None, *, gather_dim=0, rhs_transpose=False)       # torch, one rank's
+    matmul_reduce_scatter_torch(x, w, group=None, *, scatter_dim=0, rhs_transpose=False)  # shards, autograd
+
+The torch pair runs the same rings over a ``torch.distributed`` group (batched isend / irecv, the library's matmul
+torch op) and backs the tensor-parallel styles of :mod:`tpukernels.distributed.tensor_parallel`.
 
 Shapes (global arrays; ``n = mesh.shape[axis_name]``; ``y`` is ``[K, N]``, or ``[N, K]`` with
 ``rhs_transpose`` (an ``nn.Linear`` weight), in the layouts of tpu-inference 0.32.0's
@@ -54,7 +59,7 @@ from ..chips import get_chip
 from ..errors import ArgumentError
 from .ring_attention import call_kernel, kernel_mode
 
-__all__ = ["all_gather_matmul", "matmul_reduce_scatter"]
+__all__ = ["all_gather_matmul", "matmul_reduce_scatter", "all_gather_matmul_torch", "matmul_reduce_scatter_torch"]
 
 
 def _ring(op: str, x, y, mesh, axis_name: str, rhs_transpose: bool, split: str, interpret, chip):
@@ -194,3 +199,232 @@ def matmul_reduce_scatter(x, y, mesh, axis_name: str, *, rhs_transpose: bool = F
     y_spec = P(None, axis_name) if rhs_transpose else P(axis_name, None)
     return jax.shard_map(_one_kernel(kernel, mode, chip, axis_name, n) if kernel is not None else local, mesh=mesh,
                          in_specs=(P(None, axis_name), y_spec), out_specs=P(axis_name, None), check_vma=False)(x, y)
+
+
+# ----------------------------------------------------------------------------------------------- torch
+# The same two rings on the ranks of a torch.distributed group (each rank one process, as TorchTitan runs):
+# the transfers are batched isend / irecv to the next / from the previous rank, started before the matmul they
+# overlap; the matmuls are the library's torch op (``tpukernels.library.matmul``: matmul_nn / matmul_nt / matmul_tn
+# by strides). Each op's backward is the other ring: d(all-gather matmul)/dx is a matmul reduce-scatter, and
+# d(matmul reduce-scatter)/dx an all-gather matmul, whose gathered operand also gives the weight gradient.
+_DTYPE_CODES = {"torch.float32": 0, "torch.bfloat16": 1, "torch.float16": 2}
+
+
+class _TorchRing:
+    """One rank's view of a ring over a process group: ``n``, ``rank`` and the peers' global ranks."""
+
+    def __init__(self, group):
+        import torch.distributed as dist
+
+        self.dist, self.group = dist, group
+        self.n, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.right = dist.get_global_rank(group, (self.rank + 1) % self.n)
+        self.left = dist.get_global_rank(group, (self.rank - 1) % self.n)
+
+    def start_shift(self, t):
+        """Start sending ``t`` right and receiving its twin from the left: ``(receive buffer, requests)``."""
+        import torch
+
+        dist = self.dist
+        t = t.contiguous()
+        recv = torch.empty_like(t)
+        reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, self.right, self.group),
+                                       dist.P2POp(dist.irecv, recv, self.left, self.group)])
+        return recv, reqs
+
+    @staticmethod
+    def wait(reqs):
+        for r in reqs:
+            r.wait()
+
+
+def _mm_torch(a, w, rhs_transpose: bool, out_dtype=None):
+    from ..library.matmul_ops import matmul
+
+    return matmul(a, w.t() if rhs_transpose else w, out_dtype=out_dtype)  # w.t(): read in place (matmul_nt)
+
+
+def _ag_mm_rows(ring: _TorchRing, x, w, rhs_transpose: bool):
+    """``(all_gather(x) @ w, all_gather(x))`` for 2-D ``x [m, K]``: rank ``i`` multiplies the shard of rank
+    ``(i - s) mod n`` at step ``s`` while passing it on."""
+    import torch
+
+    n, i = ring.n, ring.rank
+    outs, shards, chunk = [None] * n, [None] * n, x
+    for s in range(n):
+        pending = ring.start_shift(chunk) if s < n - 1 else None  # overlaps the matmul below
+        src = (i - s) % n
+        outs[src], shards[src] = _mm_torch(chunk, w, rhs_transpose), chunk
+        if pending is not None:
+            ring.wait(pending[1])
+            chunk = pending[0]
+    return torch.cat(outs), torch.cat(shards)
+
+
+def _mm_rs_rows(ring: _TorchRing, x, w, rhs_transpose: bool):
+    """``reduce_scatter(x @ w, rows)`` for 2-D ``x [M, K_local]``: float32 partial sums passed right, row chunk
+    ``(i - 1 - s) mod n`` at step ``s``, so chunk ``c`` ends complete at rank ``c``."""
+    import torch
+
+    n, i = ring.n, ring.rank
+    m = x.shape[0] // n
+    acc, pending = None, None
+    for s in range(n):
+        c = (i - 1 - s) % n
+        part = _mm_torch(x[c * m:(c + 1) * m], w, rhs_transpose, out_dtype=torch.float32)  # overlaps the transfer
+        if pending is not None:
+            ring.wait(pending[1])
+            part = part + pending[0]
+        acc = part
+        pending = ring.start_shift(acc) if s < n - 1 else None
+    return acc.to(x.dtype)
+
+
+def _torch_functions():
+    import torch
+
+    class AllGatherMatmul(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w, ring, rhs_transpose):
+            out, gathered = _ag_mm_rows(ring, x, w, rhs_transpose)
+            ctx.save_for_backward(gathered, w)
+            ctx.ring, ctx.rhs_transpose = ring, rhs_transpose
+            return out
+
+        @staticmethod
+        def backward(ctx, dout):
+            gathered, w = ctx.saved_tensors
+            rt = ctx.rhs_transpose
+            dout = dout.contiguous()
+            dx = _mm_rs_rows(ctx.ring, dout, w, not rt)  # dx_full = dout @ w^T, summed over ranks, scattered
+            dw = _mm_torch(dout.t(), gathered, False) if rt else _mm_torch(gathered.t(), dout, False)
+            return dx, dw, None, None
+
+    class MatmulReduceScatter(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w, ring, rhs_transpose):
+            ctx.save_for_backward(x, w)
+            ctx.ring, ctx.rhs_transpose = ring, rhs_transpose
+            return _mm_rs_rows(ring, x, w, rhs_transpose)
+
+        @staticmethod
+        def backward(ctx, dout):
+            x, w = ctx.saved_tensors
+            rt = ctx.rhs_transpose
+            dx, dout_full = _ag_mm_rows(ctx.ring, dout.contiguous(), w, not rt)  # dx = dout_full @ w^T
+            dw = _mm_torch(dout_full.t(), x, False) if rt else _mm_torch(x.t(), dout_full, False)
+            return dx, dw, None, None
+
+    return AllGatherMatmul, MatmulReduceScatter
+
+
+_FUNCTIONS: list = []
+
+
+def _torch_checked(op: str, x, w, group, dim: int, rhs_transpose: bool, check_ranks: bool, split: str):
+    """Checks shared by the two torch ops: ``(ring, dim, K, N)``; ``split``: "gather" or "scatter"."""
+    import torch
+
+    from .sharding import check_ranks_agree, process_group
+
+    for t, nm in ((x, "x"), (w, "w")):
+        if not isinstance(t, torch.Tensor):
+            raise ArgumentError(f"{op}: {nm} must be a torch.Tensor, got {type(t).__name__}")
+    if x.dim() < 2 or w.dim() != 2:
+        raise ArgumentError(f"{op}: x must be [..., K] with at least 2 dims and w 2-D ([K, N], or [N, K] with "
+                            f"rhs_transpose), got {tuple(x.shape)} and {tuple(w.shape)}")
+    if str(x.dtype) not in _DTYPE_CODES or w.dtype != x.dtype:
+        raise ArgumentError(f"{op}: x and w must share one of bfloat16, float16, float32, got {x.dtype} and {w.dtype}")
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+        raise ArgumentError(f"{op}: {split}_dim must be an int naming a dim of x {tuple(x.shape)}, got {dim!r}")
+    dim = dim % x.dim()
+    if dim == x.dim() - 1:
+        raise ArgumentError(f"{op}: {split}_dim = {dim} is x's last dim, the contraction dim K; name a row dim")
+    K = x.shape[-1]
+    Kw, N = (w.shape[1], w.shape[0]) if rhs_transpose else tuple(w.shape)
+    if Kw != K:
+        raise ArgumentError(f"{op}: contraction dims differ: x is [..., K] = {tuple(x.shape)}, w is "
+                            f"{'[N, K]' if rhs_transpose else '[K, N]'} = {tuple(w.shape)}")
+    g = process_group(group)
+    ring = _TorchRing(g)
+    if split == "scatter" and x.shape[dim] % ring.n:
+        raise ArgumentError(f"{op}: x.shape[{dim}] = {x.shape[dim]} must be divisible by the group size {ring.n} "
+                            f"(each rank gets an equal share of the reduced rows)")
+    if check_ranks and ring.n > 1:
+        fields = {f"x.shape[{d}]": s for d, s in enumerate(x.shape)}
+        fields.update({"x.dim()": x.dim(), f"{split}_dim": dim, "w.shape[0]": w.shape[0], "w.shape[1]": w.shape[1],
+                       "x.dtype": _DTYPE_CODES[str(x.dtype)], "rhs_transpose": rhs_transpose})
+        check_ranks_agree(op, fields, g)
+    return ring, dim, K, N
+
+
+def all_gather_matmul_torch(x, w, group=None, *, gather_dim: int = 0, rhs_transpose: bool = False,
+                            check_ranks: bool = True):
+    """:func:`all_gather_matmul` for torch tensors on the ranks of a ``torch.distributed`` group: every rank
+    passes its shard of x (rows along ``gather_dim``) and its columns of w, and gets ``all_gather(x) @ w``'s
+    columns; the shards travel a ring (batched isend / irecv) while each arrived shard is multiplied.
+    Differentiable: dx is a matmul reduce-scatter of ``dout``, dw uses the gathered x the forward kept. Every rank
+    of ``group`` must call it. The counterpart of ``torch.ops.symm_mem.fused_all_gather_matmul(A_shard, [B],
+    gather_dim, group_name)`` (async TP; CUDA symmetric memory), with the gathered x kept for the backward rather
+    than returned.
+
+    Args:
+        x: ``[..., K]`` this rank's shard of the rows (bf16 / f16 / f32): the global x is the concatenation of the
+            ranks' shards along ``gather_dim`` in rank order. Shards are equal across ranks.
+        w: ``[K, N_local]``, or ``[N_local, K]`` with ``rhs_transpose`` (an ``nn.Linear`` weight sharded as
+            ``ColwiseParallel`` shards it), x's dtype.
+        group: a ProcessGroup, a 1-D ``DeviceMesh`` or None (the default group).
+        gather_dim: the dim of x the shards are concatenated on (any but the last; the sequence dim 1 of a
+            ``[B, S, D]`` activation under sequence parallelism).
+        check_ranks: first compare the ranks' shapes, dtype and dims (one all-gather of a few int64), so that ranks
+            that disagree raise instead of blocking in the ring.
+
+    Returns:
+        x's shape with ``gather_dim`` n times longer and the last dim ``N_local``, in x's dtype.
+
+    Raises:
+        ArgumentError: not tensors, ranks, dtypes, contraction dims, ``gather_dim`` the last dim or out of range;
+            ranks that disagree (on every rank, with ``check_ranks``).
+    """
+    op = "tpukernels.distributed.all_gather_matmul_torch"
+    ring, dim, K, N = _torch_checked(op, x, w, group, gather_dim, rhs_transpose, check_ranks, "gather")
+    if not _FUNCTIONS:
+        _FUNCTIONS.extend(_torch_functions())
+    xm = x.movedim(dim, 0)  # rows of one shard contiguous in gather order: [s_local * rest, K]
+    rest = xm.shape[1:-1]
+    out = _FUNCTIONS[0].apply(xm.reshape(-1, K), w, ring, rhs_transpose)
+    return out.reshape(ring.n * xm.shape[0], *rest, N).movedim(0, dim)
+
+
+def matmul_reduce_scatter_torch(x, w, group=None, *, scatter_dim: int = 0, rhs_transpose: bool = False,
+                                check_ranks: bool = True):
+    """:func:`matmul_reduce_scatter` for torch tensors on the ranks of a ``torch.distributed`` group: every rank
+    passes x with its slice of the contraction dim and w's matching rows, and gets its share (along
+    ``scatter_dim``, in rank order) of the sum over ranks of ``x @ w``. The float32 partial sums travel a ring
+    while the next chunk's partial product is computed, and are rounded once to x's dtype. Differentiable: dx is an
+    all-gather matmul of ``dout``, whose gathered rows also give dw. The counterpart of
+    ``torch.ops.symm_mem.fused_matmul_reduce_scatter(A, B, "sum", scatter_dim, group_name)``.
+
+    Args:
+        x: ``[..., K_local]`` (bf16 / f16 / f32), the same shape on every rank; ``x.shape[scatter_dim]`` divisible
+            by the group size.
+        w: ``[K_local, N]``, or ``[N, K_local]`` with ``rhs_transpose`` (an ``nn.Linear`` weight sharded as
+            ``RowwiseParallel`` shards it), x's dtype.
+        group, check_ranks: as :func:`all_gather_matmul_torch`.
+        scatter_dim: the dim of the result split across ranks (any but the last).
+
+    Returns:
+        x's shape with ``scatter_dim`` n times shorter and the last dim ``N``, in x's dtype.
+
+    Raises:
+        ArgumentError: as :func:`all_gather_matmul_torch`, and ``x.shape[scatter_dim]`` not divisible by the group
+            size.
+    """
+    op = "tpukernels.distributed.matmul_reduce_scatter_torch"
+    ring, dim, K, N = _torch_checked(op, x, w, group, scatter_dim, rhs_transpose, check_ranks, "scatter")
+    if not _FUNCTIONS:
+        _FUNCTIONS.extend(_torch_functions())
+    xm = x.movedim(dim, 0).contiguous()  # row chunk r (rank r's share) contiguous
+    rest = xm.shape[1:-1]
+    out = _FUNCTIONS[1].apply(xm.reshape(-1, K), w, ring, rhs_transpose)
+    return out.reshape(xm.shape[0] // ring.n, *rest, N).movedim(0, dim)

@@ -59,6 +59,7 @@ import torch
 
 from ..errors import ArgumentError, DTypeError
 from ..library.moe_routing import MoEPermutation, moe_combine, moe_combine_jax, moe_permute, moe_permute_jax
+from .sharding import check_ranks_agree, process_group
 
 __all__ = ["ep_dispatch", "ep_combine", "EPHandle", "ep_dispatch_jax", "ep_combine_jax", "EPHandleJax",
            "ragged_all_to_all_emulated"]
@@ -76,16 +77,6 @@ class EPHandle(NamedTuple):
     send_splits: list
     recv_splits: list
     group: object
-
-
-def _group_of(group):
-    import torch.distributed as dist
-
-    if group is None:
-        return dist.group.WORLD
-    if hasattr(group, "get_group"):  # a 1-D DeviceMesh
-        return group.get_group()
-    return group
 
 
 def _all_to_all_rows(rows: torch.Tensor, out_splits: list, in_splits: list, group) -> torch.Tensor:
@@ -116,7 +107,7 @@ def ep_dispatch(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, gro
     import torch.distributed as dist
 
     op = "tpukernels.ep_dispatch"
-    g = _group_of(group)
+    g = process_group(group)
     n, rank = dist.get_world_size(g), dist.get_rank(g)
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
         raise ArgumentError(f"{op}: num_experts must be a positive int, got {num_experts!r}")
@@ -132,15 +123,8 @@ def ep_dispatch(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, gro
                             f"{getattr(expert_ids, 'shape', type(expert_ids).__name__)}")
     # every rank must agree on what shapes the collectives: gather the numbers and compare (all ranks see the
     # same table, so all raise together; none is left waiting in a collective)
-    mine = torch.tensor([num_experts, x.shape[1], expert_ids.shape[1], _DTYPE_CODES[x.dtype]], dtype=torch.int64)
-    table = [torch.empty_like(mine) for _ in range(n)]
-    dist.all_gather(table, mine, group=g)
-    names = ("num_experts", "x.shape[1] (hidden size)", "expert_ids.shape[1] (top_k)", "x.dtype")
-    for r, theirs in enumerate(table):
-        bad = [nm for nm, a, b in zip(names, mine.tolist(), theirs.tolist()) if a != b]
-        if bad:
-            raise ArgumentError(f"{op}: rank {rank} and rank {r} disagree on {', '.join(bad)} "
-                                f"(this rank: {mine.tolist()}, rank {r}: {theirs.tolist()})")
+    check_ranks_agree(op, {"num_experts": num_experts, "x.shape[1] (hidden size)": x.shape[1],
+                           "expert_ids.shape[1] (top_k)": expert_ids.shape[1], "x.dtype": _DTYPE_CODES[x.dtype]}, g)
     xs, sizes, meta = moe_permute(x, expert_ids, num_experts)
     el = num_experts // n
     counts = sizes.reshape(n, el).to(torch.int64)  # counts[d, e]: copies bound for rank d's local expert e

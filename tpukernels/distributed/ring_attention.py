@@ -66,6 +66,7 @@ import math
 from typing import Optional
 
 from ..errors import ArgumentError
+from .sharding import process_group
 
 __all__ = ["ring_attention", "ring_attention_torch", "zigzag_permute", "zigzag_unpermute", "TorchRingOps"]
 
@@ -506,7 +507,7 @@ def ring_attention_torch(q, k, v, group=None, *, causal: bool = False, sm_scale:
     if k.shape[2] != S or v.shape[2] != S:
         raise ArgumentError(f"{where}: q, k, v must share the local sequence length (self-attention), got "
                             f"{q.shape[2]}, {k.shape[2]}, {v.shape[2]}")
-    g = group.get_group() if hasattr(group, "get_group") else (group or dist.group.WORLD)
+    g = process_group(group)
     n = dist.get_world_size(g)
     balanced = bool(causal and load_balance and n > 1)
     if balanced and S % 2:

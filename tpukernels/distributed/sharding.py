@@ -77,6 +77,43 @@ class TensorMeta:
         return len(self.shape)
 
 
+def process_group(group):
+    """The ``torch.distributed`` process group of ``group``: a ProcessGroup as is, a 1-D ``DeviceMesh``'s group, or
+    the default group for None (the group argument of the torch-side distributed ops)."""
+    import torch.distributed as dist
+
+    if group is None:
+        return dist.group.WORLD
+    if hasattr(group, "get_group"):  # a 1-D DeviceMesh
+        return group.get_group()
+    return group
+
+
+def check_ranks_agree(op: str, fields: Mapping[str, int], group) -> None:
+    """Raise on every rank of ``group`` when the ranks disagree on any of ``fields`` (name -> int), before a
+    collective they shape: one all-gather of ``len(fields)`` int64, after which every rank sees the same table, so
+    all raise together and none is left waiting in the collective.
+
+    Raises:
+        ArgumentError: naming the fields and both ranks' values.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from ..errors import ArgumentError
+
+    names = list(fields)
+    mine = torch.tensor([int(fields[k]) for k in names], dtype=torch.int64)
+    table = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(table, mine, group=group)
+    rank = dist.get_rank(group)
+    for r, theirs in enumerate(table):
+        bad = [k for k, a, b in zip(names, mine.tolist(), theirs.tolist()) if a != b]
+        if bad:
+            raise ArgumentError(f"{op}: rank {rank} and rank {r} disagree on {', '.join(bad)} "
+                                f"(this rank: {mine.tolist()}, rank {r}: {theirs.tolist()})")
+
+
 # ---------------------------------------------------------------------------------------------- library rules
 def _present(args: Mapping, names: Sequence[str]) -> list[str]:
     return [n for n in names if isinstance(args.get(n), TensorMeta)]
@@ -172,7 +209,8 @@ def _quantized_blockwise(args: Mapping) -> list[Split]:
     """``x [M, K]`` . ``w_q [N, K_w]``^T with ``w_scale`` / ``w_zero_point [K/bs, 1, N]`` -> ``[M, N]``: over M
     (x's rows) or N (the weight's rows with their scales' last dim). K is never split: a shard boundary inside a
     scale block (or an int4 byte) would change which scale a column uses."""
-    over_n = {"w_q": 0, "w_scale": 2, **({"w_zero_point": 2} if isinstance(args.get("w_zero_point"), TensorMeta) else {})}
+    zero_point = isinstance(args.get("w_zero_point"), TensorMeta)
+    over_n = {"w_q": 0, "w_scale": 2, **({"w_zero_point": 2} if zero_point else {})}
     return [Split({"x": 0}, (0,)), Split(over_n, (1,))]
 
 

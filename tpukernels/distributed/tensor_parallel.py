@@ -1,0 +1,187 @@
+"""Tensor-parallel styles whose linears run collective matmuls: the sequence-parallel pair of TorchTitan's plans
+(``ColwiseParallel(input_layouts=Shard(1))`` after a sequence-parallel norm, ``RowwiseParallel(output_layouts=
+Shard(1))`` before the next one) with the all-gather and the reduce-scatter inside the matmul.
+
+Public API (``torch.distributed.tensor.parallel.ParallelStyle`` s for ``parallelize_module`` plans)::
+
+    CollectiveColwiseParallel(*, sequence_dim=1, output_layouts=None, use_local_output=True, check_ranks=True)
+    CollectiveRowwiseParallel(*, sequence_dim=1, output_layouts=None, use_local_output=True, check_ranks=True)
+
+What changes against torch's styles. ``ColwiseParallel(input_layouts=Shard(1))`` redistributes its input to
+``Replicate()`` (a whole all-gather, waited on) and then runs ``nn.Linear`` on the gathered activation;
+``CollectiveColwiseParallel`` passes the local shard to
+:func:`~tpukernels.distributed.collective_matmul.all_gather_matmul_torch`, which multiplies each arrived shard while
+the next one travels. ``RowwiseParallel(output_layouts=Shard(1))`` computes a partial sum ``[B, S, N]`` on every
+rank and reduce-scatters it; ``CollectiveRowwiseParallel`` runs
+:func:`~tpukernels.distributed.collective_matmul.matmul_reduce_scatter_torch`, whose float32 partial sums travel
+while the next chunk is multiplied. Only where the plan gathers (or scatters) the sequence does a collective matmul
+apply, which is why these are styles of a plan: a DTensor sharding rule (:mod:`.sharding`) runs an op on shards
+after DTensor has redistributed them, so the gather has already happened when a rule is consulted. (PyTorch's own
+answer, async TP, is a compiler pass over the same plans that needs CUDA symmetric memory.)
+
+The parameters are sharded exactly as torch's styles shard them (colwise: weight and bias ``Shard(0)``; rowwise:
+weight ``Shard(1)``, bias ``Replicate()``), so checkpoints, optimizers and FSDP see the same DTensors; only the
+module's forward differs (an instance attribute set by ``_apply``). The bias is added as a DTensor op, so its
+gradient is reduced as in torch's styles.
+
+Errors (typed, before any transfer): a module other than ``nn.Linear``, a mesh with more than one dim, a
+sequence dim the local input does not have; the ring ops' checks (ranks that disagree on shapes raise on every rank).
+"""
+
+from __future__ import annotations
+
+import types
+
+from ..errors import ArgumentError
+from .collective_matmul import all_gather_matmul_torch, matmul_reduce_scatter_torch
+
+__all__ = ["CollectiveColwiseParallel", "CollectiveRowwiseParallel"]
+
+
+def _styles():
+    import torch
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    def local_input(x, mesh, placement):
+        """The local shard of ``x`` laid out as ``placement`` (a DTensor is redistributed first)."""
+        if isinstance(x, DTensor):
+            if tuple(x.placements) != (placement,):
+                x = x.redistribute(mesh, [placement])
+            return x.to_local()
+        return x
+
+    def finish(out, mesh, style):
+        """``out`` (a DTensor) in the style's output placement, local or not."""
+        want = style.output_layouts[0]
+        if isinstance(want, Shard) and want.dim < 0:
+            want = Shard(want.dim + out.dim())
+        if tuple(out.placements) != (want,):
+            out = out.redistribute(mesh, [want])
+        return out.to_local() if style.use_local_output else out
+
+    class _Collective(ParallelStyle):
+        kind = ""
+
+        def __init__(self, *, sequence_dim: int = 1, output_layouts=None, use_local_output: bool = True,
+                     check_ranks: bool = True):
+            super().__init__()
+            if isinstance(sequence_dim, bool) or not isinstance(sequence_dim, int) or sequence_dim < 0:
+                raise ArgumentError(f"{type(self).__name__}: sequence_dim must be a non-negative int (the dim of the "
+                                    f"input's rows that the plan shards), got {sequence_dim!r}")
+            self.sequence_dim = sequence_dim
+            self.output_layouts = (output_layouts or self.default_output(sequence_dim),)
+            self.use_local_output = use_local_output
+            self.check_ranks = check_ranks
+
+        def _apply(self, module, device_mesh):
+            name = type(self).__name__
+            if not isinstance(module, torch.nn.Linear):
+                raise ArgumentError(f"{name}: applies to nn.Linear modules, got {type(module).__name__}")
+            if device_mesh.ndim != 1:
+                raise ArgumentError(f"{name}: needs a 1-D device mesh (the tensor-parallel dim), got "
+                                    f"{device_mesh.ndim} dims {tuple(device_mesh.shape)}")
+            for pname, placement in self.param_placements(module):
+                param = getattr(module, pname)
+                dist_param = torch.nn.Parameter(distribute_tensor(param, device_mesh, [placement],
+                                                                  src_data_rank=self.src_data_rank),
+                                                requires_grad=param.requires_grad)
+                module.register_parameter(pname, dist_param)
+            module.forward = types.MethodType(self.forward_fn(device_mesh), module)
+            return module
+
+        def check_input(self, x):
+            if x.dim() < 2 or self.sequence_dim >= x.dim() - 1:
+                raise ArgumentError(f"{type(self).__name__}: the input {tuple(x.shape)} has no row dim "
+                                    f"sequence_dim = {self.sequence_dim} (its last dim is the features)")
+
+        def __repr__(self) -> str:
+            return (f"{type(self).__name__}(sequence_dim={self.sequence_dim}, output_layouts={self.output_layouts}, "
+                    f"use_local_output={self.use_local_output})")
+
+    class CollectiveColwiseParallel(_Collective):
+        """``ColwiseParallel(input_layouts=Shard(sequence_dim))`` for ``nn.Linear`` with the all-gather of the
+        sequence-sharded input overlapped inside the matmul (module docstring).
+
+        Args:
+            sequence_dim: the input's sharded row dim (1 for TorchTitan's ``[B, S, D]`` activations).
+            output_layouts: the output's placement (default ``Shard(-1)``: the local columns, as ColwiseParallel).
+            use_local_output: return the local tensor (default) instead of a DTensor.
+            check_ranks: compare the ranks' shapes before the ring (one all-gather of a few int64 per call).
+        """
+
+        @staticmethod
+        def default_output(sequence_dim):
+            return Shard(-1)
+
+        @staticmethod
+        def param_placements(module):
+            return [(n, Shard(0)) for n in ("weight", "bias") if getattr(module, n, None) is not None]
+
+        def forward_fn(self, mesh):
+            style, group = self, mesh.get_group()
+
+            def forward(mod, x):
+                x = local_input(x, mesh, Shard(style.sequence_dim))
+                style.check_input(x)
+                out = all_gather_matmul_torch(x, mod.weight.to_local(), group, gather_dim=style.sequence_dim,
+                                              rhs_transpose=True, check_ranks=style.check_ranks)
+                out = DTensor.from_local(out, mesh, [Shard(out.dim() - 1)], run_check=False)
+                if mod.bias is not None:
+                    out = out + mod.bias  # Shard(0) bias on the Shard(-1) columns
+                return finish(out, mesh, style)
+
+            return forward
+
+    class CollectiveRowwiseParallel(_Collective):
+        """``RowwiseParallel(output_layouts=Shard(sequence_dim))`` for ``nn.Linear`` with the reduce-scatter of the
+        partial sums overlapped inside the matmul (module docstring). The input is feature-sharded (``Shard(-1)``,
+        a colwise output); the output is sequence-sharded.
+
+        Args:
+            sequence_dim: the output's sharded row dim; the input's size there must divide by the mesh size.
+            output_layouts: the output's placement (default ``Shard(sequence_dim)``; another placement costs a
+                redistribution after the ring).
+            use_local_output, check_ranks: as :class:`CollectiveColwiseParallel`.
+        """
+
+        @staticmethod
+        def default_output(sequence_dim):
+            return Shard(sequence_dim)
+
+        @staticmethod
+        def param_placements(module):
+            out = [("weight", Shard(1))]
+            return out + ([("bias", Replicate())] if getattr(module, "bias", None) is not None else [])
+
+        def forward_fn(self, mesh):
+            style, group = self, mesh.get_group()
+
+            def forward(mod, x):
+                x = local_input(x, mesh, Shard(x.dim() - 1))
+                style.check_input(x)
+                out = matmul_reduce_scatter_torch(x, mod.weight.to_local(), group, scatter_dim=style.sequence_dim,
+                                                  rhs_transpose=True, check_ranks=style.check_ranks)
+                out = DTensor.from_local(out, mesh, [Shard(style.sequence_dim)], run_check=False)
+                if mod.bias is not None:
+                    out = out + mod.bias  # Replicate bias on the Shard(sequence_dim) rows
+                return finish(out, mesh, style)
+
+            return forward
+
+    return CollectiveColwiseParallel, CollectiveRowwiseParallel
+
+
+_CLASSES: dict = {}
+
+
+def __getattr__(name: str):
+    """The styles subclass torch's ``ParallelStyle``, so ``torch.distributed.tensor`` (~1 s to import) loads on
+    first use of a style, not on ``import tpukernels``."""
+    if name in __all__:
+        if not _CLASSES:
+            for cls in _styles():
+                cls.__module__ = __name__
+                _CLASSES[cls.__name__] = cls
+        return _CLASSES[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
