@@ -306,6 +306,46 @@ def tensor_parallel(mesh) -> dict:
         res[name] = {"out": _err(y, yr[:, rows]), "dx": _err(xl.grad, xr.grad[:, rows]), "grads": grads,
                      "fwd_comms": counts, "out_shape": list(y.shape),
                      "placements": {pn: str(p.placements) for pn, p in model.named_parameters()}}
+    # a block whose three linears read one gathered input (attention's wq / wk / wv): CollectiveColwiseGroup vs
+    # torch's PrepareModuleInput + ColwiseParallel; wv reads a transformed input (the local fallback)
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import PrepareModuleInput
+
+    from tpukernels.distributed.tensor_parallel import CollectiveColwiseGroup
+
+    class Mixer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wq, self.wk, self.wv = torch.nn.Linear(D, H), torch.nn.Linear(D, H), torch.nn.Linear(D, H, bias=False)
+            self.wo = torch.nn.Linear(H, D)
+
+        def forward(self, x):
+            b, s, _ = x.shape  # the full sequence, as under torch's plan
+            return self.wo((self.wq(x) * torch.sigmoid(self.wk(x)) + self.wv(x * 0.5)).reshape(b, s, -1))
+
+    torch.manual_seed(1)
+    mixer = torch.nn.Sequential()
+    mixer.add_module("mix", Mixer())
+    ref = copy.deepcopy(mixer).double()
+    xr = x.double().requires_grad_()
+    yr = ref(xr)
+    (yr * dout.double()).sum().backward()
+    for name, plan in (("group", {"mix": CollectiveColwiseGroup(["wq", "wk", "wv"]),
+                                  "mix.wo": CollectiveRowwiseParallel()}),
+                       ("group_torch", {"mix": PrepareModuleInput(input_layouts=(Shard(1),),
+                                                                  desired_input_layouts=(Replicate(),)),
+                                        "mix.wq": ColwiseParallel(), "mix.wk": ColwiseParallel(),
+                                        "mix.wv": ColwiseParallel(),
+                                        "mix.wo": RowwiseParallel(output_layouts=Shard(1))})):
+        model = parallelize_module(copy.deepcopy(mixer), mesh, plan)
+        xl = x[:, rows].clone().requires_grad_()
+        with CommDebugMode() as comm:
+            y = model(xl)
+        (y * dout[:, rows]).sum().backward()
+        grads = {pn: _err(p.grad.full_tensor(), dict(ref.named_parameters())[pn].grad)
+                 for pn, p in model.named_parameters()}
+        res[name] = {"out": _err(y, yr[:, rows]), "dx": _err(xl.grad, xr.grad[:, rows]), "grads": grads,
+                     "fwd_comms": {str(k): int(v) for k, v in comm.get_comm_counts().items()}}
     # the functional ops: bf16, rows gathered / scattered on dim 0, [K, N] weights (rhs_transpose=False)
     g = torch.Generator().manual_seed(5)
     xa, wa = torch.randn(8 * n, D, generator=g), torch.randn(D, 2 * H, generator=g) / D ** 0.5
@@ -335,7 +375,8 @@ def tensor_parallel(mesh) -> dict:
             ("contraction", lambda: all_gather_matmul_torch(torch.randn(4, D), torch.randn(D + 1, H), mesh)),
             ("last_dim", lambda: all_gather_matmul_torch(torch.randn(4, D), torch.randn(D, H), mesh, gather_dim=-1)),
             ("rank_mismatch", lambda: all_gather_matmul_torch(torch.randn(4 + rank, D), torch.randn(D, H), mesh)),
-            ("not_linear", lambda: parallelize_module(torch.nn.GELU(), mesh, CollectiveColwiseParallel()))):
+            ("not_linear", lambda: parallelize_module(torch.nn.GELU(), mesh, CollectiveColwiseParallel())),
+            ("group_missing", lambda: parallelize_module(Mixer(), mesh, CollectiveColwiseGroup(["wq", "w_nope"])))):
         try:
             call()
             errors[ename] = "no error"

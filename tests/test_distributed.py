@@ -101,6 +101,12 @@ def test_two_process_group_dtensor_ops_fsdp2_expert_parallel_ring_attention_and_
         assert tp["torch"]["fwd_comms"] == {"c10d_functional.all_gather_into_tensor": 1,
                                             "c10d_functional.reduce_scatter_tensor": 1}, tp["torch"]
         assert tp["tpukernels"]["fwd_comms"] == {"c10d.allgather_": 2}, tp["tpukernels"]  # one rank check per linear
+        for style in ("group", "group_torch"):  # wq / wk / wv from one gathered input; wv through the fallback
+            c = tp[style]
+            assert max(c["out"], c["dx"], *c["grads"].values()) < 1e-5, (rank["rank"], style, c)
+            assert len(c["grads"]) == 7, c
+        assert tp["group"]["fwd_comms"] == {"c10d.allgather_": 2}, tp["group"]  # one ring for the three weights
+        assert "c10d_functional.all_gather_into_tensor" in tp["group_torch"]["fwd_comms"], tp["group_torch"]
         for op in ("ag_bf16", "rs_bf16"):  # bf16 operands, float64 reference from them: the bf16 output rounding
             assert max(tp[op].values()) < 1e-2, (rank["rank"], op, tp[op])
         errs = tp["errors"]
@@ -108,6 +114,7 @@ def test_two_process_group_dtensor_ops_fsdp2_expert_parallel_ring_attention_and_
         assert "contraction dims differ" in errs["contraction"] and "the contraction dim K" in errs["last_dim"], errs
         assert "disagree on x.shape[0]" in errs["rank_mismatch"], errs  # raised on every rank, none hangs
         assert "applies to nn.Linear modules" in errs["not_linear"], errs
+        assert "has no nn.Linear 'w_nope'" in errs["group_missing"], errs
 
 
 # ------------------------------------------------------------------------------------------ rules (no group)

@@ -244,74 +244,88 @@ def _mm_torch(a, w, rhs_transpose: bool, out_dtype=None):
     return matmul(a, w.t() if rhs_transpose else w, out_dtype=out_dtype)  # w.t(): read in place (matmul_nt)
 
 
-def _ag_mm_rows(ring: _TorchRing, x, w, rhs_transpose: bool):
-    """``(all_gather(x) @ w, all_gather(x))`` for 2-D ``x [m, K]``: rank ``i`` multiplies the shard of rank
-    ``(i - s) mod n`` at step ``s`` while passing it on."""
+def _ag_mm_rows(ring: _TorchRing, x, ws, rhs_transpose: bool):
+    """``([all_gather(x) @ w for w in ws], all_gather(x))`` for 2-D ``x [m, K]``: rank ``i`` multiplies the shard of
+    rank ``(i - s) mod n`` at step ``s`` by every weight while passing the shard on (one transfer for all ``ws``)."""
     import torch
 
     n, i = ring.n, ring.rank
-    outs, shards, chunk = [None] * n, [None] * n, x
+    outs, shards, chunk = [[None] * n for _ in ws], [None] * n, x
     for s in range(n):
-        pending = ring.start_shift(chunk) if s < n - 1 else None  # overlaps the matmul below
+        pending = ring.start_shift(chunk) if s < n - 1 else None  # overlaps the matmuls below
         src = (i - s) % n
-        outs[src], shards[src] = _mm_torch(chunk, w, rhs_transpose), chunk
+        for out, w in zip(outs, ws):
+            out[src] = _mm_torch(chunk, w, rhs_transpose)
+        shards[src] = chunk
         if pending is not None:
             ring.wait(pending[1])
             chunk = pending[0]
-    return torch.cat(outs), torch.cat(shards)
+    return [torch.cat(o) for o in outs], torch.cat(shards)
 
 
-def _mm_rs_rows(ring: _TorchRing, x, w, rhs_transpose: bool):
-    """``reduce_scatter(x @ w, rows)`` for 2-D ``x [M, K_local]``: float32 partial sums passed right, row chunk
-    ``(i - 1 - s) mod n`` at step ``s``, so chunk ``c`` ends complete at rank ``c``."""
+def _mm_rs_rows(ring: _TorchRing, pairs, rhs_transpose: bool, extra=None, dtype=None):
+    """``reduce_scatter(sum(x @ w for x, w in pairs) + extra, rows)`` for 2-D ``x [M, K_j]`` (``extra``: None or
+    ``[M, N]`` added before the reduction): float32 partial sums passed right, row chunk ``(i - 1 - s) mod n`` at
+    step ``s``, so chunk ``c`` ends complete at rank ``c``; rounded once to ``dtype``."""
     import torch
 
     n, i = ring.n, ring.rank
-    m = x.shape[0] // n
+    M = (pairs[0][0] if pairs else extra).shape[0]
+    m = M // n
     acc, pending = None, None
     for s in range(n):
         c = (i - 1 - s) % n
-        part = _mm_torch(x[c * m:(c + 1) * m], w, rhs_transpose, out_dtype=torch.float32)  # overlaps the transfer
+        part = None if extra is None else extra[c * m:(c + 1) * m].float()
+        for x, w in pairs:  # overlap the transfer
+            p = _mm_torch(x[c * m:(c + 1) * m], w, rhs_transpose, out_dtype=torch.float32)
+            part = p if part is None else part + p
         if pending is not None:
             ring.wait(pending[1])
             part = part + pending[0]
         acc = part
         pending = ring.start_shift(acc) if s < n - 1 else None
-    return acc.to(x.dtype)
+    return acc.to(dtype)
 
 
 def _torch_functions():
     import torch
 
     class AllGatherMatmul(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, w, ring, rhs_transpose):
-            out, gathered = _ag_mm_rows(ring, x, w, rhs_transpose)
-            ctx.save_for_backward(gathered, w)
-            ctx.ring, ctx.rhs_transpose = ring, rhs_transpose
-            return out
+        """``(x, ring, rhs_transpose, return_gathered, *ws) -> ([gathered,] *outs)``."""
 
         @staticmethod
-        def backward(ctx, dout):
-            gathered, w = ctx.saved_tensors
+        def forward(ctx, x, ring, rhs_transpose, return_gathered, *ws):
+            outs, gathered = _ag_mm_rows(ring, x, ws, rhs_transpose)
+            ctx.save_for_backward(gathered, *ws)
+            ctx.ring, ctx.rhs_transpose, ctx.return_gathered = ring, rhs_transpose, return_gathered
+            return (gathered, *outs) if return_gathered else tuple(outs)
+
+        @staticmethod
+        def backward(ctx, *grads):
+            gathered, *ws = ctx.saved_tensors
             rt = ctx.rhs_transpose
-            dout = dout.contiguous()
-            dx = _mm_rs_rows(ctx.ring, dout, w, not rt)  # dx_full = dout @ w^T, summed over ranks, scattered
-            dw = _mm_torch(dout.t(), gathered, False) if rt else _mm_torch(gathered.t(), dout, False)
-            return dx, dw, None, None
+            dgathered, douts = (grads[0], grads[1:]) if ctx.return_gathered else (None, grads)
+            pairs = [(d.contiguous(), w) for d, w in zip(douts, ws) if d is not None]
+            if pairs or dgathered is not None:  # dx_full = dgathered + sum_j dout_j @ w_j^T, summed over ranks
+                dx = _mm_rs_rows(ctx.ring, pairs, not rt, dgathered, gathered.dtype)
+            else:
+                dx = torch.zeros(gathered.shape[0] // ctx.ring.n, gathered.shape[1], dtype=gathered.dtype)
+            dws = [None if d is None else _mm_torch(d.t(), gathered, False) if rt else _mm_torch(gathered.t(), d, False)
+                   for d in douts]
+            return (dx, None, None, None, *dws)
 
     class MatmulReduceScatter(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x, w, ring, rhs_transpose):
             ctx.save_for_backward(x, w)
             ctx.ring, ctx.rhs_transpose = ring, rhs_transpose
-            return _mm_rs_rows(ring, x, w, rhs_transpose)
+            return _mm_rs_rows(ring, [(x, w)], rhs_transpose, dtype=x.dtype)
 
         @staticmethod
         def backward(ctx, dout):
             x, w = ctx.saved_tensors
             rt = ctx.rhs_transpose
-            dx, dout_full = _ag_mm_rows(ctx.ring, dout.contiguous(), w, not rt)  # dx = dout_full @ w^T
+            (dx,), dout_full = _ag_mm_rows(ctx.ring, dout.contiguous(), [w], not rt)  # dx = dout_full @ w^T
             dw = _mm_torch(dout_full.t(), x, False) if rt else _mm_torch(x.t(), dout_full, False)
             return dx, dw, None, None
 
@@ -321,30 +335,35 @@ def _torch_functions():
 _FUNCTIONS: list = []
 
 
-def _torch_checked(op: str, x, w, group, dim: int, rhs_transpose: bool, check_ranks: bool, split: str):
-    """Checks shared by the two torch ops: ``(ring, dim, K, N)``; ``split``: "gather" or "scatter"."""
+def _torch_checked(op: str, x, ws, group, dim: int, rhs_transpose: bool, check_ranks: bool, split: str):
+    """Checks shared by the two torch ops: ``(ring, dim, K, [N of each w])``; ``split``: "gather" or "scatter"."""
     import torch
 
     from .sharding import check_ranks_agree, process_group
 
-    for t, nm in ((x, "x"), (w, "w")):
-        if not isinstance(t, torch.Tensor):
-            raise ArgumentError(f"{op}: {nm} must be a torch.Tensor, got {type(t).__name__}")
-    if x.dim() < 2 or w.dim() != 2:
+    if not isinstance(x, torch.Tensor):
+        raise ArgumentError(f"{op}: x must be a torch.Tensor, got {type(x).__name__}")
+    if not ws:
+        raise ArgumentError(f"{op}: w must be a tensor or a non-empty sequence of tensors")
+    for j, w in enumerate(ws):
+        if not isinstance(w, torch.Tensor):
+            raise ArgumentError(f"{op}: w[{j}] must be a torch.Tensor, got {type(w).__name__}")
+    if x.dim() < 2 or any(w.dim() != 2 for w in ws):
         raise ArgumentError(f"{op}: x must be [..., K] with at least 2 dims and w 2-D ([K, N], or [N, K] with "
-                            f"rhs_transpose), got {tuple(x.shape)} and {tuple(w.shape)}")
-    if str(x.dtype) not in _DTYPE_CODES or w.dtype != x.dtype:
-        raise ArgumentError(f"{op}: x and w must share one of bfloat16, float16, float32, got {x.dtype} and {w.dtype}")
+                            f"rhs_transpose), got {tuple(x.shape)} and {[tuple(w.shape) for w in ws]}")
+    if str(x.dtype) not in _DTYPE_CODES or any(w.dtype != x.dtype for w in ws):
+        raise ArgumentError(f"{op}: x and w must share one of bfloat16, float16, float32, got {x.dtype} and "
+                            f"{[w.dtype for w in ws]}")
     if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
         raise ArgumentError(f"{op}: {split}_dim must be an int naming a dim of x {tuple(x.shape)}, got {dim!r}")
     dim = dim % x.dim()
     if dim == x.dim() - 1:
         raise ArgumentError(f"{op}: {split}_dim = {dim} is x's last dim, the contraction dim K; name a row dim")
     K = x.shape[-1]
-    Kw, N = (w.shape[1], w.shape[0]) if rhs_transpose else tuple(w.shape)
-    if Kw != K:
-        raise ArgumentError(f"{op}: contraction dims differ: x is [..., K] = {tuple(x.shape)}, w is "
-                            f"{'[N, K]' if rhs_transpose else '[K, N]'} = {tuple(w.shape)}")
+    for w in ws:
+        if (w.shape[1] if rhs_transpose else w.shape[0]) != K:
+            raise ArgumentError(f"{op}: contraction dims differ: x is [..., K] = {tuple(x.shape)}, w is "
+                                f"{'[N, K]' if rhs_transpose else '[K, N]'} = {tuple(w.shape)}")
     g = process_group(group)
     ring = _TorchRing(g)
     if split == "scatter" and x.shape[dim] % ring.n:
@@ -352,48 +371,61 @@ def _torch_checked(op: str, x, w, group, dim: int, rhs_transpose: bool, check_ra
                             f"(each rank gets an equal share of the reduced rows)")
     if check_ranks and ring.n > 1:
         fields = {f"x.shape[{d}]": s for d, s in enumerate(x.shape)}
-        fields.update({"x.dim()": x.dim(), f"{split}_dim": dim, "w.shape[0]": w.shape[0], "w.shape[1]": w.shape[1],
-                       "x.dtype": _DTYPE_CODES[str(x.dtype)], "rhs_transpose": rhs_transpose})
+        fields.update({"x.dim()": x.dim(), f"{split}_dim": dim, "x.dtype": _DTYPE_CODES[str(x.dtype)],
+                       "rhs_transpose": rhs_transpose, "len(w)": len(ws)})
+        for j, w in enumerate(ws):
+            fields.update({f"w[{j}].shape[0]": w.shape[0], f"w[{j}].shape[1]": w.shape[1]})
         check_ranks_agree(op, fields, g)
-    return ring, dim, K, N
+    return ring, dim, K, [w.shape[0] if rhs_transpose else w.shape[1] for w in ws]
+
+
+def _functions():
+    if not _FUNCTIONS:
+        _FUNCTIONS.extend(_torch_functions())
+    return _FUNCTIONS
 
 
 def all_gather_matmul_torch(x, w, group=None, *, gather_dim: int = 0, rhs_transpose: bool = False,
-                            check_ranks: bool = True):
+                            return_gathered: bool = False, check_ranks: bool = True):
     """:func:`all_gather_matmul` for torch tensors on the ranks of a ``torch.distributed`` group: every rank
-    passes its shard of x (rows along ``gather_dim``) and its columns of w, and gets ``all_gather(x) @ w``'s
-    columns; the shards travel a ring (batched isend / irecv) while each arrived shard is multiplied.
-    Differentiable: dx is a matmul reduce-scatter of ``dout``, dw uses the gathered x the forward kept. Every rank
-    of ``group`` must call it. The counterpart of ``torch.ops.symm_mem.fused_all_gather_matmul(A_shard, [B],
-    gather_dim, group_name)`` (async TP; CUDA symmetric memory), with the gathered x kept for the backward rather
-    than returned.
+    passes its shard of x (rows along ``gather_dim``) and its columns of one or several weights, and gets
+    ``all_gather(x) @ w``'s columns for each; the shards travel a ring (batched isend / irecv) while each arrived
+    shard is multiplied (by every weight: one transfer serves q, k and v). Differentiable: dx is one matmul
+    reduce-scatter of the ``dout @ w^T`` sums, dw uses the gathered x the forward kept. Every rank of ``group``
+    must call it. The counterpart of ``torch.ops.symm_mem.fused_all_gather_matmul(A_shard, Bs, gather_dim,
+    group_name, return_A=...)`` (async TP; CUDA symmetric memory).
 
     Args:
         x: ``[..., K]`` this rank's shard of the rows (bf16 / f16 / f32): the global x is the concatenation of the
             ranks' shards along ``gather_dim`` in rank order. Shards are equal across ranks.
         w: ``[K, N_local]``, or ``[N_local, K]`` with ``rhs_transpose`` (an ``nn.Linear`` weight sharded as
-            ``ColwiseParallel`` shards it), x's dtype.
+            ``ColwiseParallel`` shards it), x's dtype; or a list / tuple of such weights (``N_local`` may differ).
         group: a ProcessGroup, a 1-D ``DeviceMesh`` or None (the default group).
         gather_dim: the dim of x the shards are concatenated on (any but the last; the sequence dim 1 of a
             ``[B, S, D]`` activation under sequence parallelism).
+        return_gathered: also return the gathered x (differentiable: its gradient is reduce-scattered with dx).
         check_ranks: first compare the ranks' shapes, dtype and dims (one all-gather of a few int64), so that ranks
             that disagree raise instead of blocking in the ring.
 
     Returns:
-        x's shape with ``gather_dim`` n times longer and the last dim ``N_local``, in x's dtype.
+        For one weight, x's shape with ``gather_dim`` n times longer and the last dim ``N_local`` in x's dtype; for
+        a list, a list of those; with ``return_gathered``, ``(gathered x, that)``.
 
     Raises:
         ArgumentError: not tensors, ranks, dtypes, contraction dims, ``gather_dim`` the last dim or out of range;
             ranks that disagree (on every rank, with ``check_ranks``).
     """
     op = "tpukernels.distributed.all_gather_matmul_torch"
-    ring, dim, K, N = _torch_checked(op, x, w, group, gather_dim, rhs_transpose, check_ranks, "gather")
-    if not _FUNCTIONS:
-        _FUNCTIONS.extend(_torch_functions())
+    many = isinstance(w, (list, tuple))
+    ws = list(w) if many else [w]
+    ring, dim, K, Ns = _torch_checked(op, x, ws, group, gather_dim, rhs_transpose, check_ranks, "gather")
     xm = x.movedim(dim, 0)  # rows of one shard contiguous in gather order: [s_local * rest, K]
     rest = xm.shape[1:-1]
-    out = _FUNCTIONS[0].apply(xm.reshape(-1, K), w, ring, rhs_transpose)
-    return out.reshape(ring.n * xm.shape[0], *rest, N).movedim(0, dim)
+    res = _functions()[0].apply(xm.reshape(-1, K), ring, rhs_transpose, return_gathered, *ws)
+    rows = ring.n * xm.shape[0]
+    outs = [o.reshape(rows, *rest, N).movedim(0, dim) for o, N in zip(res[1:] if return_gathered else res, Ns)]
+    out = outs if many else outs[0]
+    return (res[0].reshape(rows, *rest, K).movedim(0, dim), out) if return_gathered else out
 
 
 def matmul_reduce_scatter_torch(x, w, group=None, *, scatter_dim: int = 0, rhs_transpose: bool = False,
@@ -421,10 +453,8 @@ def matmul_reduce_scatter_torch(x, w, group=None, *, scatter_dim: int = 0, rhs_t
             size.
     """
     op = "tpukernels.distributed.matmul_reduce_scatter_torch"
-    ring, dim, K, N = _torch_checked(op, x, w, group, scatter_dim, rhs_transpose, check_ranks, "scatter")
-    if not _FUNCTIONS:
-        _FUNCTIONS.extend(_torch_functions())
+    ring, dim, K, (N,) = _torch_checked(op, x, [w], group, scatter_dim, rhs_transpose, check_ranks, "scatter")
     xm = x.movedim(dim, 0).contiguous()  # row chunk r (rank r's share) contiguous
     rest = xm.shape[1:-1]
-    out = _FUNCTIONS[1].apply(xm.reshape(-1, K), w, ring, rhs_transpose)
+    out = _functions()[1].apply(xm.reshape(-1, K), w, ring, rhs_transpose)
     return out.reshape(xm.shape[0] // ring.n, *rest, N).movedim(0, dim)

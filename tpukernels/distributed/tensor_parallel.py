@@ -6,6 +6,7 @@ Public API (``torch.distributed.tensor.parallel.ParallelStyle`` s for ``parallel
 
     CollectiveColwiseParallel(*, sequence_dim=1, output_layouts=None, use_local_output=True, check_ranks=True)
     CollectiveRowwiseParallel(*, sequence_dim=1, output_layouts=None, use_local_output=True, check_ranks=True)
+    CollectiveColwiseGroup(linears, *, sequence_dim=1, check_ranks=True)   # on the module owning wq / wk / wv
 
 What changes against torch's styles. ``ColwiseParallel(input_layouts=Shard(1))`` redistributes its input to
 ``Replicate()`` (a whole all-gather, waited on) and then runs ``nn.Linear`` on the gathered activation;
@@ -18,6 +19,11 @@ while the next chunk is multiplied. Only where the plan gathers (or scatters) th
 apply, which is why these are styles of a plan: a DTensor sharding rule (:mod:`.sharding`) runs an op on shards
 after DTensor has redistributed them, so the gather has already happened when a rule is consulted. (PyTorch's own
 answer, async TP, is a compiler pass over the same plans that needs CUDA symmetric memory.)
+
+TorchTitan-style plans gather once per block for several linears (``PrepareModuleInput`` on ``attention`` ahead
+of ``ColwiseParallel`` wq / wk / wv, and on ``feed_forward`` ahead of w1 / w3). ``CollectiveColwiseGroup`` replaces
+that pair: applied to the block, it runs one ring whose every arrived shard is multiplied by all the listed weights
+(``fused_all_gather_matmul``'s list of ``Bs``), and hands the block the gathered input its code expects.
 
 The parameters are sharded exactly as torch's styles shard them (colwise: weight and bias ``Shard(0)``; rowwise:
 weight ``Shard(1)``, bias ``Replicate()``), so checkpoints, optimizers and FSDP see the same DTensors; only the
@@ -35,7 +41,7 @@ import types
 from ..errors import ArgumentError
 from .collective_matmul import all_gather_matmul_torch, matmul_reduce_scatter_torch
 
-__all__ = ["CollectiveColwiseParallel", "CollectiveRowwiseParallel"]
+__all__ = ["CollectiveColwiseParallel", "CollectiveRowwiseParallel", "CollectiveColwiseGroup"]
 
 
 def _styles():
@@ -169,7 +175,88 @@ def _styles():
 
             return forward
 
-    return CollectiveColwiseParallel, CollectiveRowwiseParallel
+    class CollectiveColwiseGroup(ParallelStyle):
+        """``PrepareModuleInput(input_layouts=Shard(sequence_dim), desired_input_layouts=Replicate())`` on a module
+        plus ``ColwiseParallel()`` on its linears ``linears`` (attention's wq / wk / wv, a gated MLP's w1 / w3), with
+        one all-gather for all of them inside the matmuls (module docstring).
+
+        The module's forward receives the gathered input, as under torch's plan (a local tensor: the full
+        sequence), while its linears' outputs are already computed by one ring (one transfer per shard for every
+        weight). A listed linear called with that gathered tensor returns its output from the ring; called with
+        anything else (the module transformed its input first) it computes ``F.linear`` on what it gets, as
+        ``ColwiseParallel`` with a replicated input would. The gathered input's gradient is reduce-scattered with
+        the linears' dx.
+
+        Args:
+            linears: the submodule names (``nn.Linear``) that read the module's first input.
+            sequence_dim: the input's sharded row dim (1 for ``[B, S, D]``).
+            check_ranks: as :class:`CollectiveColwiseParallel`.
+
+        Outputs of the listed linears: local tensors (their columns), as ``ColwiseParallel()``'s.
+        """
+
+        def __init__(self, linears, *, sequence_dim: int = 1, check_ranks: bool = True):
+            super().__init__()
+            if isinstance(linears, str) or not linears or not all(isinstance(n, str) for n in linears):
+                raise ArgumentError(f"CollectiveColwiseGroup: linears must be a non-empty list of submodule names, "
+                                    f"got {linears!r}")
+            if isinstance(sequence_dim, bool) or not isinstance(sequence_dim, int) or sequence_dim < 0:
+                raise ArgumentError(f"CollectiveColwiseGroup: sequence_dim must be a non-negative int, got "
+                                    f"{sequence_dim!r}")
+            self.linears, self.sequence_dim, self.check_ranks = tuple(linears), sequence_dim, check_ranks
+
+        def _apply(self, module, device_mesh):
+            if device_mesh.ndim != 1:
+                raise ArgumentError(f"CollectiveColwiseGroup: needs a 1-D device mesh, got {device_mesh.ndim} dims")
+            children = []
+            for name in self.linears:
+                try:
+                    child = module.get_submodule(name)
+                except AttributeError:
+                    child = None
+                if not isinstance(child, torch.nn.Linear):
+                    raise ArgumentError(f"CollectiveColwiseGroup: {type(module).__name__} has no nn.Linear {name!r} "
+                                        f"(got {type(child).__name__})")
+                for pname in ("weight", "bias"):
+                    param = getattr(child, pname, None)
+                    if param is not None:
+                        child.register_parameter(pname, torch.nn.Parameter(
+                            distribute_tensor(param, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank),
+                            requires_grad=param.requires_grad))
+                children.append(child)
+            style, group, state = self, device_mesh.get_group(), {}
+
+            def pre_hook(mod, args):
+                x = local_input(args[0], device_mesh, Shard(style.sequence_dim))
+                if x.dim() < 2 or style.sequence_dim >= x.dim() - 1:
+                    raise ArgumentError(f"CollectiveColwiseGroup: the input {tuple(x.shape)} has no row dim "
+                                        f"sequence_dim = {style.sequence_dim}")
+                gathered, outs = all_gather_matmul_torch(
+                    x, [c.weight.to_local() for c in children], group, gather_dim=style.sequence_dim,
+                    rhs_transpose=True, return_gathered=True, check_ranks=style.check_ranks)
+                state.update(x=gathered, outs={id(c): o for c, o in zip(children, outs)})
+                return (gathered, *args[1:])
+
+            def post_hook(mod, args, out):
+                state.clear()
+
+            def child_forward(child, inp):
+                out = state.get("outs", {}).pop(id(child), None)
+                if out is None or inp is not state.get("x"):  # not the gathered input: a colwise linear on it
+                    inp = inp.redistribute(device_mesh, [Replicate()]).to_local() if isinstance(inp, DTensor) else inp
+                    out = torch.nn.functional.linear(inp, child.weight.to_local())
+                return out if child.bias is None else out + child.bias.to_local()
+
+            module.register_forward_pre_hook(pre_hook)
+            module.register_forward_hook(post_hook)
+            for child in children:
+                child.forward = types.MethodType(child_forward, child)
+            return module
+
+        def __repr__(self) -> str:
+            return f"CollectiveColwiseGroup(linears={list(self.linears)}, sequence_dim={self.sequence_dim})"
+
+    return CollectiveColwiseParallel, CollectiveRowwiseParallel, CollectiveColwiseGroup
 
 
 _CLASSES: dict = {}
