@@ -222,7 +222,8 @@ class _TorchRing:
         self.left = dist.get_global_rank(group, (self.rank - 1) % self.n)
 
     def start_shift(self, t):
-        """Start sending ``t`` right and receiving its twin from the left: ``(receive buffer, requests)``."""
+        """Start sending ``t`` right and receiving its twin from the left: ``(receive buffer, pending)``, where
+        ``pending`` (for :meth:`wait`) also holds the buffer being sent until the transfer is done."""
         import torch
 
         dist = self.dist
@@ -230,11 +231,11 @@ class _TorchRing:
         recv = torch.empty_like(t)
         reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, self.right, self.group),
                                        dist.P2POp(dist.irecv, recv, self.left, self.group)])
-        return recv, reqs
+        return recv, (reqs, t)
 
     @staticmethod
-    def wait(reqs):
-        for r in reqs:
+    def wait(pending):
+        for r in pending[0]:
             r.wait()
 
 
@@ -306,12 +307,16 @@ def _torch_functions():
             rt = ctx.rhs_transpose
             dgathered, douts = (grads[0], grads[1:]) if ctx.return_gathered else (None, grads)
             pairs = [(d.contiguous(), w) for d, w in zip(douts, ws) if d is not None]
-            if pairs or dgathered is not None:  # dx_full = dgathered + sum_j dout_j @ w_j^T, summed over ranks
-                dx = _mm_rs_rows(ctx.ring, pairs, not rt, dgathered, gathered.dtype)
-            else:
-                dx = torch.zeros(gathered.shape[0] // ctx.ring.n, gathered.shape[1], dtype=gathered.dtype)
-            dws = [None if d is None else _mm_torch(d.t(), gathered, False) if rt else _mm_torch(gathered.t(), d, False)
-                   for d in douts]
+            dx = None
+            if ctx.needs_input_grad[0]:  # the same on every rank (one model), so every rank runs the ring or none
+                if pairs or dgathered is not None:  # dx_full = dgathered + sum_j dout_j @ w_j^T over ranks
+                    dx = _mm_rs_rows(ctx.ring, pairs, not rt, dgathered, gathered.dtype)
+                else:
+                    dx = torch.zeros(gathered.shape[0] // ctx.ring.n, gathered.shape[1], dtype=gathered.dtype,
+                                     device=gathered.device)
+            dws = [None if d is None or not ctx.needs_input_grad[4 + j]
+                   else _mm_torch(d.t(), gathered, False) if rt else _mm_torch(gathered.t(), d, False)
+                   for j, d in enumerate(douts)]
             return (dx, None, None, None, *dws)
 
     class MatmulReduceScatter(torch.autograd.Function):
@@ -375,7 +380,7 @@ def _torch_checked(op: str, x, ws, group, dim: int, rhs_transpose: bool, check_r
                        "rhs_transpose": rhs_transpose, "len(w)": len(ws)})
         for j, w in enumerate(ws):
             fields.update({f"w[{j}].shape[0]": w.shape[0], f"w[{j}].shape[1]": w.shape[1]})
-        check_ranks_agree(op, fields, g)
+        check_ranks_agree(op, fields, g, device=x.device)
     return ring, dim, K, [w.shape[0] if rhs_transpose else w.shape[1] for w in ws]
 
 

@@ -89,10 +89,11 @@ def process_group(group):
     return group
 
 
-def check_ranks_agree(op: str, fields: Mapping[str, int], group) -> None:
+def check_ranks_agree(op: str, fields: Mapping[str, int], group, device=None) -> None:
     """Raise on every rank of ``group`` when the ranks disagree on any of ``fields`` (name -> int), before a
-    collective they shape: one all-gather of ``len(fields)`` int64, after which every rank sees the same table, so
-    all raise together and none is left waiting in the collective.
+    collective they shape: one all-gather of ``len(fields)`` int64 on ``device`` (default cpu: the device the
+    group's backend communicates, e.g. the tensors' own), after which every rank sees the same table, so all raise
+    together and none is left waiting in the collective.
 
     Raises:
         ArgumentError: naming the fields and both ranks' values.
@@ -103,7 +104,7 @@ def check_ranks_agree(op: str, fields: Mapping[str, int], group) -> None:
     from ..errors import ArgumentError
 
     names = list(fields)
-    mine = torch.tensor([int(fields[k]) for k in names], dtype=torch.int64)
+    mine = torch.tensor([int(fields[k]) for k in names], dtype=torch.int64, device=device)
     table = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(table, mine, group=group)
     rank = dist.get_rank(group)
