@@ -44,9 +44,11 @@ def tmp_cache(tmp_path, monkeypatch):
 
 #: Test modules that import torchax: ``import torchax`` renames torch's PrivateUse1 backend to "jax" for the
 #: rest of the process, after which torch.compile fails on cpu ("PyTorch is not linked with support for jax
-#: devices", torch 2.13 + torchax 0.0.13). They run last, so no other test shares a process with torchax after
-#: it loads: pytest-xdist's load scheduling hands items out in collection order and each worker runs its items
-#: in the order it got them, so whatever a worker runs after one of these is one of these too.
+#: devices", torch 2.13 + torchax 0.0.13). They are marked ``torchax`` and ``make test`` runs them in a pytest
+#: run of their own, after the rest. Ordering alone was not enough: when a worker crashes (XLA:CPU's compile
+#: SIGSEGV, about once per run), pytest-xdist puts the crashed worker's remaining items at the END of its queue,
+#: behind these modules, so a torch.compile test could land in a process torchax had already renamed (seen:
+#: 7 failures after one crash at 58%). Within one run they still sort last (plain ``pytest`` and ``make test-slow``).
 TORCHAX_MODULES = ("test_torchax_ops.py", "test_vllm_tpu.py", "test_vllm_tpu_linear_attention.py",
                    "test_vllm_tpu_mla.py")
 
@@ -112,6 +114,9 @@ def _fast_interpret_is_slow(items):
 def pytest_collection_modifyitems(config, items):
     _sample_compile_only_chips(items)
     _fast_interpret_is_slow(items)
+    for item in items:
+        if item.path.name in TORCHAX_MODULES:
+            item.add_marker(pytest.mark.torchax)
     items.sort(key=lambda item: item.path.name in TORCHAX_MODULES)  # stable: the order is otherwise kept
 
 
