@@ -264,7 +264,7 @@ def _ag_mm_rows(ring: _TorchRing, x, ws, rhs_transpose: bool):
     return [torch.cat(o) for o in outs], torch.cat(shards)
 
 
-def _mm_rs_rows(ring: _TorchRing, pairs, rhs_transpose: bool, extra=None, dtype=None):
+def _mm_rs_rows(ring: _TorchRing, pairs, rhs_transpose: bool, extra, dtype):
     """``reduce_scatter(sum(x @ w for x, w in pairs) + extra, rows)`` for 2-D ``x [M, K_j]`` (``extra``: None or
     ``[M, N]`` added before the reduction): float32 partial sums passed right, row chunk ``(i - 1 - s) mod n`` at
     step ``s``, so chunk ``c`` ends complete at rank ``c``; rounded once to ``dtype``."""
@@ -324,7 +324,7 @@ def _torch_functions():
         def forward(ctx, x, w, ring, rhs_transpose):
             ctx.save_for_backward(x, w)
             ctx.ring, ctx.rhs_transpose = ring, rhs_transpose
-            return _mm_rs_rows(ring, [(x, w)], rhs_transpose, dtype=x.dtype)
+            return _mm_rs_rows(ring, [(x, w)], rhs_transpose, None, x.dtype)
 
         @staticmethod
         def backward(ctx, dout):
