@@ -59,6 +59,20 @@ def _compare(name, fn, inputs: dict, placements: dict, mesh):
     }
 
 
+def _errors(*cases) -> dict:
+    """``{name: the ArgumentError's message, or "no error"}`` of each ``(name, call)``."""
+    from tpukernels.errors import ArgumentError
+
+    out = {}
+    for name, call in cases:
+        try:
+            call()
+            out[name] = "no error"
+        except ArgumentError as exc:
+            out[name] = str(exc)
+    return out
+
+
 def dtensor_checks(mesh) -> list[dict]:
     from torch.distributed.tensor import Replicate, Shard
 
@@ -142,7 +156,6 @@ def expert_parallel(mesh) -> dict:
     import torch.distributed as dist
 
     from tpukernels.distributed.expert_parallel import ep_combine, ep_dispatch
-    from tpukernels.errors import ArgumentError
 
     rank, n = dist.get_rank(), dist.get_world_size()
     E, D, O, k = 4, 128, 128, 2
@@ -182,17 +195,10 @@ def expert_parallel(mesh) -> dict:
                      "dW": _err(W_local.grad, dW[rank * el:(rank + 1) * el]), "rows": int(xs.shape[0]),
                      "sizes": sizes.tolist(), "want_sizes": counts.tolist()}
     res["torchtitan"] = _torchtitan_dispatcher_parity(mesh, W, E, D, k, el, rank)
-    errors = {}
-    for name, call in (
-            ("indivisible", lambda: ep_dispatch(torch.randn(3, D), torch.zeros(3, k, dtype=torch.long), 3, mesh)),
-            ("hidden_mismatch", lambda: ep_dispatch(torch.randn(3, D * (1 + rank)), torch.zeros(3, k, dtype=torch.long),
-                                                    E, mesh))):
-        try:
-            call()
-            errors[name] = "no error"
-        except ArgumentError as exc:
-            errors[name] = str(exc)
-    res["errors"] = errors
+    res["errors"] = _errors(
+        ("indivisible", lambda: ep_dispatch(torch.randn(3, D), torch.zeros(3, k, dtype=torch.long), 3, mesh)),
+        ("hidden_mismatch", lambda: ep_dispatch(torch.randn(3, D * (1 + rank)), torch.zeros(3, k, dtype=torch.long),
+                                                E, mesh)))
     return res
 
 
@@ -275,7 +281,6 @@ def tensor_parallel(mesh) -> dict:
 
     from tpukernels.distributed.collective_matmul import all_gather_matmul_torch, matmul_reduce_scatter_torch
     from tpukernels.distributed.tensor_parallel import CollectiveColwiseParallel, CollectiveRowwiseParallel
-    from tpukernels.errors import ArgumentError
 
     rank, n = dist.get_rank(), dist.get_world_size()
     B, S, D, H = 2, 16, 128, 256
@@ -369,20 +374,13 @@ def tensor_parallel(mesh) -> dict:
     res["rs_bf16"] = {"out": _err(out2, full.chunk(n)[rank]),
                       "dx": _err(xs2.grad, (db.double() @ wk.double().T).chunk(n, 1)[rank]),
                       "dw": _err(ws2.grad, (xk[rank].T @ db.double()))}
-    errors = {}
-    for ename, call in (
-            ("indivisible", lambda: matmul_reduce_scatter_torch(torch.randn(3, D), torch.randn(D, H), mesh)),
-            ("contraction", lambda: all_gather_matmul_torch(torch.randn(4, D), torch.randn(D + 1, H), mesh)),
-            ("last_dim", lambda: all_gather_matmul_torch(torch.randn(4, D), torch.randn(D, H), mesh, gather_dim=-1)),
-            ("rank_mismatch", lambda: all_gather_matmul_torch(torch.randn(4 + rank, D), torch.randn(D, H), mesh)),
-            ("not_linear", lambda: parallelize_module(torch.nn.GELU(), mesh, CollectiveColwiseParallel())),
-            ("group_missing", lambda: parallelize_module(Mixer(), mesh, CollectiveColwiseGroup(["wq", "w_nope"])))):
-        try:
-            call()
-            errors[ename] = "no error"
-        except ArgumentError as exc:
-            errors[ename] = str(exc)
-    res["errors"] = errors
+    res["errors"] = _errors(
+        ("indivisible", lambda: matmul_reduce_scatter_torch(torch.randn(3, D), torch.randn(D, H), mesh)),
+        ("contraction", lambda: all_gather_matmul_torch(torch.randn(4, D), torch.randn(D + 1, H), mesh)),
+        ("last_dim", lambda: all_gather_matmul_torch(torch.randn(4, D), torch.randn(D, H), mesh, gather_dim=-1)),
+        ("rank_mismatch", lambda: all_gather_matmul_torch(torch.randn(4 + rank, D), torch.randn(D, H), mesh)),
+        ("not_linear", lambda: parallelize_module(torch.nn.GELU(), mesh, CollectiveColwiseParallel())),
+        ("group_missing", lambda: parallelize_module(Mixer(), mesh, CollectiveColwiseGroup(["wq", "w_nope"]))))
     return res
 
 
