@@ -313,7 +313,7 @@ def tensor_parallel(mesh) -> dict:
                      "placements": {pn: str(p.placements) for pn, p in model.named_parameters()}}
     # a block whose three linears read one gathered input (attention's wq / wk / wv): CollectiveColwiseGroup vs
     # torch's PrepareModuleInput + ColwiseParallel; wv reads a transformed input (the local fallback)
-    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import DTensor, Replicate
     from torch.distributed.tensor.parallel import PrepareModuleInput
 
     from tpukernels.distributed.tensor_parallel import CollectiveColwiseGroup
@@ -351,6 +351,26 @@ def tensor_parallel(mesh) -> dict:
                  for pn, p in model.named_parameters()}
         res[name] = {"out": _err(y, yr[:, rows]), "dx": _err(xl.grad, xr.grad[:, rows]), "grads": grads,
                      "fwd_comms": {str(k): int(v) for k, v in comm.get_comm_counts().items()}}
+    # under torch.autocast (bf16): both plans run their matmuls in bf16 (bf16 outputs), gradients reach the float32
+    # weights; against torch's styles under the same autocast. The block is also called by keyword.
+    for name, plan in (("autocast", {"mix": CollectiveColwiseGroup(["wq", "wk", "wv"]),
+                                     "mix.wo": CollectiveRowwiseParallel()}),
+                       ("autocast_torch", {"mix": PrepareModuleInput(input_layouts=(Shard(1),),
+                                                                     desired_input_layouts=(Replicate(),)),
+                                           "mix.wq": ColwiseParallel(), "mix.wk": ColwiseParallel(),
+                                           "mix.wv": ColwiseParallel(),
+                                           "mix.wo": RowwiseParallel(output_layouts=Shard(1))})):
+        model = parallelize_module(copy.deepcopy(mixer), mesh, plan)
+        xl = x[:, rows].clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = model.mix(x=xl) if name == "autocast" else model.mix(xl)  # torch's PrepareModuleInput: positional
+        y.float().mul(dout[:, rows]).sum().backward()
+        res[name] = {"dtype": str(y.dtype), "y": y.detach().float(), "dx": xl.grad.clone(),
+                     "grads": {pn: p.grad.full_tensor() for pn, p in model.named_parameters()}}
+    a, b = res.pop("autocast"), res.pop("autocast_torch")
+    res["autocast"] = {"dtypes": [a["dtype"], b["dtype"]], "out": _err(a["y"], b["y"]), "dx": _err(a["dx"], b["dx"]),
+                       "grads": {pn: _err(a["grads"][pn], b["grads"][pn]) for pn in a["grads"]},
+                       "ref_out": _err(a["y"], yr[:, rows])}
     # the functional ops: bf16, rows gathered / scattered on dim 0, [K, N] weights (rhs_transpose=False)
     g = torch.Generator().manual_seed(5)
     xa, wa = torch.randn(8 * n, D, generator=g), torch.randn(D, 2 * H, generator=g) / D ** 0.5
@@ -374,13 +394,21 @@ def tensor_parallel(mesh) -> dict:
     res["rs_bf16"] = {"out": _err(out2, full.chunk(n)[rank]),
                       "dx": _err(xs2.grad, (db.double() @ wk.double().T).chunk(n, 1)[rank]),
                       "dw": _err(ws2.grad, (xk[rank].T @ db.double()))}
+    half, dtypes = Mixer(), (torch.float32, torch.bfloat16)
     res["errors"] = _errors(
         ("indivisible", lambda: matmul_reduce_scatter_torch(torch.randn(3, D), torch.randn(D, H), mesh)),
         ("contraction", lambda: all_gather_matmul_torch(torch.randn(4, D), torch.randn(D + 1, H), mesh)),
         ("last_dim", lambda: all_gather_matmul_torch(torch.randn(4, D), torch.randn(D, H), mesh, gather_dim=-1)),
         ("rank_mismatch", lambda: all_gather_matmul_torch(torch.randn(4 + rank, D), torch.randn(D, H), mesh)),
         ("not_linear", lambda: parallelize_module(torch.nn.GELU(), mesh, CollectiveColwiseParallel())),
-        ("group_missing", lambda: parallelize_module(Mixer(), mesh, CollectiveColwiseGroup(["wq", "w_nope"]))))
+        ("group_missing", lambda: parallelize_module(half, mesh, CollectiveColwiseGroup(["wq", "w_nope"]))),
+        # ranks that disagree in ways each rank's own checks would catch differently: all raise together
+        ("ndim_mismatch", lambda: all_gather_matmul_torch(torch.randn(*((4, D) if rank == 0 else (1, 4, D))),
+                                                          torch.randn(D, H), mesh)),
+        ("rank_indivisible", lambda: matmul_reduce_scatter_torch(torch.randn(4 - rank, D), torch.randn(D, H), mesh)),
+        ("dtype_mismatch", lambda: all_gather_matmul_torch(torch.randn(4, D).to(dtypes[rank]),
+                                                           torch.randn(D, H).to(dtypes[rank]), mesh)))
+    res["group_missing_left_plain"] = not any(isinstance(p, DTensor) for p in half.parameters())
     return res
 
 

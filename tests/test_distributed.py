@@ -115,6 +115,16 @@ def test_two_process_group_dtensor_ops_fsdp2_expert_parallel_ring_attention_and_
         assert "disagree on x.shape[0]" in errs["rank_mismatch"], errs  # raised on every rank, none hangs
         assert "applies to nn.Linear modules" in errs["not_linear"], errs
         assert "has no nn.Linear 'w_nope'" in errs["group_missing"], errs
+        assert tp["group_missing_left_plain"]  # every name is checked before any parameter is distributed
+        # ranks whose own checks would disagree (one rank's x 3-D, indivisible on one rank, another dtype): the ranks
+        # are compared first, so both raise, naming the field (before: one rank raised, the other hung or aborted)
+        assert "disagree on x.dim()" in errs["ndim_mismatch"], errs
+        assert "disagree on x.shape[0] " in errs["rank_indivisible"] + " ", errs
+        assert "disagree on x.dtype" in errs["dtype_mismatch"], errs
+        # torch.autocast: the matmuls run in bf16 as torch's styles' do, gradients reach the f32 weights
+        ac = tp["autocast"]
+        assert ac["dtypes"] == ["torch.bfloat16", "torch.bfloat16"], ac
+        assert max(ac["out"], ac["dx"], *ac["grads"].values()) < 2e-2 and ac["ref_out"] < 2e-2, ac
 
 
 # ------------------------------------------------------------------------------------------ rules (no group)

@@ -6,8 +6,10 @@ Public API::
 
     all_gather_matmul(x, y, mesh, axis_name, *, rhs_transpose=False, interpret=None, chip=None)   # x: rows
     matmul_reduce_scatter(x, y, mesh, axis_name, *, rhs_transpose=False, interpret=None, chip=None)  # x: K
-    all_gather_matmul_torch(x, w, group=None, *, gather_dim=0, rhs_transpose=False)       # torch, one rank's
-    matmul_reduce_scatter_torch(x, w, group=None, *, scatter_dim=0, rhs_transpose=False)  # shards, autograd
+    # torch, one rank's shards, differentiable; w may be a list of weights sharing x (q, k, v)
+    all_gather_matmul_torch(x, w, group=None, *, gather_dim=0, rhs_transpose=False, return_gathered=False,
+                            compute_dtype=None, check_ranks=True)
+    matmul_reduce_scatter_torch(x, w, group=None, *, scatter_dim=0, rhs_transpose=False, check_ranks=True)
 
 The torch pair runs the same rings over a ``torch.distributed`` group (batched isend / irecv, the library's matmul
 torch op) and backs the tensor-parallel styles of :mod:`tpukernels.distributed.tensor_parallel`.
@@ -255,8 +257,8 @@ def _ag_mm_rows(ring: _TorchRing, x, ws, rhs_transpose: bool):
     for s in range(n):
         pending = ring.start_shift(chunk) if s < n - 1 else None  # overlaps the matmuls below
         src = (i - s) % n
-        for out, w in zip(outs, ws):
-            out[src] = _mm_torch(chunk, w, rhs_transpose)
+        for out, w in zip(outs, ws):  # x travels in its own dtype; compute_dtype casts it here
+            out[src] = _mm_torch(chunk if chunk.dtype == w.dtype else chunk.to(w.dtype), w, rhs_transpose)
         shards[src] = chunk
         if pending is not None:
             ring.wait(pending[1])
@@ -296,6 +298,7 @@ def _torch_functions():
 
         @staticmethod
         def forward(ctx, x, ring, rhs_transpose, return_gathered, *ws):
+            ctx.set_materialize_grads(False)  # an output nobody used gives its weight no gradient (None), as torch's
             outs, gathered = _ag_mm_rows(ring, x, ws, rhs_transpose)
             ctx.save_for_backward(gathered, *ws)
             ctx.ring, ctx.rhs_transpose, ctx.return_gathered = ring, rhs_transpose, return_gathered
@@ -314,8 +317,10 @@ def _torch_functions():
                 else:
                     dx = torch.zeros(gathered.shape[0] // ctx.ring.n, gathered.shape[1], dtype=gathered.dtype,
                                      device=gathered.device)
+            gx = {}  # the gathered x in each gradient's dtype (compute_dtype may differ from x's)
             dws = [None if d is None or not ctx.needs_input_grad[4 + j]
-                   else _mm_torch(d.t(), gathered, False) if rt else _mm_torch(gathered.t(), d, False)
+                   else _mm_torch(d.t(), gx.setdefault(d.dtype, gathered.to(d.dtype)), False) if rt
+                   else _mm_torch(gx.setdefault(d.dtype, gathered.to(d.dtype)).t(), d, False)
                    for j, d in enumerate(douts)]
             return (dx, None, None, None, *dws)
 
@@ -340,8 +345,33 @@ def _torch_functions():
 _FUNCTIONS: list = []
 
 
-def _torch_checked(op: str, x, ws, group, dim: int, rhs_transpose: bool, check_ranks: bool, split: str):
-    """Checks shared by the two torch ops: ``(ring, dim, K, [N of each w])``; ``split``: "gather" or "scatter"."""
+_SIGNATURE_DIMS = 6  # x.shape entries the rank check names one by one (a checksum covers everything else)
+
+
+def _rank_signature(x, ws, dim, rhs_transpose: bool, split: str) -> dict:
+    """What every rank must agree on, as a fixed number of ints (so the all-gather that compares them has one size
+    on every rank, whatever the ranks got): x's rank, leading dims and dtype, the weights' count, and a checksum of
+    the rest (the weights' shapes and dtypes, the dims, x's further dims)."""
+    import zlib
+
+    other = "" if str(x.dtype) in _DTYPE_CODES else str(x.dtype)  # a dtype the code below does not name
+    rest = repr((tuple(x.shape[_SIGNATURE_DIMS:]), other, [(tuple(w.shape), str(w.dtype)) for w in ws], repr(dim),
+                 bool(rhs_transpose)))
+    fields = {"x.dim()": x.dim()}
+    fields.update({f"x.shape[{d}]": int(x.shape[d]) if d < x.dim() else -1 for d in range(_SIGNATURE_DIMS)})
+    fields.update({"x.dtype (0 float32, 1 bfloat16, 2 float16, -1 other)": _DTYPE_CODES.get(str(x.dtype), -1),
+                   "len(w)": len(ws),
+                   f"the weights' shapes or dtypes, {split}_dim or rhs_transpose (a checksum)":
+                       zlib.crc32(rest.encode())})
+    return fields
+
+
+def _torch_checked(op: str, x, ws, group, dim: int, rhs_transpose: bool, check_ranks: bool, split: str,
+                   compute_dtype=None):
+    """Checks shared by the two torch ops: ``(ring, dim, K, [N of each w])``; ``split``: "gather" or "scatter".
+
+    The ranks are compared first (``check_ranks``), so that every later check, a function of what they agreed on,
+    raises on all ranks or on none: a rank that raised alone would leave the others waiting in the ring."""
     import torch
 
     from .sharding import check_ranks_agree, process_group
@@ -353,12 +383,20 @@ def _torch_checked(op: str, x, ws, group, dim: int, rhs_transpose: bool, check_r
     for j, w in enumerate(ws):
         if not isinstance(w, torch.Tensor):
             raise ArgumentError(f"{op}: w[{j}] must be a torch.Tensor, got {type(w).__name__}")
+    g = process_group(group)
+    ring = _TorchRing(g)
+    if check_ranks and ring.n > 1:
+        check_ranks_agree(op, _rank_signature(x, ws, dim, rhs_transpose, split), g, device=x.device)
     if x.dim() < 2 or any(w.dim() != 2 for w in ws):
         raise ArgumentError(f"{op}: x must be [..., K] with at least 2 dims and w 2-D ([K, N], or [N, K] with "
                             f"rhs_transpose), got {tuple(x.shape)} and {[tuple(w.shape) for w in ws]}")
-    if str(x.dtype) not in _DTYPE_CODES or any(w.dtype != x.dtype for w in ws):
-        raise ArgumentError(f"{op}: x and w must share one of bfloat16, float16, float32, got {x.dtype} and "
-                            f"{[w.dtype for w in ws]}")
+    if compute_dtype is not None:
+        if str(compute_dtype) not in _DTYPE_CODES or str(x.dtype) not in _DTYPE_CODES:
+            raise ArgumentError(f"{op}: compute_dtype and x must be bfloat16, float16 or float32, got "
+                                f"{compute_dtype} and {x.dtype}")
+    elif str(x.dtype) not in _DTYPE_CODES or any(w.dtype != x.dtype for w in ws):
+        raise ArgumentError(f"{op}: x and w must share one of bfloat16, float16, float32 (or name compute_dtype), "
+                            f"got {x.dtype} and {[w.dtype for w in ws]}")
     if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
         raise ArgumentError(f"{op}: {split}_dim must be an int naming a dim of x {tuple(x.shape)}, got {dim!r}")
     dim = dim % x.dim()
@@ -369,18 +407,9 @@ def _torch_checked(op: str, x, ws, group, dim: int, rhs_transpose: bool, check_r
         if (w.shape[1] if rhs_transpose else w.shape[0]) != K:
             raise ArgumentError(f"{op}: contraction dims differ: x is [..., K] = {tuple(x.shape)}, w is "
                                 f"{'[N, K]' if rhs_transpose else '[K, N]'} = {tuple(w.shape)}")
-    g = process_group(group)
-    ring = _TorchRing(g)
     if split == "scatter" and x.shape[dim] % ring.n:
         raise ArgumentError(f"{op}: x.shape[{dim}] = {x.shape[dim]} must be divisible by the group size {ring.n} "
                             f"(each rank gets an equal share of the reduced rows)")
-    if check_ranks and ring.n > 1:
-        fields = {f"x.shape[{d}]": s for d, s in enumerate(x.shape)}
-        fields.update({"x.dim()": x.dim(), f"{split}_dim": dim, "x.dtype": _DTYPE_CODES[str(x.dtype)],
-                       "rhs_transpose": rhs_transpose, "len(w)": len(ws)})
-        for j, w in enumerate(ws):
-            fields.update({f"w[{j}].shape[0]": w.shape[0], f"w[{j}].shape[1]": w.shape[1]})
-        check_ranks_agree(op, fields, g, device=x.device)
     return ring, dim, K, [w.shape[0] if rhs_transpose else w.shape[1] for w in ws]
 
 
@@ -391,7 +420,7 @@ def _functions():
 
 
 def all_gather_matmul_torch(x, w, group=None, *, gather_dim: int = 0, rhs_transpose: bool = False,
-                            return_gathered: bool = False, check_ranks: bool = True):
+                            return_gathered: bool = False, compute_dtype=None, check_ranks: bool = True):
     """:func:`all_gather_matmul` for torch tensors on the ranks of a ``torch.distributed`` group: every rank
     passes its shard of x (rows along ``gather_dim``) and its columns of one or several weights, and gets
     ``all_gather(x) @ w``'s columns for each; the shards travel a ring (batched isend / irecv) while each arrived
@@ -409,11 +438,15 @@ def all_gather_matmul_torch(x, w, group=None, *, gather_dim: int = 0, rhs_transp
         gather_dim: the dim of x the shards are concatenated on (any but the last; the sequence dim 1 of a
             ``[B, S, D]`` activation under sequence parallelism).
         return_gathered: also return the gathered x (differentiable: its gradient is reduce-scattered with dx).
+        compute_dtype: the dtype the matmuls run in (as ``torch.autocast``): the weights are cast to it and each
+            arrived shard of x too, while x travels and is gathered in its own dtype. Default: x's dtype, which the
+            weights must share.
         check_ranks: first compare the ranks' shapes, dtype and dims (one all-gather of a few int64), so that ranks
             that disagree raise instead of blocking in the ring.
 
     Returns:
-        For one weight, x's shape with ``gather_dim`` n times longer and the last dim ``N_local`` in x's dtype; for
+        For one weight, x's shape with ``gather_dim`` n times longer and the last dim ``N_local`` in x's dtype (or
+        ``compute_dtype``); for
         a list, a list of those; with ``return_gathered``, ``(gathered x, that)``.
 
     Raises:
@@ -423,7 +456,10 @@ def all_gather_matmul_torch(x, w, group=None, *, gather_dim: int = 0, rhs_transp
     op = "tpukernels.distributed.all_gather_matmul_torch"
     many = isinstance(w, (list, tuple))
     ws = list(w) if many else [w]
-    ring, dim, K, Ns = _torch_checked(op, x, ws, group, gather_dim, rhs_transpose, check_ranks, "gather")
+    ring, dim, K, Ns = _torch_checked(op, x, ws, group, gather_dim, rhs_transpose, check_ranks, "gather",
+                                      compute_dtype)
+    if compute_dtype is not None:
+        ws = [w.to(compute_dtype) for w in ws]
     xm = x.movedim(dim, 0)  # rows of one shard contiguous in gather order: [s_local * rest, K]
     rest = xm.shape[1:-1]
     res = _functions()[0].apply(xm.reshape(-1, K), ring, rhs_transpose, return_gathered, *ws)

@@ -109,10 +109,10 @@ def check_ranks_agree(op: str, fields: Mapping[str, int], group, device=None) ->
     dist.all_gather(table, mine, group=group)
     rank = dist.get_rank(group)
     for r, theirs in enumerate(table):
-        bad = [k for k, a, b in zip(names, mine.tolist(), theirs.tolist()) if a != b]
+        bad = [(k, a, b) for k, a, b in zip(names, mine.tolist(), theirs.tolist()) if a != b]
         if bad:
-            raise ArgumentError(f"{op}: rank {rank} and rank {r} disagree on {', '.join(bad)} "
-                                f"(this rank: {mine.tolist()}, rank {r}: {theirs.tolist()})")
+            raise ArgumentError(f"{op}: rank {rank} and rank {r} disagree on {', '.join(k for k, _, _ in bad)} ("
+                                + "; ".join(f"{k}: {a} on rank {rank}, {b} on rank {r}" for k, a, b in bad) + ")")
 
 
 # ---------------------------------------------------------------------------------------------- library rules

@@ -30,12 +30,18 @@ weight ``Shard(1)``, bias ``Replicate()``), so checkpoints, optimizers and FSDP 
 module's forward differs (an instance attribute set by ``_apply``). The bias is added as a DTensor op, so its
 gradient is reduced as in torch's styles.
 
-Errors (typed, before any transfer): a module other than ``nn.Linear``, a mesh with more than one dim, a
-sequence dim the local input does not have; the ring ops' checks (ranks that disagree on shapes raise on every rank).
+Autocast: under ``torch.autocast`` the matmuls run in its dtype, as ``F.linear`` does under torch's styles (the
+weights are cast per call; ``CollectiveColwiseGroup`` still hands its module the input in the input's dtype).
+
+Errors (typed): a module other than ``nn.Linear`` or a listed linear that does not exist (checked before any
+parameter is distributed), a mesh with more than one dim; then, per call, the ring ops' checks, which compare the
+ranks first (shapes, dtypes, dims), so that every rank raises or none does: ranks that disagree never leave one
+waiting in the ring. A DTensor input is first redistributed to the style's input placement, as torch's styles do.
 """
 
 from __future__ import annotations
 
+import inspect
 import types
 
 from ..errors import ArgumentError
@@ -57,6 +63,23 @@ def _styles():
             return x.to_local()
         return x
 
+    def autocast_operands(x, ws):
+        """``x`` and the weights in autocast's dtype where autocast is on for x's device (``F.linear`` under
+        autocast runs in that dtype; the kernels take one dtype for both operands)."""
+        dev = x.device.type
+        if torch.is_autocast_enabled(dev):
+            dt = torch.get_autocast_dtype(dev)
+            return x.to(dt), [w.to(dt) for w in ws]
+        return x, ws
+
+    def call(style, fn, *args, **kw):
+        """``fn(*args, **kw)``, its ArgumentError naming the style (the ring ops check after the ranks agree, so
+        every rank raises or none does)."""
+        try:
+            return fn(*args, **kw)
+        except ArgumentError as e:
+            raise ArgumentError(f"{type(style).__name__}(sequence_dim={style.sequence_dim}): {e}") from e
+
     def finish(out, mesh, style):
         """``out`` (a DTensor) in the style's output placement, local or not."""
         want = style.output_layouts[0]
@@ -72,9 +95,9 @@ def _styles():
         def __init__(self, *, sequence_dim: int = 1, output_layouts=None, use_local_output: bool = True,
                      check_ranks: bool = True):
             super().__init__()
-            if isinstance(sequence_dim, bool) or not isinstance(sequence_dim, int) or sequence_dim < 0:
-                raise ArgumentError(f"{type(self).__name__}: sequence_dim must be a non-negative int (the dim of the "
-                                    f"input's rows that the plan shards), got {sequence_dim!r}")
+            if isinstance(sequence_dim, bool) or not isinstance(sequence_dim, int):
+                raise ArgumentError(f"{type(self).__name__}: sequence_dim must be an int (the dim of the input's rows "
+                                    f"that the plan shards; negative counts from the end), got {sequence_dim!r}")
             self.sequence_dim = sequence_dim
             self.output_layouts = (output_layouts or self.default_output(sequence_dim),)
             self.use_local_output = use_local_output
@@ -95,11 +118,6 @@ def _styles():
                 module.register_parameter(pname, dist_param)
             module.forward = types.MethodType(self.forward_fn(device_mesh), module)
             return module
-
-        def check_input(self, x):
-            if x.dim() < 2 or self.sequence_dim >= x.dim() - 1:
-                raise ArgumentError(f"{type(self).__name__}: the input {tuple(x.shape)} has no row dim "
-                                    f"sequence_dim = {self.sequence_dim} (its last dim is the features)")
 
         def __repr__(self) -> str:
             return (f"{type(self).__name__}(sequence_dim={self.sequence_dim}, output_layouts={self.output_layouts}, "
@@ -128,13 +146,13 @@ def _styles():
             style, group = self, mesh.get_group()
 
             def forward(mod, x):
-                x = local_input(x, mesh, Shard(style.sequence_dim))
-                style.check_input(x)
-                out = all_gather_matmul_torch(x, mod.weight.to_local(), group, gather_dim=style.sequence_dim,
-                                              rhs_transpose=True, check_ranks=style.check_ranks)
+                seq = style.sequence_dim % max(x.dim(), 1)
+                x, (w,) = autocast_operands(local_input(x, mesh, Shard(seq)), [mod.weight.to_local()])
+                out = call(style, all_gather_matmul_torch, x, w, group, gather_dim=seq,
+                           rhs_transpose=True, check_ranks=style.check_ranks)
                 out = DTensor.from_local(out, mesh, [Shard(out.dim() - 1)], run_check=False)
                 if mod.bias is not None:
-                    out = out + mod.bias  # Shard(0) bias on the Shard(-1) columns
+                    out = out + mod.bias.to(out.dtype)  # Shard(0) bias on the Shard(-1) columns
                 return finish(out, mesh, style)
 
             return forward
@@ -164,13 +182,13 @@ def _styles():
             style, group = self, mesh.get_group()
 
             def forward(mod, x):
-                x = local_input(x, mesh, Shard(x.dim() - 1))
-                style.check_input(x)
-                out = matmul_reduce_scatter_torch(x, mod.weight.to_local(), group, scatter_dim=style.sequence_dim,
-                                                  rhs_transpose=True, check_ranks=style.check_ranks)
-                out = DTensor.from_local(out, mesh, [Shard(style.sequence_dim)], run_check=False)
+                x, (w,) = autocast_operands(local_input(x, mesh, Shard(x.dim() - 1)), [mod.weight.to_local()])
+                seq = style.sequence_dim % max(x.dim(), 1)
+                out = call(style, matmul_reduce_scatter_torch, x, w, group, scatter_dim=seq,
+                           rhs_transpose=True, check_ranks=style.check_ranks)
+                out = DTensor.from_local(out, mesh, [Shard(seq)], run_check=False)
                 if mod.bias is not None:
-                    out = out + mod.bias  # Replicate bias on the Shard(sequence_dim) rows
+                    out = out + mod.bias.to(out.dtype)  # Replicate bias on the Shard(sequence_dim) rows
                 return finish(out, mesh, style)
 
             return forward
@@ -200,16 +218,15 @@ def _styles():
             if isinstance(linears, str) or not linears or not all(isinstance(n, str) for n in linears):
                 raise ArgumentError(f"CollectiveColwiseGroup: linears must be a non-empty list of submodule names, "
                                     f"got {linears!r}")
-            if isinstance(sequence_dim, bool) or not isinstance(sequence_dim, int) or sequence_dim < 0:
-                raise ArgumentError(f"CollectiveColwiseGroup: sequence_dim must be a non-negative int, got "
-                                    f"{sequence_dim!r}")
+            if isinstance(sequence_dim, bool) or not isinstance(sequence_dim, int):
+                raise ArgumentError(f"CollectiveColwiseGroup: sequence_dim must be an int, got {sequence_dim!r}")
             self.linears, self.sequence_dim, self.check_ranks = tuple(linears), sequence_dim, check_ranks
 
         def _apply(self, module, device_mesh):
             if device_mesh.ndim != 1:
                 raise ArgumentError(f"CollectiveColwiseGroup: needs a 1-D device mesh, got {device_mesh.ndim} dims")
             children = []
-            for name in self.linears:
+            for name in self.linears:  # every name checked before any parameter is distributed
                 try:
                     child = module.get_submodule(name)
                 except AttributeError:
@@ -217,25 +234,35 @@ def _styles():
                 if not isinstance(child, torch.nn.Linear):
                     raise ArgumentError(f"CollectiveColwiseGroup: {type(module).__name__} has no nn.Linear {name!r} "
                                         f"(got {type(child).__name__})")
+                children.append(child)
+            for child in children:
                 for pname in ("weight", "bias"):
                     param = getattr(child, pname, None)
                     if param is not None:
                         child.register_parameter(pname, torch.nn.Parameter(
                             distribute_tensor(param, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank),
                             requires_grad=param.requires_grad))
-                children.append(child)
             style, group, state = self, device_mesh.get_group(), {}
 
-            def pre_hook(mod, args):
-                x = local_input(args[0], device_mesh, Shard(style.sequence_dim))
-                if x.dim() < 2 or style.sequence_dim >= x.dim() - 1:
-                    raise ArgumentError(f"CollectiveColwiseGroup: the input {tuple(x.shape)} has no row dim "
-                                        f"sequence_dim = {style.sequence_dim}")
-                gathered, outs = all_gather_matmul_torch(
-                    x, [c.weight.to_local() for c in children], group, gather_dim=style.sequence_dim,
-                    rhs_transpose=True, return_gathered=True, check_ranks=style.check_ranks)
+            first = next(iter(inspect.signature(module.forward).parameters), None)  # the input's name
+
+            def pre_hook(mod, args, kwargs):
+                by_name = not args and first in kwargs  # the block called as block(x=...)
+                if not args and not by_name:
+                    raise ArgumentError(f"CollectiveColwiseGroup: {type(mod).__name__} was called without its input "
+                                        f"(pass it first, or as {first}=...)")
+                x = kwargs[first] if by_name else args[0]
+                seq = style.sequence_dim % max(x.dim(), 1)
+                x = local_input(x, device_mesh, Shard(seq))
+                dev = x.device.type  # under autocast the matmuls run in its dtype; the block still gets x's dtype
+                dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+                gathered, outs = call(style, all_gather_matmul_torch, x, [c.weight.to_local() for c in children],
+                                      group, gather_dim=seq, rhs_transpose=True, return_gathered=True,
+                                      compute_dtype=dt, check_ranks=style.check_ranks)
                 state.update(x=gathered, outs={id(c): o for c, o in zip(children, outs)})
-                return (gathered, *args[1:])
+                if by_name:
+                    return args, {**kwargs, first: gathered}
+                return (gathered, *args[1:]), kwargs
 
             def post_hook(mod, args, out):
                 state.clear()
@@ -245,9 +272,9 @@ def _styles():
                 if out is None or inp is not state.get("x"):  # not the gathered input: a colwise linear on it
                     inp = inp.redistribute(device_mesh, [Replicate()]).to_local() if isinstance(inp, DTensor) else inp
                     out = torch.nn.functional.linear(inp, child.weight.to_local())
-                return out if child.bias is None else out + child.bias.to_local()
+                return out if child.bias is None else out + child.bias.to_local().to(out.dtype)
 
-            module.register_forward_pre_hook(pre_hook)
+            module.register_forward_pre_hook(pre_hook, with_kwargs=True)
             module.register_forward_hook(post_hook)
             for child in children:
                 child.forward = types.MethodType(child_forward, child)
