@@ -90,7 +90,7 @@ def _styles():
         return out.to_local() if style.use_local_output else out
 
     class _Collective(ParallelStyle):
-        kind = ""
+        """What the colwise and rowwise styles share: arguments, parameter sharding, the forward's installation."""
 
         def __init__(self, *, sequence_dim: int = 1, output_layouts=None, use_local_output: bool = True,
                      check_ranks: bool = True):
