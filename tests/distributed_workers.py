@@ -198,7 +198,12 @@ def expert_parallel(mesh) -> dict:
     res["errors"] = _errors(
         ("indivisible", lambda: ep_dispatch(torch.randn(3, D), torch.zeros(3, k, dtype=torch.long), 3, mesh)),
         ("hidden_mismatch", lambda: ep_dispatch(torch.randn(3, D * (1 + rank)), torch.zeros(3, k, dtype=torch.long),
-                                                E, mesh)))
+                                                E, mesh)),
+        # failures only one rank's own checks would see (its x 3-D, its ids out of range): every rank raises
+        ("x_3d_on_one_rank", lambda: ep_dispatch(torch.randn(*((3, D) if rank == 0 else (1, 3, D))),
+                                                 torch.zeros(3, k, dtype=torch.long), E, mesh)),
+        ("ids_out_of_range_on_one_rank", lambda: ep_dispatch(torch.randn(3, D),
+                                                             torch.full((3, k), E * rank, dtype=torch.long), E, mesh)))
     return res
 
 

@@ -83,6 +83,8 @@ def test_two_process_group_dtensor_ops_fsdp2_expert_parallel_ring_attention_and_
         assert tt["sizes_equal"] and max(tt["out"], tt["dx"], tt["dscores"], tt["dW"]) < 1e-5, tt
         assert "divisible by the group size 2" in ep["errors"]["indivisible"], ep["errors"]
         assert "disagree on x.shape[1]" in ep["errors"]["hidden_mismatch"], ep["errors"]  # every rank raised
+        assert "disagree on x.dim()" in ep["errors"]["x_3d_on_one_rank"], ep["errors"]
+        assert "disagree on expert ids in [0, num_experts)" in ep["errors"]["ids_out_of_range_on_one_rank"], ep
     assert group_results[1]["expert_parallel"]["skew"]["rows"] == 0  # rank 1 received nothing and combined
     # context parallelism from torch: ring attention over the group equals float64 dense attention, gradients too
     for rank in group_results:

@@ -44,8 +44,9 @@ tests check our offsets against; the TPU path passes the identical arguments to 
 
 Errors (typed, before any collective): ``num_experts`` not divisible by the group / axis size, ranks and
 shapes, ids out of range (``moe_permute``'s checks); in torch, ranks that disagree on ``num_experts``, the
-hidden size, ``k`` or the dtype raise ``ArgumentError`` on every rank (one small all-gather of those numbers
-first, so no rank is left waiting in a collective whose peer raised).
+ranks or sizes of x and the ids, the dtype, or whether their ids are in range raise ``ArgumentError`` on every rank
+(one small all-gather of those numbers before any other check, so no rank is left waiting in a collective whose
+peer raised).
 
 Sources: DeepSpeed-MoE / GShard expert parallelism; MaxText's ``ragged_all_to_all`` MoE dispatch
 (``get_all_to_all_params``); TorchTitan's ``expert_parallel`` (``all_to_all_single`` with split sizes).
@@ -108,23 +109,33 @@ def ep_dispatch(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, gro
 
     op = "tpukernels.ep_dispatch"
     g = process_group(group)
-    n, rank = dist.get_world_size(g), dist.get_rank(g)
-    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+    n = dist.get_world_size(g)
+    # every rank must agree on what shapes the collectives, before any check that could fail on one rank only (it
+    # would leave the others waiting in a collective): a fixed set of numbers, gathered and compared on every rank,
+    # so all raise together; the checks below then fail on every rank or on none
+    e_ok = isinstance(num_experts, int) and not isinstance(num_experts, bool)
+    x_ok, ids_ok = isinstance(x, torch.Tensor), isinstance(expert_ids, torch.Tensor)
+    in_range = e_ok and ids_ok and bool(((expert_ids >= 0) & (expert_ids < num_experts)).all())  # True if empty
+    check_ranks_agree(op, {
+        "num_experts": num_experts if e_ok else -1,
+        "x.dim()": x.dim() if x_ok else -1,
+        "x.shape[1] (hidden size)": x.shape[1] if x_ok and x.dim() >= 2 else -1,
+        "x.dtype": _DTYPE_CODES.get(x.dtype, -1) if x_ok else -2,
+        "expert_ids.dim()": expert_ids.dim() if ids_ok else -1,
+        "expert_ids.shape[1] (top_k)": expert_ids.shape[1] if ids_ok and expert_ids.dim() >= 2 else -1,
+        "expert ids in [0, num_experts) (1: yes)": int(in_range)}, g)
+    if not e_ok or num_experts < 1:
         raise ArgumentError(f"{op}: num_experts must be a positive int, got {num_experts!r}")
     if num_experts % n:
         raise ArgumentError(f"{op}: num_experts = {num_experts} must be divisible by the group size {n} "
                             f"(rank r holds experts [r E/n, (r+1) E/n))")
-    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+    if not x_ok or x.dim() != 2:
         raise ArgumentError(f"{op}: x must be a 2-D tensor [T, D], got {getattr(x, 'shape', type(x).__name__)}")
     if x.dtype not in _DTYPE_CODES:
         raise DTypeError(f"{op}: x dtype {x.dtype} is not supported: use bfloat16, float16 or float32")
-    if not isinstance(expert_ids, torch.Tensor) or expert_ids.dim() != 2:
+    if not ids_ok or expert_ids.dim() != 2:
         raise ArgumentError(f"{op}: expert_ids must be a 2-D tensor [T, k], got "
                             f"{getattr(expert_ids, 'shape', type(expert_ids).__name__)}")
-    # every rank must agree on what shapes the collectives: gather the numbers and compare (all ranks see the
-    # same table, so all raise together; none is left waiting in a collective)
-    check_ranks_agree(op, {"num_experts": num_experts, "x.shape[1] (hidden size)": x.shape[1],
-                           "expert_ids.shape[1] (top_k)": expert_ids.shape[1], "x.dtype": _DTYPE_CODES[x.dtype]}, g)
     xs, sizes, meta = moe_permute(x, expert_ids, num_experts)
     el = num_experts // n
     counts = sizes.reshape(n, el).to(torch.int64)  # counts[d, e]: copies bound for rank d's local expert e
