@@ -340,13 +340,14 @@ def tensor_parallel(mesh) -> dict:
     xr = x.double().requires_grad_()
     yr = ref(xr)
     (yr * dout.double()).sum().backward()
-    for name, plan in (("group", {"mix": CollectiveColwiseGroup(["wq", "wk", "wv"]),
-                                  "mix.wo": CollectiveRowwiseParallel()}),
-                       ("group_torch", {"mix": PrepareModuleInput(input_layouts=(Shard(1),),
-                                                                  desired_input_layouts=(Replicate(),)),
-                                        "mix.wq": ColwiseParallel(), "mix.wk": ColwiseParallel(),
-                                        "mix.wv": ColwiseParallel(),
-                                        "mix.wo": RowwiseParallel(output_layouts=Shard(1))})):
+    def block_plans(prefix):  # (name, plan) for tpukernels' styles and torch's on the block; fresh styles per call
+        return ((prefix, {"mix": CollectiveColwiseGroup(["wq", "wk", "wv"]), "mix.wo": CollectiveRowwiseParallel()}),
+                (prefix + "_torch", {"mix": PrepareModuleInput(input_layouts=(Shard(1),),
+                                                               desired_input_layouts=(Replicate(),)),
+                                     "mix.wq": ColwiseParallel(), "mix.wk": ColwiseParallel(),
+                                     "mix.wv": ColwiseParallel(), "mix.wo": RowwiseParallel(output_layouts=Shard(1))}))
+
+    for name, plan in block_plans("group"):
         model = parallelize_module(copy.deepcopy(mixer), mesh, plan)
         xl = x[:, rows].clone().requires_grad_()
         with CommDebugMode() as comm:
@@ -358,13 +359,7 @@ def tensor_parallel(mesh) -> dict:
                      "fwd_comms": {str(k): int(v) for k, v in comm.get_comm_counts().items()}}
     # under torch.autocast (bf16): both plans run their matmuls in bf16 (bf16 outputs), gradients reach the float32
     # weights; against torch's styles under the same autocast. The block is also called by keyword.
-    for name, plan in (("autocast", {"mix": CollectiveColwiseGroup(["wq", "wk", "wv"]),
-                                     "mix.wo": CollectiveRowwiseParallel()}),
-                       ("autocast_torch", {"mix": PrepareModuleInput(input_layouts=(Shard(1),),
-                                                                     desired_input_layouts=(Replicate(),)),
-                                           "mix.wq": ColwiseParallel(), "mix.wk": ColwiseParallel(),
-                                           "mix.wv": ColwiseParallel(),
-                                           "mix.wo": RowwiseParallel(output_layouts=Shard(1))})):
+    for name, plan in block_plans("autocast"):
         model = parallelize_module(copy.deepcopy(mixer), mesh, plan)
         xl = x[:, rows].clone().requires_grad_()
         with torch.autocast("cpu", dtype=torch.bfloat16):
