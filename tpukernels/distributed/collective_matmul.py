@@ -59,7 +59,7 @@ from typing import Optional
 
 from ..chips import get_chip
 from ..errors import ArgumentError
-from .ring_attention import call_kernel, kernel_mode
+from .ring_attention import TorchRingOps, call_kernel, kernel_mode
 
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter", "all_gather_matmul_torch", "matmul_reduce_scatter_torch"]
 
@@ -212,42 +212,13 @@ def matmul_reduce_scatter(x, y, mesh, axis_name: str, *, rhs_transpose: bool = F
 _DTYPE_CODES = {"torch.float32": 0, "torch.bfloat16": 1, "torch.float16": 2}
 
 
-class _TorchRing:
-    """One rank's view of a ring over a process group: ``n``, ``rank`` and the peers' global ranks."""
-
-    def __init__(self, group):
-        import torch.distributed as dist
-
-        self.dist, self.group = dist, group
-        self.n, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.right = dist.get_global_rank(group, (self.rank + 1) % self.n)
-        self.left = dist.get_global_rank(group, (self.rank - 1) % self.n)
-
-    def start_shift(self, t):
-        """Start sending ``t`` right and receiving its twin from the left: ``(receive buffer, pending)``, where
-        ``pending`` (for :meth:`wait`) also holds the buffer being sent until the transfer is done."""
-        import torch
-
-        dist = self.dist
-        t = t.contiguous()
-        recv = torch.empty_like(t)
-        reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, self.right, self.group),
-                                       dist.P2POp(dist.irecv, recv, self.left, self.group)])
-        return recv, (reqs, t)
-
-    @staticmethod
-    def wait(pending):
-        for r in pending[0]:
-            r.wait()
-
-
 def _mm_torch(a, w, rhs_transpose: bool, out_dtype=None):
     from ..library.matmul_ops import matmul
 
     return matmul(a, w.t() if rhs_transpose else w, out_dtype=out_dtype)  # w.t(): read in place (matmul_nt)
 
 
-def _ag_mm_rows(ring: _TorchRing, x, ws, rhs_transpose: bool):
+def _ag_mm_rows(ring: TorchRingOps, x, ws, rhs_transpose: bool):
     """``([all_gather(x) @ w for w in ws], all_gather(x))`` for 2-D ``x [m, K]``: rank ``i`` multiplies the shard of
     rank ``(i - s) mod n`` at step ``s`` by every weight while passing the shard on (one transfer for all ``ws``)."""
     import torch
@@ -255,18 +226,18 @@ def _ag_mm_rows(ring: _TorchRing, x, ws, rhs_transpose: bool):
     n, i = ring.n, ring.rank
     outs, shards, chunk = [[None] * n for _ in ws], [None] * n, x
     for s in range(n):
-        pending = ring.start_shift(chunk) if s < n - 1 else None  # overlaps the matmuls below
+        pending = ring.start_shift((chunk,)) if s < n - 1 else None  # overlaps the matmuls below
         src = (i - s) % n
         for out, w in zip(outs, ws):  # x travels in its own dtype; compute_dtype casts it here
             out[src] = _mm_torch(chunk if chunk.dtype == w.dtype else chunk.to(w.dtype), w, rhs_transpose)
         shards[src] = chunk
         if pending is not None:
             ring.wait(pending[1])
-            chunk = pending[0]
+            (chunk,) = pending[0]
     return [torch.cat(o) for o in outs], torch.cat(shards)
 
 
-def _mm_rs_rows(ring: _TorchRing, pairs, rhs_transpose: bool, extra, dtype):
+def _mm_rs_rows(ring: TorchRingOps, pairs, rhs_transpose: bool, extra, dtype):
     """``reduce_scatter(sum(x @ w for x, w in pairs) + extra, rows)`` for 2-D ``x [M, K_j]`` (``extra``: None or
     ``[M, N]`` added before the reduction): float32 partial sums passed right, row chunk ``(i - 1 - s) mod n`` at
     step ``s``, so chunk ``c`` ends complete at rank ``c``; rounded once to ``dtype``."""
@@ -284,9 +255,9 @@ def _mm_rs_rows(ring: _TorchRing, pairs, rhs_transpose: bool, extra, dtype):
             part = p if part is None else part + p
         if pending is not None:
             ring.wait(pending[1])
-            part = part + pending[0]
+            part = part + pending[0][0]
         acc = part
-        pending = ring.start_shift(acc) if s < n - 1 else None
+        pending = ring.start_shift((acc,)) if s < n - 1 else None
     return acc.to(dtype)
 
 
@@ -373,6 +344,7 @@ def _torch_checked(op: str, x, ws, group, dim: int, rhs_transpose: bool, check_r
     The ranks are compared first (``check_ranks``), so that every later check, a function of what they agreed on,
     raises on all ranks or on none: a rank that raised alone would leave the others waiting in the ring."""
     import torch
+    import torch.distributed as dist
 
     from .sharding import check_ranks_agree, process_group
 
@@ -384,7 +356,7 @@ def _torch_checked(op: str, x, ws, group, dim: int, rhs_transpose: bool, check_r
         if not isinstance(w, torch.Tensor):
             raise ArgumentError(f"{op}: w[{j}] must be a torch.Tensor, got {type(w).__name__}")
     g = process_group(group)
-    ring = _TorchRing(g)
+    ring = TorchRingOps(g, dist.get_world_size(g))
     if check_ranks and ring.n > 1:
         check_ranks_agree(op, _rank_signature(x, ws, dim, rhs_transpose, split), g, device=x.device)
     if x.dim() < 2 or any(w.dim() != 2 for w in ws):

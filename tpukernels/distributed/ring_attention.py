@@ -233,14 +233,24 @@ class TorchRingOps:
     def cond(self, pred, f, g):
         return f() if pred else g()
 
-    def shift(self, xs: tuple) -> tuple:
+    def start_shift(self, xs: tuple):
+        """Start sending each of ``xs`` right and receiving its twin from the left: ``(receive buffers, pending)``;
+        ``pending`` (for :meth:`wait`) also holds the buffers being sent until the transfers are done."""
         dist = self.dist
-        # contiguous receive buffers (irecv needs them; an input may be a transposed view)
-        outs = tuple(self.torch.empty_like(x, memory_format=self.torch.contiguous_format) for x in xs)
-        ops = [dist.P2POp(dist.isend, x.contiguous(), self.right, self.group) for x in xs]
+        sent = tuple(x.contiguous() for x in xs)  # contiguous buffers (an input may be a transposed view)
+        outs = tuple(self.torch.empty_like(x) for x in sent)
+        ops = [dist.P2POp(dist.isend, x, self.right, self.group) for x in sent]
         ops += [dist.P2POp(dist.irecv, o, self.left, self.group) for o in outs]
-        for req in dist.batch_isend_irecv(ops):
+        return outs, (dist.batch_isend_irecv(ops), sent)
+
+    @staticmethod
+    def wait(pending) -> None:
+        for req in pending[0]:
             req.wait()
+
+    def shift(self, xs: tuple) -> tuple:
+        outs, pending = self.start_shift(xs)
+        self.wait(pending)
         return outs
 
     def merge(self, o_a, l_a, o_b, l_b):
