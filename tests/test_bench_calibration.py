@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 
 import pytest
 
@@ -77,6 +78,20 @@ def test_attention_rows_pick_the_fastest_plain_forward_per_shape():
     assert r.median_ms == 3.659 and r.config["k_layout"] == 2 and r.config["block_q"] == 2048
 
 
+def test_vjp_rows_are_the_backward_at_the_same_shapes():
+    fwd = cal.attention_rows(cal.load_rows(ops={cal.ATTENTION_OP}))
+    vjp = cal.attention_rows(cal.load_rows(ops={cal.VJP_OP}), cal.VJP_OP)
+    assert all(r.op == cal.VJP_OP for r in vjp) and not any(r.op == cal.VJP_OP for r in fwd)
+    assert [(r.chip, cal.shape_text(r)) for r in vjp] == [(r.chip, cal.shape_text(r)) for r in fwd]
+    r = next(x for x in vjp if cal.shape_text(x) == "B=1 S=16384 Hq=16 Hkv=16 D=128 full")
+    assert set(r.config) == {"block_q_dkv", "block_kv_dkv", "block_kv_dkv_compute", "use_base2_exp"}
+    assert r.median_ms > next(x for x in fwd if cal.shape_text(x) == cal.shape_text(r)).median_ms  # bwd > fwd
+    with pytest.raises(cal.TokamaxFormatError, match="block_q.*not modelled"):
+        cal.tokamax_vjp_fn(1024, False, dict(r.config, block_q=512), 0.1)
+    # loading splash without tokamax's __init__ leaves a findable package: the shipped caches are still found
+    assert cal.load_rows(chips={"tpu7x"}, ops={cal.VJP_OP}) and os.path.isdir(cal.autotuning_dir())
+
+
 def test_best_per_args_keeps_the_fastest_config():
     mk = lambda args, cfg, t: cal.MeasuredRow("tpu7x", "op", args, cfg, (t, t))  # noqa: E731
     rows = [mk({"q": 1}, {"b": 1}, 2.0), mk({"q": 1}, {"b": 2}, 1.5), mk({"q": 2}, {"b": 1}, 3.0),
@@ -144,15 +159,18 @@ def test_report_calibration_section_and_summary_column(tmp_path, monkeypatch):
 
 @pytest.mark.aot
 @pytest.mark.slow
-def test_real_attention_calibration_row_on_tpu7x(tmp_path):
+@pytest.mark.parametrize("op", [cal.ATTENTION_OP, cal.VJP_OP])
+def test_real_attention_calibration_row_on_tpu7x(tmp_path, op):
     """One measured row modelled end to end (tokamax's splash kernel and ours lowered for tpu7x, libtpu
-    estimates): the figures are filled in and the arithmetic is the one tested above."""
+    estimates): the figures are filled in and the arithmetic is the one tested above (the backward at S=1k is
+    not credible, 0.66x, so ours is not modelled there)."""
     pytest.importorskip("libtpu")
-    rows = cal.attention_rows(cal.load_rows(chips={"tpu7x"}, ops={cal.ATTENTION_OP}))
+    rows = cal.attention_rows(cal.load_rows(chips={"tpu7x"}, ops={op}), op)
     r = next(x for x in rows if x.args["q"] == "bf16[16,1024,16,128]" and not x.args["mask"]["is_causal"])
     row = cal.attention_case(r, core.Estimator(str(tmp_path / "e.json")))
-    assert row["error"] is None and row["model_ms"] > 0 and row["ours_model_ms"] > 0
+    assert row["error"] is None and row["model_ms"] > 0
     assert row["ratio"] == pytest.approx(row["model_ms"] / r.median_ms)
+    assert (row["ours_model_ms"] is not None) == row["credible"]
 
 
 def test_attention_case_falls_back_when_libtpu_aborts_and_implies_only_when_credible(tmp_path):
@@ -182,3 +200,53 @@ def test_attention_case_falls_back_when_libtpu_aborts_and_implies_only_when_cred
     row = cal.attention_case(r, est)
     assert fake.calls == 2 and row["credible"] is False and row["ours_model_ms"] is None
     assert row["implied_ours_ms"] is None and "22.00x the measured time" in row["note"] and "scheduler" in row["note"]
+
+
+_VMEM = RuntimeError("JaxRuntimeError: RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in "
+                     "memory space vmem. Used 66.01M of 63.94M vmem.")
+
+
+_ABORT = RuntimeError("estimate server exited: llo_execution_graph.cc:46 | process_state.cc:796] RAW: Raising signal 6")
+
+
+@pytest.mark.parametrize("case", ["ours out of VMEM", "tokamax aborts", "causal"])
+def test_vjp_case_models_tokamax_backward_and_estimates_at_half_length_where_libtpu_cannot(tmp_path, case):
+    """A VJP row (B=1, S=16k) with a stand-in estimate server. tokamax's backward is estimated once (no scheduler
+    fallback: its config has none) at 0.8x the measured time (credible). Where libtpu cannot estimate a program
+    at S (our fused backward, tpu7x's default, out of VMEM in the profiling compile; tokamax's aborting) and there
+    is no mask, it is estimated at S/2 and scaled by 4 -- ours at tokamax's length or shorter; with the causal
+    mask the error stays (the work does not scale by 4)."""
+    from test_bench import _est
+
+    from tpukernels.perf import clock_hz, model_time
+
+    causal = case == "causal"
+    r = next(x for x in cal.attention_rows(cal.load_rows(chips={"tpu7x"}, ops={cal.VJP_OP}), cal.VJP_OP)
+             if x.args["q"] == "bf16[1,16384,16,128]" and x.args["mask"]["is_causal"] == causal)
+    _, h, kv, scale = cal.reduced_problem(1, 16, 16)
+    cyc = round(0.8 * r.median_ms * 1e-3 * clock_hz("tpu7x") / scale)
+    parts = [cyc // 16, cyc // 32, cyc // 64]  # at S=8k: our kernel, the rowsum, the dQ cast
+    tokamax = [_ABORT, cyc // 4] if case == "tokamax aborts" else [cyc]
+    answers = iter(tokamax + ([] if case == "tokamax aborts" else [_VMEM]) + parts)
+
+    def answer(blob, chip):
+        a = next(answers)
+        if isinstance(a, Exception):
+            raise a
+        return a
+
+    est, fake = _est(tmp_path, answer)
+    row = cal.attention_case(r, est)
+    assert row["op"] == "flash_attention bwd" and row["modelled_config"] == dict(r.config, use_base2_exp=False)
+    byts, flops = cal.attention_bytes_flops(1, 16384, 16, 16, 128, causal, True)
+    assert (row["hbm_bytes"], row["flops"]) == (byts, flops) and flops == 2.5 * 4 * 16 * 16384 ** 2 * 128 / (1 + causal)
+    if causal:
+        assert fake.calls == 2 and row["ours_model_ms"] is None and "vmem" in row["error"].lower()
+        return
+    assert fake.calls == 5 and row["error"] is None
+    assert row["ratio"] == pytest.approx(0.8, rel=1e-3) and row["credible"]
+    who = "tokamax" if case == "tokamax aborts" else "tpukernels"
+    assert [f.split(":")[0] for f in row["flags"]] == [f"{who} estimated at S=8192 x 4"]
+    want = model_time("tpu7x", 4 * sum(parts) * scale, byts, flops).time_us / 1e3
+    assert row["ours_model_ms"] == pytest.approx(want)
+    assert row["ours_config"]["source"] and row["implied_ours_ms"] == pytest.approx(want / row["ratio"])

@@ -150,8 +150,9 @@ def _programs(S: int, hq: int, hkv: int):
     }
 
 
-def bwd_kernels(chip: str, full_args) -> tuple:
-    """The backward kernels a causal call at ``full_args`` (q, k, v, dO, lse, di shape strings) runs on ``chip``:
+def bwd_kernels(chip: str, full_args, kwargs: dict | None = None) -> tuple:
+    """The backward kernels a call at ``full_args`` (q, k, v, dO, lse, di shape strings) and ``kwargs`` (the
+    statics; default causal top-left) runs on ``chip``:
     ``(fa_backward_fused,)`` where :data:`~tpukernels.library.attention.backward_fused.FUSED_BY_CHIP` lists the
     chip and the fused kernel lowers for the call there (it raises ``ArgumentError`` when it refuses the call,
     e.g. a resident dQ over a quarter of tpu7x's VMEM cap), else ``(fa_backward_dq, fa_backward_dkv)``."""
@@ -162,7 +163,7 @@ def bwd_kernels(chip: str, full_args) -> tuple:
 
     if FUSED_BY_CHIP.get(chip, False):
         try:
-            kernel_program(fa_backward_fused, chip, full_args, dict(CAUSAL))
+            kernel_program(fa_backward_fused, chip, full_args, dict(CAUSAL) if kwargs is None else kwargs)
             return (fa_backward_fused,)
         except ArgumentError:
             pass

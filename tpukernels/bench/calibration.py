@@ -24,6 +24,15 @@ config is modelled exactly like the benchmark rows (:class:`~tpukernels.bench.co
 * where credible, tpukernels' ``fa_forward`` is modelled at the same shape (its own config) and its
   **implied real time** is ``our model / ratio``; ``measured / implied`` above 1 means tpukernels would be faster.
 
+The same for tokamax's measured **backward** (``pallas_mosaic_tpu_flash_attention_vjp.json``, :data:`VJP_OP`:
+dQ, dK, dV from q, k, v, o, dO and the logsumexp, at the same shapes): tokamax's program is what
+``PallasMosaicTpuFlashAttentionVjp._fwd`` runs (:func:`tokamax_vjp_fn`: splash's fused backward kernel, the
+``rowsum(o * dO)`` and the layout swaps), ours the backward a call runs on the chip
+(:func:`tpukernels.bench.attention.bwd_kernels`: the fused kernel or dQ + dK/dV) with its XLA ops (the rowsum;
+the fused kernel's f32 dQ sliced and cast). Both get the same bytes and FLOPs (:func:`attention_bytes_flops`).
+Without a mask, a program libtpu cannot estimate at the row's length is estimated at half of it, and scaled by
+4 (:func:`at_shorter_seq`; ours at tokamax's length or shorter); each such row's ``flags`` says so.
+
 tokamax's kernel is its splash attention (``tokamax/_src/ops/experimental/tpu/splash_attention``), called
 here the way ``PallasMosaicTpuFlashAttention._fwd`` calls it (scale q, ``[B,S,H,D] -> [B,H,S,D]``,
 ``make_splash_mha`` with the measured config, ``vmap`` over the batch). That module is not imported: it and
@@ -42,13 +51,13 @@ modelled with the default scheduler (:data:`FALLBACK_OVERRIDES`; each row's ``mo
 from __future__ import annotations
 
 import dataclasses
+import importlib.machinery
 import importlib.util
 import json
 import os
 import re
 import statistics
 import sys
-import types
 
 from ..errors import TpuKernelError
 
@@ -59,6 +68,8 @@ CREDIBLE_RANGE = (0.7, 1.3)
 #: tokamax's chip folder names -> tpukernels chip names (GPU folders are skipped)
 CHIP_DIRS = {"tpu7x": "tpu7x", "tpu_v5_lite": "v5e", "tpu_v5": "v5p", "tpu_v6_lite": "v6e", "tpu_v6e": "v6e"}
 ATTENTION_OP = "pallas_mosaic_tpu_flash_attention"
+#: tokamax's flash attention backward (its op's VJP: dQ, dK, dV from q, k, v, o, dO and the logsumexp)
+VJP_OP = "pallas_mosaic_tpu_flash_attention_vjp"
 #: (B, S, Hq, Hkv, D) of the attention rows calibrated (all shipped for tpu7x in tokamax 0.0.12)
 ATTENTION_SHAPES = ((16, 1024, 16, 16, 128), (4, 4096, 16, 16, 128), (2, 8192, 16, 16, 128),
                     (1, 16384, 16, 16, 128), (32, 4096, 32, 8, 128))
@@ -232,10 +243,10 @@ def splash_module():
         parts = name.split(".")
         for i in range(1, len(parts) + 1):
             pkg = ".".join(parts[:i])
-            if pkg not in sys.modules:
-                m = types.ModuleType(pkg)
-                m.__path__ = [os.path.join(path, *parts[1:i])]
-                sys.modules[pkg] = m
+            if pkg not in sys.modules:  # with a spec: find_spec("tokamax") (autotuning_dir) still works after
+                spec = importlib.machinery.ModuleSpec(pkg, None, is_package=True)
+                spec.submodule_search_locations = [os.path.join(path, *parts[1:i])]
+                sys.modules[pkg] = importlib.util.module_from_spec(spec)
         kern = importlib.import_module(f"{name}.splash_attention_kernel")
     return kern, importlib.import_module(f"{name}.splash_attention_mask")
 
@@ -266,11 +277,49 @@ def tokamax_attention_fn(S: int, causal: bool, config: dict, scale: float):
     return jax.jit(fwd)
 
 
-def attention_rows(rows: list[MeasuredRow]) -> list[MeasuredRow]:
-    """The fastest measured forward row at each of :data:`ATTENTION_SHAPES` (bf16, causal or not; the plain
-    forward: tokamax also times it with ``return_residuals=True``, the forward of its VJP)."""
+def tokamax_vjp_fn(S: int, causal: bool, config: dict, scale: float):
+    """A jitted ``fn(q, k, v, o, do, lse)`` (``[B, S, H, D]`` bf16, ``lse [B, H, S]`` f32, natural base) running
+    tokamax's TPU flash attention backward with ``config`` (a measured VJP config key: ``block_q_dkv,
+    block_kv_dkv, block_kv_dkv_compute, use_base2_exp``) the way ``PallasMosaicTpuFlashAttentionVjp._fwd`` does:
+    splash's fused backward (``_splash_attention_bwd``: ``di = rowsum(o * do)`` and one dQ / dK / dV kernel),
+    ``vmap`` over the batch, dQ scaled."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    sk, sm = splash_module()
+    known = {"block_q_dkv", "block_kv_dkv", "block_kv_dkv_compute", "use_base2_exp"}
+    if set(config) - known:
+        raise TokamaxFormatError(f"attention VJP config has fields {sorted(set(config) - known)} not modelled here")
+    splash_config = dataclasses.replace(sk.SplashConfig.get_default(), **config)
+    mask = sm.CausalMask(shape=(S, S), shard_count=1) if causal else sm.FullMask((S, S))
+    kern = sk.make_splash_mha(mask=mask, config=splash_config, save_residuals=True,
+                              mask_value=float(jnp.finfo(jnp.float32).min), downcast_smem_data=False, q_seq_shards=1)
+    kw = kern.kwargs
+    bwd = functools.partial(sk._splash_attention_bwd, True, kw["mask_value"], False, kw["config"],  # noqa: SLF001
+                            kw["mask_function"], kw["fwd_mask_sparsity"], kw["dkv_mask_sparsity"])
+    base2 = bool(config.get("use_base2_exp"))
+
+    def vjp(q, k, v, o, do, lse):
+        q = q * jnp.asarray(scale, q.dtype)
+        q, k, v, o, do = (jnp.swapaxes(x, 1, 2) for x in (q, k, v, o, do))
+        lse = lse * sk.LOG2E if base2 else lse
+        dstats = {"logsumexp": None, "max_logits": None}
+        res = (q, k, v, None, None, o, lse, kern.dkv_mask_info)
+        _, _, dq, dk, dv, _, _, _ = jax.vmap(bwd, in_axes=((0, 0, 0, None, None, 0, 0, None), (0, dstats)))(
+            res, (do, dstats))
+        return jnp.swapaxes(dq, 1, 2) * scale, jnp.swapaxes(dk, 1, 2), jnp.swapaxes(dv, 1, 2)
+
+    return jax.jit(vjp)
+
+
+def attention_rows(rows: list[MeasuredRow], op: str = ATTENTION_OP) -> list[MeasuredRow]:
+    """The fastest measured ``op`` row (:data:`ATTENTION_OP`: the forward, :data:`VJP_OP`: the backward) at each
+    of :data:`ATTENTION_SHAPES` (bf16, causal or not; the plain forward: tokamax also times it with
+    ``return_residuals=True``, the forward of its VJP)."""
     out = []
-    for r in best_per_args([r for r in rows if r.op == ATTENTION_OP]):
+    for r in best_per_args([r for r in rows if r.op == op]):
         (_, q), (_, k) = array_shape(r.args["q"]), array_shape(r.args["k"])
         if len(q) != 4 or len(k) != 4:
             continue
@@ -322,47 +371,56 @@ class _NotCredible(Exception):
 
 
 def attention_case(r: MeasuredRow, est, log=lambda m: None) -> dict:
-    """One calibration row (dict) for a measured tokamax attention row (see module docstring)."""
+    """One calibration row (dict) for a measured tokamax attention forward or VJP row (see module docstring)."""
     import jax
     import jax.numpy as jnp
 
-    from ..library.attention import CAUSAL, fa_forward
+    from ..library.attention import CAUSAL
     from ..perf import model_time
-    from .core import EstimateError, kernel_program
+    from .core import EstimateError
 
+    backward = r.op == VJP_OP
     B, S, hq, hkv, D, causal = attention_dims(r)
     modelled = {**r.config, **{k_: v for k_, v in MODEL_OVERRIDES.items() if k_ in r.config}}
     b, h, kv, scale = reduced_problem(B, hq, hkv)
-    byts = B * ((2 * hq * S * D + 2 * hkv * S * D) * 2)  # q, o, k, v (bf16)
-    flops = 4 * B * hq * S * S * D // (2 if causal else 1)
-    row = {"family": "attention", "op": "flash_attention fwd", "chip": r.chip, "kind": "calibration",
-           "shape": shape_text(r),
-           "tokamax_op": r.op, "tokamax_config": r.config, "modelled_config": modelled, "measured_ms": r.median_ms, "times_ms": list(r.times_ms),
+    byts, flops = attention_bytes_flops(B, S, hq, hkv, D, causal, backward)
+    row = {"family": "attention", "op": f"flash_attention {'bwd' if backward else 'fwd'}", "chip": r.chip,
+           "kind": "calibration", "shape": shape_text(r),
+           "tokamax_op": r.op, "tokamax_config": r.config, "modelled_config": modelled, "measured_ms": r.median_ms,
+           "times_ms": list(r.times_ms),
            "estimated_at": f"B={b} Hq={h} Hkv={kv} x{scale}", "hbm_bytes": byts, "flops": flops,
            "model_ms": None, "ours_model_ms": None, "ours_config": None, "error": None, "note": None, "flags": []}
-    try:
-        structs = [jax.ShapeDtypeStruct((b, S, n, D), jnp.bfloat16) for n in (h, kv, kv)]
-        for extra in ({},) + FALLBACK_OVERRIDES:
-            modelled = {**modelled, **{k_: v for k_, v in extra.items() if k_ in modelled}}
-            fn = tokamax_attention_fn(S, causal, modelled, float(r.args.get("logits_scale") or D ** -0.5))
+    make = tokamax_vjp_fn if backward else tokamax_attention_fn
+    sm_scale = float(r.args.get("logits_scale") or D ** -0.5)
+
+    def tokamax_cycles(s):
+        nonlocal modelled
+        bf = lambda n: jax.ShapeDtypeStruct((b, s, n, D), jnp.bfloat16)  # noqa: E731
+        structs = [bf(h), bf(kv), bf(kv)]
+        if backward:  # o, dO, and the natural-base logsumexp [B, H, S]
+            structs += [bf(h), bf(h), jax.ShapeDtypeStruct((b, h, s), jnp.float32)]
+        tries = [{}] + [x for x in FALLBACK_OVERRIDES if x.keys() <= modelled.keys()]  # the VJP has no scheduler
+        for i, extra in enumerate(tries):
+            modelled = {**modelled, **extra}
             try:
-                cyc = est.cycles(fn, structs, r.chip) * scale
-                break
+                return est.cycles(make(s, causal, modelled, sm_scale), structs, r.chip)
             except EstimateError as e:
-                if extra is FALLBACK_OVERRIDES[-1] or not FALLBACK_OVERRIDES:
+                if i == len(tries) - 1:
                     raise
                 row["flags"].append(f"libtpu aborted on {modelled}: {str(e).splitlines()[0][:120]}")
+
+    try:
+        cyc, s_est = at_shorter_seq(tokamax_cycles, S, S, causal, row["flags"], "tokamax")
         row["modelled_config"] = modelled
-        row["model_ms"] = model_time(r.chip, cyc, byts, flops).time_us / 1e3
+        row["model_ms"] = model_time(r.chip, cyc * scale, byts, flops).time_us / 1e3
         if not calibrate(row["model_ms"], r.median_ms)["credible"]:
             raise _NotCredible
         kw = dict(CAUSAL, causal=causal)
-        spec = lambda bb, n: f"{bb}x{n}x{S}x{D}:bf16"  # noqa: E731
-        full = (spec(B, hq), spec(B, hkv), spec(B, hkv))
-        _, _, cfg, source = kernel_program(fa_forward, r.chip, full, kw)
-        ofn, ost, _, _ = kernel_program(fa_forward, r.chip, (spec(b, h), spec(b, kv), spec(b, kv)), kw, cfg)
-        row["ours_model_ms"] = model_time(r.chip, est.cycles(ofn, ost, r.chip) * scale, byts, flops).time_us / 1e3
-        row["ours_config"] = dict(cfg, source=source)
+        ours = (ours_backward_cycles if backward else ours_forward_cycles)(est, r.chip, (B, S, hq, hkv, D),
+                                                                            (b, h, kv), kw)
+        row["ours_config"] = ours.config
+        ours_cyc, _ = at_shorter_seq(ours, S, s_est, causal, row["flags"], "tpukernels")
+        row["ours_model_ms"] = model_time(r.chip, ours_cyc * scale, byts, flops).time_us / 1e3
     except _NotCredible:
         pass
     except (EstimateError, TpuKernelError, NotImplementedError, ValueError) as e:
@@ -370,14 +428,124 @@ def attention_case(r: MeasuredRow, est, log=lambda m: None) -> dict:
     row.update(calibrate(row["model_ms"], r.median_ms, row["ours_model_ms"]))
     if row["ratio"] is not None and not row["credible"]:
         row["note"] = not_credible_note(row["ratio"], causal, bool(row["flags"]))
-    log(f"  {r.chip:6} {row['shape']:40} model {row['model_ms'] or float('nan'):8.3f} ms  measured "
+    log(f"  {r.chip:6} {row['op']} {row['shape']:40} model {row['model_ms'] or float('nan'):8.3f} ms  measured "
         f"{r.median_ms:8.3f} ms  ours model {row['ours_model_ms'] or float('nan'):8.3f} ms")
     return row
 
 
+def attention_bytes_flops(B: int, S: int, hq: int, hkv: int, D: int, causal: bool, backward: bool) -> tuple[int, int]:
+    """The HBM bytes and FLOPs of one attention call, the same for tokamax's kernel and ours: the forward reads
+    q, k, v and writes o (bf16); the backward reads q, k, v, o, dO (bf16) and the logsumexp (f32) and writes dQ,
+    dK, dV (bf16). FLOPs: ``4 B Hq S^2 D`` forward (half with the causal mask), 2.5x that backward (five
+    ``S x S x D`` matmuls to the forward's two)."""
+    fwd = 4 * B * hq * S * S * D // (2 if causal else 1)
+    if not backward:
+        return B * ((2 * hq * S * D + 2 * hkv * S * D) * 2), fwd
+    return B * ((4 * hq + 4 * hkv) * S * D * 2 + hq * S * 4), int(fwd * 2.5)
+
+
+#: without a mask, a program libtpu 0.0.52 cannot estimate at the row's S (its profiler aborts on tokamax's
+#: backward at S >= 8k, ``llo_execution_graph.cc``; its *profiling* compile runs out of tpu7x's VMEM on our kernels'
+#: large blocks at S >= 8k, which the ordinary compile fits) is estimated at S/2, S/4, ... down to this length and
+#: scaled by ``(S / s)^2``: the work per score is the same (``benchmarks/attention_fused_bwd.py --est-seq``)
+MIN_EST_SEQ = 2048
+
+
+def at_shorter_seq(estimate, S: int, start: int, causal: bool, flags: list, who: str) -> tuple[int, int]:
+    """``(cycles at S, s)``: ``estimate(s)`` at ``s = start``, then halved while libtpu cannot estimate it (see
+    :data:`MIN_EST_SEQ`; non-causal only: with the causal mask the work does not scale by ``(S / s)^2``), scaled
+    to ``S``; each halving is noted in ``flags``.
+
+    Raises:
+        EstimateError: the last error, where no length could be estimated."""
+    from .core import EstimateError
+
+    s = start
+    while True:
+        try:
+            return estimate(s) * (S // s) ** 2, s
+        except EstimateError as e:
+            if causal or s // 2 < MIN_EST_SEQ or (s // 2) % 128:
+                raise
+            flags.append(f"{who} estimated at S={s // 2} x {(S // (s // 2)) ** 2}: libtpu could not estimate "
+                         f"S={s} ({str(e).splitlines()[0][:100]})")
+            s //= 2
+
+
+class _OursAt:
+    """``self(s)``: cycles of tpukernels' ``kernels`` at the reduced problem with sequence length ``s``, at the
+    config a call at the full problem gets (``self.config``, with its source), plus ``extra(s)`` (XLA ops)."""
+
+    def __init__(self, est, chip, kernels, specs, full, kw, extra=None):
+        from .core import kernel_program
+
+        self.est, self.chip, self.kernels, self.specs, self.kw, self.extra = est, chip, kernels, specs, kw, extra
+        self.cfgs = [kernel_program(k_, chip, full, kw)[2:] for k_ in kernels]
+        names = [k_.qualname.split("::")[-1] for k_ in kernels]
+        if len(names) == 1:
+            self.config = dict(self.cfgs[0][0], source=self.cfgs[0][1])
+        else:
+            self.config = {n: dict(c, source=src) for n, (c, src) in zip(names, self.cfgs)}
+
+    def __call__(self, s: int) -> int:
+        from .core import kernel_program
+
+        total = 0
+        for k_, (cfg, _) in zip(self.kernels, self.cfgs):
+            fn, structs, _, _ = kernel_program(k_, self.chip, self.specs(s), self.kw, cfg)
+            total += self.est.cycles(fn, structs, self.chip)
+        return total + (self.extra(s) if self.extra else 0)
+
+
+def ours_forward_cycles(est, chip: str, dims: tuple, reduced: tuple, kw: dict) -> _OursAt:
+    """tpukernels' ``fa_forward`` at the reduced problem, at the config a call at the full problem gets."""
+    from ..library.attention import fa_forward
+
+    B, S, hq, hkv, D = dims
+    b, h, kv = reduced
+
+    def specs(bb, n, m, s):
+        return (f"{bb}x{n}x{s}x{D}:bf16", f"{bb}x{m}x{s}x{D}:bf16", f"{bb}x{m}x{s}x{D}:bf16")
+
+    return _OursAt(est, chip, (fa_forward,), lambda s: specs(b, h, kv, s), specs(B, hq, hkv, S), kw)
+
+
+def ours_backward_cycles(est, chip: str, dims: tuple, reduced: tuple, kw: dict) -> _OursAt:
+    """The backward a tpukernels call runs on ``chip`` (:func:`tpukernels.bench.attention.bwd_kernels`: the fused
+    kernel or dQ + dK/dV) plus the XLA ops around it (``di = rowsum(dO * O)``; the fused kernel's f32 dQ sliced
+    and cast), at the reduced problem and the full problem's config."""
+    import jax
+    import jax.numpy as jnp
+
+    from ..library.attention.backward_fused import fa_backward_fused
+    from .attention import bwd_kernels
+
+    B, S, hq, hkv, D = dims
+    b, h, kv = reduced
+
+    def specs(bb, n, m, s):
+        q, k_ = f"{bb}x{n}x{s}x{D}:bf16", f"{bb}x{m}x{s}x{D}:bf16"
+        rows = f"{bb}x{n}x1x{s}:f32"
+        return (q, k_, k_, q, rows, rows)
+
+    kernels = bwd_kernels(chip, specs(B, hq, hkv, S), kw)
+
+    def extra(s):
+        o = jax.ShapeDtypeStruct((b, h, s, D), jnp.bfloat16)
+        total = est.cycles(jax.jit(lambda do, o: jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), -1)),
+                           [o, o], chip)
+        if fa_backward_fused in kernels:
+            dq = jax.ShapeDtypeStruct((b, h, -(-s // 8) * 8, D), jnp.float32)
+            total += est.cycles(jax.jit(lambda x: x[:, :, :s].astype(jnp.bfloat16)), [dq], chip)
+        return total
+
+    return _OursAt(est, chip, kernels, lambda s: specs(b, h, kv, s), specs(B, hq, hkv, S), kw, extra)
+
+
 def run(chips, est, log=lambda m: None) -> dict:
     """Every calibration row on ``chips`` (tokamax's shipped chips only); ``{"rows": [...], "tokamax": version}``."""
-    measured = attention_rows(load_rows(chips=set(chips), ops={ATTENTION_OP}))
+    loaded = load_rows(chips=set(chips), ops={ATTENTION_OP, VJP_OP})
+    measured = attention_rows(loaded) + attention_rows(loaded, VJP_OP)
     log(f"== calibration: {len(measured)} measured tokamax attention rows on {', '.join(sorted({r.chip for r in measured})) or 'none of ' + ', '.join(chips)}")
     return {"rows": [attention_case(r, est, log) for r in measured], "tokamax": tokamax_version()}
 
