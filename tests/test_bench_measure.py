@@ -152,24 +152,30 @@ TOKAMAX_ROWS = {  # B, S, Hq, Hkv, D, causal: measured ms of two configs (the fa
 }
 
 
-def _tokamax_root(tmp_path):
-    data = {}
-    for (B, S, hq, hkv, D, causal), times in TOKAMAX_ROWS.items():
-        args = json.dumps({"q": f"bf16[{B},{S},{hq},{D}]", "k": f"bf16[{B},{S},{hkv},{D}]",
+def _tokamax_root(tmp_path, vjp=False):
+    """A tokamax autotuning folder with TOKAMAX_ROWS (forward); with ``vjp``, also one backward row (0.9 ms)."""
+    def args(B, S, hq, hkv, D, causal):
+        return json.dumps({"q": f"bf16[{B},{S},{hq},{D}]", "k": f"bf16[{B},{S},{hkv},{D}]",
                            "v": f"bf16[{B},{S},{hkv},{D}]", "bias": None, "mask": {"is_causal": causal}})
-        data[args] = {json.dumps({"block_q": 512, "block_kv": 512 + i}): {"evaluation_times_ms": [t, t]}
-                      for i, t in enumerate(times)}
+
+    data = {args(*dims): {json.dumps({"block_q": 512, "block_kv": 512 + i}): {"evaluation_times_ms": [t, t]}
+                          for i, t in enumerate(times)} for dims, times in TOKAMAX_ROWS.items()}
     folder = tmp_path / "tokamax" / "tpu7x"
     folder.mkdir(parents=True)
     (folder / "pallas_mosaic_tpu_flash_attention.json").write_text(json.dumps(data))
+    if vjp:
+        cfg = json.dumps({"block_q_dkv": 512, "block_kv_dkv": 512, "block_kv_dkv_compute": 512})
+        (folder / "pallas_mosaic_tpu_flash_attention_vjp.json").write_text(json.dumps(
+            {args(4, 4096, 16, 16, 128, True): {cfg: {"evaluation_times_ms": [0.9, 0.9]}}}))
     return str(tmp_path / "tokamax")
 
 
 def test_calibration_rows_put_ours_measured_next_to_tokamax_measured(tmp_path):
-    root = _tokamax_root(tmp_path)
-    dev = FakeDevice({"tpukernels::flash_attention_fwd": [0.0, 250.0]})
+    root = _tokamax_root(tmp_path, vjp=True)
+    dev = FakeDevice({"tpukernels::flash_attention_fwd": [0.0, 250.0], "tpukernels::flash_attention_bwd_fused": 250.0})
     models = {("calibration", "flash_attention fwd", "B=4 S=4096 Hq=16 Hkv=16 D=128 causal", "tpu7x"): 300.0}
-    rows = measure.measure_calibration("tpu7x", dev, warmup=1, repeats=2, models=models, root=root)
+    rows_all = measure.measure_calibration("tpu7x", dev, warmup=1, repeats=2, models=models, root=root)
+    rows = [r for r in rows_all if r["op"] == "flash_attention fwd"]
     by = {r["shape"]: r for r in rows}
     assert set(by) == {"B=4 S=4096 Hq=16 Hkv=16 D=128 causal", "B=16 S=1024 Hq=16 Hkv=16 D=128 full"}
     causal = by["B=4 S=4096 Hq=16 Hkv=16 D=128 causal"]
@@ -179,6 +185,11 @@ def test_calibration_rows_put_ours_measured_next_to_tokamax_measured(tmp_path):
     full = by["B=16 S=1024 Hq=16 Hkv=16 D=128 full"]
     assert full["model_us"] is None and full["tokamax_over_ours"] == pytest.approx(300.0 / 250.0)
     assert causal["parts"][0]["args"][0] == "4x16x4096x128:bf16"
+    # tokamax's backward row: the backward a tpukernels call runs on tpu7x (the fused kernel), timed alone
+    bwd = next(r for r in rows_all if r["op"] == "flash_attention bwd")
+    assert bwd["shape"] == "B=4 S=4096 Hq=16 Hkv=16 D=128 causal" and bwd["tokamax_measured_us"] == pytest.approx(900.0)
+    assert [p["kernel"] for p in bwd["parts"]] == ["tpukernels::flash_attention_bwd_fused"]
+    assert bwd["parts"][0]["args"][4] == "4x16x1x4096:f32" and bwd["tokamax_over_ours"] == pytest.approx(900 / 250)
 
 
 def test_a_failing_call_is_an_error_row_without_a_time():

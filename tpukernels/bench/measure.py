@@ -16,9 +16,9 @@ problem, the config each call resolves to from the tuning DB or the heuristic) a
 * per case, ``model / measured``: the family's saved model time of tpukernels on this chip
   (``<results_dir>/<family>.json``; none until ``tpukernels bench --family F --chips <this chip>`` has run, as
   it needs no TPU) over the measured time: below 1 the model is optimistic;
-* calibration rows (:mod:`tpukernels.bench.calibration`, tokamax's measured flash-attention forward times on
-  this chip): tpukernels' ``fa_forward`` at the same shape, ``tokamax measured / ours measured`` (above 1,
-  tpukernels is faster on the chip) next to our model / measured.
+* calibration rows (:mod:`tpukernels.bench.calibration`, tokamax's measured flash-attention forward and backward
+  times on this chip): tpukernels' ``fa_forward`` (or the backward kernels a call runs) at the same shape,
+  ``tokamax measured / ours measured`` (above 1, tpukernels is faster on the chip) next to our model / measured.
 
 Cases whose model includes work outside tpukernels' kernels (an XLA op the wrapper runs, a scaled reduced
 problem) or whose implementation is not a list of kernel calls are listed with a note and not timed.
@@ -266,29 +266,42 @@ def measure_cases(cases, runner: DeviceRunner, *, warmup: int, repeats: int, mod
 
 
 def calibration_cases(chip: str, root: str | None = None) -> list[tuple]:
-    """``[(MeasuredRow, shape text, parts)]``: tokamax's measured flash-attention forward rows on ``chip``
-    (:func:`tpukernels.bench.calibration.attention_rows`) and tpukernels' ``fa_forward`` call at that shape."""
+    """``[(MeasuredRow, op, shape text, parts)]``: tokamax's measured flash-attention rows on ``chip``
+    (:func:`tpukernels.bench.calibration.attention_rows`), forward then backward (VJP), and tpukernels' calls
+    at that shape: ``fa_forward``, or the backward kernels a call runs there
+    (:func:`tpukernels.bench.attention.bwd_kernels`: the fused kernel or dQ + dK/dV; the ``rowsum(dO * O)`` and
+    dQ cast XLA ops around them, which the model of the row includes, are not timed)."""
     from ..library.attention import CAUSAL, fa_forward
     from . import calibration as cal
+    from .attention import bwd_kernels
 
     out = []
-    for r in cal.attention_rows(cal.load_rows(root, chips={chip}, ops={cal.ATTENTION_OP})):
+    loaded = cal.load_rows(root, chips={chip}, ops={cal.ATTENTION_OP, cal.VJP_OP})
+    for r in cal.attention_rows(loaded) + cal.attention_rows(loaded, cal.VJP_OP):
         B, S, hq, hkv, D, causal = cal.attention_dims(r)
         spec = lambda n: f"{B}x{n}x{S}x{D}:bf16"  # noqa: E731
-        call = (fa_forward, (spec(hq), spec(hkv), spec(hkv)), dict(CAUSAL, causal=causal))
-        out.append((r, cal.shape_text(r), [call]))
+        kw = dict(CAUSAL, causal=causal)
+        if r.op == cal.VJP_OP:
+            rows = f"{B}x{hq}x1x{S}:f32"
+            args = (spec(hq), spec(hkv), spec(hkv), spec(hq), rows, rows)
+            calls = [(k, args, kw) for k in bwd_kernels(chip, args, kw)]
+            out.append((r, "flash_attention bwd", cal.shape_text(r), calls))
+        else:
+            calls = [(fa_forward, (spec(hq), spec(hkv), spec(hkv)), kw)]
+            out.append((r, "flash_attention fwd", cal.shape_text(r), calls))
     return out
 
 
 def measure_calibration(chip: str, runner: DeviceRunner, *, warmup: int, repeats: int, models: dict | None = None,
                         root: str | None = None, timed: list | None = None, log=lambda m: None) -> list[dict]:
-    """One measured row per calibration row on ``chip``: tpukernels' ``fa_forward`` timed at tokamax's measured
-    shape, next to tokamax's measured time (``tokamax_over_ours``) and our model (``model_over_measured``)."""
+    """One measured row per calibration row on ``chip``: tpukernels' forward or backward timed at tokamax's
+    measured shape (:func:`calibration_cases`), next to tokamax's measured time (``tokamax_over_ours``) and our
+    model (``model_over_measured``)."""
     check_counts(warmup, repeats)
     rows = []
-    for r, shape, parts in calibration_cases(chip, root):
-        row = new_row("calibration", "flash_attention fwd", shape, chip,
-                       (models or {}).get(("calibration", "flash_attention fwd", shape, chip)), r.median_ms * 1e3)
+    for r, op, shape, parts in calibration_cases(chip, root):
+        row = new_row("calibration", op, shape, chip, (models or {}).get(("calibration", op, shape, chip)),
+                      r.median_ms * 1e3)
         measure_parts(row, parts, chip, runner, warmup=warmup, repeats=repeats, timed=timed)
         log(_log_line(row))
         rows.append(row)
