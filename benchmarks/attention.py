@@ -11,7 +11,9 @@ rooflines), for every config of a small sweep of
   gets K/V repeated to 32 heads (what a user would pass).
 
 ``--backward`` adds the backward (our dQ + dK/dV kernels + the ``rowsum(dO * O)`` XLA op vs JAX's
-backward kernels at the same blocks). Sweeps run at a quarter of the heads (B=1, Hq=8, Hkv=2; the
+backward kernels at the same blocks); with ``--fused-backward`` the backward swept and recorded is the fused
+kernel :data:`~tpukernels.library.attention.backward_fused.fa_backward_fused` (+ the rowsum; pass ``bwd_fused``).
+``--mask full`` sweeps and records the non-causal entries. Sweeps run at a quarter of the heads (B=1, Hq=8, Hkv=2; the
 estimate is linear in the head count, ``--check-scaling`` verifies it) to save time. ``--write-defaults`` records the best swept config per (chip, length) in the shipped
 tuning DB (``tpukernels/data/autotuning/<chip>/tpukernels.flash_attention*.json``).
 
@@ -50,6 +52,7 @@ from tpukernels.autotune import db  # noqa: E402
 from tpukernels.autotune.estimator import client  # noqa: E402
 from tpukernels.bench.attention import attention_flops, attention_io_bytes  # noqa: E402  (shared with `tpukernels bench`)
 from tpukernels.library.attention import fa_backward_dkv, fa_backward_dq, fa_forward  # noqa: E402
+from tpukernels.library.attention.backward_fused import fa_backward_fused  # noqa: E402
 from tpukernels.lowering import lower  # noqa: E402
 from tpukernels.perf import model_time  # noqa: E402
 from tpukernels.chips import get_chip  # noqa: E402
@@ -60,15 +63,28 @@ DT = jnp.bfloat16
 STATICS = dict(causal=True, causal_alignment="top_left", sm_scale=None, window_left=None, window_right=None,
                softcap=None)
 STATIC_T = tuple(STATICS.items())
+#: ``--mask full``: the same statics without the causal mask (non-causal entries: encoders, diffusion, the
+#: non-causal rows of the calibration against tokamax's measured times)
+STATIC_FULL = tuple(dict(STATICS, causal=False).items())
 
 #: Sweep spaces (pruned by earlier, wider sweeps at S=2048/4096/8192 on v6e: 512-query forward blocks and
 #: 256-key DMA blocks never won, and neither did JAX's block_k=256).
 OURS_FWD_SWEEP = [dict(block_q=bq, block_kv=bkv, block_kv_compute=c, block_h=1)
                   for bq, bkv, c in ((1024, 1024, 512), (1024, 2048, 512), (2048, 1024, 512), (2048, 2048, 512),
                                      (2048, 2048, 256), (1024, 1024, 256))]
+#: without the mask every step is a full block, so 256-key compute sub-blocks are tried at every block size (the
+#: first non-causal sweep on tpu7x, S=4096: 2048 / 2048 / 256 estimated 5% faster than / 512)
+OURS_FWD_SWEEP_FULL = OURS_FWD_SWEEP + [dict(block_q=bq, block_kv=bkv, block_kv_compute=c, block_h=1)
+                                        for bq, bkv, c in ((1024, 2048, 256), (2048, 1024, 256), (2048, 2048, 128))]
 OURS_BWD_SWEEP = [dict(block_q=bq, block_kv=bkv, block_kv_compute=c, block_h=1)
                   for bq, bkv, c in ((1024, 1024, 512), (2048, 1024, 512), (1024, 2048, 512), (2048, 2048, 512),
                                      (1024, 1024, 256))]
+#: the fused backward (key-major, resident f32 dQ): its live f32 tiles are block_kv_compute x block_q, so 1024
+#: queries by default (:func:`~tpukernels.library.attention.backward_fused.fused_heuristic`); smaller compute
+#: sub-blocks and 512-query steps are the levers tried
+OURS_BWD_FUSED_SWEEP = [dict(block_q=bq, block_kv=bkv, block_kv_compute=c, block_h=1)
+                        for bq, bkv, c in ((1024, 2048, 512), (1024, 2048, 256), (512, 2048, 512), (1024, 1024, 512),
+                                           (512, 1024, 512), (2048, 2048, 512), (2048, 2048, 256))]
 JAX_FWD_SWEEP = [(512, 512, 512), (1024, 1024, 512), (2048, 1024, 512), (1024, 2048, 512), (2048, 2048, 512)]
 JAX_BWD_SWEEP = [(512, 512, 512), (1024, 1024, 512)]  # (2048, 2048, 512): VMEM OOM on v5e, slower on v6e
 #: Sweeps run at 1/SWEEP_DIV of the heads (group size kept); estimates are linear in the head count.
@@ -93,14 +109,21 @@ def _specs(S, hq, hkv, backward):
     return (q, kv, kv, q, rows, rows, None, None)
 
 
-def ours(chip: str, S: int, config: dict | None, *, hq=HQ, hkv=HKV, backward=False) -> dict:
-    """Cycles of our forward (or dQ + dK/dV) kernels at ``config`` (None: dispatch config)."""
-    kernels = (fa_backward_dq, fa_backward_dkv) if backward else (fa_forward,)
+def _kernels(backward: bool, fused: bool = False) -> tuple:
+    if not backward:
+        return (fa_forward,)
+    return (fa_backward_fused,) if fused else (fa_backward_dq, fa_backward_dkv)
+
+
+def ours(chip: str, S: int, config: dict | None, *, hq=HQ, hkv=HKV, backward=False, causal=True,
+         fused=False) -> dict:
+    """Cycles of our forward (or dQ + dK/dV, or fused backward) kernels at ``config`` (None: dispatch config)."""
+    kernels = _kernels(backward, fused)
     total, used = 0, []
     for kernel in kernels:
         specs = _specs(S, hq, hkv, backward)
         low = lower(kernel, [s if s is None else TensorSpec(s.shape, s.dtype, p.name)
-                             for s, p in zip(specs, kernel.tensor_params)], STATIC_T, config, mode="mosaic",
+                             for s, p in zip(specs, kernel.tensor_params)], _statics(causal), config, mode="mosaic",
                     chip=get_chip(chip))
         total += _estimate(low.fn, low.arg_structs, chip)
         used.append(dict(low.config))
@@ -110,7 +133,7 @@ def ours(chip: str, S: int, config: dict | None, *, hq=HQ, hkv=HKV, backward=Fal
     return {"cycles": total, "config": used[0] if len(used) == 1 else used}
 
 
-def jax_pallas(chip: str, S: int, blocks: tuple | None, *, hq=HQ, backward=False) -> int:
+def jax_pallas(chip: str, S: int, blocks: tuple | None, *, hq=HQ, backward=False, causal=True) -> int:
     from jax.experimental.pallas.ops.tpu import flash_attention as jfa
 
     bs = None
@@ -122,7 +145,7 @@ def jax_pallas(chip: str, S: int, blocks: tuple | None, *, hq=HQ, backward=False
     x = jax.ShapeDtypeStruct((B, hq, S, D), DT)
 
     def fwd(q, k, v):
-        return jfa.flash_attention(q, k, v, causal=True, sm_scale=D ** -0.5, block_sizes=bs)
+        return jfa.flash_attention(q, k, v, causal=causal, sm_scale=D ** -0.5, block_sizes=bs)
 
     if not backward:
         return _estimate(jax.jit(fwd), [x, x, x], chip)
@@ -133,42 +156,58 @@ def jax_pallas(chip: str, S: int, blocks: tuple | None, *, hq=HQ, backward=False
     return _estimate(jax.jit(bwd), [x, x, x, x], chip) - _estimate(jax.jit(fwd), [x, x, x], chip)
 
 
-def us(chip, cycles, S, backward=False, hq=HQ, hkv=HKV):
-    return model_time(chip, cycles, attention_io_bytes(S, hq, hkv, backward), attention_flops(S, hq, backward)).time_us
+def us(chip, cycles, S, backward=False, hq=HQ, hkv=HKV, causal=True):
+    flops = attention_flops(S, hq, backward, causal)
+    return model_time(chip, cycles, attention_io_bytes(S, hq, hkv, backward), flops).time_us
 
 
-def sweep(chip: str, S: int, backward: bool, log, results: str, what: str = "both") -> None:
+def _statics(causal: bool) -> tuple:
+    return STATIC_T if causal else STATIC_FULL
+
+
+def _mask(row: dict) -> str:
+    """A trial's mask (trials written before ``--mask`` existed are causal)."""
+    return row.get("mask", "causal")
+
+
+def sweep(chip: str, S: int, backward: bool, log, results: str, what: str = "both", causal: bool = True,
+          fused: bool = False) -> None:
     """Estimate every config of the sweep spaces at 1/SWEEP_DIV of the heads (scaled back); one JSON line
     per trial is appended to ``results``."""
+    mask = "causal" if causal else "full"
     hq, hkv = HQ // SWEEP_DIV, HKV // SWEEP_DIV
-    pas = "bwd" if backward else "fwd"
+    pas = ("bwd_fused" if fused else "bwd") if backward else "fwd"
     trials = []
     if what in ("both", "ours"):
-        trials += [("tpukernels", cfg) for cfg in (OURS_BWD_SWEEP if backward else OURS_FWD_SWEEP)]
-    if what in ("both", "jax"):
+        fwd_space = OURS_FWD_SWEEP if causal else OURS_FWD_SWEEP_FULL
+        bwd_space = OURS_BWD_FUSED_SWEEP if fused else OURS_BWD_SWEEP
+        trials += [("tpukernels", cfg) for cfg in (bwd_space if backward else fwd_space)]
+    if what in ("both", "jax") and not fused:
         trials += [("jax-pallas", b) for b in (JAX_BWD_SWEEP if backward else JAX_FWD_SWEEP) if max(b) <= S]
     done = set()
     if os.path.exists(results):  # resume: skip trials already estimated (ours: for the current source)
         with open(results) as f:
             for line in f:
                 r = json.loads(line)
-                if r["impl"] == "tpukernels" and r.get("source") != _source(backward):
+                ours_stale = r.get("source") != _source(r["pass"] != "fwd", r["pass"] == "bwd_fused")
+                if r["impl"] == "tpukernels" and ours_stale:
                     continue
-                done.add((r["chip"], r["S"], r["pass"], r["impl"], json.dumps(r["config"], sort_keys=True)))
+                done.add((r["chip"], r["S"], r["pass"], _mask(r), r["impl"], json.dumps(r["config"], sort_keys=True)))
     for impl, cfg in trials:
-        key = (chip, S, pas, impl, json.dumps(list(cfg) if isinstance(cfg, tuple) else cfg, sort_keys=True))
+        key = (chip, S, pas, mask, impl, json.dumps(list(cfg) if isinstance(cfg, tuple) else cfg, sort_keys=True))
         if key in done:
             continue
         t0 = time.time()
-        row = {"chip": chip, "S": S, "pass": pas, "impl": impl, "config": cfg, "heads_div": SWEEP_DIV}
+        row = {"chip": chip, "S": S, "pass": pas, "mask": mask, "impl": impl, "config": cfg, "heads_div": SWEEP_DIV}
         if impl == "tpukernels":
-            row["source"] = _source(backward)
+            row["source"] = _source(backward, fused)
         try:
             if impl == "tpukernels":
-                cyc = ours(chip, S, cfg, hq=hq, hkv=hkv, backward=backward)["cycles"] * SWEEP_DIV
+                cyc = ours(chip, S, cfg, hq=hq, hkv=hkv, backward=backward, causal=causal, fused=fused)["cycles"]
+                cyc *= SWEEP_DIV
             else:
-                cyc = jax_pallas(chip, S, cfg, hq=hq, backward=backward) * SWEEP_DIV
-            row["time_us"] = round(us(chip, cyc, S, backward), 1)
+                cyc = jax_pallas(chip, S, cfg, hq=hq, backward=backward, causal=causal) * SWEEP_DIV
+            row["time_us"] = round(us(chip, cyc, S, backward, causal=causal), 1)
         except Exception as e:  # VMEM / compile failure of a candidate: recorded, skipped
             row["error"] = str(e)[:200]
         row["seconds"] = round(time.time() - t0, 1)
@@ -178,13 +217,13 @@ def sweep(chip: str, S: int, backward: bool, log, results: str, what: str = "bot
             f.write(json.dumps(row) + "\n")
 
 
-def _source(backward: bool) -> str:
+def _source(backward: bool, fused: bool = False) -> str:
     """Source hash of the kernels a trial measured (trials of older kernel code are ignored)."""
-    kernels = (fa_backward_dq, fa_backward_dkv) if backward else (fa_forward,)
+    kernels = _kernels(backward, fused)
     return "+".join(db.source_hash(k) for k in kernels)
 
 
-def best_from(results: str, chip: str, S: int, pas: str, impl: str):
+def best_from(results: str, chip: str, S: int, pas: str, impl: str, mask: str = "causal"):
     """(config, time_us) of the fastest trial in a results file (ours: of the current kernel source), or
     (None, inf)."""
     best = (None, float("inf"))
@@ -193,23 +232,26 @@ def best_from(results: str, chip: str, S: int, pas: str, impl: str):
     with open(results) as f:
         for line in f:
             r = json.loads(line)
-            if "time_us" not in r or (impl == "tpukernels" and r.get("source") != _source(pas == "bwd")):
+            stale = impl == "tpukernels" and r.get("source") != _source(pas != "fwd", pas == "bwd_fused")
+            if "time_us" not in r or stale:
                 continue
-            if (r["chip"], r["S"], r["pass"], r["impl"]) == (chip, S, pas, impl) and r["time_us"] < best[1]:
+            here = (r["chip"], r["S"], r["pass"], _mask(r), r["impl"]) == (chip, S, pas, mask, impl)
+            if here and r["time_us"] < best[1]:
                 cfg = r["config"]
                 best = (tuple(cfg) if isinstance(cfg, list) else cfg, r["time_us"])
     return best
 
 
-def write_default(chip: str, S: int, cfg: dict, time_us: float, backward: bool) -> list[str]:
+def write_default(chip: str, S: int, cfg: dict, time_us: float, backward: bool, causal: bool = True,
+                  fused: bool = False) -> list[str]:
     paths = []
-    kernels = (fa_backward_dq, fa_backward_dkv) if backward else (fa_forward,)
+    kernels = _kernels(backward, fused)
     for kernel in kernels:
         specs = [s if s is None else TensorSpec(s.shape, s.dtype, p.name)
                  for s, p in zip(_specs(S, HQ, HKV, backward), kernel.tensor_params)]
         evidence = {"evaluator": "tpu-model", "time_us": round(time_us, 1),
                     "note": "libtpu static estimate (model), benchmarks/attention.py --sweep"}
-        paths.append(db.record(kernel, chip, specs, STATIC_T, cfg, evidence,
+        paths.append(db.record(kernel, chip, specs, _statics(causal), cfg, evidence,
                                path=db.shipped_db_path(kernel.qualname, chip)))
     return paths
 
@@ -223,6 +265,10 @@ def main(argv=None) -> int:
     ap.add_argument("--results", default=os.path.join(db.user_cache_dir(), "bench", "attention_sweep.jsonl"),
                     help="JSON lines of sweep trials (default: $TPUKERNELS_CACHE_DIR/bench/attention_sweep.jsonl)")
     ap.add_argument("--backward", action="store_true", help="also the backward pass")
+    ap.add_argument("--fused-backward", action="store_true",
+                    help="with --backward: sweep / record the fused backward kernel instead of dQ + dK/dV")
+    ap.add_argument("--mask", choices=["causal", "full"], default="causal",
+                    help="causal (top-left) or no mask (full): its own trials and shipped entries")
     ap.add_argument("--write-defaults", action="store_true",
                     help="record the best tpukernels config per (chip, S, pass) of --results in the shipped DB")
     ap.add_argument("--check-scaling", action="store_true", help="verify: estimate(32 heads) ~= 8 x estimate(4)")
@@ -231,18 +277,21 @@ def main(argv=None) -> int:
     for chip in (c for c in args.chips.split(",") if c):
         for S in (int(s) for s in args.seqs.split(",") if s):
             for backward in ((False, True) if args.backward else (False,)):
-                pas = "bwd" if backward else "fwd"
-                log(f"== {chip} S={S} {pas}")
+                fused = backward and args.fused_backward
+                pas = ("bwd_fused" if fused else "bwd") if backward else "fwd"
+                causal = args.mask == "causal"
+                log(f"== {chip} S={S} {pas} {args.mask}")
                 if args.check_scaling:
-                    small = ours(chip, S, None, hq=HQ // SWEEP_DIV, hkv=HKV // SWEEP_DIV, backward=backward)["cycles"]
-                    full = ours(chip, S, None, backward=backward)["cycles"]
+                    small = ours(chip, S, None, hq=HQ // SWEEP_DIV, hkv=HKV // SWEEP_DIV, backward=backward,
+                                 causal=causal, fused=fused)["cycles"]
+                    full = ours(chip, S, None, backward=backward, causal=causal, fused=fused)["cycles"]
                     log(f"  scaling: full / ({SWEEP_DIV} x reduced) = {full / (SWEEP_DIV * small):.4f}")
                 if args.sweep != "none":
-                    sweep(chip, S, backward, log, args.results, args.sweep)
+                    sweep(chip, S, backward, log, args.results, args.sweep, causal, fused)
                 if args.write_defaults:
-                    cfg, t = best_from(args.results, chip, S, pas, "tpukernels")
+                    cfg, t = best_from(args.results, chip, S, pas, "tpukernels", args.mask)
                     if cfg is not None:
-                        for path in write_default(chip, S, cfg, t, backward):
+                        for path in write_default(chip, S, cfg, t, backward, causal, fused):
                             log(f"  wrote {cfg} ({t} us) to {path}")
     return 0
 
