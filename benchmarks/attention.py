@@ -75,7 +75,8 @@ OURS_FWD_SWEEP = [dict(block_q=bq, block_kv=bkv, block_kv_compute=c, block_h=1)
 #: without the mask every step is a full block, so 256-key compute sub-blocks are tried at every block size (the
 #: first non-causal sweep on tpu7x, S=4096: 2048 / 2048 / 256 estimated 5% faster than / 512)
 OURS_FWD_SWEEP_FULL = OURS_FWD_SWEEP + [dict(block_q=bq, block_kv=bkv, block_kv_compute=c, block_h=1)
-                                        for bq, bkv, c in ((1024, 2048, 256), (2048, 1024, 256), (2048, 2048, 128))]
+                                        for bq, bkv, c in ((1024, 2048, 256), (2048, 1024, 256), (2048, 2048, 128),
+                                                           (2048, 4096, 256), (4096, 4096, 256))]
 OURS_BWD_SWEEP = [dict(block_q=bq, block_kv=bkv, block_kv_compute=c, block_h=1)
                   for bq, bkv, c in ((1024, 1024, 512), (2048, 1024, 512), (1024, 2048, 512), (2048, 2048, 512),
                                      (1024, 1024, 256))]
@@ -84,7 +85,8 @@ OURS_BWD_SWEEP = [dict(block_q=bq, block_kv=bkv, block_kv_compute=c, block_h=1)
 #: sub-blocks and 512-query steps are the levers tried
 OURS_BWD_FUSED_SWEEP = [dict(block_q=bq, block_kv=bkv, block_kv_compute=c, block_h=1)
                         for bq, bkv, c in ((1024, 2048, 512), (1024, 2048, 256), (512, 2048, 512), (1024, 1024, 512),
-                                           (512, 1024, 512), (2048, 2048, 512), (2048, 2048, 256))]
+                                           (512, 1024, 512), (2048, 2048, 512), (2048, 2048, 256), (1024, 4096, 512),
+                                           (512, 4096, 512))]
 JAX_FWD_SWEEP = [(512, 512, 512), (1024, 1024, 512), (2048, 1024, 512), (1024, 2048, 512), (2048, 2048, 512)]
 JAX_BWD_SWEEP = [(512, 512, 512), (1024, 1024, 512)]  # (2048, 2048, 512): VMEM OOM on v5e, slower on v6e
 #: Sweeps run at 1/SWEEP_DIV of the heads (group size kept); estimates are linear in the head count.
@@ -181,7 +183,8 @@ def sweep(chip: str, S: int, backward: bool, log, results: str, what: str = "bot
     if what in ("both", "ours"):
         fwd_space = OURS_FWD_SWEEP if causal else OURS_FWD_SWEEP_FULL
         bwd_space = OURS_BWD_FUSED_SWEEP if fused else OURS_BWD_SWEEP
-        trials += [("tpukernels", cfg) for cfg in (bwd_space if backward else fwd_space)]
+        trials += [("tpukernels", cfg) for cfg in (bwd_space if backward else fwd_space)
+                   if max(cfg["block_q"], cfg["block_kv"]) <= S]  # 4096-blocks: explicit configs beyond BLOCKS
     if what in ("both", "jax") and not fused:
         trials += [("jax-pallas", b) for b in (JAX_BWD_SWEEP if backward else JAX_FWD_SWEEP) if max(b) <= S]
     done = set()

@@ -447,7 +447,9 @@ def attention_bytes_flops(B: int, S: int, hq: int, hkv: int, D: int, causal: boo
 #: without a mask, a program libtpu 0.0.52 cannot estimate at the row's S (its profiler aborts on tokamax's
 #: backward at S >= 8k, ``llo_execution_graph.cc``; its *profiling* compile runs out of tpu7x's VMEM on our kernels'
 #: large blocks at S >= 8k, which the ordinary compile fits) is estimated at S/2, S/4, ... down to this length and
-#: scaled by ``(S / s)^2``: the work per score is the same (``benchmarks/attention_fused_bwd.py --est-seq``)
+#: scaled by ``(S / s)^2``: the work per score is the same (``benchmarks/attention_fused_bwd.py --est-seq``). The
+#: XLA ops around the kernels (rowsum, layout swaps, casts: linear in S) are scaled the same way, an overestimate
+#: of each side's time by about their share at the shorter length (~1-2% here)
 MIN_EST_SEQ = 2048
 
 
