@@ -412,6 +412,78 @@ def tensor_parallel(mesh) -> dict:
     return res
 
 
+_SHIMS: list = []  # torch.library registrations the checks make for this worker process (kept alive)
+
+
+def async_tp(mesh) -> dict:
+    """PyTorch's async-TP ops (``torch.ops.symm_mem.fused_all_gather_matmul`` / ``fused_matmul_reduce_scatter``,
+    registered for cpu by ``register_symm_mem_ops``) against float64 from the same inputs, and TorchTitan's fused
+    TP linears over them: its ``AllGatherFusedFeedForward`` SwiGLU (``AllGatherLinearMulti`` for w1 / w3,
+    ``LinearReduceScatter`` for w2), forward and backward, against float64 autograd on the unsharded problem."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torchtitan.distributed.linear import AllGatherLinearMulti, LinearReduceScatter
+
+    from tpukernels.distributed.async_tp import register_symm_mem_ops
+
+    import torch.distributed._symmetric_memory  # noqa: F401  (defines the ops: torch implements them for CUDA only)
+
+    x0 = torch.ones(2, 4)
+    try:
+        torch.ops.symm_mem.fused_all_gather_matmul(x0, [x0.T], 0, mesh.get_group().group_name)
+        res = {"cpu_kernel_before": True}
+    except NotImplementedError:
+        res = {"cpu_kernel_before": False}
+    res.update(registered=register_symm_mem_ops(("CPU",)), registered_again=register_symm_mem_ops("CPU"))
+    try:  # TorchTitan's wgrad calls torch.mm(..., out_dtype=f32): aten::mm.dtype has no CPU kernel in torch 2.13
+        torch.mm(torch.ones(1, 1), torch.ones(1, 1), out_dtype=torch.float32)
+    except NotImplementedError:  # a test-process shim (this worker only): the product in out_dtype
+        _SHIMS.append(torch.library.Library("aten", "IMPL"))
+        _SHIMS[-1].impl("mm.dtype", lambda a, b, out_dtype: torch.mm(a.to(out_dtype), b.to(out_dtype)), "CPU")
+    group = mesh.get_group()
+    name, rank, n = group.group_name, dist.get_rank(), dist.get_world_size()
+    ops = torch.ops.symm_mem
+    g = torch.Generator().manual_seed(3)  # the same full tensors on every rank; each takes its shards
+    T, D, H = 8, 16, 24  # tokens per rank, hidden, ffn
+    x = torch.randn(n * T, D, generator=g)
+    w1, w3 = torch.randn(H, D, generator=g) * 0.3, torch.randn(H, D, generator=g) * 0.3
+    w2 = torch.randn(D, H, generator=g) * 0.3
+    rows, cols = slice(rank * T, (rank + 1) * T), slice(rank * H // n, (rank + 1) * H // n)
+    d = lambda t: t.double()  # noqa: E731
+    # all-gather matmul: a transposed [N, K] weight view (read in place) and a [K, N] operand (made contiguous)
+    A, outs = ops.fused_all_gather_matmul(x[rows], [w1[cols].T, w3[cols].T.contiguous()], 0, name)
+    res["ag_A"] = _err(A, d(x))
+    res["ag_outs"] = max(_err(outs[0], d(x) @ d(w1[cols]).T), _err(outs[1], d(x) @ d(w3[cols]).T))
+    none, (o,) = ops.fused_all_gather_matmul(x[rows], [w1[cols].T], 0, name, return_A=False)
+    res["ag_no_A"] = none is None and _err(o, d(x) @ d(w1[cols]).T) < 1e-5
+    kcols = slice(rank * D // n, (rank + 1) * D // n)  # gathering the contraction dim (torch's reference semantics)
+    A, (o,) = ops.fused_all_gather_matmul(x[:, kcols], [w1.T], -1, name)
+    res["ag_last_dim"] = max(_err(A, d(x)), _err(o, d(x) @ d(w1).T))
+    # matmul reduce-scatter: each rank holds H / n of the contraction dim
+    h = torch.randn(n * T, H, generator=g)
+    want = d(h) @ d(w2).T
+    res["rs_sum"] = _err(ops.fused_matmul_reduce_scatter(h[:, cols], w2[:, cols].T, "sum", 0, name), want[rows])
+    res["rs_avg"] = _err(ops.fused_matmul_reduce_scatter(h[:, cols], w2[:, cols].T, "avg", 0, name), want[rows] / n)
+    res["rs_last_dim"] = _err(ops.fused_matmul_reduce_scatter(h[:, cols], w2[:, cols].T, "sum", 1, name),
+                              want[:, kcols])
+    res["errors"] = _errors(
+        ("reduce_op", lambda: ops.fused_matmul_reduce_scatter(h[:, cols], w2[:, cols].T, "max", 0, name)),
+        ("rank_mismatch", lambda: ops.fused_all_gather_matmul(x[: T - rank], [w1[cols].T], 0, name)))
+    # TorchTitan's fused SwiGLU FFN (AllGatherFusedFeedForward.forward) on these ops
+    xs, w1s, w3s, w2s = (t.clone().requires_grad_() for t in (x[rows], w1[cols], w3[cols], w2[:, cols]))
+    h1, h3 = AllGatherLinearMulti.apply(xs, w1s, w3s, group, name)
+    y = LinearReduceScatter.apply(F.silu(h1) * h3, w2s, None, group, name)
+    dy = torch.randn(n * T, D, generator=g)
+    y.backward(dy[rows])
+    ref = [d(t).requires_grad_() for t in (x, w1, w3, w2)]
+    yr = (F.silu(ref[0] @ ref[1].T) * (ref[0] @ ref[2].T)) @ ref[3].T
+    yr.backward(d(dy))
+    res["titan_ffn"] = {"y": _err(y, yr[rows]), "dx": _err(xs.grad, ref[0].grad[rows]),
+                        "dw1": _err(w1s.grad, ref[1].grad[cols]), "dw3": _err(w3s.grad, ref[2].grad[cols]),
+                        "dw2": _err(w2s.grad, ref[3].grad[:, cols])}
+    return res
+
+
 def worker(rank: int, world: int, port: int, outdir: str, checks: list[str]) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh

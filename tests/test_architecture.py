@@ -32,6 +32,7 @@ LAYERS: list[tuple[str, ...]] = [
      "tpukernels.distributed.expert_parallel",  # expert parallelism composes the MoE permute / combine kernels
      "tpukernels.distributed.collective_matmul",  # collective matmuls compose the matmul kernels
      "tpukernels.distributed.tensor_parallel",  # TP styles over the collective matmuls
+     "tpukernels.distributed.async_tp",  # torch's symm_mem fused ops over the collective matmuls
      "tpukernels.distributed.all_gather_matmul_kernel",  # kernels (remote DMAs), like the library's
      "tpukernels.distributed.matmul_reduce_scatter_kernel"),
     ("tpukernels.integrations",),

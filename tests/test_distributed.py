@@ -18,7 +18,7 @@ import tpukernels as tk
 from tpukernels.distributed import PARTIAL, Split, TensorMeta, splits_for
 
 TIMEOUT_S = 600  # ~50-70 s on a quiet 2-core machine; generous for a loaded one (a fresh clone under load took > 240 s)
-CHECKS = ["dtensor_checks", "fsdp2_llama", "expert_parallel", "ring_attention_torch", "tensor_parallel"]
+CHECKS = ["dtensor_checks", "fsdp2_llama", "expert_parallel", "ring_attention_torch", "tensor_parallel", "async_tp"]
 
 
 def _free_port() -> int:
@@ -127,6 +127,16 @@ def test_two_process_group_dtensor_ops_fsdp2_expert_parallel_ring_attention_and_
         ac = tp["autocast"]
         assert ac["dtypes"] == ["torch.bfloat16", "torch.bfloat16"], ac
         assert max(ac["out"], ac["dx"], *ac["grads"].values()) < 2e-2 and ac["ref_out"] < 2e-2, ac
+    # PyTorch's async-TP ops on our collective matmuls (torch has no cpu kernel for them before the registration),
+    # and TorchTitan's fused TP linears (its dist_gemm SwiGLU FFN) running on them: all equal float64
+    for rank in group_results:
+        at = rank["async_tp"]
+        assert at["cpu_kernel_before"] is False and at["registered"] == ["CPU"] and at["registered_again"] == [], at
+        assert at["ag_A"] == 0 and at["ag_no_A"] is True, at
+        assert max(at[k] for k in ("ag_outs", "ag_last_dim", "rs_sum", "rs_avg", "rs_last_dim")) < 1e-5, at
+        assert max(at["titan_ffn"].values()) < 1e-5, at
+        assert "reduce_op must be one of ('sum', 'avg'), got 'max'" in at["errors"]["reduce_op"], at
+        assert "disagree on x.shape[0]" in at["errors"]["rank_mismatch"], at  # on every rank, none hangs
 
 
 # ------------------------------------------------------------------------------------------ rules (no group)
