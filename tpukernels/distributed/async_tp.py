@@ -101,8 +101,9 @@ def fused_all_gather_matmul(A_shard, Bs, gather_dim: int, group_name: str, *, re
         A = torch.cat(parts, dim=-1)
         return (A if return_A else None), [torch.matmul(A, b) for b in Bs]
     ws, rhs_transpose = as_rhs(list(Bs))
-    A, outs = all_gather_matmul_torch(A_shard, ws, group, gather_dim=dim, rhs_transpose=rhs_transpose,
-                                      return_gathered=True)
+    with torch.no_grad():  # the op is not differentiable (as torch's): no graph, no saved gathered A
+        A, outs = all_gather_matmul_torch(A_shard, ws, group, gather_dim=dim, rhs_transpose=rhs_transpose,
+                                          return_gathered=True)
     return (A if return_A else None), list(outs)
 
 
@@ -145,7 +146,8 @@ def fused_matmul_reduce_scatter(A, B, reduce_op: str, scatter_dim: int, group_na
         out = full.chunk(n, dim=-1)[group.rank()].contiguous()
     else:
         (w,), rhs_transpose = as_rhs([B])
-        out = matmul_reduce_scatter_torch(A, w, group, scatter_dim=dim, rhs_transpose=rhs_transpose)
+        with torch.no_grad():
+            out = matmul_reduce_scatter_torch(A, w, group, scatter_dim=dim, rhs_transpose=rhs_transpose)
     return out / n if reduce_op == "avg" else out
 
 
