@@ -501,3 +501,33 @@ def test_compiles_float32_block_q_64_and_masked_kernels():
                          (fa_backward_dkv_masked, (*tabs, q, kv, kv, q, rows, rows, *mbs))):
         r = tk.compile_for(kernel, "v6e", *args, with_mlir=False, sm_scale=None, softcap=None)
         assert r.ok, r.summary()
+
+
+def _shipped_noncausal_entries():
+    """(kernel, chip, entry) of every shipped non-causal attention entry (``benchmarks/attention.py --mask full``)."""
+    from tpukernels.autotune import db
+    from tpukernels.library.attention.backward_fused import fa_backward_fused
+
+    out = []
+    for kernel in (fa_forward, fa_backward_fused):
+        for chip in ("v5e", "v6e", "tpu7x"):
+            for e in db.load(db.shipped_db_path(kernel.qualname, chip)):
+                if e["key"]["statics"].get("causal") is False and e["key"]["source_hash"] == db.source_hash(kernel):
+                    out.append(pytest.param(kernel, chip, e, id=f"{kernel.qualname.split('::')[-1]}-{chip}-"
+                                            f"S{e['key']['shapes'][0][2]}"))
+    return out
+
+
+@pytest.mark.aot
+@pytest.mark.slow
+@pytest.mark.parametrize("kernel,chip,entry", _shipped_noncausal_entries())
+def test_shipped_noncausal_entries_compile_at_their_shapes(kernel, chip, entry):
+    """The non-causal entries were chosen by libtpu's static estimate; some use 4096-row blocks (beyond the
+    tunables' BLOCKS): each compiles with Mosaic for its chip at its key's shapes, within its VMEM request."""
+    q, k, v = ("x".join(map(str, s)) + ":bf16" for s in entry["key"]["shapes"][:3])  # the key's (bucketed) shapes
+    B, Hq, S, _ = entry["key"]["shapes"][0]
+    rows = f"{B}x{Hq}x1x{S}:f32"  # lse / di: [B, Hq, 1, Sq] (the key buckets their unit dim)
+    args = (q, k, v) if kernel is fa_forward else (q, k, v, q, rows, rows)
+    res = tk.compile_for(kernel, chip, *args, with_mlir=False, config=entry["config"], **entry["key"]["statics"])
+    assert res.ok, res.summary()
+    assert dict(res.config) == entry["config"] and res.vmem_estimate_bytes <= res.vmem_limit_bytes
