@@ -137,6 +137,7 @@ def test_report_calibration_section_and_summary_column(tmp_path, monkeypatch):
 
     _synthetic(tmp_path)
     rows = [_cal_row("v5e", 1.1, 1.0, 0.8), _cal_row("v5e", 2.0, 1.0, 0.5), _cal_row("v5e", 0.9, 1.0, 1.2)]
+    rows[2]["flags"] = ["libtpu aborted on {...}: abort", "tokamax estimated at S=4096 x 4: libtpu could not"]
     core.save_result(str(tmp_path / "results" / "calibration.json"), "calibration", "model estimate", rows,
                      {"tokamax": "0.0.12", "doc": "Calibration doc :data:`x`."})
     results = core.load_results(str(tmp_path / "results"), ["matmul", "calibration", "host"])
@@ -151,6 +152,9 @@ def test_report_calibration_section_and_summary_column(tmp_path, monkeypatch):
     assert "tokamax 0.0.12" in sec and "Calibration doc `x`." in sec
     assert "| matmul | op fwd | S=1.0 | v5e | 1.000 | 1.100 | 1.10 | yes | 0.800 | 0.727 | 1.38× | - |" in sec
     assert "| 2.00 | **no** | 0.500 | n/a | - | [1] |" in sec and "1. model 2x off" in sec
+    # a row estimated at a shorter length says so (the other flags stay in the JSON)
+    assert "| 0.75× | [2] |" in sec and "2. tokamax estimated at S=4096 x 4: libtpu could not" in sec
+    assert "libtpu aborted on" not in sec
     assert "## calibration (model)" not in text  # not rendered as a family of implementations
     assert report.implied_vs_measured({"rows": [_cal_row("v5e", 2.0, 1.0, 1.0)]}, "matmul", "v5e") == \
         "model not credible (1 rows)"

@@ -161,6 +161,9 @@ def calibration_table(res: dict) -> list[str]:
         cred = {True: "yes", False: "**no**", None: "-"}[r.get("credible")]
         moi = "-" if r.get("measured_over_implied") is None else f"{r['measured_over_implied']:.2f}×"
         note = r.get("note") or (r["error"] if r.get("error") else None)
+        shorter = [f for f in r.get("flags", []) if " estimated at S=" in f]  # bench.calibration.at_shorter_seq
+        if shorter:
+            note = "; ".join(([note] if note else []) + shorter)
         out.append(f"| {r['family']} | {r['op']} | {r['shape']} | {r['chip']} | {ms(r['measured_ms'])} | "
                    f"{ms(r['model_ms'])} | {ratio} | {cred} | {ms(r['ours_model_ms'])} | "
                    f"{ms(r.get('implied_ours_ms'))} | {moi} | {notes.ref(note)} |")
