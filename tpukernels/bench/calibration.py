@@ -63,8 +63,6 @@ from ..errors import TpuKernelError
 
 FAMILY = "calibration"
 LIBRARY = ("attention",)
-#: other families' bench modules the figures depend on (:func:`tpukernels.bench.core.source_digest`)
-BENCH_DEPS = ("attention",)
 #: model / measured within this range: the model is taken as credible at that row
 CREDIBLE_RANGE = (0.7, 1.3)
 #: tokamax's chip folder names -> tpukernels chip names (GPU folders are skipped)

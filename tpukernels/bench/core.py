@@ -121,13 +121,8 @@ def source_digest(family: str | None = None, root: str | None = None) -> str:
     root = root or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     scoped = family is not None and family != "host"
     if scoped:
-        import importlib
-
         libs, data = _family_sources(family)
-        # another family's bench module counts where this one uses it (``BENCH_DEPS``: calibration models the
-        # backward the attention family's bwd_kernels picks)
-        deps = set(getattr(importlib.import_module(f"{__package__}.{family}"), "BENCH_DEPS", ()))
-        skip = set(NOT_IN_FIGURES) | {f"bench/{f}.py" for f in MODEL_FAMILIES if f != family and f not in deps}
+        skip = set(NOT_IN_FIGURES) | {f"bench/{f}.py" for f in MODEL_FAMILIES if f != family}
 
     def wanted(rel: str) -> bool:
         if not rel.endswith((".py", ".json")):
