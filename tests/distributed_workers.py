@@ -468,7 +468,15 @@ def async_tp(mesh) -> dict:
                               want[:, kcols])
     res["errors"] = _errors(
         ("reduce_op", lambda: ops.fused_matmul_reduce_scatter(h[:, cols], w2[:, cols].T, "max", 0, name)),
-        ("rank_mismatch", lambda: ops.fused_all_gather_matmul(x[: T - rank], [w1[cols].T], 0, name)))
+        # one rank's bad reduce_op, and ranks with different ones: compared first, so every rank raises
+        ("reduce_op_one_rank", lambda: ops.fused_matmul_reduce_scatter(h[:, cols], w2[:, cols].T,
+                                                                       ("max", "sum")[rank], 0, name)),
+        ("reduce_op_differs", lambda: ops.fused_matmul_reduce_scatter(h[:, cols], w2[:, cols].T,
+                                                                      ("sum", "avg")[rank], 0, name)),
+        ("rank_mismatch", lambda: ops.fused_all_gather_matmul(x[: T - rank], [w1[cols].T], 0, name)),
+        # the unfused last-dim paths refuse what the rings refuse, with the same typed error
+        ("last_dim_dtype", lambda: ops.fused_all_gather_matmul(x[:, kcols], [w1.T.double()], -1, name)),
+        ("last_dim_k", lambda: ops.fused_matmul_reduce_scatter(h[:, cols], w2.T, "sum", 1, name)))
     # TorchTitan's fused SwiGLU FFN (AllGatherFusedFeedForward.forward) on these ops
     xs, w1s, w3s, w2s = (t.clone().requires_grad_() for t in (x[rows], w1[cols], w3[cols], w2[:, cols]))
     h1, h3 = AllGatherLinearMulti.apply(xs, w1s, w3s, group, name)

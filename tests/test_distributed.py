@@ -135,8 +135,14 @@ def test_two_process_group_dtensor_ops_fsdp2_expert_parallel_ring_attention_and_
         assert at["ag_A"] == 0 and at["ag_no_A"] is True, at
         assert max(at[k] for k in ("ag_outs", "ag_last_dim", "rs_sum", "rs_avg", "rs_last_dim")) < 1e-5, at
         assert max(at["titan_ffn"].values()) < 1e-5, at
-        assert "reduce_op must be one of ('sum', 'avg'), got 'max'" in at["errors"]["reduce_op"], at
-        assert "disagree on x.shape[0]" in at["errors"]["rank_mismatch"], at  # on every rank, none hangs
+        errs = at["errors"]
+        assert "reduce_op must be one of ('sum', 'avg'), got 'max'" in errs["reduce_op"], at
+        # on every rank, none left blocked in the ring: one rank's bad reduce_op, different ones, different shapes
+        assert "disagree on reduce_op" in errs["reduce_op_one_rank"] and "disagree on reduce_op" in \
+            errs["reduce_op_differs"], at
+        assert "disagree on x.shape[0]" in errs["rank_mismatch"], at
+        assert "must share one of bfloat16, float16, float32" in errs["last_dim_dtype"], at
+        assert "every B must be [K, N] with K = 12" in errs["last_dim_k"], at
 
 
 # ------------------------------------------------------------------------------------------ rules (no group)

@@ -27,8 +27,10 @@ reduce-scatter around ``torch.matmul``):
   passes) is read in place (``rhs_transpose``), anything else is made contiguous;
 * ``reduce_op`` ``"sum"`` or ``"avg"`` (the sum divided by the group size), the two torch's CUDA path takes.
 
-Every rank of the group must call, as with any collective; ranks that disagree on shapes or dtypes raise on
-every rank (the collective matmuls compare them first). Not differentiable by themselves (neither are torch's:
+Every rank of the group must call, as with any collective; ranks that disagree on shapes, dtypes or
+``reduce_op`` raise on every rank (compared first, one all-gather of a few int64), and so do operands the
+collective matmuls refuse (dtypes other than bf16 / f16 / f32 or not shared, contraction dims that differ), on
+the unfused paths too. Not differentiable by themselves (neither are torch's:
 callers wrap them in an ``autograd.Function``, as TorchTitan does).
 """
 
@@ -50,17 +52,39 @@ def _group(group_name: str):
     return c10d._resolve_process_group(group_name)  # noqa: SLF001  (torch's symm_mem ops resolve names this way)
 
 
-def _check_unfused(op: str, A, Bs, group) -> None:
-    """The unfused (last-dim) paths' rank check: a fixed number of int64 fields, so ranks that disagree raise on
-    every rank instead of blocking in the collective (the ring paths check inside the collective matmuls)."""
+#: the dtypes the collective matmuls take (the unfused last-dim paths keep the same rule)
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def _dtype_code(t) -> int:
+    name = str(t.dtype).removeprefix("torch.")
+    return DTYPES.index(name) if name in DTYPES else len(DTYPES)
+
+
+def _check_unfused(op: str, A, Bs, group, k_of_b) -> None:
+    """The unfused (last-dim) paths' checks. First the ranks are compared (a fixed number of int64 fields, so
+    ranks that disagree raise on every rank instead of blocking in the collective; the ring paths compare inside
+    the collective matmuls); then, identical on every rank, the operands: dtypes and contraction dims.
+    ``k_of_b``: the contraction dim each B must have."""
     import zlib
 
+    from ..errors import ArgumentError
     from .sharding import check_ranks_agree
 
+    codes = "(0=bfloat16, 1=float16, 2=float32, 3=other)"
     fields = {"A.dim()": A.dim(), "A.numel()": A.numel(), "A.shape[-1]": A.shape[-1], "len(Bs)": len(Bs),
-              "Bs shapes": zlib.crc32(repr([tuple(b.shape) for b in Bs]).encode()),
-              "dtypes": zlib.crc32(repr([A.dtype] + [b.dtype for b in Bs]).encode())}
+              "Bs[0].shape[0]": Bs[0].shape[0] if Bs and Bs[0].dim() else -1,
+              "Bs[0].shape[-1]": Bs[0].shape[-1] if Bs and Bs[0].dim() else -1,
+              "every B's shape (checksum)": zlib.crc32(repr([tuple(b.shape) for b in Bs]).encode()),
+              f"A.dtype {codes}": _dtype_code(A),
+              "every B's dtype (checksum)": zlib.crc32(repr([b.dtype for b in Bs]).encode())}
     check_ranks_agree(op, fields, group)
+    if _dtype_code(A) == len(DTYPES) or any(b.dtype != A.dtype for b in Bs):
+        raise ArgumentError(f"{op}: A and every B must share one of {', '.join(DTYPES)}, got A {A.dtype}, "
+                            f"B {[str(b.dtype) for b in Bs]}")
+    bad = [tuple(b.shape) for b in Bs if b.dim() != 2 or b.shape[0] != k_of_b]
+    if bad:
+        raise ArgumentError(f"{op}: every B must be [K, N] with K = {k_of_b} (A's contraction dim), got {bad}")
 
 
 def as_rhs(Bs):
@@ -84,8 +108,9 @@ def fused_all_gather_matmul(A_shard, Bs, gather_dim: int, group_name: str, *, re
         ``(gathered A or None, [gathered A @ B for B in Bs])``.
 
     Raises:
-        ArgumentError: as :func:`~tpukernels.distributed.collective_matmul.all_gather_matmul_torch` (on every rank
-            where the ranks disagree).
+        ArgumentError: as :func:`~tpukernels.distributed.collective_matmul.all_gather_matmul_torch` (dtypes bf16 /
+            f16 / f32, shared by A and the Bs; contraction dims; on every rank where the ranks disagree), on either
+            path.
     """
     import torch
     import torch.distributed as dist
@@ -95,7 +120,7 @@ def fused_all_gather_matmul(A_shard, Bs, gather_dim: int, group_name: str, *, re
     group = _group(group_name)
     dim = gather_dim % A_shard.dim()
     if dim == A_shard.dim() - 1:  # the contraction dim: gather, then one matmul (torch's reference semantics)
-        _check_unfused("symm_mem.fused_all_gather_matmul", A_shard, list(Bs), group)
+        _check_unfused("symm_mem.fused_all_gather_matmul", A_shard, list(Bs), group, A_shard.shape[-1] * group.size())
         parts = [torch.empty_like(A_shard) for _ in range(group.size())]
         dist.all_gather(parts, A_shard.contiguous(), group=group)
         A = torch.cat(parts, dim=-1)
@@ -121,26 +146,32 @@ def fused_matmul_reduce_scatter(A, B, reduce_op: str, scatter_dim: int, group_na
         this rank's share of the reduction of ``A @ B`` over ranks, in A's dtype.
 
     Raises:
-        ArgumentError: ``reduce_op`` not one of :data:`REDUCE_OPS` (before any communication); as
-            :func:`~tpukernels.distributed.collective_matmul.matmul_reduce_scatter_torch`.
+        ArgumentError: ``reduce_op`` not one of :data:`REDUCE_OPS`, or not the same on every rank (the ranks compare
+            it first: one all-gather of an int); as
+            :func:`~tpukernels.distributed.collective_matmul.matmul_reduce_scatter_torch` (dtypes bf16 / f16 /
+            f32, shared by A and B; contraction dims; ranks that disagree).
     """
     import torch
     import torch.distributed as dist
 
     from ..errors import ArgumentError
     from .collective_matmul import matmul_reduce_scatter_torch
+    from .sharding import check_ranks_agree
 
-    if reduce_op not in REDUCE_OPS:
-        raise ArgumentError(f"symm_mem.fused_matmul_reduce_scatter: reduce_op must be one of {REDUCE_OPS}, "
-                            f"got {reduce_op!r}")
+    op = "symm_mem.fused_matmul_reduce_scatter"
     group = _group(group_name)
     n = group.size()
+    # reduce_op decides the result on every rank: compared first, so one rank's bad or different value raises on
+    # all of them (a rank that raised alone would leave the others blocked in the ring)
+    check_ranks_agree(op, {f"reduce_op (index in {REDUCE_OPS}, -1: other)": REDUCE_OPS.index(reduce_op)
+                           if reduce_op in REDUCE_OPS else -1}, group)
+    if reduce_op not in REDUCE_OPS:
+        raise ArgumentError(f"{op}: reduce_op must be one of {REDUCE_OPS}, got {reduce_op!r}")
     dim = scatter_dim % A.dim()
     if dim == A.dim() - 1:  # the output's last dim: one matmul, its sum over ranks, this rank's column block
-        _check_unfused("symm_mem.fused_matmul_reduce_scatter", A, [B], group)
+        _check_unfused(op, A, [B], group, A.shape[-1])
         if B.shape[-1] % n:  # the same on every rank (just checked): all raise
-            raise ArgumentError(f"symm_mem.fused_matmul_reduce_scatter: A @ B has {B.shape[-1]} columns, not "
-                                f"divisible by the group size {n}")
+            raise ArgumentError(f"{op}: A @ B has {B.shape[-1]} columns, not divisible by the group size {n}")
         full = torch.matmul(A, B).contiguous()
         dist.all_reduce(full, group=group)  # gloo has no reduce_scatter; this path is unfused either way
         out = full.chunk(n, dim=-1)[group.rank()].contiguous()
