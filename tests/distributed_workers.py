@@ -489,7 +489,57 @@ def async_tp(mesh) -> dict:
     res["titan_ffn"] = {"y": _err(y, yr[rows]), "dx": _err(xs.grad, ref[0].grad[rows]),
                         "dw1": _err(w1s.grad, ref[1].grad[cols]), "dw3": _err(w3s.grad, ref[2].grad[cols]),
                         "dw2": _err(w2s.grad, ref[3].grad[:, cols])}
+    res["titan_modules"] = _titan_dist_gemm_modules(rank, n)  # last: it switches TorchTitan's spmd backend
     return res
+
+
+def _titan_dist_gemm_modules(rank: int, n: int) -> dict:
+    """TorchTitan's dist_gemm modules themselves (``AllGatherFusedFeedForward``; ``RowParallelLinear`` with a
+    bias), built from their configs under its ``spmd_types`` backend on a 1-D "tp" mesh, on [B, S, *] inputs
+    sharded on S: forward and backward against float64 autograd on the unsharded problem."""
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tpukernels.integrations import torchtitan_compat
+
+    torchtitan_compat.install()  # torchtitan.models.common imports its triton MoE kernels
+    from torchtitan.distributed.spmd_types import set_current_spmd_mesh
+    from torchtitan.distributed.utils import set_spmd_backend
+    from torchtitan.models.common.dist_gemm import AllGatherFusedFeedForward, RowParallelLinear
+    from torchtitan.models.common.linear import Linear
+
+    set_spmd_backend("spmd_types")
+    tp = init_device_mesh("cpu", (n,), mesh_dim_names=("tp",))
+    g = torch.Generator().manual_seed(11)
+    B, S, D, H = 2, 8, 16, 24
+    seq, hid = slice(rank * S // n, (rank + 1) * S // n), slice(rank * H // n, (rank + 1) * H // n)
+    x, h, dy = torch.randn(B, S, D, generator=g), torch.randn(B, S, H, generator=g), torch.randn(B, S, D, generator=g)
+    w1, w3, w2 = (torch.randn(*shape, generator=g) * 0.3 for shape in ((H, D), (H, D), (D, H)))
+    b2 = torch.randn(D, generator=g)
+    ffn = AllGatherFusedFeedForward.Config(w1=Linear.Config(in_features=D, out_features=H // n),
+                                           w2=Linear.Config(in_features=H // n, out_features=D),
+                                           w3=Linear.Config(in_features=D, out_features=H // n)).build()
+    row = RowParallelLinear.Config(in_features=H // n, out_features=D, bias=True).build()
+    with torch.no_grad():
+        for p_, full in ((ffn.w1.weight, w1[hid]), (ffn.w3.weight, w3[hid]), (ffn.w2.weight, w2[:, hid]),
+                         (row.weight, w2[:, hid]), (row.bias, b2)):
+            p_.copy_(full)
+    xs, hs = x[:, seq].clone().requires_grad_(), h[:, :, hid].clone().requires_grad_()
+    with set_current_spmd_mesh(tp):
+        y, z = ffn(xs), row(hs)
+    y.backward(dy[:, seq])
+    z.backward(dy[:, seq])
+    f = [t.double().requires_grad_() for t in (x, w1, w3, w2)]  # float64 references from the same values
+    yr = (F.silu(f[0] @ f[1].T) * (f[0] @ f[2].T)) @ f[3].T
+    yr.backward(dy.double())
+    r = [t.double().requires_grad_() for t in (h, w2, b2)]
+    zr = r[0] @ r[1].T + r[2]
+    zr.backward(dy.double())
+    return {"ffn": {"y": _err(y, yr[:, seq]), "dx": _err(xs.grad, f[0].grad[:, seq]),
+                    "dw1": _err(ffn.w1.weight.grad, f[1].grad[hid]), "dw3": _err(ffn.w3.weight.grad, f[2].grad[hid]),
+                    "dw2": _err(ffn.w2.weight.grad, f[3].grad[:, hid])},
+            "row_parallel": {"y": _err(z, zr[:, seq]), "dx": _err(hs.grad, r[0].grad[:, :, hid]),
+                             "dw": _err(row.weight.grad, r[1].grad[:, hid]), "db": _err(row.bias.grad, r[2].grad)}}
 
 
 def worker(rank: int, world: int, port: int, outdir: str, checks: list[str]) -> None:

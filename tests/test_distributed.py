@@ -135,6 +135,10 @@ def test_two_process_group_dtensor_ops_fsdp2_expert_parallel_ring_attention_and_
         assert at["ag_A"] == 0 and at["ag_no_A"] is True, at
         assert max(at[k] for k in ("ag_outs", "ag_last_dim", "rs_sum", "rs_avg", "rs_last_dim")) < 1e-5, at
         assert max(at["titan_ffn"].values()) < 1e-5, at
+        # TorchTitan's dist_gemm modules themselves (built from their configs, spmd_types backend)
+        mods = at["titan_modules"]
+        assert len(mods["ffn"]) == 5 and len(mods["row_parallel"]) == 4, mods
+        assert max(*mods["ffn"].values(), *mods["row_parallel"].values()) < 1e-5, mods
         errs = at["errors"]
         assert "reduce_op must be one of ('sum', 'avg'), got 'max'" in errs["reduce_op"], at
         # on every rank, none left blocked in the ring: one rank's bad reduce_op, different ones, different shapes
