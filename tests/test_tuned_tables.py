@@ -127,12 +127,12 @@ def _attention(key):
     out = flash_attention(_e(q, dq, bwd), _e(k, dk, bwd), _e(v, dv, bwd), causal=st["causal"],
                           causal_alignment=st["causal_alignment"], sm_scale=st["sm_scale"],
                           window=(st["window_left"], st["window_right"]), softcap=st["softcap"])
-    if bwd:  # the split kernels' tables: their mode (the fused backward is the default on some chips)
+    if bwd:  # the backward mode whose kernel the table belongs to (the fused one is the default on some chips)
         from unittest import mock
 
         from tpukernels.library.attention.backward_fused import ENV
 
-        with mock.patch.dict(os.environ, {ENV: "split"}):
+        with mock.patch.dict(os.environ, {ENV: "fused" if key["_kernel"].endswith("_bwd_fused") else "split"}):
             _backward(out)
     return out
 
@@ -219,7 +219,7 @@ PUBLIC = {
     "tpukernels::gated_rms_norm_fwd": _gated, "tpukernels::gated_rms_norm_bwd": _gated,
     "tpukernels::layer_norm_fwd": _layer, "tpukernels::layer_norm_bwd": _layer,
     "tpukernels::flash_attention_fwd": _attention, "tpukernels::flash_attention_bwd_dq": _attention,
-    "tpukernels::flash_attention_bwd_dkv": _attention,
+    "tpukernels::flash_attention_bwd_dkv": _attention, "tpukernels::flash_attention_bwd_fused": _attention,
     "tpukernels::linear_cross_entropy_fwd": _lce, "tpukernels::linear_cross_entropy_fwd_dh": _lce,
     "tpukernels::linear_cross_entropy_bwd_dh": _lce_kernel_op,
     "tpukernels::linear_cross_entropy_bwd_dw": _lce,
