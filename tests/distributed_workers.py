@@ -432,7 +432,7 @@ def async_tp(mesh) -> dict:
     try:
         torch.ops.symm_mem.fused_all_gather_matmul(x0, [x0.T], 0, mesh.get_group().group_name)
         res = {"cpu_kernel_before": True}
-    except NotImplementedError:
+    except NotImplementedError:  # expected: torch has no cpu kernel for the op (asserted in test_distributed.py)
         res = {"cpu_kernel_before": False}
     res.update(registered=register_symm_mem_ops(("CPU",)), registered_again=register_symm_mem_ops("CPU"))
     try:  # TorchTitan's wgrad calls torch.mm(..., out_dtype=f32): aten::mm.dtype has no CPU kernel in torch 2.13
