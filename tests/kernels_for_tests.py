@@ -157,3 +157,19 @@ def gather_rows(idx: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
                      in_specs=[pl.BlockSpec((None, 1, D), lambda i, idx: (idx[i], 0, 0))],
                      out_specs=pl.BlockSpec((None, 1, D), lambda i, idx: (i, 0, 0)),
                      out_shape=tk.OutSpec((n, 1, D), table.dtype))
+
+
+# --- a kernel whose launch depends on the target chip (what tpukernels.lowering.launch_chip returns) ----
+def _chip_scale_body(x_ref, o_ref, *, factor):
+    o_ref[...] = x_ref[...] * factor
+
+
+@tk.tpu_kernel(_chip_scale_body, namespace="tktest")
+def chip_scale(x: torch.Tensor) -> torch.Tensor:
+    """``x`` times the launch chip's MXU columns (jax's tpu_info: 128 on v5e, 256 on v6e), 1 with no target chip."""
+    from tpukernels.lowering import launch_chip
+
+    chip = launch_chip()
+    spec = pl.BlockSpec(tuple(x.shape), lambda: (0,) * x.ndim)
+    return tk.Launch(grid=(), in_specs=[spec], out_specs=spec, out_shape=tk.like(x),
+                     body_kwargs={"factor": 1.0 if chip is None else float(chip.info.mxu_column_size)})

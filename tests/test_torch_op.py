@@ -8,8 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import tpukernels as tk
-from kernels_for_tests import (_scale_bwd, add_mul, broken, gather_rows, load_example, rowsum_masked, rowsum_unmasked,
-                               scale)
+from kernels_for_tests import (_scale_bwd, add_mul, broken, chip_scale, gather_rows, load_example, rowsum_masked,
+                               rowsum_unmasked, scale)
 from tpukernels.errors import UnwrittenOutputError
 
 softmax = load_example("softmax").softmax
@@ -254,3 +254,14 @@ def test_jax_arrays_run_directly():
     got = softmax(x)
     np.testing.assert_allclose(np.asarray(got), np.asarray(torch.softmax(torch.from_numpy(np.array(x)).double(), -1)),
                                rtol=1e-5, atol=1e-6)
+
+
+def test_cpu_calls_follow_a_changed_target_chip(monkeypatch):
+    """A cpu call's cached plan is per ``TPUKERNELS_TARGET_CHIP``: launches that plan per chip (VMEM caps, MXU
+    widths, the tuning DB's chip) were reused for the next chip set in the same process."""
+    x = torch.arange(8 * 128, dtype=torch.float32).reshape(8, 128)
+    monkeypatch.delenv("TPUKERNELS_TARGET_CHIP", raising=False)
+    torch.testing.assert_close(chip_scale(x), x, atol=0, rtol=0)
+    for chip, cols in (("v5e", 128), ("v6e", 256), ("v5e", 128)):
+        monkeypatch.setenv("TPUKERNELS_TARGET_CHIP", chip)
+        torch.testing.assert_close(chip_scale(x), x * cols, atol=0, rtol=0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import time
 from collections.abc import Sequence
 
@@ -308,9 +309,10 @@ def _runtime_error(plan: Plan, e: Exception) -> Exception:
 
 
 def run_torch_cpu(kernel: TpuKernel, values: Sequence, config_json: str | None):
-    """Run ``kernel`` on CPU torch tensors in the current interpret mode (plans cached per signature)."""
+    """Run ``kernel`` on CPU torch tensors in the current interpret mode (plans cached per signature and per
+    ``TPUKERNELS_TARGET_CHIP``: the target chip decides VMEM checks, tuning-DB entries and chip-dependent launches)."""
     mode = current_interpret_mode()
-    key = signature_key(values, config_json, mode)
+    key = signature_key(values, config_json, (mode, os.environ.get("TPUKERNELS_TARGET_CHIP")))
     plan = kernel._plans.get(key)
     if plan is None:
         plan = plan_for(kernel, values, config_json, mode)
