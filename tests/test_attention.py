@@ -483,6 +483,35 @@ def test_float32_block_q_64_forward_backward():
         flash_attention(q, k, v, config=dict(block_q=192, block_kv=128, block_kv_compute=128))
 
 
+@pytest.mark.parametrize("chip,wide", [("v5e", False), ("v6e", True), ("tpu7x", True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_sums_ride_the_pv_product_where_the_mxu_has_room(monkeypatch, chip, wide, dtype):
+    """``Plan.rowsum_on_mxu``: on chips whose MXU is >= Dv + 128 columns wide (jax's tpu_info: v6e, tpu7x) a
+    mask-free forward sums the rows of P in the PV product (``P @ [V | 1]``); v5e's 128-column MXU, a mask (causal,
+    a kv tail) or Dv = 256 keeps the VPU / XLU sum. Each path (the target chip picks it) equals float64, forward
+    and backward, on a NaN-poisoned interpreter, over four K/V blocks of two sub-blocks each (the running max
+    moves between them)."""
+    from tpukernels.chips import get_chip
+    from tpukernels.dsl.spec import TensorSpec
+    from tpukernels.lowering import launching_for
+
+    monkeypatch.setenv("TPUKERNELS_TARGET_CHIP", chip)
+    cfg = dict(block_q=128, block_kv=256, block_kv_compute=128, block_h=1)
+    q, k, v = make(1, 4, 2, 256, 1024, 128, dtype, seed=7)  # lengths of a shape bucket: no padding, no mask
+    plain = dict(A.CAUSAL, causal=False)
+    def plan(Skv=1024, D=128, **statics):
+        q_, k_ = TensorSpec((1, 4, 256, D), np.dtype("float32")), TensorSpec((1, 2, Skv, D), np.dtype("float32"))
+        return A.make_plan(q_, k_, k_, None, **dict(plain, **statics), **cfg)
+
+    with launching_for(get_chip(chip)):
+        assert plan().rowsum_on_mxu is wide
+        assert not plan(causal=True).rowsum_on_mxu
+        assert not plan(Skv=1000).rowsum_on_mxu  # a kv tail: masked
+        assert not plan(D=256).rowsum_on_mxu
+    with tk.interpret_mode("tpu"):
+        check(q, k, v, config=cfg, lse_grad=True)
+
+
 @pytest.mark.aot
 def test_compiles_float32_block_q_64_and_masked_kernels():
     """Mosaic accepts the whole-row lse windows (block_q=64, float32) and the block-sparse masked kernels."""

@@ -23,6 +23,12 @@ DEFAULT_SCOPED_VMEM = 16 * MiB
 SHIPPED_CHIPS = ("v5e", "v6e", "tpu7x")
 
 
+def target_chip():
+    """The :class:`tpukernels.chips.Chip` a launch is planned for: the launch target, else the dispatch chip, else
+    None (see :func:`_chip`)."""
+    return _chip(None)
+
+
 def _chip(chip):
     """A :class:`tpukernels.chips.Chip` for ``chip`` (a Chip, a name or None); None: the launch target
     (:func:`tpukernels.lowering.launch_chip`), else the dispatch chip (live TPU / ``TPUKERNELS_TARGET_CHIP``),

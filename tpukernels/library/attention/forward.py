@@ -67,9 +67,13 @@ def _fwd_body(*refs, plan: _Plan):
         m_use = jnp.where(m_next == -jnp.inf, 0.0, m_next) if masked else m_next
         pr = jnp.exp2(_exp_units(p, s - _lanes(m_use, p.bkvc)))
         alpha = jnp.exp2(_exp_units(p, m_prev - m_use))
-        l_sc[rs, :] = alpha * l_prev + jnp.sum(pr, axis=1, keepdims=True)
         m_sc[rs, :] = m_next
-        pv = _dot(pr.astype(v.dtype), v, _NN, f32)  # (nr, Dv)
+        if p.rowsum_on_mxu:  # P @ [V | 1]: P V and the row sums (lane-replicated) in one MXU pass
+            pv1 = _dot(pr.astype(v.dtype), jnp.concatenate([v, jnp.ones((p.bkvc, 128), v.dtype)], axis=1), _NN, f32)
+            pv, row_sum = pv1[:, :p.Dv], pv1[:, p.Dv:]
+        else:
+            pv, row_sum = _dot(pr.astype(v.dtype), v, _NN, f32), jnp.sum(pr, axis=1, keepdims=True)  # (nr, Dv)
+        l_sc[rs, :] = alpha * l_prev + row_sum
         acc_sc[rs, :] = acc_sc[rs, :] * _lanes(alpha, p.Dv) + pv
 
     def step(masked: bool):

@@ -117,6 +117,9 @@ class Plan:
     mask_heads: int = 1
     mask_kv_steps: int = 0
     mask_q_steps: int = 0
+    # MXU columns of the launch chip (:func:`mxu_columns`): where a PV product leaves 128 of them idle, the
+    # forward's row sums ride on it (:attr:`rowsum_on_mxu`)
+    mxu_cols: int = 128
 
     @property
     def bounded_exp(self) -> bool:
@@ -130,6 +133,20 @@ class Plan:
         so the gradient is finite but approximate). Skipped elsewhere: ``|s| <= softcap * log2(e)`` with a
         soft-cap, and with ``sm_scale <= 1`` trouble takes ``|q.k| >= 2^24``."""
         return self.softcap is None and self.scale > 1.0
+
+    @property
+    def rowsum_on_mxu(self) -> bool:
+        """The forward sums each row of ``P`` on the MXU, in the PV product: V gets 128 columns of ones, so
+        ``P @ [V | 1]`` gives ``P V`` and the row sums, already lane-replicated as the ``l`` scratch holds them,
+        instead of a VPU add and an XLU lane reduction per score tile. Where the chip's MXU is at least
+        ``Dv + 128`` columns wide per pass (v6e, tpu7x: 256 with ``Dv = 128``), the extra columns ride in the pass
+        the PV product makes anyway. libtpu 0.0.52's static estimate (a model; ``benchmarks/attention.py``,
+        B=1 Hq=Hkv=2 S=8192 D=128 non-causal, 4096 / 4096 / 256): tpu7x 322,919 -> 281,239 cycles (-12.9%), v6e
+        316,963 -> 290,419 (-8.4%). Only without any mask: on masked plans libtpu's static profiler aborts
+        (``fifo_tracker.cc``) even when only the mask-free steps use it, so nothing could show it pays there.
+        The row sum is then of the bf16-rounded ``P`` the PV product uses (numerator and denominator of the
+        output see the same weights), accumulated in f32 by the MXU."""
+        return not self.masked and self.Dv % 128 == 0 and self.mxu_cols >= self.Dv + 128
 
     @property
     def rows_whole(self) -> bool:
@@ -371,8 +388,22 @@ def make_plan(q, k, v, q_segment_ids, *, causal, causal_alignment, sm_scale, win
         bkvc=max(bkvc, 1), scale=float(1.0 / math.sqrt(D) if sm_scale is None else sm_scale),
         softcap=None if softcap is None else float(softcap),
         off=(Skv - Sq) if causal_alignment == "bottom_right" else 0, left=left, right=right,
-        has_seg=q_segment_ids is not None,
+        has_seg=q_segment_ids is not None, mxu_cols=mxu_columns(),
     )
+
+
+def mxu_columns() -> int:
+    """MXU columns of the chip being launched for (jax's ``tpu_info.mxu_column_size``: 128 on v4 / v5e / v5p,
+    256 on v6e / tpu7x). With no target chip (a cpu interpret run with none set) the widest of the shipped
+    chips, so interpret runs take the path v6e and tpu7x take."""
+    from ..vmem import SHIPPED_CHIPS, target_chip
+
+    chip = target_chip()
+    if chip is None:
+        from ...chips import get_chip
+
+        return max(int(get_chip(n).info.mxu_column_size) for n in SHIPPED_CHIPS)
+    return int(chip.info.mxu_column_size)
 
 BLOCKS = (128, 256, 512, 1024, 2048)
 
