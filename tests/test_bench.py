@@ -201,6 +201,11 @@ def test_family_source_digest_covers_what_its_figures_depend_on(tmp_path):
     assert after == before and core.source_digest(None, root) != whole
     after = edit("bench/measure.py")  # `bench --measure` times kernels: no model figure depends on it
     assert after == before
+    after = edit("targets/cpu.py")  # the cpu interpret runner: no figure runs a torch call
+    assert after == before
+    after = edit("targets/compile_only.py")  # the compile-only path every estimate goes through
+    assert all(after[f] != before[f] for f in fams)
+    before = after
     after = edit("library/norms/layer_norm_ops.py")  # norms only (a file of the norms package)
     assert after["norms"] != before["norms"] and after["matmul"] == before["matmul"]
     before = after

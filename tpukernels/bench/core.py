@@ -90,7 +90,9 @@ def versions(family: str | None = None) -> dict:
 NOT_IN_FIGURES = ("cli.py", "cli_common.py", "_imports.py", "demo.py", "integrations/", "frontends/", "distributed/",
                   "autotune/cli.py", "autotune/report.py", "autotune/executors.py", "bench/cli.py", "bench/report.py",
                   "bench/host.py", "bench/_host_kernels.py", "bench/executors.py",
-                  "bench/measure.py")
+                  "bench/measure.py",
+                  # the torch runners (cpu interpret, torch_tpu): a model figure is a Mosaic lowering, never a torch call
+                  "targets/cpu.py", "targets/tpu.py")
 
 
 def _family_sources(family: str):
