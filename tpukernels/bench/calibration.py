@@ -418,8 +418,8 @@ def attention_case(r: MeasuredRow, est, log=lambda m: None) -> dict:
         kw = dict(CAUSAL, causal=causal)
         ours = (ours_backward_cycles if backward else ours_forward_cycles)(est, r.chip, (B, S, hq, hkv, D),
                                                                             (b, h, kv), kw)
-        row["ours_config"] = ours.config
         ours_cyc, _ = at_shorter_seq(ours, S, s_est, causal, row["flags"], "tpukernels")
+        row["ours_config"] = ours.config
         row["ours_model_ms"] = model_time(r.chip, ours_cyc * scale, byts, flops).time_us / 1e3
     except _NotCredible:
         pass
@@ -476,27 +476,21 @@ def at_shorter_seq(estimate, S: int, start: int, causal: bool, flags: list, who:
 
 class _OursAt:
     """``self(s)``: cycles of tpukernels' ``kernels`` at the reduced problem with sequence length ``s``, at the
-    config a call at the full problem gets (``self.config``, with its source), plus ``extra(s)`` (XLA ops)."""
+    config a call at the full problem gets, plus ``extra(s)`` (XLA ops): :func:`tpukernels.bench.core.ours_impl`'s
+    model at that length. ``self.config``: the config (with its source) of the last estimate."""
 
     def __init__(self, est, chip, kernels, specs, full, kw, extra=None):
-        from .core import kernel_program
-
-        self.est, self.chip, self.kernels, self.specs, self.kw, self.extra = est, chip, kernels, specs, kw, extra
-        self.cfgs = [kernel_program(k_, chip, full, kw)[2:] for k_ in kernels]
-        names = [k_.qualname.split("::")[-1] for k_ in kernels]
-        if len(names) == 1:
-            self.config = dict(self.cfgs[0][0], source=self.cfgs[0][1])
-        else:
-            self.config = {n: dict(c, source=src) for n, (c, src) in zip(names, self.cfgs)}
+        self.est, self.chip, self.kernels, self.specs, self.full, self.kw, self.extra = \
+            est, chip, kernels, specs, full, kw, extra
+        self.config = None
 
     def __call__(self, s: int) -> int:
-        from .core import kernel_program
+        from .core import ours_impl
 
-        total = 0
-        for k_, (cfg, _) in zip(self.kernels, self.cfgs):
-            fn, structs, _, _ = kernel_program(k_, self.chip, self.specs(s), self.kw, cfg)
-            total += self.est.cycles(fn, structs, self.chip)
-        return total + (self.extra(s) if self.extra else 0)
+        extra = None if self.extra is None else (lambda _est, _chip: self.extra(s))
+        impl = ours_impl([(k_, self.specs(s), self.kw, self.full) for k_ in self.kernels], extra=extra)
+        cycles, self.config = impl.cycles(self.est, self.chip)
+        return cycles
 
 
 def ours_forward_cycles(est, chip: str, dims: tuple, reduced: tuple, kw: dict) -> _OursAt:
