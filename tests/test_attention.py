@@ -499,6 +499,7 @@ def test_row_sums_ride_the_pv_product_where_the_mxu_has_room(monkeypatch, chip, 
     cfg = dict(block_q=128, block_kv=256, block_kv_compute=128, block_h=1)
     q, k, v = make(1, 4, 2, 256, 1024, 128, dtype, seed=7)  # lengths of a shape bucket: no padding, no mask
     plain = dict(A.CAUSAL, causal=False)
+
     def plan(Skv=1024, D=128, **statics):
         q_, k_ = TensorSpec((1, 4, 256, D), np.dtype("float32")), TensorSpec((1, 2, Skv, D), np.dtype("float32"))
         return A.make_plan(q_, k_, k_, None, **dict(plain, **statics), **cfg)
