@@ -203,6 +203,8 @@ def test_family_source_digest_covers_what_its_figures_depend_on(tmp_path):
     assert after == before
     after = edit("targets/cpu.py")  # the cpu interpret runner: no figure runs a torch call
     assert after == before
+    after = edit("bench/families.py")  # the family list: naming a new family stales no other
+    assert after == before
     after = edit("targets/compile_only.py")  # the compile-only path every estimate goes through
     assert all(after[f] != before[f] for f in fams)
     before = after
@@ -218,6 +220,10 @@ def test_family_source_digest_covers_what_its_figures_depend_on(tmp_path):
     before = after
     after = edit("data/autotuning/v6e/tpukernels.rms_norm_fwd.json")  # tuning data: its own family only
     assert after["norms"] != before["norms"] and after["matmul"] == before["matmul"]
+    before = after
+    cal = core.source_digest("calibration", root)
+    after = edit("bench/attention.py")  # attention's cases, which calibration's are built from (its BENCH)
+    assert core.source_digest("calibration", root) != cal and after["norms"] == before["norms"]
     before = after
     after = edit("dsl/kernel.py")  # the spine: every family
     assert all(after[f] != before[f] for f in fams)

@@ -63,6 +63,8 @@ from ..errors import TpuKernelError
 
 FAMILY = "calibration"
 LIBRARY = ("attention",)
+#: other families' bench modules its cases are built from (``attention.bwd_kernels``; bench.core.source_digest)
+BENCH = ("attention",)
 #: model / measured within this range: the model is taken as credible at that row
 CREDIBLE_RANGE = (0.7, 1.3)
 #: tokamax's chip folder names -> tpukernels chip names (GPU folders are skipped)

@@ -36,6 +36,7 @@ from typing import Any, Callable
 
 from ..errors import TpuKernelError
 from ..perf import model_time
+from .families import CALIBRATION_FAMILIES, DEFAULT_CHIPS, FAMILIES, MODEL_FAMILIES  # noqa: F401  (re-exported)
 
 #: versions that must agree between result files merged into one report: they define the model (libtpu's
 #: estimator, jax's lowering) and the measurement stack.
@@ -48,14 +49,6 @@ SOURCE_KEY = "tpukernels_source"
 #: a cycle estimate this far below the MXU roofline cannot be right (the roofline is a lower bound)
 CREDIBLE_FRACTION = 0.95
 
-#: the benchmark families (one module each in this package; ``tpukernels bench --family``): model estimates,
-#: then the host-side measurements
-MODEL_FAMILIES = ("norms", "matmul", "attention", "quantized_matmul", "linear_cross_entropy", "grouped_matmul",
-                  "paged_attention", "linear_attention", "calibration")
-FAMILIES = MODEL_FAMILIES + ("host",)
-#: model families whose rows are not implementations of a case (their own report section, no summary row)
-CALIBRATION_FAMILIES = ("calibration",)
-DEFAULT_CHIPS = ("v5e", "v6e", "tpu7x")
 
 
 class VersionMismatch(TpuKernelError):
@@ -90,14 +83,15 @@ def versions(family: str | None = None) -> dict:
 NOT_IN_FIGURES = ("cli.py", "cli_common.py", "_imports.py", "demo.py", "integrations/", "frontends/", "distributed/",
                   "autotune/cli.py", "autotune/report.py", "autotune/executors.py", "bench/cli.py", "bench/report.py",
                   "bench/host.py", "bench/_host_kernels.py", "bench/executors.py",
-                  "bench/measure.py",
+                  "bench/measure.py", "bench/families.py",
                   # the torch runners (cpu interpret, torch_tpu): a model figure is a Mosaic lowering, never a torch call
                   "targets/cpu.py", "targets/tpu.py")
 
 
 def _family_sources(family: str):
-    """``(library modules, tuning-data file names)`` a model family's figures depend on: the family module's
-    ``LIBRARY`` (default ``(family,)``) and the shipped tuning files of the kernels those modules define."""
+    """``(library modules, tuning-data file names, bench modules)`` a model family's figures depend on: the family
+    module's ``LIBRARY`` (default ``(family,)``), the shipped tuning files of the kernels those modules define, and
+    its ``BENCH`` (default ``()``): the other families' bench modules its cases are built from."""
     import importlib
 
     from ..dsl.kernel import TpuKernel
@@ -108,23 +102,23 @@ def _family_sources(family: str):
     for lib in libs:
         lm = importlib.import_module(f"tpukernels.library.{lib}")
         data |= {v.qualname.replace("::", ".") + ".json" for v in vars(lm).values() if isinstance(v, TpuKernel)}
-    return libs, data
+    return libs, data, tuple(getattr(mod, "BENCH", ()))
 
 
 def source_digest(family: str | None = None, root: str | None = None) -> str:
     """SHA-256 (12 hex digits) of the installed ``tpukernels`` sources a benchmark family's figures depend on.
 
     ``family=None`` (and ``"host"``, whose figures time the whole package): every ``.py`` and ``.json`` file.
-    A model family: every ``.py`` file except :data:`NOT_IN_FIGURES`, the other families' bench modules and
-    the library modules the family does not use (``LIBRARY``), plus the shipped tuning files of its own
+    A model family: every ``.py`` file except :data:`NOT_IN_FIGURES`, the other families' bench modules (but those
+    in its ``BENCH``) and the library modules the family does not use (``LIBRARY``), plus the shipped tuning files of its own
     kernels. So a family is flagged stale in BENCHMARKS.md only when something its figures depend on changed.
     ``root``: the package folder to digest (default: this installed package; which files a family depends on
     always comes from the installed modules)."""
     root = root or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     scoped = family is not None and family != "host"
     if scoped:
-        libs, data = _family_sources(family)
-        skip = set(NOT_IN_FIGURES) | {f"bench/{f}.py" for f in MODEL_FAMILIES if f != family}
+        libs, data, bench = _family_sources(family)
+        skip = set(NOT_IN_FIGURES) | {f"bench/{f}.py" for f in MODEL_FAMILIES if f != family and f not in bench}
 
     def wanted(rel: str) -> bool:
         if not rel.endswith((".py", ".json")):
