@@ -48,6 +48,7 @@ from ...dsl import Launch, OutSpec, cdiv, tpu_kernel
 from ...dsl.dtypes import to_jax_dtype
 from ...dsl.spec import TensorSpec
 from ...errors import ArgumentError
+from ..vmem import target_chip
 from .backward import bwd_out_dkv, check_bwd, fa_backward_dkv, fa_backward_dq
 from .forward import fa_forward
 from .plan import (DOC_H, NAMESPACE, STATIC_NAMES, Plan, bwd_heuristic, clip, compute_divides, cost, div, make_plan, rem,
@@ -380,14 +381,6 @@ def fa_backward_fused(
 # ------------------------------------------------------------------------------------------ dispatch
 
 
-def _chip_name() -> str | None:
-    from ...autotune.db import dispatch_chip
-    from ...lowering import launch_chip
-
-    chip = launch_chip()
-    return chip.name if chip is not None else dispatch_chip()
-
-
 def backward_mode(q, k, v, qs, statics: dict, config: dict | None = None) -> tuple[str, str]:
     """``("fused" | "split", why)``: the backward a dense flash attention call runs.
 
@@ -403,7 +396,8 @@ def backward_mode(q, k, v, qs, statics: dict, config: dict | None = None) -> tup
         raise ArgumentError(f"{ENV} must be 'fused', 'split' or 'auto' (or unset), got {forced!r}")
     if forced == "split":
         return "split", f"{ENV}=split"
-    chip = _chip_name()
+    target = target_chip()
+    chip = None if target is None else target.name
     if forced in ("", "auto") and not FUSED_BY_CHIP.get(chip, False):
         return "split", ("no target chip" if chip is None else f"the split backward is {chip}'s default")
     cfg = dict(fused_heuristic(q, k, v), **(config or {}))
