@@ -234,13 +234,24 @@ def test_compile_only_a8(chip):
 
 @pytest.mark.parametrize("fmt,out_dtype", [("float8_e4m3fn", "bfloat16"), ("float8_e5m2", "float32")])
 def test_a8_dequant_form(interpret, fmt, out_dtype):
-    """The fp8 prefill form (``form="dequant"``: both tiles dequantized to bf16 in VMEM, one dot per K step): two K
-    steps (the dynamic lane pick of x_scale's columns), M and N tails, NaN-poisoned padding in "tpu" mode. Within its
-    own bound, and outside the group form's tighter one somewhere (it really rounds the operands to bf16)."""
+    """The fp8 prefill forms: the a8 kernel's ``form="dequant"`` (both tiles dequantized to bf16 in VMEM, one dot
+    per K step) and the prefill kernel the public op runs at M > 128 (x dequantized once by the quantization pass,
+    the weight tile in VMEM): two K steps (the dynamic lane pick of x_scale's columns), M and N tails, NaN-poisoned
+    padding in "tpu" mode. The two give the same values bit for bit, within the dequant bound, and outside the
+    group form's tighter one somewhere (they really round the operands to bf16)."""
     q, s, _ = _weights(200, 4, 128, fmt, False, seed=11)
     x = torch.randn(150, 4 * 128, generator=torch.Generator().manual_seed(6)).bfloat16() * 4
+    blocks = dict(bm=64, bk=256, bn=128)
     y = qmm.quantized_matmul_blockwise(x, q, s, block_size=128, out_dtype=out_dtype, x_quant="fp8",
-                                       config=dict(bm=64, bk=256, bn=128, form="dequant"))
+                                       config=dict(blocks, form="dequant"))
+    xq, xs = qmm.quantize_per_block_kernel(x, fmt, 128)
+    xd, xs2 = qmm.quantize_per_block_kernel(x, fmt, 128, True)
+    assert xd.dtype == torch.bfloat16 and torch.equal(xs2, xs)
+    assert torch.equal(xd, (xq.float() * xs.repeat_interleave(128, 1)).bfloat16())  # x' = bf16(x_q * x_scale)
+    y_a8 = qmm.quantized_matmul_blockwise_a8_kernel(xq, xs, q, s, None, 128, out_dtype,
+                                                    config=dict(blocks, form="dequant"))
+    y_pre = qmm.quantized_matmul_blockwise_a8_prefill_kernel(xd, q, s, 128, out_dtype, config=blocks)
+    assert torch.equal(y_pre, y_a8) and torch.equal(y, y_pre)
     xq, xs = qmm.quantize_per_block_reference(x.float(), fmt, 128)
     ref = qmm.reference_blockwise_a8(xq, xs, q, s, 128)
     odt = getattr(torch, out_dtype)
@@ -248,6 +259,47 @@ def test_a8_dequant_form(interpret, fmt, out_dtype):
     assert torch.isfinite(y.double()).all()
     assert not (err > qmm.error_bound_blockwise_a8(xq, xs, q, s, 128, None, odt, form="dequant")).any()
     assert (err > qmm.error_bound_blockwise_a8(xq, xs, q, s, 128, None, odt, form="groups")).any()
+
+
+def test_public_op_runs_the_prefill_kernel_where_the_rule_says(monkeypatch):
+    """``prefill_form``: fp8 x fp8 at M > 128 on chips with an fp8 MXU rate (v6e, tpu7x) or none known; not v5e,
+    decode, int8 or packed weights. The public op follows it, and a config with ``form="groups"`` keeps the a8
+    kernel's group form."""
+    from tpukernels.library.quantized_matmul_ops import blockwise_a8 as a8
+
+    for chip, want in (("v6e", True), ("tpu7x", True), ("v5e", False)):
+        assert a8.prefill_form(1024, "float8_e5m2", "fp8", tk.get_chip(chip)) is want
+    assert a8.prefill_form(1024, "float8_e5m2", "fp8") is True  # no target chip (cpu interpret)
+    assert not a8.prefill_form(128, "float8_e5m2", "fp8") and not a8.prefill_form(1024, "int8", "int8")
+    assert not a8.prefill_form(1024, "int4", "fp8")
+    ran = []
+    for name in ("quantized_matmul_blockwise_a8_kernel", "quantized_matmul_blockwise_a8_prefill_kernel"):
+        real = getattr(a8, name)
+        monkeypatch.setattr(a8, name, lambda *a, _r=real, _n=name, **k: ran.append(_n) or _r(*a, **k))
+    q, s, _ = _weights(128, 2, 128, "float8_e5m2", False, seed=3)
+    x = torch.randn(136, 256, generator=torch.Generator().manual_seed(4)).bfloat16()
+    for cfg, want in ((None, "prefill"), (dict(bm=64, bk=256, bn=128, form="groups"), "a8_kernel")):
+        ran.clear()
+        y = qmm.quantized_matmul_blockwise(x, q, s, block_size=128, x_quant="fp8", config=cfg)
+        assert ran == [f"quantized_matmul_blockwise_{want}" if want == "a8_kernel" else
+                       "quantized_matmul_blockwise_a8_prefill_kernel"]
+        _check(y, x, q, s, 128, None, "float8_e5m2")
+    ran.clear()
+    qmm.quantized_matmul_blockwise(x[:16], q, s, block_size=128, x_quant="fp8")  # decode: the a8 kernel
+    assert ran == ["quantized_matmul_blockwise_a8_kernel"]
+
+
+def test_prefill_kernel_bad_input_typed_errors():
+    q, s, _ = _weights(128, 2, 128, "float8_e5m2", False, seed=3)
+    x = torch.randn(136, 256).bfloat16()
+    with pytest.raises(ArgumentError, match="x must be the dequantized activations"):
+        qmm.quantized_matmul_blockwise_a8_prefill_kernel(x.float(), q, s, 128)
+    with pytest.raises(ArgumentError, match="x has K = 250 columns, w_q holds K_w = 256"):
+        qmm.quantized_matmul_blockwise_a8_prefill_kernel(x[:, :250], q, s, 128)
+    with pytest.raises(ArgumentError, match="'dequantize' must be bool"):
+        qmm.quantize_per_block_kernel(x, "float8_e5m2", 128, 1)
+    with pytest.raises(DTypeError, match="w_q must be float8"):
+        qmm.quantized_matmul_blockwise_a8_prefill_kernel(x, q.float().to(torch.int8), s, 128)
 
 
 def test_a8_prefill_heuristic_picks_dequant_for_fp8(monkeypatch):
@@ -275,6 +327,13 @@ def test_a8_dequant_form_compiles(chip):
                        "4096x1024:float8_e5m2", "8x1x4096:f32", with_mlir=False)
     assert r.ok, r.summary()
     assert r.config["form"] == "dequant" and r.config["bm"] == (2048 if chip == "v6e" else 1024)
+    big = chip == "v6e"
+    for K in (4096, 14336):  # one K step; several (bn=512 on tpu7x)
+        r = tk.compile_for(qmm.quantized_matmul_blockwise_a8_prefill_kernel, chip, f"2048x{K}:bf16",
+                           f"4096x{K}:float8_e5m2", f"{K // 128}x1x4096:f32", with_mlir=False)
+        assert r.ok, r.summary()
+        assert r.config == dict(bm=2048 if big else 1024, bk=4096 if K == 4096 else 2048,
+                                bn=1024 if big or K == 4096 else 512)
 
 
 # ------------------------------------------------------------------ fp8 activations x packed int4 / fp4 weights

@@ -5,6 +5,13 @@ projection ``8192x14336 @ (4096x14336)^T``.
 
     .venv/bin/python benchmarks/probes/fp8_prefill_forms.py v6e float8_e5m2              # the heuristic's config
     .venv/bin/python benchmarks/probes/fp8_prefill_forms.py tpu7x float8_e4m3fn '{"bm": 512, "bk": 1024, "bn": 1024, "form": "groups"}'
+    PREFILL=1 DOWN=1 .venv/bin/python benchmarks/probes/fp8_prefill_forms.py tpu7x float8_e4m3fn '{"bm": 1024, "bk": 2048, "bn": 512}'
+
+``PREFILL=1``: ``quantized_matmul_blockwise_a8_prefill_kernel`` (what the public op runs at prefill on v6e / tpu7x: the
+activations dequantized to bf16 by the quantization pass, only the weight tile dequantized in VMEM). Figures
+(2026-12-07, kernel alone): up projection v6e 1,139 us (2048 / 4096 / 1024), tpu7x 894 us (1024 / 4096 / 1024); down
+projection v6e 1,264 us (2048 / 2048 / 1024; bn=512 1,397, bm=1024 1,315), tpu7x 1,122 us (1024 / 2048 / 512;
+512 / 2048 / 1024 1,147, 1024 / 1024 / 1024 1,212; 1024 / 2048 / 1024 overflows the profiling compile's VMEM).
 
 Figures quoted in ``blockwise_a8``'s docstring and README (2026-12-03, libtpu 0.0.52): up projection, dequant
 form at the heuristic's blocks, v6e 1,447 us, tpu7x 1,111 us; the group form at 512/1024/1024 (the second command),
@@ -30,8 +37,13 @@ if os.environ.get("VL"):
 chip, dt = sys.argv[1], sys.argv[2]
 cfg = json.loads(sys.argv[3]) if len(sys.argv) > 3 else None
 SC = 4; M = 8192 // SC; K, N = (14336, 4096) if os.environ.get("DOWN") else (4096, 14336)
-args = (f"{M}x{K}:{dt}", f"{M}x{K//128}:f32", f"{N}x{K}:{dt}", f"{K//128}x1x{N}:f32")
-fn, st, c, src = kernel_program(qmm.quantized_matmul_blockwise_a8_kernel, chip, args, {}, cfg)
+if os.environ.get("PREFILL"):  # the prefill kernel (x dequantized by the quantization pass; that pass not counted)
+    kern, args = (qmm.quantized_matmul_blockwise_a8_prefill_kernel,
+                  (f"{M}x{K}:bf16", f"{N}x{K}:{dt}", f"{K//128}x1x{N}:f32"))
+else:
+    kern, args = (qmm.quantized_matmul_blockwise_a8_kernel,
+                  (f"{M}x{K}:{dt}", f"{M}x{K//128}:f32", f"{N}x{K}:{dt}", f"{K//128}x1x{N}:f32"))
+fn, st, c, src = kernel_program(kern, chip, args, {}, cfg)
 t0 = time.time()
 cyc = Estimator(cache_path=None).cycles(fn, st, chip) * SC
 m = model_time(chip, cyc, SC * M * K + N * K + SC * M * N * 2, 2 * SC * M * N * K, dtype=dt)

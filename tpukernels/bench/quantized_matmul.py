@@ -34,7 +34,9 @@ Block-scaled rows (``quantized_matmul_blockwise``, group 128): ``w4a16 int4 g128
 chip (int4 weights packed along N, weight format ``"int4n"``, 0.5 B each, symmetric, f32 scales ``[K/128, 1, N]``;
 XLA: unpack, dequantize to bf16, one dot), and ``fp8 block <dtype> 1x128/128x128`` at the prefill shapes (DeepSeek-V3's scheme: ``x_quant="fp8"``,
 the chip's fp8 pair — float8_e4m3fn where jax's tpu_info has it, else float8_e5m2; ours is
-``quantize_per_block_kernel`` + ``quantized_matmul_blockwise_a8_kernel``, the quantize pass at its HBM roofline
+what the public op runs: on v6e / tpu7x ``quantize_per_block_kernel(..., dequantize=True)`` (x' in bf16) +
+``quantized_matmul_blockwise_a8_prefill_kernel``, on v5e ``quantize_per_block_kernel`` +
+``quantized_matmul_blockwise_a8_kernel`` (group form), the quantize pass at its HBM roofline
 where libtpu cannot estimate its fp8 pack; XLA: the same quantization in jnp, dequantized operands, one bf16 dot).
 
 Prefill cases (8192 tokens) are estimated at 2048 tokens and scaled by 4 for every implementation (the
@@ -91,7 +93,15 @@ _W4A16 = ("w4a16 decode, int4 packed along N (weight format int4n, TPUBlockQuant
           "weights as bf16, the w8a16 rows' reason): 1.5x the bf16 matmul there (22 µs at 16 tokens) is that floor, "
           "and 85% of the 8.6 µs roofline needs the weights fed as fp8, which libtpu 0.0.52's estimator cannot "
           "model. XLA's figure is its roofline, a floor: libtpu aborts on XLA's unpack + dot program")
-_FP8_BLOCK = ("fp8 block-scaled prefill (1x128 activations, 128x128 weights). v6e / tpu7x: the dequant form "
+_FP8_BLOCK = ("fp8 block-scaled prefill (1x128 activations, 128x128 weights). v6e / tpu7x (issue 40, this round): "
+              "the quantization pass writes the dequantized activations x' = bf16(x_q * x_scale) and "
+              "quantized_matmul_blockwise_a8_prefill_kernel dequantizes only the weight tile per K step (the same "
+              "values as the dequant form below, bit for bit; kernel alone, up projection: v6e 1,447 -> 1,139 us, "
+              "tpu7x 1,111 -> 894 us against the bf16 matmul's 888; the down projection's pass moves 3.5x more "
+              "activation bytes, 286 us of v6e's total). Fusing the pass into the kernel compiles but libtpu 0.0.52 "
+              "cannot estimate it (f32 -> fp8 pack), and native fp8 x fp8 with 128-deep scale blocks spends more "
+              "VPU time rescaling partial sums than the bf16 dot it replaces, so >= 1.3x bf16 on tpu7x is not "
+              "reachable in this model (blockwise_a8 docstring). Before: the dequant form "
               "(both tiles dequantized to bf16 in VMEM, one bf16 dot per K step, bk up to 4096): v6e's fp8 rate "
               "equals its bf16 rate (tpu_info), so its roofline is reachable, and what is left is the VPU's "
               "dequantization (a cost probe with static scale columns reached 1,403 us of 1,046: benchmarks/probes/fp8_dequant_cost_probe.py); on tpu7x the bf16 "
@@ -100,7 +110,8 @@ _FP8_BLOCK = ("fp8 block-scaled prefill (1x128 activations, 128x128 weights). v6
               "group, which bound it on the VPU (2,073 us in this row before the dequant form). At K = 14336 the K step "
               "is 3584 (4 steps: each picks its scale columns at a dynamic lane). v5e (no fp8 rate in tpu_info; "
               "libtpu aborts on the dequant form there) keeps the group form. The per-block activation "
-              "quantization is a separate kernel (x read once as bf16, x_q written once, 3 B per activation)")
+              "quantization is a separate kernel (x read once as bf16, x_q written once, 3 B per activation; "
+              "v6e / tpu7x: x' written in bf16, 4 B)")
 
 #: why tpukernels is slower where it is (from the estimates; see the module docstring)
 REASONS: dict = {
@@ -178,15 +189,16 @@ def cases(chips) -> list[Case]:
 
         return Impl("tpukernels bf16 matmul", "public", cycles)
 
-    def quantize_cycles(part, Me, K):
+    def quantize_cycles(part, Me, K, nbytes=3):
         # the per-token quantize pass of w8a8; libtpu 0.0.52's static profiler aborts on its f32 -> fp8
         # pack (``vpack.c.f32.eXmY``, tpu7x): there the pass counts at its HBM roofline (read bf16 x,
-        # write the 1-byte x_q), a lower bound, and the row's reason says so
+        # write the 1-byte x_q: ``nbytes`` = 3 per element; 4 for the fp8 prefill's bf16 x'), a lower bound, and
+        # the row's reason says so
         def f(est, chip):
             try:
                 return ours_impl([part]).cycles(est, chip)[0]
             except EstimateError:
-                return int(Me * K * 3 / hbm_bandwidth(chip) * clock_hz(chip))
+                return int(Me * K * nbytes / hbm_bandwidth(chip) * clock_hz(chip))
 
         return f
 
@@ -270,6 +282,9 @@ def _block_cases(qmm, M, K, N, prefill, scale, chip, bf16_impl, quantize_cycles)
 
     from ..perf import model_time
 
+    from ..chips import get_chip
+    from ..library.quantized_matmul_ops.blockwise_a8 import prefill_form
+
     bf16, f32 = jnp.bfloat16, jnp.float32
     G = K // BS
 
@@ -311,10 +326,16 @@ def _block_cases(qmm, M, K, N, prefill, scale, chip, bf16_impl, quantize_cycles)
     structs = [jax.ShapeDtypeStruct((Me, K), bf16), jax.ShapeDtypeStruct((N, K), fdt),
                jax.ShapeDtypeStruct((N // BS, G), f32)]
     w_s, s_s = f"{N}x{K}:{f8}", f"{G}x1x{N}:f32"
-    parts = [(qmm.quantized_matmul_blockwise_a8_kernel, (f"{Me}x{K}:{f8}", f"{Me}x{G}:f32", w_s, s_s, None),
-              {"block_size": BS}, (f"{M}x{K}:{f8}", f"{M}x{G}:f32", w_s, s_s, None))]
-    extra = quantize_cycles((qmm.quantize_per_block_kernel, (f"{Me}x{K}:bf16", f8, BS), {},
-                             (f"{M}x{K}:bf16", f8, BS)), Me, K)
+    if prefill_form(M, f8, "fp8", get_chip(chip)):  # what the public op runs here: x dequantized by the quantize pass
+        parts = [(qmm.quantized_matmul_blockwise_a8_prefill_kernel, (f"{Me}x{K}:bf16", w_s, s_s), {"block_size": BS},
+                  (f"{M}x{K}:bf16", w_s, s_s))]
+        extra = quantize_cycles((qmm.quantize_per_block_kernel, (f"{Me}x{K}:bf16", f8, BS, True), {},
+                                 (f"{M}x{K}:bf16", f8, BS, True)), Me, K, nbytes=4)
+    else:
+        parts = [(qmm.quantized_matmul_blockwise_a8_kernel, (f"{Me}x{K}:{f8}", f"{Me}x{G}:f32", w_s, s_s, None),
+                  {"block_size": BS}, (f"{M}x{K}:{f8}", f"{M}x{G}:f32", w_s, s_s, None))]
+        extra = quantize_cycles((qmm.quantize_per_block_kernel, (f"{Me}x{K}:bf16", f8, BS), {},
+                                 (f"{M}x{K}:bf16", f8, BS)), Me, K)
     hb = M * K * 2 + N * K + 4 * G * N + M * N * 2
     return [Case(FAMILY, f"fp8 block {f8} 1x128/128x128", shape, chip, hbm_bytes=hb, flops=2 * M * N * K, dtype=f8,
                  impls=[ours_impl(parts, scale=scale, extra=extra),

@@ -333,7 +333,9 @@ LIBRARY_RULES: dict[str, Callable[[Mapping], list[Split]]] = {
     # block-quantized activations: x_q and its x_scale [M, K/bs] split by rows together; N as the weight-only kernel
     "quantized_matmul_blockwise_a8_kernel": lambda args: [Split({"x_q": 0, "x_scale": 0}, (0,)),
                                                           *_quantized_blockwise(args)[1:]],
-    "quantize_per_block_kernel": lambda args: [Split({"x": 0}, (0, 0))],  # rows -> (x_q, x_scale [M, K/bs])
+    # fp8 prefill: x' [M, K_w] bf16 (already dequantized) . block-scaled fp8 weights, as the weight-only kernel
+    "quantized_matmul_blockwise_a8_prefill_kernel": _quantized_blockwise,
+    "quantize_per_block_kernel": lambda args: [Split({"x": 0}, (0, 0))],  # rows -> (x_q or x', x_scale [M, K/bs])
     "flash_attention_masked_fwd": _masked_attention(2),
     "flash_attention_masked_bwd_dq": _masked_attention(1),
     "flash_attention_masked_bwd_dkv": _masked_attention(2),

@@ -151,7 +151,8 @@ decode launch, ``quantized_matmul_bwd_dx``), ``w8a8`` (the fused w8a8 kernel), `
 fp8; ``quantized_matmul_blockwise``, ``TPUBlockQuantLinear``; its own docstring has the layout, the padding
 rule and the error bound), ``blockwise_a8`` (block-quantized 8-bit activations: fp8 1x128 activations with
 128x128 fp8 weight blocks or packed int4 / fp4 weights, w4a8 / w8a8 int8 with per-block activation scales; ``quantize_per_block_kernel``,
-``quantized_matmul_blockwise_a8_kernel``; reached by ``quantized_matmul_blockwise(..., x_quant=...)``),
+``quantized_matmul_blockwise_a8_kernel``, ``quantized_matmul_blockwise_a8_prefill_kernel`` (fp8 prefill); reached by
+``quantized_matmul_blockwise(..., x_quant=...)``),
 ``blockwise_bwd`` (its ``d_x`` kernel ``quantized_matmul_blockwise_bwd_dx``: the
 backward with respect to the activations, weights frozen; formula and error bound there).
 
@@ -181,7 +182,8 @@ from .blockwise_bwd import (error_bound_blockwise_dx, quantized_matmul_blockwise
                             reference_blockwise_dx)
 from .blockwise_a8 import (FP8_FOR_PACKED, XQ_DTYPES, check_chip_a8, error_bound_blockwise_a8, expand_block_scale,
                            quantize_per_block_kernel, quantize_per_block_reference,
-                           quantized_matmul_blockwise_a8_kernel, reference_blockwise_a8)
+                           quantized_matmul_blockwise_a8_kernel, quantized_matmul_blockwise_a8_prefill_kernel,
+                           reference_blockwise_a8)
 
 __all__ = ["quantized_matmul", "quantize_weight", "quantize_per_token", "TPUQuantLinear", "reference",
            "quantize_reference", "error_bound", "supported_modes", "check_chip", "quantized_matmul_kernel",
@@ -191,4 +193,5 @@ __all__ = ["quantized_matmul", "quantize_weight", "quantize_per_token", "TPUQuan
            "unpack_int4", "int4n_to_k", "pad_k", "dequantize_blockwise", "reference_blockwise", "error_bound_blockwise",
            "quantized_matmul_blockwise_bwd_dx", "reference_blockwise_dx", "error_bound_blockwise_dx",
            "quantize_per_block_kernel", "quantize_per_block_reference", "quantized_matmul_blockwise_a8_kernel",
+           "quantized_matmul_blockwise_a8_prefill_kernel",
            "reference_blockwise_a8", "error_bound_blockwise_a8", "expand_block_scale", "check_chip_a8"]

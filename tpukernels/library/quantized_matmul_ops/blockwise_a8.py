@@ -49,6 +49,23 @@ int8 keeps the group form (its int8 x int8 MXU pair runs at twice the bf16 rate)
 tpu_info; libtpu's profiler aborts on the dequant form there). Its error bound adds the two
 bf16 roundings (below).
 
+Prefill kernel (what the public op runs for fp8 x fp8 at ``M > 128`` on v6e / tpu7x, :func:`prefill_form`): the
+dequant form re-dequantizes each ``x_q`` tile for every column block. Instead the quantization pass writes the
+dequantized activations ``x' = bf16(f32(x_q) * x_scale)`` (``quantize_per_block_kernel(..., dequantize=True)``: the
+same formula, the same values) and ``quantized_matmul_blockwise_a8_prefill_kernel`` dequantizes only the weight
+tile per K step (one bf16 dot, f32 accumulator): the same result bit for bit, at half the vector work. Model (as
+above, the kernel alone; benchmarks/probes/fp8_prefill_forms.py ``PREFILL=1``): up projection v6e 1,139 us (was
+1,447), tpu7x 894 us (was 1,111; the bf16 matmul 888); down projection ``8192x14336 @ (4096x14336)^T`` v6e 1,264
+us, tpu7x 1,122 us (``bm=1024, bk=2048, bn=512``). With the quantization pass (it now writes 2 B per activation
+instead of 1; the bench rows): 0.89x / 0.96x the bf16 matmul (v6e / tpu7x, up) and 0.70x / 0.71x (down, where the
+pass moves 3.5x more activation bytes: 286 us of v6e's 1,550). Not shipped: the quantization fused into this kernel
+(the row block's ``x'`` made at its first column block and kept in VMEM, ``bm x K_w`` bf16) compiles for v6e and
+tpu7x, but libtpu 0.0.52's profiler cannot estimate it (tpu7x: the f32 -> fp8 ``vpack.c.f32.eXmY``; v6e: an abort
+in ``status_macros.cc``), so no model figure shows what it saves. Native fp8 x fp8 on tpu7x (2x the bf16 rate)
+cannot beat the bf16 MXU with 128-deep scale blocks: rescaling each group's partial sum costs two to three f32
+vector operations per output element per 128 of K, about 2.3x the fp8 MXU's time for that group at tpu7x's
+VPU : MXU ratio, i.e. more than the bf16 dot it would replace.
+
 Chips: the pair must be native on the MXU (jax ``tpu_info.is_matmul_supported``, as
 :func:`~tpukernels.library.quantized_matmul_ops.supported_modes`): fp8 x fp8 for ``x_quant="fp8"`` (libtpu 0.0.52:
 float8_e4m3fn on tpu7x only, float8_e5m2 on v5e, v6e and tpu7x), ``(int8, int8)`` for ``x_quant="int8"`` with int8
@@ -159,14 +176,24 @@ def quantize_per_block_reference(x: torch.Tensor, dtype: str, block_size: int):
     return q.reshape(M, K), s.reshape(M, K // block_size)
 
 
-def _qb_body(x_ref, q_ref, s_ref, *, bs, n_groups, qm, is_int):
+def block_quantize(v, qm, is_int, dtype):
+    """One ``1 x bs`` block per row of ``v [rows, bs]`` -> ``(q [rows, bs] dtype, scale [rows, 1] f32)`` (module
+    docstring formula). The one definition ``quantize_per_block_kernel`` and the prefill kernel use."""
     import jax.numpy as jnp
 
-    inv = np.float32(1.0 / qm)
+    s = jnp.max(jnp.abs(v), axis=1, keepdims=True).astype(jnp.float32) * np.float32(1.0 / qm)
+    return _quantize_values(v, _reciprocal(s), qm, is_int, dtype), s
+
+
+def _qb_body(x_ref, q_ref, s_ref, *, bs, n_groups, qm, is_int, qdt=None):
+    """``qdt`` (the quantized dtype's name) given: ``q_ref`` is bf16 and receives ``x' = bf16(f32(q) * s)``."""
+    import jax.numpy as jnp
+
     for g in range(n_groups):
-        v = x_ref[:, g * bs:(g + 1) * bs]
-        s = jnp.max(jnp.abs(v), axis=1, keepdims=True).astype(jnp.float32) * inv
-        q_ref[:, g * bs:(g + 1) * bs] = _quantize_values(v, _reciprocal(s), qm, is_int, q_ref.dtype)
+        q, s = block_quantize(x_ref[:, g * bs:(g + 1) * bs], qm, is_int, q_ref.dtype if qdt is None else _jnp(qdt))
+        if qdt is not None:  # the prefill kernel's x operand: what _a8_dequant_part makes of x_q, x_scale, bit for bit
+            q = (q.astype(jnp.float32) * s).astype(q_ref.dtype)
+        q_ref[:, g * bs:(g + 1) * bs] = q
         s_ref[:, g:g + 1] = s
 
 
@@ -185,12 +212,13 @@ def _qb_check(x, dtype, block_size, where):
     return x.shape[0], x.shape[1]
 
 
-def _qb_shape(x, dtype="float8_e4m3fn", block_size=128):
+def _qb_shape(x, dtype="float8_e4m3fn", block_size=128, dequantize=False):
     M, K = _qb_check(x, dtype, block_size, "tpukernels::quantize_per_block_kernel")
-    return (_dsl.OutSpec((M, K), _jnp(dtype)), _dsl.OutSpec((M, K // block_size), _jnp("float32")))
+    return (_dsl.OutSpec((M, K), _jnp("bfloat16" if dequantize else dtype)),
+            _dsl.OutSpec((M, K // block_size), _jnp("float32")))
 
 
-def _qb_heuristic(x, dtype="float8_e4m3fn", block_size=128):
+def _qb_heuristic(x, dtype="float8_e4m3fn", block_size=128, dequantize=False):
     K = max(1, x.shape[1])
     rows = (4 * MiB) // (K * 4)  # the f32 copy of a block within ~4 MiB
     return dict(bm=max(32, min(512, 1 << max(0, rows.bit_length() - 1))))
@@ -198,11 +226,15 @@ def _qb_heuristic(x, dtype="float8_e4m3fn", block_size=128):
 
 @_dsl.tpu_kernel(_qb_body, name="quantize_per_block_kernel", namespace="tpukernels", tunables=TUNABLES_QB,
                  heuristic=_qb_heuristic, out_shape=_qb_shape)
-def quantize_per_block_kernel(x: torch.Tensor, dtype: str = "float8_e4m3fn", block_size: int = 128, *,
-                              bm: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_per_block_kernel(x: torch.Tensor, dtype: str = "float8_e4m3fn", block_size: int = 128,
+                              dequantize: bool = False, *, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token, per-block (``1 x block_size``) absmax quantization of ``x [M, K]`` (bf16 / f32, ``K`` a multiple
     of ``block_size``) to ``dtype`` (int8 / fp8): ``(x_q [M, K], x_scale [M, K / block_size] float32)`` (module
     docstring). Blocks hold whole rows; grid ``(M / bm,)``.
+
+    ``dequantize=True``: the first output is instead ``x' = bf16(f32(x_q) * x_scale)`` ``[M, K]`` bfloat16, the
+    quantized activations dequantized (the ``x`` of ``quantized_matmul_blockwise_a8_prefill_kernel``; the values
+    the a8 kernel's ``form="dequant"`` computes in VMEM).
 
     Raises:
         ArgumentError: rank, block size, K not a multiple of it. DTypeError: dtypes.
@@ -213,18 +245,21 @@ def quantize_per_block_kernel(x: torch.Tensor, dtype: str = "float8_e4m3fn", blo
     M, K = _qb_check(x, dtype, block_size, where)
     G = K // block_size
     bm_ = _clamp(M, bm)
-    need = (2 * (padded_bytes((bm_, K), x.dtype) + padded_bytes((bm_, K), _jnp(dtype))
+    odt = _jnp("bfloat16" if dequantize else dtype)
+    need = (2 * (padded_bytes((bm_, K), x.dtype) + padded_bytes((bm_, K), odt)
                  + padded_bytes((bm_, G), "float32")) + 3 * padded_bytes((bm_, block_size), "float32"))
     return _dsl.Launch(
         grid=(_dsl.cdiv(M, bm_),),
         in_specs=[pl.BlockSpec((bm_, K), lambda i: (i, 0))],
         out_specs=[pl.BlockSpec((bm_, K), lambda i: (i, 0)), pl.BlockSpec((bm_, G), lambda i: (i, 0))],
-        out_shape=_qb_shape(x, dtype, block_size),
+        out_shape=_qb_shape(x, dtype, block_size, dequantize),
         dimension_semantics=("parallel",),
         vmem_limit_bytes=scoped_vmem_limit(need),
         cost_estimate=pl.CostEstimate(flops=4 * M * K, transcendentals=0,
-                                      bytes_accessed=int(M * K * (np.dtype(x.dtype).itemsize + 1) + 4 * M * G)),
-        body_kwargs=dict(bs=int(block_size), n_groups=int(G), qm=qmax(dtype), is_int=dtype == "int8"),
+                                      bytes_accessed=int(M * K * (np.dtype(x.dtype).itemsize + np.dtype(odt).itemsize)
+                                                         + 4 * M * G)),
+        body_kwargs=dict(bs=int(block_size), n_groups=int(G), qm=qmax(dtype), is_int=dtype == "int8",
+                         qdt=dtype if dequantize else None),
     )
 
 
@@ -292,12 +327,20 @@ def _a8_dequant_part(x_ref, w_ref, s_ref, xs_cols, *, bs, n_sub):
     import jax.numpy as jnp
 
     f32, bf16 = jnp.float32, jnp.bfloat16
-    ws_t = s_ref[...].reshape(n_sub, s_ref.shape[-1]).T  # [bn, n_sub]: each group's scales as a column
     xd = jnp.concatenate([(x_ref[:, g * bs:(g + 1) * bs].astype(f32) * xs_cols[g]).astype(bf16)
                           for g in range(n_sub)], axis=1)
-    wd = jnp.concatenate([(w_ref[:, g * bs:(g + 1) * bs].astype(f32) * ws_t[:, g:g + 1]).astype(bf16)
-                          for g in range(n_sub)], axis=1)
-    return jax.lax.dot_general(xd, wd, (((1,), (1,)), ((), ())), preferred_element_type=f32)
+    return jax.lax.dot_general(xd, _w_dequant(w_ref, s_ref, bs=bs, n_sub=n_sub), (((1,), (1,)), ((), ())),
+                               preferred_element_type=f32)
+
+
+def _w_dequant(w_ref, s_ref, *, bs, n_sub):
+    """The ``[bn, bk]`` weight tile dequantized group by group in f32 (``w_q * w_scale`` per row of each group),
+    rounded to bf16."""
+    import jax.numpy as jnp
+
+    ws_t = s_ref[...].reshape(n_sub, s_ref.shape[-1]).T  # [bn, n_sub]: each group's scales as a column
+    return jnp.concatenate([(w_ref[:, g * bs:(g + 1) * bs].astype(jnp.float32) * ws_t[:, g:g + 1])
+                            .astype(jnp.bfloat16) for g in range(n_sub)], axis=1)
 
 
 def _a8_body(x_ref, xs_ref, w_ref, s_ref, *refs, bs, n_sub, n_k, int4, has_zp, acc_int, dequant=False, fp4=False):
@@ -506,6 +549,131 @@ def quantized_matmul_blockwise_a8_kernel(x_q: torch.Tensor, x_scale: torch.Tenso
     )
 
 
+# ------------------------------------------------------------------------------------------ prefill kernel
+TUNABLES_PREFILL = {
+    "bm": _dsl.Tunable([1024, 256, 512, 2048], default=1024, doc="rows of the output block (tokens)"),
+    "bk": _dsl.Tunable([2048, 512, 1024, 4096], default=2048,
+                       doc="contraction block (upper bound: the largest multiple of block_size tiling K, k_block)"),
+    "bn": _dsl.Tunable([1024, 256, 512, 2048], default=1024, doc="columns of the output block (N)"),
+}
+
+
+def prefill_form(M: int, fmt: str, x_quant: str, chip=None) -> bool:
+    """Does the public op run fp8 x fp8 at ``M`` tokens as the prefill kernel (module docstring, 'Prefill form')?
+    fp8 activations with fp8 weights, ``M > 128``, on a chip with an fp8 MXU rate in jax's tpu_info (v6e, tpu7x)
+    or none known (cpu interpret); the a8 kernel's group form elsewhere (v5e, decode)."""
+    if x_quant != "fp8" or not fmt.startswith("float8") or M <= 128:
+        return False
+    chip = target_chip() if chip is None else chip
+    return chip is None or bool(chip.info.fp8_ops_per_second)
+
+
+def _prefill_body(x_ref, w_ref, s_ref, o_ref, acc_ref, *, bs, n_sub, n_k):
+    """One output block, one K step: the weight tile dequantized to bf16 (:func:`_w_dequant`), one MXU dot with
+    the already dequantized ``x'`` tile, accumulating in f32."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+
+    part = jax.lax.dot_general(x_ref[...], _w_dequant(w_ref, s_ref, bs=bs, n_sub=n_sub), (((1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32)
+    accumulate_k_step(part, pl.program_id(2), n_k, acc_ref, o_ref, in_place=True)
+
+
+def _prefill_problem(x, w_q, w_scale, block_size, where):
+    """``(M, N, K_w, fmt)`` after the checks (typed errors naming the tensor)."""
+    if len(x.shape) != 2 or dtype_name(x.dtype) != "bfloat16":
+        raise ArgumentError(f"{where}: x must be the dequantized activations, 2-D [M, K_w] bfloat16 "
+                            f"(quantize_per_block_kernel(..., dequantize=True)), got {tuple(x.shape)} "
+                            f"{dtype_name(x.dtype)}")
+    M, N, K_w, fmt = problem(x, w_q, w_scale, None, block_size, where)
+    if not fmt.startswith("float8"):
+        raise DTypeError(f"{where}: w_q must be float8_e4m3fn or float8_e5m2, got {fmt} (the a8 kernel takes int8 "
+                         f"and packed weights)")
+    return M, N, K_w, fmt
+
+
+def _prefill_heuristic(x, w_q, w_scale, block_size=128, out_dtype=None):
+    """``bn=1024`` and ``bk=4096`` where that is one K step, else 2048; ``bm=2048`` on chips with >= 128 MiB of
+    VMEM (v6e), else ``bm=1024`` (tpu7x) with ``bn=512`` when there are several K steps (the f32 accumulator;
+    libtpu's profiling compile of ``bn=1024`` there overflows its VMEM). From benchmarks/probes/fp8_prefill_forms.py
+    (``PREFILL=1``), module docstring."""
+    chip = target_chip()
+    big = chip is None or chip.vmem_capacity_bytes >= 128 * MiB
+    one_step = k_block(x.shape[1], block_size, 4096, False) == x.shape[1]
+    return dict(bm=2048 if big else 1024, bk=4096 if one_step else 2048, bn=1024 if big or one_step else 512)
+
+
+def _prefill_shape(x, w_q, w_scale, block_size=128, out_dtype=None):
+    where = "tpukernels::quantized_matmul_blockwise_a8_prefill_kernel"
+    M, N, _, _ = _prefill_problem(x, w_q, w_scale, block_size, where)
+    return _dsl.OutSpec((M, N), _out_dtype(out_dtype, x, where))
+
+
+def _ref_prefill(x, w_q, w_scale, block_size=128, out_dtype=None):
+    """jnp version (autotuner correctness check): the weight dequantized in f32, one dot."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    from .blockwise import dequantize_f32_jnp
+
+    W = dequantize_f32_jnp(w_q, w_scale, None, block_size, None)
+    z = jnp.matmul(x.astype(jnp.float32), W.T, precision=lax.Precision.HIGHEST)
+    return z.astype(_out_dtype(out_dtype, x, "quantized_matmul_blockwise_a8_prefill_kernel"))
+
+
+@_dsl.tpu_kernel(_prefill_body, name="quantized_matmul_blockwise_a8_prefill_kernel", namespace="tpukernels",
+                 tunables=TUNABLES_PREFILL, heuristic=_prefill_heuristic, out_shape=_prefill_shape,
+                 reference=_dsl.jax_reference(_ref_prefill))
+def quantized_matmul_blockwise_a8_prefill_kernel(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                                                 block_size: int = 128, out_dtype: Optional[str] = None, *,
+                                                 bm: int, bk: int, bn: int) -> torch.Tensor:
+    """``x' @ W^T`` for fp8 x fp8 prefill (module docstring, 'Prefill form'): ``x [M, K_w]`` bfloat16, the
+    block-quantized activations already dequantized (``quantize_per_block_kernel(..., dequantize=True)``),
+    ``w_q [N, K_w]`` float8_e4m3fn / float8_e5m2, ``w_scale [K_w / bs, 1, N]`` f32 -> ``[M, N]`` in ``out_dtype``
+    (default bfloat16). Grid ``(M/bm, N/bn, K_w/bk)``; per K step the weight tile is dequantized to bf16 in VMEM
+    and multiplied by one bf16 MXU dot accumulating in f32 (the a8 kernel's ``form="dequant"`` without its
+    per-step activation dequantization; the same values).
+
+    Raises:
+        ArgumentError: ranks, block size, scale shapes (each names the tensor). DTypeError: dtypes. ChipError: the
+            target chip's MXU lacks the fp8 pair (:func:`check_chip_a8`, as the a8 kernel).
+    """
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    where = "tpukernels::quantized_matmul_blockwise_a8_prefill_kernel"
+    M, N, K_w, fmt = _prefill_problem(x, w_q, w_scale, block_size, where)
+    check_chip_a8("fp8", fmt, where)
+    odt = _out_dtype(out_dtype, x, where)
+    bk_ = k_block(K_w, block_size, bk, False)
+    bm_, bn_ = _clamp(M, bm), _clamp(N, bn)
+    gi, gj, gk = _dsl.cdiv(M, bm_), _dsl.cdiv(N, bn_), K_w // bk_
+    n_sub = bk_ // block_size
+    acc_shape = (8, 128) if gk == 1 else (bm_, bn_)
+    io = 2 * (padded_bytes((bm_, bk_), "bfloat16") + padded_bytes((bn_, bk_), w_q.dtype)
+              + n_sub * padded_bytes((1, bn_), "float32") + padded_bytes((bm_, bn_), odt))
+    work = padded_bytes((bn_, block_size), "float32") + padded_bytes((bn_, bk_), "bfloat16")  # a group, the tile
+    need = io + work + padded_bytes(acc_shape, "float32")
+    cost = pl.CostEstimate(flops=2 * M * N * K_w, transcendentals=0,
+                           bytes_accessed=int(gj * M * K_w * 2 + gi * (N * K_w + 4 * N * K_w // block_size)
+                                              + M * N * np.dtype(odt).itemsize))
+    return _dsl.Launch(
+        grid=(gi, gj, gk),
+        in_specs=[pl.BlockSpec((bm_, bk_), lambda i, j, k: (i, k)),
+                  pl.BlockSpec((bn_, bk_), lambda i, j, k: (j, k)),
+                  pl.BlockSpec((n_sub, 1, bn_), lambda i, j, k: (k, 0, j))],
+        out_specs=pl.BlockSpec((bm_, bn_), lambda i, j, k: (i, j)),
+        out_shape=_dsl.OutSpec((M, N), odt),
+        scratch_shapes=[pltpu.VMEM(acc_shape, jnp.float32)],
+        dimension_semantics=("parallel", "parallel", "arbitrary"),
+        vmem_limit_bytes=scoped_vmem_limit(need),
+        cost_estimate=cost,
+        body_kwargs=dict(bs=int(block_size), n_sub=int(n_sub), n_k=int(gk)),
+    )
+
+
 def quantized_matmul_blockwise_a8(x2: torch.Tensor, w_q, w_scale, w_zero_point, block_size: int, fmt: str,
                                   x_quant: str, out_dtype: str, config=None) -> torch.Tensor:
     """``x2 [M, K_w]`` (bf16 / f32, already padded to ``K_w``) quantized per ``1 x block_size`` block, then the a8
@@ -520,6 +688,11 @@ def quantized_matmul_blockwise_a8(x2: torch.Tensor, w_q, w_scale, w_zero_point, 
     check_chip_a8(x_quant, fmt, where)
     # fp8 weights: x in their fp8 dtype (one MXU pair); int4 / fp4 weights: float8_e4m3fn (tpu-inference's choice)
     qdt = "int8" if x_quant == "int8" else (FP8_FOR_PACKED if fmt in PACKED else fmt)
+    if prefill_form(int(x2.shape[0]), fmt, x_quant) and (config is None or config.get("form", "dequant") == "dequant"):
+        # the prefill kernel: x dequantized once by the quantization pass, not per (row, column) block in VMEM
+        xd, _ = quantize_per_block_kernel(x2, qdt, int(block_size), True)
+        kw = {} if config is None else dict(config={k: v for k, v in config.items() if k != "form"})
+        return quantized_matmul_blockwise_a8_prefill_kernel(xd, w_q, w_scale, int(block_size), out_dtype, **kw)
     xq, xs = quantize_per_block_kernel(x2, qdt, int(block_size))
     kw = {} if config is None else dict(config=config)
     return quantized_matmul_blockwise_a8_kernel(xq, xs, w_q, w_scale, w_zero_point, int(block_size), out_dtype,
