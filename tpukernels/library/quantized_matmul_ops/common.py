@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from ...errors import ChipError, DTypeError
+from ..vmem import target_chip  # noqa: F401  (the chip a call is for; re-exported to this package's modules)
 
 WEIGHT_DTYPES = ("int8", "float8_e4m3fn", "float8_e5m2")
 X_DTYPES = ("bfloat16", "float32")
@@ -73,20 +74,6 @@ def supported_modes(chip) -> list[tuple[Optional[str], str]]:
 
 def describe(modes) -> str:
     return ", ".join(f"{'w8a16' if xq is None else 'w8a8'} {w} (x_quant={xq!r})" for xq, w in modes)
-
-
-def target_chip():
-    """The chip this call is for: the launch target, else the dispatch chip (live TPU / env), else None."""
-    from ...lowering import launch_chip
-
-    chip = launch_chip()
-    if chip is not None:
-        return chip
-    from ...autotune.db import dispatch_chip
-    from ...chips import get_chip
-
-    name = dispatch_chip()
-    return get_chip(name) if name else None
 
 
 def check_chip(x_quant: Optional[str], w_dtype: str, chip=None, where: str = "quantized_matmul") -> None:
