@@ -261,6 +261,31 @@ def test_a8_dequant_form(interpret, fmt, out_dtype):
     assert (err > qmm.error_bound_blockwise_a8(xq, xs, q, s, 128, None, odt, form="groups")).any()
 
 
+@given(M=st.integers(129, 300), N=st.integers(1, 300), G=st.integers(1, 5), bs=st.sampled_from([32, 64, 128, 256]),
+       fmt=st.sampled_from(["float8_e4m3fn", "float8_e5m2"]), pad=st.integers(0, 31), f32=st.booleans())
+@settings(max_examples=2)  # + 1 explicit example; each draws three kernel compiles (~3-6 s)
+@example(M=200, N=136, G=3, bs=128, fmt="float8_e4m3fn", pad=7, f32=True)
+def test_prefill_path_within_bound(M, N, G, bs, fmt, pad, f32):
+    """The public op's fp8 prefill path (M > 128: the quantization pass writing x', then the prefill kernel) at
+    random shapes: tails in M / N, several K steps, K padded by the rule, bf16 / f32 activations and outputs; within
+    the dequant form's bound and bit-equal to the a8 kernel's dequant form on the same blocks."""
+    q, s, _ = _weights(N, G, bs, fmt, False, seed=M * 131 + N + G)
+    x = torch.randn(M, G * bs - pad, generator=torch.Generator().manual_seed(M + N)) * 3
+    x = x.float() if f32 else x.bfloat16()
+    blocks = dict(bm=128, bk=2 * bs, bn=128)
+    y = qmm.quantized_matmul_blockwise(x, q, s, block_size=bs, config=blocks, x_quant="fp8")
+    assert y.dtype == x.dtype and y.shape == (M, N)
+    xp = torch.nn.functional.pad(x, (0, pad))
+    xq, xs = qmm.quantize_per_block_kernel(xp, fmt, bs)
+    y_a8 = qmm.quantized_matmul_blockwise_a8_kernel(xq, xs, q, s, None, bs, "float32" if f32 else "bfloat16",
+                                                    config=dict(blocks, form="dequant"))
+    assert torch.equal(y, y_a8)
+    xq, xs = qmm.quantize_per_block_reference(xp.float(), fmt, bs)
+    ref = qmm.reference_blockwise_a8(xq, xs, q, s, bs)
+    bound = qmm.error_bound_blockwise_a8(xq, xs, q, s, bs, None, x.dtype, form="dequant")
+    assert torch.isfinite(y.double()).all() and not ((y.double() - ref).abs() > bound).any()
+
+
 def test_public_op_runs_the_prefill_kernel_where_the_rule_says(monkeypatch):
     """``prefill_form``: fp8 x fp8 at M > 128 on chips with an fp8 MXU rate (v6e, tpu7x) or none known; not v5e,
     decode, int8 or packed weights. The public op follows it, and a config with ``form="groups"`` keeps the a8
