@@ -9,9 +9,11 @@ projection ``8192x14336 @ (4096x14336)^T``.
 
 ``PREFILL=1``: ``quantized_matmul_blockwise_a8_prefill_kernel`` (what the public op runs at prefill on v6e / tpu7x: the
 activations dequantized to bf16 by the quantization pass, only the weight tile dequantized in VMEM). Figures
-(2026-12-07, kernel alone): up projection v6e 1,139 us (2048 / 4096 / 1024), tpu7x 894 us (1024 / 4096 / 1024); down
-projection v6e 1,264 us (2048 / 2048 / 1024; bn=512 1,397, bm=1024 1,315), tpu7x 1,122 us (1024 / 2048 / 512;
-512 / 2048 / 1024 1,147, 1024 / 1024 / 1024 1,212; 1024 / 2048 / 1024 overflows the profiling compile's VMEM).
+(2026-12-07, kernel alone, bm / bk / bn): up projection v6e 1,120 us (1024 / 4096 / 2048; 2048 / 4096 / 1024 1,139,
+2048 / 4096 / 2048 1,137, 512 / 4096 / 2048 1,160), tpu7x 894 us (1024 / 4096 / 1024; 512 / 4096 / 2048 917); down
+projection v6e 1,256 us (1024 / 2048 / 2048; 2048 / 2048 / 1024 1,264, 2048 / 2048 / 512 1,397, 1024 / 2048 / 1024
+1,315), tpu7x 1,122 us (1024 / 2048 / 512; 512 / 2048 / 1024 1,147, 1024 / 1024 / 1024 1,212; 1024 / 2048 / 1024
+overflows the profiling compile's VMEM).
 
 Figures quoted in ``blockwise_a8``'s docstring and README (2026-12-03, libtpu 0.0.52): up projection, dequant
 form at the heuristic's blocks, v6e 1,447 us, tpu7x 1,111 us; the group form at 512/1024/1024 (the second command),

@@ -96,7 +96,7 @@ _W4A16 = ("w4a16 decode, int4 packed along N (weight format int4n, TPUBlockQuant
 _FP8_BLOCK = ("fp8 block-scaled prefill (1x128 activations, 128x128 weights). v6e / tpu7x (issue 40, this round): "
               "the quantization pass writes the dequantized activations x' = bf16(x_q * x_scale) and "
               "quantized_matmul_blockwise_a8_prefill_kernel dequantizes only the weight tile per K step (the same "
-              "values as the dequant form below, bit for bit; kernel alone, up projection: v6e 1,447 -> 1,139 us, "
+              "values as the dequant form below, bit for bit; kernel alone, up projection: v6e 1,447 -> 1,120 us, "
               "tpu7x 1,111 -> 894 us against the bf16 matmul's 888; the down projection's pass moves 3.5x more "
               "activation bytes, 286 us of v6e's total). Fusing the pass into the kernel compiles but libtpu 0.0.52 "
               "cannot estimate it (f32 -> fp8 pack), and native fp8 x fp8 with 128-deep scale blocks spends more "

@@ -54,11 +54,12 @@ dequant form re-dequantizes each ``x_q`` tile for every column block. Instead th
 dequantized activations ``x' = bf16(f32(x_q) * x_scale)`` (``quantize_per_block_kernel(..., dequantize=True)``: the
 same formula, the same values) and ``quantized_matmul_blockwise_a8_prefill_kernel`` dequantizes only the weight
 tile per K step (one bf16 dot, f32 accumulator): the same result bit for bit, at half the vector work. Model (as
-above, the kernel alone; benchmarks/probes/fp8_prefill_forms.py ``PREFILL=1``): up projection v6e 1,139 us (was
-1,447), tpu7x 894 us (was 1,111; the bf16 matmul 888); down projection ``8192x14336 @ (4096x14336)^T`` v6e 1,264
-us, tpu7x 1,122 us (``bm=1024, bk=2048, bn=512``). With the quantization pass (it now writes 2 B per activation
-instead of 1; the bench rows): 0.89x / 0.96x the bf16 matmul (v6e / tpu7x, up) and 0.70x / 0.71x (down, where the
-pass moves 3.5x more activation bytes: 286 us of v6e's 1,550). Not shipped: the quantization fused into this kernel
+above, the kernel alone; benchmarks/probes/fp8_prefill_forms.py ``PREFILL=1``): up projection v6e 1,120 us at
+``bm=1024, bk=4096, bn=2048`` (was 1,447; 1,139 at 2048 / 4096 / 1024), tpu7x 894 us at 1024 / 4096 / 1024 (was
+1,111; the bf16 matmul 888); down projection ``8192x14336 @ (4096x14336)^T`` v6e 1,256 us (1024 / 2048 / 2048),
+tpu7x 1,122 us (1024 / 2048 / 512). With the quantization pass (it now writes 2 B per activation
+instead of 1; the bench rows): 0.90x / 0.96x the bf16 matmul (v6e / tpu7x, up) and 0.70x / 0.71x (down, where the
+pass moves 3.5x more activation bytes: 286 us of v6e's 1,543). Not shipped: the quantization fused into this kernel
 (the row block's ``x'`` made at its first column block and kept in VMEM, ``bm x K_w`` bf16) compiles for v6e and
 tpu7x, but libtpu 0.0.52's profiler cannot estimate it (tpu7x: the f32 -> fp8 ``vpack.c.f32.eXmY``; v6e: an abort
 in ``status_macros.cc``), so no model figure shows what it saves. Native fp8 x fp8 on tpu7x (2x the bf16 rate)
@@ -594,14 +595,14 @@ def _prefill_problem(x, w_q, w_scale, block_size, where):
 
 
 def _prefill_heuristic(x, w_q, w_scale, block_size=128, out_dtype=None):
-    """``bn=1024`` and ``bk=4096`` where that is one K step, else 2048; ``bm=2048`` on chips with >= 128 MiB of
-    VMEM (v6e), else ``bm=1024`` (tpu7x) with ``bn=512`` when there are several K steps (the f32 accumulator;
-    libtpu's profiling compile of ``bn=1024`` there overflows its VMEM). From benchmarks/probes/fp8_prefill_forms.py
-    (``PREFILL=1``), module docstring."""
+    """``bm=1024``; ``bk=4096`` where that is one K step, else 2048; ``bn=2048`` on chips with >= 128 MiB of VMEM
+    (v6e), else 1024 (tpu7x), 512 there when there are several K steps (the f32 accumulator; libtpu's profiling
+    compile of ``bn=1024`` overflows its VMEM). From benchmarks/probes/fp8_prefill_forms.py (``PREFILL=1``), module
+    docstring."""
     chip = target_chip()
     big = chip is None or chip.vmem_capacity_bytes >= 128 * MiB
     one_step = k_block(x.shape[1], block_size, 4096, False) == x.shape[1]
-    return dict(bm=2048 if big else 1024, bk=4096 if one_step else 2048, bn=1024 if big or one_step else 512)
+    return dict(bm=1024, bk=4096 if one_step else 2048, bn=2048 if big else (1024 if one_step else 512))
 
 
 def _prefill_shape(x, w_q, w_scale, block_size=128, out_dtype=None):
