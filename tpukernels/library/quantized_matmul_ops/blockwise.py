@@ -648,8 +648,9 @@ def dequantize_f32_jnp(w_q, w_scale, w_zero_point=None, block_size=128, weight_f
     return q * jnp.repeat(w_scale[:, 0, :].T, block_size, axis=1)
 
 
-def _ref_block(x, w_q, w_scale, w_zero_point=None, block_size=128, out_dtype=None, weight_format=None):
-    """jnp version of the kernel (autotuner correctness check): dequantize in f32, one dot."""
+def reference_blockwise_jnp(x, w_q, w_scale, w_zero_point=None, block_size=128, out_dtype=None, weight_format=None):
+    """jnp version of the kernel (autotuner correctness check): dequantize in f32, one dot (also the prefill
+    kernel's, :mod:`.blockwise_a8`, whose ``x`` is already dequantized)."""
     import jax.numpy as jnp
     from jax import lax
 
@@ -660,7 +661,7 @@ def _ref_block(x, w_q, w_scale, w_zero_point=None, block_size=128, out_dtype=Non
 
 @_dsl.tpu_kernel(_block_body, name="quantized_matmul_blockwise_kernel", namespace="tpukernels",
                  tunables=TUNABLES_BLOCK, heuristic=_block_heuristic, out_shape=_block_shape,
-                 reference=_dsl.jax_reference(_ref_block))
+                 reference=_dsl.jax_reference(reference_blockwise_jnp))
 def quantized_matmul_blockwise_kernel(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                                       w_zero_point: Optional[torch.Tensor] = None, block_size: int = 128,
                                       out_dtype: Optional[str] = None, weight_format: Optional[str] = None, *,

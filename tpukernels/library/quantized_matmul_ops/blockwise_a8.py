@@ -119,7 +119,7 @@ from . import blockwise as _blockwise
 # keys their entries in the tuning DB (tpukernels/autotune/db.py), is unchanged
 # (BLOCK_SIZES, expand_block_scale, k_block: re-exported)
 from .blockwise import (BLOCK_SIZES, PACKED, accumulate_k_step, expand_block_scale,  # noqa: F401
-                        fp4_decode as _fp4_decode, k_block, problem)
+                        fp4_decode as _fp4_decode, k_block, problem, reference_blockwise_jnp)
 from .common import (U32, X_DTYPES, check_chip, clamp as _clamp, describe, dtype_name, jnp_dtype as _jnp, qmax,
                      resolve_out_dtype as _out_dtype, target_chip)
 from .quantize import quantize_values as _quantize_values, reciprocal as _reciprocal
@@ -613,14 +613,7 @@ def _prefill_shape(x, w_q, w_scale, block_size=128, out_dtype=None):
 
 def _ref_prefill(x, w_q, w_scale, block_size=128, out_dtype=None):
     """jnp version (autotuner correctness check): the weight dequantized in f32, one dot."""
-    import jax.numpy as jnp
-    from jax import lax
-
-    from .blockwise import dequantize_f32_jnp
-
-    W = dequantize_f32_jnp(w_q, w_scale, None, block_size, None)
-    z = jnp.matmul(x.astype(jnp.float32), W.T, precision=lax.Precision.HIGHEST)
-    return z.astype(_out_dtype(out_dtype, x, "quantized_matmul_blockwise_a8_prefill_kernel"))
+    return reference_blockwise_jnp(x, w_q, w_scale, None, block_size, out_dtype)
 
 
 @_dsl.tpu_kernel(_prefill_body, name="quantized_matmul_blockwise_a8_prefill_kernel", namespace="tpukernels",
