@@ -441,17 +441,18 @@ def _a8_problem(x_q, x_scale, w_q, w_scale, w_zero_point, block_size, where, wei
 def _a8_heuristic(x_q, x_scale, w_q, w_scale, w_zero_point=None, block_size=128, out_dtype=None,
                   weight_format=None):
     """Decode (``M <= 128``): one row block, large weight tiles. Prefill: fp8 takes the dequant form at
-    ``bm=2048, bk=4096, bn=1024`` (``bm=1024`` where the chip has < 128 MiB of VMEM: tpu7x; ``bk`` 4096 when
-    that is one K step, whose scale columns are static slices, else 2048) on chips with an fp8
-    MXU rate in jax's tpu_info (v6e, tpu7x; and cpu interpret); elsewhere (v5e: e5m2 is accepted, no fp8 rate is
-    listed, and libtpu 0.0.52's profiler aborts on the dequant form there, so it has no model figure), for
-    int8 and for packed int4 / fp4 weights, the group form."""
+    ``bm=2048, bk=4096, bn=1024`` where :func:`prefill_form` holds (``bm=1024`` where the chip has < 128 MiB of
+    VMEM: tpu7x; ``bk`` 4096 when that is one K step, whose scale columns are static slices, else 2048): chips
+    with an fp8 MXU rate in jax's tpu_info (v6e, tpu7x; and cpu interpret); elsewhere (v5e: e5m2 is accepted, no
+    fp8 rate is listed, and libtpu 0.0.52's profiler aborts on the dequant form there, so it has no model
+    figure), for int8 and for packed int4 / fp4 weights, the group form."""
     M = x_q.shape[0]
     if M <= 128:
         return dict(bm=128, bk=2048, bn=512, form="groups")
     chip = target_chip()
-    packed = w_q is not None and dtype_name(w_q.dtype) == "uint8"
-    if dtype_name(x_q.dtype).startswith("float8") and not packed and (chip is None or chip.info.fp8_ops_per_second):
+    xd = dtype_name(x_q.dtype)
+    fmt = dtype_name(w_q.dtype) if w_q is not None else xd  # fp8 x_q pairs with its own fp8 dtype or packed uint8
+    if prefill_form(M, fmt, "int8" if xd == "int8" else "fp8", chip):  # the public op's prefill rule
         big = chip is None or chip.vmem_capacity_bytes >= 128 * MiB
         K_w = x_q.shape[1]
         one_step = k_block(K_w, block_size, 4096, False) == K_w
