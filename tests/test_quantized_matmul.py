@@ -711,6 +711,59 @@ def test_apply_tpukernels_quantize_llama():
     assert (got8 - want).pow(2).mean().sqrt() <= 0.10 * rms
 
 
+def test_bench_tpu_inference_column_traces_its_kernel_at_its_tuned_blocks():
+    """The tpu-inference column is its own quantized_matmul_kernel, traced for the target chip at the blocks its
+    tuned table gives the full problem (a w8a16 row borrows the chip's w8a8 entry; no entry: our blocks), the
+    token block cut to the estimated rows; rows libtpu cannot estimate raise before any import."""
+    import jax
+
+    pytest.importorskip("tpu_inference.kernels.quantized_matmul.kernel")
+    from tpu_inference.kernels.quantized_matmul import tuned_block_sizes as T
+
+    from tpukernels.bench import quantized_matmul as bq
+    from tpukernels.bench.core import EstimateError
+
+    assert bq.tpu_inference_blocks(T, 6, 8192, 14336, 4096, "int8", "int8") == (T.TunedValue(2048, 1792, 4096),
+                                                                              "its tuned table")
+    tv, src = bq.tpu_inference_blocks(T, 6, 8192, 14336, 4096, None, "int8")
+    assert tv == T.TunedValue(2048, 1792, 4096) and "int8 x int8" in src
+    assert bq.tpu_inference_blocks(T, 5, 8192, 14336, 4096, None, "int8")[0] is None  # no v5e table
+
+    class Recorder:  # stands in for the estimator: keeps the program it is asked about
+        def cycles(self, fn, structs, chip):
+            self.fn, self.structs, self.chip = fn, structs, chip
+            return 1000
+
+    def row(chip, op, shape):
+        case = next(c for c in bq.cases([chip]) if c.op == op and c.shape == shape)
+        return next(i for i in case.impls if i.name == bq.TPU_INFERENCE)
+
+    est = Recorder()
+    cyc, cfg = row("v6e", "w8a16 int8", "8192x4096 @ (14336x4096).T").cycles(est, "v6e")
+    assert cyc == 4000  # estimated at 2048 of the 8192 tokens, x4 like every implementation of the row
+    assert cfg.startswith("batch_block_size=2048,out_block_size=1792,in_block_size=4096,")
+    assert [s.shape for s in est.structs] == [(2048, 4096), (14336, 4096), (14336,)]
+    assert jax.eval_shape(est.fn, *est.structs).shape == (2048, 14336)
+    _, cfg = row("v5e", "w8a16 int8", "64x4096 @ (14336x4096).T").cycles(est, "v5e")  # no table: our blocks
+    assert "source=our blocks" in cfg and cfg.startswith("batch_block_size=64,")
+    assert jax.eval_shape(est.fn, *est.structs).shape == (64, 14336)
+    assert T.get_tpu_version() == -1  # the chip's generation only while tracing
+
+    class FailsFirst(Recorder):  # libtpu cannot estimate its table's blocks: our blocks, and the row says so
+        def cycles(self, fn, structs, chip):
+            self.calls = getattr(self, "calls", 0) + 1
+            if self.calls == 1:
+                raise EstimateError("Ran out of memory in memory space vmem")
+            return super().cycles(fn, structs, chip)
+
+    est = FailsFirst()
+    _, cfg = row("v6e", "w8a16 int8", "8192x4096 @ (14336x4096).T").cycles(est, "v6e")
+    assert est.calls == 2 and ",source=our blocks (libtpu could not estimate its tuned table's int8 x int8 entry " \
+        "(batch_block_size=2048,out_block_size=1792,in_block_size=4096): Ran out of memory" in cfg
+    with pytest.raises(EstimateError, match="LLO type check"):
+        row("tpu7x", "w8a8 float8_e4m3fn", "8192x4096 @ (14336x4096).T").cycles(est, "tpu7x")
+
+
 # ----------------------------------------------------------------------------------------------- bench + model
 def test_bench_cases_and_peaks():
     """The bench family builds a case per (shape, mode the chip has); w8a8 rooflines use tpu_info's peaks."""
@@ -727,7 +780,9 @@ def test_bench_cases_and_peaks():
     assert {("v5e", "w4a16 int4 g128"), ("tpu7x", "w4a16 int4 g128"), ("v5e", "fp8 block float8_e5m2 1x128/128x128"),
             ("tpu7x", "fp8 block float8_e4m3fn 1x128/128x128")} <= ops
     assert all(c.shape.startswith(("16x", "64x")) for c in cs if c.op.startswith("w4a16"))
-    assert all([i.name for i in c.impls][:1] == ["tpukernels"] and len(c.impls) == 3 for c in cs)
+    assert all([i.name for i in c.impls][:1] == ["tpukernels"] for c in cs)
+    # tpu-inference's quantized matmul is a column wherever it has the op (not w4a16: its 4-bit case is fp8 x fp4)
+    assert all((bq.TPU_INFERENCE in [i.name for i in c.impls]) == (not c.op.startswith("w4a16")) for c in cs)
     for chip in CHIPS:
         info = get_chip(chip).info
         assert perf.peak_flops(chip, "int8") == (info.int8_ops_per_second or info.bf16_ops_per_second)

@@ -100,9 +100,10 @@ def _ours(kernel, args, kwargs, T: int, S: int, pps: int, ps: int, floor_us) -> 
 
 
 @contextlib.contextmanager
-def _tpu_version(module, chip: str):
+def tpu_inference_generation(module, chip: str):
     """tpu-inference's ``get_tpu_version()`` reads ``jax.devices()[0].device_kind`` (a cpu here): answer the
-    target chip's generation while tracing for it."""
+    target chip's generation while tracing for it (``module``: the tpu-inference module whose ``get_tpu_version``
+    its kernel calls; also used by the quantized_matmul family)."""
     from ..chips import get_chip
 
     old = module.get_tpu_version
@@ -133,12 +134,12 @@ def tpu_inference_program(chip: str, T: int, S: int, pps: int, ps: int, P: int):
                                       "`pip install --no-deps tpu-inference==0.32.0` (make test does)") from e
     cap = get_chip(chip).vmem_capacity_bytes
     vmem = min(cap * 3 // 4, cap - (24 << 20))  # XLA's ops beside the kernel take ~19 MiB here (docstring)
-    with _tpu_version(K, chip):
+    with tpu_inference_generation(K, chip):
         d = K.get_default_block_sizes(jnp.bfloat16, jnp.bfloat16, HQ, HKV, D, ps, T, S, pps, case=K.RpaCase.DECODE)
         m = K.get_default_block_sizes(jnp.bfloat16, jnp.bfloat16, HQ, HKV, D, ps, T, S, pps, case=K.RpaCase.MIXED)
 
     def tpu_inference_rpa_v3(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, distribution):
-        with _tpu_version(K, chip):
+        with tpu_inference_generation(K, chip):
             return K.ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, distribution,
                                             sm_scale=D ** -0.5, update_kv_cache=False, vmem_limit_bytes=vmem)[0]
 

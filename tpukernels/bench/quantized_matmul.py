@@ -15,6 +15,19 @@ v6e), else float8_e4m3fn (tpu7x, which has no int8 MXU).
   ``dot_general(x, w_q.astype(bf16), preferred_element_type=f32) * w_scale``; w8a8 the absmax
   quantization in jnp, ``lax.dot_general(x_q, w_q, preferred_element_type=int32)`` (f32 for fp8) and the two
   scales.
+* ``tpu-inference quantized_matmul``: tpu-inference 0.32.0's ``kernels/quantized_matmul`` (installed ``--no-deps``):
+  ``quantized_matmul_kernel`` with ``x_q_dtype=None`` (w8a16) or the weight dtype (w8a8: its per-token absmax in jnp
+  outside the kernel, the quantization inside), per-channel ``w_scale [N]``; for the fp8 block rows its
+  ``blockwise_kernel`` (``block_size=128``: each ``1 x 128`` activation block quantized inside the kernel, weight
+  scales ``[K / 128, 1, N]``, the same format as ours; one dot and two scale multiplies per 128-deep block). Blocks:
+  its tuned table at the full problem (:func:`tpu_inference_blocks`: it tunes only w8a8, int8 on v6e and fp8 on
+  tpu7x; a w8a16 row takes that entry of the same chip and shape), else the blocks our call gets (its untuned default
+  is 128 x 128 x 128). Its ``get_tpu_version()`` answers the target chip
+  (:func:`tpukernels.bench.paged_attention.tpu_inference_generation`), its VMEM limit is its table's for the
+  generation (96 MiB where it has none). No w4a16 column: its blockwise kernel's 4-bit case is fp8 activations with
+  ``float4_e2m1fn`` weights (tpu7x), not int4 weights with bf16 activations. libtpu 0.0.52 cannot estimate most of its
+  activation-quantizing programs (its LLO type check fails on the fp8 operands on every chip and on the int8 ones on
+  v6e; :data:`TPU_INFERENCE_NOT_ESTIMABLE`): those rows show the roofline floor.
 * ``tpukernels bf16 matmul``: ``matmul_nt`` on bf16 ``x`` and a bf16 ``W`` (the unquantized layer). Its
   figure is ``max(its estimate, its own HBM roofline)`` with 2-byte weights, since the case's ``hbm_bytes``
   (what the quantized op must move: 1-byte weights) would undercount it. Estimated at full size.
@@ -54,6 +67,8 @@ FAMILY = "quantized_matmul"
 #: library modules whose code and tuning data the figures depend on (the bf16 comparison row is our matmul;
 #: ``vmem``: the scoped-VMEM request)
 LIBRARY = ("quantized_matmul_ops", "matmul_ops", "vmem")
+#: bench modules the cases import (``paged_attention``: :func:`tpu_inference_generation`)
+BENCH = ("paged_attention",)
 
 _FUSED = ("the activation quantization is fused (quantized_matmul_w8a8_kernel: x read once as bf16, no x_q in HBM; "
           "before the fusion this op was 0.84-0.88x XLA on v6e). What is left, from the estimates: row block 0 is "
@@ -130,6 +145,112 @@ REASONS: dict = {
        "(tests/test_quantized_matmul.py::test_compile_only_fused_w8a8)"
        for s in ("8192x4096 @ (14336x4096).T", "8192x14336 @ (4096x14336).T")},
 }
+
+
+_TI_LLO = ("not estimated: libtpu 0.0.52's profiling compile of tpu-inference's {what} fails its LLO type check on the "
+           "{dtype} operands ({msg}, tried 2026-12-07) and writes ~10 GB of libtpu logs per attempt (a failed estimate is "
+           "cached, the logs are not worth writing again)")
+#: tpu-inference 0.32.0's quantized matmul where libtpu 0.0.52's static estimate of it fails (op prefix, chip) -> why;
+#: its row is the roofline floor. The int8 w8a8 kernel fails the same check on v6e with small logs: that one runs
+TPU_INFERENCE_NOT_ESTIMABLE = {
+    ("fp8 block", "v5e"): _TI_LLO.format(what="blockwise kernel", dtype="float8_e5m2",
+                                         msg="'Expected vector-bf16packed, got vector-int16' at a vunpack"),
+    ("fp8 block", "v6e"): (
+        "not estimated: the v6e attempt at tpu-inference's blockwise kernel (2048 tokens, bm=1024, bn=1024, bk=4096, "
+        "2026-12-07) was stopped when libtpu's logs filled the disk; the same float8_e5m2 kernel fails libtpu "
+        "0.0.52's LLO type check on v5e"),
+    ("fp8 block", "tpu7x"): _TI_LLO.format(what="blockwise kernel", dtype="float8_e4m3fn",
+                                           msg="'Expected vector-int16, got vector-f8packed'"),
+    ("w8a8 float8_e4m3fn", "tpu7x"): _TI_LLO.format(what="w8a8 kernel", dtype="float8_e4m3fn",
+                                                    msg="'Expected vector-int16, got vector-f8packed'"),
+}
+TPU_INFERENCE = "tpu-inference quantized_matmul"
+
+
+def tpu_inference_blocks(T, generation: int, M: int, N: int, K: int, x_q: str | None, wdt: str):
+    """``(TunedValue | None, source)``: the blocks tpu-inference 0.32.0's quantized matmul takes for the row, from its
+    tuned table (``T``: its ``tuned_block_sizes`` module) at the full problem: its entry for the row's dtypes, else
+    its entry for the same chip and shape with 1-byte weights in another activation dtype (it tunes only w8a8: int8
+    on v6e, fp8 on tpu7x; it has no w8a16 entry, where its default would be 128 x 128 x 128); None where it has
+    neither (then the bench uses our blocks, module docstring)."""
+    import jax.numpy as jnp
+
+    want = jnp.dtype(x_q or "bfloat16").name
+    hits = [(k, v) for k, v in T.TUNED_BLOCK_SIZES.items() if (k.tpu_version, k.n_batch, k.n_out, k.n_in) ==
+            (generation, M, N, K) and jnp.dtype(k.w_q_dtype).itemsize == jnp.dtype(wdt).itemsize]
+    exact = [v for k, v in hits if (k.x_q_dtype, k.w_q_dtype) == (want, wdt)]
+    if exact:
+        return exact[0], "its tuned table"
+    if hits:
+        k, v = sorted(hits)[0]
+        return v, f"its tuned table's {k.x_q_dtype} x {k.w_q_dtype} entry"
+    return None, ""
+
+
+def tpu_inference_impl(M: int, Me: int, K: int, N: int, x_q: str | None, wdt: str, op: str, ours, scale: int,
+                       floor_us, block_size: int | None = None) -> Impl:
+    """tpu-inference 0.32.0's ``quantized_matmul_kernel`` (``block_size``: its blockwise kernel, weight scales
+    ``[K / block_size, 1, N]``, activations quantized per ``1 x block_size`` inside the kernel) at ``Me`` of the
+    row's ``M`` tokens, scaled by ``scale``; ``x_q``: the activation dtype it quantizes to (None: w8a16);
+    ``ours``: ``(kernel, full args, kwargs)`` of our call, whose blocks it takes where its tuned table has none or
+    libtpu cannot estimate it at its table's blocks (e.g. they overflow VMEM in the profiling compile; the config
+    says so)."""
+    def cycles(est, chip):
+        import contextlib
+        from unittest import mock
+
+        import jax
+        import jax.numpy as jnp
+
+        from ..chips import get_chip
+        from ..errors import BackendUnavailableError
+        from .core import kernel_program
+        from .paged_attention import tpu_inference_generation
+
+        why = next((w for (p, c), w in TPU_INFERENCE_NOT_ESTIMABLE.items() if op.startswith(p) and c == chip), None)
+        if why:
+            raise EstimateError(why)
+        try:
+            from tpu_inference.kernels.quantized_matmul import blockwise_kernel, kernel, tuned_block_sizes as T
+        except ImportError as e:
+            raise BackendUnavailableError(f"tpu-inference's quantized matmul does not import ({e}); install it with "
+                                          "`pip install --no-deps tpu-inference==0.32.0` (make test does)") from e
+        gen = get_chip(chip).generation
+        cfg = kernel_program(ours[0], chip, ours[1], ours[2])[2]
+        mine = T.TunedValue(int(cfg["bm"]), int(cfg["bn"]), int(cfg["bk"]))
+        tv, source = tpu_inference_blocks(T, gen, M, N, K, x_q, wdt)
+        tries = [(tv, source)] * (tv is not None) + [(mine, "our blocks")] * (tv != mine)
+        mod = blockwise_kernel if block_size else kernel
+        vmem = T.DEVICE_VMEM_LIMIT.get(gen, 96 << 20)  # its get_device_vmem_limit(), without its vllm warning
+        xqd = None if x_q is None else getattr(jnp, wdt)
+        s_shape = (K // block_size, 1, N) if block_size else (N,)
+        structs = [jax.ShapeDtypeStruct((Me, K), jnp.bfloat16), jax.ShapeDtypeStruct((N, K), getattr(jnp, wdt)),
+                   jax.ShapeDtypeStruct(s_shape, jnp.float32)]
+        failed = []
+        for tv, source in tries:
+            tv = tv._replace(batch_block_size=min(tv.batch_block_size, Me))
+            blocks = f"batch_block_size={tv.batch_block_size},out_block_size={tv.out_block_size},in_block_size=" \
+                     f"{tv.in_block_size}"
+
+            def tpu_inference_qmm(x, w, s, tv=tv):
+                with contextlib.ExitStack() as stack:
+                    stack.enter_context(tpu_inference_generation(T, chip))
+                    stack.enter_context(mock.patch.object(mod, "get_device_vmem_limit", lambda: vmem))
+                    if block_size:
+                        return mod.quantized_matmul_kernel(x, w, s, block_size=block_size, x_q_dtype=xqd,
+                                                           tuned_value=tv)
+                    return mod.quantized_matmul_kernel(x, w, s, x_q_dtype=xqd, tuned_value=tv)
+
+            try:
+                cyc = est.cycles(jax.jit(tpu_inference_qmm), structs, chip)
+            except EstimateError as e:  # e.g. its table's blocks overflow VMEM in libtpu's profiling compile
+                failed.append(f"{source} ({blocks}): {str(e)[:160]}")
+                continue
+            note = f" (libtpu could not estimate {'; '.join(failed)})" if failed else ""
+            return cyc * scale, f"{blocks},source={source}{note}"
+        raise EstimateError("; ".join(failed))
+
+    return Impl(TPU_INFERENCE, "public", cycles, floor_us=floor_us)
 
 
 def _mk(text):
@@ -245,15 +366,18 @@ def cases(chips) -> list[Case]:
                     xla = xla_impl(jax.jit(xla_w8a16), [sx, sw, sws], name="xla int8 dot", scale=scale,
                                    floor_us=floor(M, K, N, "bfloat16"))
                     op, dtype = f"w8a16 {wdt}", "bfloat16"
+                    ours = (qmm.quantized_matmul_kernel, (x_s, w_s, ws_s), {})
                 else:
                     cfg = fused_config(M, K, N, wdt, chip)
                     own_scale = scale
                     if cfg is not None:  # the fused kernel (what quantized_matmul runs here), at full size
                         parts, extra, own_scale = [(qmm.quantized_matmul_w8a8_kernel, (x_s, w_s, ws_s), {})], None, 1
+                        ours = parts[0]
                     else:
                         xq_s, xqe_s = f"{M}x{K}:{wdt}", f"{Me}x{K}:{wdt}"
                         parts = [(qmm.quantized_matmul_kernel, (xqe_s, w_s, ws_s, f"{Me}x1:f32"), {},
                                   (xq_s, w_s, ws_s, f"{M}x1:f32"))]
+                        ours = (qmm.quantized_matmul_kernel, (xq_s, w_s, ws_s, f"{M}x1:f32"), {})
                         extra = quantize_cycles((qmm.quantize_per_token_kernel, (xe_s, wdt), {}, (x_s, wdt)), Me, K)
                     xla = xla_impl(xla_w8a8(wdt), [sx, sw, sws], name=f"xla {'int8' if wdt == 'int8' else 'fp8'} dot",
                                    scale=scale, floor_us=floor(M, K, N, wdt))
@@ -262,6 +386,8 @@ def cases(chips) -> list[Case]:
                     FAMILY, op, f"{M}x{K} @ ({N}x{K}).T", chip,
                     hbm_bytes=M * K * 2 + N * K + M * N * 2 + 4 * (N + M), flops=2 * M * N * K, dtype=dtype,
                     impls=[ours_impl(parts, scale=scale if xq is None else own_scale, extra=extra), xla,
+                           tpu_inference_impl(M, Me, K, N, None if xq is None else wdt, wdt, op, ours, scale,
+                                              floor(M, K, N, dtype)),
                            bf16_impl(M, K, N)]))
         for chip in chips:
             out.extend(_block_cases(qmm, M, K, N, prefill, scale, chip, bf16_impl, quantize_cycles))
@@ -329,11 +455,13 @@ def _block_cases(qmm, M, K, N, prefill, scale, chip, bf16_impl, quantize_cycles)
     if prefill_form(M, f8, "fp8", get_chip(chip)):  # what the public op runs here: x dequantized by the quantize pass
         parts = [(qmm.quantized_matmul_blockwise_a8_prefill_kernel, (f"{Me}x{K}:bf16", w_s, s_s), {"block_size": BS},
                   (f"{M}x{K}:bf16", w_s, s_s))]
+        ours = (parts[0][0], parts[0][3], parts[0][2])
         extra = quantize_cycles((qmm.quantize_per_block_kernel, (f"{Me}x{K}:bf16", f8, BS, True), {},
                                  (f"{M}x{K}:bf16", f8, BS, True)), Me, K, nbytes=4)
     else:
         parts = [(qmm.quantized_matmul_blockwise_a8_kernel, (f"{Me}x{K}:{f8}", f"{Me}x{G}:f32", w_s, s_s, None),
                   {"block_size": BS}, (f"{M}x{K}:{f8}", f"{M}x{G}:f32", w_s, s_s, None))]
+        ours = (parts[0][0], parts[0][3], parts[0][2])
         extra = quantize_cycles((qmm.quantize_per_block_kernel, (f"{Me}x{K}:bf16", f8, BS), {},
                                  (f"{M}x{K}:bf16", f8, BS)), Me, K)
     hb = M * K * 2 + N * K + 4 * G * N + M * N * 2
@@ -341,6 +469,8 @@ def _block_cases(qmm, M, K, N, prefill, scale, chip, bf16_impl, quantize_cycles)
                  impls=[ours_impl(parts, scale=scale, extra=extra),
                         xla_impl(jax.jit(xla_fp8_block), structs, name="xla fp8 dequant + dot", scale=scale,
                                  floor_us=roof(hb, f8)),
+                        tpu_inference_impl(M, Me, K, N, f8, f8, f"fp8 block {f8}", ours, scale, roof(hb, f8),
+                                           block_size=BS),
                         bf16_impl(M, K, N)])]
 
 
