@@ -56,6 +56,27 @@ def test_estimate_cache_keyed_by_program(tmp_path):
     assert len(data) == 3 and all(k.startswith(f"{est.libtpu}|") for k in data)
 
 
+def test_estimate_server_keeps_libtpu_logs_in_its_own_folder(monkeypatch):
+    """libtpu's log files (by default /tmp/tpu_logs, ~10 GB for one profile that fails its LLO checks) are written
+    into the estimate server's own folder and removed with it when the server closes."""
+    import jax
+
+    from tpukernels.autotune.estimator import CycleEstimator
+
+    monkeypatch.delenv("TPU_LOG_DIR", raising=False)
+    fn, st = _prog()
+    blob = jax.export.export(fn, platforms=["tpu"])(*st).serialize()
+    server = CycleEstimator()
+    try:
+        assert server.estimate(blob, "v5e", timeout_s=300) > 0
+        logs = os.path.join(server._dir, "tpu_logs")
+        assert any(name.startswith("tpu_driver") for name in os.listdir(logs))
+    finally:
+        folder = server._dir
+        server.close()
+    assert not os.path.exists(folder)
+
+
 _KILLED = RuntimeError("estimate server exited: ")
 
 

@@ -46,6 +46,10 @@ class CycleEstimator:
         env = compile_only_env(dict(os.environ))
         env["LIBTPU_INIT_ARGS"] = (env.get("LIBTPU_INIT_ARGS", "") + f" {FLAG}={self._dir}/llo").strip()
         env["JAX_PLATFORMS"] = "cpu"
+        # libtpu's own log files (default /tmp/tpu_logs) go to this server's folder, removed by close(): a
+        # profile that fails libtpu's LLO checks logs the whole program, ~10 GB per attempt, which filled a
+        # 250 GB disk in a day of bench runs. Its fatal lines still reach stderr (server.log: the error text)
+        env.setdefault("TPU_LOG_DIR", os.path.join(self._dir, "tpu_logs"))
         self._log = open(os.path.join(self._dir, "server.log"), "w")
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "tpukernels.autotune.estimator"],

@@ -50,7 +50,6 @@ SOURCE_KEY = "tpukernels_source"
 CREDIBLE_FRACTION = 0.95
 
 
-
 class VersionMismatch(TpuKernelError):
     """Result files made with different package versions were about to be mixed in one report."""
 
