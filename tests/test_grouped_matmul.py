@@ -623,11 +623,50 @@ def test_bench_family_cases():
     assert "grouped_matmul" in FAMILIES
     cases = bgm.cases(["v6e"])
     assert len(cases) == len(gm.STANDARD_CASES) + len(bgm.QUANT_CASES)  # + the quantized-expert rows (ours only)
-    for c in cases[:len(gm.STANDARD_CASES)]:
-        assert [i.kind for i in c.impls] == ["ours", "xla", "public"]
+    for c in cases[:len(gm.STANDARD_CASES)]:  # tpu-inference's megablox fork: a forward column (it has no tgmm)
+        tgmm = c.op.startswith("tgmm")
+        assert [i.name for i in c.impls][1:] == (["xla ragged_dot", "jax megablox tgmm"] if tgmm else
+                                                 ["xla ragged_dot", "jax megablox gmm", "tpu-inference megablox gmm"])
         assert c.flops > 0 and c.hbm_bytes > 0
     up = cases[0]
     assert up.flops == 2 * 16384 * 4096 * 14336
+
+
+def test_bench_tpu_inference_megablox_program():
+    """The tpu-inference column is its megablox fork's own gmm at its default tiling for the full problem, on the
+    weights pre-transposed to [G, K, N] (it has no transpose_rhs), its grid at the static bound with its
+    GroupMetadata zeroed like JAX megablox's, and its metadata program exportable (a tuple of arrays)."""
+    import jax
+
+    pytest.importorskip("tpu_inference.kernels.megablox.gmm")
+    from tpu_inference.kernels.megablox import tuned_block_sizes as T
+
+    from tpukernels.bench import grouped_matmul as bgm
+
+    assert bgm.tpu_inference_tiling(16384, 4096, 14336, 8) == T.get_default_gmm_block_sizes(16384, 4096, 14336, 8)
+    up = bgm.cases(["v6e"])[0]  # x[16384, 4096] @ W[g].T, W [8, 14336, 4096]
+    impl = next(i for i in up.impls if i.name == "tpu-inference megablox gmm")
+    programs, metas = [], []
+
+    class Recorder:  # stands in for the estimator: keeps the programs, answers 1000 + blocks x (50 + rows) cycles
+        def cycles(self, fn, structs, chip):
+            if len(structs) != 3:
+                metas.append((fn, structs))
+                return 10
+            programs.append((fn, structs))
+            return 1000 + structs[1].shape[2] // 2048 * (50 + structs[0].shape[0])
+
+    cyc, cfg = impl.cycles(Recorder(), "v6e")
+    assert cfg == "tiling=512,2048,2048,rhs pre-transposed to [G, K, N] (not counted)"
+    (fn, structs), = [p for p in programs if p[1][0].shape[0] == 2048 and p[1][1].shape[2] == 2048]
+    assert [s.shape for s in structs] == [(2048, 4096), (8, 4096, 2048), (8,)]
+    assert jax.eval_shape(fn, *structs).shape == (2048, 2048)
+    meta_fn, meta_structs = metas[0]
+    out = jax.eval_shape(meta_fn, *meta_structs)
+    assert isinstance(out, tuple) and all(isinstance(o, jax.ShapeDtypeStruct) for o in out)
+    assert jax.export.export(meta_fn, platforms=["tpu"])(*meta_structs) is not None
+    # three reduced problems (2048 / 4096 rows, 1 / 2 blocks of 2048 columns) fitted to 16384 rows x 7 blocks
+    assert len(programs) == 3 and cyc == 1000 + 7 * (50 + 16384) + 10
 
 
 def test_fwd_vmem_limit_follows_the_chip():

@@ -15,7 +15,12 @@ gradient (tgmm) of the first, ``d_W[g] = x[rows of g]^T @ dO[rows of g]``.
   ``jax.grad(ragged_dot)`` emits);
 * ``jax megablox gmm`` / ``tgmm``: ``jax.experimental.pallas.ops.tpu.megablox`` at tiling
   ``(512, 1024, 1024)`` (tgmm ``(512, 512, 1024)``), clamped to the shape; ``transpose_rhs=True`` where we
-  use it; plus its ``make_group_metadata``.
+  use it; plus its ``make_group_metadata``;
+* ``tpu-inference megablox gmm``: tpu-inference 0.32.0's fork of megablox (``kernels/megablox/gmm.py``, installed
+  ``--no-deps``; forward only, it has no tgmm) at the tiling it takes itself (:func:`tpu_inference_tiling`: its tuned
+  table, which has no Mixtral entry, else its default ``(512, 2048, 2048)`` here), clamped to the shape; it has no
+  ``transpose_rhs``, so the ``W[g].T`` rows give it ``[G, K, N]`` weights (the transpose not counted, in its favour);
+  its grid and metadata are treated as JAX megablox's below (the same ``make_group_metadata``).
 
 **Reduced problems, the same way for every implementation.** libtpu's static profiler needs ~20 GB and
 > 15 min for one full 16384-row grid (its time grows faster than the grid: ours at 2048 / 4096 / 8192 rows
@@ -342,14 +347,15 @@ def _ours(kernel, args, kwargs, roofline_us, chip: str, reduce=None, skip: str |
 def _static_metadata(real, zeros: bool):
     """megablox's ``make_group_metadata`` with its grid length replaced by the static bound
     ``tiles_m + num_groups - 1`` (module docstring); ``zeros``: constant all-zero metadata (the kernel alone)."""
+    import jax
     import jax.numpy as jnp
 
     def make_group_metadata(*, group_sizes, m, tm, start_group, num_nonzero_groups, visit_empty_groups=True):
         meta, _ = real(group_sizes=group_sizes, m=m, tm=tm, start_group=start_group,
                        num_nonzero_groups=num_nonzero_groups, visit_empty_groups=visit_empty_groups)
         bound = -(-m // tm) + num_nonzero_groups - 1
-        if zeros:
-            meta = tuple(jnp.zeros(x.shape, x.dtype) for x in meta)
+        if zeros:  # a tuple of arrays (jax's), a registered dataclass of them (tpu-inference's GroupMetadata)
+            meta = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), meta)
         return meta, bound
 
     return make_group_metadata
@@ -369,53 +375,95 @@ def _megablox_program(mb, call, structs, zeros: bool):
     return jax.jit(fn), structs
 
 
-def _megablox(M, K, N, G, tgmm: bool, tr: bool, roofline_us) -> Impl:
+def tpu_inference_tiling(M: int, K: int, N: int, G: int) -> tuple[int, int, int]:
+    """``(tm, tk, tn)`` tpu-inference 0.32.0's megablox ``gmm`` takes for bf16 ``[M, K] @ [G, K, N]`` with ``tiling=None``:
+    its tuned table's entry, else its ``get_default_gmm_block_sizes`` (read here without the vllm logger's warning,
+    which imports vllm's distributed stack)."""
+    from tpu_inference.kernels.megablox import tuned_block_sizes as T
+
+    key = (M, K, N, G, G, "bfloat16", "bfloat16", K)
+    return tuple(T.TUNED_BLOCK_SIZES.get(key) or T.get_default_gmm_block_sizes(M, K, N, G))
+
+
+def _megablox(M, K, N, G, tgmm: bool, tr: bool, roofline_us, peer: str = "jax") -> Impl:
+    """megablox's ``gmm`` / ``tgmm``: JAX's (``peer="jax"``, at :data:`JAX_TILING`) or tpu-inference 0.32.0's fork
+    (``peer="tpu-inference"``: ``gmm`` only, at :func:`tpu_inference_tiling`; it has no ``transpose_rhs``, so the
+    ``W[g].T`` rows give it the weights pre-transposed to ``[G, K, N]``, the transpose not counted, in its favour)."""
     import jax
     import jax.numpy as jnp
 
-    mb = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
     bf16, i32 = jnp.bfloat16, jnp.int32
     S = jax.ShapeDtypeStruct
     sg = S((G,), i32)
     Ke, Ne = (min(K, K_EST_TGMM) if tgmm else K), min(N, N_EST)
+    ti = peer == "tpu-inference"
+
+    def module():
+        if not ti:
+            return importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+        try:
+            return importlib.import_module("tpu_inference.kernels.megablox.gmm")
+        except ImportError as e:
+            from ..errors import BackendUnavailableError
+
+            raise BackendUnavailableError(f"tpu-inference's megablox gmm does not import ({e}); install it with "
+                                          "`pip install --no-deps tpu-inference==0.32.0` (make test does)") from e
 
     if tgmm:
         tm, tk, tn = (min(b, d) for b, d in zip(JAX_TILING_TGMM, (M, Ke, Ne)))
+        tiling = lambda: (tm, tk, tn)  # noqa: E731
         config = f"tiling={tm},{tk},{tn}"
 
-        def call(x, y, gs):
-            return mb.tgmm(x.T, y, gs, preferred_element_type=bf16, tiling=(tm, tk, tn))
+        def call(mb, x, y, gs):
+            return mb.tgmm(x.T, y, gs, preferred_element_type=bf16, tiling=tiling())
 
         def structs(rows, blocks):
             return [S((rows, Ke), bf16), S((rows, Ne * blocks), bf16), sg]
-
-        full = [S((M, K), bf16), S((M, N), bf16), sg]
     else:
-        tm, tk, tn = (min(b, d) for b, d in zip(JAX_TILING, (M, K, Ne)))
-        config = f"tiling={tm},{tk},{tn}" + (",transpose_rhs" if tr else "")
+        if ti:
+            def tiling():  # its choice at the full problem, clamped to a reduced problem's columns
+                return tuple(min(b, d) for b, d in zip(tpu_inference_tiling(M, K, N, G), (M, K, Ne)))
 
-        def call(x, w, gs):
-            return mb.gmm(x, w, gs, preferred_element_type=bf16, tiling=(tm, tk, tn), transpose_rhs=tr)
+            config = None  # known once tpu-inference imports: returned with the estimate
+        else:
+            tm, tk, tn = (min(b, d) for b, d in zip(JAX_TILING, (M, K, Ne)))
+            tiling = lambda: (tm, tk, tn)  # noqa: E731
+            config = f"tiling={tm},{tk},{tn}" + (",transpose_rhs" if tr else "")
+        kn = tr and not ti  # the weights as the kernel reads them: [G, N, K] (transpose_rhs) or [G, K, N]
+
+        def call(mb, x, w, gs):
+            if ti:
+                return mb.gmm(x, w, gs, preferred_element_type=bf16, tiling=tiling())
+            return mb.gmm(x, w, gs, preferred_element_type=bf16, tiling=tiling(), transpose_rhs=tr)
 
         def structs(rows, blocks):
             n = Ne * blocks
-            return [S((rows, K), bf16), S((G, n, K) if tr else (G, K, n), bf16), sg]
-
-        full = [S((M, K), bf16), S((G, N, K) if tr else (G, K, N), bf16), sg]
+            return [S((rows, K), bf16), S((G, n, K) if kn else (G, K, n), bf16), sg]
 
     def program(chip, rows, blocks):
-        return _megablox_program(mb, call, structs(rows, blocks), zeros=True)
+        mb = module()
+        return _megablox_program(mb, lambda *a: call(mb, *a), structs(rows, blocks), zeros=True)
 
     def meta(chip):
-        real = mb.make_group_metadata
-        fn = jax.jit(lambda gs: real(group_sizes=gs, m=M, tm=tm, start_group=jnp.zeros((), i32),
-                                     num_nonzero_groups=G, visit_empty_groups=tgmm)[0])
+        real = module().make_group_metadata
+        # its arrays as a tuple (jax.export cannot serialize tpu-inference's GroupMetadata dataclass)
+        fn = jax.jit(lambda gs: tuple(jax.tree.leaves(real(
+            group_sizes=gs, m=M, tm=tiling()[0], start_group=jnp.zeros((), i32), num_nonzero_groups=G,
+            visit_empty_groups=tgmm)[0])))
         return fn, [sg]
 
     fit = _Fitted(program, meta, M, _blocks(M, K, N, tgmm))
-    del full
-    return Impl("jax megablox tgmm" if tgmm else "jax megablox gmm", "public",
-                lambda est, chip: (fit.cycles(est, chip), None), config=config, floor_us=fit.floor_us(roofline_us))
+    name = ("tpu-inference megablox gmm" if ti else
+            "jax megablox tgmm" if tgmm else "jax megablox gmm")
+
+    def cycles(est, chip):
+        c = fit.cycles(est, chip)
+        if not ti:
+            return c, None
+        tm, tk, tn = tpu_inference_tiling(M, K, N, G)
+        return c, f"tiling={tm},{tk},{tn}" + (",rhs pre-transposed to [G, K, N] (not counted)" if tr else "")
+
+    return Impl(name, "public", cycles, config=config, floor_us=fit.floor_us(roofline_us))
 
 
 # --------------------------------------------------------------------------------------------------- xla
@@ -469,6 +517,8 @@ def cases(chips) -> list[Case]:
             return model_time(chip, None, hbm, flops, "bfloat16").roofline_us
 
         others = [_xla(M, K, N, G, tgmm, roofline_us), _megablox(M, K, N, G, tgmm, tr, roofline_us)]
+        if not tgmm:  # tpu-inference's megablox has no tgmm (an inference library)
+            others.append(_megablox(M, K, N, G, tgmm, tr, roofline_us, peer="tpu-inference"))
         for chip in chips:
             out.append(Case(FAMILY, op, shape, chip, hbm_bytes=hbm, flops=flops,
                             impls=[_ours(kernel, args, kwargs, roofline_us, chip), *others]))
