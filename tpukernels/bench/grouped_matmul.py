@@ -397,6 +397,8 @@ def _megablox(M, K, N, G, tgmm: bool, tr: bool, roofline_us, peer: str = "jax") 
     sg = S((G,), i32)
     Ke, Ne = (min(K, K_EST_TGMM) if tgmm else K), min(N, N_EST)
     ti = peer == "tpu-inference"
+    if ti and tgmm:
+        raise ValueError("tpu-inference's megablox fork has no tgmm")
 
     def module():
         if not ti:

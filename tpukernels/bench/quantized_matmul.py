@@ -151,7 +151,8 @@ _TI_LLO = ("not estimated: libtpu 0.0.52's profiling compile of tpu-inference's 
            "{dtype} operands ({msg}, tried 2026-12-07) and writes ~10 GB of libtpu logs per attempt (a failed estimate is "
            "cached, the logs are not worth writing again)")
 #: tpu-inference 0.32.0's quantized matmul where libtpu 0.0.52's static estimate of it fails (op prefix, chip) -> why;
-#: its row is the roofline floor. The int8 w8a8 kernel fails the same check on v6e with small logs: that one runs
+#: its row is the roofline floor. Its int8 w8a8 kernel fails the same check on v6e, logging little: that one is
+#: attempted (the failure is cached, the row keeps its error)
 TPU_INFERENCE_NOT_ESTIMABLE = {
     ("fp8 block", "v5e"): _TI_LLO.format(what="blockwise kernel", dtype="float8_e5m2",
                                          msg="'Expected vector-bf16packed, got vector-int16' at a vunpack"),
