@@ -457,3 +457,15 @@ def test_a_package_that_edits_the_environment_on_import_leaves_libtpu_flags_alon
     monkeypatch.delenv("OTHER_VAR_SET_BY_IMPORT")
     monkeypatch.delitem(sys.modules, "envtouch_pkg")
     assert import_keeping_env("no_such_package_here_xyz") is False
+
+
+def test_a_missing_peer_kernel_is_a_typed_error_naming_it_and_its_install():
+    """A tpu-inference module that does not import is a BackendUnavailableError naming the kernel and the pip
+    requirement (the bench row keeps it as its error), not an ImportError from deep in a family."""
+    from tpukernels._imports import TPU_INFERENCE_REQUIREMENT, import_tpu_inference
+    from tpukernels.errors import BackendUnavailableError
+
+    with pytest.raises(BackendUnavailableError, match=rf"megablox gmm .*--no-deps {TPU_INFERENCE_REQUIREMENT}"):
+        import_tpu_inference("kernels.no_such_kernel_xyz", "megablox gmm")
+    pytest.importorskip("tpu_inference")
+    assert import_tpu_inference("kernels.megablox.gmm", "megablox gmm").__name__ == "tpu_inference.kernels.megablox.gmm"

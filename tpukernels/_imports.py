@@ -59,3 +59,23 @@ def import_keeping_env(name: str, keep: tuple = KEPT_ENV) -> bool:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+#: the pip requirement of the peer kernels the bench compares with (installed ``--no-deps`` by ``make test``)
+TPU_INFERENCE_REQUIREMENT = "tpu-inference==0.32.0"
+
+
+def import_tpu_inference(module: str, what: str):
+    """``tpu_inference.<module>`` (e.g. ``"kernels.megablox.gmm"``), the bench's peer kernels.
+
+    Raises:
+        BackendUnavailableError: it does not import; the message names ``what`` (e.g. "its megablox gmm") and how
+            to install it.
+    """
+    from .errors import BackendUnavailableError
+
+    try:
+        return importlib.import_module(f"tpu_inference.{module}")
+    except ImportError as e:
+        raise BackendUnavailableError(f"tpu-inference's {what} does not import ({e}); install it with "
+                                      f"`pip install --no-deps {TPU_INFERENCE_REQUIREMENT}` (make test does)") from e

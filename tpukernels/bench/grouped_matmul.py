@@ -379,7 +379,9 @@ def tpu_inference_tiling(M: int, K: int, N: int, G: int) -> tuple[int, int, int]
     """``(tm, tk, tn)`` tpu-inference 0.32.0's megablox ``gmm`` takes for bf16 ``[M, K] @ [G, K, N]`` with ``tiling=None``:
     its tuned table's entry, else its ``get_default_gmm_block_sizes`` (read here without the vllm logger's warning,
     which imports vllm's distributed stack)."""
-    from tpu_inference.kernels.megablox import tuned_block_sizes as T
+    from .._imports import import_tpu_inference
+
+    T = import_tpu_inference("kernels.megablox.tuned_block_sizes", "megablox gmm")
 
     key = (M, K, N, G, G, "bfloat16", "bfloat16", K)
     return tuple(T.TUNED_BLOCK_SIZES.get(key) or T.get_default_gmm_block_sizes(M, K, N, G))
@@ -403,13 +405,9 @@ def _megablox(M, K, N, G, tgmm: bool, tr: bool, roofline_us, peer: str = "jax") 
     def module():
         if not ti:
             return importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
-        try:
-            return importlib.import_module("tpu_inference.kernels.megablox.gmm")
-        except ImportError as e:
-            from ..errors import BackendUnavailableError
+        from .._imports import import_tpu_inference
 
-            raise BackendUnavailableError(f"tpu-inference's megablox gmm does not import ({e}); install it with "
-                                          "`pip install --no-deps tpu-inference==0.32.0` (make test does)") from e
+        return import_tpu_inference("kernels.megablox.gmm", "megablox gmm")
 
     if tgmm:
         tm, tk, tn = (min(b, d) for b, d in zip(JAX_TILING_TGMM, (M, Ke, Ne)))

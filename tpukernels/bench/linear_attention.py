@@ -339,19 +339,11 @@ def xla_decode_impl(B: int) -> Impl:
 
 # ----------------------------------------------------------------------------------------------- tpu-inference
 def _tpu_inference(what: str):
-    from ..errors import BackendUnavailableError
+    from .._imports import import_tpu_inference
 
-    try:
-        if what == "v3":
-            from tpu_inference.kernels.gdn.v3 import wrapper as m
-        elif what == "v2 decode":
-            from tpu_inference.kernels.gdn.v2 import gdn_decode_kernel as m
-        else:
-            from tpu_inference.kernels.gdn.v2 import recurrent_scan_v2 as m
-    except ImportError as e:
-        raise BackendUnavailableError(f"tpu-inference's GDN kernels do not import ({e}); install it with "
-                                      "`pip install --no-deps tpu-inference==0.32.0` (make test does)") from e
-    return m
+    module = {"v3": "kernels.gdn.v3.wrapper", "v2 decode": "kernels.gdn.v2.gdn_decode_kernel"}.get(
+        what, "kernels.gdn.v2.recurrent_scan_v2")
+    return import_tpu_inference(module, f"GDN kernel ({what})")
 
 
 def v3_program(T: int, N: int):

@@ -124,14 +124,10 @@ def tpu_inference_program(chip: str, T: int, S: int, pps: int, ps: int, P: int):
     import jax
     import jax.numpy as jnp
 
+    from .._imports import import_tpu_inference
     from ..chips import get_chip
-    from ..errors import BackendUnavailableError
 
-    try:
-        from tpu_inference.kernels.ragged_paged_attention.v3 import kernel as K
-    except ImportError as e:
-        raise BackendUnavailableError(f"tpu-inference's RPA v3 kernel does not import ({e}); install it with "
-                                      "`pip install --no-deps tpu-inference==0.32.0` (make test does)") from e
+    K = import_tpu_inference("kernels.ragged_paged_attention.v3.kernel", "RPA v3 kernel")
     cap = get_chip(chip).vmem_capacity_bytes
     vmem = min(cap * 3 // 4, cap - (24 << 20))  # XLA's ops beside the kernel take ~19 MiB here (docstring)
     with tpu_inference_generation(K, chip):

@@ -203,25 +203,22 @@ def tpu_inference_impl(M: int, Me: int, K: int, N: int, x_q: str | None, wdt: st
         import jax
         import jax.numpy as jnp
 
+        from .._imports import import_tpu_inference
         from ..chips import get_chip
-        from ..errors import BackendUnavailableError
         from .core import kernel_program
         from .paged_attention import tpu_inference_generation
 
         why = next((w for (p, c), w in TPU_INFERENCE_NOT_ESTIMABLE.items() if op.startswith(p) and c == chip), None)
         if why:
             raise EstimateError(why)
-        try:
-            from tpu_inference.kernels.quantized_matmul import blockwise_kernel, kernel, tuned_block_sizes as T
-        except ImportError as e:
-            raise BackendUnavailableError(f"tpu-inference's quantized matmul does not import ({e}); install it with "
-                                          "`pip install --no-deps tpu-inference==0.32.0` (make test does)") from e
+        mod = import_tpu_inference(f"kernels.quantized_matmul.{'blockwise_kernel' if block_size else 'kernel'}",
+                                   "quantized matmul")
+        T = import_tpu_inference("kernels.quantized_matmul.tuned_block_sizes", "quantized matmul")
         gen = get_chip(chip).generation
         cfg = kernel_program(ours[0], chip, ours[1], ours[2])[2]
         mine = T.TunedValue(int(cfg["bm"]), int(cfg["bn"]), int(cfg["bk"]))
         tv, source = tpu_inference_blocks(T, gen, M, N, K, x_q, wdt)
         tries = [(tv, source)] * (tv is not None) + [(mine, "our blocks")] * (tv != mine)
-        mod = blockwise_kernel if block_size else kernel
         vmem = T.DEVICE_VMEM_LIMIT.get(gen, 96 << 20)  # its get_device_vmem_limit(), without its vllm warning
         xqd = None if x_q is None else getattr(jnp, wdt)
         s_shape = (K // block_size, 1, N) if block_size else (N,)
