@@ -306,7 +306,7 @@ def test_render_report_and_readme_summary(tmp_path):
     assert report.update_readme(str(readme), summary)
     new = readme.read_text()
     assert new.startswith("intro\n") and new.endswith("rest\n") and "old" not in new
-    assert "vs xla 0.90–1.20× (1/2 cases at least as fast)" in new and "2 cases with no tpukernels figure" in new
+    assert "vs xla 0.90–1.20× (1/2 cases at least as fast)" in new and "2 cases with no tpukernels estimate (a floor or no figure)" in new
     assert "vs its floor pub" not in new  # floor vs floor (case f) is no comparison
     assert not report.update_readme(str(tmp_path / "nope.md"), summary)
 

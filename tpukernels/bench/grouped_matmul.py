@@ -1,5 +1,5 @@
-"""Grouped matmul family: tpukernels' grouped_matmul vs XLA's ``jax.lax.ragged_dot`` and JAX's megablox
-``gmm`` / ``tgmm``, bf16 in, bf16 out, at Mixtral-8x7B expert shapes.
+"""Grouped matmul family: tpukernels' grouped_matmul vs XLA's ``jax.lax.ragged_dot``, JAX's megablox ``gmm`` /
+``tgmm`` and tpu-inference's megablox fork, bf16 in, bf16 out, at Mixtral-8x7B expert shapes.
 
 Shapes: :data:`tpukernels.library.grouped_matmul_ops.STANDARD_CASES`: 8192 tokens, top-2 = 16384 rows over 8
 experts, hidden 4096, ffn 14336: the gate/up projection ``x[16384, 4096] @ W1[g].T`` (``W1 [8, 14336, 4096]``,
@@ -66,12 +66,11 @@ up projection with int8 experts and per-channel scales (w8a16) and with int4 exp
 and zero points (w4a16), HF's ``[G, N, K]`` layout; ours only (tpu-inference's megablox ``gmm``, which takes
 8-bit ``[G, K, N]`` experts with ``rhs_scale``, is not estimated here; the bf16 rows above are the unquantized
 comparison), fitted from the same reduced problems (rhs and scales cut to the reduced output columns), bytes
-with 1-byte (int8) or half-byte (int4) weights plus the f32 scales. These rows were added without being
-estimated in full here: one reduced problem of the int8 row on v6e took 87.2 µs of cycles against 37.3 µs of
-MXU roofline (the quantized module's docstring), the int4 one more than 150 s (stopped; not attempted by the
-bench, ``QUANT_NOT_ESTIMABLE``: its row is the roofline floor). The kernel compiles for
-v5e / v6e / tpu7x at this shape (``tests/test_grouped_matmul_quant.py``, aot); the figures come from the next
-``tpukernels bench --family grouped_matmul`` run.
+with 1-byte (int8) or half-byte (int4) weights plus the f32 scales. The int8 row is estimated like the bf16 rows
+(when it was added, one reduced problem on v6e took 87.2 µs of cycles against 37.3 µs of MXU roofline: the
+quantized module's docstring); the int4 one took more than 150 s per reduced problem (stopped; not attempted by
+the bench, ``QUANT_NOT_ESTIMABLE``: its row is the roofline floor). The kernel compiles for v5e / v6e / tpu7x at
+this shape (``tests/test_grouped_matmul_quant.py``, aot).
 
 Group sizes do not enter the model: every program is estimated statically, ours at its static bound of
 ``ceil(M / bm) + G - 1`` work items all computing (an upper bound; real runs skip padding items), megablox

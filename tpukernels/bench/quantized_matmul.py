@@ -1,4 +1,5 @@
-"""Quantized matmul family: tpukernels' quantized_matmul vs XLA's quantized dot and vs our bf16 matmul.
+"""Quantized matmul family: tpukernels' quantized_matmul vs XLA's quantized dot, tpu-inference's quantized matmul
+and our bf16 matmul.
 
 Shapes: the Llama-3-8B MLP (:data:`tpukernels.library.quantized_matmul_ops.STANDARD_CASES`): prefill 8192
 tokens through the up-projection ``4096 -> 14336`` and the down-projection ``14336 -> 4096``, and decode

@@ -492,8 +492,10 @@ def render(results: dict[str, dict], out_path: str, command: str, figures_dir: s
              "* `(N×)` = that implementation's model time / tpukernels': above 1, tpukernels is faster.",
              "* `% roofline` = roofline time / tpukernels' model time. Chip figures are per TensorCore (jax's "
              "`tpu_info`); every kernel here runs on one core.",
-             "* `≥ x (floor)`: libtpu could not estimate the program (its static profiler aborts); x is a lower "
-             "bound on that implementation's time, not an estimate.",
+             "* `≥ x (floor)`: libtpu could not estimate the program (its static profiler aborted, its profiling compile "
+             "ran out of VMEM, or the estimate was not attempted: the row's error in the JSON and its note say which); "
+             "x is a lower bound on that implementation's time, not an estimate. Where tpukernels' own figure is a "
+             "floor, a ratio against it is a bound too, not a comparison (the summary leaves such cases out).",
              "* `†`: not credible: the estimate falls below the MXU roofline of work the kernel must do "
              "(checked on a variant without the causal mask); excluded from comparisons and plots.",
              "* `n/a ‡`: no figure (error in the JSON).",
@@ -610,7 +612,7 @@ def summary(results: dict[str, dict], command: str, measured: dict | None = None
         lonely = len(uncompared(res["rows"]))
         missing = sum(1 for r in res["rows"] if r["kind"] == "ours" and (r["model_us"] is None or r["figure"] != "estimate"))
         gaps = ([f"{lonely} cases with no credible estimate of another implementation"] if lonely else []) + \
-            ([f"{missing} cases with no tpukernels figure"] if missing else [])
+            ([f"{missing} cases with no tpukernels estimate (a floor or no figure)"] if missing else [])
         out.append(f"* {fam} (model): " + "; ".join(parts) + (f" ({'; '.join(gaps)})" if gaps else "") + ".")
     if measured is not None:
         out.append(measured_summary(measured))
