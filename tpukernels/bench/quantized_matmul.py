@@ -23,7 +23,8 @@ v6e), else float8_e4m3fn (tpu7x, which has no int8 MXU).
   scales ``[K / 128, 1, N]``, the same format as ours; one dot and two scale multiplies per 128-deep block). Blocks:
   its tuned table at the full problem (:func:`tpu_inference_blocks`: it tunes only w8a8, int8 on v6e and fp8 on
   tpu7x; a w8a16 row takes that entry of the same chip and shape), else the blocks our call gets (its untuned default
-  is 128 x 128 x 128). Its ``get_tpu_version()`` answers the target chip
+  is 128 x 128 x 128); where libtpu cannot estimate it at its table's blocks (e.g. they overflow VMEM in the profiling
+  compile), at our blocks. The row's config in the JSON names the blocks and why. Its ``get_tpu_version()`` answers the target chip
   (:func:`tpukernels.bench.paged_attention.tpu_inference_generation`), its VMEM limit is its table's for the
   generation (96 MiB where it has none). No w4a16 column: its blockwise kernel's 4-bit case is fp8 activations with
   ``float4_e2m1fn`` weights (tpu7x), not int4 weights with bf16 activations. libtpu 0.0.52 cannot estimate most of its
