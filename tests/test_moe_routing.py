@@ -623,3 +623,22 @@ def test_patched_routers_train_like_stock():
         g, sg = routers[n].weight.grad, stock[n].weight.grad
         assert sg.abs().max() > 0
         assert (g - sg).abs().max() <= 1e-5 * sg.abs().max(), (n, forms[n])
+
+
+def test_row_copies_in_flight_are_capped():
+    """The heuristics keep at most MAX_ROWS_IN_FLIGHT row copies per grid step (one wait covers them; libtpu's
+    tpu7x profiler mis-costs 512) and at most ~8 MiB of rows; fit_tokens applies the cap to any block_tokens."""
+    import jax
+    import jax.numpy as jnp
+
+    S = jax.ShapeDtypeStruct
+    cap = P.MAX_ROWS_IN_FLIGHT
+    x = S((8192, 16, 128), jnp.bfloat16)  # 4 KiB rows: 1024 of them would fit the bytes
+    assert P.moe_gather_fwd.heuristic(x, S((65536,), jnp.int32)) == {"block_rows": cap}
+    y = S((65536, 8, 256), jnp.float32)  # 8 KiB rows, k = 8
+    cfg = P.moe_gather_reduce_fwd.heuristic(y, S((65536,), jnp.int32), S((65536,), jnp.float32), 8)
+    assert cfg["block_tokens"] * 8 <= cap
+    assert P.fit_tokens(256, 8192, 8, 8192) * 8 == cap  # the index block stays a multiple of 128 entries
+    assert P.fit_tokens(256, 8192, 1, 64) == cap
+    assert P.fit_tokens(256, 8192, 3, 64) == 128  # k = 3: 128 tokens (384 rows) is the smallest whole index block
+    assert P.fit_tokens(256, 40, 8, 8192) == 32  # 40 tokens x 8 rows would exceed the cap in one step

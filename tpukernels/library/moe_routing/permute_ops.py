@@ -33,18 +33,20 @@ Design. Two DSL kernels move whole rows with DMAs, rows viewed as ``[S, D/S]`` s
 leading dim and every copy is tile-aligned:
 
 * ``tpukernels::moe_gather_fwd(x [N, S, L], idx [M] int32) -> [M, S, L]``: grid ``cdiv(M, block_rows)``; the
-  block's indices come into SMEM (a blocked SMEM operand), ``x`` and the output stay in HBM (``pl.ANY``), and the
-  body starts one HBM -> HBM row DMA per output row, then waits for them.
+  block's indices come into SMEM (a blocked SMEM operand), ``x`` stays in HBM (``pl.ANY``), and the body starts
+  one row DMA per output row straight into the output block, then waits for them.
 * ``tpukernels::moe_gather_reduce_fwd(y [M, S, L], pos [T*k] int32, w [T*k] f32, top_k) -> [T, S, L]``: grid
   ``cdiv(T, block_tokens)``; ``block_tokens * k`` row DMAs into a VMEM buffer, then per token the float32 sum of
   its k rows times their weights (SMEM scalars), rounded once to y's dtype.
 
-Both are bound by the scalar work per row DMA, so a full block's start loop is unrolled (:data:`UNROLL`) and its
-copies are waited for by one wait on a block-sized descriptor (the row copies' bytes add up to it); a partial
-last block goes row by row. libtpu's static estimate of the gather, v6e, 8192 rows of 4 KiB in 256-row blocks:
-205 µs staged in VMEM with a wait per row, 121 µs HBM -> HBM with one wait, 98 µs unrolled x8 (XLA's own
-gather of the same rows: 14 µs, under the 41 µs the bytes need at HBM bandwidth: the model does not cost its
-traffic). The MoE bench family (``tpukernels.bench.moe``) shows what this costs a whole layer.
+Both are bound by the work per row DMA, so a full block's start loop is unrolled (:data:`UNROLL`) and its copies
+are waited for by one wait on a block-sized descriptor (the row copies' bytes add up to it); a partial last block
+goes row by row; at most :data:`MAX_ROWS_IN_FLIGHT` rows per step. libtpu's static estimate of the gather, 8192
+rows of 4 KiB in 256-row blocks: v6e 205 µs with a wait per row, 117 µs with one wait and the unrolled loop
+(copies HBM -> HBM instead of into the output block: 98 µs, but libtpu aborts on them on tpu7x,
+``fifo_tracker.cc:436``); tpu7x 242 -> 75 µs. XLA's own gather of the same rows estimates 14 µs on v6e, under the
+41 µs its bytes need at HBM bandwidth (the model does not cost its traffic). The MoE bench family
+(``tpukernels.bench.moe``) shows what these kernels cost a whole layer.
 
 The sort itself is ``torch.argsort(stable=True)`` / ``jnp.argsort(stable=True)`` (an XLA sort of T*k int keys):
 a Pallas sort gains nothing over XLA's on TPU (a sorting network over a few thousand keys, memory-light), and
@@ -55,8 +57,8 @@ Checked before any kernel runs (typed errors): ranks, shapes, dtypes, ``num_expe
 ``[0, E)`` and the metadata's ``group_sizes`` summing to ``T*k`` when the tensors are on the cpu (device tensors
 would need a sync: out-of-range ids are clamped in the kernels, never read out of bounds).
 
-Tuning: ``block_rows`` (gather) and ``block_tokens`` (gather-reduce); no tables shipped (the heuristic keeps
-~8 MiB of rows in flight).
+Tuning: ``block_rows`` (gather) and ``block_tokens`` (gather-reduce); no tables shipped (the heuristic keeps at
+most ~8 MiB and :data:`MAX_ROWS_IN_FLIGHT` rows in flight).
 """
 
 from __future__ import annotations
@@ -78,13 +80,16 @@ from .common import F32, INTS, check_same_device, shape_of
 
 __all__ = ["moe_permute", "moe_combine", "moe_permute_jax", "moe_combine_jax", "MoEPermutation",
            "moe_permute_reference", "moe_combine_reference", "moe_gather_fwd", "moe_gather_reduce_fwd",
-           "row_view", "BLOCK_ROWS", "BLOCK_TOKENS", "ROWS_IN_FLIGHT_BYTES"]
+           "row_view", "BLOCK_ROWS", "BLOCK_TOKENS", "ROWS_IN_FLIGHT_BYTES", "MAX_ROWS_IN_FLIGHT", "UNROLL"]
 
 NAMESPACE = "tpukernels"
 BLOCK_ROWS = (128, 256, 512, 1024)
 BLOCK_TOKENS = (16, 32, 64, 128, 256)
 #: VMEM bytes of gathered rows per grid step (the output block, double-buffered, or the gather-reduce buffer)
 ROWS_IN_FLIGHT_BYTES = 8 * MiB
+#: at most this many row copies in flight per grid step (one semaphore, one wait): libtpu 0.0.52's static profiler
+#: of tpu7x estimates 512 outstanding row copies waited for at once at ~1,000x their cost (256: as expected)
+MAX_ROWS_IN_FLIGHT = 256
 _FLOATS = (torch.bfloat16, torch.float32)
 
 
@@ -131,18 +136,18 @@ def _wait_rows(full: bool, rows, whole, one):
     jax.lax.fori_loop(0, rows, body, 0)
 
 
-def _gather_body(x_hbm, idx_ref, o_hbm, sem, *, bm: int, m: int, n_src: int):
+def _gather_body(x_hbm, idx_ref, o_ref, sem, *, bm: int, m: int, n_src: int):
     base = pl.program_id(0) * bm
     rows = jnp.minimum(bm, m - base)
 
     def start(r):
         src = jnp.minimum(jnp.maximum(idx_ref[r], 0), n_src - 1)
-        pltpu.make_async_copy(x_hbm.at[pl.ds(src, 1)], o_hbm.at[pl.ds(base + r, 1)], sem.at[0]).start()
+        pltpu.make_async_copy(x_hbm.at[pl.ds(src, 1)], o_ref.at[pl.ds(r, 1)], sem.at[0]).start()
 
     def run(full: bool):
         _start_rows(bm if full else rows, start, full)
-        _wait_rows(full, rows, lambda: pltpu.make_async_copy(x_hbm.at[pl.ds(0, bm)], o_hbm.at[pl.ds(0, bm)], sem.at[0]),
-                   lambda: pltpu.make_async_copy(x_hbm.at[pl.ds(0, 1)], o_hbm.at[pl.ds(0, 1)], sem.at[0]))
+        _wait_rows(full, rows, lambda: pltpu.make_async_copy(x_hbm.at[pl.ds(0, bm)], o_ref, sem.at[0]),
+                   lambda: pltpu.make_async_copy(x_hbm.at[pl.ds(0, 1)], o_ref.at[pl.ds(0, 1)], sem.at[0]))
 
     if m % bm == 0:
         run(True)
@@ -163,7 +168,7 @@ def _gather_heuristic(x, idx):
     row = int(np.prod(x.shape[1:])) * np.dtype(x.dtype).itemsize
     best = BLOCK_ROWS[0]
     for b in BLOCK_ROWS:
-        if 2 * b * row <= ROWS_IN_FLIGHT_BYTES:
+        if 2 * b * row <= ROWS_IN_FLIGHT_BYTES and b <= MAX_ROWS_IN_FLIGHT:
             best = b
     return {"block_rows": best}
 
@@ -187,10 +192,11 @@ def moe_gather_fwd(x: torch.Tensor, idx: torch.Tensor, *, block_rows: int) -> to
     return tk.Launch(
         grid=(tk.cdiv(m, bm),),
         in_specs=[pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec((bm,), lambda i: (i,), memory_space=pltpu.SMEM)],
-        out_specs=pl.BlockSpec(memory_space=pl.ANY),  # rows copied HBM -> HBM, no VMEM staging
+        out_specs=pl.BlockSpec((bm, *x.shape[1:]), lambda i: (i, 0, 0)),
         out_shape=tk.OutSpec((m, *x.shape[1:]), x.dtype),
         scratch_shapes=[pltpu.SemaphoreType.DMA((1,))],
         dimension_semantics=("parallel",),
+        vmem_limit_bytes=max(32 * MiB, 3 * bm * row),
         body_kwargs={"bm": int(bm), "m": m, "n_src": n},
         cost_estimate=pl.CostEstimate(flops=0, transcendentals=0, bytes_accessed=int(2 * m * row + 4 * m)),
     )
@@ -230,7 +236,7 @@ def fit_tokens(block_tokens: int, t: int, k: int, row_bytes: int) -> int:
     while its rows exceed :data:`ROWS_IN_FLIGHT_BYTES`."""
     unit = 128 // math.gcd(k, 128)
     bt = max(unit, (int(block_tokens) // unit) * unit)
-    while bt > unit and bt * k * row_bytes > ROWS_IN_FLIGHT_BYTES:
+    while bt > unit and (bt * k * row_bytes > ROWS_IN_FLIGHT_BYTES or bt * k > MAX_ROWS_IN_FLIGHT):
         bt = max(unit, (bt // 2 // unit) * unit)
     return int(t) if t <= bt else bt
 
@@ -239,7 +245,7 @@ def _reduce_heuristic(y, pos, w, top_k):
     row = int(np.prod(y.shape[1:])) * np.dtype(y.dtype).itemsize
     best = BLOCK_TOKENS[0]
     for b in BLOCK_TOKENS:
-        if b * top_k * row <= ROWS_IN_FLIGHT_BYTES:
+        if b * top_k * row <= ROWS_IN_FLIGHT_BYTES and b * top_k <= MAX_ROWS_IN_FLIGHT:
             best = b
     return {"block_tokens": best}
 
