@@ -444,15 +444,23 @@ def grouped_matmul_tgmm(group_sizes: torch.Tensor, group_offset: torch.Tensor, x
     )
 
 
+#: below this many rows per group on average the forward heuristic takes ``bm=256`` (see :func:`heuristic`)
+SMALL_GROUP_ROWS = 2048
+
+
 def heuristic(group_sizes, group_offset, lhs, rhs, rhs_bias=None, transpose_rhs=False, out_dtype=None) -> dict:
-    """Forward defaults before clamping: bf16 ``bm=512, bn=1024`` and ``bk = K`` up to 4096 (one K step:
-    consecutive tiles of a group then reuse the resident rhs block, ~26 MiB of VMEM at K = 4096), else
-    ``bk=1024`` (~10 MiB, the dense matmul's blocks); float32 ``512, 512, 512``. Shipped per-chip tuning
-    data takes precedence."""
+    """Forward defaults before clamping: bf16 ``bn=1024``, ``bk = K`` up to 4096 (one K step: consecutive tiles
+    of a group then reuse the resident rhs block, ~26 MiB of VMEM at K = 4096), else ``bk=1024`` (~10 MiB, the
+    dense matmul's blocks), and ``bm=512``, or ``bm=256`` with fewer than :data:`SMALL_GROUP_ROWS` rows per group
+    on average (many experts: the ``G - 1`` extra work items of ``bm`` rows each weigh more than the smaller
+    item's cost per row; libtpu's static estimate on v6e at Qwen3-30B-A3B's 128 experts, 65536 rows: 17% less for
+    the gate/up projection, 6% less for the down one, 45% less at 512 rows); float32 ``512, 512, 512``. Shipped
+    per-chip tuning data takes precedence."""
     if _dtype_name(lhs.dtype) == "float32":
         return dict(bm=512, bk=512, bn=512)
-    K = lhs.shape[1]
-    return dict(bm=512, bk=4096 if K <= 4096 else 1024, bn=1024)
+    M, K = lhs.shape
+    bm = 256 if M < SMALL_GROUP_ROWS * group_sizes.shape[0] else 512
+    return dict(bm=bm, bk=4096 if K <= 4096 else 1024, bn=1024)
 
 
 def heuristic_tgmm(group_sizes, group_offset, x, y, num_groups=0, out_dtype=None) -> dict:
