@@ -314,7 +314,7 @@ def _combine_bound(y_sorted, w, order, dtype):
 
 
 @settings(max_examples=6)
-@given(t=st.sampled_from([1, 7, 40]), d=st.sampled_from([8, 96, 2048]), e=st.sampled_from([1, 3, 8]),
+@given(t=st.sampled_from([1, 7, 40]), d=st.sampled_from([8, 96, 1024, 2048]), e=st.sampled_from([1, 3, 8]),
        k=st.sampled_from([1, 2, 4]), dtype=st.sampled_from([F32, BF16]), dup=st.booleans(), seed=st.integers(0, 99))
 def test_permute_combine_match_float64(t, d, e, k, dtype, dup, seed):
     k = min(k, e) if not dup else k
@@ -642,3 +642,12 @@ def test_row_copies_in_flight_are_capped():
     assert P.fit_tokens(256, 8192, 1, 64) == cap
     assert P.fit_tokens(256, 8192, 3, 64) == 128  # k = 3: 128 tokens (384 rows) is the smallest whole index block
     assert P.fit_tokens(256, 40, 8, 8192) == 32  # 40 tokens x 8 rows would exceed the cap in one step
+
+
+def test_row_view_prefers_whole_lane_columns():
+    """Rows move as [S, D/S] slabs: the dtype's sublane tile when D/S has >= 128 lanes, 8 rows for 16-bit data
+    when only that gives whole 128-lane columns (DeepSeek-V3's D = 7168), 1 when nothing divides."""
+    assert P.row_view(2048, 2) == 16 and P.row_view(2048, 4) == 8
+    assert P.row_view(7168, 2) == 8 and P.row_view(7168, 4) == 8
+    assert P.row_view(2880, 2) == 16  # gpt-oss: no whole-column view, the sublane tile with 180 lanes
+    assert P.row_view(100, 2) == 1

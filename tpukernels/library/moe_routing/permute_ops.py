@@ -29,8 +29,10 @@ Backward: ``dx[t] = sum_j dx_sorted[positions[t, j]]`` (the gather-reduce with u
 Ids, group sizes and the metadata get no gradient.
 
 Design. Two DSL kernels move whole rows with DMAs, rows viewed as ``[S, D/S]`` slabs (``S`` = 8 sublanes for
-32-bit, 16 for 16-bit data when it divides D with at least 128 lanes left, else 1), so a row is one index of a
-leading dim and every copy is tile-aligned:
+32-bit, 16 for 16-bit data when it divides D with at least 128 lanes left, else 1; 16-bit rows whose ``D/16`` is
+not a multiple of 128 but ``D/8`` is take ``S = 8``: libtpu 0.0.52's profiler aborts on the ``[16, 448]`` slabs of
+DeepSeek-V3's D = 7168 and estimates ``[8, 896]``), so a row is one index of a leading dim and every copy is
+tile-aligned:
 
 * ``tpukernels::moe_gather_fwd(x [N, S, L], idx [M] int32) -> [M, S, L]``: grid ``cdiv(M, block_rows)``; the
   block's indices come into SMEM (a blocked SMEM operand), ``x`` stays in HBM (``pl.ANY``), and the body starts
@@ -105,6 +107,9 @@ class MoEPermutation(NamedTuple):
 def row_view(d: int, itemsize: int) -> int:
     """``S``: rows of D elements are moved as ``[S, D/S]`` slabs (module docstring)."""
     s = 8 * (4 // itemsize)
+    for c in (s, 8):  # the dtype's sublane tile, else 8 rows, with whole 128-lane columns
+        if d % c == 0 and (d // c) % 128 == 0:
+            return c
     return s if d % s == 0 and d // s >= 128 else 1
 
 
