@@ -8,7 +8,7 @@ existing family's figures as stale.
 from __future__ import annotations
 
 #: the model families (one module each in this package): libtpu estimates for compile-only TPU chips
-MODEL_FAMILIES = ("norms", "matmul", "attention", "quantized_matmul", "linear_cross_entropy", "grouped_matmul",
+MODEL_FAMILIES = ("norms", "matmul", "attention", "quantized_matmul", "linear_cross_entropy", "grouped_matmul", "moe",
                   "paged_attention", "linear_attention", "calibration")
 #: every family: the model families, then the host-side measurements
 FAMILIES = MODEL_FAMILIES + ("host",)

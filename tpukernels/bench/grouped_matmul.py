@@ -236,7 +236,7 @@ def _gm():
     return importlib.import_module("tpukernels.library.grouped_matmul_ops")
 
 
-def _ours_split(kernel, args, kwargs, cfg, chip):
+def ours_split(kernel, args, kwargs, cfg, chip):
     """``(kernel alone, metadata)`` programs of our kernel at ``args`` and ``cfg``: the Pallas call with the
     work-item table as its scalar-prefetch input, and the on-device schedule (``Launch.prefetch``)."""
     import dataclasses
@@ -326,10 +326,10 @@ def _ours(kernel, args, kwargs, roofline_us, chip: str, reduce=None, skip: str |
     def program(chip, rows, blocks):
         small = (reduce(args, kwargs, rows, blocks, cols, kdim) if reduce else
                  _reduced_args(kernel, args, kwargs, rows, blocks, cols, kdim))
-        return _ours_split(kernel, small, kwargs, state[chip], chip)[0]
+        return ours_split(kernel, small, kwargs, state[chip], chip)[0]
 
     def meta(chip):
-        return _ours_split(kernel, args, kwargs, state[chip], chip)[1]
+        return ours_split(kernel, args, kwargs, state[chip], chip)[1]
 
     fit = _Fitted(program, meta, M, _blocks(M, K, N, tgmm, cols, kdim))
 
@@ -360,7 +360,10 @@ def _static_metadata(real, zeros: bool):
     return make_group_metadata
 
 
-def _megablox_program(mb, call, structs, zeros: bool):
+def megablox_program(mb, call, structs, zeros: bool):
+    """``(jitted fn, structs)``: ``call(*args)`` of megablox module ``mb`` (JAX's or tpu-inference's fork) traced with
+    :func:`_static_metadata` in place of its ``make_group_metadata`` (the grid at its static bound; ``zeros``: the
+    kernel alone, its metadata constant zeros). Also the MoE family's megablox columns."""
     import jax
 
     def fn(*a):
@@ -441,7 +444,7 @@ def _megablox(M, K, N, G, tgmm: bool, tr: bool, roofline_us, peer: str = "jax") 
 
     def program(chip, rows, blocks):
         mb = module()
-        return _megablox_program(mb, lambda *a: call(mb, *a), structs(rows, blocks), zeros=True)
+        return megablox_program(mb, lambda *a: call(mb, *a), structs(rows, blocks), zeros=True)
 
     def meta(chip):
         real = module().make_group_metadata
