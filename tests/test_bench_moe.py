@@ -232,3 +232,26 @@ def test_ours_programs_export_for_tpu():
     with pytest.raises(moe.EstimateError, match="the XLA ops between the kernels: libtpu's estimate .* not credible"):
         impl.cycles(MisCostsTheGlue(), "v6e")
     assert impl.floor_us("v6e") == pytest.approx(max(1.0, (4 + 2 * 2) * 1000 / clock_hz("v6e") * 1e6))
+
+
+def test_row_copy_kernels_are_fitted_in_tokens_above_the_byte_limit():
+    """The gather and the combine copy rows one DMA each: above FIT_BYTES of copies they are estimated at two
+    reduced token counts (each within the limit) at the full call's config and extrapolated linearly."""
+    from tpukernels.library.moe_routing import permute_ops
+
+    m = moe.MODELS[0]
+    (kernel, args, kwargs, row_bytes), = [p for p in moe.layer_kernels(m, 8192) if p[0] is permute_ops.moe_gather_fwd]
+    assert row_bytes == 2 * m.H
+    seen = []
+
+    def cost(structs):
+        rows = structs[1].shape[0]  # idx: one copy per row
+        seen.append(rows)
+        return 100 + 3 * rows
+
+    got = moe.row_copy_cycles(Recorder(cost), "v6e", kernel, args, kwargs, 8192, m.k, row_bytes)
+    assert got == 100 + 3 * 8192 * m.k
+    assert len(seen) == 2 and max(seen) * row_bytes <= moe.FIT_BYTES and seen[1] == 2 * seen[0]
+    seen.clear()  # decode: within the limit, estimated as it is
+    assert moe.row_copy_cycles(Recorder(cost), "v6e", kernel, args, kwargs, 64, m.k, row_bytes) == 100 + 3 * 512
+    assert seen == [512]

@@ -332,16 +332,16 @@ def xla_moe_glue(m: MoEModel, T: int):
 
 
 # ------------------------------------------------------------------------------------------ implementations
-#: above this many row copies the permute gather and the combine are fitted in tokens (:func:`row_copy_cycles`)
-FIT_COPIES = 8192
+#: above this many bytes of row copies the permute gather and the combine are fitted in tokens (:func:`row_copy_cycles`)
+FIT_BYTES = 32 * 2 ** 20
 #: a program estimated at more than this many times the whole layer's roofline is a profiler fault, left out
 NOT_CREDIBLE_ROOFLINES = 50
 
 
-def _kernels(m: MoEModel, T: int):
-    """``[(kernel, args(T), kwargs, copies rows)]``: the non-matmul kernels :func:`fused_moe_jax` calls (router,
-    permute gather, activation unless gpt-oss's, combine); ``args(t)`` their arguments at ``t`` tokens; ``copies
-    rows``: the row-DMA kernels (the gather and the combine), fitted in tokens above :data:`FIT_COPIES` rows."""
+def layer_kernels(m: MoEModel, T: int):
+    """``[(kernel, args(T), kwargs, row bytes)]``: the non-matmul kernels :func:`fused_moe_jax` calls (router,
+    permute gather, activation unless gpt-oss's, combine); ``args(t)`` their arguments at ``t`` tokens; ``row
+    bytes``: for the row-DMA kernels (the gather and the combine, :func:`row_copy_cycles`) a row's bytes, else 0."""
     from ..library import gated_mlp
     from ..library.moe_routing import permute_ops, router_ops
 
@@ -351,27 +351,29 @@ def _kernels(m: MoEModel, T: int):
     route = dict(k=m.k, mode="grouped" if grouped else "softmax", renormalize=True,
                  n_group=m.n_group, topk_group=m.topk_group, scale=2.5 if grouped else 1.0)
     parts = [(router_ops.router_topk_fwd, lambda t: (f"{t}x{m.E}:{ld}", f"1x{m.E}:f32" if grouped else None), route,
-              False),
-             (permute_ops.moe_gather_fwd, lambda t: (f"{t}x{s16}x{H // s16}:bf16", f"{t * m.k}:i32"), {}, True)]
+              0),
+             (permute_ops.moe_gather_fwd, lambda t: (f"{t}x{s16}x{H // s16}:bf16", f"{t * m.k}:i32"), {}, 2 * H)]
     if m.act != "swigluoai":
         parts.append((gated_mlp.gated_activation_fwd, lambda t: (f"{t * m.k}x{m.I}:f32", f"{t * m.k}x{m.I}:f32"),
-                      {"activation": "silu"}, False))
+                      {"activation": "silu"}, 0))
     parts.append((permute_ops.moe_gather_reduce_fwd,
                   lambda t: (f"{t * m.k}x{s32}x{H // s32}:f32", f"{t * m.k}:i32", f"{t * m.k}:f32"), {"top_k": m.k},
-                  True))
+                  4 * H))
     return parts
 
 
-def row_copy_cycles(est, chip: str, kernel, args, kwargs, T: int, k: int) -> int:
-    """A row-DMA kernel's estimate at ``T`` tokens (``args(t)``) at the config of the full call: itself up to
-    :data:`FIT_COPIES` row copies; above, linear in tokens from ``FIT_COPIES / 2`` and ``FIT_COPIES`` copies (its
-    cost is per grid step of a fixed block; libtpu 0.0.52's tpu7x profiler costs many row copies in one kernel at
-    ~1,000x: the gather 1.21 s at 65,536 rows, 112 µs at 16,384; the combine 304 ms at 16,384, 99 µs at 8,192)."""
+def row_copy_cycles(est, chip: str, kernel, args, kwargs, T: int, k: int, row_bytes: int) -> int:
+    """A row-DMA kernel's estimate at ``T`` tokens (``args(t)``; ``T * k`` copies of ``row_bytes``) at the config of
+    the full call: itself up to :data:`FIT_BYTES` of copies; above, linear in tokens from two reduced problems of at
+    most that many bytes (multiples of 64 tokens; its cost is per grid step of a fixed block). libtpu 0.0.52's tpu7x
+    profiler costs a kernel that copies more than 64 MiB at ~1,000x (the gather 1.21 s at 65,536 rows of 4 KiB, 112 µs
+    at 16,384; the combine of DeepSeek-V3's 28 KiB rows 78.9 ms at 4,096 rows, 27.7 µs at 2,048)."""
     _, _, cfg, _ = kernel_program(kernel, chip, args(T), kwargs)
-    if T * k <= FIT_COPIES:
+    if T * k * row_bytes <= FIT_BYTES:
         fn, structs, _, _ = kernel_program(kernel, chip, args(T), kwargs, cfg)
         return est.cycles(fn, structs, chip)
-    t1, t2 = FIT_COPIES // 2 // k, FIT_COPIES // k
+    t2 = max(64, FIT_BYTES // (k * row_bytes) // 64 * 64)
+    t1 = t2 // 2
     c1, c2 = (est.cycles(*kernel_program(kernel, chip, args(t), kwargs, cfg)[:2], chip) for t in (t1, t2))
     return int(round(c1 + (c2 - c1) * (T - t1) / (t2 - t1)))
 
@@ -416,10 +418,10 @@ def _ours(m: MoEModel, T: int, roofline_us) -> Impl:
 
     def cycles(est, chip):
         names, programs = [], []
-        for kernel, args, kwargs, copies in _kernels(m, T):
-            if copies:
-                programs.append((kernel.name, lambda kernel=kernel, args=args, kwargs=kwargs: row_copy_cycles(
-                    est, chip, kernel, args, kwargs, T, m.k)))
+        for kernel, args, kwargs, copies in layer_kernels(m, T):
+            if copies:  # a row-DMA kernel: copies is its row bytes
+                programs.append((kernel.name, lambda kernel=kernel, args=args, kwargs=kwargs, rb=copies:
+                                 row_copy_cycles(est, chip, kernel, args, kwargs, T, m.k, rb)))
                 continue
             fn, structs, _, _ = kernel_program(kernel, chip, args(T), kwargs)
             programs.append((kernel.name, lambda fn=fn, structs=structs: est.cycles(fn, structs, chip)))
@@ -466,8 +468,8 @@ def cases(chips) -> list[Case]:
                 return model_time(chip, None, hbm, flops, "bfloat16").roofline_us
 
             for chip in chips:
-                out.append(Case(FAMILY, m.label, f"{phase} T={T}", chip, hbm_bytes=hbm, flops=flops,
-                                impls=[_ours(m, T, roofline_us), _megablox(m, T, roofline_us), _tpu_inference(roofline_us)]))
+                impls = [_ours(m, T, roofline_us), _megablox(m, T, roofline_us), _tpu_inference(roofline_us)]
+                out.append(Case(FAMILY, m.label, f"{phase} T={T}", chip, hbm_bytes=hbm, flops=flops, impls=impls))
     return out
 
 
