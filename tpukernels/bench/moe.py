@@ -40,6 +40,12 @@ one output-column block (:func:`column_blocks`: the whole width, or half of it, 
 gets (``bm`` clamped to the rows); the schedule program (ours) or ``make_group_metadata`` (megablox) is estimated at
 the full problem and added.
 
+**The row-DMA kernels** (the permute gather and the combine) are estimated whole up to 32 MiB of row copies
+(:data:`FIT_BYTES`) and above that fitted in tokens from two reduced problems (:func:`row_copy_cycles`): libtpu
+0.0.52's tpu7x profiler costs a kernel copying more than 64 MiB at ~1,000x. Any program estimated at more than
+:data:`NOT_CREDIBLE_ROOFLINES` times the whole layer's roofline is left out as a profiler fault, and the row is then
+a floor: the sum of the programs that were estimated (so is a row where a program cannot be estimated at all).
+
 What the static model sees at decode: every one of the ``G`` experts' weights read once per column block (all items
 compute); with 64 x 8 = 512 token slots over 128 experts about 126 experts are hit, so this is close to what a real
 decode step moves. Neither kernel's skipping of empty groups is modelled.
