@@ -90,7 +90,7 @@ BLOCK_TOKENS = (16, 32, 64, 128, 256)
 #: VMEM bytes of gathered rows per grid step (the output block, double-buffered, or the gather-reduce buffer)
 ROWS_IN_FLIGHT_BYTES = 8 * MiB
 #: at most this many row copies in flight per grid step (one semaphore, one wait): libtpu 0.0.52's static profiler
-#: of tpu7x estimates 512 outstanding row copies waited for at once at ~1,000x their cost (256: as expected)
+#: of tpu7x costs the gather-reduce of 8,192 rows of 8 KiB at 150 ms with 512 rows per step, 86 µs with 256
 MAX_ROWS_IN_FLIGHT = 256
 _FLOATS = (torch.bfloat16, torch.float32)
 
