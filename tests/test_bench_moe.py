@@ -259,10 +259,13 @@ def test_row_copy_kernels_are_fitted_in_tokens_above_the_byte_limit():
 
 def test_reasons_name_the_profiler_faults_and_the_losing_case():
     """Our rows say why: v5e (libtpu aborts on both layers' XLA programs), tpu7x Qwen3 (our down matmul aborts the
-    profiler), the v6e Qwen3 prefill loss (the row-DMA permute and combine); peers' rows have none here."""
+    profiler), the v6e Qwen3 prefill loss (the row-DMA permute and combine), elsewhere the share of the roofline
+    against tpu-inference's floor; peers' rows have none here."""
     row = {"kind": "ours", "chip": "v5e", "op": moe.MODELS[1].label, "shape": "decode T=64"}
     assert "v5e" in moe.reason(row) and "floors" in moe.reason(row)
     assert "fifo_tracker" in moe.reason(dict(row, chip="tpu7x", op=moe.MODELS[0].label))
     assert "permute gather" in moe.reason(dict(row, chip="v6e", op=moe.MODELS[0].label, shape="prefill T=8192"))
-    assert moe.reason(dict(row, chip="v6e")) is None
+    estimated = dict(row, chip="v6e", figure="estimate", pct_roofline=87.4)
+    assert moe.reason(estimated).startswith("87% of the layer's roofline") and "a bound" in moe.reason(estimated)
+    assert moe.reason(dict(row, chip="v6e", figure="floor")) is None
     assert moe.reason(dict(row, kind="public")) is None

@@ -511,4 +511,8 @@ def reason(row: dict) -> str | None:
         return _V5E
     if row["chip"] == "tpu7x" and row["op"] == _QWEN3:
         return _TPU7X_QWEN3
-    return REASONS.get((row["chip"], row["op"], row["shape"]))
+    known = REASONS.get((row["chip"], row["op"], row["shape"]))
+    if known or row.get("figure") != "estimate":
+        return known
+    return (f"{row['pct_roofline']:.0f}% of the layer's roofline in the model; tpu-inference's fused kernel cannot be "
+            "estimated, so its figure is that roofline (a bound on it, not a comparison)")
