@@ -105,8 +105,6 @@ MODELS = (
              logits_dtype="f32"),
 )
 PHASES = (("decode", 64), ("decode", 256), ("prefill", 8192))
-#: (impl name, chip) -> why its estimate is not attempted
-NOT_ESTIMABLE: dict = {}
 _TPU_INFERENCE_WHY = (
     "not attempted: libtpu 0.0.52 cannot estimate tpu-inference 0.32.0's fused_ep_moe on any chip (it exports on a "
     "1 x 1 abstract mesh; v6e and tpu7x fail the LLO type check, \"Expected vector-bf16packed, got vector-int32\", "
