@@ -72,6 +72,8 @@ JAX_TILING = (512, 1024, 1024)
 #: groups of the two reduced problems of :class:`ItemFit`, and their row tiles
 FIT_GROUPS = (8, 16)
 FIT_TILES = 8
+#: gpt-oss's clamped SwiGLU constants (transformers' and tpu-inference's defaults, fused_moe's)
+SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT = 1.702, 7.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +141,7 @@ _TPU7X_QWEN3 = ("tpu7x: our down projection's grouped matmul (K = 768, bm=256, b
 def _jdt(name: str):
     import jax.numpy as jnp
 
-    return {"bf16": jnp.bfloat16, "f32": jnp.float32, "i32": jnp.int32}[name]
+    return {"bf16": jnp.bfloat16, "f32": jnp.float32}[name]
 
 
 def touched_experts(m: MoEModel, T: int) -> float:
@@ -263,18 +265,6 @@ def megablox_grouped_matmul(m: MoEModel, T: int, which: str) -> tuple[ItemFit, s
 
 
 # ------------------------------------------------------------------------------------------- the glue
-def _split(gate_up, I: int, interleaved: bool):
-    return (gate_up[:, 0::2], gate_up[:, 1::2]) if interleaved else (gate_up[:, :I], gate_up[:, I:])
-
-
-def _swigluoai(gate, up, alpha: float = 1.702, limit: float = 7.0):
-    import jax
-    import jax.numpy as jnp
-
-    g = jnp.minimum(gate, limit)
-    return (jnp.clip(up, -limit, limit) + 1.0) * (g * jax.nn.sigmoid(alpha * g))
-
-
 def ours_xla_glue(m: MoEModel, T: int):
     """``(fn, structs)``: the XLA ops :func:`fused_moe_jax` runs between its kernels (``moe_permute_jax``'s stable
     argsort, positions and group sizes; the router output's ``[:, :k]`` slices; the gate/up split; gpt-oss's clamped
@@ -282,6 +272,7 @@ def ours_xla_glue(m: MoEModel, T: int):
     import jax
     import jax.numpy as jnp
 
+    from ..library.fused_moe_ops import split_gate_up, swigluoai_jnp
     from ..library.moe_routing.common import padded_k
 
     S = jax.ShapeDtypeStruct
@@ -294,9 +285,10 @@ def ours_xla_glue(m: MoEModel, T: int):
         order = jnp.argsort(flat, stable=True).astype(i32)
         positions = jnp.zeros_like(order).at[order].set(jnp.arange(M, dtype=i32))
         sizes = jnp.zeros((m.E,), i32).at[flat].add(1, mode="drop")
-        gate, up = _split(gate_up, m.I, m.interleaved)
+        gate, up = split_gate_up([gate_up], m.I, m.interleaved)
         if m.act == "swigluoai":
-            return w, order // k, positions, sizes, _swigluoai(gate, up).astype(bf16), combined.astype(bf16)
+            h = swigluoai_jnp(gate, up, SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT).astype(bf16)
+            return w, order // k, positions, sizes, h, combined.astype(bf16)
         return w, order // k, positions, sizes, gate, up, act.astype(bf16), combined.astype(bf16)
 
     structs = [S((T, kp), f32), S((T, kp), i32), S((M, 2 * m.I), f32), S((M, m.I), f32), S((T, m.H), f32)]
@@ -332,6 +324,8 @@ def xla_moe_glue(m: MoEModel, T: int):
     import jax
     import jax.numpy as jnp
 
+    from ..library.fused_moe_ops import split_gate_up, swigluoai_jnp
+
     S = jax.ShapeDtypeStruct
     f32, i32, bf16 = jnp.float32, jnp.int32, jnp.bfloat16
     k, M = m.k, T * m.k
@@ -348,8 +342,11 @@ def xla_moe_glue(m: MoEModel, T: int):
             e_sorted = flat[order]
             gu = gu + b1[e_sorted].astype(f32)
             y = y + b2[e_sorted].astype(f32)
-        gate, up = _split(gu, m.I, m.interleaved)
-        h = (_swigluoai(gate, up) if m.act == "swigluoai" else jax.nn.silu(gate) * up).astype(bf16)
+        gate, up = split_gate_up([gu], m.I, m.interleaved)
+        if m.act == "swigluoai":
+            h = swigluoai_jnp(gate, up, SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT).astype(bf16)
+        else:
+            h = (jax.nn.silu(gate) * up).astype(bf16)
         positions = jnp.zeros_like(order).at[order].set(jnp.arange(M, dtype=i32)).reshape(T, k)
         out = jnp.sum(y.astype(bf16).astype(f32)[positions] * w[..., None], 1).astype(bf16)
         return xs, sizes, h, out
@@ -396,9 +393,8 @@ def row_copy_cycles(est, chip: str, kernel, args, kwargs, T: int, k: int, row_by
     most that many bytes (multiples of 64 tokens; its cost is per grid step of a fixed block). libtpu 0.0.52's tpu7x
     profiler costs a kernel that copies more than 64 MiB at ~1,000x (the gather 1.21 s at 65,536 rows of 4 KiB, 112 µs
     at 16,384; the combine of DeepSeek-V3's 28 KiB rows 78.9 ms at 4,096 rows, 27.7 µs at 2,048)."""
-    _, _, cfg, _ = kernel_program(kernel, chip, args(T), kwargs)
+    fn, structs, cfg, _ = kernel_program(kernel, chip, args(T), kwargs)
     if T * k * row_bytes <= FIT_BYTES:
-        fn, structs, _, _ = kernel_program(kernel, chip, args(T), kwargs, cfg)
         return est.cycles(fn, structs, chip)
     t2 = max(64, FIT_BYTES // (k * row_bytes) // 64 * 64)
     t1 = t2 // 2

@@ -334,7 +334,7 @@ def _mm(a, spec, sizes, transpose_rhs):
     return grouped_matmul(a, w, sizes, out_dtype=torch.float32, rhs_bias=bias, transpose_rhs=transpose_rhs)
 
 
-def _split_gate_up(outs, I, interleaved):
+def split_gate_up(outs, I, interleaved):
     """(gate, up) from the gate / up matmuls' outputs: two outputs, or one ``[.., 2I]`` split in halves or, with
     ``interleaved``, into its even (gate) and odd (up) columns."""
     if len(outs) == 2:
@@ -347,6 +347,15 @@ def _split_gate_up(outs, I, interleaved):
 def _swigluoai(gate, up, alpha, limit):
     g = gate.clamp(max=limit)
     return (up.clamp(min=-limit, max=limit) + 1.0) * (g * torch.sigmoid(alpha * g))
+
+
+def swigluoai_jnp(gate, up, alpha, limit):
+    """gpt-oss's clamped SwiGLU on jax arrays (:func:`fused_moe_jax`; the MoE bench family's XLA programs)."""
+    import jax
+    import jax.numpy as jnp
+
+    g = jnp.minimum(gate, limit)
+    return (jnp.clip(up, -limit, limit) + 1.0) * (g * jax.nn.sigmoid(alpha * g))
 
 
 def _fused_moe_impl(tokens, w1, w2, gating_output=None, top_k=2, renormalize_topk_logits=False, act_fn="silu",
@@ -369,7 +378,7 @@ def _fused_moe_impl(tokens, w1, w2, gating_output=None, top_k=2, renormalize_top
         return tokens[:0].clone()
     xs, sizes, meta = moe_permute(tokens, ids, E)
     outs = [_mm(xs, s, sizes, transpose_rhs) for s in specs]
-    gate, up = _split_gate_up(outs, I, gate_up_interleaved)
+    gate, up = split_gate_up(outs, I, gate_up_interleaved)
     if act_fn == "swigluoai":
         h = _swigluoai(gate, up, float(swigluoai_alpha), float(swigluoai_limit))
     else:
@@ -505,10 +514,9 @@ def fused_moe_jax(tokens, w1, w2, gating_output=None, top_k: int = 2, *, renorma
         return jax_call(grouped_matmul_fwd, sizes, go, a, w, b, transpose_rhs, "float32", interpret=interpret)
 
     outs = [mm(xs, w, b) for w, b in specs]
-    gate, up = _split_gate_up(outs, I, gate_up_interleaved)
+    gate, up = split_gate_up(outs, I, gate_up_interleaved)
     if act_fn == "swigluoai":
-        g = jnp.minimum(gate, swigluoai_limit)
-        h = (jnp.clip(up, -swigluoai_limit, swigluoai_limit) + 1.0) * (g * jax.nn.sigmoid(swigluoai_alpha * g))
+        h = swigluoai_jnp(gate, up, swigluoai_alpha, swigluoai_limit)
     else:
         h = jax_call(gated_activation_fwd, gate, up, "silu" if act_fn == "silu" else "gelu_tanh",
                      interpret=interpret)
@@ -564,7 +572,7 @@ def fused_moe_reference(tokens, w1, w2, gating_output=None, top_k=2, *, renormal
         for j in range(k):
             e = int(ids[t, j])
             outs = [x[t] @ W[e] + (0 if b is None else b[e, 0]) for W, b in mats]
-            gate, up = _split_gate_up(outs, I, gate_up_interleaved)
+            gate, up = split_gate_up(outs, I, gate_up_interleaved)
             h = _act64(act_fn, gate, up, float(swigluoai_alpha), float(swigluoai_limit))
             acc = acc + wts[t, j] * (h @ W2[e] + (0 if B2 is None else B2[e, 0]))
         rows.append(acc)
