@@ -294,7 +294,7 @@ def test_render_report_and_readme_summary(tmp_path):
     out = tmp_path / "BENCHMARKS.md"
     text = report.render(results, str(out), "tpukernels bench --chips v5e,v6e")
     assert out.read_text() == text
-    assert "| b | s | v6e | xla | 0.900 | [1] |" in text and "\n1. known cause." in text  # reasons as notes
+    assert "| b | s | v6e | xla | 100.0 (cycles, 10%) | 90.0 (cycles, 11%) | 0.900 | [1] |" in text and "\n1. known cause\n" in text  # reasons as notes
     assert text.index("## Summary") < text.index("## Where tpukernels is slower")
     assert "50.0 (0.50×) †" in text and "≥ 80.0 (floor)" in text and "Doc `x`." in text
     assert "| k | 2x3 | 30.0 | 10.0 | 8.0 | 20.0 |" in text

@@ -135,7 +135,8 @@ REASONS: dict = {
     **{(c, "w8a8 int8", s): _FUSED for c in ("v5e", "v6e")
        for s in ("8192x4096 @ (14336x4096).T", "8192x14336 @ (4096x14336).T")},
     ("v5e", "w8a8 int8", "8192x14336 @ (4096x14336).T"): _FUSED + ";" + _FLOOR,
-    **{(c, "w8a16 int8", "8192x14336 @ (4096x14336).T"): _W8A16 for c in ("v5e", "v6e", "tpu7x")},
+    **{(c, "w8a16 int8", s): _W8A16 for c in ("v5e", "v6e", "tpu7x")
+       for s in ("8192x4096 @ (14336x4096).T", "8192x14336 @ (4096x14336).T")},
     **{("tpu7x", "w8a16 int8", s): _DECODE_7X
        for s in ("16x4096 @ (14336x4096).T", "64x4096 @ (14336x4096).T", "64x14336 @ (4096x14336).T")},
     **{(c, "w8a16 int8", s): _DECODE

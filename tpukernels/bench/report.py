@@ -85,11 +85,18 @@ def above_floor(rows: list[dict]) -> list[dict]:
     return out
 
 
-def _short(error: str) -> str:
-    """An estimate error cut to its cause: the libtpu source location of an abort, else the first 160 chars."""
+def _short(error: str, limit: int = 160) -> str:
+    """An estimate error cut to its cause: the libtpu source location of an abort, else its first line cut at a
+    word boundary before ``limit`` characters (marked ``…``)."""
     m = re.search(r"([\w/]+\.cc:\d+)", error)
     head = error.split(":", 1)[0]
-    return f"{head}: libtpu aborted ({m.group(1).rsplit('/', 1)[-1]})" if m else error[:160]
+    if m:
+        return f"{head}: libtpu aborted ({m.group(1).rsplit('/', 1)[-1]})"
+    first = error.strip().splitlines()[0] if error.strip() else error
+    if len(first) <= limit and first == error.strip():
+        return first
+    cut = first[:limit].rsplit(" ", 1)[0] if " " in first[:limit] else first[:limit]
+    return cut.rstrip(" ,;:") + " …"
 
 
 def uncompared(rows: list[dict]) -> list[tuple]:
@@ -100,10 +107,14 @@ def uncompared(rows: list[dict]) -> list[tuple]:
 
 
 def diagnosis(item: dict) -> str:
-    o, t = item["ours"], item["other"]
-    auto = (f"model: tpukernels {_us(o['model_us'])} µs ({o['bound']}-bound, {o['pct_roofline']:.0f}% of roofline) vs "
-            f"{item['vs']} {_us(t['model_us'])} µs ({t['bound']}-bound, {t['pct_roofline']:.0f}%)")
-    return f"{o.get('reason') or 'cause not analysed yet'}. ({auto})"
+    """Why tpukernels is slower in a :func:`slower` / :func:`above_floor` item: the family's reason for the row (one
+    note shared by every row with the same reason), or ``cause not analysed yet``."""
+    return item["ours"].get("reason") or "cause not analysed yet"
+
+
+def _model_cell(row: dict) -> str:
+    """A model time with what bounds it: ``1,099.4 (cycles, 95%)``."""
+    return f"{_us(row['model_us'])} ({row['bound']}, {row['pct_roofline']:.0f}%)"
 
 
 class Notes:
@@ -269,6 +280,23 @@ def _table(rows: list[dict]) -> list[str]:
         cells = [op, shape, chip, _cell(ours), pct] + [_cell(by.get(i)) for i in impls[1:]] + mem + \
             [f"`{ours['config']}`" if ours else "-"]
         out.append("| " + " | ".join(cells) + " |")
+    return out
+
+
+def peer_configs(rows: list[dict]) -> list[str]:
+    """Markdown bullets: each other implementation's configuration (blocks, tiling, what its program includes), one
+    line per distinct configuration with the cases it ran at when there are several."""
+    out = []
+    for impl in _impls(rows)[1:]:
+        by_cfg: dict = {}
+        for r in rows:
+            if r["impl"] == impl and r.get("config") not in (None, "", "-"):
+                by_cfg.setdefault(str(r["config"]), []).append(f"{r['op']} {r['shape']} {r['chip']}")
+        if len(by_cfg) == 1:
+            out.append(f"* {impl}: `{next(iter(by_cfg))}`")
+        elif by_cfg:
+            out.append(f"* {impl}:")
+            out += [f"  * `{cfg}`: {'; '.join(cases)}" for cfg, cases in by_cfg.items()]
     return out
 
 
@@ -505,16 +533,18 @@ def render(results: dict[str, dict], out_path: str, command: str, figures_dir: s
         lines += ["## Where tpukernels is slower", ""]
         items = [(f, s) for f, r in model.items() for s in slower(r["rows"])]
         if items:
-            lines += ["| family | op | shape | chip | slower than | their time / ours | reason |", "|---|---|---|---|---|---|---|"]
-            lines += [f"| {f} | {s['op']} | {s['shape']} | {s['chip']} | {s['vs']} | {s['ratio']:.3f} | "
-                      f"{notes.ref(diagnosis(s))} |" for f, s in items]
+            lines += ["`tpukernels` and `theirs`: model µs (bound, % of roofline).", "",
+                      "| family | op | shape | chip | slower than | tpukernels | theirs | their time / ours | reason |",
+                      "|---|---|---|---|---|---|---|---|---|"]
+            lines += [f"| {f} | {s['op']} | {s['shape']} | {s['chip']} | {s['vs']} | {_model_cell(s['ours'])} | "
+                      f"{_model_cell(s['other'])} | {s['ratio']:.3f} | {notes.ref(diagnosis(s))} |" for f, s in items]
         else:
             lines.append("No credible estimate of another implementation beats tpukernels.")
         missing = [(f, r_) for f, r in model.items() for r_ in r["rows"] if r_["kind"] == "ours" and r_["model_us"] is None]
         if missing:
             lines += ["", "No tpukernels figure (so no comparison) for:", ""]
             lines += [f"* {f}: {r_['op']} {r_['shape']} {r_['chip']}: {_short(r_['error'])}"
-                      + (f". {r_['reason']}" if r_.get("reason") else "") for f, r_ in missing]
+                      + (f" {notes.ref(r_['reason'])}" if r_.get("reason") else "") for f, r_ in missing]
         alone = [(f, op, shape, chip) for f, r in model.items() for op, shape, chip in uncompared(r["rows"])]
         if alone:
             lines += ["", "No credible estimate of another implementation to compare with (only floors, n/a or †):", ""]
@@ -522,9 +552,11 @@ def render(results: dict[str, dict], out_path: str, command: str, figures_dir: s
         floors = [(f, s) for f, r in model.items() for s in above_floor(r["rows"])]
         if floors:
             lines += ["", "Above another implementation's **floor** (a lower bound, so not evidence that it is faster):", "",
-                      "| family | op | shape | chip | floor of | floor / ours | note |", "|---|---|---|---|---|---|---|"]
-            lines += [f"| {f} | {s['op']} | {s['shape']} | {s['chip']} | {s['vs']} | {s['ratio']:.3f} | "
-                      f"{notes.ref(diagnosis(s))} |" for f, s in floors]
+                      "| family | op | shape | chip | floor of | tpukernels | floor µs | floor / ours | note |",
+                      "|---|---|---|---|---|---|---|---|---|"]
+            lines += [f"| {f} | {s['op']} | {s['shape']} | {s['chip']} | {s['vs']} | {_model_cell(s['ours'])} | "
+                      f"{_us(s['other']['model_us'])} | {s['ratio']:.3f} | {notes.ref(diagnosis(s))} |"
+                      for f, s in floors]
         if notes.texts:
             lines += ["", "Notes:", "", *notes.lines()]
         lines.append("")
@@ -536,6 +568,9 @@ def render(results: dict[str, dict], out_path: str, command: str, figures_dir: s
         if doc:
             lines += [re.sub(r":\w+:`", "`", doc), ""]
         lines += _table(res["rows"]) + [""]
+        configs = peer_configs(res["rows"])
+        if configs:
+            lines += ["Configurations of the other implementations:", "", *configs, ""]
         png = plot(fam, res["rows"], os.path.join(figures_dir or os.path.join(base, "benchmarks", "results"),
                                                   f"{fam}.png"))
         if png:
