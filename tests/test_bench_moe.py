@@ -178,7 +178,7 @@ def test_ours_xla_glue_is_the_library_permute():
     wp = rng.random((T, kp)).astype(np.float32)
     fn, structs = moe.ours_xla_glue(m, T)
     args = [jnp.asarray(wp), jnp.asarray(ip)] + [jnp.asarray(rng.random(s.shape), s.dtype) for s in structs[2:]]
-    w, src, positions, sizes, gate, up, h, out = fn(*args)
+    w, src, positions, sizes, gate, up, out = fn(*args)  # I = 64: not the in-place halves form, so split
     x = jnp.asarray(rng.standard_normal((T, m.H)), jnp.float32)
     xs, want_sizes, (order, want_pos, _) = moe_permute_jax(x, jnp.asarray(ids), m.E, interpret="fast")
     assert np.array_equal(np.asarray(src), np.asarray(order) // m.k)
@@ -186,7 +186,14 @@ def test_ours_xla_glue_is_the_library_permute():
     assert np.array_equal(np.asarray(sizes), np.asarray(want_sizes))
     assert np.array_equal(np.asarray(x)[np.asarray(src)], np.asarray(xs))
     assert np.array_equal(np.asarray(w), wp[:, :m.k])
-    assert np.array_equal(np.asarray(gate), np.asarray(args[2])[:, :m.I]) and h.dtype == jnp.bfloat16
+    assert np.array_equal(np.asarray(gate), np.asarray(args[2])[:, :m.I]) and out.dtype == jnp.bfloat16
+    assert np.array_equal(np.asarray(up), np.asarray(args[2])[:, m.I:])
+    # I = 128: the activation kernel reads the fused output's halves, so no split (and no split copies) in XLA
+    wide = dataclasses.replace(m, I=128)
+    fn, structs = moe.ours_xla_glue(wide, T)
+    assert len(fn(*args[:2], *[jnp.zeros(s.shape, s.dtype) for s in structs[2:]])) == 5
+    act = [kw for kernel, _, kw, _ in moe.layer_kernels(wide, T) if kernel.name == "gated_activation_fwd"]
+    assert act == [{"activation": "silu", "halves": True, "out_dtype": "bfloat16"}]
 
 
 def test_ours_programs_export_for_tpu():
@@ -213,7 +220,7 @@ def test_ours_programs_export_for_tpu():
 
     class FailsTheGlue:  # libtpu aborts on one program: the others still count, as a floor
         def cycles(self, fn, structs, chip):
-            if len(structs) == 5 and structs[0].shape == (T, 128):  # the XLA ops (router outputs padded to 128)
+            if len(structs) == 4 and structs[0].shape == (T, 128):  # the XLA ops (router outputs padded to 128)
                 raise moe.EstimateError("boom")
             return 1000
 
@@ -225,7 +232,7 @@ def test_ours_programs_export_for_tpu():
 
     class MisCostsTheGlue(FailsTheGlue):  # a profiler fault: far over the whole layer's roofline
         def cycles(self, fn, structs, chip):
-            if len(structs) == 5 and structs[0].shape == (T, 128):
+            if len(structs) == 4 and structs[0].shape == (T, 128):
                 return int(moe.NOT_CREDIBLE_ROOFLINES * 2e-6 * clock_hz(chip))  # 2x the limit at a 1 µs roofline
             return 1000
 

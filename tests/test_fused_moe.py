@@ -230,6 +230,44 @@ def test_backward_vs_float64_through_the_router(dtype, act, layout):
         assert err <= rtol * float(want.abs().max()), (n, err, float(want.abs().max()))
 
 
+@pytest.mark.parametrize("act", ["silu", "gelu"])
+def test_fused_gate_up_output_is_read_in_place(act, monkeypatch):
+    """``[E, H, 2I]`` weights with I a multiple of 128: the activation kernel reads the gate and up halves of the
+    one ``[T*k, 2I]`` matmul output in place (no split; ``split_gate_up`` is never called) and writes h in w2's
+    dtype. Forward within the float64 bound, bit for bit the split path's result, the jax entry's too; gradients of
+    tokens, w1 and w2 against float64 autograd (1e-4 of each gradient's largest entry, float32)."""
+    import jax.numpy as jnp
+
+    from tpukernels.library import fused_moe_ops as F
+
+    T, E, H, I, k = 10, 3, 16, 128, 2
+    x, lg = rand(T, H, seed=21, scale=2.0), rand(T, E, seed=22)
+    w1, _, w2, _, _ = experts(E, H, I, "eh2i", F32, 23)
+    split = F.split_gate_up
+    with monkeypatch.context() as m:
+        m.setattr(F, "split_gate_up", lambda *a: pytest.fail("the gate / up output was split"))
+        out = fused_moe(x, w1, w2, lg, k, act_fn=act)
+        got_jax = fused_moe_jax(*(jnp.asarray(v.numpy()) for v in (x, w1, w2, lg)), k, act_fn=act)
+    ref = fused_moe_reference(x, w1, w2, lg, k, act_fn=act)
+    ids, wts = router64(lg, k, "softmax", False)
+    err, tol = (out.double() - ref).abs(), bound(x, w1, None, w2, None, None, ids, wts, U[F32], U[F32], ref)
+    assert bool((err <= tol).all()), f"worst {float((err / tol).max()):.3g} of the bound"
+    np.testing.assert_array_equal(np.asarray(got_jax), out.numpy())
+    with monkeypatch.context() as m:
+        m.setattr(F, "reads_halves", lambda *a: False)
+        m.setattr(F, "split_gate_up", split)
+        assert torch.equal(fused_moe(x, w1, w2, lg, k, act_fn=act), out)
+    named = {"tokens": x, "w1": w1, "w2": w2}
+    ours = {n: v.clone().requires_grad_() for n, v in named.items()}
+    f64 = {n: v.double().requires_grad_() for n, v in named.items()}
+    dout = rand(T, H, seed=24)
+    fused_moe(gating_output=lg, top_k=k, act_fn=act, **ours).backward(dout)
+    fused_moe_reference(gating_output=lg, top_k=k, act_fn=act, **f64).backward(dout.double())
+    for n in named:
+        g, want = ours[n].grad, f64[n].grad
+        assert g is not None and float((g.double() - want).abs().max()) <= 1e-4 * float(want.abs().max()), n
+
+
 @pytest.mark.parametrize("layout,act,interleave", [("e2hi", "silu", False), ("eh2i", "swigluoai", True),
                                                     ("w3", "gelu", False)])
 def test_transposed_and_interleaved_weights_compute_the_plain_layouts_layer(layout, act, interleave):

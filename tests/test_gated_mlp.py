@@ -127,6 +127,35 @@ def test_errors_are_typed():
     assert G.swiglu(g[:0], g[:0]).shape == (0, 128)
 
 
+
+@pytest.mark.parametrize("rows,i,cols,out_dtype", [(40, 384, 256, "bfloat16"), (8, 128, 1024, None),
+                                                   (24, 256, 4096, "float32")])
+def test_halves_read_the_fused_output_in_place(interpret, rows, i, cols, out_dtype):
+    """``halves=True`` on one ``[rows, 2I]`` array (passed as gate and up) equals the kernel on its split halves
+    bit for bit, in ``out_dtype``, at a block width that does not divide I (384 at 256: 128-column blocks); its
+    gradient reaches that array as ``[dgate | dup]`` (float64 autograd of the split reference)."""
+    h = rand(rows, 2 * i, seed=rows)
+    cfg = {"block_rows": 256, "block_cols": cols}
+    y = G.gated_activation_fwd(h, h, "silu", True, out_dtype, config=cfg)
+    split = G.gated_activation_fwd(h[:, :i].contiguous(), h[:, i:].contiguous(), "silu", False, out_dtype)
+    assert y.dtype == (BF16 if out_dtype == "bfloat16" else F32) and y.shape == (rows, i)
+    assert torch.equal(y, split)
+    hg, hd = h.clone().requires_grad_(), h.double().requires_grad_()
+    dy = rand(rows, i, seed=1)
+    (G.gated_activation_fwd(hg, hg, "silu", True, None, config=cfg) * dy).sum().backward()
+    (G.gated_activation_reference(hd[:, :i], hd[:, i:]) * dy.double()).sum().backward()
+    check(hg.grad, hd.grad, f32_err(h, (1 + h.abs()) * dy.repeat(1, 2)), F32, "d[gate | up]")
+
+
+def test_halves_and_out_dtype_errors_are_typed():
+    h = rand(8, 192)
+    with pytest.raises(ArgumentError, match=r"halves=True needs \[rows, 2 I\] with I a positive multiple of 128"):
+        G.gated_activation_fwd(h, h, "silu", True)
+    with pytest.raises(DTypeError, match="out_dtype must be"):
+        G.gated_activation_fwd(h, h, "silu", False, "float16")
+    with pytest.raises(ArgumentError, match=r"\[rows, 2 I\] \(halves=True\)"):
+        G.gated_activation_fwd(rand(8, 256), rand(8, 512), "silu", True)
+
 @pytest.mark.aot
 @pytest.mark.parametrize("chip", ["v5e", "v6e", "tpu7x"])
 def test_compile_only(chip, tmp_cache):
@@ -137,3 +166,8 @@ def test_compile_only(chip, tmp_cache):
             r = compile_for(kernel, chip, *args, with_mlir=False, **dict(kw, activation=act))
             assert r.ok, r.summary()
             assert r.vmem_estimate_bytes <= G.VMEM_BUDGET_BYTES, r.summary()
+    # fused_moe's form: the halves of Qwen3-30B-A3B's [T*k, 2I] float32 gate/up output read in place, h in bf16
+    r = compile_for(G.gated_activation_fwd, chip, "4096x1536:f32", "4096x1536:f32", with_mlir=False,
+                    activation="silu", halves=True, out_dtype="bfloat16")
+    assert r.ok, r.summary()
+    assert r.vmem_estimate_bytes <= G.VMEM_BUDGET_BYTES, r.summary()

@@ -15,10 +15,11 @@ Implementations:
 
 * ``tpukernels``: what :func:`tpukernels.fused_moe_jax` runs (the torch ``fused_moe`` runs the same kernels): the
   router kernel (``router_topk_fwd``), the permute gather (``moe_gather_fwd``), the gate/up ``grouped_matmul_fwd``
-  (float32 out) with its on-device schedule, the activation (``gated_activation_fwd``; gpt-oss's clamped SwiGLU in
-  jnp), the down ``grouped_matmul_fwd`` with its schedule, the weighted combine (``moe_gather_reduce_fwd``), and
-  the XLA ops between them (:func:`ours_xla_glue`: the sort of the expert ids, the positions and group sizes, the
-  gate/up split, the casts). Each kernel at the config a full-size call gets on the chip.
+  (float32 out) with its on-device schedule, the activation (``gated_activation_fwd`` reading the gate/up output's
+  halves in place, h written in bf16; gpt-oss's clamped SwiGLU in jnp on the interleaved columns), the down
+  ``grouped_matmul_fwd`` with its schedule, the weighted combine (``moe_gather_reduce_fwd``), and the XLA ops
+  between them (:func:`ours_xla_glue`: the sort of the expert ids, the positions and group sizes, gpt-oss's split
+  and activation, the output's cast). Each kernel at the config a full-size call gets on the chip.
 * ``jax megablox + xla routing``: the unfused MoE a JAX or torch user writes around JAX's megablox ``gmm``: routing,
   permute, activation and combine in XLA (:func:`xla_moe_glue`: softmax / sigmoid, ``lax.top_k``, a stable argsort,
   gathers, a weighted sum) and megablox ``gmm`` (tiling ``(512, 1024, 1024)`` clamped to the shape,
@@ -265,10 +266,18 @@ def megablox_grouped_matmul(m: MoEModel, T: int, which: str) -> tuple[ItemFit, s
 
 
 # ------------------------------------------------------------------------------------------- the glue
+def _reads_halves(m: MoEModel) -> bool:
+    """:func:`fused_moe_jax` reads the model's one fused gate/up output in place (``fused_moe_ops.reads_halves``)."""
+    from ..library.fused_moe_ops import reads_halves
+
+    return reads_halves([None], m.I, m.interleaved)
+
+
 def ours_xla_glue(m: MoEModel, T: int):
     """``(fn, structs)``: the XLA ops :func:`fused_moe_jax` runs between its kernels (``moe_permute_jax``'s stable
-    argsort, positions and group sizes; the router output's ``[:, :k]`` slices; the gate/up split; gpt-oss's clamped
-    SwiGLU, else the activation output's cast to bf16; the output's cast), on the kernels' output shapes."""
+    argsort, positions and group sizes; the router output's ``[:, :k]`` slices; the gate/up split unless the
+    activation kernel reads the halves in place; gpt-oss's clamped SwiGLU; the output's cast), on the kernels'
+    output shapes."""
     import jax
     import jax.numpy as jnp
 
@@ -279,19 +288,22 @@ def ours_xla_glue(m: MoEModel, T: int):
     f32, i32, bf16 = jnp.float32, jnp.int32, jnp.bfloat16
     k, M, kp = m.k, T * m.k, padded_k(m.k)
 
-    def fn(wp, ip, gate_up, act, combined):
+    def fn(wp, ip, gate_up, combined):
         w, ids = wp[:, :k], ip[:, :k]
         flat = ids.reshape(-1)
         order = jnp.argsort(flat, stable=True).astype(i32)
         positions = jnp.zeros_like(order).at[order].set(jnp.arange(M, dtype=i32))
         sizes = jnp.zeros((m.E,), i32).at[flat].add(1, mode="drop")
+        routing = (w, order // k, positions, sizes)
+        if m.act != "swigluoai" and _reads_halves(m):  # the activation kernel reads gate_up in place
+            return *routing, combined.astype(bf16)
         gate, up = split_gate_up([gate_up], m.I, m.interleaved)
         if m.act == "swigluoai":
             h = swigluoai_jnp(gate, up, SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT).astype(bf16)
-            return w, order // k, positions, sizes, h, combined.astype(bf16)
-        return w, order // k, positions, sizes, gate, up, act.astype(bf16), combined.astype(bf16)
+            return *routing, h, combined.astype(bf16)
+        return *routing, gate, up, combined.astype(bf16)
 
-    structs = [S((T, kp), f32), S((T, kp), i32), S((M, 2 * m.I), f32), S((M, m.I), f32), S((T, m.H), f32)]
+    structs = [S((T, kp), f32), S((T, kp), i32), S((M, 2 * m.I), f32), S((T, m.H), f32)]
     return jax.jit(fn), structs
 
 
@@ -378,9 +390,13 @@ def layer_kernels(m: MoEModel, T: int):
     parts = [(router_ops.router_topk_fwd, lambda t: (f"{t}x{m.E}:{ld}", f"1x{m.E}:f32" if grouped else None), route,
               0),
              (permute_ops.moe_gather_fwd, lambda t: (f"{t}x{s16}x{H // s16}:bf16", f"{t * m.k}:i32"), {}, 2 * H)]
-    if m.act != "swigluoai":
+    if m.act != "swigluoai" and _reads_halves(m):  # the fused [T*k, 2I] output's halves read in place
+        parts.append((gated_mlp.gated_activation_fwd,
+                      lambda t: (f"{t * m.k}x{2 * m.I}:f32", f"{t * m.k}x{2 * m.I}:f32"),
+                      {"activation": "silu", "halves": True, "out_dtype": "bfloat16"}, 0))
+    elif m.act != "swigluoai":
         parts.append((gated_mlp.gated_activation_fwd, lambda t: (f"{t * m.k}x{m.I}:f32", f"{t * m.k}x{m.I}:f32"),
-                      {"activation": "silu"}, 0))
+                      {"activation": "silu", "out_dtype": "bfloat16"}, 0))
     parts.append((permute_ops.moe_gather_reduce_fwd,
                   lambda t: (f"{t * m.k}x{s32}x{H // s32}:f32", f"{t * m.k}:i32", f"{t * m.k}:f32"), {"top_k": m.k},
                   4 * H))

@@ -61,9 +61,12 @@ What runs (every step one of this library's ops, so the backward is theirs):
 3. ``grouped_matmul`` (or ``grouped_matmul_quantized``) for gate and up, **float32 out** (one matmul over
    ``[E, H, 2I]``, two over the split layouts; ``w1 [E, 2, H, I]``'s halves are strided views, copied by the
    kernel call).
-4. the activation in float32: ``gated_activation`` kernel (``"silu"``, ``"gelu_tanh"``); ``"swigluoai"`` in
-   torch elementwise ops (no kernel of its own yet: the clamps and the ``+ 1`` are not in ``gated_activation``).
-   ``h`` is rounded once to the down projection's operand dtype (w2's dtype; tokens' for quantized w2).
+4. the activation in float32: the ``gated_activation_fwd`` kernel (``"silu"``, ``"gelu_tanh"``), which writes
+   ``h`` rounded once to the down projection's operand dtype (w2's dtype; tokens' for quantized w2). From one
+   ``[T*k, 2I]`` output (``[E, H, 2I]`` weights, ``I`` a multiple of 128) it reads the gate and up halves in place
+   (``halves=True``: two BlockSpecs on the same array, no split copies; :func:`reads_halves`); otherwise from the
+   two outputs or their split. ``"swigluoai"`` in torch elementwise ops (no kernel of its own yet: the clamps and
+   the ``+ 1`` are not in ``gated_activation``), then rounded the same way.
 5. ``grouped_matmul`` (down), float32 out. 6. ``moe_combine``: float32 weighted sums, rounded once to
    ``tokens.dtype``.
 
@@ -334,6 +337,16 @@ def _mm(a, spec, sizes, transpose_rhs):
     return grouped_matmul(a, w, sizes, out_dtype=torch.float32, rhs_bias=bias, transpose_rhs=transpose_rhs)
 
 
+#: fused_moe's act_fn -> the gated_activation kernel's activation name
+_ACT = {"silu": "silu", "gelu": "gelu_tanh"}
+
+
+def reads_halves(outs, I, interleaved) -> bool:
+    """The activation can read one fused ``[M, 2 I]`` gate/up output in place (``gated_activation_fwd``
+    ``halves=True``: no split copies): one output, gate then up (not interleaved), ``I`` a multiple of 128."""
+    return len(outs) == 1 and not interleaved and I % 128 == 0
+
+
 def split_gate_up(outs, I, interleaved):
     """(gate, up) from the gate / up matmuls' outputs: two outputs, or one ``[.., 2I]`` split in halves or, with
     ``interleaved``, into its even (gate) and odd (up) columns."""
@@ -378,13 +391,17 @@ def _fused_moe_impl(tokens, w1, w2, gating_output=None, top_k=2, renormalize_top
         return tokens[:0].clone()
     xs, sizes, meta = moe_permute(tokens, ids, E)
     outs = [_mm(xs, s, sizes, transpose_rhs) for s in specs]
-    gate, up = split_gate_up(outs, I, gate_up_interleaved)
-    if act_fn == "swigluoai":
-        h = _swigluoai(gate, up, float(swigluoai_alpha), float(swigluoai_limit))
-    else:
-        h = gated_activation(gate.contiguous(), up.contiguous(), "silu" if act_fn == "silu" else "gelu_tanh")
     w2_, s2, _ = down
-    h = h.to(tokens.dtype if s2 is not None else w2_.dtype)
+    h_dtype = tokens.dtype if s2 is not None else w2_.dtype
+    if act_fn == "swigluoai":
+        gate, up = split_gate_up(outs, I, gate_up_interleaved)
+        h = _swigluoai(gate, up, float(swigluoai_alpha), float(swigluoai_limit)).to(h_dtype)
+    elif reads_halves(outs, I, gate_up_interleaved):  # the activation reads the fused output's halves in place
+        h = torch.ops.tpukernels.gated_activation_fwd(outs[0], outs[0], _ACT[act_fn], True,
+                                                      str(h_dtype).replace("torch.", ""))
+    else:
+        gate, up = split_gate_up(outs, I, gate_up_interleaved)
+        h = gated_activation(gate.contiguous(), up.contiguous(), _ACT[act_fn]).to(h_dtype)
     y = _mm(h, down, sizes, transpose_rhs)
     return moe_combine(y, weights, meta).to(tokens.dtype)
 
@@ -514,13 +531,16 @@ def fused_moe_jax(tokens, w1, w2, gating_output=None, top_k: int = 2, *, renorma
         return jax_call(grouped_matmul_fwd, sizes, go, a, w, b, transpose_rhs, "float32", interpret=interpret)
 
     outs = [mm(xs, w, b) for w, b in specs]
-    gate, up = split_gate_up(outs, I, gate_up_interleaved)
+    h_dtype = jnp.dtype(w2.dtype).name
     if act_fn == "swigluoai":
-        h = swigluoai_jnp(gate, up, swigluoai_alpha, swigluoai_limit)
+        gate, up = split_gate_up(outs, I, gate_up_interleaved)
+        h = swigluoai_jnp(gate, up, swigluoai_alpha, swigluoai_limit).astype(w2.dtype)
+    elif reads_halves(outs, I, gate_up_interleaved):  # the activation reads the fused output's halves in place
+        h = jax_call(gated_activation_fwd, outs[0], outs[0], _ACT[act_fn], True, h_dtype, interpret=interpret)
     else:
-        h = jax_call(gated_activation_fwd, gate, up, "silu" if act_fn == "silu" else "gelu_tanh",
-                     interpret=interpret)
-    y = mm(h.astype(w2.dtype), w2, b2)
+        gate, up = split_gate_up(outs, I, gate_up_interleaved)
+        h = jax_call(gated_activation_fwd, gate, up, _ACT[act_fn], False, h_dtype, interpret=interpret)
+    y = mm(h, w2, b2)
     return moe_combine_jax(y, weights, meta, interpret=interpret).astype(tokens.dtype)
 
 

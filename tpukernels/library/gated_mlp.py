@@ -41,6 +41,7 @@ arrays moved per element in forward / backward).
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -138,9 +139,11 @@ def _tunables():
     }
 
 
-def _check(op, activation, *specs):
+def _check(op, activation, *specs, halves: bool = False, out_dtype=None):
     if activation not in ACTIVATIONS:
         raise ArgumentError(f"{NAMESPACE}::{op}: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if out_dtype is not None and out_dtype not in ("bfloat16", "float32"):
+        raise DTypeError(f"{NAMESPACE}::{op}: out_dtype must be 'bfloat16', 'float32' or None, got {out_dtype!r}")
     shape = tuple(specs[0].shape)
     for s in specs:
         name = np.dtype(s.dtype).name
@@ -148,14 +151,31 @@ def _check(op, activation, *specs):
             raise DTypeError(f"{NAMESPACE}::{op}: {s.name!r} has dtype {name}: use bfloat16 or float32 "
                              f"(the public op widens float16)")
         if len(s.shape) != 2 or tuple(s.shape) != shape:
-            raise ArgumentError(f"{NAMESPACE}::{op}: {s.name} must be [rows, I] = {list(shape)}, got {tuple(s.shape)}")
+            what = "[rows, 2 I] (halves=True)" if halves else "[rows, I]"
+            raise ArgumentError(f"{NAMESPACE}::{op}: {s.name} must be {what} = {list(shape)}, got {tuple(s.shape)}")
+    if halves and (shape[1] % (2 * LANES) or shape[1] == 0):
+        raise ArgumentError(f"{NAMESPACE}::{op}: halves=True needs [rows, 2 I] with I a positive multiple of {LANES} "
+                            f"(the up half starts at a whole column block), got {shape[1]} columns")
 
 
-def _launch(n, i, bm, bn, n_in, n_out, out_shape, flops, nbytes):
+def _halves_cols(bn: int, i: int) -> int:
+    """The largest multiple of :data:`LANES` that divides ``i`` and is at most ``bn`` (halves: the up half's
+    column blocks start at block index ``i / bn``)."""
+    bn = min(bn, i) // LANES * LANES
+    while i % bn:
+        bn -= LANES
+    return bn
+
+
+def _launch(n, i, bm, bn, n_in, n_out, out_shape, flops, nbytes, up_offset: int | None = None):
+    """``up_offset``: halves (forward only): the second input's column blocks start ``up_offset`` blocks in."""
     spec = pl.BlockSpec((bm, bn), lambda r, c: (r, c))
+    in_specs = [spec] * n_in
+    if up_offset is not None:
+        in_specs = [spec, pl.BlockSpec((bm, bn), lambda r, c: (r, c + up_offset))]
     return tk.Launch(
         grid=(tk.cdiv(n, bm), tk.cdiv(i, bn)),
-        in_specs=[spec] * n_in,
+        in_specs=in_specs,
         out_specs=spec if n_out == 1 else [spec] * n_out,
         out_shape=out_shape,
         dimension_semantics=("parallel", "parallel"),
@@ -163,22 +183,42 @@ def _launch(n, i, bm, bn, n_in, n_out, out_shape, flops, nbytes):
     )
 
 
-def _fwd_elem(gate, up):
-    return _elem_bytes([gate.dtype, up.dtype, gate.dtype])
+def _jdtype(name):
+    return None if name is None else jnp.dtype(name)
+
+
+def _fwd_elem(gate, up, out_dtype=None):
+    return _elem_bytes([gate.dtype, up.dtype, gate.dtype if out_dtype is None else _jdtype(out_dtype)])
+
+
+def _fwd_cols(gate, halves):
+    return gate.shape[1] // 2 if halves else gate.shape[1]
 
 
 @tk.tpu_kernel(
     _fwd_body, name="gated_activation_fwd", namespace=NAMESPACE, tunables=_tunables(), rows=("gate", "up"),
-    heuristic=lambda gate, up, **_: _heuristic(_fwd_elem(gate, up), gate.shape[0], gate.shape[1]),
-    out_shape=lambda gate, up, activation: tk.like(gate),
+    heuristic=lambda gate, up, activation, halves=False, out_dtype=None, **_: _heuristic(
+        _fwd_elem(gate, up, out_dtype), gate.shape[0], _fwd_cols(gate, halves)),
+    out_shape=lambda gate, up, activation, halves=False, out_dtype=None: tk.like(
+        gate, dtype=_jdtype(out_dtype), shape=(gate.shape[0], _fwd_cols(gate, halves))),
+    canonicalize=tk.dtype_default("out_dtype"),
 )
-def gated_activation_fwd(gate: torch.Tensor, up: torch.Tensor, activation: str, *, block_rows: int,
-                         block_cols: int) -> torch.Tensor:
-    """``act(gate) * up`` on ``[rows, I]`` bf16/f32 (internal op; use :func:`gated_activation`)."""
-    _check("gated_activation_fwd", activation, gate, up)
-    n, i = gate.shape
-    bm, bn = fit_block(block_rows, block_cols, n, i, _fwd_elem(gate, up))
-    return _launch(n, i, bm, bn, 2, 1, tk.like(gate), 8, 3 * gate.size * gate.itemsize)
+def gated_activation_fwd(gate: torch.Tensor, up: torch.Tensor, activation: str, halves: bool = False,
+                         out_dtype: Optional[str] = None, *, block_rows: int, block_cols: int) -> torch.Tensor:
+    """``act(gate) * up`` on ``[rows, I]`` bf16/f32 (internal op; use :func:`gated_activation`), in ``out_dtype``
+    (``"bfloat16"`` / ``"float32"``; None: gate's dtype).
+
+    ``halves=True``: ``gate`` and ``up`` are both the ``[rows, 2 I]`` output of a fused gate/up matmul (pass it
+    twice): the gate is its columns ``[0, I)``, up ``[I, 2 I)``, read in place by two BlockSpecs (no split copies);
+    ``I`` a multiple of 128. Its gradient flows to that array (the first argument)."""
+    _check("gated_activation_fwd", activation, gate, up, halves=halves, out_dtype=out_dtype)
+    n, i = gate.shape[0], _fwd_cols(gate, halves)
+    bm, bn = fit_block(block_rows, block_cols, n, i, _fwd_elem(gate, up, out_dtype))
+    if halves:
+        bn = _halves_cols(bn, i)
+    out_item = jnp.dtype(gate.dtype if out_dtype is None else out_dtype).itemsize
+    return _launch(n, i, bm, bn, 2, 1, tk.like(gate, dtype=_jdtype(out_dtype), shape=(n, i)), 8,
+                   n * i * (gate.itemsize + up.itemsize + out_item), up_offset=i // bn if halves else None)
 
 
 def _bwd_elem(dy, gate, up):
@@ -201,6 +241,10 @@ def gated_activation_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
 
 @gated_activation_fwd.def_backward(op="gated_activation (swiglu, geglu)")
 def _fwd_backward(ctx, dy):
+    if ctx.halves:  # gate and up are one [rows, 2 I] array: its gradient is [dgate | dup], given once
+        i = ctx.gate.shape[1] // 2
+        dg, du = gated_activation_bwd(dy, ctx.gate[:, :i].contiguous(), ctx.gate[:, i:].contiguous(), ctx.activation)
+        return {"gate": torch.cat([dg, du], dim=1)}
     dg, du = gated_activation_bwd(dy, ctx.gate, ctx.up, ctx.activation)
     return {"gate": dg, "up": du}
 
