@@ -178,7 +178,7 @@ def test_ours_xla_glue_is_the_library_permute():
     wp = rng.random((T, kp)).astype(np.float32)
     fn, structs = moe.ours_xla_glue(m, T)
     args = [jnp.asarray(wp), jnp.asarray(ip)] + [jnp.asarray(rng.random(s.shape), s.dtype) for s in structs[2:]]
-    w, src, positions, sizes, gate, up, out = fn(*args)  # I = 64: not the in-place halves form, so split
+    w, src, positions, sizes, gate, up = fn(*args)  # I = 64: not the in-place halves form, so split
     x = jnp.asarray(rng.standard_normal((T, m.H)), jnp.float32)
     xs, want_sizes, (order, want_pos, _) = moe_permute_jax(x, jnp.asarray(ids), m.E, interpret="fast")
     assert np.array_equal(np.asarray(src), np.asarray(order) // m.k)
@@ -186,12 +186,12 @@ def test_ours_xla_glue_is_the_library_permute():
     assert np.array_equal(np.asarray(sizes), np.asarray(want_sizes))
     assert np.array_equal(np.asarray(x)[np.asarray(src)], np.asarray(xs))
     assert np.array_equal(np.asarray(w), wp[:, :m.k])
-    assert np.array_equal(np.asarray(gate), np.asarray(args[2])[:, :m.I]) and out.dtype == jnp.bfloat16
+    assert np.array_equal(np.asarray(gate), np.asarray(args[2])[:, :m.I]) and gate.dtype == jnp.bfloat16
     assert np.array_equal(np.asarray(up), np.asarray(args[2])[:, m.I:])
     # I = 128: the activation kernel reads the fused output's halves, so no split (and no split copies) in XLA
     wide = dataclasses.replace(m, I=128)
     fn, structs = moe.ours_xla_glue(wide, T)
-    assert len(fn(*args[:2], *[jnp.zeros(s.shape, s.dtype) for s in structs[2:]])) == 5
+    assert len(fn(*args[:2], *[jnp.zeros(s.shape, s.dtype) for s in structs[2:]])) == 4
     act = [kw for kernel, _, kw, _ in moe.layer_kernels(wide, T) if kernel.name == "gated_activation_fwd"]
     assert act == [{"activation": "silu", "halves": True, "out_dtype": "bfloat16"}]
 
@@ -220,7 +220,7 @@ def test_ours_programs_export_for_tpu():
 
     class FailsTheGlue:  # libtpu aborts on one program: the others still count, as a floor
         def cycles(self, fn, structs, chip):
-            if len(structs) == 4 and structs[0].shape == (T, 128):  # the XLA ops (router outputs padded to 128)
+            if len(structs) == 3 and structs[0].shape == (T, 128):  # the XLA ops (router outputs padded to 128)
                 raise moe.EstimateError("boom")
             return 1000
 
@@ -232,7 +232,7 @@ def test_ours_programs_export_for_tpu():
 
     class MisCostsTheGlue(FailsTheGlue):  # a profiler fault: far over the whole layer's roofline
         def cycles(self, fn, structs, chip):
-            if len(structs) == 4 and structs[0].shape == (T, 128):
+            if len(structs) == 3 and structs[0].shape == (T, 128):
                 return int(moe.NOT_CREDIBLE_ROOFLINES * 2e-6 * clock_hz(chip))  # 2x the limit at a 1 µs roofline
             return 1000
 
@@ -271,6 +271,9 @@ def test_reasons_name_the_profiler_faults_and_the_losing_case():
     row = {"kind": "ours", "chip": "v5e", "op": moe.MODELS[1].label, "shape": "decode T=64"}
     assert "v5e" in moe.reason(row) and "floors" in moe.reason(row)
     assert "fifo_tracker" in moe.reason(dict(row, chip="tpu7x", op=moe.MODELS[0].label))
+    dsv3 = dict(row, chip="tpu7x", op=moe.MODELS[2].label, figure="floor")
+    assert moe.MODELS[2].name == "DeepSeek-V3" and "gate/up grouped matmul with bf16 out" in moe.reason(dsv3)
+    assert moe.reason(dict(dsv3, figure="estimate", pct_roofline=50.0)).startswith("50% of the layer's roofline")
     assert "permute gather" in moe.reason(dict(row, chip="v6e", op=moe.MODELS[0].label, shape="prefill T=8192"))
     estimated = dict(row, chip="v6e", figure="estimate", pct_roofline=87.4)
     assert moe.reason(estimated).startswith("87% of the layer's roofline") and "a bound" in moe.reason(estimated)

@@ -15,11 +15,11 @@ Implementations:
 
 * ``tpukernels``: what :func:`tpukernels.fused_moe_jax` runs (the torch ``fused_moe`` runs the same kernels): the
   router kernel (``router_topk_fwd``), the permute gather (``moe_gather_fwd``), the gate/up ``grouped_matmul_fwd``
-  (float32 out) with its on-device schedule, the activation (``gated_activation_fwd`` reading the gate/up output's
+  (float32 accumulation, bf16 out) with its on-device schedule, the activation (``gated_activation_fwd`` reading the gate/up output's
   halves in place, h written in bf16; gpt-oss's clamped SwiGLU in jnp on the interleaved columns), the down
   ``grouped_matmul_fwd`` with its schedule, the weighted combine (``moe_gather_reduce_fwd``), and the XLA ops
   between them (:func:`ours_xla_glue`: the sort of the expert ids, the positions and group sizes, gpt-oss's split
-  and activation, the output's cast). Each kernel at the config a full-size call gets on the chip.
+  and activation). Each kernel at the config a full-size call gets on the chip.
 * ``jax megablox + xla routing``: the unfused MoE a JAX or torch user writes around JAX's megablox ``gmm``: routing,
   permute, activation and combine in XLA (:func:`xla_moe_glue`: softmax / sigmoid, ``lax.top_k``, a stable argsort,
   gathers, a weighted sum) and megablox ``gmm`` (tiling ``(512, 1024, 1024)`` clamped to the shape,
@@ -117,18 +117,19 @@ _QWEN3 = "Qwen3-30B-A3B MoE (H2048 I768 E128 k8)"
 #: (chip, op, shape)
 REASONS: dict = {
     ("v6e", _QWEN3, "prefill T=8192"): (
-        "slower than megablox with XLA routing in the model, though our grouped matmuls are 1.40x its (gate/up 1,120 "
-        "+ down 576 µs at bm=256 vs 1,773 + 600 µs at tm=512, schedules included): the rest of our layer models "
-        "3,158 µs against XLA's 942 µs for the same routing, permute, activation and combine. Ours: router kernel 76, "
-        "permute gather 1,030 (65,536 row DMAs of 4 KiB, ~28 cycles each in libtpu's model), activation kernel 213, "
-        "combine 1,355 (65,536 float32 rows of 8 KiB, ~36 cycles each), XLA ops 485 (the stable argsort of the "
-        "65,536 expert ids and the positions / group-size scatters 294, the gate/up split copies 121, casts 66). "
-        "libtpu estimates XLA's own gather of the same rows under the time its bytes need at HBM bandwidth (14 vs "
-        "41 µs at 8,192 rows), so the model favours XLA's gathers; tokamax ships Pallas ragged gathers for this "
-        "job, and only a TPU can say which is right. Levers not yet taken: the gather fused into the gate/up "
+        "slower than megablox with XLA routing in the model, though our grouped matmuls are 1.85x its (gate/up 811 "
+        "+ down 472 µs at bm=256, bf16 out, vs 1,773 + 600 µs at tm=512, schedules included): the rest of our layer "
+        "models 2,697 µs against XLA's 942 µs for the same routing, permute, activation and combine. Ours: router "
+        "kernel 76, permute gather 1,030 (65,536 row DMAs of 4 KiB, ~28 cycles each in libtpu's model), activation "
+        "kernel 125, combine 1,174 (65,536 bf16 rows of 4 KiB), XLA ops 293 (the stable argsort of the 65,536 expert "
+        "ids and the positions / group-size scatters). libtpu estimates XLA's own gather of the same rows under the "
+        "time its bytes need at HBM bandwidth (14 vs 41 µs at 8,192 rows), so the model favours XLA's gathers; "
+        "tokamax ships Pallas ragged gathers for this job, and only a TPU can say which is right. Taken this round "
+        "(4,864 -> 3,979 µs): the activation reads the fused gate/up output's halves in place and writes h in bf16 "
+        "(no split copies, no cast pass), and the matmuls write bf16 intermediates for bf16 tokens (gate/up 1,119 -> "
+        "811, down 584 -> 472, combine 1,357 -> 1,174). Levers not yet taken: the gather fused into the gate/up "
         "matmul's lhs copies and the combine into the down matmul's epilogue (tpu-inference's fused kernel), a "
-        "sort-free counting permutation, bf16 expert outputs (half the combine's bytes), the activation reading the "
-        "fused gate/up output in place"),
+        "sort-free counting permutation"),
 }
 _V5E = ("v5e: no estimate of either layer: libtpu 0.0.52 aborts on the XLA programs of both (llo_execution_graph.cc:"
         "149; the scatters of the positions and group sizes) and, at gpt-oss's rows, on our combine and megablox's "
@@ -137,6 +138,12 @@ _TPU7X_QWEN3 = ("tpu7x: our down projection's grouped matmul (K = 768, bm=256, b
                 "libtpu 0.0.52's profiler (fifo_tracker.cc:436; bm=512 too); the same kernel with the grid pipeline's "
                 "rhs blocks estimates (61,055 cycles at 8 groups, two column blocks), so the figure is a floor: the "
                 "sum of the other programs")
+_DSV3 = "DeepSeek-V3 MoE (H7168 I2048 E256 k8)"
+_TPU7X_DSV3 = ("tpu7x: our gate/up grouped matmul with bf16 out (K = 7168, the rhs prefetch chain) aborts libtpu "
+               "0.0.52's profiler (fifo_tracker.cc:436), as the Qwen3 down projection does, so the figure is a floor: "
+               "the sum of the other programs. With float32 out (before bf16 intermediates, 2026-12-07) the same "
+               "layer estimated 7,927 / 8,169 / 18,055 µs (decode 64 / 256, prefill), 1.67x / 1.66x / 1.31x faster "
+               "than megablox with XLA routing; the bf16-out kernel does the same dots and writes half the bytes")
 
 
 def _jdt(name: str):
@@ -208,12 +215,12 @@ def _mm_args(m: MoEModel, G: int, rows: int, K: int, N: int, bias: bool):
     return (f"{G}:i32", "1:i32", f"{rows}x{K}:bf16", f"{G}x{N}x{K}:bf16", f"{G}x1x{N}:bf16" if bias else None)
 
 
-_MM_KW = {"transpose_rhs": True, "out_dtype": "float32"}
+_MM_KW = {"transpose_rhs": True, "out_dtype": "bfloat16"}  # fused_moe: bf16 tokens, outputs in their dtype
 
 
 def ours_grouped_matmul(m: MoEModel, T: int, which: str, chip: str) -> tuple[ItemFit, dict]:
     """Our ``grouped_matmul_fwd`` of one projection as :func:`fused_moe_jax` calls it (HF's ``[E, N, K]`` weights,
-    ``transpose_rhs``, float32 out, the model's bias), at the config a full call gets on ``chip``:
+    ``transpose_rhs``, bf16 out (float32 accumulation), the model's bias), at the config a full call gets on ``chip``:
     ``(ItemFit, config)``."""
     from .grouped_matmul import ours_split
 
@@ -276,8 +283,8 @@ def _reads_halves(m: MoEModel) -> bool:
 def ours_xla_glue(m: MoEModel, T: int):
     """``(fn, structs)``: the XLA ops :func:`fused_moe_jax` runs between its kernels (``moe_permute_jax``'s stable
     argsort, positions and group sizes; the router output's ``[:, :k]`` slices; the gate/up split unless the
-    activation kernel reads the halves in place; gpt-oss's clamped SwiGLU; the output's cast), on the kernels'
-    output shapes."""
+    activation kernel reads the halves in place; gpt-oss's clamped SwiGLU in float32), on the kernels' output shapes
+    (bf16 tokens: the matmuls write bf16, the combine writes the output, so no cast)."""
     import jax
     import jax.numpy as jnp
 
@@ -288,7 +295,7 @@ def ours_xla_glue(m: MoEModel, T: int):
     f32, i32, bf16 = jnp.float32, jnp.int32, jnp.bfloat16
     k, M, kp = m.k, T * m.k, padded_k(m.k)
 
-    def fn(wp, ip, gate_up, combined):
+    def fn(wp, ip, gate_up):
         w, ids = wp[:, :k], ip[:, :k]
         flat = ids.reshape(-1)
         order = jnp.argsort(flat, stable=True).astype(i32)
@@ -296,14 +303,14 @@ def ours_xla_glue(m: MoEModel, T: int):
         sizes = jnp.zeros((m.E,), i32).at[flat].add(1, mode="drop")
         routing = (w, order // k, positions, sizes)
         if m.act != "swigluoai" and _reads_halves(m):  # the activation kernel reads gate_up in place
-            return *routing, combined.astype(bf16)
+            return routing
         gate, up = split_gate_up([gate_up], m.I, m.interleaved)
         if m.act == "swigluoai":
-            h = swigluoai_jnp(gate, up, SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT).astype(bf16)
-            return *routing, h, combined.astype(bf16)
-        return *routing, gate, up, combined.astype(bf16)
+            h = swigluoai_jnp(gate.astype(f32), up.astype(f32), SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT).astype(bf16)
+            return *routing, h
+        return *routing, gate, up
 
-    structs = [S((T, kp), f32), S((T, kp), i32), S((M, 2 * m.I), f32), S((T, m.H), f32)]
+    structs = [S((T, kp), f32), S((T, kp), i32), S((M, 2 * m.I), bf16)]
     return jax.jit(fn), structs
 
 
@@ -383,7 +390,7 @@ def layer_kernels(m: MoEModel, T: int):
     from ..library.moe_routing import permute_ops, router_ops
 
     H, ld = m.H, m.logits_dtype
-    s16, s32 = permute_ops.row_view(H, 2), permute_ops.row_view(H, 4)
+    s16 = permute_ops.row_view(H, 2)
     grouped = m.router == "grouped"
     route = dict(k=m.k, mode="grouped" if grouped else "softmax", renormalize=True,
                  n_group=m.n_group, topk_group=m.topk_group, scale=2.5 if grouped else 1.0)
@@ -392,14 +399,14 @@ def layer_kernels(m: MoEModel, T: int):
              (permute_ops.moe_gather_fwd, lambda t: (f"{t}x{s16}x{H // s16}:bf16", f"{t * m.k}:i32"), {}, 2 * H)]
     if m.act != "swigluoai" and _reads_halves(m):  # the fused [T*k, 2I] output's halves read in place
         parts.append((gated_mlp.gated_activation_fwd,
-                      lambda t: (f"{t * m.k}x{2 * m.I}:f32", f"{t * m.k}x{2 * m.I}:f32"),
+                      lambda t: (f"{t * m.k}x{2 * m.I}:bf16", f"{t * m.k}x{2 * m.I}:bf16"),
                       {"activation": "silu", "halves": True, "out_dtype": "bfloat16"}, 0))
     elif m.act != "swigluoai":
-        parts.append((gated_mlp.gated_activation_fwd, lambda t: (f"{t * m.k}x{m.I}:f32", f"{t * m.k}x{m.I}:f32"),
+        parts.append((gated_mlp.gated_activation_fwd, lambda t: (f"{t * m.k}x{m.I}:bf16", f"{t * m.k}x{m.I}:bf16"),
                       {"activation": "silu", "out_dtype": "bfloat16"}, 0))
     parts.append((permute_ops.moe_gather_reduce_fwd,
-                  lambda t: (f"{t * m.k}x{s32}x{H // s32}:f32", f"{t * m.k}:i32", f"{t * m.k}:f32"), {"top_k": m.k},
-                  4 * H))
+                  lambda t: (f"{t * m.k}x{s16}x{H // s16}:bf16", f"{t * m.k}:i32", f"{t * m.k}:f32"), {"top_k": m.k},
+                  2 * H))
     return parts
 
 
@@ -521,6 +528,8 @@ def reason(row: dict) -> str | None:
         return _V5E
     if row["chip"] == "tpu7x" and row["op"] == _QWEN3:
         return _TPU7X_QWEN3
+    if row["chip"] == "tpu7x" and row["op"] == _DSV3 and row.get("figure") != "estimate":
+        return _TPU7X_DSV3
     known = REASONS.get((row["chip"], row["op"], row["shape"]))
     if known or row.get("figure") != "estimate":
         return known

@@ -58,27 +58,31 @@ What runs (every step one of this library's ops, so the backward is theirs):
    requires grad the weights are recomputed from the kernel's ids with differentiable torch ops (softmax /
    sigmoid, gather, renormalize; the router kernel has no backward), so the logits get their gradient.
 2. ``moe_permute``: token copies in expert order (stable), int32 group sizes.
-3. ``grouped_matmul`` (or ``grouped_matmul_quantized``) for gate and up, **float32 out** (one matmul over
+3. ``grouped_matmul`` (or ``grouped_matmul_quantized``) for gate and up, float32 accumulation, **out in tokens'
+   dtype** (one matmul over
    ``[E, H, 2I]``, two over the split layouts; ``w1 [E, 2, H, I]``'s halves are strided views, copied by the
    kernel call).
 4. the activation in float32: the ``gated_activation_fwd`` kernel (``"silu"``, ``"gelu_tanh"``), which writes
    ``h`` rounded once to the down projection's operand dtype (w2's dtype; tokens' for quantized w2). From one
    ``[T*k, 2I]`` output (``[E, H, 2I]`` weights, ``I`` a multiple of 128) it reads the gate and up halves in place
    (``halves=True``: two BlockSpecs on the same array, no split copies; :func:`reads_halves`); otherwise from the
-   two outputs or their split. ``"swigluoai"`` in torch elementwise ops (no kernel of its own yet: the clamps and
-   the ``+ 1`` are not in ``gated_activation``), then rounded the same way.
-5. ``grouped_matmul`` (down), float32 out. 6. ``moe_combine``: float32 weighted sums, rounded once to
-   ``tokens.dtype``.
+   two outputs or their split. ``"swigluoai"`` in float32 torch elementwise ops (no kernel of its own yet: the
+   clamps and the ``+ 1`` are not in ``gated_activation``), then rounded the same way.
+5. ``grouped_matmul`` (down), float32 accumulation, out in tokens' dtype. 6. ``moe_combine``: float32 weighted
+   sums of the expert outputs, rounded once to ``tokens.dtype``.
 
-Rounding: gate / up and the expert outputs are float32 (``out_dtype``), ``h`` is rounded once (the MXU operand
-of the down projection) and the output once, after the float32 weighted sum. tpu-inference's fused kernel keeps
+Rounding: the matmuls accumulate in float32 and write gate / up and the expert outputs in tokens' dtype (float32
+tokens: float32 throughout; bfloat16 tokens: one bf16 rounding of each, as stock transformers' bf16 linears, which
+halves their HBM traffic and the combine's row copies), the activation runs in float32 and ``h`` is rounded once
+(the MXU operand of the down projection), and the output once, after the float32 weighted sum (stock rounds each
+expert's weighted output and each partial sum in bf16). tpu-inference's fused kernel keeps
 its accumulators in float32 in VMEM too but rounds at other places (per block, through its all-to-all buffers);
 the tests hold both this op and that kernel's pure-JAX ``ref_moe`` to the float64 definition, not to each other
 bit for bit.
 
 Performance: not measured (no TPU here). This is a composition, not one fused kernel: five kernel launches plus
 the permute / combine gathers, with ``gate``/``up`` (``[T*k, 2I]``) and the expert outputs (``[T*k, H]``) in
-float32 in HBM between them; tpu-inference's ``fused_ep_moe`` keeps those in VMEM. Each kernel uses its own
+HBM between them; tpu-inference's ``fused_ep_moe`` keeps those in VMEM. Each kernel uses its own
 tuned / heuristic config (no tuning of the composition). The MoE bench family (:mod:`tpukernels.bench.moe`,
 BENCHMARKS.md; libtpu's static model) puts this layer ahead of JAX megablox with XLA routing at decode (its grouped
 matmuls), and behind it at Qwen3-30B-A3B prefill on v6e, where the row-DMA permute and combine cost more than XLA's
@@ -322,9 +326,9 @@ def _route(gating_output, top_k, renormalize, scoring_fn):
     return w, ids
 
 
-def _mm(a, spec, sizes, transpose_rhs):
-    """One grouped matmul ``a @ w[g] (+ bias[g])``, float32 out (``w`` a ``[E, K, N]`` view; with
-    ``transpose_rhs`` the kernel reads the ``[E, N, K]`` weight it views, no copy)."""
+def _mm(a, spec, sizes, transpose_rhs, out_dtype):
+    """One grouped matmul ``a @ w[g] (+ bias[g])`` in ``out_dtype`` (float32 accumulation; ``w`` a ``[E, K, N]``
+    view; with ``transpose_rhs`` the kernel reads the ``[E, N, K]`` weight it views, no copy)."""
     from .grouped_matmul_ops import grouped_matmul
     from .grouped_matmul_ops.quant import grouped_matmul_quantized
 
@@ -332,9 +336,9 @@ def _mm(a, spec, sizes, transpose_rhs):
     if transpose_rhs:
         w = w.transpose(-1, -2)
     if scale is not None:
-        return grouped_matmul_quantized(a, w, sizes, scale, out_dtype=torch.float32, rhs_bias=bias,
+        return grouped_matmul_quantized(a, w, sizes, scale, out_dtype=out_dtype, rhs_bias=bias,
                                         transpose_rhs=transpose_rhs)
-    return grouped_matmul(a, w, sizes, out_dtype=torch.float32, rhs_bias=bias, transpose_rhs=transpose_rhs)
+    return grouped_matmul(a, w, sizes, out_dtype=out_dtype, rhs_bias=bias, transpose_rhs=transpose_rhs)
 
 
 #: fused_moe's act_fn -> the gated_activation kernel's activation name
@@ -390,20 +394,20 @@ def _fused_moe_impl(tokens, w1, w2, gating_output=None, top_k=2, renormalize_top
     if T == 0:  # no tokens: no kernel launches (an empty [0, H] result, still on tokens' autograd graph)
         return tokens[:0].clone()
     xs, sizes, meta = moe_permute(tokens, ids, E)
-    outs = [_mm(xs, s, sizes, transpose_rhs) for s in specs]
+    outs = [_mm(xs, s, sizes, transpose_rhs, tokens.dtype) for s in specs]  # intermediates in tokens' dtype
     w2_, s2, _ = down
     h_dtype = tokens.dtype if s2 is not None else w2_.dtype
     if act_fn == "swigluoai":
         gate, up = split_gate_up(outs, I, gate_up_interleaved)
-        h = _swigluoai(gate, up, float(swigluoai_alpha), float(swigluoai_limit)).to(h_dtype)
+        h = _swigluoai(gate.float(), up.float(), float(swigluoai_alpha), float(swigluoai_limit)).to(h_dtype)
     elif reads_halves(outs, I, gate_up_interleaved):  # the activation reads the fused output's halves in place
         h = torch.ops.tpukernels.gated_activation_fwd(outs[0], outs[0], _ACT[act_fn], True,
                                                       str(h_dtype).replace("torch.", ""))
     else:
         gate, up = split_gate_up(outs, I, gate_up_interleaved)
         h = gated_activation(gate.contiguous(), up.contiguous(), _ACT[act_fn]).to(h_dtype)
-    y = _mm(h, down, sizes, transpose_rhs)
-    return moe_combine(y, weights, meta).to(tokens.dtype)
+    y = _mm(h, down, sizes, transpose_rhs, tokens.dtype)
+    return moe_combine(y, weights, meta)
 
 
 _LIB = torch.library.Library("tpukernels", "FRAGMENT")
@@ -522,26 +526,28 @@ def fused_moe_jax(tokens, w1, w2, gating_output=None, top_k: int = 2, *, renorma
         specs = [(w1, None if b1 is None else b1[..., :I]), (w3, None if b1 is None else b1[..., I:])]
     xs, sizes, meta = moe_permute_jax(tokens, ids, E, interpret=interpret)
     go = jnp.zeros((1,), jnp.int32)
+    inter = jnp.dtype(tokens.dtype).name  # the matmuls' outputs (float32 accumulation) in tokens' dtype
 
     def mm(a, w, b):
         if a.dtype != w.dtype:  # the torch op's rule: a bfloat16 operand beside a float32 one is widened
             a, w = a.astype(jnp.float32), w.astype(jnp.float32)
         if b is not None and b.dtype != w.dtype:
             b = b.astype(w.dtype)
-        return jax_call(grouped_matmul_fwd, sizes, go, a, w, b, transpose_rhs, "float32", interpret=interpret)
+        return jax_call(grouped_matmul_fwd, sizes, go, a, w, b, transpose_rhs, inter, interpret=interpret)
 
     outs = [mm(xs, w, b) for w, b in specs]
     h_dtype = jnp.dtype(w2.dtype).name
     if act_fn == "swigluoai":
         gate, up = split_gate_up(outs, I, gate_up_interleaved)
-        h = swigluoai_jnp(gate, up, swigluoai_alpha, swigluoai_limit).astype(w2.dtype)
+        h = swigluoai_jnp(gate.astype(jnp.float32), up.astype(jnp.float32), swigluoai_alpha,
+                          swigluoai_limit).astype(w2.dtype)
     elif reads_halves(outs, I, gate_up_interleaved):  # the activation reads the fused output's halves in place
         h = jax_call(gated_activation_fwd, outs[0], outs[0], _ACT[act_fn], True, h_dtype, interpret=interpret)
     else:
         gate, up = split_gate_up(outs, I, gate_up_interleaved)
         h = jax_call(gated_activation_fwd, gate, up, _ACT[act_fn], False, h_dtype, interpret=interpret)
     y = mm(h, w2, b2)
-    return moe_combine_jax(y, weights, meta, interpret=interpret).astype(tokens.dtype)
+    return moe_combine_jax(y, weights, meta, interpret=interpret)
 
 
 # ----------------------------------------------------------------------------------------- float64 reference
