@@ -272,7 +272,7 @@ def test_reasons_name_the_profiler_faults_and_the_losing_case():
     assert "v5e" in moe.reason(row) and "floors" in moe.reason(row)
     assert "fifo_tracker" in moe.reason(dict(row, chip="tpu7x", op=moe.MODELS[0].label))
     dsv3 = dict(row, chip="tpu7x", op=moe.MODELS[2].label, figure="floor")
-    assert moe.MODELS[2].name == "DeepSeek-V3" and "gate/up grouped matmul with bf16 out" in moe.reason(dsv3)
+    assert moe.MODELS[2].name == "DeepSeek-V3" and "gate/up grouped matmul at the config bf16 out gets" in moe.reason(dsv3)
     assert moe.reason(dict(dsv3, figure="estimate", pct_roofline=50.0)).startswith("50% of the layer's roofline")
     assert "permute gather" in moe.reason(dict(row, chip="v6e", op=moe.MODELS[0].label, shape="prefill T=8192"))
     estimated = dict(row, chip="v6e", figure="estimate", pct_roofline=87.4)

@@ -118,7 +118,8 @@ _QWEN3 = "Qwen3-30B-A3B MoE (H2048 I768 E128 k8)"
 REASONS: dict = {
     ("v6e", _QWEN3, "prefill T=8192"): (
         "slower than megablox with XLA routing in the model, though our grouped matmuls are 1.85x its (gate/up 811 "
-        "+ down 472 µs at bm=256, bf16 out, vs 1,773 + 600 µs at tm=512, schedules included): the rest of our layer "
+        "+ down 472 µs, bf16 out at the shipped table's nearest entry that bf16 out keys, bm=256, vs 1,773 + 600 µs at "
+        "tm=512, schedules included): the rest of our layer "
         "models 2,697 µs against XLA's 942 µs for the same routing, permute, activation and combine. Ours: router "
         "kernel 76, permute gather 1,030 (65,536 row DMAs of 4 KiB, ~28 cycles each in libtpu's model), activation "
         "kernel 125, combine 1,174 (65,536 bf16 rows of 4 KiB), XLA ops 293 (the stable argsort of the 65,536 expert "
@@ -134,16 +135,19 @@ REASONS: dict = {
 _V5E = ("v5e: no estimate of either layer: libtpu 0.0.52 aborts on the XLA programs of both (llo_execution_graph.cc:"
         "149; the scatters of the positions and group sizes) and, at gpt-oss's rows, on our combine and megablox's "
         "kernel; the figures are floors (ours: the sum of the programs it could estimate), not a comparison")
-_TPU7X_QWEN3 = ("tpu7x: our down projection's grouped matmul (K = 768, bm=256, bn=1024, the rhs prefetch chain) aborts "
-                "libtpu 0.0.52's profiler (fifo_tracker.cc:436; bm=512 too); the same kernel with the grid pipeline's "
+_TPU7X_QWEN3 = ("tpu7x: our down projection's grouped matmul (K = 768, the rhs prefetch chain) aborts libtpu 0.0.52's "
+                "profiler (fifo_tracker.cc:436: at the float32-out heuristic config bm=256, bn=1024, bm=512 too, and at "
+                "the shipped table's nearest entry that bf16 out now gets); the same kernel with the grid pipeline's "
                 "rhs blocks estimates (61,055 cycles at 8 groups, two column blocks), so the figure is a floor: the "
                 "sum of the other programs")
 _DSV3 = "DeepSeek-V3 MoE (H7168 I2048 E256 k8)"
-_TPU7X_DSV3 = ("tpu7x: our gate/up grouped matmul with bf16 out (K = 7168, the rhs prefetch chain) aborts libtpu "
-               "0.0.52's profiler (fifo_tracker.cc:436), as the Qwen3 down projection does, so the figure is a floor: "
-               "the sum of the other programs. With float32 out (before bf16 intermediates, 2026-12-07) the same "
-               "layer estimated 7,927 / 8,169 / 18,055 µs (decode 64 / 256, prefill), 1.67x / 1.66x / 1.31x faster "
-               "than megablox with XLA routing; the bf16-out kernel does the same dots and writes half the bytes")
+_TPU7X_DSV3 = ("tpu7x: our gate/up grouped matmul at the config bf16 out gets, the shipped tpu7x table's nearest "
+               "entry (bm=128, bk=16384, bn=512, the rhs prefetch chain), aborts libtpu 0.0.52's profiler "
+               "(fifo_tracker.cc:436; float32 out at that config too, while the grid pipeline's rhs blocks estimate: "
+               "50,777 cycles at 8 groups), so the figure is a floor: the sum of the other programs. With float32 "
+               "out (before bf16 intermediates: the heuristic's bm=256, bk=1024, bn=1024) the layer estimated 7,927 / "
+               "8,169 / 18,055 µs (decode 64 / 256, prefill), 1.67x / 1.66x / 1.31x faster than megablox with XLA "
+               "routing")
 
 
 def _jdt(name: str):
