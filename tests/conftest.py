@@ -9,6 +9,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
+from sick_worker import pytest_runtest_makereport  # noqa: E402,F401  (a broken worker exits: its test reruns)
 
 settings.register_profile(
     "ci", max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
