@@ -21,12 +21,13 @@ back from them. A plain run afterwards tunes those cases again over the checked 
 
 ``--rekey`` is for a kernel whose source changed without changing what its tunables mean (e.g. control flow
 decided statically that was decided at run time): each standard case's config from the newest entry keyed to an
-earlier source (same chip, dtypes and statics) is compiled for the chip with the current source and, if it
+earlier source (same chip, dtypes and statics; a static added since counts as its default) is compiled for the chip with the current source and, if it
 compiles, written under the current source's key; its evidence says so, and its figures stay labelled as the
 earlier source's.
 """
 
 import argparse
+import inspect
 import json
 import os
 import sys
@@ -192,8 +193,15 @@ def rekey(chip: str, only: str) -> int:
         if db.find(entries, key)[1] == "exact":
             continue
         same = {k: v for k, v in key.items() if k != "source_hash"}
+        # a static the kernel gained since (with a default) is its default in an entry that predates it
+        defaults = {q.name: q.default for q in kernel.params if q.kind == "static" and q.default is not inspect.Parameter.empty}
+
+        def as_now(k):
+            k = {n: v for n, v in k.items() if n != "source_hash"}
+            return dict(k, statics={n: k.get("statics", {}).get(n, defaults.get(n)) for n in same["statics"]})
+
         stale = [e for e in entries if e["key"].get("source_hash") != key["source_hash"]
-                 and {k: v for k, v in e["key"].items() if k != "source_hash"} == same]
+                 and set(e["key"].get("statics", {})) <= set(same["statics"]) and as_now(e["key"]) == same]
         if not stale:
             print(f"{chip} {kernel.name} {problem.describe()}: no earlier entry to re-key", flush=True)
             missing += 1

@@ -145,6 +145,14 @@ def test_halves_read_the_fused_output_in_place(interpret, rows, i, cols, out_dty
     (G.gated_activation_fwd(hg, hg, "silu", True, None, config=cfg) * dy).sum().backward()
     (G.gated_activation_reference(hd[:, :i], hd[:, i:]) * dy.double()).sum().backward()
     check(hg.grad, hd.grad, f32_err(h, (1 + h.abs()) * dy.repeat(1, 2)), F32, "d[gate | up]")
+    # two arrays: the gate half of the first, the up half of the second, each gradient in its own half
+    a, b = hg.detach().clone().requires_grad_(), rand(rows, 2 * i, seed=rows + 1).requires_grad_()
+    (G.gated_activation_fwd(a, b, "silu", True, None, config=cfg) * dy).sum().backward()
+    ad, bd = a.detach().double().requires_grad_(), b.detach().double().requires_grad_()
+    (G.gated_activation_reference(ad[:, :i], bd[:, i:]) * dy.double()).sum().backward()
+    assert not a.grad[:, i:].any() and not b.grad[:, :i].any()
+    check(a.grad[:, :i], ad.grad[:, :i], f32_err(a[:, :i], (1 + b[:, i:].abs()) * dy), F32, "dgate")
+    check(b.grad[:, i:], bd.grad[:, i:], f32_err(a[:, :i], dy.abs() * (1 + a[:, :i].abs())), F32, "dup")
 
 
 def test_halves_and_out_dtype_errors_are_typed():

@@ -208,9 +208,10 @@ def gated_activation_fwd(gate: torch.Tensor, up: torch.Tensor, activation: str, 
     """``act(gate) * up`` on ``[rows, I]`` bf16/f32 (internal op; use :func:`gated_activation`), in ``out_dtype``
     (``"bfloat16"`` / ``"float32"``; None: gate's dtype).
 
-    ``halves=True``: ``gate`` and ``up`` are both the ``[rows, 2 I]`` output of a fused gate/up matmul (pass it
-    twice): the gate is its columns ``[0, I)``, up ``[I, 2 I)``, read in place by two BlockSpecs (no split copies);
-    ``I`` a multiple of 128. Its gradient flows to that array (the first argument)."""
+    ``halves=True``: ``gate`` and ``up`` are ``[rows, 2 I]``, in practice both the output of a fused gate/up matmul
+    (pass it twice): the gate is ``gate[:, :I]``, up is ``up[:, I:]``, read in place by two BlockSpecs (no split
+    copies); ``I`` a multiple of 128. Gradients: ``[dgate | dup]`` to that one array (zeros in the unread halves
+    when two arrays are passed)."""
     _check("gated_activation_fwd", activation, gate, up, halves=halves, out_dtype=out_dtype)
     n, i = gate.shape[0], _fwd_cols(gate, halves)
     bm, bn = fit_block(block_rows, block_cols, n, i, _fwd_elem(gate, up, out_dtype))
@@ -241,10 +242,13 @@ def gated_activation_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
 
 @gated_activation_fwd.def_backward(op="gated_activation (swiglu, geglu)")
 def _fwd_backward(ctx, dy):
-    if ctx.halves:  # gate and up are one [rows, 2 I] array: its gradient is [dgate | dup], given once
+    if ctx.halves:  # the gate is gate[:, :I], up is up[:, I:]
         i = ctx.gate.shape[1] // 2
-        dg, du = gated_activation_bwd(dy, ctx.gate[:, :i].contiguous(), ctx.gate[:, i:].contiguous(), ctx.activation)
-        return {"gate": torch.cat([dg, du], dim=1)}
+        dg, du = gated_activation_bwd(dy, ctx.gate[:, :i].contiguous(), ctx.up[:, i:].contiguous(), ctx.activation)
+        if ctx.gate.data_ptr() == ctx.up.data_ptr():  # one fused output passed twice: [dgate | dup], given once
+            return {"gate": torch.cat([dg, du], dim=1)}
+        zero = torch.zeros_like(dg)
+        return {"gate": torch.cat([dg, zero], dim=1), "up": torch.cat([zero, du], dim=1)}
     dg, du = gated_activation_bwd(dy, ctx.gate, ctx.up, ctx.activation)
     return {"gate": dg, "up": du}
 
