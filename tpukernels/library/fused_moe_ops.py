@@ -59,9 +59,8 @@ What runs (every step one of this library's ops, so the backward is theirs):
    sigmoid, gather, renormalize; the router kernel has no backward), so the logits get their gradient.
 2. ``moe_permute``: token copies in expert order (stable), int32 group sizes.
 3. ``grouped_matmul`` (or ``grouped_matmul_quantized``) for gate and up, float32 accumulation, **out in tokens'
-   dtype** (one matmul over
-   ``[E, H, 2I]``, two over the split layouts; ``w1 [E, 2, H, I]``'s halves are strided views, copied by the
-   kernel call).
+   dtype** (one matmul over ``[E, H, 2I]``, two over the split layouts; ``w1 [E, 2, H, I]``'s halves are strided
+   views, copied by the kernel call).
 4. the activation in float32: the ``gated_activation_fwd`` kernel (``"silu"``, ``"gelu_tanh"``), which writes
    ``h`` rounded once to the down projection's operand dtype (w2's dtype; tokens' for quantized w2). From one
    ``[T*k, 2I]`` output (``[E, H, 2I]`` weights, ``I`` a multiple of 128) it reads the gate and up halves in place
