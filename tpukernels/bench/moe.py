@@ -112,7 +112,7 @@ _TPU_INFERENCE_WHY = (
     "not attempted: libtpu 0.0.52 cannot estimate tpu-inference 0.32.0's fused_ep_moe on any chip (it exports on a "
     "1 x 1 abstract mesh; v6e and tpu7x fail the LLO type check, \"Expected vector-bf16packed, got vector-int32\", "
     "v5e \"Unsupported DMA direction: 10 on VL/VLP\"; tried 2026-12-07, each attempt logging the whole program)")
-_QWEN3 = "Qwen3-30B-A3B MoE (H2048 I768 E128 k8)"
+_QWEN3 = MODELS[0].label
 #: why ours is where it is, from the estimates (per-program breakdown by :func:`layer_kernels` and the fits); keyed
 #: (chip, op, shape)
 REASONS: dict = {
@@ -140,7 +140,7 @@ _TPU7X_QWEN3 = ("tpu7x: our down projection's grouped matmul (K = 768, the rhs p
                 "the shipped table's nearest entry that bf16 out now gets); the same kernel with the grid pipeline's "
                 "rhs blocks estimates (61,055 cycles at 8 groups, two column blocks), so the figure is a floor: the "
                 "sum of the other programs")
-_DSV3 = "DeepSeek-V3 MoE (H7168 I2048 E256 k8)"
+_DSV3 = MODELS[2].label
 _TPU7X_DSV3 = ("tpu7x: our gate/up grouped matmul at the config bf16 out gets, the shipped tpu7x table's nearest "
                "entry (bm=128, bk=16384, bn=512, the rhs prefetch chain), aborts libtpu 0.0.52's profiler "
                "(fifo_tracker.cc:436; float32 out at that config too, while the grid pipeline's rhs blocks estimate: "
@@ -281,7 +281,7 @@ def _reads_halves(m: MoEModel) -> bool:
     """:func:`fused_moe_jax` reads the model's one fused gate/up output in place (``fused_moe_ops.reads_halves``)."""
     from ..library.fused_moe_ops import reads_halves
 
-    return reads_halves([None], m.I, m.interleaved)
+    return reads_halves(1, m.I, m.interleaved)
 
 
 def ours_xla_glue(m: MoEModel, T: int):

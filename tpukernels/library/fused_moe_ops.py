@@ -344,10 +344,11 @@ def _mm(a, spec, sizes, transpose_rhs, out_dtype):
 _ACT = {"silu": "silu", "gelu": "gelu_tanh"}
 
 
-def reads_halves(outs, I, interleaved) -> bool:
+def reads_halves(n_outputs: int, I, interleaved) -> bool:
     """The activation can read one fused ``[M, 2 I]`` gate/up output in place (``gated_activation_fwd``
-    ``halves=True``: no split copies): one output, gate then up (not interleaved), ``I`` a multiple of 128."""
-    return len(outs) == 1 and not interleaved and I % 128 == 0
+    ``halves=True``: no split copies): ``n_outputs`` gate/up matmul outputs, one, gate then up (not interleaved),
+    ``I`` a multiple of 128."""
+    return n_outputs == 1 and not interleaved and I % 128 == 0
 
 
 def split_gate_up(outs, I, interleaved):
@@ -399,9 +400,9 @@ def _fused_moe_impl(tokens, w1, w2, gating_output=None, top_k=2, renormalize_top
     if act_fn == "swigluoai":
         gate, up = split_gate_up(outs, I, gate_up_interleaved)
         h = _swigluoai(gate.float(), up.float(), float(swigluoai_alpha), float(swigluoai_limit)).to(h_dtype)
-    elif reads_halves(outs, I, gate_up_interleaved):  # the activation reads the fused output's halves in place
+    elif reads_halves(len(outs), I, gate_up_interleaved):  # the activation reads the fused output's halves in place
         h = torch.ops.tpukernels.gated_activation_fwd(outs[0], outs[0], _ACT[act_fn], True,
-                                                      str(h_dtype).replace("torch.", ""))
+                                                      str(h_dtype).removeprefix("torch."))
     else:
         gate, up = split_gate_up(outs, I, gate_up_interleaved)
         h = gated_activation(gate.contiguous(), up.contiguous(), _ACT[act_fn]).to(h_dtype)
@@ -540,7 +541,7 @@ def fused_moe_jax(tokens, w1, w2, gating_output=None, top_k: int = 2, *, renorma
         gate, up = split_gate_up(outs, I, gate_up_interleaved)
         h = swigluoai_jnp(gate.astype(jnp.float32), up.astype(jnp.float32), swigluoai_alpha,
                           swigluoai_limit).astype(w2.dtype)
-    elif reads_halves(outs, I, gate_up_interleaved):  # the activation reads the fused output's halves in place
+    elif reads_halves(len(outs), I, gate_up_interleaved):  # the activation reads the fused output's halves in place
         h = jax_call(gated_activation_fwd, outs[0], outs[0], _ACT[act_fn], True, h_dtype, interpret=interpret)
     else:
         gate, up = split_gate_up(outs, I, gate_up_interleaved)
