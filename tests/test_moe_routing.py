@@ -375,22 +375,82 @@ def test_permute_combine_backward_bf16():
     torch.testing.assert_close(w.grad.double(), wd.grad, rtol=4e-2, atol=4e-2 * float(wd.grad.abs().max()))
 
 
-def test_permute_combine_blocks_and_tails(interpret):
+@pytest.mark.parametrize("source", P.SOURCES)
+def test_permute_combine_blocks_and_tails(interpret, source):
     """Several grid steps with overhanging tails: 128-row gather blocks over 150 rows, 64-token combine blocks
-    (k = 2: 128 SMEM entries) over 75 tokens."""
+    (k = 2: 128 SMEM entries) over 75 tokens; the source rows resident in VMEM or copied from HBM."""
     t, d, e, k = 75, 256, 5, 2
     x = rand(t, d, seed=19)
     ids = _routing(t, e, k, 20)
     rx, _, order = P.moe_permute_reference(x, ids, e)
     src = torch.div(order, k, rounding_mode="floor").int()
-    xs = P.moe_gather_fwd(x.reshape(t, 1, d), src, config={"block_rows": 128}).reshape(t * k, d)
+    xs = P.moe_gather_fwd(x.reshape(t, 1, d), src, config={"block_rows": 128, "source": source}).reshape(t * k, d)
     assert torch.equal(xs.double(), rx)
     pos = torch.empty_like(order)
     pos[order] = torch.arange(t * k)
     w = torch.rand(t * k, generator=torch.Generator().manual_seed(3))
-    out = P.moe_gather_reduce_fwd(xs.reshape(t * k, 1, d), pos.int(), w, 2, config={"block_tokens": 64})
+    out = P.moe_gather_reduce_fwd(xs.reshape(t * k, 1, d), pos.int(), w, 2,
+                                  config={"block_tokens": 64, "source": source})
     ref = P.moe_combine_reference(xs, w.reshape(t, k), order)
     torch.testing.assert_close(out.reshape(t, d).double(), ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("m,t,d,dtype,bm", [(300, 70, 256, F32, 128), (64, 300, 2048, BF16, 128),
+                                            (1, 1, 128, F32, 1024), (700, 520, 128, BF16, 256)])
+def test_scatter_add_matches_float64(interpret, m, t, d, dtype, bm):
+    """out[t] = sum of w[p] * y[p] over the rows p of token t (float64 index_add): partial last y blocks, more
+    tokens than rows, tokens no row adds to (zero) and rows whose token is out of range (they add nothing,
+    anywhere)."""
+    g = torch.Generator().manual_seed(m + t)
+    s = P.row_view(d, torch.empty(0, dtype=dtype).element_size())
+    y = rand(m, d, dtype=dtype, seed=m)
+    tok = torch.randint(-2, t + 2, (m,), generator=g).int()
+    w = torch.rand(m, generator=g)
+    out = P.moe_scatter_add_fwd(y.reshape(m, s, d // s), tok, w, t, config={"block_rows": bm}).reshape(t, d)
+    ok = (tok >= 0) & (tok < t)
+    ref = torch.zeros(t, d, dtype=torch.float64).index_add_(0, tok[ok].long(), y[ok].double() * w[ok, None].double())
+    mass = torch.zeros(t, d, dtype=torch.float64).index_add_(0, tok[ok].long(), (y[ok].double() * w[ok, None]).abs())
+    n = int(torch.bincount(tok[ok].long(), minlength=t).max()) if ok.any() else 0
+    assert out.dtype == dtype
+    assert bool(((out.double() - ref).abs() <= U[dtype] * ref.abs() + n * 2.0**-24 * mass + 1e-30).all())
+    untouched = torch.bincount(tok[ok].long(), minlength=t) == 0
+    assert bool((out[untouched] == 0).all())
+
+
+def test_combine_takes_the_scatter_add_where_it_fits_and_both_agree(monkeypatch):
+    """moe_combine (and the permute's backward) sums each token's rows with moe_scatter_add_fwd where its float32
+    accumulator fits the chip's VMEM cap (v6e: Qwen3-30B-A3B's 8,192 prefill tokens; tpu7x: not), else with
+    moe_gather_reduce_fwd: both give the float64 reference's result within one rounding."""
+    from tpukernels.chips import get_chip
+
+    assert P.scatter_add_fits(8192, 2048, 2, get_chip("v6e")) and not P.scatter_add_fits(8192, 2048, 2, "tpu7x")
+    assert P.scatter_add_fits(3754, 2048, 2, "tpu7x") and not P.scatter_add_fits(3755, 2048, 2, "tpu7x")
+    assert not P.scatter_add_fits(64, 2880, 2, "v6e")  # gpt-oss's [16, 180] rows: partial lane columns
+    t, d, e, k = 40, 256, 6, 3
+    x = rand(t, d, seed=30).requires_grad_()
+    ids = _routing(t, e, k, 31)
+    w = torch.rand(t, k, generator=torch.Generator().manual_seed(6))
+    calls = []
+    for fits in (True, False):
+        monkeypatch.setattr(P, "scatter_add_fits", lambda *a, fits=fits, **kw: calls.append(fits) or fits)
+        xs, _, meta = MR.moe_permute(x, ids, e)
+        out = MR.moe_combine(xs * 2.0, w, meta)
+        (gx,) = torch.autograd.grad(out.sum(), x)
+        ref = P.moe_combine_reference(xs.detach().double() * 2.0, w.double(), meta.order.long())
+        torch.testing.assert_close(out.double(), ref, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(gx.double(), 2.0 * w.sum(1, keepdim=True).double().expand(t, d), rtol=1e-6,
+                                   atol=1e-6)
+    assert True in calls and False in calls
+
+
+def test_scatter_add_rejects_bad_arguments():
+    y, tok, w = rand(4, 1, 128), torch.zeros(4, dtype=torch.int32), torch.zeros(4)
+    with pytest.raises(ArgumentError, match="num_tokens"):
+        P.moe_scatter_add_fwd(y, tok, w, 0)
+    with pytest.raises(ArgumentError, match="w must be float32"):
+        P.moe_scatter_add_fwd(y, tok, w[:3], 2)
+    with pytest.raises(ArgumentError, match="128-lane"):
+        P.moe_scatter_add_fwd(rand(4, 1, 96), tok, w, 2)
 
 
 def test_permute_ops_pass_opcheck():
@@ -504,6 +564,8 @@ def test_sharding_rules():
         Split({"idx": 0}, (0,))]
     assert splits_for(P.moe_gather_reduce_fwd, {"y": m(16, 1, 128), "pos": m(16, dt=torch.int32),
                                                 "w": m(16), "top_k": 2}) == []
+    assert splits_for(P.moe_scatter_add_fwd, {"y": m(16, 1, 128), "tok": m(16, dt=torch.int32), "w": m(16),
+                                              "num_tokens": 8}) == []
 
 
 # ----------------------------------------------------------------------------------------- compile-only
@@ -513,12 +575,12 @@ def _standard():
 
 
 #: make test compiles the largest case of each kernel (one chip each); make test-slow all of them on every chip
-MAKE_TEST_CASES = (0, 5, 8, 9)
+MAKE_TEST_CASES = (0, 5, 8, 9, 10)
 
 
 @pytest.mark.aot
 @pytest.mark.parametrize("case", [c if c in MAKE_TEST_CASES else pytest.param(c, marks=pytest.mark.slow)
-                                  for c in range(10)])
+                                  for c in range(11)])
 @pytest.mark.parametrize("chip", ["v5e", "v6e", "tpu7x"])
 def test_compile_only(chip, case, tmp_cache):
     from tpukernels.targets.compile_only import compile_for
@@ -627,14 +689,17 @@ def test_patched_routers_train_like_stock():
 
 def test_row_copies_in_flight_are_capped():
     """The heuristics keep at most MAX_ROWS_IN_FLIGHT row copies per grid step (one wait covers them; libtpu's
-    tpu7x profiler mis-costs 512) and at most ~8 MiB of rows; fit_tokens applies the cap to any block_tokens."""
+    tpu7x profiler mis-costs 512) and at most ~8 MiB of rows (a resident source: the bytes only); fit_tokens
+    applies the cap to any block_tokens."""
     import jax
     import jax.numpy as jnp
 
     S = jax.ShapeDtypeStruct
     cap = P.MAX_ROWS_IN_FLIGHT
-    x = S((8192, 16, 128), jnp.bfloat16)  # 4 KiB rows: 1024 of them would fit the bytes
-    assert P.moe_gather_fwd.heuristic(x, S((65536,), jnp.int32)) == {"block_rows": cap}
+    x = S((16384, 16, 128), jnp.bfloat16)  # 4 KiB rows: 1024 of them would fit the bytes; 64 MiB, not resident
+    assert P.moe_gather_fwd.heuristic(x, S((65536,), jnp.int32)) == {"block_rows": cap, "source": "hbm"}
+    x = S((8192, 16, 128), jnp.bfloat16)  # resident: no row copies, so the bytes alone bound the block
+    assert P.moe_gather_fwd.heuristic(x, S((65536,), jnp.int32)) == {"block_rows": 1024, "source": "vmem"}
     y = S((65536, 8, 256), jnp.float32)  # 8 KiB rows, k = 8
     cfg = P.moe_gather_reduce_fwd.heuristic(y, S((65536,), jnp.int32), S((65536,), jnp.float32), 8)
     assert cfg["block_tokens"] * 8 <= cap
@@ -642,6 +707,52 @@ def test_row_copies_in_flight_are_capped():
     assert P.fit_tokens(256, 8192, 1, 64) == cap
     assert P.fit_tokens(256, 8192, 3, 64) == 128  # k = 3: 128 tokens (384 rows) is the smallest whole index block
     assert P.fit_tokens(256, 40, 8, 8192) == 32  # 40 tokens x 8 rows would exceed the cap in one step
+
+
+@pytest.mark.parametrize("source", P.SOURCES)
+def test_gather_kernels_clamp_out_of_range_indices(source):
+    """An index outside the source (a device tensor's ids are not checked on the host) reads the nearest row,
+    never out of bounds, whether the rows are loaded from VMEM or copied by DMA."""
+    x = rand(5, 256, seed=40)
+    idx = torch.tensor([4, -3, 9, 0, 2, 7, -1, 1], dtype=torch.int32)
+    want = x[idx.clamp(0, 4).long()]
+    got = P.moe_gather_fwd(x.reshape(5, 1, 256), idx, config={"block_rows": 128, "source": source})
+    assert torch.equal(got.reshape(8, 256), want)
+    w = torch.rand(8, generator=torch.Generator().manual_seed(5))
+    out = P.moe_gather_reduce_fwd(x.reshape(5, 1, 256), idx, w, 2, config={"block_tokens": 16, "source": source})
+    ref = (want.double().reshape(4, 2, 256) * w.double().reshape(4, 2, 1)).sum(1)
+    torch.testing.assert_close(out.reshape(4, 256).double(), ref, rtol=1e-6, atol=1e-6)
+
+
+def test_resident_source_is_chosen_where_it_fits_and_pays(monkeypatch):
+    """The heuristics keep the source rows in VMEM when the source, the blocks and the headroom fit the chip's
+    cap (7/8 of its VMEM: 112 MiB v6e, 56 MiB tpu7x) and the source has at most RESIDENT_ROWS_PER_READ rows per
+    row read; else the rows are copied from HBM. A forced resident source that does not fit is a VmemError
+    naming the config."""
+    import jax
+    import jax.numpy as jnp
+    from tpukernels.chips import get_chip
+    from tpukernels.errors import VmemError
+    from tpukernels.lowering import launching_for
+
+    S = jax.ShapeDtypeStruct
+
+    def sources(chip, rows, reads):
+        x = S((rows, 16, 128), jnp.bfloat16)  # 4 KiB rows
+        with launching_for(get_chip(chip)):
+            g = P.moe_gather_fwd.heuristic(x, S((reads,), jnp.int32))["source"]
+            r = P.moe_gather_reduce_fwd.heuristic(x, S((reads,), jnp.int32), S((reads,), jnp.float32), 8)["source"]
+        return g, r
+
+    assert sources("tpu7x", 8192, 65536) == ("vmem", "vmem")  # Qwen3-30B-A3B prefill's tokens: 32 MiB
+    assert sources("tpu7x", 16384, 65536) == ("hbm", "hbm")  # 64 MiB: over tpu7x's 56 MiB cap
+    assert sources("v6e", 16384, 65536) == ("vmem", "vmem")  # under v6e's 112 MiB
+    assert sources("v6e", 8192, 1024) == ("hbm", "hbm")  # 8 source rows per row read: the DMAs are cheaper
+    assert sources("v6e", 4096, 1024) == ("vmem", "vmem")
+    monkeypatch.setenv("TPUKERNELS_TARGET_CHIP", "tpu7x")
+    big = torch.empty(16384, 16, 128, dtype=torch.bfloat16)
+    with pytest.raises(VmemError, match="source=vmem"):
+        P.moe_gather_fwd(big, torch.zeros(65536, dtype=torch.int32), config={"block_rows": 256, "source": "vmem"})
 
 
 def test_row_view_prefers_whole_lane_columns():

@@ -363,6 +363,8 @@ LIBRARY_RULES: dict[str, Callable[[Mapping], list[Split]]] = {
     "moe_gather_fwd": lambda args: [Split({"idx": 0}, (0,))],
     # pos / w [T*k] hold k entries per output row: an even split of T*k need not fall on token boundaries
     "moe_gather_reduce_fwd": lambda args: [],
+    # out[t] sums rows of y from anywhere in y: a split of y's rows would leave partial sums to reduce
+    "moe_scatter_add_fwd": lambda args: [],
 }
 
 

@@ -23,27 +23,47 @@ transformers' ``torch.argsort(..., stable=True)`` in its grouped-mm experts path
 forward. **Dropless**: every copy is kept, whatever the load (no capacity factor; capacity / token dropping is
 not supported). A token routed twice to one expert gets two rows.
 
-Backward: ``dx[t] = sum_j dx_sorted[positions[t, j]]`` (the gather-reduce with unit weights);
+Backward: ``dx[t] = sum_j dx_sorted[positions[t, j]]`` (the combine with unit weights);
 ``dy_sorted[p] = weights[slot] * dout[order[p] // k]`` (the gather, scaled in float32); ``dweights[t, j] =
 <dout[t], y_sorted[positions[t, j]]>`` (float32 row dots over a gather of y_sorted back into slot order).
 Ids, group sizes and the metadata get no gradient.
 
-Design. Two DSL kernels move whole rows with DMAs, rows viewed as ``[S, D/S]`` slabs (``S`` = 8 sublanes for
-32-bit, 16 for 16-bit data when it divides D with at least 128 lanes left, else 1; 16-bit rows whose ``D/16`` is
-not a multiple of 128 but ``D/8`` is take ``S = 8``: libtpu 0.0.52's profiler aborts on the ``[16, 448]`` slabs of
-DeepSeek-V3's D = 7168 and estimates ``[8, 896]``), so a row is one index of a leading dim and every copy is
-tile-aligned:
+Design. Three DSL kernels move whole rows, viewed as ``[S, D/S]`` slabs (``S`` = 8 sublanes for 32-bit, 16 for
+16-bit data when it divides D with at least 128 lanes left, else 1; 16-bit rows whose ``D/16`` is not a multiple
+of 128 but ``D/8`` is take ``S = 8``: libtpu 0.0.52's profiler aborts on the ``[16, 448]`` slabs of DeepSeek-V3's
+D = 7168 and estimates ``[8, 896]``), so a row is one index of a leading dim and every copy is tile-aligned. The
+two gathers read their source rows one of two ways (the ``source`` tunable):
+
+* ``"vmem"`` (resident): the whole source array is one VMEM block (``pl.Buffered(1)``: its index never changes,
+  so it is copied in once), and a row is one dynamic-index load and store. Chosen by :func:`resident_fits`: the
+  source, the blocks and :data:`RESIDENT_HEADROOM` fit the chip's VMEM cap and the source has at most
+  :data:`RESIDENT_ROWS_PER_READ` rows per row read (the permute reads x's T rows k times each).
+* ``"hbm"``: the source stays in HBM (``pl.ANY``) and each row is one DMA.
 
 * ``tpukernels::moe_gather_fwd(x [N, S, L], idx [M] int32) -> [M, S, L]``: grid ``cdiv(M, block_rows)``; the
-  block's indices come into SMEM (a blocked SMEM operand), ``x`` stays in HBM (``pl.ANY``), and the body starts
-  one row DMA per output row straight into the output block, then waits for them.
+  block's indices come into SMEM (a blocked SMEM operand), and each output row is loaded from the resident x, or
+  copied by a row DMA straight into the output block (the DMAs are then waited for).
 * ``tpukernels::moe_gather_reduce_fwd(y [M, S, L], pos [T*k] int32, w [T*k] f32, top_k) -> [T, S, L]``: grid
-  ``cdiv(T, block_tokens)``; ``block_tokens * k`` row DMAs into a VMEM buffer, then per token the float32 sum of
-  its k rows times their weights (SMEM scalars), rounded once to y's dtype.
+  ``cdiv(T, block_tokens)``; per token the float32 sum of its k rows times their weights (SMEM scalars), rounded
+  once to y's dtype; the rows are read from the resident y, or first copied into a VMEM buffer by
+  ``block_tokens * k`` row DMAs.
+* ``tpukernels::moe_scatter_add_fwd(y [M, S, L], tok [M] int32, w [M] f32, num_tokens) -> [T, S, L]``: the
+  combine the other way round, where its accumulator fits (:func:`scatter_add_fits`): y is read once, in order,
+  in pipelined ``block_rows`` blocks, and each row times its weight is added to its token's row of a float32
+  ``[T, S, L]`` VMEM accumulator (a dynamic-row load, add and store; a sequential grid); the last step rounds the
+  accumulator once into the output, one whole VMEM block written back after it. A row whose token is out of
+  range adds nothing. :func:`combine_rows` (moe_combine, the permute's backward) takes it with ``tok = order //
+  k`` and the weights in expert order, else the gather-reduce. Each token's k terms are summed in expert order
+  rather than j order (both in float32, rounded once). (Writing the output in chunks by DMA from VMEM staging
+  buffers instead estimates 434 µs against 455 at Qwen3's prefill on v6e, but hangs jax's TPU interpreter under
+  a 4-device CPU mesh: tests/test_expert_parallel.py.)
 
-Both are bound by the work per row DMA, so a full block's start loop is unrolled (:data:`UNROLL`) and its copies
-are waited for by one wait on a block-sized descriptor (the row copies' bytes add up to it); a partial last block
-goes row by row; at most :data:`MAX_ROWS_IN_FLIGHT` rows per step. libtpu's static estimate of the gather, 8192
+Both are bound by the scalar work per row, so a full block's row loop is unrolled (:data:`UNROLL`); row DMAs are
+waited for by one wait on a block-sized descriptor (the row copies' bytes add up to it); a partial last block
+goes row by row; at most :data:`MAX_ROWS_IN_FLIGHT` copied rows per step. libtpu 0.0.52's static estimate (a
+model): a row DMA costs ~23-28 cycles to issue, a resident row load ~6-7. The permute gather of Qwen3-30B-A3B
+prefill (65,536 rows of 4 KiB from 8,192 tokens) is 1,030 µs by row DMAs and 229 µs resident on v6e; its combine
+1,174 µs by the gather-reduce's row DMAs and 455 µs by the scatter-add (12.2 cycles per row). By DMAs, 8192
 rows of 4 KiB in 256-row blocks: v6e 205 µs with a wait per row, 117 µs with one wait and the unrolled loop
 (copies HBM -> HBM instead of into the output block: 98 µs, but libtpu aborts on them on tpu7x,
 ``fifo_tracker.cc:436``); tpu7x 242 -> 75 µs. XLA's own gather of the same rows estimates 14 µs on v6e, under the
@@ -59,8 +79,9 @@ Checked before any kernel runs (typed errors): ranks, shapes, dtypes, ``num_expe
 ``[0, E)`` and the metadata's ``group_sizes`` summing to ``T*k`` when the tensors are on the cpu (device tensors
 would need a sync: out-of-range ids are clamped in the kernels, never read out of bounds).
 
-Tuning: ``block_rows`` (gather) and ``block_tokens`` (gather-reduce); no tables shipped (the heuristic keeps at
-most ~8 MiB and :data:`MAX_ROWS_IN_FLIGHT` rows in flight).
+Tuning: ``block_rows`` (gather), ``block_tokens`` (gather-reduce) and ``source`` (both); no tables shipped (the
+heuristics keep at most ~8 MiB of block rows and :data:`MAX_ROWS_IN_FLIGHT` copied rows per step, and pick the
+source as above).
 """
 
 from __future__ import annotations
@@ -77,12 +98,16 @@ from jax.experimental.pallas import tpu as pltpu
 
 from ... import dsl as tk
 from ...chips import MiB
+from ...dsl.validate import padded_bytes
+from ..vmem import vmem_cap
 from ...errors import ArgumentError, DTypeError
 from .common import F32, INTS, check_same_device, shape_of
 
 __all__ = ["moe_permute", "moe_combine", "moe_permute_jax", "moe_combine_jax", "MoEPermutation",
            "moe_permute_reference", "moe_combine_reference", "moe_gather_fwd", "moe_gather_reduce_fwd",
-           "row_view", "BLOCK_ROWS", "BLOCK_TOKENS", "ROWS_IN_FLIGHT_BYTES", "MAX_ROWS_IN_FLIGHT", "UNROLL"]
+           "moe_scatter_add_fwd", "row_view", "resident_fits", "scatter_add_fits", "combine_rows", "BLOCK_ROWS",
+           "BLOCK_TOKENS", "SOURCES", "RESIDENT_HEADROOM", "RESIDENT_ROWS_PER_READ", "ROWS_IN_FLIGHT_BYTES",
+           "MAX_ROWS_IN_FLIGHT", "UNROLL"]
 
 NAMESPACE = "tpukernels"
 BLOCK_ROWS = (128, 256, 512, 1024)
@@ -93,6 +118,13 @@ ROWS_IN_FLIGHT_BYTES = 8 * MiB
 #: of tpu7x costs the gather-reduce of 8,192 rows of 8 KiB at 150 ms with 512 rows per step, 86 µs with 256
 MAX_ROWS_IN_FLIGHT = 256
 _FLOATS = (torch.bfloat16, torch.float32)
+#: where the kernels read the source rows: ``"vmem"`` keeps the whole source array in VMEM (one copy in, then a
+#: dynamic-row load per row), ``"hbm"`` leaves it in HBM and copies each row with a DMA
+SOURCES = ("vmem", "hbm")
+#: VMEM left free beside a resident source and the blocks (Mosaic's internal scratch), bytes
+RESIDENT_HEADROOM = 4 * MiB
+#: a source is kept resident only when it has at most this many rows per row read (reading it whole must pay)
+RESIDENT_ROWS_PER_READ = 4
 
 
 class MoEPermutation(NamedTuple):
@@ -113,15 +145,35 @@ def row_view(d: int, itemsize: int) -> int:
     return s if d % s == 0 and d // s >= 128 else 1
 
 
+def resident_fits(shape, dtype, reads: int, block_bytes: int, chip=None) -> bool:
+    """Whether a source of ``shape`` / ``dtype`` (rows ``[N, S, L]``) read ``reads`` times is kept in VMEM
+    (``source="vmem"``): ``L`` is whole 128-lane columns, ``N <= RESIDENT_ROWS_PER_READ * reads``, and its padded
+    bytes plus ``block_bytes`` plus :data:`RESIDENT_HEADROOM` fit :func:`tpukernels.library.vmem.vmem_cap` of
+    ``chip`` (None: the launch target, else the smallest shipped chip's cap). Rows of partial lane columns are
+    copied: their loads and stores are masked and relaid (v6e, gpt-oss's ``[16, 180]`` rows: 29.6 cycles per
+    resident row against 6.8 for ``[16, 128]`` and ~28 per row DMA; model)."""
+    if int(shape[-1]) % 128 or int(shape[0]) > RESIDENT_ROWS_PER_READ * max(int(reads), 1):
+        return False
+    return padded_bytes(shape, dtype) + block_bytes + RESIDENT_HEADROOM <= vmem_cap(chip)
+
+
+def _source_spec(shape, source: str):
+    """The source operand's BlockSpec: the whole array once in VMEM (one buffer: its block never changes), or
+    left in HBM for the row DMAs."""
+    if source == "vmem":
+        return pl.BlockSpec(tuple(shape), lambda i: (0,) * len(shape), pipeline_mode=pl.Buffered(1))
+    return pl.BlockSpec(memory_space=pl.ANY)
+
+
 # ----------------------------------------------------------------------------------------- kernels
 #: row DMAs started per loop iteration (the scalar loop's overhead per row is what bounds these kernels)
 UNROLL = 8
 
 
-def _start_rows(count, start, static: bool):
-    """``start(r)`` for ``r < count``: unrolled when ``count`` is the static block size."""
+def _each_row(count, fn, static: bool):
+    """``fn(r)`` for ``r < count``: unrolled when ``count`` is the static block size."""
     def body(r, c):
-        start(r)
+        fn(r)
         return c
 
     jax.lax.fori_loop(0, count, body, 0, unroll=UNROLL if static else 1)
@@ -141,18 +193,26 @@ def _wait_rows(full: bool, rows, whole, one):
     jax.lax.fori_loop(0, rows, body, 0)
 
 
-def _gather_body(x_hbm, idx_ref, o_ref, sem, *, bm: int, m: int, n_src: int):
+def _gather_body(x_src, idx_ref, o_ref, *sem, bm: int, m: int, n_src: int, resident: bool):
     base = pl.program_id(0) * bm
     rows = jnp.minimum(bm, m - base)
 
+    def source(r):
+        return jnp.minimum(jnp.maximum(idx_ref[r], 0), n_src - 1)
+
+    def load(r):  # resident source: one dynamic-row VMEM load and store per row
+        o_ref[r] = x_src[source(r)]
+
     def start(r):
-        src = jnp.minimum(jnp.maximum(idx_ref[r], 0), n_src - 1)
-        pltpu.make_async_copy(x_hbm.at[pl.ds(src, 1)], o_ref.at[pl.ds(r, 1)], sem.at[0]).start()
+        pltpu.make_async_copy(x_src.at[pl.ds(source(r), 1)], o_ref.at[pl.ds(r, 1)], sem[0].at[0]).start()
 
     def run(full: bool):
-        _start_rows(bm if full else rows, start, full)
-        _wait_rows(full, rows, lambda: pltpu.make_async_copy(x_hbm.at[pl.ds(0, bm)], o_ref, sem.at[0]),
-                   lambda: pltpu.make_async_copy(x_hbm.at[pl.ds(0, 1)], o_ref.at[pl.ds(0, 1)], sem.at[0]))
+        if resident:
+            _each_row(bm if full else rows, load, full)
+            return
+        _each_row(bm if full else rows, start, full)
+        _wait_rows(full, rows, lambda: pltpu.make_async_copy(x_src.at[pl.ds(0, bm)], o_ref, sem[0].at[0]),
+                   lambda: pltpu.make_async_copy(x_src.at[pl.ds(0, 1)], o_ref.at[pl.ds(0, 1)], sem[0].at[0]))
 
     if m % bm == 0:
         run(True)
@@ -170,20 +230,28 @@ def _check_rows(op, x, idx, idx_name):
 
 
 def _gather_heuristic(x, idx):
+    """The largest block of at most ROWS_IN_FLIGHT_BYTES (double-buffered); copied rows also at most
+    MAX_ROWS_IN_FLIGHT. Resident when :func:`resident_fits` (v6e, 65,536 rows of 4 KiB from 8,192: 256 µs in
+    256-row blocks, 229 in 1024-row blocks, against 1,030 by row DMAs; model)."""
     row = int(np.prod(x.shape[1:])) * np.dtype(x.dtype).itemsize
-    best = BLOCK_ROWS[0]
-    for b in BLOCK_ROWS:
-        if 2 * b * row <= ROWS_IN_FLIGHT_BYTES and b <= MAX_ROWS_IN_FLIGHT:
-            best = b
-    return {"block_rows": best}
+
+    def largest(max_rows):
+        return max([b for b in BLOCK_ROWS if 2 * b * row <= ROWS_IN_FLIGHT_BYTES and b <= max_rows],
+                   default=BLOCK_ROWS[0])
+
+    bm = largest(BLOCK_ROWS[-1])
+    if resident_fits(x.shape, x.dtype, idx.shape[0], 2 * padded_bytes((bm, *x.shape[1:]), x.dtype)):
+        return {"block_rows": bm, "source": "vmem"}
+    return {"block_rows": largest(MAX_ROWS_IN_FLIGHT), "source": "hbm"}
 
 
 @tk.tpu_kernel(
     _gather_body, name="moe_gather_fwd", namespace=NAMESPACE, heuristic=_gather_heuristic,
-    tunables={"block_rows": tk.Tunable(BLOCK_ROWS, default=256, doc="output rows per grid step")},
+    tunables={"block_rows": tk.Tunable(BLOCK_ROWS, default=256, doc="output rows per grid step"),
+              "source": tk.Tunable(SOURCES, default="hbm", doc="x whole in VMEM (row loads) or in HBM (row DMAs)")},
     out_shape=lambda x, idx: tk.OutSpec((idx.shape[0], *x.shape[1:]), x.dtype),
 )
-def moe_gather_fwd(x: torch.Tensor, idx: torch.Tensor, *, block_rows: int) -> torch.Tensor:
+def moe_gather_fwd(x: torch.Tensor, idx: torch.Tensor, *, block_rows: int, source: str) -> torch.Tensor:
     """``out[p] = x[idx[p]]`` on ``[N, S, L]`` row slabs, bf16/f32; idx int32 ``[M]`` (clamped to ``[0, N)``)
     (internal op; use :func:`moe_permute`)."""
     op = f"{NAMESPACE}::moe_gather_fwd"
@@ -194,41 +262,57 @@ def moe_gather_fwd(x: torch.Tensor, idx: torch.Tensor, *, block_rows: int) -> to
         raise ArgumentError(f"{op}: x has no rows to gather from")
     bm = m if m <= block_rows else int(block_rows)
     row = int(np.prod(x.shape[1:])) * np.dtype(x.dtype).itemsize
+    resident = source == "vmem"
     return tk.Launch(
         grid=(tk.cdiv(m, bm),),
-        in_specs=[pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec((bm,), lambda i: (i,), memory_space=pltpu.SMEM)],
+        in_specs=[_source_spec(x.shape, source), pl.BlockSpec((bm,), lambda i: (i,), memory_space=pltpu.SMEM)],
         out_specs=pl.BlockSpec((bm, *x.shape[1:]), lambda i: (i, 0, 0)),
         out_shape=tk.OutSpec((m, *x.shape[1:]), x.dtype),
-        scratch_shapes=[pltpu.SemaphoreType.DMA((1,))],
+        scratch_shapes=[] if resident else [pltpu.SemaphoreType.DMA((1,))],
         dimension_semantics=("parallel",),
-        vmem_limit_bytes=max(32 * MiB, 3 * bm * row),
-        body_kwargs={"bm": int(bm), "m": m, "n_src": n},
-        cost_estimate=pl.CostEstimate(flops=0, transcendentals=0, bytes_accessed=int(2 * m * row + 4 * m)),
+        # a resident source asks for the chip's cap: below it, libtpu 0.0.52 also places a copy of the source
+        # beside the kernel's scoped VMEM on tpu7x and runs out (a 32 MiB source fails at 52 MiB, compiles at 56)
+        vmem_limit_bytes=vmem_cap() if resident else max(32 * MiB, 3 * bm * row),
+        body_kwargs={"bm": int(bm), "m": m, "n_src": n, "resident": resident},
+        cost_estimate=pl.CostEstimate(flops=0, transcendentals=0,
+                                      bytes_accessed=int(((n if resident else m) + m) * row + 4 * m)),
     )
 
 
-def _gather_reduce_body(y_hbm, pos_ref, w_ref, o_ref, buf, sem, *, bt: int, k: int, t_total: int, n_src: int):
+def _gather_reduce_body(y_src, pos_ref, w_ref, o_ref, *scratch, bt: int, k: int, t_total: int, n_src: int,
+                        resident: bool):
     base = pl.program_id(0) * bt
     toks = jnp.minimum(bt, t_total - base)
 
-    def start(r):
-        src = jnp.minimum(jnp.maximum(pos_ref[r], 0), n_src - 1)
-        pltpu.make_async_copy(y_hbm.at[pl.ds(src, 1)], buf.at[pl.ds(r, 1)], sem.at[0]).start()
+    def source(r):
+        return jnp.minimum(jnp.maximum(pos_ref[r], 0), n_src - 1)
 
-    def fetch(full: bool):
-        _start_rows(bt * k if full else toks * k, start, full)
-        _wait_rows(full, toks * k, lambda: pltpu.make_async_copy(y_hbm.at[pl.ds(0, bt * k)], buf, sem.at[0]),
-                   lambda: pltpu.make_async_copy(y_hbm.at[pl.ds(0, 1)], buf.at[pl.ds(0, 1)], sem.at[0]))
+    if resident:  # the rows are read where they are
+        def row(r):
+            return y_src[source(r)]
+    else:  # the block's rows are copied into a VMEM buffer first, one DMA each
+        buf, sem = scratch
 
-    if t_total % bt == 0:
-        fetch(True)
-    else:
-        jax.lax.cond(toks == bt, lambda: fetch(True), lambda: fetch(False))
+        def row(r):
+            return buf[r]
+
+        def start(r):
+            pltpu.make_async_copy(y_src.at[pl.ds(source(r), 1)], buf.at[pl.ds(r, 1)], sem.at[0]).start()
+
+        def fetch(full: bool):
+            _each_row(bt * k if full else toks * k, start, full)
+            _wait_rows(full, toks * k, lambda: pltpu.make_async_copy(y_src.at[pl.ds(0, bt * k)], buf, sem.at[0]),
+                       lambda: pltpu.make_async_copy(y_src.at[pl.ds(0, 1)], buf.at[pl.ds(0, 1)], sem.at[0]))
+
+        if t_total % bt == 0:
+            fetch(True)
+        else:
+            jax.lax.cond(toks == bt, lambda: fetch(True), lambda: fetch(False))
 
     def reduce(t, c):
-        acc = buf[t * k].astype(F32) * w_ref[t * k]
+        acc = row(t * k).astype(F32) * w_ref[t * k]
         for j in range(1, k):
-            acc = acc + buf[t * k + j].astype(F32) * w_ref[t * k + j]
+            acc = acc + row(t * k + j).astype(F32) * w_ref[t * k + j]
         o_ref[t] = acc.astype(o_ref.dtype)
         return c
 
@@ -252,16 +336,19 @@ def _reduce_heuristic(y, pos, w, top_k):
     for b in BLOCK_TOKENS:
         if b * top_k * row <= ROWS_IN_FLIGHT_BYTES and b * top_k <= MAX_ROWS_IN_FLIGHT:
             best = b
-    return {"block_tokens": best}
+    blocks = 2 * padded_bytes((best, *y.shape[1:]), y.dtype)
+    return {"block_tokens": best,
+            "source": "vmem" if resident_fits(y.shape, y.dtype, pos.shape[0], blocks) else "hbm"}
 
 
 @tk.tpu_kernel(
     _gather_reduce_body, name="moe_gather_reduce_fwd", namespace=NAMESPACE, heuristic=_reduce_heuristic,
-    tunables={"block_tokens": tk.Tunable(BLOCK_TOKENS, default=64, doc="tokens per grid step (upper bound)")},
+    tunables={"block_tokens": tk.Tunable(BLOCK_TOKENS, default=64, doc="tokens per grid step (upper bound)"),
+              "source": tk.Tunable(SOURCES, default="hbm", doc="y whole in VMEM (row loads) or in HBM (row DMAs)")},
     out_shape=lambda y, pos, w, top_k: tk.OutSpec((pos.shape[0] // top_k, *y.shape[1:]), y.dtype),
 )
 def moe_gather_reduce_fwd(y: torch.Tensor, pos: torch.Tensor, w: torch.Tensor, top_k: int, *,
-                          block_tokens: int) -> torch.Tensor:
+                          block_tokens: int, source: str) -> torch.Tensor:
     """``out[t] = sum_j w[t*k + j] * y[pos[t*k + j]]`` (float32 sum, rounded to y's dtype) on ``[M, S, L]`` row
     slabs; pos int32 / w float32 ``[T*k]`` (internal op; use :func:`moe_combine`)."""
     op = f"{NAMESPACE}::moe_gather_reduce_fwd"
@@ -278,17 +365,108 @@ def moe_gather_reduce_fwd(y: torch.Tensor, pos: torch.Tensor, w: torch.Tensor, t
     row = int(np.prod(y.shape[1:])) * np.dtype(y.dtype).itemsize
     bt = fit_tokens(block_tokens, t, top_k, row)
     blk = pl.BlockSpec((bt * top_k,), lambda i: (i,), memory_space=pltpu.SMEM)
+    resident = source == "vmem"
     return tk.Launch(
         grid=(tk.cdiv(t, bt),),
-        in_specs=[pl.BlockSpec(memory_space=pl.ANY), blk, blk],
+        in_specs=[_source_spec(y.shape, source), blk, blk],
         out_specs=pl.BlockSpec((bt, *y.shape[1:]), lambda i: (i, 0, 0)),
         out_shape=tk.OutSpec((t, *y.shape[1:]), y.dtype),
-        scratch_shapes=[pltpu.VMEM((bt * top_k, *y.shape[1:]), y.dtype), pltpu.SemaphoreType.DMA((1,))],
+        scratch_shapes=[] if resident else [pltpu.VMEM((bt * top_k, *y.shape[1:]), y.dtype),
+                                            pltpu.SemaphoreType.DMA((1,))],
         dimension_semantics=("parallel",),
-        vmem_limit_bytes=max(32 * MiB, 2 * (bt * top_k + 2 * bt) * row),
-        body_kwargs={"bt": int(bt), "k": int(top_k), "t_total": t, "n_src": n},
+        vmem_limit_bytes=vmem_cap() if resident else max(32 * MiB, 2 * (bt * top_k + 2 * bt) * row),  # as the gather
+        body_kwargs={"bt": int(bt), "k": int(top_k), "t_total": t, "n_src": n, "resident": resident},
         cost_estimate=pl.CostEstimate(flops=int(2 * t * top_k * row // np.dtype(y.dtype).itemsize),
-                                      transcendentals=0, bytes_accessed=int((t * top_k + t) * row + 8 * t * top_k)),
+                                      transcendentals=0,
+                                      bytes_accessed=int(((n if resident else t * top_k) + t) * row + 8 * t * top_k)),
+    )
+
+
+def scatter_add_fits(t: int, d: int, itemsize: int, chip=None) -> bool:
+    """Whether :func:`moe_scatter_add_fwd` can hold the float32 accumulator of ``t`` rows of ``d`` elements of
+    ``itemsize`` bytes (bf16 / f32 rows, ``[S, D/S]`` slabs of whole 128-lane columns) in VMEM with its output
+    block (one buffer), its y blocks (the heuristic's) and :data:`RESIDENT_HEADROOM` within
+    :func:`tpukernels.library.vmem.vmem_cap` of ``chip`` (None: the launch target, else the smallest shipped chip's
+    cap). bf16 rows of D = 2048 (Qwen3-30B-A3B): up to 8,533 tokens on v5e / v6e (112 MiB), 3,754 on tpu7x (56)."""
+    dtype = np.float32 if itemsize == 4 else jnp.bfloat16
+    s = row_view(d, itemsize)
+    if t < 1 or d % s or (d // s) % 128:
+        return False
+    shape = (s, d // s)
+    bm = _scatter_heuristic_rows(int(np.prod(shape)) * itemsize)
+    acc, out = padded_bytes((t, *shape), np.float32), padded_bytes((t, *shape), dtype)
+    return acc + out + 2 * padded_bytes((bm, *shape), dtype) + RESIDENT_HEADROOM <= vmem_cap(chip)
+
+
+def _scatter_heuristic_rows(row_bytes: int) -> int:
+    return max([b for b in BLOCK_ROWS if 2 * b * row_bytes <= ROWS_IN_FLIGHT_BYTES], default=BLOCK_ROWS[0])
+
+
+def _scatter_add_body(y_ref, tok_ref, w_ref, o_ref, acc, *, bm: int, m: int, t_total: int):
+    i = pl.program_id(0)
+    rows = jnp.minimum(bm, m - i * bm)
+
+    @pl.when(i == 0)
+    def _():
+        acc[...] = jnp.zeros(acc.shape, acc.dtype)
+
+    def add(r):  # a row whose token is out of range adds nothing (never written elsewhere)
+        t = tok_ref[r]
+        row = jnp.minimum(jnp.maximum(t, 0), t_total - 1)
+        part = y_ref[r].astype(F32) * w_ref[r]
+        acc[row] = acc[row] + jnp.where((t >= 0) & (t < t_total), part, 0.0)
+
+    if m % bm == 0:
+        _each_row(bm, add, True)
+    else:
+        jax.lax.cond(rows == bm, lambda: _each_row(bm, add, True), lambda: _each_row(rows, add, False))
+
+    @pl.when(i == pl.num_programs(0) - 1)
+    def _():  # the accumulator, rounded once, into the output block (written back after the last step)
+        o_ref[...] = acc[...].astype(o_ref.dtype)
+
+
+def _scatter_heuristic(y, tok, w, num_tokens):
+    return {"block_rows": _scatter_heuristic_rows(int(np.prod(y.shape[1:])) * np.dtype(y.dtype).itemsize)}
+
+
+@tk.tpu_kernel(
+    _scatter_add_body, name="moe_scatter_add_fwd", namespace=NAMESPACE, heuristic=_scatter_heuristic,
+    tunables={"block_rows": tk.Tunable(BLOCK_ROWS, default=1024, doc="rows of y per grid step")},
+    out_shape=lambda y, tok, w, num_tokens: tk.OutSpec((num_tokens, *y.shape[1:]), y.dtype),
+)
+def moe_scatter_add_fwd(y: torch.Tensor, tok: torch.Tensor, w: torch.Tensor, num_tokens: int, *,
+                        block_rows: int) -> torch.Tensor:
+    """``out[t] = sum over p with tok[p] == t of w[p] * y[p]`` (float32 sums, rounded once to y's dtype; a row
+    whose token is outside ``[0, num_tokens)`` adds nothing) on ``[M, S, L]`` row slabs (L whole 128-lane columns);
+    tok int32 / w float32 ``[M]`` (internal op; :func:`moe_combine` uses it where :func:`scatter_add_fits`)."""
+    op = f"{NAMESPACE}::moe_scatter_add_fwd"
+    _check_rows(op, y, tok, "tok")
+    if tuple(w.shape) != tuple(tok.shape) or np.dtype(w.dtype).name != "float32":
+        raise ArgumentError(f"{op}: w must be float32 {list(tok.shape)} (like tok), got {tuple(w.shape)} "
+                            f"{np.dtype(w.dtype).name}")
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
+        raise ArgumentError(f"{op}: num_tokens must be a positive int, got {num_tokens!r}")
+    if int(y.shape[-1]) % 128:
+        raise ArgumentError(f"{op}: rows must be slabs of whole 128-lane columns, got {tuple(y.shape[1:])}")
+    m = int(y.shape[0])
+    if m == 0 or tok.shape[0] != m:
+        raise ArgumentError(f"{op}: y has {m} rows and tok {tok.shape[0]}: both must be the same, at least 1")
+    bm = m if m <= block_rows else int(block_rows)
+    row = int(np.prod(y.shape[1:])) * np.dtype(y.dtype).itemsize
+    blk = pl.BlockSpec((bm,), lambda i: (i,), memory_space=pltpu.SMEM)
+    return tk.Launch(
+        grid=(tk.cdiv(m, bm),),
+        in_specs=[pl.BlockSpec((bm, *y.shape[1:]), lambda i: (i, 0, 0)), blk, blk],
+        # the whole output, one buffer: its block never changes, so it is written back once, after the last step
+        out_specs=pl.BlockSpec((num_tokens, *y.shape[1:]), lambda i: (0, 0, 0), pipeline_mode=pl.Buffered(1)),
+        out_shape=tk.OutSpec((num_tokens, *y.shape[1:]), y.dtype),
+        scratch_shapes=[pltpu.VMEM((num_tokens, *y.shape[1:]), jnp.float32)],
+        dimension_semantics=("arbitrary",),  # one accumulator across the steps
+        vmem_limit_bytes=vmem_cap(),  # as the resident gathers
+        body_kwargs={"bm": int(bm), "m": m, "t_total": int(num_tokens)},
+        cost_estimate=pl.CostEstimate(flops=int(2 * m * row // np.dtype(y.dtype).itemsize), transcendentals=0,
+                                      bytes_accessed=int((m + num_tokens) * row + 8 * m)),
     )
 
 
@@ -319,6 +497,24 @@ def gather_reduce_rows(y2: torch.Tensor, pos: torch.Tensor, w: torch.Tensor, k: 
     return out.reshape(t, d)
 
 
+def combine_rows(y2: torch.Tensor, w: torch.Tensor, order: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``out[t] = sum_j w[t, j] * y2[positions[t, j]]`` (``[T*k, D]`` rows in expert order, ``w`` / ``positions``
+    ``[T, k]``, ``order`` their inverse ``[T*k]``): :func:`moe_scatter_add_fwd` over the rows in order (token
+    ``order // k``, weight ``w.flatten()[order]``) where :func:`scatter_add_fits` (y2 read once, in order), else
+    :func:`moe_gather_reduce_fwd` (a gather of each token's k rows)."""
+    t, k = positions.shape
+    d = y2.shape[1]
+    if t == 0 or y2.shape[0] == 0 or d == 0:
+        return y2.new_zeros(t, d)
+    if scatter_add_fits(t, d, y2.element_size()):
+        olong = order.long()
+        out = torch.ops.tpukernels.moe_scatter_add_fwd(
+            _rows3(y2.contiguous()), torch.div(olong, k, rounding_mode="floor").to(torch.int32),
+            w.reshape(-1).float()[olong].contiguous(), t)
+        return out.reshape(t, d)
+    return gather_reduce_rows(y2, positions, w, k)
+
+
 def _widen(t):
     return t.float() if t.dtype == torch.float16 else t
 
@@ -345,17 +541,17 @@ def _(x, expert_ids, num_experts):
 
 
 def _permute_setup(ctx, inputs, output):
-    ctx.save_for_backward(output[3])
+    ctx.save_for_backward(output[2], output[3])
     ctx.x_dtype = inputs[0].dtype
 
 
 def _permute_backward(ctx, d_xs, d_sizes, d_order, d_pos):
-    (positions,) = ctx.saved_tensors
+    order, positions = ctx.saved_tensors
     if d_xs is None:
         return None, None, None
     t, k = positions.shape
     g = _widen(d_xs)
-    dx = gather_reduce_rows(g, positions, torch.ones(t, k, dtype=torch.float32, device=g.device), k)
+    dx = combine_rows(g, torch.ones(t, k, dtype=torch.float32, device=g.device), order, positions)
     return dx.to(ctx.x_dtype), None, None
 
 
@@ -365,8 +561,7 @@ _permute_op.register_autograd(_permute_backward, setup_context=_permute_setup)
 @torch.library.custom_op("tpukernels::moe_combine", mutates_args=())
 def _combine_op(y_sorted: torch.Tensor, weights: torch.Tensor, order: torch.Tensor,
                 positions: torch.Tensor) -> torch.Tensor:
-    k = positions.shape[1]
-    out = gather_reduce_rows(_widen(y_sorted), positions, weights.float(), k)
+    out = combine_rows(_widen(y_sorted), weights.float(), order, positions)
     return out.to(y_sorted.dtype)
 
 
@@ -531,6 +726,21 @@ def _jax_gather_reduce(y2, pos, w, k, interpret):
                     w.reshape(-1).astype(jnp.float32), k, interpret=interpret).reshape(t, d)
 
 
+def _jax_combine(y2, w, order, positions, interpret):
+    """:func:`combine_rows` on jax arrays."""
+    from ...targets.jax_entry import jax_call
+
+    t, k = int(positions.shape[0]), int(positions.shape[1])
+    d = int(y2.shape[1])
+    if t == 0 or y2.shape[0] == 0:
+        return jnp.zeros((t, d), y2.dtype)
+    if scatter_add_fits(t, d, np.dtype(y2.dtype).itemsize):
+        tok = (order // k).astype(jnp.int32)
+        ws = w.reshape(-1).astype(jnp.float32)[order]
+        return jax_call(moe_scatter_add_fwd, _jax_rows3(y2), tok, ws, t, interpret=interpret).reshape(t, d)
+    return _jax_gather_reduce(y2, positions, w, k, interpret)
+
+
 def _jax_check(op, x, name):
     if len(x.shape) != 2:
         raise ArgumentError(f"{op}: {name} must be [rows, hidden], got {tuple(x.shape)}")
@@ -566,10 +776,11 @@ def moe_permute_jax(x, expert_ids, num_experts: int, *, interpret=None):
         return _jax_gather(xv, order_ // k, interpret)
 
     def fwd(xv, order_, positions_):
-        return gather(xv, order_, positions_), positions_
+        return gather(xv, order_, positions_), (order_, positions_)
 
-    def bwd(positions_, g):
-        return _jax_gather_reduce(g, positions_, jnp.ones((t, k), jnp.float32), k, interpret), None, None
+    def bwd(res, g):
+        order_, positions_ = res
+        return _jax_combine(g, jnp.ones((t, k), jnp.float32), order_, positions_, interpret), None, None
 
     gather.defvjp(fwd, bwd)
     return gather(x, order, positions), sizes, (order, positions, sizes)
@@ -591,7 +802,7 @@ def moe_combine_jax(y_sorted, weights, meta, *, interpret=None):
 
     @jax.custom_vjp  # index arrays as arguments, not closures (see moe_permute_jax)
     def combine(y, w, order_, positions_):
-        return _jax_gather_reduce(y, positions_, w, k, interpret)
+        return _jax_combine(y, w, order_, positions_, interpret)
 
     def fwd(y, w, order_, positions_):
         return combine(y, w, order_, positions_), (y, w, order_, positions_)
@@ -636,4 +847,5 @@ STANDARD_SHAPES = [
     (moe_gather_reduce_fwd, ("8192x16x256:bf16", "8192:i32", "8192:f32"), {"top_k": 2}),
     (moe_gather_fwd, ("4096x16x448:bf16", "32768:i32"), {}),
     (moe_gather_reduce_fwd, ("32768x16x448:bf16", "32768:i32", "32768:f32"), {"top_k": 8}),
+    (moe_scatter_add_fwd, ("16384x16x128:bf16", "16384:i32", "16384:f32"), {"num_tokens": 2048}),
 ]
