@@ -242,39 +242,54 @@ def test_ours_programs_export_for_tpu():
 
 
 def test_row_copy_kernels_are_fitted_in_tokens_above_the_byte_limit():
-    """The gather and the combine copy rows one DMA each: above FIT_BYTES of copies they are estimated at two
-    reduced token counts (each within the limit) at the full call's config and extrapolated linearly."""
+    """A kernel that copies rows one DMA each (the combine at prefill): above FIT_BYTES of copies it is estimated
+    at two reduced token counts (each within the limit) at the full call's config and extrapolated linearly. A
+    kernel whose source is resident in VMEM (the permute gather of Qwen3's 32 MiB of tokens) is estimated whole."""
     from tpukernels.library.moe_routing import permute_ops
 
     m = moe.MODELS[0]
-    (kernel, args, kwargs, row_bytes), = [p for p in moe.layer_kernels(m, 8192) if p[0] is permute_ops.moe_gather_fwd]
+    parts = {p[0]: p[1:] for p in moe.layer_kernels(m, 8192)}
+    args, kwargs, row_bytes = parts[permute_ops.moe_gather_reduce_fwd]
     assert row_bytes == 2 * m.H
     seen = []
 
     def cost(structs):
-        rows = structs[1].shape[0]  # idx: one copy per row
+        rows = structs[1].shape[0]  # pos / idx: one row read each
         seen.append(rows)
         return 100 + 3 * rows
 
-    got = moe.row_copy_cycles(Recorder(cost), "v6e", kernel, args, kwargs, 8192, m.k, row_bytes)
+    got = moe.row_copy_cycles(Recorder(cost), "v6e", permute_ops.moe_gather_reduce_fwd, args, kwargs, 8192, m.k,
+                              row_bytes)
     assert got == 100 + 3 * 8192 * m.k
     assert len(seen) == 2 and max(seen) * row_bytes <= moe.FIT_BYTES and seen[1] == 2 * seen[0]
     seen.clear()  # decode: within the limit, estimated as it is
-    assert moe.row_copy_cycles(Recorder(cost), "v6e", kernel, args, kwargs, 64, m.k, row_bytes) == 100 + 3 * 512
+    assert moe.row_copy_cycles(Recorder(cost), "v6e", permute_ops.moe_gather_reduce_fwd, args, kwargs, 64, m.k,
+                               row_bytes) == 100 + 3 * 512
     assert seen == [512]
+    seen.clear()
+    args, kwargs, row_bytes = parts[permute_ops.moe_gather_fwd]
+    assert moe.row_copy_cycles(Recorder(cost), "v6e", permute_ops.moe_gather_fwd, args, kwargs, 8192, m.k,
+                               row_bytes) == 100 + 3 * 8192 * m.k
+    assert seen == [8192 * m.k]
+    # the combine as fused_moe_jax picks it per chip: the scatter-add (no row copies) where its accumulator fits
+    v6e = {p[0]: p[1:] for p in moe.layer_kernels(m, 8192, "v6e")}
+    assert moe.scatter_combine(m, 8192, "v6e") and not moe.scatter_combine(m, 8192, "tpu7x")
+    assert permute_ops.moe_gather_reduce_fwd not in v6e and v6e[permute_ops.moe_scatter_add_fwd][2] == 0
+    assert permute_ops.moe_gather_reduce_fwd in {p[0] for p in moe.layer_kernels(m, 8192, "tpu7x")}
 
 
 def test_reasons_name_the_profiler_faults_and_the_losing_case():
     """Our rows say why: v5e (libtpu aborts on both layers' XLA programs), tpu7x Qwen3 (our down matmul aborts the
-    profiler), the v6e Qwen3 prefill loss (the row-DMA permute and combine), elsewhere the share of the roofline
-    against tpu-inference's floor; peers' rows have none here."""
+    profiler), the v6e Qwen3 prefill breakdown against megablox (the resident permute gather, the scatter-add
+    combine), elsewhere the share of the roofline against tpu-inference's floor; peers' rows have none here."""
     row = {"kind": "ours", "chip": "v5e", "op": moe.MODELS[1].label, "shape": "decode T=64"}
     assert "v5e" in moe.reason(row) and "floors" in moe.reason(row)
     assert "fifo_tracker" in moe.reason(dict(row, chip="tpu7x", op=moe.MODELS[0].label))
     dsv3 = dict(row, chip="tpu7x", op=moe.MODELS[2].label, figure="floor")
     assert moe.MODELS[2].name == "DeepSeek-V3" and "gate/up grouped matmul at the config bf16 out gets" in moe.reason(dsv3)
     assert moe.reason(dict(dsv3, figure="estimate", pct_roofline=50.0)).startswith("50% of the layer's roofline")
-    assert "permute gather" in moe.reason(dict(row, chip="v6e", op=moe.MODELS[0].label, shape="prefill T=8192"))
+    v6e_prefill = moe.reason(dict(row, chip="v6e", op=moe.MODELS[0].label, shape="prefill T=8192"))
+    assert "permute gather" in v6e_prefill and "scatter-add" in v6e_prefill
     estimated = dict(row, chip="v6e", figure="estimate", pct_roofline=87.4)
     assert moe.reason(estimated).startswith("87% of the layer's roofline") and "a bound" in moe.reason(estimated)
     assert moe.reason(dict(row, chip="v6e", figure="floor")) is None

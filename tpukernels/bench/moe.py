@@ -17,7 +17,8 @@ Implementations:
   router kernel (``router_topk_fwd``), the permute gather (``moe_gather_fwd``), the gate/up ``grouped_matmul_fwd``
   (float32 accumulation, bf16 out) with its on-device schedule, the activation (``gated_activation_fwd`` reading the gate/up output's
   halves in place, h written in bf16; gpt-oss's clamped SwiGLU in jnp on the interleaved columns), the down
-  ``grouped_matmul_fwd`` with its schedule, the weighted combine (``moe_gather_reduce_fwd``), and the XLA ops
+  ``grouped_matmul_fwd`` with its schedule, the weighted combine (``moe_scatter_add_fwd`` where its float32
+  accumulator fits the chip's VMEM, else ``moe_gather_reduce_fwd``: :func:`scatter_combine`), and the XLA ops
   between them (:func:`ours_xla_glue`: the sort of the expert ids, the positions and group sizes, gpt-oss's split
   and activation). Each kernel at the config a full-size call gets on the chip.
 * ``jax megablox + xla routing``: the unfused MoE a JAX or torch user writes around JAX's megablox ``gmm``: routing,
@@ -41,9 +42,10 @@ one output-column block (:func:`column_blocks`: the whole width, or half of it, 
 gets (``bm`` clamped to the rows); the schedule program (ours) or ``make_group_metadata`` (megablox) is estimated at
 the full problem and added.
 
-**The row-DMA kernels** (the permute gather and the combine) are estimated whole up to 32 MiB of row copies
-(:data:`FIT_BYTES`) and above that fitted in tokens from two reduced problems (:func:`row_copy_cycles`): libtpu
-0.0.52's tpu7x profiler costs a kernel copying more than 64 MiB at ~1,000x. Any program estimated at more than
+**The row-DMA kernels** (the permute gather and the gather-reduce combine) are estimated whole up to 32 MiB of row
+copies (:data:`FIT_BYTES`), or where their source is resident in VMEM (no copies), and above that fitted in tokens
+from two reduced problems (:func:`row_copy_cycles`): libtpu 0.0.52's tpu7x profiler costs a kernel copying more
+than 64 MiB at ~1,000x. Any program estimated at more than
 :data:`NOT_CREDIBLE_ROOFLINES` times the whole layer's roofline is left out as a profiler fault, and the row is then
 a floor: the sum of the programs that were estimated (so is a row where a program cannot be estimated at all).
 
@@ -117,20 +119,19 @@ _QWEN3 = MODELS[0].label
 #: (chip, op, shape)
 REASONS: dict = {
     ("v6e", _QWEN3, "prefill T=8192"): (
-        "slower than megablox with XLA routing in the model, though our grouped matmuls are 1.85x its (gate/up 811 "
-        "+ down 472 µs, bf16 out at the shipped table's nearest entry that bf16 out keys, bm=256, vs 1,773 + 600 µs at "
-        "tm=512, schedules included): the rest of our layer "
-        "models 2,697 µs against XLA's 942 µs for the same routing, permute, activation and combine. Ours: router "
-        "kernel 76, permute gather 1,030 (65,536 row DMAs of 4 KiB, ~28 cycles each in libtpu's model), activation "
-        "kernel 125, combine 1,174 (65,536 bf16 rows of 4 KiB), XLA ops 293 (the stable argsort of the 65,536 expert "
-        "ids and the positions / group-size scatters). libtpu estimates XLA's own gather of the same rows under the "
-        "time its bytes need at HBM bandwidth (14 vs 41 µs at 8,192 rows), so the model favours XLA's gathers; "
-        "tokamax ships Pallas ragged gathers for this job, and only a TPU can say which is right. Taken this round "
-        "(4,864 -> 3,979 µs): the activation reads the fused gate/up output's halves in place and writes h in bf16 "
-        "(no split copies, no cast pass), and the matmuls write bf16 intermediates for bf16 tokens (gate/up 1,119 -> "
-        "811, down 584 -> 472, combine 1,357 -> 1,174). Levers not yet taken: the gather fused into the gate/up "
-        "matmul's lhs copies and the combine into the down matmul's epilogue (tpu-inference's fused kernel), a "
-        "sort-free counting permutation"),
+        "ahead of megablox with XLA routing in the model (2,462 vs 3,319 µs): our grouped matmuls gate/up 811 + down "
+        "472 µs (bf16 out, at the shipped table's nearest entry that bf16 out keys, bm=256) vs its 1,773 + 600 at "
+        "tm=512, schedules included; the rest of our layer models 1,180 µs against XLA's 942 for the same routing, "
+        "permute, activation and combine: router kernel 76, permute gather 229 (the 8,192 tokens resident in VMEM, one "
+        "row load each), activation kernel 125, combine 455 (the scatter-add: the 65,536 expert outputs read once, in "
+        "order, into a float32 VMEM accumulator), XLA ops 295 (the stable argsort of the expert ids, the positions / "
+        "group-size scatters, the weights in expert order). Taken this round (3,979 -> 2,462 µs): the resident gather "
+        "(was 1,030 µs: 65,536 row DMAs of 4 KiB, ~28 cycles each in libtpu's model) and the scatter-add combine (was "
+        "1,174: the gather-reduce's row DMAs); the round before (4,864 -> 3,979) the activation reading the gate/up "
+        "halves in place and bf16 intermediates. libtpu estimates XLA's own gather under the time its bytes need at HBM"
+        " bandwidth (14 vs 41 µs at 8,192 rows), so the peer's glue may cost more on a TPU than modelled. Not taken: "
+        "the gather fused into the gate/up matmul and the combine into the down matmul (tpu-inference's fused "
+        "kernel)"),
 }
 _V5E = ("v5e: no estimate of either layer: libtpu 0.0.52 aborts on the XLA programs of both (llo_execution_graph.cc:"
         "149; the scatters of the positions and group sizes) and, at gpt-oss's rows, on our combine and megablox's "
@@ -284,11 +285,12 @@ def _reads_halves(m: MoEModel) -> bool:
     return reads_halves(1, m.I, m.interleaved)
 
 
-def ours_xla_glue(m: MoEModel, T: int):
+def ours_xla_glue(m: MoEModel, T: int, scatter: bool = False):
     """``(fn, structs)``: the XLA ops :func:`fused_moe_jax` runs between its kernels (``moe_permute_jax``'s stable
-    argsort, positions and group sizes; the router output's ``[:, :k]`` slices; the gate/up split unless the
-    activation kernel reads the halves in place; gpt-oss's clamped SwiGLU in float32), on the kernels' output shapes
-    (bf16 tokens: the matmuls write bf16, the combine writes the output, so no cast)."""
+    argsort, positions and group sizes; the router output's ``[:, :k]`` slices; with ``scatter`` (the scatter-add
+    combine) the weights in expert order; the gate/up split unless the activation kernel reads the halves in place;
+    gpt-oss's clamped SwiGLU in float32), on the kernels' output shapes (bf16 tokens: the matmuls write bf16, the
+    combine writes the output, so no cast)."""
     import jax
     import jax.numpy as jnp
 
@@ -305,7 +307,7 @@ def ours_xla_glue(m: MoEModel, T: int):
         order = jnp.argsort(flat, stable=True).astype(i32)
         positions = jnp.zeros_like(order).at[order].set(jnp.arange(M, dtype=i32))
         sizes = jnp.zeros((m.E,), i32).at[flat].add(1, mode="drop")
-        routing = (w, order // k, positions, sizes)
+        routing = (w, order // k, positions, sizes) + ((w.reshape(-1)[order],) if scatter else ())
         if m.act != "swigluoai" and _reads_halves(m):  # the activation kernel reads gate_up in place
             return routing
         gate, up = split_gate_up([gate_up], m.I, m.interleaved)
@@ -386,10 +388,20 @@ FIT_BYTES = 32 * 2 ** 20
 NOT_CREDIBLE_ROOFLINES = 50
 
 
-def layer_kernels(m: MoEModel, T: int):
-    """``[(kernel, args(T), kwargs, row bytes)]``: the non-matmul kernels :func:`fused_moe_jax` calls (router,
-    permute gather, activation unless gpt-oss's, combine); ``args(t)`` their arguments at ``t`` tokens; ``row
-    bytes``: for the row-DMA kernels (the gather and the combine, :func:`row_copy_cycles`) a row's bytes, else 0."""
+def scatter_combine(m: MoEModel, T: int, chip=None) -> bool:
+    """Whether the combine runs ``moe_scatter_add_fwd`` on ``chip`` (its float32 accumulator of T tokens fits:
+    ``permute_ops.scatter_add_fits``), as ``fused_moe_jax`` decides; else ``moe_gather_reduce_fwd``."""
+    from ..chips import get_chip
+    from ..library.moe_routing import permute_ops
+
+    return permute_ops.scatter_add_fits(T, m.H, 2, None if chip is None else get_chip(chip))
+
+
+def layer_kernels(m: MoEModel, T: int, chip=None):
+    """``[(kernel, args(T), kwargs, row bytes)]``: the non-matmul kernels :func:`fused_moe_jax` calls on ``chip``
+    (router, permute gather, activation unless gpt-oss's, combine: :func:`scatter_combine`); ``args(t)`` their
+    arguments at ``t`` tokens; ``row bytes``: for the row-DMA kernels (the gather and the gather-reduce combine,
+    :func:`row_copy_cycles`) a row's bytes, else 0."""
     from ..library import gated_mlp
     from ..library.moe_routing import permute_ops, router_ops
 
@@ -408,9 +420,14 @@ def layer_kernels(m: MoEModel, T: int):
     elif m.act != "swigluoai":
         parts.append((gated_mlp.gated_activation_fwd, lambda t: (f"{t * m.k}x{m.I}:bf16", f"{t * m.k}x{m.I}:bf16"),
                       {"activation": "silu", "out_dtype": "bfloat16"}, 0))
-    parts.append((permute_ops.moe_gather_reduce_fwd,
-                  lambda t: (f"{t * m.k}x{s16}x{H // s16}:bf16", f"{t * m.k}:i32", f"{t * m.k}:f32"), {"top_k": m.k},
-                  2 * H))
+    if scatter_combine(m, T, chip):  # the expert outputs read once, in order, summed into VMEM
+        parts.append((permute_ops.moe_scatter_add_fwd,
+                      lambda t: (f"{t * m.k}x{s16}x{H // s16}:bf16", f"{t * m.k}:i32", f"{t * m.k}:f32"),
+                      {"num_tokens": T}, 0))
+    else:
+        parts.append((permute_ops.moe_gather_reduce_fwd,
+                      lambda t: (f"{t * m.k}x{s16}x{H // s16}:bf16", f"{t * m.k}:i32", f"{t * m.k}:f32"),
+                      {"top_k": m.k}, 2 * H))
     return parts
 
 
@@ -419,9 +436,11 @@ def row_copy_cycles(est, chip: str, kernel, args, kwargs, T: int, k: int, row_by
     the full call: itself up to :data:`FIT_BYTES` of copies; above, linear in tokens from two reduced problems of at
     most that many bytes (multiples of 64 tokens; its cost is per grid step of a fixed block). libtpu 0.0.52's tpu7x
     profiler costs a kernel that copies more than 64 MiB at ~1,000x (the gather 1.21 s at 65,536 rows of 4 KiB, 112 µs
-    at 16,384; the combine of DeepSeek-V3's 28 KiB rows 78.9 ms at 4,096 rows, 27.7 µs at 2,048)."""
+    at 16,384; the combine of DeepSeek-V3's 28 KiB rows 78.9 ms at 4,096 rows, 27.7 µs at 2,048). A kernel whose
+    source is resident in VMEM (``source="vmem"``: no row copies) is estimated whole; reduced, its tpu7x estimate
+    aborts (``bundle_analysis.cc:197`` below ~8,192 source rows)."""
     fn, structs, cfg, _ = kernel_program(kernel, chip, args(T), kwargs)
-    if T * k * row_bytes <= FIT_BYTES:
+    if T * k * row_bytes <= FIT_BYTES or cfg.get("source") == "vmem":
         return est.cycles(fn, structs, chip)
     t2 = max(64, FIT_BYTES // (k * row_bytes) // 64 * 64)
     t1 = t2 // 2
@@ -469,14 +488,15 @@ def _ours(m: MoEModel, T: int, roofline_us) -> Impl:
 
     def cycles(est, chip):
         names, programs = [], []
-        for kernel, args, kwargs, copies in layer_kernels(m, T):
+        for kernel, args, kwargs, copies in layer_kernels(m, T, chip):
             if copies:  # a row-DMA kernel: copies is its row bytes
                 programs.append((kernel.name, lambda kernel=kernel, args=args, kwargs=kwargs, rb=copies:
                                  row_copy_cycles(est, chip, kernel, args, kwargs, T, m.k, rb)))
                 continue
             fn, structs, _, _ = kernel_program(kernel, chip, args(T), kwargs)
             programs.append((kernel.name, lambda fn=fn, structs=structs: est.cycles(fn, structs, chip)))
-        programs.append(("the XLA ops between the kernels", lambda: est.cycles(*ours_xla_glue(m, T), chip)))
+        programs.append(("the XLA ops between the kernels",
+                         lambda: est.cycles(*ours_xla_glue(m, T, scatter_combine(m, T, chip)), chip)))
         for w in ("up", "down"):
             fit, cfg = ours_grouped_matmul(m, T, w, chip)
             programs.append((f"grouped_matmul_fwd ({w})", lambda fit=fit: fit.cycles(est, chip)))
