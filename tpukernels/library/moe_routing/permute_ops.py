@@ -54,14 +54,15 @@ two gathers read their source rows one of two ways (the ``source`` tunable):
   accumulator once into the output, one whole VMEM block written back after it. A row whose token is out of
   range adds nothing. :func:`combine_rows` (moe_combine, the permute's backward) takes it with ``tok = order //
   k`` and the weights in expert order, else the gather-reduce. Each token's k terms are summed in expert order
-  rather than j order (both in float32, rounded once). (Writing the output in chunks by DMA from VMEM staging
-  buffers instead estimates 434 µs against 455 at Qwen3's prefill on v6e, but hangs jax's TPU interpreter under
-  a 4-device CPU mesh: tests/test_expert_parallel.py.)
+  rather than j order (both in float32, rounded once). (A first version wrote the output in chunks by DMA from
+  two VMEM staging buffers, slightly faster in the model, but it hung jax's TPU interpreter under a 4-device CPU
+  mesh: tests/test_expert_parallel.py.)
 
 Both are bound by the scalar work per row, so a full block's row loop is unrolled (:data:`UNROLL`); row DMAs are
 waited for by one wait on a block-sized descriptor (the row copies' bytes add up to it); a partial last block
 goes row by row; at most :data:`MAX_ROWS_IN_FLIGHT` copied rows per step. libtpu 0.0.52's static estimate (a
-model): a row DMA costs ~23-28 cycles to issue, a resident row load ~6-7. The permute gather of Qwen3-30B-A3B
+model; ``benchmarks/probes/moe_row_source_probe.py``): a row DMA costs ~23-28 cycles to issue, a resident row load
+~5-6. The permute gather of Qwen3-30B-A3B
 prefill (65,536 rows of 4 KiB from 8,192 tokens) is 1,030 µs by row DMAs and 229 µs resident on v6e; its combine
 1,174 µs by the gather-reduce's row DMAs and 455 µs by the scatter-add (12.2 cycles per row). By DMAs, 8192
 rows of 4 KiB in 256-row blocks: v6e 205 µs with a wait per row, 117 µs with one wait and the unrolled loop
@@ -150,8 +151,9 @@ def resident_fits(shape, dtype, reads: int, block_bytes: int, chip=None) -> bool
     (``source="vmem"``): ``L`` is whole 128-lane columns, ``N <= RESIDENT_ROWS_PER_READ * reads``, and its padded
     bytes plus ``block_bytes`` plus :data:`RESIDENT_HEADROOM` fit :func:`tpukernels.library.vmem.vmem_cap` of
     ``chip`` (None: the launch target, else the smallest shipped chip's cap). Rows of partial lane columns are
-    copied: their loads and stores are masked and relaid (v6e, gpt-oss's ``[16, 180]`` rows: 29.6 cycles per
-    resident row against 6.8 for ``[16, 128]`` and ~28 per row DMA; model)."""
+    copied: their loads and stores are masked and relaid (v6e, gpt-oss's ``[16, 180]`` rows: 25.9 cycles per
+    resident row against 6.1 for ``[16, 128]`` and 27.6 per row DMA; model,
+    ``benchmarks/probes/moe_row_source_probe.py``)."""
     if int(shape[-1]) % 128 or int(shape[0]) > RESIDENT_ROWS_PER_READ * max(int(reads), 1):
         return False
     return padded_bytes(shape, dtype) + block_bytes + RESIDENT_HEADROOM <= vmem_cap(chip)
@@ -270,8 +272,8 @@ def moe_gather_fwd(x: torch.Tensor, idx: torch.Tensor, *, block_rows: int, sourc
         out_shape=tk.OutSpec((m, *x.shape[1:]), x.dtype),
         scratch_shapes=[] if resident else [pltpu.SemaphoreType.DMA((1,))],
         dimension_semantics=("parallel",),
-        # a resident source asks for the chip's cap: below it, libtpu 0.0.52 also places a copy of the source
-        # beside the kernel's scoped VMEM on tpu7x and runs out (a 32 MiB source fails at 52 MiB, compiles at 56)
+        # a resident source asks for the chip's cap: below it, libtpu 0.0.52 places ~40 MiB more beside the
+        # kernel's scoped VMEM on tpu7x and runs out (a 32 MiB source fails at 52 MiB, compiles at 56; the probe)
         vmem_limit_bytes=vmem_cap() if resident else max(32 * MiB, 3 * bm * row),
         body_kwargs={"bm": int(bm), "m": m, "n_src": n, "resident": resident},
         cost_estimate=pl.CostEstimate(flops=0, transcendentals=0,
