@@ -443,6 +443,18 @@ def test_combine_takes_the_scatter_add_where_it_fits_and_both_agree(monkeypatch)
     assert True in calls and False in calls
 
 
+def test_sort_metadata_helpers():
+    """moe_permute_jax's positions are the inverse permutation by a sort (no scatter), its group sizes a count
+    of the ids in [0, E) (others are not counted, as a dropping scatter-add would)."""
+    import jax.numpy as jnp
+
+    perm = np.random.default_rng(7).permutation(1000).astype(np.int32)
+    inv = np.asarray(P.inverse_permutation(jnp.asarray(perm)))
+    assert inv.dtype == np.int32 and np.array_equal(inv[perm], np.arange(1000))
+    got = np.asarray(P.count_ids(jnp.asarray([0, 3, 5, -1, 3], jnp.int32), 4))
+    assert got.dtype == np.int32 and got.tolist() == [1, 0, 0, 2]
+
+
 def test_scatter_add_rejects_bad_arguments():
     y, tok, w = rand(4, 1, 128), torch.zeros(4, dtype=torch.int32), torch.zeros(4)
     with pytest.raises(ArgumentError, match="num_tokens"):

@@ -84,7 +84,7 @@ the permute / combine gathers, with ``gate``/``up`` (``[T*k, 2I]``) and the expe
 HBM between them; tpu-inference's ``fused_ep_moe`` keeps those in VMEM. Each kernel uses its own
 tuned / heuristic config (no tuning of the composition). The MoE bench family (:mod:`tpukernels.bench.moe`,
 BENCHMARKS.md; libtpu's static model) puts this layer ahead of JAX megablox with XLA routing at decode (its grouped
-matmuls) and at Qwen3-30B-A3B prefill on v6e (2,462 vs 3,319 µs), where the permute reads the tokens resident in
+matmuls) and at Qwen3-30B-A3B prefill on v6e (2,237 vs 3,064 µs), where the permute reads the tokens resident in
 VMEM and the combine sums the expert outputs into a VMEM accumulator (``moe_routing.permute_ops``); at shapes whose
 tokens or accumulator do not fit VMEM (DeepSeek-V3's D = 7168, tpu7x's smaller VMEM) they move rows by DMA.
 

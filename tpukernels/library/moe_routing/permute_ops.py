@@ -73,8 +73,13 @@ rows of 4 KiB in 256-row blocks: v6e 205 µs with a wait per row, 117 µs with o
 
 The sort itself is ``torch.argsort(stable=True)`` / ``jnp.argsort(stable=True)`` (an XLA sort of T*k int keys):
 a Pallas sort gains nothing over XLA's on TPU (a sorting network over a few thousand keys, memory-light), and
-the counting form (a [T*k, E] one-hot cumsum) moves more data than the sort; group sizes are a fixed-length
-``scatter_add`` (no data-dependent shape, so no graph break under ``torch.compile``).
+the counting form (a [T*k, E] one-hot cumsum) moves more data than the sort. ``positions``, the inverse
+permutation, is a second sort (``argsort(order)``), not a scatter: libtpu's model costs XLA's scatter of 65,536
+positions at ~230 µs on v6e and the sort at ~25 (the stable argsort plus positions plus group sizes: 283.5 µs with
+scatters, 55.3 with the sort and a one-hot count; tpu7x 228.6 -> 44.0; v5e aborts on the scatters and estimates
+93.0; ``benchmarks/probes/moe_permutation_probe.py``). Group sizes (fixed length, so no graph break under
+``torch.compile``): in jax a compare-and-sum over ``[E, T*k]`` that XLA fuses (:func:`count_ids`), in torch a
+``scatter_add_`` (eager torch would materialise the compare).
 
 Checked before any kernel runs (typed errors): ranks, shapes, dtypes, ``num_experts``; id values in
 ``[0, E)`` and the metadata's ``group_sizes`` summing to ``T*k`` when the tensors are on the cpu (device tensors
@@ -108,7 +113,7 @@ __all__ = ["moe_permute", "moe_combine", "moe_permute_jax", "moe_combine_jax", "
            "moe_permute_reference", "moe_combine_reference", "moe_gather_fwd", "moe_gather_reduce_fwd",
            "moe_scatter_add_fwd", "row_view", "resident_fits", "scatter_add_fits", "combine_rows", "BLOCK_ROWS",
            "BLOCK_TOKENS", "SOURCES", "RESIDENT_HEADROOM", "RESIDENT_ROWS_PER_READ", "ROWS_IN_FLIGHT_BYTES",
-           "MAX_ROWS_IN_FLIGHT", "UNROLL"]
+           "MAX_ROWS_IN_FLIGHT", "UNROLL", "inverse_permutation", "count_ids"]
 
 NAMESPACE = "tpukernels"
 BLOCK_ROWS = (128, 256, 512, 1024)
@@ -527,8 +532,7 @@ def _permute_op(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int) -> 
     t, k = expert_ids.shape
     flat = expert_ids.reshape(-1).long()
     order = torch.argsort(flat, stable=True)
-    positions = torch.empty_like(order)
-    positions[order] = torch.arange(order.numel(), device=order.device)
+    positions = torch.argsort(order)  # the inverse permutation (module docstring: a sort, not a scatter)
     sizes = torch.zeros(num_experts, dtype=torch.int32, device=x.device).scatter_add_(
         0, flat.clamp(0, max(num_experts - 1, 0)), torch.ones_like(flat, dtype=torch.int32))
     xs = gather_rows(_widen(x), torch.div(order, k, rounding_mode="floor")).to(x.dtype)
@@ -743,6 +747,18 @@ def _jax_combine(y2, w, order, positions, interpret):
     return _jax_gather_reduce(y2, positions, w, k, interpret)
 
 
+def inverse_permutation(order):
+    """``positions`` with ``positions[order[p]] = p`` (jax, int32): a sort of the permutation, not a scatter
+    (module docstring)."""
+    return jnp.argsort(order).astype(jnp.int32)
+
+
+def count_ids(flat, num_experts: int):
+    """``[E]`` int32 counts of ``flat``'s values in ``[0, E)`` (others are not counted): a compare-and-sum over
+    ``[E, len(flat)]`` that XLA fuses (no scatter; module docstring)."""
+    return jnp.sum(flat[None, :] == jnp.arange(num_experts, dtype=flat.dtype)[:, None], axis=1, dtype=jnp.int32)
+
+
 def _jax_check(op, x, name):
     if len(x.shape) != 2:
         raise ArgumentError(f"{op}: {name} must be [rows, hidden], got {tuple(x.shape)}")
@@ -769,8 +785,8 @@ def moe_permute_jax(x, expert_ids, num_experts: int, *, interpret=None):
     t, k = int(expert_ids.shape[0]), int(expert_ids.shape[1])
     flat = expert_ids.reshape(-1).astype(jnp.int32)
     order = jnp.argsort(flat, stable=True).astype(jnp.int32)
-    positions = jnp.zeros_like(order).at[order].set(jnp.arange(t * k, dtype=jnp.int32)).reshape(t, k)
-    sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1, mode="drop")
+    positions = inverse_permutation(order).reshape(t, k)
+    sizes = count_ids(flat, num_experts)
     # the index arrays are arguments of the custom_vjp functions, not closures: a custom_vjp that closes over a
     # tracer of an enclosing trace (e.g. ids traced by shard_map, then differentiated) leaks it
     @jax.custom_vjp
