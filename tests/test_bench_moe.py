@@ -284,6 +284,8 @@ def test_reasons_name_the_profiler_faults_and_the_losing_case():
     combine), elsewhere the share of the roofline against tpu-inference's floor; peers' rows have none here."""
     row = {"kind": "ours", "chip": "v5e", "op": moe.MODELS[1].label, "shape": "decode T=64"}
     assert "v5e" in moe.reason(row) and "floors" in moe.reason(row)
+    v5e_estimate = moe.reason(dict(row, figure="estimate", pct_roofline=57.0))
+    assert v5e_estimate.startswith("v5e: 57% of the layer's roofline") and "not a comparison" in v5e_estimate
     assert "fifo_tracker" in moe.reason(dict(row, chip="tpu7x", op=moe.MODELS[0].label))
     dsv3 = dict(row, chip="tpu7x", op=moe.MODELS[2].label, figure="floor")
     assert moe.MODELS[2].name == "DeepSeek-V3" and "gate/up grouped matmul at the config bf16 out gets" in moe.reason(dsv3)

@@ -119,23 +119,25 @@ _QWEN3 = MODELS[0].label
 #: (chip, op, shape)
 REASONS: dict = {
     ("v6e", _QWEN3, "prefill T=8192"): (
-        "ahead of megablox with XLA routing in the model (2,462 vs 3,319 µs): our grouped matmuls gate/up 811 + down "
+        "ahead of megablox with XLA routing in the model (2,237 vs 3,064 µs): our grouped matmuls gate/up 811 + down "
         "472 µs (bf16 out, at the shipped table's nearest entry that bf16 out keys, bm=256) vs its 1,773 + 600 at "
-        "tm=512, schedules included; the rest of our layer models 1,180 µs against XLA's 942 for the same routing, "
+        "tm=512, schedules included; the rest of our layer models 954 µs against XLA's 687 for the same routing, "
         "permute, activation and combine: router kernel 76, permute gather 229 (the 8,192 tokens resident in VMEM, one "
         "row load each), activation kernel 125, combine 455 (the scatter-add: the 65,536 expert outputs read once, in "
-        "order, into a float32 VMEM accumulator), XLA ops 295 (the stable argsort of the expert ids, the positions / "
-        "group-size scatters, the weights in expert order). Taken this round (3,979 -> 2,462 µs): the resident gather "
-        "(was 1,030 µs: 65,536 row DMAs of 4 KiB, ~28 cycles each in libtpu's model) and the scatter-add combine (was "
-        "1,174: the gather-reduce's row DMAs); the round before (4,864 -> 3,979) the activation reading the gate/up "
-        "halves in place and bf16 intermediates. libtpu estimates XLA's own gather under the time its bytes need at HBM"
-        " bandwidth (14 vs 41 µs at 8,192 rows), so the peer's glue may cost more on a TPU than modelled. Not taken: "
-        "the gather fused into the gate/up matmul and the combine into the down matmul (tpu-inference's fused "
-        "kernel)"),
+        "order, into a float32 VMEM accumulator), XLA ops 69 (the stable argsort of the expert ids, the positions by a "
+        "second sort and the group sizes by a fused count, the weights in expert order). Taken this round (3,979 -> "
+        "2,237 µs): the resident gather (was 1,030 µs: 65,536 row DMAs of 4 KiB, ~28 cycles each in libtpu's model), "
+        "the scatter-add combine (was 1,174: the gather-reduce's row DMAs) and the positions and group sizes without "
+        "XLA scatters (XLA ops 293 -> 69; the peer's glue gets the same forms, 942 -> 687); the round before (4,864 -> "
+        "3,979) the activation reading the gate/up halves in place and bf16 intermediates. libtpu estimates XLA's own "
+        "gather under the time its bytes need at HBM bandwidth (14 vs 41 µs at 8,192 rows), so the peer's glue may cost"
+        " more on a TPU than modelled. Not taken: the gather fused into the gate/up matmul and the combine into the "
+        "down matmul (tpu-inference's fused kernel)"),
 }
 _V5E = ("v5e: no estimate of either layer: libtpu 0.0.52 aborts on the XLA programs of both (llo_execution_graph.cc:"
-        "149; the scatters of the positions and group sizes) and, at gpt-oss's rows, on our combine and megablox's "
-        "kernel; the figures are floors (ours: the sum of the programs it could estimate), not a comparison")
+        "149; with the positions' and group sizes' scatters replaced by a sort and a fused count, which alone "
+        "estimate at 93 µs, the rest of these programs still aborts) and, at gpt-oss's rows, on our combine and "
+        "megablox's kernel; the figures are floors (ours: the sum of the programs it could estimate), not a comparison")
 _TPU7X_QWEN3 = ("tpu7x: our down projection's grouped matmul (K = 768, the rhs prefetch chain) aborts libtpu 0.0.52's "
                 "profiler (fifo_tracker.cc:436: at the float32-out heuristic config bm=256, bn=1024, bm=512 too, and at "
                 "the shipped table's nearest entry that bf16 out now gets); the same kernel with the grid pipeline's "
@@ -296,6 +298,7 @@ def ours_xla_glue(m: MoEModel, T: int, scatter: bool = False):
 
     from ..library.fused_moe_ops import split_gate_up, swigluoai_jnp
     from ..library.moe_routing.common import padded_k
+    from ..library.moe_routing.permute_ops import count_ids, inverse_permutation
 
     S = jax.ShapeDtypeStruct
     f32, i32, bf16 = jnp.float32, jnp.int32, jnp.bfloat16
@@ -305,8 +308,7 @@ def ours_xla_glue(m: MoEModel, T: int, scatter: bool = False):
         w, ids = wp[:, :k], ip[:, :k]
         flat = ids.reshape(-1)
         order = jnp.argsort(flat, stable=True).astype(i32)
-        positions = jnp.zeros_like(order).at[order].set(jnp.arange(M, dtype=i32))
-        sizes = jnp.zeros((m.E,), i32).at[flat].add(1, mode="drop")
+        positions, sizes = inverse_permutation(order), count_ids(flat, m.E)
         routing = (w, order // k, positions, sizes) + ((w.reshape(-1)[order],) if scatter else ())
         if m.act != "swigluoai" and _reads_halves(m):  # the activation kernel reads gate_up in place
             return routing
@@ -345,11 +347,14 @@ def _jnp_route(m: MoEModel, logits, bias):
 def xla_moe_glue(m: MoEModel, T: int):
     """``(fn, structs)``: routing, permute, activation and combine in XLA around megablox's two ``gmm`` calls (their
     bf16 outputs are inputs here; xs and h are outputs): softmax / DeepSeek's grouped sigmoid top-k, a stable
-    argsort, the row gather, group sizes, the biases by expert (gpt-oss), the activation, the weighted combine."""
+    argsort, the row gather, group sizes, the biases by expert (gpt-oss), the activation, the weighted combine. The
+    positions and group sizes in the forms ours uses (a sort and a fused compare-and-sum, not XLA scatters, which
+    libtpu's model costs ~5x higher and its v5e profiler aborts on), in the peer's favour."""
     import jax
     import jax.numpy as jnp
 
     from ..library.fused_moe_ops import split_gate_up, swigluoai_jnp
+    from ..library.moe_routing.permute_ops import count_ids, inverse_permutation
 
     S = jax.ShapeDtypeStruct
     f32, i32, bf16 = jnp.float32, jnp.int32, jnp.bfloat16
@@ -360,7 +365,7 @@ def xla_moe_glue(m: MoEModel, T: int):
         flat = ids.reshape(-1).astype(i32)
         order = jnp.argsort(flat, stable=True).astype(i32)
         xs = tokens[order // k]
-        sizes = jnp.zeros((m.E,), i32).at[flat].add(1, mode="drop")
+        sizes = count_ids(flat, m.E)
         gu = up_out.astype(f32)
         y = down_out.astype(f32)
         if m.bias:
@@ -372,7 +377,7 @@ def xla_moe_glue(m: MoEModel, T: int):
             h = swigluoai_jnp(gate, up, SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT).astype(bf16)
         else:
             h = (jax.nn.silu(gate) * up).astype(bf16)
-        positions = jnp.zeros_like(order).at[order].set(jnp.arange(M, dtype=i32)).reshape(T, k)
+        positions = inverse_permutation(order).reshape(T, k)
         out = jnp.sum(y.astype(bf16).astype(f32)[positions] * w[..., None], 1).astype(bf16)
         return xs, sizes, h, out
 
@@ -548,6 +553,11 @@ def reason(row: dict) -> str | None:
     """For our rows: why the figure is what it is (:data:`REASONS`, the v5e and tpu7x profiler faults)."""
     if row.get("kind") != "ours":
         return None
+    if row["chip"] == "v5e" and row.get("figure") == "estimate":  # ours estimates here; the peers do not
+        return (f"v5e: {row['pct_roofline']:.0f}% of the layer's roofline in the model; megablox's grouped matmul "
+                "aborts libtpu 0.0.52's v5e profiler and tpu-inference's kernel cannot be estimated, so both peers' "
+                "figures are floors (the roofline), not a comparison; where our layer loses its share of the roofline "
+                "on v5e is not analysed")
     if row["chip"] == "v5e":
         return _V5E
     if row["chip"] == "tpu7x" and row["op"] == _QWEN3:
