@@ -21,9 +21,9 @@ back from them. A plain run afterwards tunes those cases again over the checked 
 
 ``--rekey`` is for a kernel whose source changed without changing what its tunables mean (e.g. control flow
 decided statically that was decided at run time): each standard case's config from the newest entry keyed to an
-earlier source (same chip, dtypes and statics; a static added since counts as its default) is compiled for the chip with the current source and, if it
-compiles, written under the current source's key; its evidence says so, and its figures stay labelled as the
-earlier source's.
+earlier source (same chip, dtypes and statics; a static added since counts as its default) is compiled for the
+chip with the current source and, if it compiles, written under the current source's key; its evidence says so,
+and its figures stay labelled as the earlier source's.
 """
 
 import argparse
@@ -194,7 +194,8 @@ def rekey(chip: str, only: str) -> int:
             continue
         same = {k: v for k, v in key.items() if k != "source_hash"}
         # a static the kernel gained since (with a default) is its default in an entry that predates it
-        defaults = {q.name: q.default for q in kernel.params if q.kind == "static" and q.default is not inspect.Parameter.empty}
+        defaults = {q.name: q.default for q in kernel.params
+                    if q.kind == "static" and q.default is not inspect.Parameter.empty}
 
         def as_now(k):
             k = {n: v for n, v in k.items() if n != "source_hash"}

@@ -16,6 +16,8 @@ the kernel. Both factors are this project's choices, checked by compiling the sh
 
 from __future__ import annotations
 
+import functools
+
 MiB = 1 << 20
 #: Mosaic's smallest default scoped VMEM limit (v5e; ``tpukernels.chips`` module docstring), bytes.
 DEFAULT_SCOPED_VMEM = 16 * MiB
@@ -52,12 +54,17 @@ def vmem_cap(chip=None) -> int:
     """Largest scoped-VMEM request (bytes) on ``chip`` (a Chip, a name, or None: see :func:`_chip`): 7/8 of
     its ``vmem_capacity_bytes``; with no chip at all, the smallest of :data:`SHIPPED_CHIPS` (56 MiB, tpu7x),
     so a cpu run never plans what no shipped chip could compile. Raises ``ChipError`` for an unknown name."""
-    from ..chips import get_chip
-
     c = _chip(chip)
     if c is None:
-        return min(get_chip(n).vmem_capacity_bytes for n in SHIPPED_CHIPS) * 7 // 8
+        return _smallest_cap()
     return c.vmem_capacity_bytes * 7 // 8
+
+
+@functools.lru_cache(maxsize=None)
+def _smallest_cap() -> int:
+    from ..chips import get_chip
+
+    return min(get_chip(n).vmem_capacity_bytes for n in SHIPPED_CHIPS) * 7 // 8
 
 
 def scoped_vmem_limit(need: int, chip=None) -> int | None:

@@ -92,6 +92,7 @@ source as above).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -111,9 +112,9 @@ from .common import F32, INTS, check_same_device, shape_of
 
 __all__ = ["moe_permute", "moe_combine", "moe_permute_jax", "moe_combine_jax", "MoEPermutation",
            "moe_permute_reference", "moe_combine_reference", "moe_gather_fwd", "moe_gather_reduce_fwd",
-           "moe_scatter_add_fwd", "row_view", "resident_fits", "scatter_add_fits", "combine_rows", "BLOCK_ROWS",
-           "BLOCK_TOKENS", "SOURCES", "RESIDENT_HEADROOM", "RESIDENT_ROWS_PER_READ", "ROWS_IN_FLIGHT_BYTES",
-           "MAX_ROWS_IN_FLIGHT", "UNROLL", "inverse_permutation", "count_ids"]
+           "moe_scatter_add_fwd", "row_view", "largest_block", "resident_fits", "scatter_add_fits", "combine_rows",
+           "inverse_permutation", "count_ids", "BLOCK_ROWS", "BLOCK_TOKENS", "SOURCES", "RESIDENT_HEADROOM",
+           "RESIDENT_ROWS_PER_READ", "ROWS_IN_FLIGHT_BYTES", "MAX_ROWS_IN_FLIGHT", "UNROLL"]
 
 NAMESPACE = "tpukernels"
 BLOCK_ROWS = (128, 256, 512, 1024)
@@ -149,6 +150,13 @@ def row_view(d: int, itemsize: int) -> int:
         if d % c == 0 and (d // c) % 128 == 0:
             return c
     return s if d % s == 0 and d // s >= 128 else 1
+
+
+def largest_block(row_bytes: int, max_rows: int = BLOCK_ROWS[-1]) -> int:
+    """The largest of :data:`BLOCK_ROWS` (at most ``max_rows``) whose double-buffered rows of ``row_bytes`` fit
+    :data:`ROWS_IN_FLIGHT_BYTES`; the smallest when none does."""
+    return max([b for b in BLOCK_ROWS if 2 * b * row_bytes <= ROWS_IN_FLIGHT_BYTES and b <= max_rows],
+               default=BLOCK_ROWS[0])
 
 
 def resident_fits(shape, dtype, reads: int, block_bytes: int, chip=None) -> bool:
@@ -241,15 +249,10 @@ def _gather_heuristic(x, idx):
     MAX_ROWS_IN_FLIGHT. Resident when :func:`resident_fits` (v6e, 65,536 rows of 4 KiB from 8,192: 256 µs in
     256-row blocks, 229 in 1024-row blocks, against 1,030 by row DMAs; model)."""
     row = int(np.prod(x.shape[1:])) * np.dtype(x.dtype).itemsize
-
-    def largest(max_rows):
-        return max([b for b in BLOCK_ROWS if 2 * b * row <= ROWS_IN_FLIGHT_BYTES and b <= max_rows],
-                   default=BLOCK_ROWS[0])
-
-    bm = largest(BLOCK_ROWS[-1])
+    bm = largest_block(row)
     if resident_fits(x.shape, x.dtype, idx.shape[0], 2 * padded_bytes((bm, *x.shape[1:]), x.dtype)):
         return {"block_rows": bm, "source": "vmem"}
-    return {"block_rows": largest(MAX_ROWS_IN_FLIGHT), "source": "hbm"}
+    return {"block_rows": largest_block(row, MAX_ROWS_IN_FLIGHT), "source": "hbm"}
 
 
 @tk.tpu_kernel(
@@ -394,19 +397,22 @@ def scatter_add_fits(t: int, d: int, itemsize: int, chip=None) -> bool:
     ``itemsize`` bytes (bf16 / f32 rows, ``[S, D/S]`` slabs of whole 128-lane columns) in VMEM with its output
     block (one buffer), its y blocks (the heuristic's) and :data:`RESIDENT_HEADROOM` within
     :func:`tpukernels.library.vmem.vmem_cap` of ``chip`` (None: the launch target, else the smallest shipped chip's
-    cap). bf16 rows of D = 2048 (Qwen3-30B-A3B): up to 8,533 tokens on v5e / v6e (112 MiB), 3,754 on tpu7x (56)."""
-    dtype = np.float32 if itemsize == 4 else jnp.bfloat16
+    cap). bf16 rows of D = 2048 (Qwen3-30B-A3B): up to 8,533 tokens on v5e / v6e (112 MiB), 3,754 on tpu7x (56).
+    Asked on every combine call: the bytes are cached per shape."""
+    need = _scatter_need(int(t), int(d), int(itemsize))
+    return need is not None and need <= vmem_cap(chip)
+
+
+@functools.lru_cache(maxsize=256)
+def _scatter_need(t: int, d: int, itemsize: int) -> int | None:
+    """VMEM bytes :func:`moe_scatter_add_fwd` needs (headroom included), None for rows it cannot take."""
     s = row_view(d, itemsize)
     if t < 1 or d % s or (d // s) % 128:
-        return False
-    shape = (s, d // s)
-    bm = _scatter_heuristic_rows(int(np.prod(shape)) * itemsize)
+        return None
+    dtype, shape = (np.float32 if itemsize == 4 else jnp.bfloat16), (s, d // s)
+    bm = largest_block(int(np.prod(shape)) * itemsize)
     acc, out = padded_bytes((t, *shape), np.float32), padded_bytes((t, *shape), dtype)
-    return acc + out + 2 * padded_bytes((bm, *shape), dtype) + RESIDENT_HEADROOM <= vmem_cap(chip)
-
-
-def _scatter_heuristic_rows(row_bytes: int) -> int:
-    return max([b for b in BLOCK_ROWS if 2 * b * row_bytes <= ROWS_IN_FLIGHT_BYTES], default=BLOCK_ROWS[0])
+    return acc + out + 2 * padded_bytes((bm, *shape), dtype) + RESIDENT_HEADROOM
 
 
 def _scatter_add_body(y_ref, tok_ref, w_ref, o_ref, acc, *, bm: int, m: int, t_total: int):
@@ -434,7 +440,7 @@ def _scatter_add_body(y_ref, tok_ref, w_ref, o_ref, acc, *, bm: int, m: int, t_t
 
 
 def _scatter_heuristic(y, tok, w, num_tokens):
-    return {"block_rows": _scatter_heuristic_rows(int(np.prod(y.shape[1:])) * np.dtype(y.dtype).itemsize)}
+    return {"block_rows": largest_block(int(np.prod(y.shape[1:])) * np.dtype(y.dtype).itemsize)}
 
 
 @tk.tpu_kernel(
