@@ -7,8 +7,8 @@ activation checkpointing, synthetic documents (positions restart per document, s
 masks), seed 0. Reference: the same config with torchtitan's own modules (RMSNorm, SwiGLU FeedForward,
 ComplexRoPE, chunked cross-entropy) and, for the inner attention, an eager float32 attention with the same
 causal x document mask (torchtitan's flex / varlen attention need CUDA or an inductor build here).
-The context-parallel test runs two workers at once: CP = 2 over a 2-process gloo group (torchrun) and a
-one-process reference.
+The context-parallel test runs three workers at once: ours and torchtitan's own CP = 2, each over a 2-process
+gloo group (torchrun), and a one-process reference.
 """
 
 import importlib.util
@@ -133,30 +133,42 @@ def test_context_parallel_ring_attention_parity(tmp_path):
     """``--parallelism.context_parallel_degree 2`` on a 2-process gloo group (torchrun), the tpukernels swaps
     with :class:`TPUKernelsCausalAttention` (torchtitan's CP wrapping hands it q / k / v as ``Shard(1)`` DTensors
     over the cp mesh; it runs ``ring_attention_torch`` on the "headtail" shards, which are its zigzag order),
-    against torchtitan's stock model (``ScaledDotProductAttention``, its own modules and loss) in one process
-    without CP, on the same data (plain causal, one document per row) and weights.
+    against
 
-    Why not against torchtitan's own CP run: on CPU it cannot run. Its SDPA CP is torch's ring dispatcher,
-    registered for the CUDA SDPA ops only (flash / efficient / cuDNN); the CPU op
-    ``aten._scaled_dot_product_flash_attention_for_cpu`` has no DTensor sharding strategy (NotImplementedError),
-    and the math backend mixes DTensors with plain masks (RuntimeError). FlexAttention CP needs inductor; CP
-    with varlen attention is refused by torchtitan. Same weights: the worker's ``full_init`` draws them as full
-    tensors (torchtitan's CPU init draws each FSDP shard from the rank's generator). ``spmd_backend
-    partial_dtensor``: torchtitan's default (spmd_types) refuses CP with SDPA.
+    * **torchtitan's own CP run**: its stock model (``ScaledDotProductAttention``, its own modules and loss) with
+      the same CP degree, i.e. torch's SDPA ring attention (``torch.distributed.tensor.experimental``'s templated
+      ring forward / backward, merger and headtail load balancing). torch registers that ring for the CUDA SDPA
+      ops only; the worker's ``torch_cp_cpu`` (:func:`torchtitan_parity_worker.torch_cp_for_cpu_flash`) gives
+      the same ring the CPU flash op as its per-block attention, with the ``Shard(2)`` strategy torch adds for
+      the CUDA op (without it the run fails: the CPU op has no sharding strategy). The run reports how often
+      torch's ring ran (its forward and backward must both have);
+    * torchtitan's stock model in one process without CP,
 
-    Tolerance 2e-6 relative per step (float32; the ring merges two blocks' softmax statistics per step, one more
-    rounding than the fused kernel; we observe <= 1e-7). Feeding the headtail shards to the ring as contiguous
-    (``load_balance=False``) moves step 1 by 8e-5."""
+    all on the same data (plain causal, one document per row) and weights. Same weights: the worker's
+    ``full_init`` draws them as full tensors (torchtitan's CPU init draws each FSDP shard from the rank's
+    generator). ``spmd_backend partial_dtensor``: torchtitan's default (spmd_types) refuses CP with SDPA.
+    FlexAttention CP needs inductor; CP with varlen attention is refused by torchtitan.
+
+    Tolerance 2e-6 relative per step (float32; each ring merges two blocks' softmax statistics per step, one
+    more rounding than one fused kernel; we observe <= 1e-7 against both). Feeding the headtail shards to the
+    ring as contiguous (``load_balance=False``) moves step 1 by 8e-5."""
     cp = ["--parallelism.spmd_backend", "partial_dtensor", "--training.mixed_precision_param", "float32"]
-    ours = start_worker(tmp_path, ["full_init", "llama3_debugmodel_cpu_sdpa_tpukernels+"
-                                   "--parallelism.context_parallel_degree+2"], cp, nproc=2)
-    stock = start_worker(tmp_path, ["full_init", "llama3_debugmodel_cpu_sdpa"], cp)
+    cp2 = "+--parallelism.context_parallel_degree+2"
+    runs = {"ours": (["full_init", "llama3_debugmodel_cpu_sdpa_tpukernels" + cp2], 2),
+            "torch_cp": (["full_init", "torch_cp_cpu", "llama3_debugmodel_cpu_sdpa" + cp2], 2),
+            "stock": (["full_init", "llama3_debugmodel_cpu_sdpa"], 1)}
+    procs = {}
     try:
-        ref = worker_result(stock, timeout=600)["llama3_debugmodel_cpu_sdpa"]["losses"]
-        got = worker_result(ours, timeout=600)
+        for name, (args, nproc) in runs.items():
+            (tmp_path / name).mkdir()
+            procs[name] = start_worker(tmp_path / name, args, cp, nproc=nproc)
+        got = {name: next(iter(worker_result(p, timeout=600).values())) for name, p in procs.items()}
     finally:
-        stop_worker(ours)
-        stop_worker(stock)
-    (got,) = got.values()
-    assert_losses_close(ref, got["losses"], 2e-6)
+        for p in procs.values():
+            stop_worker(p)
+    ref = got["stock"]["losses"]
+    assert got["torch_cp"]["torch_ring_calls"]["fwd"] > 0 and got["torch_cp"]["torch_ring_calls"]["bwd"] > 0
+    assert_losses_close(got["torch_cp"]["losses"], got["ours"]["losses"], 2e-6)
+    assert_losses_close(ref, got["ours"]["losses"], 2e-6)
+    assert_losses_close(ref, got["torch_cp"]["losses"], 2e-6)
     assert ref[0] != ref[1]

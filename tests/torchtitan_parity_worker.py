@@ -1,9 +1,11 @@
 """Subprocess body of tests/test_torchtitan.py (torchtitan stays out of the pytest process: its CPU shims
 install placeholder modules).
 
-    python tests/torchtitan_parity_worker.py [checks] [full_init] RUN [RUN ...] -- <common torchtitan args>
+    python tests/torchtitan_parity_worker.py [checks] [full_init] [torch_cp_cpu] RUN [RUN ...] -- <common args>
 
 ``full_init``: redraw the weights as full tensors (:func:`full_tensor_init`), for runs sharded differently.
+``torch_cp_cpu``: torch's own SDPA context parallelism on the CPU flash op (:func:`torch_cp_for_cpu_flash`), so
+torchtitan's stock model runs with ``--parallelism.context_parallel_degree`` on CPU (the reference CP run).
 ``checks``: the converter on models it does not know, and the selective-AC save list (kernel launch counts).
 RUN is ``<config>[+<extra arg>...]`` with a config of tpukernels.integrations.torchtitan_compat, e.g.
 ``llama3_debugmodel_cpu`` (reference) or ``llama3_debugmodel_cpu_tpukernels``: torchtitan's own Trainer built
@@ -106,6 +108,69 @@ def checks() -> dict:
     return out
 
 
+RING_CALLS = {"fwd": 0, "bwd": 0}  # calls of torch's ring attention through torch_cp_for_cpu_flash, this rank
+
+
+def torch_cp_for_cpu_flash() -> None:
+    """torch's own SDPA context parallelism (its ring attention, softmax-statistics merger and "headtail" load
+    balancing, ``torch.distributed.tensor.experimental._context_parallel``) extended to the CPU flash op, so that
+    torchtitan's stock CP run exists on CPU as a reference. torch registers its ring dispatcher for the CUDA SDPA
+    ops only (flash / efficient / cuDNN); here the same templated ring forward and backward get the CPU op
+    ``aten._scaled_dot_product_flash_attention_for_cpu`` (and its backward) as their per-block attention, with
+    the same ``Shard(2)`` sharding strategy torch adds for the CUDA flash op while CP is on. Nothing else of
+    torch's CP changes; a test-side shim (torch's handler table is module state), installed before the trainer
+    enables CP."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy, register_op_strategy
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+    from torch.distributed.tensor.placement_types import Replicate, Shard
+
+    aten = torch.ops.aten
+    fwd, bwd = (aten._scaled_dot_product_flash_attention_for_cpu.default,
+                aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+
+    @register_op_strategy(fwd)
+    def _fwd_strategy(op_schema):  # (out, lse) from (q, k, v): all replicated or all sequence-sharded
+        return expand_to_full_mesh_op_strategy(op_schema.get_mesh_from_args(), op_schema,
+                                               [[Replicate()] * 5, [Shard(2)] * 5], input_index=2)
+
+    @register_op_strategy(bwd)
+    def _bwd_strategy(op_schema):  # (dq, dk, dv) from (dout, q, k, v, out, lse)
+        return expand_to_full_mesh_op_strategy(op_schema.get_mesh_from_args(validate=False), op_schema,
+                                               [[Replicate()] * 9, [Shard(2)] * 9], input_index=3)
+
+    def block_fwd(q, k, v, is_causal=False, dropout_p=0.0, scale=None):
+        return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal, scale=scale)
+
+    def block_bwd(grad_out, query, key, value, out, logsumexp, is_causal, dropout_p=0.0, scale=None):
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, scale=scale)
+
+    def ring_fwd(mesh, q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+        assert attn_mask is None
+        return cp._templated_ring_attention(mesh.get_group(), 2, block_fwd, query=q, key=k, value=v,
+                                            is_causal=is_causal, dropout_p=dropout_p, scale=scale)
+
+    def ring_bwd(mesh, grad_out, q, k, v, out, lse, dropout_p, is_causal, *, attn_mask=None, scale=None):
+        assert attn_mask is None
+        return cp._templated_ring_attention_backward(
+            mesh.get_group(), 2, block_bwd, grad_out=grad_out, grad_out_name="grad_out", query=q, key=k, value=v,
+            out=out, logsumexp=lse, is_causal=is_causal, dropout_p=dropout_p, scale=scale)
+
+    def handler(op_call, args, kwargs):  # torch's _sdpa_handler with the CPU ops in its call table
+        RING_CALLS["fwd" if op_call is fwd else "bwd"] += 1
+        info = DTensor._op_dispatcher.unwrap_to_op_info(op_call, args, kwargs)
+        DTensor._op_dispatcher.sharding_propagator.propagate(info)
+        sharding = info.output_sharding
+        assert sharding is not None and not sharding.needs_redistribute
+        ring = ring_fwd if op_call is fwd else ring_bwd
+        local = ring(info.compute_mesh, *info.local_args, **info.local_kwargs)
+        return DTensor._op_dispatcher.wrap(local, sharding.output_spec)
+
+    cp.custom_ops[fwd] = handler
+    cp.custom_ops[bwd] = handler
+
+
 def full_tensor_init(model_parts, seed: int = 0) -> None:
     """Redraw every matrix parameter as a full tensor (normal, std 0.02, one generator over the parameters in
     name order) and keep this rank's shard: the same weights whatever the sharding. torchtitan's own init
@@ -135,6 +200,9 @@ if runs and runs[0] == "checks":
     runs = runs[1:]
 full_init = bool(runs) and runs[0] == "full_init"
 runs = runs[1:] if full_init else runs
+if runs and runs[0] == "torch_cp_cpu":
+    torch_cp_for_cpu_flash()
+    runs = runs[1:]
 from torchtitan.config import ConfigManager  # noqa: E402
 
 for run in runs:
@@ -163,6 +231,7 @@ for run in runs:
         torch.distributed.all_reduce(total)
         losses = total.tolist()
     trainer.close()
-    results[run] = {"losses": losses, "seconds": round(time.perf_counter() - t0, 1)}
+    results[run] = {"losses": losses, "seconds": round(time.perf_counter() - t0, 1),
+                    "torch_ring_calls": dict(RING_CALLS)}
 if int(os.environ.get("RANK", "0")) == 0:
     print("RESULT " + json.dumps(results), flush=True)
