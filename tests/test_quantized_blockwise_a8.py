@@ -236,11 +236,12 @@ def test_compile_only_a8(chip):
 def test_a8_dequant_form(interpret, fmt, out_dtype):
     """The fp8 prefill forms: the a8 kernel's ``form="dequant"`` (both tiles dequantized to bf16 in VMEM, one dot
     per K step) and the prefill kernel the public op runs at M > 128 (x dequantized once by the quantization pass,
-    the weight tile in VMEM): two K steps (the dynamic lane pick of x_scale's columns), M and N tails, NaN-poisoned
-    padding in "tpu" mode. The two give the same values bit for bit, within the dequant bound, and outside the
-    group form's tighter one somewhere (they really round the operands to bf16)."""
-    q, s, _ = _weights(200, 4, 128, fmt, False, seed=11)
-    x = torch.randn(150, 4 * 128, generator=torch.Generator().manual_seed(6)).bfloat16() * 4
+    the weight tile in VMEM): three K steps (the dynamic lane pick of x_scale's columns; each accumulator branch,
+    first, middle and last, with its own dot), M and N tails, NaN-poisoned padding in "tpu" mode. The two give the
+    same values bit for bit, within the dequant bound, and outside the group form's tighter one somewhere (they
+    really round the operands to bf16)."""
+    q, s, _ = _weights(200, 6, 128, fmt, False, seed=11)
+    x = torch.randn(150, 6 * 128, generator=torch.Generator().manual_seed(6)).bfloat16() * 4
     blocks = dict(bm=64, bk=256, bn=128)
     y = qmm.quantized_matmul_blockwise(x, q, s, block_size=128, out_dtype=out_dtype, x_quant="fp8",
                                        config=dict(blocks, form="dequant"))
@@ -353,12 +354,11 @@ def test_a8_dequant_form_compiles(chip):
     assert r.ok, r.summary()
     assert r.config["form"] == "dequant" and r.config["bm"] == (2048 if chip == "v6e" else 1024)
     big = chip == "v6e"
-    for K in (4096, 14336):  # one K step; several (bn=2048 on v6e, 512 on tpu7x)
+    for K in (4096, 14336):  # one K step; several (a dot per accumulator branch)
         r = tk.compile_for(qmm.quantized_matmul_blockwise_a8_prefill_kernel, chip, f"2048x{K}:bf16",
                            f"4096x{K}:float8_e5m2", f"{K // 128}x1x4096:f32", with_mlir=False)
         assert r.ok, r.summary()
-        assert r.config == dict(bm=1024, bk=4096 if K == 4096 else 2048,
-                                bn=2048 if big else (1024 if K == 4096 else 512))
+        assert r.config == dict(bm=1024, bk=4096 if K == 4096 else 2048, bn=2048 if big else 1024)
 
 
 # ------------------------------------------------------------------ fp8 activations x packed int4 / fp4 weights

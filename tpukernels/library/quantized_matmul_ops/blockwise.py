@@ -438,42 +438,34 @@ def _diag_part_n(x_ref, w, s_ref, z_ref, *, bs, n_sub, precision):
     return _scale_groups(z, x_ref, s_ref, z_ref, bs=bs, n_sub=n_sub)
 
 
-def accumulate_k_step(part, k, n_k: int, acc_ref, o_ref, *, in_place: bool = False) -> None:
+def accumulate_k_step(part, k, n_k: int, acc_ref, o_ref) -> None:
     """Add K step ``k``'s f32 partial product ``part`` to the output block: written at once when ``n_k == 1``,
-    else kept in ``acc_ref`` (f32 VMEM) and rounded into ``o_ref`` at the last K step.
+    else kept in ``acc_ref`` (f32 VMEM) and rounded into ``o_ref`` at the last K step (``acc = part`` at the
+    first step, ``acc += part`` in between, ``out = acc + part`` at the last).
 
-    ``in_place=True``: ``acc_ref`` zeroed at the first step, then one unconditional ``+=`` per step, so ``part``
-    (e.g. one large dot's result) feeds the accumulator directly; the default's three branches keep a second
-    ``[bm, bn]`` f32 copy of ``part`` live, which at large blocks overflows VMEM."""
+    ``part`` may be a function of no arguments that computes it (e.g. one large dot): it is then called inside
+    each of the three branches, so each branch issues its own dot, as the matmul kernel does
+    (:mod:`tpukernels.library.matmul_ops`): Mosaic fuses the accumulation into the matmul, and no second
+    ``[bm, bn]`` f32 copy of ``part`` stays live beside the accumulator (the same sums in the same order)."""
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
 
+    get = part if callable(part) else (lambda: part)
     if n_k == 1:
-        o_ref[...] = part.astype(o_ref.dtype)
-        return
-    if in_place:
-        @pl.when(k == 0)
-        def _():
-            acc_ref[...] = jnp.zeros_like(acc_ref)
-
-        acc_ref[...] += part
-
-        @pl.when(k == n_k - 1)
-        def _():
-            o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+        o_ref[...] = get().astype(o_ref.dtype)
         return
 
     @pl.when(k == 0)
     def _():
-        acc_ref[...] = part
+        acc_ref[...] = get()
 
     @pl.when(jnp.logical_and(k > 0, k < n_k - 1))
     def _():
-        acc_ref[...] += part
+        acc_ref[...] += get()
 
     @pl.when(k == n_k - 1)
     def _():
-        o_ref[...] = (acc_ref[...] + part).astype(o_ref.dtype)
+        o_ref[...] = (acc_ref[...] + get()).astype(o_ref.dtype)
 
 
 def _block_body(x_ref, w_ref, s_ref, *refs, bs, n_sub, n_k, int4, has_zp, dequant_to, precision, fp4=False,

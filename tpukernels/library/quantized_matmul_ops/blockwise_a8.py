@@ -53,19 +53,24 @@ Prefill kernel (what the public op runs for fp8 x fp8 at ``M > 128`` on v6e / tp
 dequant form re-dequantizes each ``x_q`` tile for every column block. Instead the quantization pass writes the
 dequantized activations ``x' = bf16(f32(x_q) * x_scale)`` (``quantize_per_block_kernel(..., dequantize=True)``: the
 same formula, the same values) and ``quantized_matmul_blockwise_a8_prefill_kernel`` dequantizes only the weight
-tile per K step (one bf16 dot, f32 accumulator): the same result bit for bit, at half the vector work. Model (as
-above, the kernel alone; benchmarks/probes/fp8_prefill_forms.py ``PREFILL=1``): up projection v6e 1,120 us at
-``bm=1024, bk=4096, bn=2048`` (was 1,447; 1,139 at 2048 / 4096 / 1024), tpu7x 894 us at 1024 / 4096 / 1024 (was
-1,111; the bf16 matmul 888); down projection ``8192x14336 @ (4096x14336)^T`` v6e 1,256 us (1024 / 2048 / 2048),
-tpu7x 1,122 us (1024 / 2048 / 512). With the quantization pass (it now writes 2 B per activation
-instead of 1; the bench rows): 0.90x / 0.96x the bf16 matmul (v6e / tpu7x, up) and 0.70x / 0.71x (down, where the
-pass moves 3.5x more activation bytes: 286 us of v6e's 1,543). Not shipped: the quantization fused into this kernel
-(the row block's ``x'`` made at its first column block and kept in VMEM, ``bm x K_w`` bf16) compiles for v6e and
-tpu7x, but libtpu 0.0.52's profiler cannot estimate it (tpu7x: the f32 -> fp8 ``vpack.c.f32.eXmY``; v6e: an abort
-in ``status_macros.cc``), so no model figure shows what it saves. Native fp8 x fp8 on tpu7x (2x the bf16 rate)
-cannot beat the bf16 MXU with 128-deep scale blocks: rescaling each group's partial sum costs two to three f32
-vector operations per output element per 128 of K, about 2.3x the fp8 MXU's time for that group at tpu7x's
-VPU : MXU ratio, i.e. more than the bf16 dot it would replace.
+tile per K step (one bf16 dot, f32 accumulator): the same result bit for bit, at half the vector work. With
+several K steps each accumulator branch issues its own dot (:func:`~.blockwise.accumulate_k_step`, as the
+matmul kernel): Mosaic fuses the accumulation into the matmul, where one shared dot followed by ``acc +=`` cost
+a pass over the f32 accumulator per step and a second ``[bm, bn]`` f32 copy. Model (as above, the kernel
+alone; benchmarks/probes/fp8_prefill_forms.py ``PREFILL=1``): up projection v6e 1,120 us at ``bm=1024,
+bk=4096, bn=2048`` (was 1,447; 1,139 at 2048 / 4096 / 1024; one K step), tpu7x 894 us at 1024 / 4096 / 1024
+(was 1,111; the bf16 matmul 888); down projection ``8192x14336 @ (4096x14336)^T`` v6e 1,144 us (1024 / 2048 /
+2048; 1,256 with the shared dot), tpu7x 944 us (1024 / 2048 / 1024; 1,122 with the shared dot at 512, whose
+1024 overflowed VMEM). With the quantization pass (it writes 2 B per activation instead of 1; the bench rows):
+0.90x / 0.96x the bf16 matmul (v6e / tpu7x, up) and 0.76x / 0.83x (down, where the pass moves 3.5x more
+activation bytes: 286 us of v6e's 1,430). Not shipped: the quantization fused into this kernel. libtpu 0.0.52
+cannot estimate the f32 -> fp8 convert (tpu7x: ``vpack.c.f32.eXmY``; v6e: a type-check abort), so
+benchmarks/probes/fp8_fused_quant_probe.py emulates the rounding exactly (bit for bit) with float or integer
+ops: on v6e's down projection the fused quantization's vector work (+289 us with the cheaper rounding) is not
+hidden under the MXU and matches the separate pass (286 us), and on tpu7x the pass is cheaper still. Native
+fp8 x fp8 on tpu7x (2x the bf16 rate) cannot beat the bf16 MXU with 128-deep scale blocks: rescaling each
+group's partial sum costs two to three f32 vector operations per output element per 128 of K, about 2.3x the
+fp8 MXU's time for that group at tpu7x's VPU : MXU ratio, i.e. more than the bf16 dot it would replace.
 
 Chips: the pair must be native on the MXU (jax ``tpu_info.is_matmul_supported``, as
 :func:`~tpukernels.library.quantized_matmul_ops.supported_modes`): fp8 x fp8 for ``x_quant="fp8"`` (libtpu 0.0.52:
@@ -112,7 +117,7 @@ import torch
 
 from ... import dsl as _dsl
 from ...dsl.validate import padded_bytes
-from ..vmem import MiB, scoped_vmem_limit
+from ..vmem import MiB, scoped_vmem_limit, vmem_cap
 from ...errors import ArgumentError, ChipError, DTypeError
 from . import blockwise as _blockwise
 # ``name as _name``: the kernel bodies and launch functions here keep the names they had, so their source, which
@@ -379,8 +384,8 @@ def _a8_body(x_ref, xs_ref, w_ref, s_ref, *refs, bs, n_sub, n_k, int4, has_zp, a
             xs_k = jax.lax.dot_general(xs_all, pick.astype(jnp.float32), (((1,), (0,)), ((), ())),
                                        precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
             cols = [xs_k[:, g:g + 1] for g in range(n_sub)]
-        part = _a8_dequant_part(x_ref, w_ref, s_ref, cols, bs=bs, n_sub=n_sub)
-        accumulate_k_step(part, k, n_k, acc_ref, o_ref, in_place=True)
+        accumulate_k_step(lambda: _a8_dequant_part(x_ref, w_ref, s_ref, cols, bs=bs, n_sub=n_sub), k, n_k, acc_ref,
+                          o_ref)
         return
     part = None
     for g in range(n_sub):
@@ -526,7 +531,7 @@ def quantized_matmul_blockwise_a8_kernel(x_q: torch.Tensor, x_scale: torch.Tenso
               + padded_bytes((bn_, wcols), w_q.dtype)
               + (1 + (w_zero_point is not None)) * n_sub * padded_bytes((1, bn_), "float32")
               + padded_bytes((bm_, bn_), odt))
-    if dequant:  # the dequantized tiles (f32 group slices, bf16 tiles); the dot result feeds acc in place
+    if dequant:  # the dequantized tiles (f32 group slices, bf16 tiles); a dot per accumulator branch (no copy)
         work = padded_bytes((bm_ + bn_, block_size), "float32") + padded_bytes((bm_ + bn_, bk_), "bfloat16")
     else:
         work = 2 * padded_bytes((bn_, block_size), "int32") + 3 * padded_bytes((bm_, bn_), "float32")
@@ -572,14 +577,16 @@ def prefill_form(M: int, fmt: str, x_quant: str, chip=None) -> bool:
 
 def _prefill_body(x_ref, w_ref, s_ref, o_ref, acc_ref, *, bs, n_sub, n_k):
     """One output block, one K step: the weight tile dequantized to bf16 (:func:`_w_dequant`), one MXU dot with
-    the already dequantized ``x'`` tile, accumulating in f32."""
+    the already dequantized ``x'`` tile, accumulating in f32 (a dot per accumulator branch: accumulate_k_step)."""
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
 
-    part = jax.lax.dot_general(x_ref[...], _w_dequant(w_ref, s_ref, bs=bs, n_sub=n_sub), (((1,), (1,)), ((), ())),
-                               preferred_element_type=jnp.float32)
-    accumulate_k_step(part, pl.program_id(2), n_k, acc_ref, o_ref, in_place=True)
+    def part():
+        return jax.lax.dot_general(x_ref[...], _w_dequant(w_ref, s_ref, bs=bs, n_sub=n_sub), (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+
+    accumulate_k_step(part, pl.program_id(2), n_k, acc_ref, o_ref)
 
 
 def _prefill_problem(x, w_q, w_scale, block_size, where):
@@ -597,13 +604,11 @@ def _prefill_problem(x, w_q, w_scale, block_size, where):
 
 def _prefill_heuristic(x, w_q, w_scale, block_size=128, out_dtype=None):
     """``bm=1024``; ``bk=4096`` where that is one K step, else 2048; ``bn=2048`` on chips with >= 128 MiB of VMEM
-    (v6e), else 1024 (tpu7x), 512 there when there are several K steps (the f32 accumulator; libtpu's profiling
-    compile of ``bn=1024`` overflows its VMEM). From benchmarks/probes/fp8_prefill_forms.py (``PREFILL=1``), module
-    docstring."""
+    (v6e), else 1024 (tpu7x). From benchmarks/probes/fp8_prefill_forms.py (``PREFILL=1``), module docstring."""
     chip = target_chip()
     big = chip is None or chip.vmem_capacity_bytes >= 128 * MiB
     one_step = k_block(x.shape[1], block_size, 4096, False) == x.shape[1]
-    return dict(bm=1024, bk=4096 if one_step else 2048, bn=2048 if big else (1024 if one_step else 512))
+    return dict(bm=1024, bk=4096 if one_step else 2048, bn=2048 if big else 1024)
 
 
 def _prefill_shape(x, w_q, w_scale, block_size=128, out_dtype=None):
@@ -647,10 +652,6 @@ def quantized_matmul_blockwise_a8_prefill_kernel(x: torch.Tensor, w_q: torch.Ten
     gi, gj, gk = _dsl.cdiv(M, bm_), _dsl.cdiv(N, bn_), K_w // bk_
     n_sub = bk_ // block_size
     acc_shape = (8, 128) if gk == 1 else (bm_, bn_)
-    io = 2 * (padded_bytes((bm_, bk_), "bfloat16") + padded_bytes((bn_, bk_), w_q.dtype)
-              + n_sub * padded_bytes((1, bn_), "float32") + padded_bytes((bm_, bn_), odt))
-    work = padded_bytes((bn_, block_size), "float32") + padded_bytes((bn_, bk_), "bfloat16")  # a group, the tile
-    need = io + work + padded_bytes(acc_shape, "float32")
     cost = pl.CostEstimate(flops=2 * M * N * K_w, transcendentals=0,
                            bytes_accessed=int(gj * M * K_w * 2 + gi * (N * K_w + 4 * N * K_w // block_size)
                                               + M * N * np.dtype(odt).itemsize))
@@ -663,7 +664,10 @@ def quantized_matmul_blockwise_a8_prefill_kernel(x: torch.Tensor, w_q: torch.Ten
         out_shape=_dsl.OutSpec((M, N), odt),
         scratch_shapes=[pltpu.VMEM(acc_shape, jnp.float32)],
         dimension_semantics=("parallel", "parallel", "arbitrary"),
-        vmem_limit_bytes=scoped_vmem_limit(need),
+        # the chip's cap, not scoped_vmem_limit of the blocks' bytes: libtpu 0.0.52's profiling compile of the tpu7x
+        # down projection at 1024 / 2048 / 1024 overflows VMEM below it ("Used 64.95M of 63.94M"; the plain compile
+        # passes either way); the estimates at the other blocks are unchanged by it (v6e, tpu7x)
+        vmem_limit_bytes=vmem_cap(),
         cost_estimate=cost,
         body_kwargs=dict(bs=int(block_size), n_sub=int(n_sub), n_k=int(gk)),
     )
