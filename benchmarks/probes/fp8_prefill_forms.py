@@ -15,6 +15,11 @@ projection v6e 1,256 us (1024 / 2048 / 2048; 2048 / 2048 / 1024 1,264, 2048 / 20
 1,315), tpu7x 1,122 us (1024 / 2048 / 512; 512 / 2048 / 1024 1,147, 1024 / 1024 / 1024 1,212; 1024 / 2048 / 1024
 overflows the profiling compile's VMEM).
 
+2026-12-08, the kernel with a dot per accumulator branch (what ships; one-step blocks unchanged): down projection v6e
+1,144 us (1024 / 2048 / 2048; 1024 / 2048 / 4096 1,136, 2048 / 1024 / 2048 1,146), tpu7x 944 us (1024 / 2048 /
+1024, which now fits; 1024 / 2048 / 512 1,040, 512 / 2048 / 1024 1,068); up projection in two K steps v6e 1,144
+(1024 / 2048 / 2048) and 1,131 (2048 / 2048 / 2048), tpu7x 944 (1024 / 2048 / 1024): no better than one step.
+
 Figures quoted in ``blockwise_a8``'s docstring and README (2026-12-03, libtpu 0.0.52): up projection, dequant
 form at the heuristic's blocks, v6e 1,447 us, tpu7x 1,111 us; the group form at 512/1024/1024 (the second command),
 v6e 2,559 us, tpu7x 2,046 us. The bench family (``tpukernels bench --family
