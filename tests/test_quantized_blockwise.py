@@ -482,3 +482,26 @@ def test_decode_form_block_diagonal(interpret, monkeypatch):
     y2 = qmm.quantized_matmul_blockwise(x, q, s, block_size=64, w_zero_point=z, config=cfg)
     assert not calls
     _check(y2, x, q, s, 64, z)
+
+
+@pytest.mark.parametrize("fmt,rel", [("float8_e4m3fn", 2.0**-4), ("float8_e5m2", 2.0**-3)])
+def test_quantize_weight_blockwise_fp8_uses_the_fp8_grid(fmt, rel):
+    """fp8 names quantize onto the fp8 grid (``s = absmax / fp8 max``), not int8's (a name other than the known
+    ones fell through to int8 before, and ``from_linear`` copied those integers into its fp8 buffer): each weight
+    within half an fp8 step (relative) of its value where it is a normal fp8 number; an unknown name is a
+    DTypeError."""
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(3)) * torch.logspace(-3, 0, 256)
+    q, s, z = qmm.quantize_weight_blockwise(w, 128, fmt)
+    assert q.dtype == getattr(torch, fmt) and z is None and s.shape == (2, 1, 64)
+    deq = qmm.dequantize_blockwise(q, s, 128)
+    normal = (w.double().abs() / s.double()[:, 0, :].T.repeat_interleave(128, 1)) >= torch.finfo(q.dtype).tiny
+    assert normal.float().mean() > 0.9
+    assert ((deq - w.double()).abs() <= rel * w.double().abs() * 1.0001)[normal].all()
+    lin = torch.nn.Linear(256, 64, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    m = qmm.TPUBlockQuantLinear.from_linear(lin, 128, fmt=fmt)
+    assert m.w_q.dtype == q.dtype and torch.equal(m.w_q.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(m.w_scale, s)
+    with pytest.raises(DTypeError, match="dtype 'foo'"):
+        qmm.quantize_weight_blockwise(w, 128, "foo")
