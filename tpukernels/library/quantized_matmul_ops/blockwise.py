@@ -128,6 +128,7 @@ from ... import dsl as _dsl
 from ...dsl.validate import padded_bytes
 from ..vmem import scoped_vmem_limit
 from ...errors import ArgumentError, DTypeError
+from .quantize import quantize_weight
 # ``name as _name``: the kernel bodies and launch functions here keep the names they had, so their source, which
 # keys their entries in the tuning DB (tpukernels/autotune/db.py), is unchanged
 from .common import (U32, WEIGHT_DTYPES, X_DTYPES, check_chip, clamp as _clamp, dtype_name as _name, jnp_dtype as _jnp,
@@ -241,8 +242,9 @@ def quantize_weight_blockwise(w: torch.Tensor, block_size: int, dtype: str = "in
 
     ``dtype="int4"``: symmetric ``s = absmax / 7``, ``q = clip(round(w / s), -8, 7) + 8``; asymmetric (GPTQ /
     AWQ style min-max) ``s = (max - min) / 15``, ``z = round(-min / s)``, ``q = clip(round(w / s) + z, 0, 15)``.
-    ``dtype="int8"``: symmetric ``s = absmax / 127``; ``"float8_e4m3fn"`` / ``"float8_e5m2"``: ``s = absmax /``
-    the fp8 maximum (448 / 57344), ``q = fp8(w / s)``; other names: DTypeError. Returns ``(w_q, w_scale [G, 1, N] f32, w_zero_point
+    ``dtype="int8"``: symmetric ``s = absmax / 127``; ``"float8_e4m3fn"`` / ``"float8_e5m2"``: each group by
+    :func:`~.quantize.quantize_weight`'s fp8 formula (``s = absmax / fp8 max``, ``q = fp8(w / s)``; a group with NaN
+    / inf raises ArgumentError); other names: DTypeError. Returns ``(w_q, w_scale [G, 1, N] f32, w_zero_point
     [G, 1, N] f32 or None)`` in the module's layout (int4 packed by :func:`pack_int4` with ``layout``). A group of zeros gets ``s = 1`` (any scale
     gives 0). For tests and examples; real checkpoints bring their own scales (``integrations/checkpoints``).
     """
@@ -263,12 +265,9 @@ def quantize_weight_blockwise(w: torch.Tensor, block_size: int, dtype: str = "in
         mag = (v.abs()[..., None] - torch.tensor(FP4_VALUES, dtype=torch.float64)).abs().argmin(-1)
         q = (mag + 8 * (v < 0)).reshape(N, K)
         return pack_int4(q.to(torch.uint8), block_size), s.T.reshape(G, 1, N).contiguous(), None
-    if dtype.startswith("float8"):  # s = absmax / fp8 max, q = fp8(w / s) (round to nearest even)
-        fmax = float(torch.finfo(getattr(torch, dtype)).max)
-        s = (wg.abs().amax(-1) / fmax).float()
-        s = torch.where(s == 0, torch.ones_like(s), s)
-        q = (wg / s.double()[..., None]).clamp(-fmax, fmax).float().to(getattr(torch, dtype)).reshape(N, K)
-        return q, s.T.reshape(G, 1, N).contiguous(), None
+    if dtype.startswith("float8"):  # the per-channel fp8 formula (quantize_weight) applied to each group
+        q, s = quantize_weight(w.detach().float().reshape(N * G, block_size), dtype)
+        return q.reshape(N, K), s.reshape(N, G).T.reshape(G, 1, N).contiguous(), None
     if dtype == "int4" and asymmetric:
         lo, hi = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
         s = ((hi - lo) / 15).float()
